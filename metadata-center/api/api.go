@@ -1,0 +1,102 @@
+// Package api holds the wire types of the metadata-center HTTP API v1.
+//
+// The server (metadata-center), its clients in the filter, and the workers'
+// eviction reports all marshal these same structs, so a field renamed here is
+// renamed everywhere at once. Hosts are always "ip:port"; prefix hashes are
+// the filter's chained murmur3 values in their 16-lowercase-hex wire form.
+package api
+
+// Paths of the v1 API.
+const (
+	PathLoadStats       = "/v1/load/stats"        // GET (query) / POST (add) / DELETE (done)
+	PathLoadStatsPrompt = "/v1/load/stats/prompt" // DELETE: first token seen
+	PathCacheQuery      = "/v1/cache/query"
+	PathCacheSave       = "/v1/cache/save"
+	PathCacheEvict      = "/v1/cache/evict"
+	PathRouteQuery      = "/v1/route/query"
+	PathHealthz         = "/healthz"
+	PathReadyz          = "/readyz"
+	PathMetrics         = "/metrics"
+)
+
+// MaxHashes bounds every hashes array a request may carry.
+const MaxHashes = 4096
+
+// EndpointStats is the load of one host: live request leases and the prompt
+// length of those that have not produced their first token yet.
+type EndpointStats struct {
+	TotalReqs    int64 `json:"total_reqs"`
+	PromptLength int64 `json:"prompt_length"`
+}
+
+// LoadStats maps host -> stats, the answer of GET /v1/load/stats.
+type LoadStats map[string]EndpointStats
+
+// AddRequest is the body of POST /v1/load/stats.
+type AddRequest struct {
+	Cluster      string `json:"cluster"`
+	Host         string `json:"host"`
+	RequestID    string `json:"request_id"`
+	PromptLength int64  `json:"prompt_length"`
+}
+
+// RequestRef names one request lease: DELETE /v1/load/stats and
+// DELETE /v1/load/stats/prompt.
+type RequestRef struct {
+	Cluster   string `json:"cluster"`
+	Host      string `json:"host"`
+	RequestID string `json:"request_id"`
+}
+
+// CacheQuery is the body of POST /v1/cache/query.
+type CacheQuery struct {
+	Cluster string   `json:"cluster"`
+	Hashes  []string `json:"hashes"`
+}
+
+// CacheLocation says that Host holds the first Length blocks of the queried prefix.
+type CacheLocation struct {
+	Host   string `json:"host"`
+	Length int    `json:"length"`
+}
+
+// CacheSave is the body of POST /v1/cache/save.
+type CacheSave struct {
+	Cluster string   `json:"cluster"`
+	Host    string   `json:"host"`
+	Hashes  []string `json:"hashes"`
+}
+
+// CacheEvict is the body of POST /v1/cache/evict: either the listed hashes or,
+// with All, everything the host holds (a restarted pod).
+type CacheEvict struct {
+	Cluster string   `json:"cluster"`
+	Host    string   `json:"host"`
+	Hashes  []string `json:"hashes,omitempty"`
+	All     bool     `json:"all,omitempty"`
+}
+
+// RouteQuery is the body of POST /v1/route/query.
+type RouteQuery struct {
+	Cluster string   `json:"cluster"`
+	Hashes  []string `json:"hashes"`
+}
+
+// RouteAnswer carries load and cache locations of one cluster together.
+type RouteAnswer struct {
+	Load  LoadStats       `json:"load"`
+	Cache []CacheLocation `json:"cache"`
+}
+
+// Error is the body of every error answer, in the seed's format (002 §8.2).
+type Error struct {
+	Error   ErrorDetail `json:"error"`
+	TraceID string      `json:"trace_id,omitempty"`
+}
+
+// ErrorDetail is the inner object of Error.
+type ErrorDetail struct {
+	Code    int    `json:"code"`
+	Type    string `json:"type"`
+	Message string `json:"message"`
+}
