@@ -1,0 +1,122 @@
+package report
+
+import (
+	"encoding/json"
+	"fmt"
+	"io"
+	"math"
+	"slices"
+	"strings"
+)
+
+// Run is one whole benchmark run: the setting and every summary.
+type Run struct {
+	Title     string            `json:"title"`
+	Started   string            `json:"started"`
+	Machine   map[string]string `json:"machine"`
+	Settings  map[string]string `json:"settings"`
+	Summaries []Summary         `json:"summaries"`
+}
+
+// WriteJSON writes the run as indented JSON.
+func (r Run) WriteJSON(w io.Writer) error {
+	enc := json.NewEncoder(w)
+	enc.SetIndent("", "  ")
+	return enc.Encode(r)
+}
+
+// Workloads returns the workload names in first-seen order.
+func (r Run) Workloads() []string {
+	return uniq(r.Summaries, func(s Summary) string { return s.Workload })
+}
+
+// Policies returns the policy names in first-seen order.
+func (r Run) Policies() []string {
+	return uniq(r.Summaries, func(s Summary) string { return s.Policy })
+}
+
+func uniq(ss []Summary, key func(Summary) string) []string {
+	var out []string
+	for _, s := range ss {
+		if k := key(s); !slices.Contains(out, k) {
+			out = append(out, k)
+		}
+	}
+	return out
+}
+
+func (r Run) find(workload, policy string) (Summary, bool) {
+	for _, s := range r.Summaries {
+		if s.Workload == workload && s.Policy == policy {
+			return s, true
+		}
+	}
+	return Summary{}, false
+}
+
+// Gain compares policy `p` with the best of the others on TTFT p90 for one
+// workload: positive = p is that much faster (0.25 = 25% lower p90).
+func (r Run) Gain(workload, p string) (gain float64, rival string, ok bool) {
+	me, found := r.find(workload, p)
+	if !found || me.TTFT.P90 == 0 {
+		return 0, "", false
+	}
+	best := math.Inf(1)
+	for _, s := range r.Summaries {
+		if s.Workload == workload && s.Policy != p && s.TTFT.P90 > 0 && s.TTFT.P90 < best {
+			best, rival = s.TTFT.P90, s.Policy
+		}
+	}
+	if rival == "" {
+		return 0, "", false
+	}
+	return 1 - me.TTFT.P90/best, rival, true
+}
+
+// WriteMarkdown renders the run as the tables docs/benchmarks.md quotes.
+func (r Run) WriteMarkdown(w io.Writer) error {
+	var b strings.Builder
+	fmt.Fprintf(&b, "# %s\n\n", r.Title)
+	fmt.Fprintf(&b, "Started %s.\n\n", r.Started)
+	writeKV(&b, "Machine", r.Machine)
+	writeKV(&b, "Settings", r.Settings)
+	for _, wl := range r.Workloads() {
+		fmt.Fprintf(&b, "## %s\n\n", wl)
+		b.WriteString("| policy | TTFT p50 ms | TTFT p90 ms | TTFT p99 ms | E2E p50 ms | E2E p99 ms | req/s | success | cache hit | imbalance |\n")
+		b.WriteString("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n")
+		for _, p := range r.Policies() {
+			s, ok := r.find(wl, p)
+			if !ok {
+				continue
+			}
+			fmt.Fprintf(&b, "| %s | %.1f | %.1f | %.1f | %.1f | %.1f | %.2f | %.1f%% | %.1f%% | %.2f |\n",
+				p, s.TTFT.P50, s.TTFT.P90, s.TTFT.P99, s.Latency.P50, s.Latency.P99,
+				s.Throughput, 100*s.SuccessRate, 100*s.CacheHitRate, s.Imbalance)
+		}
+		if g, rival, ok := r.Gain(wl, "cache_aware"); ok {
+			fmt.Fprintf(&b, "\ncache_aware TTFT p90 vs the best other policy (%s): %+.1f%%\n", rival, -100*g)
+		}
+		b.WriteString("\n")
+	}
+	_, err := io.WriteString(w, b.String())
+	return err
+}
+
+func writeKV(b *strings.Builder, title string, m map[string]string) {
+	if len(m) == 0 {
+		return
+	}
+	keys := make([]string, 0, len(m))
+	for k := range m {
+		keys = append(keys, k)
+	}
+	slices.Sort(keys)
+	fmt.Fprintf(b, "**%s**: ", title)
+	for i, k := range keys {
+		if i > 0 {
+			b.WriteString(", ")
+		}
+		fmt.Fprintf(b, "%s=%s", k, m[k])
+	}
+	b.WriteString("\n\n")
+}

@@ -1,0 +1,161 @@
+// Package report turns the benchmark's per-request results into summaries:
+// latency percentiles, throughput, success and true cache-hit rates, load
+// imbalance, and renders them as JSON, Markdown and SVG plots.
+package report
+
+import (
+	"math"
+	"slices"
+	"sort"
+	"time"
+)
+
+// Result is what one request of the benchmark observed.
+type Result struct {
+	Workload string        `json:"workload"`
+	Policy   string        `json:"policy"`
+	Session  string        `json:"session"`
+	Turn     int           `json:"turn"`
+	Start    time.Duration `json:"start_ns"` // since the run started
+	TTFT     time.Duration `json:"ttft_ns"`  // zero when no token arrived
+	Latency  time.Duration `json:"latency_ns"`
+	Status   int           `json:"status"`
+	Err      string        `json:"error,omitempty"`
+	Worker   string        `json:"worker,omitempty"` // upstream host that served it
+
+	PromptTokens     int `json:"prompt_tokens"`
+	CachedTokens     int `json:"cached_tokens"`
+	CompletionTokens int `json:"completion_tokens"`
+}
+
+// OK reports whether the request succeeded.
+func (r Result) OK() bool { return r.Err == "" && r.Status/100 == 2 }
+
+// Percentiles of a latency distribution, in milliseconds.
+type Percentiles struct {
+	P50  float64 `json:"p50_ms"`
+	P90  float64 `json:"p90_ms"`
+	P99  float64 `json:"p99_ms"`
+	Mean float64 `json:"mean_ms"`
+}
+
+// Summary aggregates the results of one policy on one workload.
+type Summary struct {
+	Workload string `json:"workload"`
+	Policy   string `json:"policy"`
+
+	Requests    int     `json:"requests"`
+	Succeeded   int     `json:"succeeded"`
+	SuccessRate float64 `json:"success_rate"`
+
+	TTFT    Percentiles `json:"ttft"`
+	Latency Percentiles `json:"latency"`
+
+	Duration      float64 `json:"duration_s"`
+	Throughput    float64 `json:"throughput_rps"`
+	OutputTokensS float64 `json:"output_tokens_per_s"`
+
+	// CacheHitRate is the share of prompt tokens the workers served from
+	// their KV cache (usage.prompt_tokens_details.cached_tokens), i.e. what
+	// routing really saved, not what the router believed.
+	CacheHitRate float64 `json:"cache_hit_rate"`
+
+	// Imbalance is max/mean of requests per worker (1 = perfectly even).
+	Imbalance float64        `json:"load_imbalance"`
+	PerWorker map[string]int `json:"per_worker"`
+}
+
+// Summarize aggregates results; workers lists the fleet so idle workers count
+// toward imbalance.
+func Summarize(workload, policy string, rs []Result, workers []string) Summary {
+	s := Summary{Workload: workload, Policy: policy, Requests: len(rs), PerWorker: map[string]int{}}
+	for _, w := range workers {
+		s.PerWorker[w] = 0
+	}
+	var ttft, lat []float64
+	var prompt, cached, out int
+	var end time.Duration
+	for _, r := range rs {
+		if e := r.Start + r.Latency; e > end {
+			end = e
+		}
+		if !r.OK() {
+			continue
+		}
+		s.Succeeded++
+		lat = append(lat, ms(r.Latency))
+		if r.TTFT > 0 {
+			ttft = append(ttft, ms(r.TTFT))
+		}
+		prompt += r.PromptTokens
+		cached += r.CachedTokens
+		out += r.CompletionTokens
+		if r.Worker != "" {
+			s.PerWorker[r.Worker]++
+		}
+	}
+	if s.Requests > 0 {
+		s.SuccessRate = float64(s.Succeeded) / float64(s.Requests)
+	}
+	s.TTFT = percentiles(ttft)
+	s.Latency = percentiles(lat)
+	s.Duration = end.Seconds()
+	if s.Duration > 0 {
+		s.Throughput = float64(s.Succeeded) / s.Duration
+		s.OutputTokensS = float64(out) / s.Duration
+	}
+	if prompt > 0 {
+		s.CacheHitRate = float64(cached) / float64(prompt)
+	}
+	s.Imbalance = imbalance(s.PerWorker)
+	return s
+}
+
+func ms(d time.Duration) float64 { return float64(d) / float64(time.Millisecond) }
+
+func percentiles(v []float64) Percentiles {
+	if len(v) == 0 {
+		return Percentiles{}
+	}
+	sorted := slices.Clone(v)
+	sort.Float64s(sorted)
+	var sum float64
+	for _, x := range sorted {
+		sum += x
+	}
+	return Percentiles{
+		P50:  Quantile(sorted, 0.50),
+		P90:  Quantile(sorted, 0.90),
+		P99:  Quantile(sorted, 0.99),
+		Mean: sum / float64(len(sorted)),
+	}
+}
+
+// Quantile of sorted values with linear interpolation between closest ranks.
+func Quantile(sorted []float64, q float64) float64 {
+	if len(sorted) == 0 {
+		return math.NaN()
+	}
+	pos := q * float64(len(sorted)-1)
+	lo := int(math.Floor(pos))
+	hi := int(math.Ceil(pos))
+	frac := pos - float64(lo)
+	return sorted[lo]*(1-frac) + sorted[hi]*frac
+}
+
+func imbalance(per map[string]int) float64 {
+	if len(per) == 0 {
+		return 0
+	}
+	total, max := 0, 0
+	for _, n := range per {
+		total += n
+		if n > max {
+			max = n
+		}
+	}
+	if total == 0 {
+		return 0
+	}
+	return float64(max) / (float64(total) / float64(len(per)))
+}

@@ -1,0 +1,119 @@
+package report
+
+import (
+	"bytes"
+	"encoding/json"
+	"encoding/xml"
+	"math"
+	"strings"
+	"testing"
+	"time"
+)
+
+func TestQuantileInterpolates(t *testing.T) {
+	v := []float64{1, 2, 3, 4, 5, 6, 7, 8, 9, 10}
+	for _, c := range []struct{ q, want float64 }{{0, 1}, {0.5, 5.5}, {0.9, 9.1}, {1, 10}} {
+		if got := Quantile(v, c.q); math.Abs(got-c.want) > 1e-9 {
+			t.Errorf("Quantile(%v) = %v, want %v", c.q, got, c.want)
+		}
+	}
+}
+
+func TestSummarize(t *testing.T) {
+	rs := []Result{
+		{Start: 0, TTFT: 10 * time.Millisecond, Latency: 100 * time.Millisecond, Status: 200, Worker: "a", PromptTokens: 100, CachedTokens: 80, CompletionTokens: 10},
+		{Start: 50 * time.Millisecond, TTFT: 30 * time.Millisecond, Latency: 150 * time.Millisecond, Status: 200, Worker: "a", PromptTokens: 100, CachedTokens: 0, CompletionTokens: 10},
+		{Start: 100 * time.Millisecond, TTFT: 20 * time.Millisecond, Latency: 900 * time.Millisecond, Status: 200, Worker: "b", PromptTokens: 200, CachedTokens: 100, CompletionTokens: 20},
+		{Start: 0, Latency: 5 * time.Millisecond, Status: 429, Err: "queue full"},
+	}
+	s := Summarize("wl", "p", rs, []string{"a", "b", "c"})
+	if s.Requests != 4 || s.Succeeded != 3 || s.SuccessRate != 0.75 {
+		t.Fatalf("counts: %+v", s)
+	}
+	if s.TTFT.P50 != 20 || s.TTFT.Mean != 20 {
+		t.Fatalf("ttft = %+v", s.TTFT)
+	}
+	if want := 180.0 / 400; s.CacheHitRate != want {
+		t.Fatalf("cache hit = %v, want %v", s.CacheHitRate, want)
+	}
+	// a:2 b:1 c:0 → mean 1, max 2.
+	if s.Imbalance != 2 {
+		t.Fatalf("imbalance = %v, want 2", s.Imbalance)
+	}
+	if s.Duration != 1.0 || s.Throughput != 3 || s.OutputTokensS != 40 {
+		t.Fatalf("duration %v throughput %v tok/s %v", s.Duration, s.Throughput, s.OutputTokensS)
+	}
+}
+
+func sampleRun() Run {
+	mk := func(wl, p string, p90 float64) Summary {
+		return Summary{Workload: wl, Policy: p, Requests: 1, Succeeded: 1, SuccessRate: 1, TTFT: Percentiles{P50: p90 / 2, P90: p90, P99: p90 * 2}}
+	}
+	return Run{Title: "t", Summaries: []Summary{
+		mk("shared-prefix", "cache_aware", 60), mk("shared-prefix", "round_robin", 100), mk("shared-prefix", "least_request", 80),
+		mk("hot-prompt", "cache_aware", 100), mk("hot-prompt", "round_robin", 90), mk("hot-prompt", "least_request", 95),
+	}}
+}
+
+func TestGainAgainstBestRival(t *testing.T) {
+	r := sampleRun()
+	g, rival, ok := r.Gain("shared-prefix", "cache_aware")
+	if !ok || rival != "least_request" || math.Abs(g-0.25) > 1e-9 {
+		t.Fatalf("gain = %v vs %s (%v), want 0.25 vs least_request", g, rival, ok)
+	}
+	g, rival, _ = r.Gain("hot-prompt", "cache_aware")
+	if rival != "round_robin" || g >= 0 {
+		t.Fatalf("hot-prompt gain = %v vs %s, want negative vs round_robin", g, rival)
+	}
+}
+
+func TestRenderings(t *testing.T) {
+	r := sampleRun()
+	var md bytes.Buffer
+	if err := r.WriteMarkdown(&md); err != nil {
+		t.Fatal(err)
+	}
+	for _, want := range []string{"## shared-prefix", "| cache_aware | 30.0 | 60.0 | 120.0 |", "vs the best other policy (least_request): -25.0%"} {
+		if !strings.Contains(md.String(), want) {
+			t.Fatalf("markdown lacks %q:\n%s", want, md.String())
+		}
+	}
+	var js bytes.Buffer
+	if err := r.WriteJSON(&js); err != nil {
+		t.Fatal(err)
+	}
+	var back Run
+	if err := json.Unmarshal(js.Bytes(), &back); err != nil || len(back.Summaries) != 6 {
+		t.Fatalf("json round trip: %v (%d summaries)", err, len(back.Summaries))
+	}
+	var svg bytes.Buffer
+	if err := r.BarChart(&svg, "TTFT p90", "ms", func(s Summary) float64 { return s.TTFT.P90 }); err != nil {
+		t.Fatal(err)
+	}
+	if n := strings.Count(svg.String(), "<rect x="); n != 6+3 { // 6 bars + 3 legend swatches
+		t.Fatalf("bar chart has %d rects, want 9", n)
+	}
+	mustParseXML(t, svg.Bytes())
+	svg.Reset()
+	if err := CDF(&svg, "TTFT CDF", "ms", map[string][]float64{"a": {3, 1, 2}, "b": {5}}, []string{"a", "b"}); err != nil {
+		t.Fatal(err)
+	}
+	if n := strings.Count(svg.String(), "<polyline"); n != 2 {
+		t.Fatalf("CDF has %d lines, want 2", n)
+	}
+	mustParseXML(t, svg.Bytes())
+}
+
+func mustParseXML(t *testing.T, b []byte) {
+	t.Helper()
+	d := xml.NewDecoder(bytes.NewReader(b))
+	for {
+		_, err := d.Token()
+		if err != nil {
+			if err.Error() == "EOF" {
+				return
+			}
+			t.Fatalf("svg is not well-formed XML: %v", err)
+		}
+	}
+}

@@ -1,0 +1,107 @@
+package workload
+
+import (
+	"reflect"
+	"strings"
+	"testing"
+)
+
+func TestGenerateShapes(t *testing.T) {
+	cases := []struct {
+		spec     Spec
+		sessions int
+		turns    int
+		groups   int
+	}{
+		{Spec{Kind: "shared-prefix", Systems: 2, Users: 3, Questions: 4}, 24, 1, 6},
+		{Spec{Kind: "multi-turn", Sessions: 5, Turns: 3}, 5, 3, 5},
+		{Spec{Kind: "no-sharing", Requests: 7}, 7, 1, 1},
+		{Spec{Kind: "hot-prompt", Requests: 9}, 9, 1, 1},
+	}
+	for _, c := range cases {
+		t.Run(c.spec.Kind, func(t *testing.T) {
+			got, err := Generate(c.spec)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if len(got) != c.sessions {
+				t.Fatalf("sessions = %d, want %d", len(got), c.sessions)
+			}
+			groups := map[string]bool{}
+			ids := map[string]bool{}
+			for _, s := range got {
+				if len(s.Turns) != c.turns {
+					t.Fatalf("session %s has %d turns, want %d", s.ID, len(s.Turns), c.turns)
+				}
+				if ids[s.ID] {
+					t.Fatalf("duplicate session id %s", s.ID)
+				}
+				ids[s.ID] = true
+				groups[s.Group] = true
+			}
+			if len(groups) != c.groups {
+				t.Fatalf("groups = %d, want %d", len(groups), c.groups)
+			}
+		})
+	}
+}
+
+func TestSharedPrefixSharesSystemAndUser(t *testing.T) {
+	got, err := Generate(Spec{Kind: "shared-prefix", Systems: 2, Users: 2, Questions: 3, SystemBytes: 200, UserBytes: 100})
+	if err != nil {
+		t.Fatal(err)
+	}
+	prefix := map[string]string{}
+	for _, s := range got {
+		p := s.System + "\x00" + strings.SplitN(s.Turns[0].User, "\n", 2)[0]
+		if old, ok := prefix[s.Group]; ok && old != p {
+			t.Fatalf("group %s has two different prefixes", s.Group)
+		}
+		prefix[s.Group] = p
+	}
+	seen := map[string]bool{}
+	for _, p := range prefix {
+		if seen[p] {
+			t.Fatal("two groups share one prefix")
+		}
+		seen[p] = true
+	}
+}
+
+func TestNoSharingIsDistinctAndHotIsShared(t *testing.T) {
+	ns, _ := Generate(Spec{Kind: "no-sharing", Requests: 20})
+	sys := map[string]bool{}
+	for _, s := range ns {
+		sys[s.System] = true
+	}
+	if len(sys) != 20 {
+		t.Fatalf("no-sharing: %d distinct system prompts of 20", len(sys))
+	}
+	hp, _ := Generate(Spec{Kind: "hot-prompt", Requests: 20})
+	for _, s := range hp[1:] {
+		if s.System != hp[0].System {
+			t.Fatal("hot-prompt: system prompts differ")
+		}
+	}
+}
+
+func TestDeterministicAndSized(t *testing.T) {
+	spec := Spec{Kind: "multi-turn", Seed: 42, Sessions: 3, Turns: 2, SystemBytes: 300, UserBytes: 70}
+	a, _ := Generate(spec)
+	b, _ := Generate(spec)
+	if !reflect.DeepEqual(a, b) {
+		t.Fatal("same seed gave different sessions")
+	}
+	c, _ := Generate(Spec{Kind: "multi-turn", Seed: 43, Sessions: 3, Turns: 2, SystemBytes: 300, UserBytes: 70})
+	if reflect.DeepEqual(a, c) {
+		t.Fatal("different seeds gave the same sessions")
+	}
+	for _, s := range a {
+		if len(s.System) != 300 || len(s.Turns[0].User) != 70 {
+			t.Fatalf("sizes %d/%d, want 300/70", len(s.System), len(s.Turns[0].User))
+		}
+	}
+	if _, err := Generate(Spec{Kind: "nope"}); err == nil || !strings.Contains(err.Error(), "unknown kind") {
+		t.Fatalf("unknown kind error = %v", err)
+	}
+}
