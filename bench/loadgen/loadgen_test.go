@@ -1,0 +1,140 @@
+package loadgen
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/istio-llm-filter/istio-llm-filter/bench/workload"
+)
+
+// backend is a small OpenAI SSE server that records what it was sent.
+type backend struct {
+	mu       sync.Mutex
+	bodies   []map[string]any
+	inflight atomic.Int64
+	peak     atomic.Int64
+	fail     string // user text that gets a 503
+}
+
+func (b *backend) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	n := b.inflight.Add(1)
+	defer b.inflight.Add(-1)
+	for {
+		p := b.peak.Load()
+		if n <= p || b.peak.CompareAndSwap(p, n) {
+			break
+		}
+	}
+	var body map[string]any
+	_ = json.NewDecoder(r.Body).Decode(&body)
+	b.mu.Lock()
+	b.bodies = append(b.bodies, body)
+	b.mu.Unlock()
+	msgs := body["messages"].([]any)
+	last := msgs[len(msgs)-1].(map[string]any)["content"].(string)
+	if b.fail != "" && strings.Contains(last, b.fail) {
+		http.Error(w, `{"error":{"code":503,"type":"unavailable","message":"no"}}`, http.StatusServiceUnavailable)
+		return
+	}
+	w.Header().Set("Content-Type", "text/event-stream")
+	w.Header().Set(UpstreamHeader, "10.0.0.1:8000")
+	fl := w.(http.Flusher)
+	fmt.Fprint(w, `data: {"choices":[{"delta":{"role":"assistant"}}]}`+"\n\n")
+	fl.Flush()
+	time.Sleep(20 * time.Millisecond) // prefill
+	for i := 0; i < 3; i++ {
+		fmt.Fprintf(w, `data: {"choices":[{"delta":{"content":"w%d "}}]}`+"\n\n", i)
+		fl.Flush()
+	}
+	fmt.Fprintf(w, `data: {"choices":[],"usage":{"prompt_tokens":%d,"completion_tokens":3,"prompt_tokens_details":{"cached_tokens":7}}}`+"\n\n", len(msgs)*10)
+	fmt.Fprint(w, "data: [DONE]\n\n")
+}
+
+func TestMultiTurnCarriesAnswersAndMeasures(t *testing.T) {
+	be := &backend{}
+	srv := httptest.NewServer(be)
+	defer srv.Close()
+	sessions, _ := workload.Generate(workload.Spec{Kind: "multi-turn", Sessions: 3, Turns: 3, SystemBytes: 50, UserBytes: 20})
+	var progress atomic.Int64
+	rs := Run(context.Background(), sessions, Options{BaseURL: srv.URL, Model: "m", MaxTokens: 3, Concurrency: 2,
+		Progress: func(done, total int) { progress.Store(int64(done)); _ = total }})
+	if len(rs) != 9 || progress.Load() != 9 {
+		t.Fatalf("results %d, progress %d; want 9", len(rs), progress.Load())
+	}
+	for _, r := range rs {
+		if !r.OK() {
+			t.Fatalf("request failed: %+v", r)
+		}
+		if r.TTFT < 20*time.Millisecond || r.TTFT > r.Latency {
+			t.Fatalf("TTFT %v not after the backend's 20ms prefill or beyond latency %v", r.TTFT, r.Latency)
+		}
+		if r.CachedTokens != 7 || r.CompletionTokens != 3 || r.Worker != "10.0.0.1:8000" {
+			t.Fatalf("usage/worker not parsed: %+v", r)
+		}
+		// system + (user, assistant) per earlier turn + user
+		if want := 10 * (2 + 2*r.Turn); r.PromptTokens != want {
+			t.Fatalf("turn %d sent %d messages' worth, want %d", r.Turn, r.PromptTokens, want)
+		}
+	}
+	// The third turn of a session must carry the first two answers verbatim.
+	found := false
+	for _, b := range be.bodies {
+		msgs := b["messages"].([]any)
+		if len(msgs) == 6 {
+			found = true
+			if got := msgs[2].(map[string]any)["content"]; got != "w0 w1 w2 " {
+				t.Fatalf("assistant history = %q", got)
+			}
+			if b["ignore_eos"] != true || b["max_tokens"] != float64(3) || b["stream"] != true {
+				t.Fatalf("request lacks fixed-length streaming knobs: %v", b)
+			}
+		}
+	}
+	if !found {
+		t.Fatal("no third turn seen")
+	}
+	if p := be.peak.Load(); p > 2 {
+		t.Fatalf("peak concurrency %d exceeds 2", p)
+	}
+}
+
+func TestFailureStopsSessionAndIsRecorded(t *testing.T) {
+	be := &backend{fail: "BOOM"}
+	srv := httptest.NewServer(be)
+	defer srv.Close()
+	sessions := []workload.Session{{ID: "s", Turns: []workload.Turn{{User: "BOOM"}, {User: "never sent"}}}}
+	rs := Run(context.Background(), sessions, Options{BaseURL: srv.URL, Model: "m", MaxTokens: 3, Concurrency: 1})
+	if len(rs) != 1 || rs[0].OK() || rs[0].Status != 503 || !strings.Contains(rs[0].Err, "503") {
+		t.Fatalf("results = %+v", rs)
+	}
+}
+
+func TestPoissonArrivals(t *testing.T) {
+	be := &backend{}
+	srv := httptest.NewServer(be)
+	defer srv.Close()
+	sessions, _ := workload.Generate(workload.Spec{Kind: "no-sharing", Requests: 10, SystemBytes: 10, QuestionBytes: 10})
+	t0 := time.Now()
+	rs := Run(context.Background(), sessions, Options{BaseURL: srv.URL, Model: "m", MaxTokens: 3, Rate: 200, Seed: 3})
+	if len(rs) != 10 {
+		t.Fatalf("got %d results", len(rs))
+	}
+	starts := map[time.Duration]bool{}
+	for _, r := range rs {
+		if !r.OK() {
+			t.Fatalf("failed: %+v", r)
+		}
+		starts[r.Start] = true
+	}
+	if len(starts) < 5 || time.Since(t0) > 10*time.Second {
+		t.Fatalf("arrivals not spread: %d distinct starts", len(starts))
+	}
+}
