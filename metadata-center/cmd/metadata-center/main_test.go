@@ -1,0 +1,189 @@
+package main
+
+import (
+	"bufio"
+	"context"
+	"encoding/json"
+	"io"
+	"net"
+	"net/http"
+	"os"
+	"os/exec"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/istio-llm-filter/istio-llm-filter/internal/testutil/redistest"
+	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/api"
+)
+
+// The test binary doubles as the command: with this variable set it runs
+// main(), so the SIGTERM test exercises the real signal handling.
+const envBeMain = "LLMF_MC_TEST_BE_MAIN"
+
+func TestMain(m *testing.M) {
+	if os.Getenv(envBeMain) == "1" {
+		os.Args = append([]string{"metadata-center"}, strings.Fields(os.Getenv("LLMF_MC_TEST_ARGS"))...)
+		main()
+		os.Exit(0)
+	}
+	os.Exit(m.Run())
+}
+
+func post(t *testing.T, url, token, body string) int {
+	t.Helper()
+	req, _ := http.NewRequest("POST", url, strings.NewReader(body))
+	if token != "" {
+		req.Header.Set("Authorization", "Bearer "+token)
+	}
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	return resp.StatusCode
+}
+
+// TestRunRedis starts the command in process on the real Redis, with the
+// token from the environment, and stops it by cancelling its context.
+func TestRunRedis(t *testing.T) {
+	srv := redistest.Shared(t)
+	t.Setenv(envAuthToken, "tok")
+	ctx, cancel := context.WithCancel(context.Background())
+	addrs := make(chan net.Addr, 1)
+	done := make(chan error, 1)
+	go func() {
+		done <- run(ctx, []string{"--listen", "127.0.0.1:0", "--store", "redis", "--redis-addr", srv.Addr,
+			"--redis-key-prefix", srv.Prefix, "--lease-ttl", "1m"}, io.Discard, func(a net.Addr) { addrs <- a })
+	}()
+	var base string
+	select {
+	case a := <-addrs:
+		base = "http://" + a.String()
+	case err := <-done:
+		t.Fatalf("run: %v", err)
+	}
+	body := `{"cluster":"c","host":"10.0.0.1:1","request_id":"r","prompt_length":3}`
+	if code := post(t, base+api.PathLoadStats, "", body); code != 401 {
+		t.Fatalf("without token: %d", code)
+	}
+	if code := post(t, base+api.PathLoadStats, "tok", body); code != 200 {
+		t.Fatalf("with token: %d", code)
+	}
+	req, _ := http.NewRequest("GET", base+api.PathLoadStats+"?cluster=c", nil)
+	req.Header.Set("Authorization", "Bearer tok")
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var load api.LoadStats
+	err = json.NewDecoder(resp.Body).Decode(&load)
+	resp.Body.Close()
+	if err != nil || load["10.0.0.1:1"].TotalReqs != 1 {
+		t.Fatalf("load = %v, %v", load, err)
+	}
+	if resp, err := http.Get(base + api.PathReadyz); err != nil || resp.StatusCode != 200 {
+		t.Fatalf("readyz: %v %v", resp, err)
+	}
+	cancel()
+	select {
+	case err := <-done:
+		if err != nil {
+			t.Fatalf("run returned %v", err)
+		}
+	case <-time.After(15 * time.Second):
+		t.Fatal("run did not stop")
+	}
+}
+
+func TestFlags(t *testing.T) {
+	for _, args := range [][]string{
+		{"--store", "etcd"},
+		{"--log-level", "loud"},
+		{"extra"},
+		{"--no-such-flag"},
+	} {
+		if err := run(context.Background(), args, io.Discard, nil); err == nil {
+			t.Errorf("run(%q) succeeded", args)
+		}
+	}
+}
+
+// TestSIGTERM runs the command as its own process, keeps a slow request in
+// flight, sends SIGTERM, and checks that the request still completes and
+// the process exits cleanly.
+func TestSIGTERM(t *testing.T) {
+	exe, err := os.Executable()
+	if err != nil {
+		t.Fatal(err)
+	}
+	cmd := exec.Command(exe)
+	cmd.Env = append(os.Environ(), envBeMain+"=1", "LLMF_MC_TEST_ARGS=--listen 127.0.0.1:0 --store memory")
+	stderr, err := cmd.StderrPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	defer cmd.Process.Kill()
+	lines := make(chan map[string]any, 16)
+	go func() {
+		sc := bufio.NewScanner(stderr)
+		for sc.Scan() {
+			var m map[string]any
+			if json.Unmarshal(sc.Bytes(), &m) == nil {
+				lines <- m
+			}
+		}
+		close(lines)
+	}()
+	var addr string
+	for addr == "" {
+		select {
+		case m, ok := <-lines:
+			if !ok {
+				t.Fatal("process exited before listening")
+			}
+			if m["msg"] == "metadata center listening" {
+				addr, _ = m["addr"].(string)
+			}
+		case <-time.After(30 * time.Second):
+			t.Fatal("no listening log line")
+		}
+	}
+	// A request whose body arrives slowly is in flight when SIGTERM lands.
+	pr, pw := io.Pipe()
+	got := make(chan int, 1)
+	go func() {
+		resp, err := http.Post("http://"+addr+api.PathCacheSave, "application/json", pr)
+		if err != nil {
+			got <- -1
+			return
+		}
+		resp.Body.Close()
+		got <- resp.StatusCode
+	}()
+	_, _ = pw.Write([]byte(`{"cluster":"c","host":"10.0.0.1:1",`))
+	time.Sleep(200 * time.Millisecond)
+	if err := cmd.Process.Signal(syscall.SIGTERM); err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(200 * time.Millisecond)
+	_, _ = pw.Write([]byte(`"hashes":["0123456789abcdef"]}`))
+	_ = pw.Close()
+	if code := <-got; code != 200 {
+		t.Fatalf("in-flight request got %d during shutdown", code)
+	}
+	var stopped bool
+	for m := range lines { // until the process closes stderr
+		stopped = stopped || m["msg"] == "stopped"
+	}
+	if err := cmd.Wait(); err != nil {
+		t.Fatalf("exit: %v", err)
+	}
+	if !stopped {
+		t.Fatal(`no "stopped" log line`)
+	}
+}

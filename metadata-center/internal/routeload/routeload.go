@@ -1,0 +1,444 @@
+// Package routeload is the route-query workload shared by the benchmarks
+// and cmd/mc-loadgen, so the figures in docs/metadata-center.md all
+// measure the same thing.
+//
+// The default scenario is the issue's: 64 hosts, 64-block prompts. Every
+// prompt opens with the same 8-block system prompt, so every host holds
+// those blocks and a query starts with all 64 hosts as candidates (the
+// expensive case); then each prompt is held whole by 2 hosts and half by 2
+// others. Each host has 4 live leases.
+package routeload
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"net/url"
+	"slices"
+	"strconv"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/api"
+	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/store"
+)
+
+// Scenario sizes the index and the load.
+type Scenario struct {
+	Cluster       string
+	Hosts         int
+	Blocks        int // hashes per prompt
+	SharedBlocks  int // leading blocks common to every prompt
+	Prompts       int
+	LeasesPerHost int
+}
+
+// Default is 64 hosts, 64-block prompts, 64 prompts.
+func Default() Scenario {
+	return Scenario{Cluster: "outbound|8000||bench.llm.svc.cluster.local",
+		Hosts: 64, Blocks: 64, SharedBlocks: 8, Prompts: 64, LeasesPerHost: 4}
+}
+
+// Host names host i.
+func (s Scenario) Host(i int) string { return fmt.Sprintf("10.0.%d.%d:8000", i/250, i%250+1) }
+
+// Hashes returns prompt p's chained hashes as numbers.
+func (s Scenario) Hashes(p int) []store.Hash {
+	out := make([]store.Hash, s.Blocks)
+	for i := range out {
+		owner := uint64(p + 1)
+		if i < s.SharedBlocks {
+			owner = 0
+		}
+		// A cheap bijective mix so hashes look random and never collide.
+		x := owner<<32 | uint64(i)
+		x ^= x >> 31
+		x *= 0x9e3779b97f4a7c15
+		x ^= x >> 29
+		out[i] = store.Hash(x)
+	}
+	return out
+}
+
+// Wire returns prompt p's hashes in wire form.
+func (s Scenario) Wire(p int) []string {
+	hs := s.Hashes(p)
+	out := make([]string, len(hs))
+	for i, h := range hs {
+		out[i] = h.String()
+	}
+	return out
+}
+
+// Saves lists the cache saves that build the index.
+func (s Scenario) Saves() []api.CacheSave {
+	var out []api.CacheSave
+	q := s.Hosts / 4
+	for p := 0; p < s.Prompts; p++ {
+		hs := s.Wire(p)
+		for k, n := range []int{s.Blocks, s.Blocks, s.Blocks / 2, s.Blocks / 2} {
+			host := s.Host((p + k*q) % s.Hosts)
+			out = append(out, api.CacheSave{Cluster: s.Cluster, Host: host, Hashes: hs[:n]})
+		}
+	}
+	return out
+}
+
+// Adds lists the leases that make every host loaded.
+func (s Scenario) Adds() []api.AddRequest {
+	var out []api.AddRequest
+	for h := 0; h < s.Hosts; h++ {
+		for l := 0; l < s.LeasesPerHost; l++ {
+			out = append(out, api.AddRequest{Cluster: s.Cluster, Host: s.Host(h),
+				RequestID: fmt.Sprintf("bench-%d-%d", h, l), PromptLength: int64(100 * (l + 1))})
+		}
+	}
+	return out
+}
+
+// Populate fills a store directly.
+func (s Scenario) Populate(ctx context.Context, st store.Store) error {
+	for _, a := range s.Adds() {
+		if err := st.AddLease(ctx, a.Cluster, a.Host, a.RequestID, a.PromptLength); err != nil {
+			return err
+		}
+	}
+	for _, sv := range s.Saves() {
+		hs := make([]store.Hash, len(sv.Hashes))
+		for i, w := range sv.Hashes {
+			h, err := store.ParseHash(w)
+			if err != nil {
+				return err
+			}
+			hs[i] = h
+		}
+		if err := st.SaveCache(ctx, sv.Cluster, sv.Host, hs); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// Client talks to a metadata center over HTTP.
+type Client struct {
+	Base  string // http://host:port
+	Token string
+	HTTP  *http.Client
+}
+
+// NewClient keeps enough idle connections for conc concurrent callers, so
+// the load run measures requests, not TCP handshakes.
+func NewClient(base, token string, conc int) *Client {
+	tr := &http.Transport{MaxIdleConns: conc * 2, MaxIdleConnsPerHost: conc * 2, IdleConnTimeout: time.Minute}
+	return &Client{Base: base, Token: token, HTTP: &http.Client{Transport: tr, Timeout: 10 * time.Second}}
+}
+
+// Do posts body to path and decodes a 200 answer into out (if not nil).
+func (c *Client) Do(ctx context.Context, method, path string, body []byte, out any) error {
+	req, err := http.NewRequestWithContext(ctx, method, c.Base+path, bytes.NewReader(body))
+	if err != nil {
+		return err
+	}
+	req.Header.Set("Content-Type", "application/json")
+	if c.Token != "" {
+		req.Header.Set("Authorization", "Bearer "+c.Token)
+	}
+	resp, err := c.HTTP.Do(req)
+	if err != nil {
+		return err
+	}
+	defer resp.Body.Close()
+	raw, err := io.ReadAll(resp.Body)
+	if err != nil {
+		return err
+	}
+	if resp.StatusCode != http.StatusOK {
+		return fmt.Errorf("%s %s: %d %s", method, path, resp.StatusCode, raw)
+	}
+	if out != nil {
+		return json.Unmarshal(raw, out)
+	}
+	return nil
+}
+
+// Conn is one keep-alive HTTP/1.1 connection driven by hand, as wrk
+// does: net/http's client costs as much CPU as the server under test, and
+// on a 2-core machine the load generator would measure itself.
+type Conn struct {
+	addr, token string
+	c           net.Conn
+	br          *bufio.Reader
+	req         []byte
+}
+
+// NewConn returns a Conn to base (http://host:port); it dials lazily and
+// redials after an error. One goroutine at a time.
+func NewConn(base, token string) (*Conn, error) {
+	u, err := url.Parse(base)
+	if err != nil {
+		return nil, err
+	}
+	return &Conn{addr: u.Host, token: token}, nil
+}
+
+// Close closes the connection.
+func (c *Conn) Close() {
+	if c.c != nil {
+		c.c.Close()
+		c.c = nil
+	}
+}
+
+// Post sends body to path and decodes a 200 answer into out (if not nil).
+func (c *Conn) Post(path string, body []byte, out any) error {
+	if c.c == nil {
+		nc, err := net.DialTimeout("tcp", c.addr, 5*time.Second)
+		if err != nil {
+			return err
+		}
+		c.c, c.br = nc, bufio.NewReaderSize(nc, 64<<10)
+	}
+	c.req = append(c.req[:0], "POST "...)
+	c.req = append(c.req, path...)
+	c.req = append(c.req, " HTTP/1.1\r\nHost: "...)
+	c.req = append(c.req, c.addr...)
+	c.req = append(c.req, "\r\nContent-Type: application/json\r\n"...)
+	if c.token != "" {
+		c.req = append(c.req, "Authorization: Bearer "...)
+		c.req = append(c.req, c.token...)
+		c.req = append(c.req, "\r\n"...)
+	}
+	c.req = append(c.req, "Content-Length: "...)
+	c.req = strconv.AppendInt(c.req, int64(len(body)), 10)
+	c.req = append(c.req, "\r\n\r\n"...)
+	c.req = append(c.req, body...)
+	err := c.exchange(out)
+	if err != nil {
+		c.c.Close()
+		c.c = nil
+	}
+	return err
+}
+
+func (c *Conn) exchange(out any) error {
+	_ = c.c.SetDeadline(time.Now().Add(10 * time.Second))
+	if _, err := c.c.Write(c.req); err != nil {
+		return err
+	}
+	resp, err := http.ReadResponse(c.br, nil)
+	if err != nil {
+		return err
+	}
+	var raw []byte
+	if out != nil || resp.StatusCode != http.StatusOK {
+		raw, err = io.ReadAll(resp.Body)
+	} else {
+		_, err = io.Copy(io.Discard, resp.Body)
+	}
+	resp.Body.Close()
+	if err != nil {
+		return err
+	}
+	if resp.StatusCode != http.StatusOK {
+		return fmt.Errorf("%d %s", resp.StatusCode, raw)
+	}
+	if resp.Close {
+		c.c.Close()
+		c.c = nil
+	}
+	if out != nil {
+		return json.Unmarshal(raw, out)
+	}
+	return nil
+}
+
+// PopulateHTTP fills a running metadata center through its API.
+func (s Scenario) PopulateHTTP(ctx context.Context, c *Client) error {
+	for _, a := range s.Adds() {
+		body, _ := json.Marshal(a)
+		if err := c.Do(ctx, "POST", api.PathLoadStats, body, nil); err != nil {
+			return err
+		}
+	}
+	for _, sv := range s.Saves() {
+		body, _ := json.Marshal(sv)
+		if err := c.Do(ctx, "POST", api.PathCacheSave, body, nil); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// Bodies pre-encodes one route query per prompt: the load run measures the
+// server, not the client's JSON encoder.
+func (s Scenario) Bodies() [][]byte {
+	out := make([][]byte, s.Prompts)
+	for p := range out {
+		out[p], _ = json.Marshal(api.RouteQuery{Cluster: s.Cluster, Hashes: s.Wire(p)})
+	}
+	return out
+}
+
+// Check verifies one answer against the scenario, so a fast but wrong
+// server cannot produce a good figure.
+func (s Scenario) Check(p int, ans api.RouteAnswer) error {
+	if len(ans.Load) != s.Hosts {
+		return fmt.Errorf("route answer has load of %d hosts, want %d", len(ans.Load), s.Hosts)
+	}
+	if len(ans.Cache) == 0 || ans.Cache[0].Length != s.Blocks {
+		return fmt.Errorf("route answer for prompt %d lacks a full-length match: %v", p, ans.Cache)
+	}
+	return nil
+}
+
+// RunConfig bounds a load run by count and by time, whichever comes first.
+type RunConfig struct {
+	Concurrency int
+	Requests    int           // total; 0: no count bound
+	Duration    time.Duration // 0: no time bound
+	Progress    func(done int64, elapsed time.Duration)
+	ProgressGap time.Duration
+}
+
+// Result of a load run.
+type Result struct {
+	Requests  int
+	Errors    int
+	FirstErr  error
+	Elapsed   time.Duration
+	Latencies []time.Duration // sorted
+}
+
+// Throughput is successful requests per second.
+func (r Result) Throughput() float64 {
+	return float64(r.Requests-r.Errors) / r.Elapsed.Seconds()
+}
+
+// Quantile returns the q-quantile (0..1) of the latencies.
+func (r Result) Quantile(q float64) time.Duration {
+	if len(r.Latencies) == 0 {
+		return 0
+	}
+	i := int(q * float64(len(r.Latencies)-1))
+	return r.Latencies[i]
+}
+
+// Run sends route queries from cfg.Concurrency closed-loop workers until a
+// bound is reached, checking a sample of answers.
+func (s Scenario) Run(ctx context.Context, c *Client, cfg RunConfig) (Result, error) {
+	if cfg.Concurrency <= 0 {
+		return Result{}, errors.New("concurrency must be positive")
+	}
+	if cfg.Requests <= 0 && cfg.Duration <= 0 {
+		return Result{}, errors.New("give a request count or a duration")
+	}
+	if cfg.Duration > 0 {
+		var cancel context.CancelFunc
+		ctx, cancel = context.WithTimeout(ctx, cfg.Duration)
+		defer cancel()
+	}
+	bodies := s.Bodies()
+	var issued, done atomic.Int64
+	var mu sync.Mutex
+	var res Result
+	start := time.Now()
+	stopProgress := make(chan struct{})
+	if cfg.Progress != nil && cfg.ProgressGap > 0 {
+		go func() {
+			t := time.NewTicker(cfg.ProgressGap)
+			defer t.Stop()
+			for {
+				select {
+				case <-t.C:
+					cfg.Progress(done.Load(), time.Since(start))
+				case <-stopProgress:
+					return
+				}
+			}
+		}()
+	}
+	u, err := url.Parse(c.Base)
+	if err != nil {
+		return Result{}, err
+	}
+	var wg sync.WaitGroup
+	for w := 0; w < cfg.Concurrency; w++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			cn := &Conn{addr: u.Host, token: c.Token}
+			defer cn.Close()
+			lat := make([]time.Duration, 0, 1024)
+			var errs int
+			var firstErr error
+			for ctx.Err() == nil {
+				n := issued.Add(1)
+				if cfg.Requests > 0 && n > int64(cfg.Requests) {
+					break
+				}
+				p := int(n) % len(bodies)
+				var ans api.RouteAnswer
+				var out any
+				if n%97 == 0 {
+					out = &ans
+				}
+				t0 := time.Now()
+				err := cn.Post(api.PathRouteQuery, bodies[p], out)
+				d := time.Since(t0)
+				if err != nil && ctx.Err() != nil {
+					break // the time bound cut this request short: not a server error
+				}
+				if err == nil && out != nil {
+					err = s.Check(p, ans)
+				}
+				if err != nil {
+					errs++
+					if firstErr == nil {
+						firstErr = err
+					}
+				}
+				lat = append(lat, d)
+				done.Add(1)
+			}
+			mu.Lock()
+			res.Latencies = append(res.Latencies, lat...)
+			res.Errors += errs
+			if res.FirstErr == nil {
+				res.FirstErr = firstErr
+			}
+			mu.Unlock()
+		}()
+	}
+	wg.Wait()
+	close(stopProgress)
+	res.Elapsed = time.Since(start)
+	res.Requests = len(res.Latencies)
+	slices.Sort(res.Latencies)
+	return res, nil
+}
+
+// Loopback reports whether base (http://host:port) names this machine: the
+// load tool refuses anything else, so it cannot be pointed at a shared
+// deployment by mistake.
+func Loopback(base string) error {
+	u, err := url.Parse(base)
+	if err != nil {
+		return err
+	}
+	host := u.Hostname()
+	if host == "localhost" {
+		return nil
+	}
+	ip := net.ParseIP(host)
+	if ip == nil || !ip.IsLoopback() {
+		return fmt.Errorf("%s is not a loopback address", host)
+	}
+	return nil
+}

@@ -1,0 +1,170 @@
+package server_test
+
+import (
+	"context"
+	"io"
+	"log/slog"
+	"net/http/httptest"
+	"runtime"
+	"slices"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/istio-llm-filter/istio-llm-filter/internal/testutil/redistest"
+	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/api"
+	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/internal/routeload"
+	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/server"
+	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/store"
+	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/store/memstore"
+	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/store/redisstore"
+)
+
+// BenchmarkRouteQuery measures the route query of routeload.Default (64
+// hosts, 64-block prompts) on both stores, in one run so the figures are
+// comparable: "store" calls Store.Route directly; "http" goes through the
+// real handler over loopback with 64 concurrent clients and reports
+// req/s and p50/p99 latency next to ns/op.
+func BenchmarkRouteQuery(b *testing.B) {
+	benchRoute(b, routeload.Default(), true)
+}
+
+// BenchmarkRouteQueryNoSharedPrefix is the same index without the common
+// system prompt: each query starts with 4 candidate hosts instead of 64,
+// which shows how much of the cost is the shared prefix.
+func BenchmarkRouteQueryNoSharedPrefix(b *testing.B) {
+	sc := routeload.Default()
+	sc.SharedBlocks = 0
+	benchRoute(b, sc, false)
+}
+
+func benchRoute(b *testing.B, sc routeload.Scenario, withHTTP bool) {
+	stores := []struct {
+		name string
+		mk   func(b *testing.B) store.Store
+	}{
+		{"memory", func(b *testing.B) store.Store { return memstore.New(memstore.Options{}) }},
+		{"redis", func(b *testing.B) store.Store {
+			srv := redistest.Shared(b)
+			st, err := redisstore.New(redisstore.Options{Addr: srv.Addr, KeyPrefix: srv.Prefix})
+			if err != nil {
+				b.Fatal(err)
+			}
+			b.Cleanup(func() { _ = st.Close() })
+			return st
+		}},
+	}
+	for _, s := range stores {
+		b.Run(s.name+"/store", func(b *testing.B) {
+			st := s.mk(b)
+			if err := sc.Populate(context.Background(), st); err != nil {
+				b.Fatal(err)
+			}
+			queries := make([][]store.Hash, sc.Prompts)
+			for p := range queries {
+				queries[p] = sc.Hashes(p)
+			}
+			ans, err := st.Route(context.Background(), sc.Cluster, queries[0])
+			if err != nil {
+				b.Fatal(err)
+			}
+			if err := sc.Check(0, ans); err != nil {
+				b.Fatal(err)
+			}
+			var n atomic.Int64
+			b.ReportAllocs()
+			b.ResetTimer()
+			cpu0 := cpuTime()
+			b.Cleanup(func() {
+				// Includes redis-server's work only indirectly (it is another
+				// process): for Redis this is the client side alone.
+				b.ReportMetric(float64((cpuTime()-cpu0).Microseconds())/float64(b.N), "cpu-µs/op")
+			})
+			b.RunParallel(func(pb *testing.PB) {
+				ctx := context.Background()
+				for pb.Next() {
+					p := int(n.Add(1)) % len(queries)
+					if _, err := st.Route(ctx, sc.Cluster, queries[p]); err != nil {
+						b.Error(err)
+						return
+					}
+				}
+			})
+		})
+		if !withHTTP {
+			continue
+		}
+		b.Run(s.name+"/http", func(b *testing.B) {
+			st := s.mk(b)
+			ts := httptest.NewServer(server.New(st, server.Options{Logger: slog.New(slog.NewTextHandler(io.Discard, nil))}).Handler())
+			defer ts.Close()
+			const conc = 64
+			cl := routeload.NewClient(ts.URL, "", conc)
+			if err := sc.PopulateHTTP(context.Background(), cl); err != nil {
+				b.Fatal(err)
+			}
+			bodies := sc.Bodies()
+			var ans api.RouteAnswer
+			if err := cl.Do(context.Background(), "POST", api.PathRouteQuery, bodies[0], &ans); err != nil {
+				b.Fatal(err)
+			}
+			if err := sc.Check(0, ans); err != nil {
+				b.Fatal(err)
+			}
+			var (
+				n   atomic.Int64
+				mu  sync.Mutex
+				all []time.Duration
+			)
+			b.SetParallelism((conc + 1) / max(1, runtime.GOMAXPROCS(0)))
+			b.ResetTimer()
+			start := time.Now()
+			cpu0 := cpuTime()
+			b.RunParallel(func(pb *testing.PB) {
+				cn, err := routeload.NewConn(ts.URL, "")
+				if err != nil {
+					b.Error(err)
+					return
+				}
+				defer cn.Close()
+				lat := make([]time.Duration, 0, 256)
+				for pb.Next() {
+					p := int(n.Add(1)) % len(bodies)
+					t0 := time.Now()
+					if err := cn.Post(api.PathRouteQuery, bodies[p], nil); err != nil {
+						b.Error(err)
+						return
+					}
+					lat = append(lat, time.Since(t0))
+				}
+				mu.Lock()
+				all = append(all, lat...)
+				mu.Unlock()
+			})
+			el := time.Since(start)
+			cpu := cpuTime() - cpu0
+			b.StopTimer()
+			slices.Sort(all)
+			if len(all) > 0 {
+				b.ReportMetric(float64(len(all))/el.Seconds(), "req/s")
+				b.ReportMetric(float64(all[len(all)/2].Microseconds()), "p50-µs")
+				b.ReportMetric(float64(all[(len(all)-1)*99/100].Microseconds()), "p99-µs")
+				// CPU of the whole process (server and client) per request:
+				// unlike wall-clock figures it does not depend on what else
+				// the shared machine is running.
+				b.ReportMetric(float64(cpu.Microseconds())/float64(len(all)), "cpu-µs/req")
+			}
+		})
+	}
+}
+
+// cpuTime is the user+system CPU the process has used so far.
+func cpuTime() time.Duration {
+	var ru syscall.Rusage
+	if err := syscall.Getrusage(syscall.RUSAGE_SELF, &ru); err != nil {
+		return 0
+	}
+	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
+}

@@ -1,0 +1,228 @@
+package server
+
+import (
+	"encoding/json"
+	"slices"
+	"strconv"
+
+	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/api"
+	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/store"
+)
+
+// The route and cache queries are on every inference request's critical
+// path; encoding/json spent a third of the server's CPU on them (reflection,
+// one string per hash, sorting map keys). These hand-written paths produce
+// exactly what encoding/json would (tests compare byte for byte) and fall
+// back to it for anything unusual.
+
+// appendString appends s as a JSON string. Hosts are canonical ip:port,
+// which never need escaping; anything else goes through encoding/json.
+func appendString(b []byte, s string) []byte {
+	for i := 0; i < len(s); i++ {
+		if c := s[i]; c < 0x20 || c > 0x7e || c == '"' || c == '\\' || c == '<' || c == '>' || c == '&' {
+			q, _ := json.Marshal(s)
+			return append(b, q...)
+		}
+	}
+	b = append(b, '"')
+	b = append(b, s...)
+	return append(b, '"')
+}
+
+// appendLoad writes the map with sorted keys, as encoding/json does, so the
+// answer is deterministic.
+func appendLoad(b []byte, l api.LoadStats) []byte {
+	keys := make([]string, 0, len(l))
+	for k := range l {
+		keys = append(keys, k)
+	}
+	slices.Sort(keys)
+	b = append(b, '{')
+	for i, k := range keys {
+		if i > 0 {
+			b = append(b, ',')
+		}
+		st := l[k]
+		b = appendString(b, k)
+		b = append(b, `:{"total_reqs":`...)
+		b = strconv.AppendInt(b, st.TotalReqs, 10)
+		b = append(b, `,"prompt_length":`...)
+		b = strconv.AppendInt(b, st.PromptLength, 10)
+		b = append(b, '}')
+	}
+	return append(b, '}')
+}
+
+func appendLocations(b []byte, locs []api.CacheLocation) []byte {
+	b = append(b, '[')
+	for i, l := range locs {
+		if i > 0 {
+			b = append(b, ',')
+		}
+		b = append(b, `{"host":`...)
+		b = appendString(b, l.Host)
+		b = append(b, `,"length":`...)
+		b = strconv.AppendInt(b, int64(l.Length), 10)
+		b = append(b, '}')
+	}
+	return append(b, ']')
+}
+
+func appendRoute(b []byte, a api.RouteAnswer) []byte {
+	b = append(b, `{"load":`...)
+	if a.Load == nil {
+		b = append(b, "null"...)
+	} else {
+		b = appendLoad(b, a.Load)
+	}
+	b = append(b, `,"cache":`...)
+	if a.Cache == nil {
+		b = append(b, "null"...)
+	} else {
+		b = appendLocations(b, a.Cache)
+	}
+	return append(b, '}')
+}
+
+// parseQuery is the fast path for {"cluster":"...","hashes":["...",...]}
+// (RouteQuery and CacheQuery share the shape). It reports ok=false for
+// anything it does not handle — escapes, unknown or repeated keys, null,
+// a malformed hash, bad syntax — and the caller then decodes with
+// encoding/json, which also produces the precise error message.
+func parseQuery(data []byte, buf []store.Hash) (cluster string, hashes []store.Hash, ok bool) {
+	p := parser{data: data}
+	if !p.byte('{') {
+		return "", nil, false
+	}
+	var seenCluster, seenHashes bool
+	for first := true; ; first = false {
+		if p.byte('}') {
+			break
+		}
+		if !first && !p.byte(',') {
+			return "", nil, false
+		}
+		key, ok := p.str()
+		if !ok || !p.byte(':') {
+			return "", nil, false
+		}
+		switch key {
+		case "cluster":
+			if seenCluster {
+				return "", nil, false
+			}
+			seenCluster = true
+			if cluster, ok = p.str(); !ok {
+				return "", nil, false
+			}
+		case "hashes":
+			if seenHashes || !p.byte('[') {
+				return "", nil, false
+			}
+			seenHashes = true
+			hashes = buf[:0]
+			if !p.byte(']') {
+				for {
+					raw, ok := p.raw()
+					if !ok || len(hashes) >= api.MaxHashes {
+						return "", nil, false
+					}
+					h, ok := parseHash(raw)
+					if !ok {
+						return "", nil, false
+					}
+					hashes = append(hashes, h)
+					if p.byte(']') {
+						break
+					}
+					if !p.byte(',') {
+						return "", nil, false
+					}
+				}
+			}
+		default:
+			return "", nil, false
+		}
+	}
+	p.space()
+	if p.i != len(p.data) || !seenHashes {
+		return "", nil, false
+	}
+	if hashes == nil {
+		hashes = []store.Hash{}
+	}
+	return cluster, hashes, true
+}
+
+type parser struct {
+	data []byte
+	i    int
+}
+
+func (p *parser) space() {
+	for p.i < len(p.data) {
+		switch p.data[p.i] {
+		case ' ', '\t', '\n', '\r':
+			p.i++
+		default:
+			return
+		}
+	}
+}
+
+// byte consumes c (after whitespace) if it is next.
+func (p *parser) byte(c byte) bool {
+	p.space()
+	if p.i < len(p.data) && p.data[p.i] == c {
+		p.i++
+		return true
+	}
+	return false
+}
+
+// str reads a string without escapes or control characters; bytes >= 0x80
+// bail out so that UTF-8 validity is left to encoding/json.
+func (p *parser) str() (string, bool) {
+	raw, ok := p.raw()
+	return string(raw), ok
+}
+
+// raw is str without the copy.
+func (p *parser) raw() ([]byte, bool) {
+	if !p.byte('"') {
+		return nil, false
+	}
+	start := p.i
+	for p.i < len(p.data) {
+		c := p.data[p.i]
+		switch {
+		case c == '"':
+			s := p.data[start:p.i]
+			p.i++
+			return s, true
+		case c == '\\' || c < 0x20 || c >= 0x80:
+			return nil, false
+		}
+		p.i++
+	}
+	return nil, false
+}
+
+// parseHash is store.ParseHash on bytes, without the error text.
+func parseHash(b []byte) (store.Hash, bool) {
+	if len(b) != 16 {
+		return 0, false
+	}
+	var h store.Hash
+	for _, c := range b {
+		switch {
+		case c >= '0' && c <= '9':
+			h = h<<4 | store.Hash(c-'0')
+		case c >= 'a' && c <= 'f':
+			h = h<<4 | store.Hash(c-'a'+10)
+		default:
+			return 0, false
+		}
+	}
+	return h, true
+}

@@ -1,0 +1,467 @@
+// Package server is the metadata center's HTTP API v1 (DESIGN §6) on gin:
+// it validates and canonicalises every request, maps it onto a store.Store,
+// and answers errors in the seed's format
+// {"error":{"code":N,"type":"...","message":"..."}}.
+package server
+
+import (
+	"context"
+	"crypto/subtle"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net/http"
+	"strings"
+	"time"
+
+	"github.com/gin-gonic/gin"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+
+	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/api"
+	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/store"
+)
+
+// Defaults of Options.
+const (
+	DefaultMaxBodyBytes = 1 << 20
+	DefaultStoreTimeout = time.Second
+)
+
+// Options configure a Server. Zero values pick the defaults.
+type Options struct {
+	// AuthToken, when set, is required as "Authorization: Bearer <token>"
+	// on every call except /healthz, /readyz and /metrics.
+	AuthToken string
+	Logger    *slog.Logger // default slog.Default()
+	// Registry receives the server's metrics and is what /metrics serves;
+	// default a fresh registry (never the process-global one, so several
+	// servers can live in one test binary).
+	Registry *prometheus.Registry
+	// MaxBodyBytes bounds request bodies (413 beyond); default 1 MiB, which
+	// holds api.MaxHashes hashes many times over.
+	MaxBodyBytes int64
+	// StoreTimeout bounds each store call; past it the call answers 503.
+	StoreTimeout time.Duration
+}
+
+// Server is the metadata-center HTTP API over one store.
+type Server struct {
+	st      store.Store
+	opts    Options
+	log     *slog.Logger
+	metrics *metrics
+	engine  *gin.Engine
+}
+
+// New builds the server. The caller owns st and closes it.
+func New(st store.Store, opts Options) *Server {
+	if opts.Logger == nil {
+		opts.Logger = slog.Default()
+	}
+	if opts.Registry == nil {
+		opts.Registry = prometheus.NewRegistry()
+	}
+	if opts.MaxBodyBytes <= 0 {
+		opts.MaxBodyBytes = DefaultMaxBodyBytes
+	}
+	if opts.StoreTimeout <= 0 {
+		opts.StoreTimeout = DefaultStoreTimeout
+	}
+	s := &Server{st: st, opts: opts, log: opts.Logger}
+	s.metrics = newMetrics(opts.Registry, st, opts.StoreTimeout)
+
+	e := gin.New()
+	e.HandleMethodNotAllowed = true
+	e.RedirectTrailingSlash = false
+	e.RedirectFixedPath = false
+	e.Use(s.recoverer, s.instrument, s.authenticate)
+	e.NoRoute(func(c *gin.Context) {
+		s.fail(c, http.StatusNotFound, "not_found", "no such path: "+c.Request.URL.Path)
+	})
+	e.NoMethod(func(c *gin.Context) {
+		s.fail(c, http.StatusMethodNotAllowed, "method_not_allowed",
+			fmt.Sprintf("%s is not allowed on %s", c.Request.Method, c.Request.URL.Path))
+	})
+
+	e.GET(api.PathLoadStats, s.loadStats)
+	e.POST(api.PathLoadStats, s.addLease)
+	e.DELETE(api.PathLoadStats, s.deleteLease)
+	e.DELETE(api.PathLoadStatsPrompt, s.firstToken)
+	e.POST(api.PathCacheQuery, s.cacheQuery)
+	e.POST(api.PathCacheSave, s.cacheSave)
+	e.POST(api.PathCacheEvict, s.cacheEvict)
+	e.POST(api.PathRouteQuery, s.routeQuery)
+	e.GET(api.PathHealthz, s.healthz)
+	e.GET(api.PathReadyz, s.readyz)
+	prom := promhttp.HandlerFor(opts.Registry, promhttp.HandlerOpts{})
+	e.GET(api.PathMetrics, gin.WrapH(prom))
+	s.engine = e
+	return s
+}
+
+// Handler returns the http.Handler serving the API.
+func (s *Server) Handler() http.Handler { return s.engine }
+
+// open lists the paths that need no token: probes must work for kubelet,
+// and Prometheus scrapes in-mesh without credentials; /metrics carries
+// only aggregate counts, no hosts, clusters or hashes.
+func open(path string) bool {
+	return path == api.PathHealthz || path == api.PathReadyz || path == api.PathMetrics
+}
+
+func (s *Server) authenticate(c *gin.Context) {
+	if s.opts.AuthToken == "" || open(c.Request.URL.Path) {
+		return
+	}
+	got, ok := strings.CutPrefix(c.GetHeader("Authorization"), "Bearer ")
+	if !ok || subtle.ConstantTimeCompare([]byte(got), []byte(s.opts.AuthToken)) != 1 {
+		c.Header("WWW-Authenticate", `Bearer realm="metadata-center"`)
+		s.fail(c, http.StatusUnauthorized, "unauthorized", "missing or wrong bearer token")
+	}
+}
+
+func (s *Server) recoverer(c *gin.Context) {
+	defer func() {
+		if r := recover(); r != nil {
+			if r == http.ErrAbortHandler {
+				panic(r)
+			}
+			s.log.Error("handler panic", "path", c.Request.URL.Path, "panic", r)
+			s.fail(c, http.StatusInternalServerError, "internal_error", "internal error")
+		}
+	}()
+	c.Next()
+}
+
+func (s *Server) instrument(c *gin.Context) {
+	start := time.Now()
+	c.Next()
+	endpoint := c.FullPath()
+	if endpoint == "" {
+		endpoint = "unmatched" // bounded label set whatever clients send
+	}
+	s.metrics.observe(endpoint, method(c.Request.Method), c.Writer.Status(), time.Since(start))
+}
+
+// method keeps the label set bounded: clients may send any token as a
+// method.
+func method(m string) string {
+	switch m {
+	case http.MethodGet, http.MethodPost, http.MethodDelete, http.MethodPut, http.MethodPatch, http.MethodHead, http.MethodOptions:
+		return m
+	}
+	return "other"
+}
+
+// fail answers an error in the seed's format and stops the chain.
+func (s *Server) fail(c *gin.Context, code int, typ, msg string) {
+	body, _ := json.Marshal(api.Error{
+		Error:   api.ErrorDetail{Code: code, Type: typ, Message: msg},
+		TraceID: c.GetHeader("X-Request-Id"),
+	})
+	c.Abort()
+	c.Data(code, "application/json", body)
+}
+
+func (s *Server) ok(c *gin.Context, v any) {
+	body, err := json.Marshal(v)
+	if err != nil {
+		s.fail(c, http.StatusInternalServerError, "internal_error", "encode answer: "+err.Error())
+		return
+	}
+	c.Data(http.StatusOK, "application/json", body)
+}
+
+func (s *Server) raw(c *gin.Context, body []byte) {
+	c.Data(http.StatusOK, "application/json", body)
+}
+
+// storeFailed answers a store error: 503 when the backing store is
+// unreachable or slow (clients degrade and retry), 500 otherwise.
+func (s *Server) storeFailed(c *gin.Context, op string, err error) {
+	s.metrics.storeErrors.WithLabelValues(op).Inc()
+	if errors.Is(err, store.ErrUnavailable) || errors.Is(err, context.DeadlineExceeded) {
+		s.log.Warn("store unavailable", "op", op, "err", err)
+		s.fail(c, http.StatusServiceUnavailable, "store_unavailable", op+": "+err.Error())
+		return
+	}
+	s.log.Error("store failed", "op", op, "err", err)
+	s.fail(c, http.StatusInternalServerError, "internal_error", op+": "+err.Error())
+}
+
+func (s *Server) storeCtx(c *gin.Context) (context.Context, context.CancelFunc) {
+	return context.WithTimeout(c.Request.Context(), s.opts.StoreTimeout)
+}
+
+// readBody reads the whole body within the size limit; on failure it has
+// already answered.
+func (s *Server) readBody(c *gin.Context) ([]byte, bool) {
+	r := http.MaxBytesReader(c.Writer, c.Request.Body, s.opts.MaxBodyBytes)
+	var body []byte
+	var err error
+	if n := c.Request.ContentLength; n > 0 && n <= s.opts.MaxBodyBytes {
+		// One allocation of the right size instead of ReadAll's doubling.
+		body = make([]byte, n)
+		_, err = io.ReadFull(r, body)
+	} else {
+		body, err = io.ReadAll(r)
+	}
+	if err != nil {
+		var tooBig *http.MaxBytesError
+		if errors.As(err, &tooBig) {
+			s.fail(c, http.StatusRequestEntityTooLarge, "payload_too_large",
+				fmt.Sprintf("body larger than %d bytes", tooBig.Limit))
+			return nil, false
+		}
+		s.fail(c, http.StatusBadRequest, "bad_request", "read body: "+err.Error())
+		return nil, false
+	}
+	if len(body) == 0 {
+		s.fail(c, http.StatusBadRequest, "bad_request", "invalid JSON: empty body")
+		return nil, false
+	}
+	return body, true
+}
+
+func (s *Server) unmarshal(c *gin.Context, body []byte, v any) bool {
+	if err := json.Unmarshal(body, v); err != nil {
+		s.fail(c, http.StatusBadRequest, "bad_request", "invalid JSON: "+describeJSONError(err))
+		return false
+	}
+	return true
+}
+
+// decode reads and unmarshals the body; on failure it has already answered.
+func (s *Server) decode(c *gin.Context, v any) bool {
+	body, ok := s.readBody(c)
+	return ok && s.unmarshal(c, body, v)
+}
+
+// decodeQuery reads a RouteQuery/CacheQuery body, through the fast path
+// when it can.
+func (s *Server) decodeQuery(c *gin.Context) (string, []store.Hash, bool) {
+	body, ok := s.readBody(c)
+	if !ok {
+		return "", nil, false
+	}
+	cluster, hashes, fast := parseQuery(body, make([]store.Hash, 0, 64))
+	var err error
+	if fast {
+		cluster, err = validCluster(cluster)
+	} else {
+		var req api.RouteQuery
+		if !s.unmarshal(c, body, &req) {
+			return "", nil, false
+		}
+		cluster, hashes, err = validQuery(req.Cluster, req.Hashes)
+	}
+	if err != nil {
+		s.badRequest(c, err)
+		return "", nil, false
+	}
+	return cluster, hashes, true
+}
+
+func describeJSONError(err error) string {
+	var typeErr *json.UnmarshalTypeError
+	if errors.As(err, &typeErr) && typeErr.Field != "" {
+		return fmt.Sprintf("field %q: want %s, got JSON %s", typeErr.Field, typeErr.Type, typeErr.Value)
+	}
+	return err.Error()
+}
+
+func (s *Server) badRequest(c *gin.Context, err error) {
+	s.fail(c, http.StatusBadRequest, "bad_request", err.Error())
+}
+
+func (s *Server) loadStats(c *gin.Context) {
+	cluster, err := validCluster(c.Query("cluster"))
+	if err != nil {
+		s.badRequest(c, err)
+		return
+	}
+	ctx, cancel := s.storeCtx(c)
+	defer cancel()
+	stats, err := s.st.LoadStats(ctx, cluster)
+	if err != nil {
+		s.storeFailed(c, "load stats", err)
+		return
+	}
+	s.raw(c, appendLoad(make([]byte, 0, 8+64*len(stats)), stats))
+}
+
+func (s *Server) addLease(c *gin.Context) {
+	var req api.AddRequest
+	if !s.decode(c, &req) {
+		return
+	}
+	ref, err := validRef(req.Cluster, req.Host, req.RequestID)
+	if err == nil {
+		err = validPromptLength(req.PromptLength)
+	}
+	if err != nil {
+		s.badRequest(c, err)
+		return
+	}
+	ctx, cancel := s.storeCtx(c)
+	defer cancel()
+	if err := s.st.AddLease(ctx, ref.Cluster, ref.Host, ref.RequestID, req.PromptLength); err != nil {
+		s.storeFailed(c, "add lease", err)
+		return
+	}
+	s.ok(c, struct{}{})
+}
+
+func (s *Server) decodeRef(c *gin.Context) (api.RequestRef, bool) {
+	var req api.RequestRef
+	if !s.decode(c, &req) {
+		return req, false
+	}
+	ref, err := validRef(req.Cluster, req.Host, req.RequestID)
+	if err != nil {
+		s.badRequest(c, err)
+		return ref, false
+	}
+	return ref, true
+}
+
+func (s *Server) deleteLease(c *gin.Context) {
+	ref, ok := s.decodeRef(c)
+	if !ok {
+		return
+	}
+	ctx, cancel := s.storeCtx(c)
+	defer cancel()
+	if err := s.st.DeleteLease(ctx, ref.Cluster, ref.Host, ref.RequestID); err != nil {
+		s.storeFailed(c, "delete lease", err)
+		return
+	}
+	s.ok(c, struct{}{})
+}
+
+func (s *Server) firstToken(c *gin.Context) {
+	ref, ok := s.decodeRef(c)
+	if !ok {
+		return
+	}
+	ctx, cancel := s.storeCtx(c)
+	defer cancel()
+	if err := s.st.FirstToken(ctx, ref.Cluster, ref.Host, ref.RequestID); err != nil {
+		s.storeFailed(c, "first token", err)
+		return
+	}
+	s.ok(c, struct{}{})
+}
+
+func (s *Server) cacheQuery(c *gin.Context) {
+	cluster, hashes, ok := s.decodeQuery(c)
+	if !ok {
+		return
+	}
+	ctx, cancel := s.storeCtx(c)
+	defer cancel()
+	locs, err := s.st.QueryCache(ctx, cluster, hashes)
+	if err != nil {
+		s.storeFailed(c, "cache query", err)
+		return
+	}
+	s.raw(c, appendLocations(make([]byte, 0, 8+48*len(locs)), locs))
+}
+
+func (s *Server) routeQuery(c *gin.Context) {
+	cluster, hashes, ok := s.decodeQuery(c)
+	if !ok {
+		return
+	}
+	ctx, cancel := s.storeCtx(c)
+	defer cancel()
+	ans, err := s.st.Route(ctx, cluster, hashes)
+	if err != nil {
+		s.storeFailed(c, "route query", err)
+		return
+	}
+	s.raw(c, appendRoute(make([]byte, 0, 64+64*len(ans.Load)+48*len(ans.Cache)), ans))
+}
+
+func (s *Server) cacheSave(c *gin.Context) {
+	var req api.CacheSave
+	if !s.decode(c, &req) {
+		return
+	}
+	cluster, host, err := validClusterHost(req.Cluster, req.Host)
+	if err != nil {
+		s.badRequest(c, err)
+		return
+	}
+	if len(req.Hashes) == 0 {
+		s.badRequest(c, errors.New("hashes is required and must not be empty"))
+		return
+	}
+	hashes, err := validHashes(req.Hashes)
+	if err != nil {
+		s.badRequest(c, err)
+		return
+	}
+	ctx, cancel := s.storeCtx(c)
+	defer cancel()
+	if err := s.st.SaveCache(ctx, cluster, host, hashes); err != nil {
+		s.storeFailed(c, "cache save", err)
+		return
+	}
+	s.ok(c, struct{}{})
+}
+
+func (s *Server) cacheEvict(c *gin.Context) {
+	var req api.CacheEvict
+	if !s.decode(c, &req) {
+		return
+	}
+	cluster, host, err := validClusterHost(req.Cluster, req.Host)
+	if err != nil {
+		s.badRequest(c, err)
+		return
+	}
+	switch {
+	case req.All && len(req.Hashes) > 0:
+		s.badRequest(c, errors.New("give either hashes or all: true, not both"))
+		return
+	case !req.All && len(req.Hashes) == 0:
+		s.badRequest(c, errors.New("hashes is required unless all is true"))
+		return
+	}
+	ctx, cancel := s.storeCtx(c)
+	defer cancel()
+	if req.All {
+		if err := s.st.EvictHost(ctx, cluster, host); err != nil {
+			s.storeFailed(c, "cache evict", err)
+			return
+		}
+		s.ok(c, struct{}{})
+		return
+	}
+	hashes, err := validHashes(req.Hashes)
+	if err != nil {
+		s.badRequest(c, err)
+		return
+	}
+	if err := s.st.EvictCache(ctx, cluster, host, hashes); err != nil {
+		s.storeFailed(c, "cache evict", err)
+		return
+	}
+	s.ok(c, struct{}{})
+}
+
+func (s *Server) healthz(c *gin.Context) { s.ok(c, map[string]string{"status": "ok"}) }
+
+func (s *Server) readyz(c *gin.Context) {
+	ctx, cancel := s.storeCtx(c)
+	defer cancel()
+	if err := s.st.Ping(ctx); err != nil {
+		s.fail(c, http.StatusServiceUnavailable, "store_unavailable", "not ready: "+err.Error())
+		return
+	}
+	s.ok(c, map[string]string{"status": "ready"})
+}

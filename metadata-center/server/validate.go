@@ -1,0 +1,120 @@
+package server
+
+import (
+	"errors"
+	"fmt"
+	"net"
+	"net/netip"
+	"strconv"
+	"unicode/utf8"
+
+	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/api"
+	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/store"
+)
+
+// Limits on identifiers; far above what Envoy cluster names and request
+// ids use, low enough that one request cannot bloat the index.
+const (
+	MaxClusterLen   = 1024
+	MaxRequestIDLen = 256
+	// MaxPromptLength keeps sums exact in Redis's Lua (doubles).
+	MaxPromptLength = 1 << 40
+)
+
+func validCluster(c string) (string, error) {
+	switch {
+	case c == "":
+		return "", errors.New("cluster is required")
+	case len(c) > MaxClusterLen:
+		return "", fmt.Errorf("cluster is longer than %d bytes", MaxClusterLen)
+	case !utf8.ValidString(c):
+		return "", errors.New("cluster is not valid UTF-8")
+	}
+	return c, nil
+}
+
+// validHost accepts only ip:port and returns its canonical spelling, so
+// "10.0.0.1:080", "[::ffff:10.0.0.1]:80" and "10.0.0.1:80" are one host.
+func validHost(h string) (string, error) {
+	if h == "" {
+		return "", errors.New("host is required")
+	}
+	ip, port, err := net.SplitHostPort(h)
+	if err != nil {
+		return "", fmt.Errorf("host %q is not ip:port: %v", h, err)
+	}
+	addr, err := netip.ParseAddr(ip)
+	if err != nil {
+		return "", fmt.Errorf("host %q is not ip:port: %q is not an IP address", h, ip)
+	}
+	if addr.Zone() != "" {
+		return "", fmt.Errorf("host %q is not ip:port: IPv6 zones are not accepted", h)
+	}
+	p, err := strconv.ParseUint(port, 10, 16)
+	if err != nil || p == 0 {
+		return "", fmt.Errorf("host %q is not ip:port: port %q is not in 1..65535", h, port)
+	}
+	return netip.AddrPortFrom(addr.Unmap(), uint16(p)).String(), nil
+}
+
+func validClusterHost(cluster, host string) (string, string, error) {
+	c, err := validCluster(cluster)
+	if err != nil {
+		return "", "", err
+	}
+	h, err := validHost(host)
+	if err != nil {
+		return "", "", err
+	}
+	return c, h, nil
+}
+
+func validRef(cluster, host, id string) (api.RequestRef, error) {
+	c, h, err := validClusterHost(cluster, host)
+	if err != nil {
+		return api.RequestRef{}, err
+	}
+	switch {
+	case id == "":
+		return api.RequestRef{}, errors.New("request_id is required")
+	case len(id) > MaxRequestIDLen:
+		return api.RequestRef{}, fmt.Errorf("request_id is longer than %d bytes", MaxRequestIDLen)
+	}
+	return api.RequestRef{Cluster: c, Host: h, RequestID: id}, nil
+}
+
+func validPromptLength(n int64) error {
+	if n < 0 || n > MaxPromptLength {
+		return fmt.Errorf("prompt_length %d is not in 0..%d", n, int64(MaxPromptLength))
+	}
+	return nil
+}
+
+func validHashes(in []string) ([]store.Hash, error) {
+	if len(in) > api.MaxHashes {
+		return nil, fmt.Errorf("%d hashes: at most %d are accepted", len(in), api.MaxHashes)
+	}
+	out := make([]store.Hash, len(in))
+	for i, s := range in {
+		h, err := store.ParseHash(s)
+		if err != nil {
+			return nil, fmt.Errorf("hashes[%d]: %v", i, err)
+		}
+		out[i] = h
+	}
+	return out, nil
+}
+
+// validQuery: hashes must be present (null or missing is a client bug) but
+// may be empty (an empty prompt has no blocks; the answer is load only).
+func validQuery(cluster string, hashes []string) (string, []store.Hash, error) {
+	c, err := validCluster(cluster)
+	if err != nil {
+		return "", nil, err
+	}
+	if hashes == nil {
+		return "", nil, errors.New("hashes is required")
+	}
+	hs, err := validHashes(hashes)
+	return c, hs, err
+}

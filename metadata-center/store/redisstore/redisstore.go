@@ -1,0 +1,434 @@
+// Package redisstore is the store.Store on Redis (go-redis v9), for running
+// several metadata-center replicas against one shared state.
+//
+// Every call is one EVALSHA (one round trip; go-redis falls back to EVAL
+// after a script-cache flush), and all keys of one cluster share the hash
+// tag {prefix:cluster}, so the scripts are Redis Cluster-safe. The key
+// layout is documented in docs/metadata-center.md. Redis 7.0 has no
+// per-field expiry, so freshness lives in sorted-set scores (expiry in ms)
+// and whole keys carry a PEXPIRE as a backstop for abandoned clusters.
+//
+// Client timeouts are short and retries off on purpose: when Redis is down
+// a call fails within a few hundred milliseconds with store.ErrUnavailable
+// (the server answers 503) instead of queueing, and go-redis's pool redials
+// in the background so service resumes by itself.
+package redisstore
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strconv"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+	"github.com/redis/go-redis/v9/maintnotifications"
+
+	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/api"
+	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/store"
+)
+
+// Defaults of Options.
+const (
+	DefaultKeyPrefix     = "llmf"
+	DefaultDialTimeout   = 250 * time.Millisecond
+	DefaultIOTimeout     = 500 * time.Millisecond
+	DefaultTouchInterval = time.Second
+)
+
+// registerEvery bounds how often one process re-adds a cluster to the
+// registry that Stats walks.
+const registerEvery = time.Minute
+
+// Options configure a Store. Zero values pick the defaults.
+type Options struct {
+	Addr     string // host:port of redis-server
+	Username string
+	Password string
+	DB       int
+
+	// KeyPrefix namespaces every key (tests use a private one per test).
+	// It must not contain '{' or '}', which would break the hash tags.
+	KeyPrefix string
+
+	LeaseTTL      time.Duration // default store.DefaultLeaseTTL
+	CacheTTL      time.Duration // default store.DefaultCacheTTL
+	TouchInterval time.Duration // hits refresh an entry's TTL at most this often; default 1s, negative: always
+
+	DialTimeout time.Duration // default 250ms
+	IOTimeout   time.Duration // read and write timeout; default 500ms
+	PoolSize    int           // default go-redis's (10 per CPU)
+
+	Now func() time.Time // default time.Now
+}
+
+// Store is the Redis store.Store.
+type Store struct {
+	rdb                       *redis.Client
+	sc                        scripts
+	prefix                    string
+	leaseTTL, cacheTTL, touch int64 // milliseconds
+	now                       func() time.Time
+
+	regMu      sync.Mutex
+	registered map[string]time.Time // cluster -> last registration by this process
+}
+
+var _ store.Store = (*Store)(nil)
+
+// New builds a Store. It does not connect: Redis may come up later, and
+// Ping tells when it is reachable.
+func New(o Options) (*Store, error) {
+	if o.Addr == "" {
+		return nil, errors.New("redisstore: Addr is required")
+	}
+	if o.KeyPrefix == "" {
+		o.KeyPrefix = DefaultKeyPrefix
+	}
+	if strings.ContainsAny(o.KeyPrefix, "{}") {
+		return nil, fmt.Errorf("redisstore: KeyPrefix %q must not contain '{' or '}'", o.KeyPrefix)
+	}
+	if o.LeaseTTL <= 0 {
+		o.LeaseTTL = store.DefaultLeaseTTL
+	}
+	if o.CacheTTL <= 0 {
+		o.CacheTTL = store.DefaultCacheTTL
+	}
+	if o.TouchInterval == 0 {
+		o.TouchInterval = DefaultTouchInterval
+	}
+	if o.TouchInterval < 0 {
+		o.TouchInterval = 0
+	}
+	if o.DialTimeout <= 0 {
+		o.DialTimeout = DefaultDialTimeout
+	}
+	if o.IOTimeout <= 0 {
+		o.IOTimeout = DefaultIOTimeout
+	}
+	if o.Now == nil {
+		o.Now = time.Now
+	}
+	rdb := redis.NewClient(&redis.Options{
+		Addr:                  o.Addr,
+		Username:              o.Username,
+		Password:              o.Password,
+		DB:                    o.DB,
+		DialTimeout:           o.DialTimeout,
+		DialerRetries:         1,
+		ReadTimeout:           o.IOTimeout,
+		WriteTimeout:          o.IOTimeout,
+		PoolTimeout:           o.IOTimeout,
+		ContextTimeoutEnabled: true,
+		MaxRetries:            -1, // a retried script could apply twice; callers retry
+		PoolSize:              o.PoolSize,
+		DisableIdentity:       true,
+		// RESP2: RESP3's push-notification check costs an extra read
+		// syscall per call, and nothing here uses push messages.
+		Protocol: 2,
+		MaintNotificationsConfig: &maintnotifications.Config{
+			Mode: maintnotifications.ModeDisabled,
+		},
+	})
+	return &Store{
+		rdb:        rdb,
+		sc:         newScripts(),
+		prefix:     o.KeyPrefix,
+		leaseTTL:   o.LeaseTTL.Milliseconds(),
+		cacheTTL:   o.CacheTTL.Milliseconds(),
+		touch:      o.TouchInterval.Milliseconds(),
+		now:        o.Now,
+		registered: make(map[string]time.Time),
+	}, nil
+}
+
+// keys names the keys of one cluster; see docs/metadata-center.md.
+type keys struct{ base string }
+
+func (s *Store) keys(cluster string) keys { return keys{base: "{" + s.prefix + ":" + cluster + "}"} }
+
+func (k keys) leases() []string {
+	return []string{k.base + ":lx", k.base + ":lp", k.base + ":lr", k.base + ":lq"}
+}
+func (k keys) hash(h store.Hash) string { return k.base + ":h:" + h.String() }
+func (k keys) host(host string) string  { return k.base + ":e:" + host }
+func (k keys) hosts() string            { return k.base + ":hosts" }
+
+func (s *Store) registry() string { return "{" + s.prefix + "}:clusters" }
+
+func member(host, id string) string { return host + "|" + id }
+
+func (s *Store) ms() int64 { return s.now().UnixMilli() }
+
+func wrap(op string, err error) error {
+	if err == nil {
+		return nil
+	}
+	var rerr redis.Error
+	if errors.As(err, &rerr) {
+		// These mean "not now" (loading, failing over, out of memory, a
+		// long script), not "bad command".
+		code, _, _ := strings.Cut(rerr.Error(), " ")
+		switch code {
+		case "LOADING", "READONLY", "MASTERDOWN", "CLUSTERDOWN", "TRYAGAIN", "BUSY", "OOM", "NOREPLICAS", "MOVED", "ASK":
+			return fmt.Errorf("%w: redis %s: %v", store.ErrUnavailable, op, err)
+		}
+		return fmt.Errorf("redis %s: %w", op, err)
+	}
+	// Network errors, timeouts, a saturated pool, a closed client.
+	return fmt.Errorf("%w: redis %s: %v", store.ErrUnavailable, op, err)
+}
+
+// run executes a script that writes state for cluster, and, at most once
+// a minute per cluster and process, records the cluster in the registry in
+// the same pipeline (still one round trip).
+func (s *Store) run(ctx context.Context, op string, sc *redis.Script, cluster string, ks []string, args ...any) (*redis.Cmd, error) {
+	if s.needsRegister(cluster) {
+		pipe := s.rdb.Pipeline()
+		pipe.SAdd(ctx, s.registry(), cluster)
+		pipe.PExpire(ctx, s.registry(), time.Duration(max(s.leaseTTL, s.cacheTTL))*time.Millisecond)
+		cmd := sc.EvalSha(ctx, pipe, ks, args...)
+		_, err := pipe.Exec(ctx)
+		if err == nil {
+			return cmd, nil
+		}
+		if !redis.HasErrorPrefix(cmd.Err(), "NOSCRIPT") {
+			s.forget(cluster)
+			return nil, wrap(op, err)
+		}
+	}
+	cmd := sc.Run(ctx, s.rdb, ks, args...)
+	return cmd, wrap(op, cmd.Err())
+}
+
+func (s *Store) needsRegister(cluster string) bool {
+	now := time.Now()
+	s.regMu.Lock()
+	defer s.regMu.Unlock()
+	if t, ok := s.registered[cluster]; ok && now.Sub(t) < registerEvery {
+		return false
+	}
+	// Bounded: a flood of cluster names cannot grow this without limit.
+	if len(s.registered) >= 10000 {
+		clear(s.registered)
+	}
+	s.registered[cluster] = now
+	return true
+}
+
+func (s *Store) forget(cluster string) {
+	s.regMu.Lock()
+	delete(s.registered, cluster)
+	s.regMu.Unlock()
+}
+
+// AddLease implements store.Store.
+func (s *Store) AddLease(ctx context.Context, cluster, host, id string, prompt int64) error {
+	now := s.ms()
+	_, err := s.run(ctx, "add lease", s.sc.add, cluster, s.keys(cluster).leases(),
+		now, now+s.leaseTTL, s.leaseTTL, host, member(host, id), prompt)
+	return err
+}
+
+// FirstToken implements store.Store.
+func (s *Store) FirstToken(ctx context.Context, cluster, host, id string) error {
+	return wrap("first token", s.sc.firstToken.Run(ctx, s.rdb, s.keys(cluster).leases(), s.ms(), host, member(host, id)).Err())
+}
+
+// DeleteLease implements store.Store.
+func (s *Store) DeleteLease(ctx context.Context, cluster, host, id string) error {
+	return wrap("delete lease", s.sc.del.Run(ctx, s.rdb, s.keys(cluster).leases(), s.ms(), host, member(host, id)).Err())
+}
+
+// LoadStats implements store.Store.
+func (s *Store) LoadStats(ctx context.Context, cluster string) (api.LoadStats, error) {
+	res, err := s.sc.load.Run(ctx, s.rdb, s.keys(cluster).leases(), s.ms()).Slice()
+	if err != nil {
+		return nil, wrap("load stats", err)
+	}
+	if len(res) != 2 {
+		return nil, fmt.Errorf("redis load stats: unexpected reply %v", res)
+	}
+	return parseLoad(res[0], res[1])
+}
+
+// pairs walks "key\tvalue\tkey\tvalue..." as the scripts return it
+// (hosts never contain a tab).
+func pairs(v any, fn func(key string, n int64) error) error {
+	flat, ok := v.(string)
+	if !ok {
+		return fmt.Errorf("unexpected reply %T", v)
+	}
+	for flat != "" {
+		key, rest, ok1 := strings.Cut(flat, "\t")
+		num, rest, _ := strings.Cut(rest, "\t")
+		n, err := strconv.ParseInt(num, 10, 64)
+		if !ok1 || err != nil {
+			return fmt.Errorf("malformed reply near %q", key)
+		}
+		if err := fn(key, n); err != nil {
+			return err
+		}
+		flat = rest
+	}
+	return nil
+}
+
+func parseLoad(reqs, prompts any) (api.LoadStats, error) {
+	out := api.LoadStats{}
+	err := pairs(reqs, func(host string, n int64) error {
+		out[host] = api.EndpointStats{TotalReqs: n}
+		return nil
+	})
+	if err == nil {
+		err = pairs(prompts, func(host string, n int64) error {
+			if st, ok := out[host]; ok {
+				st.PromptLength = n
+				out[host] = st
+			}
+			return nil
+		})
+	}
+	if err != nil {
+		return nil, fmt.Errorf("redis load stats: %w", err)
+	}
+	return out, nil
+}
+
+func parseLocations(v any) ([]api.CacheLocation, error) {
+	out := make([]api.CacheLocation, 0, 16)
+	err := pairs(v, func(host string, n int64) error {
+		out = append(out, api.CacheLocation{Host: host, Length: int(n)})
+		return nil
+	})
+	if err != nil {
+		return nil, fmt.Errorf("redis cache query: %w", err)
+	}
+	store.SortLocations(out)
+	return out, nil
+}
+
+// queryArgs builds KEYS (after any given first) and ARGV of the query part.
+func (s *Store) queryArgs(k keys, first []string, hashes []store.Hash) ([]string, []any) {
+	now := s.ms()
+	ks := make([]string, 0, len(first)+len(hashes))
+	ks = append(ks, first...)
+	args := make([]any, 0, 5+len(hashes))
+	args = append(args, now, now+s.cacheTTL, s.cacheTTL, now+s.cacheTTL-s.touch, k.base)
+	for _, h := range hashes {
+		hs := h.String()
+		ks = append(ks, k.base+":h:"+hs)
+		args = append(args, hs)
+	}
+	return ks, args
+}
+
+// QueryCache implements store.Store.
+func (s *Store) QueryCache(ctx context.Context, cluster string, hashes []store.Hash) ([]api.CacheLocation, error) {
+	if len(hashes) == 0 {
+		return []api.CacheLocation{}, nil
+	}
+	k := s.keys(cluster)
+	ks, args := s.queryArgs(k, nil, hashes)
+	res, err := s.sc.query.Run(ctx, s.rdb, ks, args...).Result()
+	if err != nil {
+		return nil, wrap("cache query", err)
+	}
+	return parseLocations(res)
+}
+
+// Route implements store.Store.
+func (s *Store) Route(ctx context.Context, cluster string, hashes []store.Hash) (api.RouteAnswer, error) {
+	k := s.keys(cluster)
+	ks, args := s.queryArgs(k, k.leases(), hashes)
+	res, err := s.sc.route.Run(ctx, s.rdb, ks, args...).Slice()
+	if err != nil {
+		return api.RouteAnswer{}, wrap("route query", err)
+	}
+	if len(res) != 3 {
+		return api.RouteAnswer{}, fmt.Errorf("redis route query: unexpected reply %v", res)
+	}
+	load, err := parseLoad(res[0], res[1])
+	if err != nil {
+		return api.RouteAnswer{}, err
+	}
+	locs, err := parseLocations(res[2])
+	if err != nil {
+		return api.RouteAnswer{}, err
+	}
+	return api.RouteAnswer{Load: load, Cache: locs}, nil
+}
+
+// SaveCache implements store.Store.
+func (s *Store) SaveCache(ctx context.Context, cluster, host string, hashes []store.Hash) error {
+	if len(hashes) == 0 {
+		return nil
+	}
+	k := s.keys(cluster)
+	now := s.ms()
+	ks := make([]string, 0, 2+len(hashes))
+	ks = append(ks, k.host(host), k.hosts())
+	args := make([]any, 0, 4+len(hashes))
+	args = append(args, now, now+s.cacheTTL, s.cacheTTL, host)
+	for _, h := range hashes {
+		hs := h.String()
+		ks = append(ks, k.base+":h:"+hs)
+		args = append(args, hs)
+	}
+	_, err := s.run(ctx, "cache save", s.sc.save, cluster, ks, args...)
+	return err
+}
+
+// EvictCache implements store.Store.
+func (s *Store) EvictCache(ctx context.Context, cluster, host string, hashes []store.Hash) error {
+	if len(hashes) == 0 {
+		return nil
+	}
+	k := s.keys(cluster)
+	ks := make([]string, 0, 2+len(hashes))
+	ks = append(ks, k.host(host), k.hosts())
+	args := make([]any, 0, 1+len(hashes))
+	args = append(args, host)
+	for _, h := range hashes {
+		ks = append(ks, k.hash(h))
+		args = append(args, h.String())
+	}
+	return wrap("cache evict", s.sc.evict.Run(ctx, s.rdb, ks, args...).Err())
+}
+
+// EvictHost implements store.Store.
+func (s *Store) EvictHost(ctx context.Context, cluster, host string) error {
+	k := s.keys(cluster)
+	return wrap("cache evict all", s.sc.evictHost.Run(ctx, s.rdb, []string{k.host(host), k.hosts()}, host, k.base).Err())
+}
+
+// Stats implements store.Store. It costs one round trip per registered
+// cluster, which is fine at scrape rate.
+func (s *Store) Stats(ctx context.Context) (store.Stats, error) {
+	clusters, err := s.rdb.SMembers(ctx, s.registry()).Result()
+	if err != nil {
+		return store.Stats{}, wrap("stats", err)
+	}
+	now := s.ms()
+	var st store.Stats
+	for _, c := range clusters {
+		k := s.keys(c)
+		res, err := s.sc.stats.Run(ctx, s.rdb, []string{k.base + ":lx", k.hosts()}, now, k.base).Int64Slice()
+		if err != nil {
+			return store.Stats{}, wrap("stats", err)
+		}
+		if len(res) == 2 {
+			st.LiveLeases += res[0]
+			st.IndexEntries += res[1]
+		}
+	}
+	return st, nil
+}
+
+// Ping implements store.Store.
+func (s *Store) Ping(ctx context.Context) error { return wrap("ping", s.rdb.Ping(ctx).Err()) }
+
+// Close implements store.Store.
+func (s *Store) Close() error { return s.rdb.Close() }

@@ -1,0 +1,230 @@
+package redisstore_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"reflect"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+
+	"github.com/istio-llm-filter/istio-llm-filter/internal/testutil/redistest"
+	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/api"
+	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/store"
+	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/store/redisstore"
+	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/store/storetest"
+)
+
+func newStore(t *testing.T, srv *redistest.Server, o redisstore.Options) *redisstore.Store {
+	t.Helper()
+	o.Addr = srv.Addr
+	if o.KeyPrefix == "" {
+		o.KeyPrefix = srv.Prefix
+	}
+	st, err := redisstore.New(o)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = st.Close() })
+	return st
+}
+
+func TestContract(t *testing.T) {
+	srv := redistest.Shared(t)
+	storetest.Run(t, func(t *testing.T, cfg storetest.Config) store.Store {
+		// A prefix per subtest: the shared server outlives them all.
+		return newStore(t, srv, redisstore.Options{
+			KeyPrefix: srv.Prefix + "-" + strings.ReplaceAll(t.Name(), "/", "-"),
+			LeaseTTL:  cfg.LeaseTTL, CacheTTL: cfg.CacheTTL, Now: cfg.Now,
+		})
+	})
+}
+
+func TestOptionsValidation(t *testing.T) {
+	if _, err := redisstore.New(redisstore.Options{}); err == nil {
+		t.Fatal("New without Addr succeeded")
+	}
+	if _, err := redisstore.New(redisstore.Options{Addr: "127.0.0.1:1", KeyPrefix: "a{b"}); err == nil {
+		t.Fatal("New with a brace in KeyPrefix succeeded")
+	}
+}
+
+// TestKeyLayout checks the Redis Cluster contract on a real server: every
+// key one cluster's calls create carries that cluster's hash tag, and
+// every key has a TTL, so nothing outlives an abandoned cluster.
+func TestKeyLayout(t *testing.T) {
+	srv := redistest.Shared(t)
+	st := newStore(t, srv, redisstore.Options{})
+	ctx := context.Background()
+	const cluster = "outbound|8000||qwen.llm.svc.cluster.local"
+	const host = "10.1.2.3:8000"
+	hs := []store.Hash{1, 2, 3}
+	for _, err := range []error{
+		st.AddLease(ctx, cluster, host, "r1", 10),
+		st.AddLease(ctx, cluster, host, "r2", 10),
+		st.FirstToken(ctx, cluster, host, "r2"),
+		st.SaveCache(ctx, cluster, host, hs),
+	} {
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+	if _, err := st.Route(ctx, cluster, hs); err != nil {
+		t.Fatal(err)
+	}
+	rdb := redis.NewClient(&redis.Options{Addr: srv.Addr})
+	defer rdb.Close()
+	got, err := rdb.Keys(ctx, "*"+srv.Prefix+"*").Result()
+	if err != nil {
+		t.Fatal(err)
+	}
+	tag := "{" + srv.Prefix + ":" + cluster + "}"
+	want := map[string]bool{
+		tag + ":lx": true, tag + ":lp": true, tag + ":lr": true, tag + ":lq": true,
+		tag + ":h:0000000000000001": true, tag + ":h:0000000000000002": true, tag + ":h:0000000000000003": true,
+		tag + ":e:" + host: true, tag + ":hosts": true,
+		"{" + srv.Prefix + "}:clusters": true,
+	}
+	for _, k := range got {
+		if !want[k] {
+			t.Errorf("unexpected key %q", k)
+		}
+		delete(want, k)
+		ttl, err := rdb.PTTL(ctx, k).Result()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if ttl <= 0 {
+			t.Errorf("key %q has no TTL (%v)", k, ttl)
+		}
+	}
+	for k := range want {
+		t.Errorf("missing key %q", k)
+	}
+}
+
+// TestUnavailable checks the bounded failure and self-recovery at the
+// store level: a stopped Redis gives ErrUnavailable quickly, a restarted
+// one serves again without touching the Store.
+func TestUnavailable(t *testing.T) {
+	srv := redistest.Start(t)
+	st := newStore(t, srv, redisstore.Options{})
+	ctx := context.Background()
+	if err := st.Ping(ctx); err != nil {
+		t.Fatal(err)
+	}
+	srv.Stop()
+	for _, call := range []func() error{
+		func() error { return st.Ping(ctx) },
+		func() error { return st.AddLease(ctx, "c", "10.0.0.1:1", "r", 1) },
+		func() error { _, err := st.Route(ctx, "c", []store.Hash{1}); return err },
+		func() error { _, err := st.Stats(ctx); return err },
+	} {
+		start := time.Now()
+		err := call()
+		if !errors.Is(err, store.ErrUnavailable) {
+			t.Fatalf("with Redis down: err = %v, want ErrUnavailable", err)
+		}
+		// Generous for a loaded 2-core machine; without the short timeouts
+		// and disabled retries this took seconds.
+		if d := time.Since(start); d > 3*time.Second {
+			t.Fatalf("failing call took %v", d)
+		}
+	}
+	srv.Restart()
+	deadline := time.Now().Add(15 * time.Second)
+	for st.Ping(ctx) != nil {
+		if time.Now().After(deadline) {
+			t.Fatal("store did not recover after Redis came back")
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+	if err := st.AddLease(ctx, "c", "10.0.0.1:1", "r", 1); err != nil {
+		t.Fatalf("after recovery: %v", err)
+	}
+}
+
+// TestWideSetsHashed: a prefix held by many hosts is stored in the hashed
+// encoding, so route queries do not scan it linearly per candidate.
+func TestWideSetsHashed(t *testing.T) {
+	srv := redistest.Shared(t)
+	st := newStore(t, srv, redisstore.Options{})
+	ctx := context.Background()
+	hs := []store.Hash{7, 8}
+	for i := 0; i < 20; i++ {
+		h := []store.Hash{7}
+		if i < 3 {
+			h = hs
+		}
+		if err := st.SaveCache(ctx, "c", fmt.Sprintf("10.0.0.%d:1", i+1), h); err != nil {
+			t.Fatal(err)
+		}
+	}
+	rdb := redis.NewClient(&redis.Options{Addr: srv.Addr})
+	defer rdb.Close()
+	tag := "{" + srv.Prefix + ":c}"
+	for key, want := range map[string]string{tag + ":h:0000000000000007": "skiplist", tag + ":h:0000000000000008": "listpack"} {
+		if got, err := rdb.ObjectEncoding(ctx, key).Result(); err != nil || got != want {
+			t.Errorf("%s: encoding %q (%v), want %q", key, got, err, want)
+		}
+	}
+	// The conversion member is gone and answers are unaffected.
+	if n, err := rdb.ZCard(ctx, tag+":h:0000000000000007").Result(); err != nil || n != 20 {
+		t.Fatalf("wide set has %d members (%v), want 20", n, err)
+	}
+	locs, err := st.QueryCache(ctx, "c", hs)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(locs) != 20 || locs[0].Length != 2 || locs[3].Length != 1 {
+		t.Fatalf("QueryCache = %v", locs)
+	}
+	// That query took the wide path; its scratch set must be gone.
+	if n, err := rdb.Exists(ctx, tag+":q").Result(); err != nil || n != 0 {
+		t.Fatalf("scratch key left behind (%d, %v)", n, err)
+	}
+}
+
+// TestMaxHashes: the longest query the API accepts must run through every
+// script path (Lua's unpack has a limit of a few thousand values).
+func TestMaxHashes(t *testing.T) {
+	srv := redistest.Shared(t)
+	st := newStore(t, srv, redisstore.Options{})
+	ctx := context.Background()
+	hs := make([]store.Hash, api.MaxHashes)
+	for i := range hs {
+		hs[i] = store.Hash(i + 1)
+	}
+	// Narrow path: 3 hosts, one full, one half, one with a hole.
+	must := func(err error) {
+		t.Helper()
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+	must(st.SaveCache(ctx, "c", "10.0.0.1:1", hs))
+	must(st.SaveCache(ctx, "c", "10.0.0.2:1", hs[:2048]))
+	must(st.SaveCache(ctx, "c", "10.0.0.3:1", hs))
+	must(st.EvictCache(ctx, "c", "10.0.0.3:1", hs[3000:3001]))
+	want := []api.CacheLocation{{Host: "10.0.0.1:1", Length: 4096}, {Host: "10.0.0.3:1", Length: 3000}, {Host: "10.0.0.2:1", Length: 2048}}
+	got, err := st.QueryCache(ctx, "c", hs)
+	must(err)
+	if !reflect.DeepEqual(got, want) {
+		t.Fatalf("QueryCache = %v, want %v", got, want)
+	}
+	ans, err := st.Route(ctx, "c", hs)
+	must(err)
+	if !reflect.DeepEqual(ans.Cache, want) {
+		t.Fatalf("Route cache = %v, want %v", ans.Cache, want)
+	}
+	must(st.EvictCache(ctx, "c", "10.0.0.1:1", hs))
+	must(st.EvictHost(ctx, "c", "10.0.0.3:1"))
+	got, err = st.QueryCache(ctx, "c", hs)
+	must(err)
+	if want := []api.CacheLocation{{Host: "10.0.0.2:1", Length: 2048}}; !reflect.DeepEqual(got, want) {
+		t.Fatalf("after evictions = %v", got)
+	}
+}

@@ -1,0 +1,532 @@
+// Package storetest is the contract every store.Store must meet, written
+// once and run against each implementation (memstore in memory, redisstore
+// against a real redis-server), so the two cannot drift apart.
+package storetest
+
+import (
+	"context"
+	"fmt"
+	"reflect"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/api"
+	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/store"
+)
+
+// Config is what a factory must honour: TTLs and a clock the suite moves.
+type Config struct {
+	LeaseTTL time.Duration
+	CacheTTL time.Duration
+	Now      func() time.Time
+}
+
+// Factory builds an empty Store for one subtest. It must not share state
+// with stores built for other subtests.
+type Factory func(t *testing.T, cfg Config) store.Store
+
+// Clock is a manual clock, safe for concurrent use.
+type Clock struct {
+	mu  sync.Mutex
+	now time.Time
+}
+
+// NewClock starts at the wall clock's current millisecond, so stores that
+// also set real key TTLs (Redis) see plausible times.
+func NewClock() *Clock { return &Clock{now: time.Now().Truncate(time.Millisecond)} }
+
+// Now returns the current fake time.
+func (c *Clock) Now() time.Time {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.now
+}
+
+// Advance moves the clock forward.
+func (c *Clock) Advance(d time.Duration) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.now = c.now.Add(d)
+}
+
+const (
+	leaseTTL = 10 * time.Minute
+	cacheTTL = 30 * time.Minute
+)
+
+type env struct {
+	t     *testing.T
+	st    store.Store
+	clock *Clock
+	ctx   context.Context
+}
+
+func setup(t *testing.T, f Factory) *env {
+	clock := NewClock()
+	st := f(t, Config{LeaseTTL: leaseTTL, CacheTTL: cacheTTL, Now: clock.Now})
+	t.Cleanup(func() { _ = st.Close() })
+	return &env{t: t, st: st, clock: clock, ctx: context.Background()}
+}
+
+// Run runs the whole contract as subtests of t.
+func Run(t *testing.T, f Factory) {
+	tests := []struct {
+		name string
+		fn   func(*env)
+	}{
+		{"LeaseCounts", testLeaseCounts},
+		{"LeaseIdempotentDelete", testLeaseIdempotentDelete},
+		{"LeaseReAdd", testLeaseReAdd},
+		{"LeaseExpiry", testLeaseExpiry},
+		{"ClusterIsolation", testClusterIsolation},
+		{"CacheLongestLeadingRun", testCacheLongestLeadingRun},
+		{"CacheEmptyAndUnknown", testCacheEmptyAndUnknown},
+		{"CacheManyHosts", testCacheManyHosts},
+		{"CacheTTLAndRefresh", testCacheTTLAndRefresh},
+		{"CacheEvict", testCacheEvict},
+		{"CacheEvictHost", testCacheEvictHost},
+		{"Route", testRoute},
+		{"Stats", testStats},
+		{"Concurrent", testConcurrent},
+		{"Ping", testPing},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) { tc.fn(setup(t, f)) })
+	}
+}
+
+func hashes(prefix string, n int) []store.Hash {
+	out := make([]store.Hash, n)
+	for i := range out {
+		// Distinct per prefix and index; the exact values do not matter.
+		var h uint64 = 1469598103934665603
+		for _, c := range fmt.Sprintf("%s/%d", prefix, i) {
+			h = (h ^ uint64(c)) * 1099511628211
+		}
+		out[i] = store.Hash(h)
+	}
+	return out
+}
+
+func (e *env) must(err error) {
+	e.t.Helper()
+	if err != nil {
+		e.t.Fatal(err)
+	}
+}
+
+func (e *env) load(cluster string) api.LoadStats {
+	e.t.Helper()
+	got, err := e.st.LoadStats(e.ctx, cluster)
+	e.must(err)
+	return got
+}
+
+func (e *env) wantLoad(cluster string, want api.LoadStats) {
+	e.t.Helper()
+	if got := e.load(cluster); !reflect.DeepEqual(got, want) {
+		e.t.Fatalf("LoadStats(%q) = %v, want %v", cluster, got, want)
+	}
+}
+
+func (e *env) query(cluster string, hs []store.Hash) []api.CacheLocation {
+	e.t.Helper()
+	got, err := e.st.QueryCache(e.ctx, cluster, hs)
+	e.must(err)
+	return got
+}
+
+func (e *env) wantCache(cluster string, hs []store.Hash, want []api.CacheLocation) {
+	e.t.Helper()
+	if got := e.query(cluster, hs); !reflect.DeepEqual(got, want) {
+		e.t.Fatalf("QueryCache(%q) = %v, want %v", cluster, got, want)
+	}
+}
+
+const (
+	hostA = "10.0.0.1:8000"
+	hostB = "10.0.0.2:8000"
+	hostC = "[fd00::3]:8000"
+	cl    = "outbound|8000||qwen.llm.svc.cluster.local"
+)
+
+func testLeaseCounts(e *env) {
+	e.wantLoad(cl, api.LoadStats{})
+	e.must(e.st.AddLease(e.ctx, cl, hostA, "r1", 100))
+	e.must(e.st.AddLease(e.ctx, cl, hostA, "r2", 50))
+	e.must(e.st.AddLease(e.ctx, cl, hostB, "r3", 7))
+	e.must(e.st.AddLease(e.ctx, cl, hostC, "r4", 0))
+	e.wantLoad(cl, api.LoadStats{
+		hostA: {TotalReqs: 2, PromptLength: 150},
+		hostB: {TotalReqs: 1, PromptLength: 7},
+		hostC: {TotalReqs: 1, PromptLength: 0},
+	})
+
+	// First token: the lease still counts, its prompt no longer does.
+	e.must(e.st.FirstToken(e.ctx, cl, hostA, "r1"))
+	e.must(e.st.FirstToken(e.ctx, cl, hostA, "r1"))
+	e.wantLoad(cl, api.LoadStats{
+		hostA: {TotalReqs: 2, PromptLength: 50},
+		hostB: {TotalReqs: 1, PromptLength: 7},
+		hostC: {TotalReqs: 1, PromptLength: 0},
+	})
+
+	// Done after first token removes nothing more from the prompt sum.
+	e.must(e.st.DeleteLease(e.ctx, cl, hostA, "r1"))
+	// Done before first token removes its prompt too.
+	e.must(e.st.DeleteLease(e.ctx, cl, hostB, "r3"))
+	e.wantLoad(cl, api.LoadStats{
+		hostA: {TotalReqs: 1, PromptLength: 50},
+		hostC: {TotalReqs: 1, PromptLength: 0},
+	})
+	e.must(e.st.DeleteLease(e.ctx, cl, hostA, "r2"))
+	e.must(e.st.DeleteLease(e.ctx, cl, hostC, "r4"))
+	e.wantLoad(cl, api.LoadStats{})
+}
+
+func testLeaseIdempotentDelete(e *env) {
+	e.must(e.st.DeleteLease(e.ctx, cl, hostA, "never-added"))
+	e.must(e.st.FirstToken(e.ctx, cl, hostA, "never-added"))
+	e.must(e.st.AddLease(e.ctx, cl, hostA, "r1", 10))
+	for i := 0; i < 3; i++ {
+		e.must(e.st.DeleteLease(e.ctx, cl, hostA, "r1"))
+	}
+	// The same request id on another host is another lease.
+	e.must(e.st.DeleteLease(e.ctx, cl, hostB, "r1"))
+	e.wantLoad(cl, api.LoadStats{})
+	e.must(e.st.AddLease(e.ctx, cl, hostA, "r2", 5))
+	e.must(e.st.DeleteLease(e.ctx, cl, hostB, "r2"))
+	e.wantLoad(cl, api.LoadStats{hostA: {TotalReqs: 1, PromptLength: 5}})
+}
+
+func testLeaseReAdd(e *env) {
+	e.must(e.st.AddLease(e.ctx, cl, hostA, "r1", 10))
+	e.must(e.st.AddLease(e.ctx, cl, hostA, "r1", 30))
+	e.wantLoad(cl, api.LoadStats{hostA: {TotalReqs: 1, PromptLength: 30}})
+	e.must(e.st.DeleteLease(e.ctx, cl, hostA, "r1"))
+	e.wantLoad(cl, api.LoadStats{})
+}
+
+func testLeaseExpiry(e *env) {
+	e.must(e.st.AddLease(e.ctx, cl, hostA, "old", 100))
+	e.clock.Advance(leaseTTL / 2)
+	e.must(e.st.AddLease(e.ctx, cl, hostA, "young", 10))
+	e.must(e.st.AddLease(e.ctx, cl, hostB, "renewed", 1))
+	e.clock.Advance(leaseTTL/2 - time.Millisecond)
+	e.wantLoad(cl, api.LoadStats{
+		hostA: {TotalReqs: 2, PromptLength: 110},
+		hostB: {TotalReqs: 1, PromptLength: 1},
+	})
+	// Re-adding restarts the lease's TTL.
+	e.must(e.st.AddLease(e.ctx, cl, hostB, "renewed", 1))
+	e.clock.Advance(time.Millisecond)
+	// The gateway that added "old" died: its lease is gone by itself.
+	e.wantLoad(cl, api.LoadStats{
+		hostA: {TotalReqs: 1, PromptLength: 10},
+		hostB: {TotalReqs: 1, PromptLength: 1},
+	})
+	// A late delete of the expired lease must not go negative.
+	e.must(e.st.DeleteLease(e.ctx, cl, hostA, "old"))
+	e.clock.Advance(leaseTTL / 2)
+	e.wantLoad(cl, api.LoadStats{hostB: {TotalReqs: 1, PromptLength: 1}})
+	ans, err := e.st.Route(e.ctx, cl, nil)
+	e.must(err)
+	if !reflect.DeepEqual(ans.Load, api.LoadStats{hostB: {TotalReqs: 1, PromptLength: 1}}) {
+		e.t.Fatalf("Route load after expiry = %v", ans.Load)
+	}
+	e.clock.Advance(leaseTTL)
+	e.wantLoad(cl, api.LoadStats{})
+	st, err := e.st.Stats(e.ctx)
+	e.must(err)
+	if st.LiveLeases != 0 {
+		e.t.Fatalf("LiveLeases after all expired = %d", st.LiveLeases)
+	}
+}
+
+func testClusterIsolation(e *env) {
+	hs := hashes("p", 4)
+	e.must(e.st.AddLease(e.ctx, "c1", hostA, "r1", 3))
+	e.must(e.st.SaveCache(e.ctx, "c1", hostA, hs))
+	e.wantLoad("c2", api.LoadStats{})
+	e.wantCache("c2", hs, []api.CacheLocation{})
+	e.must(e.st.DeleteLease(e.ctx, "c2", hostA, "r1"))
+	e.must(e.st.EvictHost(e.ctx, "c2", hostA))
+	e.wantLoad("c1", api.LoadStats{hostA: {TotalReqs: 1, PromptLength: 3}})
+	e.wantCache("c1", hs, []api.CacheLocation{{Host: hostA, Length: 4}})
+}
+
+func testCacheLongestLeadingRun(e *env) {
+	hs := hashes("conv", 6)
+	e.must(e.st.SaveCache(e.ctx, cl, hostA, hs[:4]))
+	// B holds 0, 1 and 3 but not 2: its run stops at 2 although it holds 3.
+	e.must(e.st.SaveCache(e.ctx, cl, hostB, []store.Hash{hs[0], hs[1], hs[3]}))
+	// C lacks hash 0, so it holds no leading run at all.
+	e.must(e.st.SaveCache(e.ctx, cl, hostC, hs[1:]))
+	e.wantCache(cl, hs, []api.CacheLocation{{Host: hostA, Length: 4}, {Host: hostB, Length: 2}})
+	// A shorter query caps the length at its own size.
+	e.wantCache(cl, hs[:1], []api.CacheLocation{{Host: hostA, Length: 1}, {Host: hostB, Length: 1}})
+	// Ties are broken by host so answers are deterministic.
+	e.must(e.st.SaveCache(e.ctx, cl, hostC, hs[:1]))
+	e.wantCache(cl, hs[:2], []api.CacheLocation{
+		{Host: hostA, Length: 2}, {Host: hostB, Length: 2}, {Host: hostC, Length: 2},
+	})
+	// C now holds hash 0 too, so its whole run counts; saving the same
+	// hashes again changes nothing.
+	e.must(e.st.SaveCache(e.ctx, cl, hostA, hs[:4]))
+	e.wantCache(cl, hs, []api.CacheLocation{
+		{Host: hostC, Length: 6}, {Host: hostA, Length: 4}, {Host: hostB, Length: 2},
+	})
+}
+
+// testCacheManyHosts: more holders than hashes, with holes and expired
+// entries at every depth, against a brute-force reference. (Stores may
+// switch strategy between wide and narrow candidate sets; both must agree.)
+func testCacheManyHosts(e *env) {
+	const nHosts, nHashes = 24, 5
+	hs := hashes("many", nHashes)
+	host := func(i int) string { return fmt.Sprintf("10.2.0.%d:9000", i+1) }
+	held := make([][]bool, nHosts)
+	for i := range held {
+		held[i] = make([]bool, nHashes)
+		var mine []store.Hash
+		for j := range hs {
+			// Host i holds hash j unless the pattern punches a hole.
+			if (i+j)%7 != 3 && j <= i%(nHashes+1) {
+				held[i][j] = true
+				mine = append(mine, hs[j])
+			}
+		}
+		if len(mine) > 0 {
+			e.must(e.st.SaveCache(e.ctx, cl, host(i), mine))
+		}
+	}
+	// Some entries age out: re-save half the hosts' holdings later, then
+	// move past the first TTL.
+	e.clock.Advance(cacheTTL / 2)
+	for i := 0; i < nHosts; i += 2 {
+		var mine []store.Hash
+		for j := range hs {
+			if held[i][j] && j != 2 {
+				mine = append(mine, hs[j])
+			}
+		}
+		if len(mine) > 0 {
+			e.must(e.st.SaveCache(e.ctx, cl, host(i), mine))
+		}
+	}
+	e.clock.Advance(cacheTTL / 2)
+	var want []api.CacheLocation
+	for i := 0; i < nHosts; i++ {
+		n := 0
+		for n < nHashes && held[i][n] && i%2 == 0 && n != 2 {
+			n++
+		}
+		if n > 0 {
+			want = append(want, api.CacheLocation{Host: host(i), Length: n})
+		}
+	}
+	store.SortLocations(want)
+	if want == nil {
+		want = []api.CacheLocation{}
+	}
+	e.wantCache(cl, hs, want)
+	for k := 1; k < nHashes; k++ {
+		var short []api.CacheLocation
+		for _, l := range want {
+			short = append(short, api.CacheLocation{Host: l.Host, Length: min(l.Length, k)})
+		}
+		store.SortLocations(short)
+		e.wantCache(cl, hs[:k], short)
+	}
+}
+
+func testCacheEmptyAndUnknown(e *env) {
+	e.wantCache("nobody", hashes("x", 3), []api.CacheLocation{})
+	e.wantCache(cl, nil, []api.CacheLocation{})
+	e.must(e.st.SaveCache(e.ctx, cl, hostA, hashes("x", 3)))
+	e.wantCache(cl, nil, []api.CacheLocation{})
+	e.wantCache(cl, hashes("y", 3), []api.CacheLocation{})
+}
+
+func testCacheTTLAndRefresh(e *env) {
+	hot, cold := hashes("hot", 3), hashes("cold", 3)
+	e.must(e.st.SaveCache(e.ctx, cl, hostA, hot))
+	e.must(e.st.SaveCache(e.ctx, cl, hostA, cold))
+	e.clock.Advance(cacheTTL / 2)
+	// A hit refreshes the entries it matched, and only those.
+	e.wantCache(cl, hot[:2], []api.CacheLocation{{Host: hostA, Length: 2}})
+	e.clock.Advance(cacheTTL / 2)
+	e.wantCache(cl, cold, []api.CacheLocation{})
+	e.clock.Advance(cacheTTL/2 - time.Millisecond)
+	e.wantCache(cl, hot, []api.CacheLocation{{Host: hostA, Length: 2}})
+	e.clock.Advance(cacheTTL)
+	e.wantCache(cl, hot, []api.CacheLocation{})
+
+	// Saving again restarts the TTL as well.
+	e.must(e.st.SaveCache(e.ctx, cl, hostA, cold))
+	e.clock.Advance(cacheTTL / 2)
+	e.must(e.st.SaveCache(e.ctx, cl, hostA, cold[:1]))
+	e.clock.Advance(cacheTTL / 2)
+	e.wantCache(cl, cold, []api.CacheLocation{{Host: hostA, Length: 1}})
+	e.clock.Advance(cacheTTL)
+	e.wantCache(cl, cold, []api.CacheLocation{})
+	st, err := e.st.Stats(e.ctx)
+	e.must(err)
+	if st.IndexEntries != 0 {
+		e.t.Fatalf("IndexEntries after all expired = %d", st.IndexEntries)
+	}
+}
+
+func testCacheEvict(e *env) {
+	hs := hashes("ev", 5)
+	e.must(e.st.SaveCache(e.ctx, cl, hostA, hs))
+	e.must(e.st.SaveCache(e.ctx, cl, hostB, hs))
+	e.must(e.st.EvictCache(e.ctx, cl, hostA, []store.Hash{hs[2], hashes("unknown", 1)[0]}))
+	e.wantCache(cl, hs, []api.CacheLocation{{Host: hostB, Length: 5}, {Host: hostA, Length: 2}})
+	e.must(e.st.EvictCache(e.ctx, cl, hostA, []store.Hash{hs[2]}))
+	e.must(e.st.EvictCache(e.ctx, "unknown-cluster", hostA, hs))
+	e.must(e.st.EvictCache(e.ctx, cl, hostB, hs[:1]))
+	e.wantCache(cl, hs, []api.CacheLocation{{Host: hostA, Length: 2}})
+}
+
+func testCacheEvictHost(e *env) {
+	a, b := hashes("a", 4), hashes("b", 4)
+	e.must(e.st.SaveCache(e.ctx, cl, hostA, a))
+	e.must(e.st.SaveCache(e.ctx, cl, hostA, b))
+	e.must(e.st.SaveCache(e.ctx, cl, hostB, a))
+	e.must(e.st.SaveCache(e.ctx, "other", hostA, a))
+	e.must(e.st.EvictHost(e.ctx, cl, hostA))
+	e.must(e.st.EvictHost(e.ctx, cl, hostA))
+	e.must(e.st.EvictHost(e.ctx, cl, hostC))
+	e.wantCache(cl, a, []api.CacheLocation{{Host: hostB, Length: 4}})
+	e.wantCache(cl, b, []api.CacheLocation{})
+	e.wantCache("other", a, []api.CacheLocation{{Host: hostA, Length: 4}})
+	// The host can come back and save again (restarted pod).
+	e.must(e.st.SaveCache(e.ctx, cl, hostA, b[:2]))
+	e.wantCache(cl, b, []api.CacheLocation{{Host: hostA, Length: 2}})
+	st, err := e.st.Stats(e.ctx)
+	e.must(err)
+	if want := int64(4 + 4 + 2); st.IndexEntries != want {
+		e.t.Fatalf("IndexEntries = %d, want %d", st.IndexEntries, want)
+	}
+}
+
+func testRoute(e *env) {
+	hs := hashes("route", 8)
+	e.must(e.st.AddLease(e.ctx, cl, hostA, "r1", 40))
+	e.must(e.st.AddLease(e.ctx, cl, hostB, "r2", 60))
+	e.must(e.st.SaveCache(e.ctx, cl, hostA, hs[:3]))
+	e.must(e.st.SaveCache(e.ctx, cl, hostC, hs))
+	got, err := e.st.Route(e.ctx, cl, hs)
+	e.must(err)
+	want := api.RouteAnswer{
+		Load: api.LoadStats{
+			hostA: {TotalReqs: 1, PromptLength: 40},
+			hostB: {TotalReqs: 1, PromptLength: 60},
+		},
+		Cache: []api.CacheLocation{{Host: hostC, Length: 8}, {Host: hostA, Length: 3}},
+	}
+	if !reflect.DeepEqual(got, want) {
+		e.t.Fatalf("Route = %+v, want %+v", got, want)
+	}
+	// Route must agree with the two separate calls.
+	if l := e.load(cl); !reflect.DeepEqual(l, got.Load) {
+		e.t.Fatalf("LoadStats %v != Route load %v", l, got.Load)
+	}
+	if c := e.query(cl, hs); !reflect.DeepEqual(c, got.Cache) {
+		e.t.Fatalf("QueryCache %v != Route cache %v", c, got.Cache)
+	}
+	empty, err := e.st.Route(e.ctx, "nobody", hs)
+	e.must(err)
+	if !reflect.DeepEqual(empty, api.RouteAnswer{Load: api.LoadStats{}, Cache: []api.CacheLocation{}}) {
+		e.t.Fatalf("Route of unknown cluster = %+v", empty)
+	}
+	// A hit through Route refreshes TTLs like QueryCache does.
+	e.clock.Advance(cacheTTL / 2)
+	_, err = e.st.Route(e.ctx, cl, hs[:2])
+	e.must(err)
+	e.clock.Advance(cacheTTL/2 + time.Millisecond)
+	e.wantCache(cl, hs, []api.CacheLocation{{Host: hostA, Length: 2}, {Host: hostC, Length: 2}})
+}
+
+func testStats(e *env) {
+	st, err := e.st.Stats(e.ctx)
+	e.must(err)
+	if st != (store.Stats{}) {
+		e.t.Fatalf("Stats of an empty store = %+v", st)
+	}
+	e.must(e.st.AddLease(e.ctx, "c1", hostA, "r1", 1))
+	e.must(e.st.AddLease(e.ctx, "c2", hostA, "r1", 1))
+	e.must(e.st.AddLease(e.ctx, "c2", hostB, "r2", 1))
+	e.must(e.st.SaveCache(e.ctx, "c1", hostA, hashes("s", 3)))
+	e.must(e.st.SaveCache(e.ctx, "c2", hostB, hashes("s", 2)))
+	e.must(e.st.SaveCache(e.ctx, "c2", hostB, hashes("s", 2)))
+	st, err = e.st.Stats(e.ctx)
+	e.must(err)
+	if want := (store.Stats{LiveLeases: 3, IndexEntries: 5}); st != want {
+		e.t.Fatalf("Stats = %+v, want %+v", st, want)
+	}
+}
+
+// testConcurrent checks that interleaved calls from many goroutines never
+// lose or double-count a lease.
+func testConcurrent(e *env) {
+	const workers, perWorker = 8, 50
+	var wg sync.WaitGroup
+	errs := make(chan error, workers)
+	for w := 0; w < workers; w++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			host := []string{hostA, hostB}[w%2]
+			hs := hashes(fmt.Sprint("w", w), 4)
+			for i := 0; i < perWorker; i++ {
+				id := fmt.Sprintf("w%d-%d", w, i)
+				if err := e.st.AddLease(e.ctx, cl, host, id, 10); err != nil {
+					errs <- err
+					return
+				}
+				if err := e.st.SaveCache(e.ctx, cl, host, hs); err != nil {
+					errs <- err
+					return
+				}
+				if _, err := e.st.Route(e.ctx, cl, hs); err != nil {
+					errs <- err
+					return
+				}
+				if err := e.st.FirstToken(e.ctx, cl, host, id); err != nil {
+					errs <- err
+					return
+				}
+				// Keep every fifth lease; delete the rest twice.
+				if i%5 != 0 {
+					for k := 0; k < 2; k++ {
+						if err := e.st.DeleteLease(e.ctx, cl, host, id); err != nil {
+							errs <- err
+							return
+						}
+					}
+				}
+			}
+		}()
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		e.t.Fatal(err)
+	}
+	kept := int64(workers / 2 * perWorker / 5)
+	e.wantLoad(cl, api.LoadStats{hostA: {TotalReqs: kept}, hostB: {TotalReqs: kept}})
+	st, err := e.st.Stats(e.ctx)
+	e.must(err)
+	if want := (store.Stats{LiveLeases: 2 * kept, IndexEntries: workers * 4}); st != want {
+		e.t.Fatalf("Stats = %+v, want %+v", st, want)
+	}
+}
+
+func testPing(e *env) {
+	ctx, cancel := context.WithTimeout(e.ctx, 2*time.Second)
+	defer cancel()
+	e.must(e.st.Ping(ctx))
+}
