@@ -1,0 +1,354 @@
+package balancer
+
+import (
+	"errors"
+	"fmt"
+	"math"
+	"math/rand/v2"
+	"sync"
+	"testing"
+
+	"github.com/istio-llm-filter/istio-llm-filter/filter/config"
+	"github.com/istio-llm-filter/istio-llm-filter/filter/endpoints"
+	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/api"
+)
+
+var seedRule = config.LBRule{Policy: config.PolicyCacheAware, CacheRatioWeight: 2, RequestLoadWeight: 1, PrefillLoadWeight: 3, CandidatePercent: 10}
+
+// seededIntN is a deterministic, concurrency-safe random source.
+func seededIntN(seed uint64) func(int) int {
+	var mu sync.Mutex
+	r := rand.New(rand.NewPCG(seed, seed^0x9e3779b97f4a7c15))
+	return func(n int) int {
+		mu.Lock()
+		defer mu.Unlock()
+		return r.IntN(n)
+	}
+}
+
+func near(a, b float64) bool { return math.Abs(a-b) < 1e-9 }
+
+// TestSeedWorkedExample is seed 002 §4 step 5: pods A/B/C with
+// reqs 8/2/5, prompt 4096/1024/2048 and 0, 2 and 1 of 3 blocks cached.
+//
+// The seed rounds the cache ratios to two decimals (0.67 and 0.33) before
+// scoring; with them A = -4.2 and B = 2×0.67 − 0.75 = 0.59 exactly as
+// printed. For C it prints -1.54, but its own terms give
+// 2×0.33 − 1.2×0.5 − 3×0.5 = 0.66 − 0.6 − 1.5 = -1.44: an arithmetic slip in
+// the seed (no rounding yields -1.54). The code uses exact ratios:
+// A = -4.2, B = 0.58333…, C = -1.43333…; the ranking B > C > A and the
+// choice of B are the seed's.
+func TestSeedWorkedExample(t *testing.T) {
+	rounded := []Host{
+		{Address: "A", Reqs: 8, Prompt: 4096, CacheRatio: 0},
+		{Address: "B", Reqs: 2, Prompt: 1024, CacheRatio: 0.67},
+		{Address: "C", Reqs: 5, Prompt: 2048, CacheRatio: 0.33},
+	}
+	s := Scores(rounded, seedRule, nil)
+	if !near(s[0], -4.2) || !near(s[1], 0.59) || !near(s[2], -1.44) {
+		t.Fatalf("seed-rounded scores = %v, want [-4.2 0.59 -1.44]", s)
+	}
+
+	// The same through Choose, from the metadata center's wire answer.
+	cands := []endpoints.Endpoint{{Address: "10.0.1.1:8000"}, {Address: "10.0.1.2:8000"}, {Address: "10.0.1.3:8000"}}
+	view := View{
+		Load: api.LoadStats{
+			"10.0.1.1:8000": {TotalReqs: 8, PromptLength: 4096},
+			"10.0.1.2:8000": {TotalReqs: 2, PromptLength: 1024},
+			"10.0.1.3:8000": {TotalReqs: 5, PromptLength: 2048},
+		},
+		Cache: map[string]int{"10.0.1.2:8000": 2, "10.0.1.3:8000": 1},
+	}
+	var hosts [3]Host
+	NewTracker().fill("c", cands, view, 3, hosts[:])
+	exact := Scores(hosts[:], seedRule, nil)
+	if !near(exact[0], -4.2) || !near(exact[1], 2.0*2/3-0.75) || !near(exact[2], 2.0/3-0.6-1.5) {
+		t.Fatalf("exact scores = %v", exact)
+	}
+	if !near(math.Round(exact[0]*100)/100, -4.2) || !near(math.Round(exact[1]*100)/100, 0.58) || !near(math.Round(exact[2]*100)/100, -1.43) {
+		t.Fatalf("exact scores rounded = %v", exact)
+	}
+	for seed := uint64(0); seed < 200; seed++ {
+		b := New(Options{IntN: seededIntN(seed)})
+		ch, err := b.Choose("c", seedRule, cands, view, 3)
+		if err != nil || ch.Host.Address != "10.0.1.2:8000" {
+			t.Fatalf("seed %d: chose %+v %v, want pod B", seed, ch, err)
+		}
+		if !near(ch.Host.CacheRatio, 2.0/3) {
+			t.Fatalf("cache ratio %v", ch.Host.CacheRatio)
+		}
+	}
+}
+
+func TestDynamicRequestWeight(t *testing.T) {
+	// delta = 4 (≤ 5): W2 stays 1; the busiest pod loses exactly W2.
+	s := Scores([]Host{{Reqs: 0}, {Reqs: 4}}, seedRule, nil)
+	if !near(s[0], 0) || !near(s[1], -1) {
+		t.Fatalf("delta 4: %v", s)
+	}
+	// delta = 10 (> 5): W2' = 1·10/5 = 2.
+	s = Scores([]Host{{Reqs: 0}, {Reqs: 10}}, seedRule, nil)
+	if !near(s[1], -2) {
+		t.Fatalf("delta 10: %v", s)
+	}
+	// delta floors at 2: one extra request costs half of W2.
+	s = Scores([]Host{{Reqs: 3}, {Reqs: 4}}, seedRule, nil)
+	if !near(s[1], -0.5) {
+		t.Fatalf("delta floor: %v", s)
+	}
+	// No prompt anywhere: the prefill term is zero, not NaN.
+	for _, v := range Scores([]Host{{}, {}}, seedRule, nil) {
+		if v != 0 {
+			t.Fatalf("idle scores %v", v)
+		}
+	}
+}
+
+func eps(n int) []endpoints.Endpoint {
+	out := make([]endpoints.Endpoint, n)
+	for i := range out {
+		out[i] = endpoints.Endpoint{Address: fmt.Sprintf("10.0.0.%d:8000", i+1)}
+	}
+	return out
+}
+
+func TestTopPercentOnly(t *testing.T) {
+	// Ten pods with distinct scores (pod i has i requests): with 30% only
+	// the three least loaded may be picked, and each of them is.
+	cands := eps(10)
+	load := api.LoadStats{}
+	for i, e := range cands {
+		load[e.Address] = api.EndpointStats{TotalReqs: int64(i)}
+	}
+	rule := seedRule
+	rule.CandidatePercent = 30
+	b := New(Options{IntN: seededIntN(1)})
+	seen := map[string]int{}
+	for range 3000 {
+		ch, _ := b.Choose("c", rule, cands, View{Load: load}, 0)
+		seen[ch.Host.Address]++
+	}
+	if len(seen) != 3 || seen["10.0.0.1:8000"] == 0 || seen["10.0.0.2:8000"] == 0 || seen["10.0.0.3:8000"] == 0 {
+		t.Fatalf("picks %v", seen)
+	}
+	for _, n := range seen {
+		if n < 800 || n > 1200 {
+			t.Fatalf("not uniform among the top: %v", seen)
+		}
+	}
+}
+
+func TestEqualScoresSpreadAtRandom(t *testing.T) {
+	// Without tie-breaking, candidate_percent 10 of 5 pods means "always the
+	// first pod listed" when all score alike.
+	cands := eps(5)
+	b := New(Options{IntN: seededIntN(2)})
+	seen := map[string]int{}
+	for range 5000 {
+		ch, _ := b.Choose("c", seedRule, cands, View{Load: api.LoadStats{}}, 4)
+		seen[ch.Host.Address]++
+	}
+	for _, e := range cands {
+		if n := seen[e.Address]; n < 850 || n > 1150 {
+			t.Fatalf("ties not broken uniformly: %v", seen)
+		}
+	}
+}
+
+func TestPickTopTieGroupPastTheCut(t *testing.T) {
+	// Scores 5, 3, 3, 3 with a cut of 2: the 5 keeps its half, the three 3s
+	// share the other half although two of them lie past the cut.
+	scores := []float64{3, 3, 5, 3}
+	intn := seededIntN(3)
+	counts := make([]int, 4)
+	for range 12000 {
+		counts[pickTop(scores, 50, intn)]++
+	}
+	if counts[2] < 5700 || counts[2] > 6300 {
+		t.Fatalf("best pod share %v", counts)
+	}
+	for _, i := range []int{0, 1, 3} {
+		if counts[i] < 1700 || counts[i] > 2300 {
+			t.Fatalf("tied pods %v", counts)
+		}
+	}
+}
+
+func TestBurstSpreadsWithLocalInFlight(t *testing.T) {
+	// The metadata center's view is stale (all idle) for the whole burst:
+	// only local accounting can stop every decision from picking alike.
+	for _, policy := range []string{config.PolicyCacheAware, config.PolicyLeastRequest} {
+		cands := eps(4)
+		b := New(Options{IntN: seededIntN(4)})
+		rule := seedRule
+		rule.Policy = policy
+		per := map[string]int{}
+		for range 40 {
+			ch, err := b.Choose("c", rule, cands, View{Load: api.LoadStats{}}, 0)
+			if err != nil {
+				t.Fatal(err)
+			}
+			b.Tracker().Begin("c", ch.Host.Address, 1000)
+			per[ch.Host.Address]++
+		}
+		for _, e := range cands {
+			if per[e.Address] != 10 {
+				t.Fatalf("%s: burst of 40 over 4 pods: %v", policy, per)
+			}
+		}
+	}
+}
+
+func TestAckedRequestsAreNotCountedTwice(t *testing.T) {
+	tr := NewTracker()
+	f := tr.Begin("c", "h:1", 100)
+	g := tr.Begin("c", "h:1", 50)
+	cands := []endpoints.Endpoint{{Address: "h:1"}}
+	var hs [1]Host
+
+	// The metadata center does not know either yet.
+	tr.fill("c", cands, View{Load: api.LoadStats{}}, 0, hs[:])
+	if hs[0].Reqs != 2 || hs[0].Prompt != 150 {
+		t.Fatalf("before ack: %+v", hs[0])
+	}
+	// f's add landed: the metadata center counts it, the tracker must not.
+	f.Acked()
+	tr.fill("c", cands, View{Load: api.LoadStats{"h:1": {TotalReqs: 1, PromptLength: 100}}}, 0, hs[:])
+	if hs[0].Reqs != 2 || hs[0].Prompt != 150 {
+		t.Fatalf("after ack: %+v", hs[0])
+	}
+	// g's first token: its prompt no longer loads the pod.
+	g.FirstToken()
+	tr.fill("c", cands, View{Load: api.LoadStats{"h:1": {TotalReqs: 1, PromptLength: 100}}}, 0, hs[:])
+	if hs[0].Reqs != 2 || hs[0].Prompt != 100 {
+		t.Fatalf("after first token: %+v", hs[0])
+	}
+	// Degraded: local counts stand in for the metadata center.
+	tr.fill("c", cands, View{Degraded: true, Cache: map[string]int{"h:1": 5}}, 5, hs[:])
+	if hs[0].Reqs != 2 || hs[0].Prompt != 100 || hs[0].CacheRatio != 0 {
+		t.Fatalf("degraded: %+v", hs[0])
+	}
+	// Repeated and late calls change nothing; ending both empties the tracker.
+	f.Acked()
+	g.FirstToken()
+	g.End()
+	g.End()
+	g.Acked()
+	f.End()
+	if n, u := tr.InFlight("c", "h:1"); n != 0 || u != 0 || len(tr.clusters) != 0 {
+		t.Fatalf("leftover: %d %d %v", n, u, tr.clusters)
+	}
+	var nilFlight *Flight
+	nilFlight.Acked()
+	nilFlight.FirstToken()
+	nilFlight.End()
+}
+
+func TestTrackerConcurrent(t *testing.T) {
+	tr := NewTracker()
+	var wg sync.WaitGroup
+	for i := range 8 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for j := range 500 {
+				f := tr.Begin("c", fmt.Sprint("h", (i+j)%3), j)
+				if j%2 == 0 {
+					f.Acked()
+				}
+				f.FirstToken()
+				f.End()
+			}
+		}()
+	}
+	wg.Wait()
+	if len(tr.clusters) != 0 {
+		t.Fatalf("leaked %v", tr.clusters)
+	}
+}
+
+func TestPolicies(t *testing.T) {
+	cands := eps(4)
+	view := View{
+		Load:  api.LoadStats{"10.0.0.1:8000": {TotalReqs: 9}, "10.0.0.2:8000": {TotalReqs: 1}, "10.0.0.3:8000": {TotalReqs: 5}, "10.0.0.4:8000": {TotalReqs: 7}},
+		Cache: map[string]int{"10.0.0.3:8000": 4, "10.0.0.4:8000": 2},
+	}
+	b := New(Options{IntN: seededIntN(5)})
+	rule := seedRule
+	choose := func(policy string) string {
+		rule.Policy = policy
+		ch, err := b.Choose("c", rule, cands, view, 4)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return ch.Host.Address
+	}
+	if got := choose(config.PolicyLeastRequest); got != "10.0.0.2:8000" {
+		t.Fatalf("least_request chose %s", got)
+	}
+	if got := choose(config.PolicyPrefixOnly); got != "10.0.0.3:8000" {
+		t.Fatalf("prefix_only chose %s", got)
+	}
+	var rr []string
+	for range 8 {
+		rr = append(rr, choose(config.PolicyRoundRobin))
+	}
+	if fmt.Sprint(rr[:4]) != fmt.Sprint(rr[4:]) || rr[0] == rr[1] || rr[1] == rr[2] || rr[2] == rr[3] || rr[0] == rr[3] {
+		t.Fatalf("round_robin order %v", rr)
+	}
+	seen := map[string]bool{}
+	for range 200 {
+		seen[choose(config.PolicyRandom)] = true
+	}
+	if len(seen) != 4 {
+		t.Fatalf("random reached %v", seen)
+	}
+	for name, p := range b.policies {
+		want := name != config.PolicyRoundRobin && name != config.PolicyRandom
+		if p.NeedsMetadata() != want {
+			t.Fatalf("%s NeedsMetadata = %v", name, p.NeedsMetadata())
+		}
+	}
+	rule.Policy = "nope"
+	if _, err := b.Choose("c", rule, cands, view, 4); err == nil {
+		t.Fatal("unknown policy accepted")
+	}
+}
+
+func TestFilterAndNoEndpoint(t *testing.T) {
+	all := []endpoints.Endpoint{
+		{Address: "a:1", Labels: map[string]string{"lora": "sql", "pool": "x"}},
+		{Address: "b:1", Labels: map[string]string{"lora": "chat", "pool": "x"}},
+		{Address: "c:1"},
+	}
+	if got := Filter(append([]endpoints.Endpoint(nil), all...), map[string]string{"pool": "x"}, map[string]string{"lora": "sql"}); len(got) != 1 || got[0].Address != "a:1" {
+		t.Fatalf("filter = %v", got)
+	}
+	if got := Filter(append([]endpoints.Endpoint(nil), all...)); len(got) != 3 {
+		t.Fatalf("no selector filtered: %v", got)
+	}
+	none := Filter(append([]endpoints.Endpoint(nil), all...), map[string]string{"lora": "vision"})
+	if _, err := New(Options{}).Choose("c", seedRule, none, View{}, 0); !errors.Is(err, ErrNoEndpoint) {
+		t.Fatalf("err = %v", err)
+	}
+}
+
+func BenchmarkChoose(b *testing.B) {
+	for _, n := range []int{8, 64, 256} {
+		b.Run(fmt.Sprintf("cache_aware/%d", n), func(b *testing.B) {
+			cands := eps(n)
+			view := View{Load: api.LoadStats{}, Cache: map[string]int{}}
+			for i, e := range cands {
+				view.Load[e.Address] = api.EndpointStats{TotalReqs: int64(i % 7), PromptLength: int64(i * 100)}
+				view.Cache[e.Address] = i % 16
+			}
+			bal := New(Options{})
+			b.ReportAllocs()
+			for b.Loop() {
+				if _, err := bal.Choose("c", seedRule, cands, view, 16); err != nil {
+					b.Fatal(err)
+				}
+			}
+		})
+	}
+}

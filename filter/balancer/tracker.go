@@ -1,0 +1,175 @@
+package balancer
+
+import (
+	"sync"
+
+	"github.com/istio-llm-filter/istio-llm-filter/filter/endpoints"
+)
+
+// Tracker is this gateway's own account of the requests it has routed.
+//
+// The metadata center learns of a request only when the asynchronous
+// addRequest lands, so between a decision and that moment every other
+// decision here would see the pod as idle, and a burst would all pick the
+// same pod. The tracker adds each such unacknowledged request to the
+// metadata center's figures; once the metadata center has it (Acked) it is
+// no longer added, so nothing is counted twice. If the metadata center cannot
+// be queried at all, the tracker's full in-flight counts stand in for it.
+type Tracker struct {
+	mu       sync.Mutex
+	clusters map[string]map[string]*local // cluster -> host -> counts
+}
+
+type local struct {
+	inflight       int64 // routed here and not done
+	prefill        int64 // prompt bytes of those before their first token
+	unacked        int64 // of inflight, not yet counted by the metadata center
+	unackedPrefill int64 // prompt bytes of unacked ones before their first token
+}
+
+// NewTracker returns an empty tracker.
+func NewTracker() *Tracker { return &Tracker{clusters: map[string]map[string]*local{}} }
+
+// Flight is one routed request's entry in the tracker. Its methods are
+// idempotent and may be called from any goroutine, in any order after Begin
+// (a late Acked after End is ignored).
+type Flight struct {
+	t             *Tracker
+	l             *local // stays valid until End: the entry lives while inflight > 0
+	cluster, host string
+	prompt        int64
+	acked         bool
+	filled        bool // first token seen: its prompt no longer loads the pod
+	ended         bool
+}
+
+// Begin records a request routed to host.
+func (t *Tracker) Begin(cluster, host string, promptLength int) *Flight {
+	f := &Flight{t: t, cluster: cluster, host: host, prompt: int64(promptLength)}
+	t.mu.Lock()
+	hosts := t.clusters[cluster]
+	if hosts == nil {
+		hosts = map[string]*local{}
+		t.clusters[cluster] = hosts
+	}
+	l := hosts[host]
+	if l == nil {
+		l = &local{}
+		hosts[host] = l
+	}
+	f.l = l
+	l.inflight++
+	l.unacked++
+	l.prefill += f.prompt
+	l.unackedPrefill += f.prompt
+	t.mu.Unlock()
+	return f
+}
+
+// Acked records that the metadata center now counts the request.
+func (f *Flight) Acked() {
+	if f == nil {
+		return
+	}
+	f.t.mu.Lock()
+	defer f.t.mu.Unlock()
+	if f.acked || f.ended {
+		return
+	}
+	f.acked = true
+	l := f.l
+	l.unacked--
+	if !f.filled {
+		l.unackedPrefill -= f.prompt
+	}
+}
+
+// FirstToken records the end of prefill.
+func (f *Flight) FirstToken() {
+	if f == nil {
+		return
+	}
+	f.t.mu.Lock()
+	defer f.t.mu.Unlock()
+	if f.filled || f.ended {
+		return
+	}
+	f.filled = true
+	l := f.l
+	l.prefill -= f.prompt
+	if !f.acked {
+		l.unackedPrefill -= f.prompt
+	}
+}
+
+// End records that the request is over.
+func (f *Flight) End() {
+	if f == nil {
+		return
+	}
+	f.t.mu.Lock()
+	defer f.t.mu.Unlock()
+	if f.ended {
+		return
+	}
+	f.ended = true
+	l := f.l
+	l.inflight--
+	if !f.filled {
+		l.prefill -= f.prompt
+	}
+	if !f.acked {
+		l.unacked--
+		if !f.filled {
+			l.unackedPrefill -= f.prompt
+		}
+	}
+	if l.inflight == 0 {
+		// Keeps the maps as small as the set of busy pods.
+		hosts := f.t.clusters[f.cluster]
+		delete(hosts, f.host)
+		if len(hosts) == 0 {
+			delete(f.t.clusters, f.cluster)
+		}
+	}
+}
+
+// InFlight returns the local in-flight count and unacknowledged count of a host.
+func (t *Tracker) InFlight(cluster, host string) (inflight, unacked int64) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if l := t.clusters[cluster][host]; l != nil {
+		return l.inflight, l.unacked
+	}
+	return 0, 0
+}
+
+// fill computes every candidate's Host from the view plus local accounting.
+func (t *Tracker) fill(cluster string, cands []endpoints.Endpoint, v View, blocks int, out []Host) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	mine := t.clusters[cluster]
+	for i, e := range cands {
+		h := Host{Address: e.Address}
+		var l *local
+		if mine != nil {
+			l = mine[e.Address]
+		}
+		if v.Degraded {
+			if l != nil {
+				h.Reqs, h.Prompt = l.inflight, l.prefill
+			}
+		} else {
+			st := v.Load[e.Address]
+			h.Reqs, h.Prompt = st.TotalReqs, st.PromptLength
+			if l != nil {
+				h.Reqs += l.unacked
+				h.Prompt += l.unackedPrefill
+			}
+			if blocks > 0 && len(v.Cache) > 0 {
+				h.CacheRatio = min(1, float64(v.Cache[e.Address])/float64(blocks))
+			}
+		}
+		out[i] = h
+	}
+}

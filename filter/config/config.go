@@ -1,0 +1,212 @@
+// Package config is the filter's configuration: the `filter:` document of
+// DESIGN §9, as Envoy delivers it (plugin_config: an Any holding an
+// xds.type.v3.TypedStruct) and as the standalone gateway reads it (YAML or
+// JSON). Parsing is strict: an unknown key or an invalid value is refused
+// with an error naming its key path, e.g.
+//
+//	lb_mapping_rule.default.candidate_percent: must be in 1..100, got 0
+//
+// Defaults are applied, so every field of a parsed Config is usable as is.
+package config
+
+import (
+	"time"
+)
+
+// Defaults of the keys that may be omitted.
+const (
+	DefaultProtocol         = "openai"
+	DefaultQueryTimeout     = 100 * time.Millisecond
+	DefaultUpdateTimeout    = 500 * time.Millisecond
+	DefaultChunkSize        = 512
+	DefaultBackend          = BackendVLLM
+	DefaultPolicy           = PolicyCacheAware
+	DefaultCacheRatioW      = 2.0
+	DefaultRequestLoadW     = 1.0
+	DefaultPrefillLoadW     = 3.0
+	DefaultCandidatePercent = 10
+	DefaultAdminRefresh     = time.Second
+	DefaultQueueSize        = 4096
+	DefaultWorkers          = 4
+	DefaultDrainTimeout     = 2 * time.Second
+	DefaultMaxBodyBytes     = 8 << 20
+)
+
+// Load-balancing policies (lb_mapping_rule.*.policy).
+const (
+	PolicyCacheAware   = "cache_aware"   // seed 002 §4 score, top N%, random pick
+	PolicyRoundRobin   = "round_robin"   // baseline: ignores load and cache
+	PolicyRandom       = "random"        // baseline: uniform
+	PolicyLeastRequest = "least_request" // fewest live requests, ties random
+	PolicyPrefixOnly   = "prefix_only"   // longest cached prefix, ties random
+)
+
+// Policies lists the valid policy names.
+func Policies() []string {
+	return []string{PolicyCacheAware, PolicyRoundRobin, PolicyRandom, PolicyLeastRequest, PolicyPrefixOnly}
+}
+
+// Backends of model_mapping_rule.*.backend. All but triton speak the OpenAI
+// API and get the request unchanged.
+const (
+	BackendVLLM     = "vllm"
+	BackendSGLang   = "sglang"
+	BackendLlamaCpp = "llamacpp"
+	BackendTriton   = "triton"
+)
+
+// Backends lists the valid backend names.
+func Backends() []string {
+	return []string{BackendVLLM, BackendSGLang, BackendLlamaCpp, BackendTriton}
+}
+
+// Config is the whole `filter:` document.
+type Config struct {
+	// Protocol (key `protocol`, default "openai") names the transcoder that
+	// parses client requests: "openai" passes requests through to OpenAI-speaking
+	// backends and translates only for rules with backend triton; "triton"
+	// translates every request to Triton's generate API whatever the rule says.
+	// Any non-empty name is accepted here; an unregistered one fails every
+	// request with 400 "unsupported protocol" (seed 002 §3 step 2).
+	Protocol string
+
+	// MetadataCenter is key `metadata_center`.
+	MetadataCenter MetadataCenter
+
+	// PromptHash is key `prompt_hash`.
+	PromptHash PromptHash
+
+	// ModelMappingRule (key `model_mapping_rule`, required, at least one model)
+	// maps the request's "model" to its routing rules. Rules are tried in
+	// order of decreasing number of header conditions (stable for equal
+	// counts); the first whose conditions all hold wins; a rule without
+	// headers is the model's default. At most one default per model, and no
+	// two rules of a model with the same header conditions.
+	ModelMappingRule map[string][]Rule
+
+	// LBMappingRule is key `lb_mapping_rule`.
+	LBMappingRule LBMapping
+
+	// Endpoints is key `endpoints`.
+	Endpoints Endpoints
+
+	// Async is key `async`: the dispatcher of metadata-center updates.
+	Async Async
+
+	// MaxBodyBytes (key `max_body_bytes`, default 8388608 = 8 MiB, 1..1073741824)
+	// refuses larger request bodies with 413 before parsing them.
+	MaxBodyBytes int
+}
+
+// MetadataCenter is key `metadata_center`. The whole key may be omitted (or
+// address left empty): there is then no metadata center, every route query
+// is treated as failed (equal load, zero cache: seed 002 §8.3) and no
+// updates are sent. Policies round_robin and random never need it.
+type MetadataCenter struct {
+	// Address (key `address`) is the base URL, scheme http or https with a
+	// host and no query or fragment, e.g. "http://127.0.0.1:8080". A trailing
+	// slash is removed.
+	Address string
+	// QueryTimeout (key `query_timeout`, default 100ms, 1ms..10s) bounds the
+	// synchronous route query made for each request.
+	QueryTimeout time.Duration
+	// UpdateTimeout (key `update_timeout`, default 500ms, 1ms..60s) bounds
+	// each asynchronous update (add, first token, done, cache save).
+	UpdateTimeout time.Duration
+	// AuthToken (key `auth_token`, optional) is sent as "Authorization: Bearer <token>".
+	AuthToken string
+}
+
+// PromptHash is key `prompt_hash`.
+type PromptHash struct {
+	// ChunkSize (key `chunk_size`, default 512, 16..1048576) is the block size
+	// in bytes of the chained prompt hashes. Every party (filter, workers)
+	// must use the same value, or no prefix will ever match.
+	ChunkSize int
+}
+
+// Rule is one element of model_mapping_rule.<model>.
+type Rule struct {
+	// Headers (key `headers`, optional) are request header conditions, name
+	// -> exact value; names are matched case-insensitively (stored lower case).
+	Headers map[string]string
+	// Cluster (key `cluster`, required) is the Envoy cluster to route to,
+	// e.g. "outbound|8000||qwen.llm.svc.cluster.local".
+	Cluster string
+	// Backend (key `backend`, default "vllm") is one of vllm, sglang,
+	// llamacpp, triton: what the cluster's pods speak.
+	Backend string
+	// SceneName (key `scene_name`, optional) labels logs and metrics.
+	SceneName string
+	// Selector (key `selector`, optional) is a label selector (label ->
+	// value) every endpoint chosen for this rule must carry, on top of the
+	// request's own selector; e.g. a pool or hardware class.
+	Selector map[string]string
+}
+
+// LBMapping is key `lb_mapping_rule`: key `default` plus one key per cluster
+// name. A cluster entry overrides only the keys it sets; the rest come from
+// `default`, whose own omitted keys take the defaults below.
+type LBMapping struct {
+	Default  LBRule
+	Clusters map[string]LBRule
+}
+
+// For returns the rule of a cluster, falling back to the default.
+func (m LBMapping) For(cluster string) LBRule {
+	if r, ok := m.Clusters[cluster]; ok {
+		return r
+	}
+	return m.Default
+}
+
+// LBRule is one entry of lb_mapping_rule. Weights are the seed 002 §4 score's:
+// score = W1·cacheRatio − W2'·(reqs−minReqs)/delta − W3·prompt/maxPrompt.
+type LBRule struct {
+	// Policy (key `policy`, default "cache_aware") is one of cache_aware,
+	// round_robin, random, least_request, prefix_only.
+	Policy string
+	// CacheRatioWeight (key `cache_ratio_weight`, W1, default 2, 0..1000).
+	CacheRatioWeight float64
+	// RequestLoadWeight (key `request_load_weight`, W2, default 1, 0..1000).
+	RequestLoadWeight float64
+	// PrefillLoadWeight (key `prefill_load_weight`, W3, default 3, 0..1000).
+	PrefillLoadWeight float64
+	// CandidatePercent (key `candidate_percent`, default 10, 1..100): the
+	// pick is uniform among the top max(1, n·percent/100) scores.
+	CandidatePercent int
+}
+
+// Endpoints is key `endpoints`: where the pods of a cluster come from. Both
+// may be set: a cluster listed under static uses that list, every other
+// cluster is discovered through the Envoy admin API.
+type Endpoints struct {
+	// EnvoyAdmin is key `envoy_admin` (optional).
+	EnvoyAdmin *EnvoyAdmin
+	// Static (key `static`, optional) pins cluster -> ["ip:port", ...];
+	// addresses must be literal IPs with a non-zero port.
+	Static map[string][]string
+}
+
+// EnvoyAdmin is key `endpoints.envoy_admin`.
+type EnvoyAdmin struct {
+	// Address (key `address`, required) is the admin base URL, e.g.
+	// "http://127.0.0.1:15000".
+	Address string
+	// Refresh (key `refresh`, default 1s, 10ms..10m) is the polling period.
+	Refresh time.Duration
+}
+
+// Async is key `async`: the bounded queue of metadata-center updates.
+// Updates of one request always run in order on one worker.
+type Async struct {
+	// QueueSize (key `queue_size`, default 4096, 1..1048576) is the total
+	// number of queued updates; when full, new ones are dropped and counted.
+	QueueSize int
+	// Workers (key `workers`, default 4, 1..1024) is the number of goroutines
+	// sending updates.
+	Workers int
+	// DrainTimeout (key `drain_timeout`, default 2s, 0..1m) bounds how long
+	// Close waits for queued updates.
+	DrainTimeout time.Duration
+}

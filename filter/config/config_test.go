@@ -1,0 +1,277 @@
+package config
+
+import (
+	"strings"
+	"testing"
+	"time"
+
+	xdstype "github.com/cncf/xds/go/xds/type/v3"
+	"google.golang.org/protobuf/types/known/anypb"
+	"google.golang.org/protobuf/types/known/structpb"
+	"google.golang.org/protobuf/types/known/wrapperspb"
+)
+
+// designDoc is DESIGN §9's filter document verbatim.
+const designDoc = `
+protocol: openai
+metadata_center:
+  address: http://127.0.0.1:8080
+  query_timeout: 100ms
+  update_timeout: 500ms
+prompt_hash: {chunk_size: 512}
+model_mapping_rule:
+  qwen:
+    - headers: {x-env: prod}
+      cluster: outbound|8000||qwen-prod.llm.svc.cluster.local
+      backend: vllm
+      scene_name: prod
+    - cluster: outbound|8000||qwen.llm.svc.cluster.local
+      backend: vllm
+lb_mapping_rule:
+  default: {policy: cache_aware, cache_ratio_weight: 2, request_load_weight: 1, prefill_load_weight: 3, candidate_percent: 10}
+endpoints:
+  envoy_admin: {address: http://127.0.0.1:15000, refresh: 1s}
+  static: {tiny-pool: [127.0.0.1:9001, 127.0.0.1:9002]}
+`
+
+func TestParseDesignDocument(t *testing.T) {
+	cfg, err := Parse([]byte(designDoc))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if cfg.Protocol != "openai" || cfg.MetadataCenter.Address != "http://127.0.0.1:8080" ||
+		cfg.MetadataCenter.QueryTimeout != 100*time.Millisecond || cfg.MetadataCenter.UpdateTimeout != 500*time.Millisecond {
+		t.Fatalf("metadata center: %+v", cfg.MetadataCenter)
+	}
+	rules := cfg.ModelMappingRule["qwen"]
+	if len(rules) != 2 || rules[0].Headers["x-env"] != "prod" || rules[0].SceneName != "prod" ||
+		rules[1].Cluster != "outbound|8000||qwen.llm.svc.cluster.local" || rules[1].Headers != nil {
+		t.Fatalf("rules: %+v", rules)
+	}
+	if d := cfg.LBMappingRule.Default; d.Policy != PolicyCacheAware || d.CacheRatioWeight != 2 || d.RequestLoadWeight != 1 ||
+		d.PrefillLoadWeight != 3 || d.CandidatePercent != 10 {
+		t.Fatalf("lb default: %+v", d)
+	}
+	if ea := cfg.Endpoints.EnvoyAdmin; ea == nil || ea.Address != "http://127.0.0.1:15000" || ea.Refresh != time.Second {
+		t.Fatalf("envoy admin: %+v", ea)
+	}
+	if s := cfg.Endpoints.Static["tiny-pool"]; len(s) != 2 || s[1] != "127.0.0.1:9002" {
+		t.Fatalf("static: %v", s)
+	}
+}
+
+func TestDefaults(t *testing.T) {
+	cfg, err := Parse([]byte(`{"model_mapping_rule": {"m": [{"cluster": "c"}]}}`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if cfg.Protocol != DefaultProtocol || cfg.PromptHash.ChunkSize != 512 || cfg.MaxBodyBytes != DefaultMaxBodyBytes ||
+		cfg.MetadataCenter.QueryTimeout != DefaultQueryTimeout || cfg.MetadataCenter.UpdateTimeout != DefaultUpdateTimeout ||
+		cfg.Async != (Async{QueueSize: DefaultQueueSize, Workers: DefaultWorkers, DrainTimeout: DefaultDrainTimeout}) {
+		t.Fatalf("defaults not applied: %+v", cfg)
+	}
+	if r := cfg.ModelMappingRule["m"][0]; r.Backend != "vllm" {
+		t.Fatalf("backend default: %q", r.Backend)
+	}
+	want := LBRule{Policy: "cache_aware", CacheRatioWeight: 2, RequestLoadWeight: 1, PrefillLoadWeight: 3, CandidatePercent: 10}
+	if cfg.LBMappingRule.For("anything") != want {
+		t.Fatalf("lb default: %+v", cfg.LBMappingRule.For("anything"))
+	}
+}
+
+func TestPerClusterLBOverridesOnlyWhatItSets(t *testing.T) {
+	cfg, err := Parse([]byte(`
+model_mapping_rule: {m: [{cluster: c}]}
+lb_mapping_rule:
+  default: {cache_ratio_weight: 4}
+  "outbound|8000||a": {policy: round_robin}
+  b: {candidate_percent: 50, request_load_weight: 0}
+`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	a := cfg.LBMappingRule.For("outbound|8000||a")
+	if a.Policy != PolicyRoundRobin || a.CacheRatioWeight != 4 || a.CandidatePercent != 10 {
+		t.Fatalf("a: %+v", a)
+	}
+	b := cfg.LBMappingRule.For("b")
+	if b.Policy != PolicyCacheAware || b.CandidatePercent != 50 || b.RequestLoadWeight != 0 || b.CacheRatioWeight != 4 {
+		t.Fatalf("b: %+v", b)
+	}
+}
+
+func TestInvalidValuesNameTheirKey(t *testing.T) {
+	base := "model_mapping_rule: {m: [{cluster: c}]}\n"
+	cases := []struct{ doc, want string }{
+		{base + "lb_mapping_rule: {default: {candidate_percent: 0}}", "lb_mapping_rule.default.candidate_percent: must be in 1..100"},
+		{base + "lb_mapping_rule: {default: {candidate_percent: 101}}", "lb_mapping_rule.default.candidate_percent: must be in 1..100"},
+		{base + "lb_mapping_rule: {default: {candidate_percent: 1.5}}", "lb_mapping_rule.default.candidate_percent: must be an integer"},
+		{base + "lb_mapping_rule: {default: {cache_ratio_weight: -1}}", "lb_mapping_rule.default.cache_ratio_weight: must be in 0..1000"},
+		{base + "lb_mapping_rule: {default: {prefill_load_weight: x}}", "lb_mapping_rule.default.prefill_load_weight: must be a number"},
+		{base + "lb_mapping_rule: {default: {policy: fastest}}", "lb_mapping_rule.default.policy: must be one of cache_aware"},
+		{base + "lb_mapping_rule: {c1: {policy: nope}}", "lb_mapping_rule.c1.policy"},
+		{base + "lb_mapping_rule: {\"outbound|1||x\": {weight: 1}}", `lb_mapping_rule["outbound|1||x"].weight: unknown key`},
+		{base + "metadata_center: {address: ftp://x}", "metadata_center.address: must be an http(s) URL"},
+		{base + "metadata_center: {address: 'http://'}", "metadata_center.address: must name a host"},
+		{base + "metadata_center: {address: 'http://x:99999'}", "metadata_center.address"},
+		{base + "metadata_center: {address: 'http://x/?a=1'}", "metadata_center.address: must not carry a query"},
+		{base + "metadata_center: {query_timeout: 100}", "metadata_center.query_timeout: must be a duration string"},
+		{base + "metadata_center: {query_timeout: soon}", "metadata_center.query_timeout: must be a duration"},
+		{base + "metadata_center: {query_timeout: 0s}", "metadata_center.query_timeout: must be in 1ms..10s"},
+		{base + "metadata_center: {update_timeout: -1s}", "metadata_center.update_timeout: must be in"},
+		{base + "metadata_center: {adress: http://x}", "metadata_center.adress: unknown key"},
+		{base + "prompt_hash: {chunk_size: 8}", "prompt_hash.chunk_size: must be in 16..1048576"},
+		{base + "protocol: ''", "protocol: must not be empty"},
+		{base + "protocol: 3", "protocol: must be a string"},
+		{base + "colour: blue", "colour: unknown key"},
+		{base + "max_body_bytes: 0", "max_body_bytes: must be in 1..1073741824"},
+		{base + "async: {workers: 0}", "async.workers: must be in 1..1024"},
+		{base + "async: {queue_size: 2, workers: 4}", "async.workers: must not exceed async.queue_size"},
+		{base + "async: {drain_timeout: 2h}", "async.drain_timeout: must be in"},
+		{base + "endpoints: {static: {p: [localhost:80]}}", "endpoints.static.p[0]: address \"localhost:80\" is not a literal ip:port"},
+		{base + "endpoints: {static: {p: ['10.0.0.1:0']}}", "endpoints.static.p[0]: address \"10.0.0.1:0\" has port 0"},
+		{base + "endpoints: {static: {p: 10.0.0.1:80}}", "endpoints.static.p: must be a list"},
+		{base + "endpoints: {envoy_admin: {refresh: 1s}}", "endpoints.envoy_admin.address: is required"},
+		{base + "endpoints: {envoy_admin: {address: http://a, refresh: 1ms}}", "endpoints.envoy_admin.refresh: must be in 10ms..10m0s"},
+		{base + "endpoints: {dns: {}}", "endpoints.dns: unknown key"},
+		{"protocol: openai", "model_mapping_rule: is required"},
+		{"model_mapping_rule: {}", "model_mapping_rule: must list at least one model"},
+		{"model_mapping_rule: {m: []}", "model_mapping_rule.m: must have at least one rule"},
+		{"model_mapping_rule: {m: {cluster: c}}", "model_mapping_rule.m: must be a list of rules"},
+		{"model_mapping_rule: {m: [{backend: vllm}]}", "model_mapping_rule.m[0].cluster: is required"},
+		{"model_mapping_rule: {m: [{cluster: c, backend: tgi}]}", "model_mapping_rule.m[0].backend: must be one of vllm, sglang, llamacpp, triton"},
+		{"model_mapping_rule: {m: [{cluster: c, header: {a: b}}]}", "model_mapping_rule.m[0].header: unknown key"},
+		{"model_mapping_rule: {m: [{cluster: c}, {cluster: d}]}", "model_mapping_rule.m[1]: second rule without headers"},
+		{"model_mapping_rule: {m: [{cluster: c, headers: {X-Env: a}}, {cluster: d, headers: {x-env: a}}]}", "model_mapping_rule.m[1].headers: same conditions as rule 0"},
+		{"model_mapping_rule: {m: [{cluster: c, headers: {a: [1]}}]}", "model_mapping_rule.m[0].headers.a: must be a string"},
+		{`model_mapping_rule: {"qwen2.5": [{}]}`, `model_mapping_rule["qwen2.5"][0].cluster: is required`},
+		{"[1, 2]", "must be an object"},
+		{"a: [", "config: not valid YAML or JSON"},
+	}
+	for _, c := range cases {
+		_, err := Parse([]byte(c.doc))
+		if err == nil {
+			t.Errorf("%q: accepted", c.doc)
+			continue
+		}
+		if !strings.Contains(err.Error(), c.want) {
+			t.Errorf("%q:\n got  %v\n want %s", c.doc, err, c.want)
+		}
+	}
+}
+
+func TestAllErrorsReportedAtOnce(t *testing.T) {
+	_, err := Parse([]byte(`
+model_mapping_rule: {m: [{cluster: c}]}
+metadata_center: {query_timeout: x}
+lb_mapping_rule: {default: {candidate_percent: 0}}
+`))
+	if err == nil || !strings.Contains(err.Error(), "metadata_center.query_timeout") || !strings.Contains(err.Error(), "candidate_percent") {
+		t.Fatalf("want both errors, got %v", err)
+	}
+}
+
+func TestHeaderNamesLowercasedAndScalarsAccepted(t *testing.T) {
+	cfg, err := Parse([]byte(`model_mapping_rule: {m: [{cluster: c, headers: {X-Tier: 1, X-Beta: true}, selector: {pool: a}}]}`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	r := cfg.ModelMappingRule["m"][0]
+	if r.Headers["x-tier"] != "1" || r.Headers["x-beta"] != "true" || r.Selector["pool"] != "a" {
+		t.Fatalf("rule: %+v", r)
+	}
+}
+
+func TestParseAnyTypedStruct(t *testing.T) {
+	v, err := structpb.NewStruct(map[string]any{
+		"protocol":           "triton",
+		"metadata_center":    map[string]any{"address": "http://mc:8080/", "query_timeout": "50ms", "auth_token": "s3"},
+		"model_mapping_rule": map[string]any{"m": []any{map[string]any{"cluster": "c", "backend": "triton"}}},
+		"lb_mapping_rule":    map[string]any{"default": map[string]any{"candidate_percent": 30.0}},
+		"async":              map[string]any{"queue_size": 16.0, "workers": 2.0},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	a, err := anypb.New(&xdstype.TypedStruct{TypeUrl: "type.googleapis.com/llm.filter", Value: v})
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg, err := ParseAny(a)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if cfg.Protocol != "triton" || cfg.MetadataCenter.Address != "http://mc:8080" || cfg.MetadataCenter.QueryTimeout != 50*time.Millisecond ||
+		cfg.MetadataCenter.AuthToken != "s3" || cfg.LBMappingRule.Default.CandidatePercent != 30 || cfg.Async.Workers != 2 ||
+		cfg.ModelMappingRule["m"][0].Backend != "triton" {
+		t.Fatalf("parsed: %+v", cfg)
+	}
+
+	// A plain Struct is accepted too.
+	sa, _ := anypb.New(v)
+	if _, err := ParseAny(sa); err != nil {
+		t.Fatal(err)
+	}
+	// Invalid values inside the TypedStruct still name their key.
+	bad, _ := structpb.NewStruct(map[string]any{"model_mapping_rule": map[string]any{"m": []any{map[string]any{"cluster": "c"}}},
+		"prompt_hash": map[string]any{"chunk_size": 0.5}})
+	ba, _ := anypb.New(&xdstype.TypedStruct{Value: bad})
+	if _, err := ParseAny(ba); err == nil || !strings.Contains(err.Error(), "prompt_hash.chunk_size: must be an integer") {
+		t.Fatalf("got %v", err)
+	}
+	// Anything else is refused.
+	wa, _ := anypb.New(wrapperspb.String("x"))
+	if _, err := ParseAny(wa); err == nil || !strings.Contains(err.Error(), "want xds.type.v3.TypedStruct") {
+		t.Fatalf("got %v", err)
+	}
+	if _, err := ParseAny(nil); err == nil {
+		t.Fatal("nil accepted")
+	}
+}
+
+func FuzzParse(f *testing.F) {
+	f.Add([]byte(designDoc))
+	f.Add([]byte(`{"model_mapping_rule": {"m": [{"cluster": "c"}]}, "lb_mapping_rule": {"default": {"candidate_percent": 5}}}`))
+	f.Add([]byte("model_mapping_rule: {m: [{cluster: c, headers: {a: b}}, {cluster: d}]}\nasync: {workers: 3}"))
+	f.Fuzz(func(t *testing.T, doc []byte) {
+		cfg, err := Parse(doc)
+		if err != nil {
+			if cfg != nil {
+				t.Fatal("config returned with an error")
+			}
+			return
+		}
+		// Whatever is accepted must satisfy every documented invariant.
+		if cfg.Protocol == "" || cfg.PromptHash.ChunkSize < 16 || cfg.MaxBodyBytes < 1 || len(cfg.ModelMappingRule) == 0 ||
+			cfg.MetadataCenter.QueryTimeout < time.Millisecond || cfg.Async.Workers < 1 || cfg.Async.Workers > cfg.Async.QueueSize {
+			t.Fatalf("invalid config accepted: %+v", cfg)
+		}
+		for model, rules := range cfg.ModelMappingRule {
+			defaults := 0
+			for _, r := range rules {
+				if r.Cluster == "" {
+					t.Fatalf("%s: rule without cluster", model)
+				}
+				if len(r.Headers) == 0 {
+					defaults++
+				}
+			}
+			if defaults > 1 {
+				t.Fatalf("%s: %d default rules", model, defaults)
+			}
+		}
+		for _, r := range append([]LBRule{cfg.LBMappingRule.Default}, mapValues(cfg.LBMappingRule.Clusters)...) {
+			if r.CandidatePercent < 1 || r.CandidatePercent > 100 || r.CacheRatioWeight < 0 || r.Policy == "" {
+				t.Fatalf("invalid lb rule accepted: %+v", r)
+			}
+		}
+	})
+}
+
+func mapValues(m map[string]LBRule) []LBRule {
+	var out []LBRule
+	for _, v := range m {
+		out = append(out, v)
+	}
+	return out
+}

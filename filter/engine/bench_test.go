@@ -1,0 +1,110 @@
+package engine
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"math/rand/v2"
+	"runtime"
+	"slices"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/istio-llm-filter/istio-llm-filter/filter/config"
+	"github.com/istio-llm-filter/istio-llm-filter/filter/endpoints"
+	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/api"
+)
+
+// memRouter answers the route query from memory: the benchmark measures
+// the decision itself (parse + hash + score), not the network.
+type memRouter struct{ ans api.RouteAnswer }
+
+func (r memRouter) Route(context.Context, string, []string) (*api.RouteAnswer, error) {
+	a := r.ans
+	return &a, nil
+}
+
+// benchPrompt builds n bytes of prompt text. "mixed" is deliberately hard
+// for the parser: a JSON escape or a multi-byte character every few words.
+// "english" is plain ASCII prose with a newline every dozen words or so.
+func benchPrompt(kind string, n int) string {
+	r := rand.New(rand.NewPCG(7, 8))
+	words := []string{"the ", "cache ", "prefix ", "router ", "über ", "模型 ", "token ", "\\n", "\\\"quoted\\\" "}
+	if kind == "english" {
+		words = []string{"the ", "cache ", "prefix ", "router ", "keeps ", "tokens ", "of ", "each ", "conversation ", "warm ", "and ", "\\n"}
+	}
+	var b strings.Builder
+	for b.Len() < n {
+		b.WriteString(words[r.IntN(len(words))])
+	}
+	return b.String()
+}
+
+// BenchmarkDecide is one whole decision without network: parse the OpenAI
+// body, match the rule, hash the prompt, filter endpoints and score them
+// against a metadata-center answer held in memory. It reports allocations
+// and the p50/p99 of single decisions, in wall-clock time and in the
+// thread's CPU time (see threadCPU).
+func BenchmarkDecide(b *testing.B) {
+	type variant struct {
+		text string
+		size int
+	}
+	for _, v := range []variant{{"mixed", 8 << 10}, {"mixed", 128 << 10}, {"english", 8 << 10}} {
+		size := v.size
+		prompt := benchPrompt(v.text, size)
+		body, _ := json.Marshal(map[string]any{"model": "qwen", "stream": true, "messages": []any{
+			map[string]any{"role": "system", "content": prompt[:size/4]},
+			map[string]any{"role": "user", "content": prompt[size/4:]},
+		}})
+		for _, n := range []int{8, 64, 256} {
+			b.Run(fmt.Sprintf("text=%s/prompt=%dKiB/endpoints=%d", v.text, size>>10, n), func(b *testing.B) {
+				addrs := make([]string, n)
+				ans := api.RouteAnswer{Load: api.LoadStats{}}
+				for i := range addrs {
+					addrs[i] = fmt.Sprintf("10.0.%d.%d:8000", i/250, i%250+1)
+					ans.Load[addrs[i]] = api.EndpointStats{TotalReqs: int64(i % 9), PromptLength: int64(i%5) * 4096}
+					if i%4 == 0 {
+						ans.Cache = append(ans.Cache, api.CacheLocation{Host: addrs[i], Length: i % 17})
+					}
+				}
+				src, err := endpoints.NewStatic(map[string][]string{"pool": addrs})
+				if err != nil {
+					b.Fatal(err)
+				}
+				cfg, err := config.Parse([]byte(`model_mapping_rule: {qwen: [{cluster: pool}]}`))
+				if err != nil {
+					b.Fatal(err)
+				}
+				e, err := New(cfg, Options{Endpoints: src, Router: memRouter{ans}, Logger: quiet()})
+				if err != nil {
+					b.Fatal(err)
+				}
+				defer e.Close()
+				h := hdr{":path": "/v1/chat/completions", "x-request-id": "bench"}
+				ctx := context.Background()
+				var wall, cpu []time.Duration
+				runtime.LockOSThread()
+				defer runtime.UnlockOSThread()
+				b.SetBytes(int64(len(body)))
+				b.ReportAllocs()
+				for b.Loop() {
+					start, startCPU := time.Now(), threadCPU()
+					if _, err := e.Decide(ctx, h, body); err != nil {
+						b.Fatal(err)
+					}
+					cpu = append(cpu, threadCPU()-startCPU)
+					wall = append(wall, time.Since(start))
+				}
+				slices.Sort(wall)
+				slices.Sort(cpu)
+				us := func(d time.Duration) float64 { return float64(d.Nanoseconds()) / 1e3 }
+				b.ReportMetric(us(wall[len(wall)/2]), "p50-µs")
+				b.ReportMetric(us(wall[len(wall)*99/100]), "p99-µs")
+				b.ReportMetric(us(cpu[len(cpu)/2]), "cpu-p50-µs")
+				b.ReportMetric(us(cpu[len(cpu)*99/100]), "cpu-p99-µs")
+			})
+		}
+	}
+}

@@ -1,0 +1,535 @@
+// Package engine is the filter's decision engine, independent of Envoy: the
+// Envoy StreamFilter and the standalone gateway both hand it a complete
+// request and get back where to send it (seed 002 §3 steps 1–9), then report
+// the request's lifecycle (step 10, §5, §6) so that the metadata center's
+// load and cache figures stay true.
+//
+// Decide runs: trace id → transcoder → parse → rule match → prompt hash →
+// endpoints and label selectors → one route query to the metadata center
+// (bounded by query_timeout; on failure equal load and zero cache, seed
+// §8.3) → policy → upstream body. Lifecycle reports are queued on a
+// bounded dispatcher and never block.
+//
+// Metrics (Options.Metrics.Count) are counted under these names:
+//
+//	routed                  a decision was made
+//	cache_hit_routes        ... to a pod holding part of the prompt (CacheRatio > 0)
+//	fallbacks               ... without metadata (query failed or no metadata center)
+//	metadata_center_errors  a route query or an update failed
+//	async_dropped           an update was dropped: queue full or engine closed
+//	async_errors            an update ran and failed
+//	rejected                Decide refused the request (any *Error)
+package engine
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net/http"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/google/uuid"
+
+	"github.com/istio-llm-filter/istio-llm-filter/filter/balancer"
+	"github.com/istio-llm-filter/istio-llm-filter/filter/config"
+	"github.com/istio-llm-filter/istio-llm-filter/filter/endpoints"
+	"github.com/istio-llm-filter/istio-llm-filter/filter/mcclient"
+	"github.com/istio-llm-filter/istio-llm-filter/filter/prompthash"
+	"github.com/istio-llm-filter/istio-llm-filter/filter/rules"
+	"github.com/istio-llm-filter/istio-llm-filter/filter/transcode"
+	"github.com/istio-llm-filter/istio-llm-filter/filter/transcode/openai"
+	"github.com/istio-llm-filter/istio-llm-filter/filter/transcode/triton"
+	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/api"
+)
+
+// Headers is satisfied by Envoy's api.RequestHeaderMap (Get(key string) (string, bool)).
+// Keys are asked in lower case; ":path" is read to tell the endpoints apart.
+type Headers interface {
+	Get(key string) (string, bool)
+}
+
+// Metrics counts events by name (see the package doc). nil = no-op.
+type Metrics interface {
+	Count(name string, delta int64)
+}
+
+// Router answers the route query; *mcclient.Client is the real one.
+type Router interface {
+	Route(ctx context.Context, cluster string, hashes []string) (*api.RouteAnswer, error)
+}
+
+// Updater sends the lifecycle updates; *mcclient.Client is the real one.
+type Updater interface {
+	AddRequest(ctx context.Context, r api.AddRequest) error
+	FirstToken(ctx context.Context, r api.RequestRef) error
+	DeleteRequest(ctx context.Context, r api.RequestRef) error
+	SaveCache(ctx context.Context, r api.CacheSave) error
+}
+
+// Options of New. Only Endpoints is required.
+type Options struct {
+	Endpoints  endpoints.Source
+	Metrics    Metrics
+	Logger     *slog.Logger // default slog.Default()
+	HTTPClient *http.Client // for the metadata center; default mcclient.NewTransport
+	// IntN replaces the balancer's random source (tests); must be safe for
+	// concurrent use.
+	IntN func(n int) int
+	// Router and Updater replace the metadata-center client (benchmarks
+	// without network, tests). Either may be set alone.
+	Router  Router
+	Updater Updater
+	// Transcoders adds or replaces protocols by name.
+	Transcoders map[string]transcode.Transcoder
+	// Policies adds or replaces load-balancing policies by name.
+	Policies map[string]balancer.Policy
+}
+
+// Engine is safe for concurrent use.
+type Engine struct {
+	cfg     *config.Config
+	log     *slog.Logger
+	metrics Metrics
+	src     endpoints.Source
+	codecs  transcode.Registry
+	rules   *rules.Table
+	hasher  prompthash.Hasher
+	bal     *balancer.Balancer
+	router  Router
+	updater Updater
+	disp    *mcclient.Dispatcher
+	qto     time.Duration
+
+	// canon pools canonical-prompt buffers (*[]byte): the prompt is needed
+	// only until it is hashed, and it was a third of a decision's garbage.
+	canon sync.Pool
+
+	// Failure logs are rate-limited: with the metadata center down every
+	// request fails its query, and one line per second says as much.
+	lastWarn   atomic.Int64 // unix nanos
+	suppressed atomic.Int64
+}
+
+// maxPooledCanonical keeps one huge prompt from pinning its buffer forever.
+const maxPooledCanonical = 1 << 20
+
+type nopMetrics struct{}
+
+func (nopMetrics) Count(string, int64) {}
+
+// New builds an engine and starts its dispatcher.
+func New(cfg *config.Config, opts Options) (*Engine, error) {
+	if cfg == nil {
+		return nil, errors.New("engine: nil config")
+	}
+	if opts.Endpoints == nil {
+		return nil, errors.New("engine: Options.Endpoints is required")
+	}
+	e := &Engine{
+		cfg:     cfg,
+		log:     opts.Logger,
+		metrics: opts.Metrics,
+		src:     opts.Endpoints,
+		rules:   rules.New(cfg.ModelMappingRule),
+		hasher:  prompthash.Hasher{ChunkSize: cfg.PromptHash.ChunkSize},
+		bal:     balancer.New(balancer.Options{IntN: opts.IntN, Policies: opts.Policies}),
+		router:  opts.Router,
+		updater: opts.Updater,
+		qto:     cfg.MetadataCenter.QueryTimeout,
+	}
+	if e.log == nil {
+		e.log = slog.Default()
+	}
+	if e.metrics == nil {
+		e.metrics = nopMetrics{}
+	}
+	if e.qto <= 0 {
+		e.qto = config.DefaultQueryTimeout
+	}
+	oa := openai.Transcoder{LazyCanonical: true}
+	e.codecs = transcode.Registry{"openai": oa, "triton": triton.New(oa)}
+	for name, t := range opts.Transcoders {
+		e.codecs[name] = t
+	}
+	if _, err := e.codecs.Lookup(cfg.Protocol); err != nil {
+		// The seed answers 400 per request (step 2); say it once up front too.
+		e.log.Warn("configured protocol has no transcoder: every request will get 400", "protocol", cfg.Protocol)
+	}
+	if cfg.MetadataCenter.Address != "" && (e.router == nil || e.updater == nil) {
+		c, err := mcclient.New(cfg.MetadataCenter, opts.HTTPClient)
+		if err != nil {
+			return nil, fmt.Errorf("engine: %w", err)
+		}
+		if e.router == nil {
+			e.router = c
+		}
+		if e.updater == nil {
+			e.updater = c
+		}
+	}
+	if e.updater != nil {
+		e.disp = mcclient.NewDispatcher(mcclient.DispatcherOptions{
+			Workers:   cfg.Async.Workers,
+			QueueSize: cfg.Async.QueueSize,
+			Timeout:   cfg.MetadataCenter.UpdateTimeout,
+			OnDrop: func(t mcclient.Task) {
+				e.metrics.Count("async_dropped", 1)
+				e.warn("metadata-center update dropped (queue full or closed)", "task", t.Name, "request_id", t.Key)
+			},
+			OnResult: func(t mcclient.Task, err error, took time.Duration) {
+				if err != nil {
+					e.metrics.Count("async_errors", 1)
+					e.metrics.Count("metadata_center_errors", 1)
+					e.warn("metadata-center update failed", "task", t.Name, "request_id", t.Key, "took", took, "err", err)
+				}
+			},
+		})
+	}
+	return e, nil
+}
+
+// Close stops the dispatcher, draining queued updates for at most
+// async.drain_timeout. Decide keeps working; later updates are dropped.
+func (e *Engine) Close() {
+	if e.disp != nil {
+		e.disp.Close(e.cfg.Async.DrainTimeout)
+	}
+}
+
+// warn logs at most one line per second, counting what it held back.
+func (e *Engine) warn(msg string, args ...any) {
+	now := time.Now().UnixNano()
+	last := e.lastWarn.Load()
+	if now-last < int64(time.Second) || !e.lastWarn.CompareAndSwap(last, now) {
+		e.suppressed.Add(1)
+		return
+	}
+	if n := e.suppressed.Swap(0); n > 0 {
+		args = append(args, "suppressed_since_last", n)
+	}
+	e.log.Warn(msg, args...)
+}
+
+// Config returns the engine's configuration (read only).
+func (e *Engine) Config() *config.Config { return e.cfg }
+
+// Error is a refused request: Status 400/404/413/..., Type per seed §8.2.
+type Error struct {
+	Status  int
+	Type    string
+	Message string
+	TraceID string
+}
+
+func (e *Error) Error() string { return fmt.Sprintf("%d %s: %s", e.Status, e.Type, e.Message) }
+
+// JSON renders the seed 002 §8.2 body:
+// {"error":{"code":N,"type":"...","message":"..."},"trace_id":"..."}.
+func (e *Error) JSON() []byte {
+	b, _ := json.Marshal(api.Error{
+		Error:   api.ErrorDetail{Code: e.Status, Type: e.Type, Message: e.Message},
+		TraceID: e.TraceID,
+	})
+	return b
+}
+
+// Decision is where one request goes and how.
+type Decision struct {
+	TraceID, Model, Cluster, Backend, SceneName, Policy string
+	// Host is the chosen "ip:port" for SetUpstreamOverrideHost.
+	Host string
+	// Hashes are the prompt's chained block hashes, wire form.
+	Hashes []string
+	// PromptLength is the canonical prompt's size in bytes (what the
+	// metadata center's prompt_length counts).
+	PromptLength int
+	Stream       bool
+	// CacheRatio is the chosen host's matched share of the prompt's blocks.
+	CacheRatio float64
+	// Degraded: the metadata center was not consulted successfully.
+	Degraded bool
+	// Candidates is the number of endpoints left after selector filtering.
+	Candidates int
+	// Body is the body to send upstream; nil = unchanged.
+	Body []byte
+	// Path is the new :path ("" = unchanged), e.g. Triton's generate.
+	Path string
+	// Response turns the backend's answers back into OpenAI form; nil for
+	// pass-through backends.
+	Response transcode.ResponseTranscoder
+	// RequestID names this request's lease at the metadata center; unique
+	// per decision even when clients reuse trace ids.
+	RequestID string
+
+	flight *balancer.Flight
+	state  atomic.Uint32 // lifecycle bits below
+}
+
+const (
+	stClaimed uint32 = 1 << iota // Started is running: d.flight not yet published
+	stStarted
+	stFirstToken
+	stSaved
+	stDone
+)
+
+// mark sets bit and reports whether this call set it.
+func (d *Decision) mark(bit uint32) bool {
+	for {
+		old := d.state.Load()
+		if old&bit != 0 {
+			return false
+		}
+		if d.state.CompareAndSwap(old, old|bit) {
+			return true
+		}
+	}
+}
+
+func (d *Decision) has(bit uint32) bool { return d.state.Load()&bit != 0 }
+
+type noHeaders struct{}
+
+func (noHeaders) Get(string) (string, bool) { return "", false }
+
+// traceID implements seed 002 §3 step 1.
+func traceID(h Headers) string {
+	for _, k := range [...]string{"x-request-id", "x-trace-id", "x-amzn-trace-id"} {
+		if v, ok := h.Get(k); ok && v != "" {
+			return v
+		}
+	}
+	return uuid.NewString()
+}
+
+func (e *Engine) reject(status int, typ, trace, format string, args ...any) *Error {
+	e.metrics.Count("rejected", 1)
+	return &Error{Status: status, Type: typ, Message: fmt.Sprintf(format, args...), TraceID: trace}
+}
+
+// Decide implements seed 002 §3 steps 1–9 on a complete request body. The
+// error, if any, is an *Error. It blocks at most for the route query's
+// timeout (and never past ctx).
+func (e *Engine) Decide(ctx context.Context, h Headers, body []byte) (*Decision, error) {
+	if h == nil {
+		h = noHeaders{}
+	}
+	trace := traceID(h)
+
+	codec, err := e.codecs.Lookup(e.cfg.Protocol)
+	if err != nil {
+		return nil, e.reject(http.StatusBadRequest, transcode.TypeBadRequest, trace, "unsupported protocol %q", e.cfg.Protocol)
+	}
+	if len(body) > e.cfg.MaxBodyBytes {
+		return nil, e.reject(http.StatusRequestEntityTooLarge, transcode.TypeTooLarge, trace,
+			"request body of %d bytes exceeds max_body_bytes (%d)", len(body), e.cfg.MaxBodyBytes)
+	}
+	path, _ := h.Get(":path")
+	req, err := codec.Parse(path, body)
+	if err != nil {
+		return nil, e.fromTranscode(err, trace)
+	}
+
+	rule, res := e.rules.Match(req.Model, h)
+	switch res {
+	case rules.UnknownModel:
+		return nil, e.reject(http.StatusNotFound, transcode.TypeNotFound, trace, "model not found: %q", req.Model)
+	case rules.NoRuleMatched:
+		return nil, e.reject(http.StatusNotFound, transcode.TypeNotFound, trace,
+			"model not found: no rule of model %q matches the request headers", req.Model)
+	}
+	lb := e.cfg.LBMappingRule.For(rule.Cluster)
+
+	bufp, _ := e.canon.Get().(*[]byte)
+	if bufp == nil {
+		bufp = new([]byte)
+	}
+	canon := req.AppendCanonical((*bufp)[:0])
+	sums := e.hasher.Sum(req.Model, canon)
+	promptLen := len(canon)
+	if cap(canon) <= maxPooledCanonical {
+		*bufp = canon[:0]
+		e.canon.Put(bufp)
+	}
+	d := &Decision{
+		TraceID:      trace,
+		Model:        req.Model,
+		Cluster:      rule.Cluster,
+		Backend:      rule.Backend,
+		SceneName:    rule.SceneName,
+		Policy:       lb.Policy,
+		Hashes:       prompthash.Wire(sums),
+		PromptLength: promptLen,
+		Stream:       req.Stream,
+	}
+
+	cands := balancer.Filter(e.src.Endpoints(rule.Cluster), rule.Selector, req.Selector)
+	if len(cands) == 0 {
+		return nil, e.reject(http.StatusNotFound, transcode.TypeNotFound, trace,
+			"no available endpoint in cluster %q%s", rule.Cluster, selectorNote(rule.Selector, req.Selector))
+	}
+	policy, err := e.bal.Policy(lb.Policy)
+	if err != nil {
+		return nil, e.reject(http.StatusInternalServerError, transcode.TypeInternal, trace, "%v", err)
+	}
+	view := balancer.View{Degraded: true}
+	if policy.NeedsMetadata() {
+		view = e.query(ctx, trace, rule.Cluster, d.Hashes)
+	}
+	choice, err := e.bal.Choose(rule.Cluster, lb, cands, view, len(sums))
+	if err != nil {
+		if errors.Is(err, balancer.ErrNoEndpoint) {
+			return nil, e.reject(http.StatusNotFound, transcode.TypeNotFound, trace, "no available endpoint in cluster %q", rule.Cluster)
+		}
+		return nil, e.reject(http.StatusInternalServerError, transcode.TypeInternal, trace, "%v", err)
+	}
+	d.Host = choice.Host.Address
+	d.CacheRatio = choice.Host.CacheRatio
+	d.Degraded = policy.NeedsMetadata() && view.Degraded
+	d.Candidates = choice.Candidates
+
+	up, err := codec.Upstream(req, rule.Backend)
+	if err != nil {
+		return nil, e.fromTranscode(err, trace)
+	}
+	d.Body, d.Path, d.Response = up.Body, up.Path, up.Response
+	d.RequestID = uuid.NewString()
+
+	e.metrics.Count("routed", 1)
+	if d.CacheRatio > 0 {
+		e.metrics.Count("cache_hit_routes", 1)
+	}
+	if d.Degraded {
+		e.metrics.Count("fallbacks", 1)
+	}
+	return d, nil
+}
+
+func selectorNote(sels ...map[string]string) string {
+	n := 0
+	for _, s := range sels {
+		n += len(s)
+	}
+	if n == 0 {
+		return ""
+	}
+	merged := map[string]string{}
+	for _, s := range sels {
+		for k, v := range s {
+			merged[k] = v
+		}
+	}
+	b, _ := json.Marshal(merged)
+	return " matching label selector " + string(b)
+}
+
+func (e *Engine) fromTranscode(err error, trace string) *Error {
+	var te *transcode.Error
+	if errors.As(err, &te) {
+		return e.reject(te.Status, te.Type, trace, "%s", te.Message)
+	}
+	return e.reject(http.StatusBadRequest, transcode.TypeBadRequest, trace, "%v", err)
+}
+
+// query runs the route query; any failure degrades (seed §8.3).
+func (e *Engine) query(ctx context.Context, trace, cluster string, hashes []string) balancer.View {
+	if e.router == nil {
+		return balancer.View{Degraded: true}
+	}
+	ctx, cancel := context.WithTimeout(ctx, e.qto)
+	defer cancel()
+	ans, err := e.router.Route(ctx, cluster, hashes)
+	if err != nil {
+		e.metrics.Count("metadata_center_errors", 1)
+		e.warn("route query failed: routing without metadata", "trace_id", trace, "cluster", cluster, "err", err)
+		return balancer.View{Degraded: true}
+	}
+	v := balancer.View{Load: ans.Load}
+	if len(ans.Cache) > 0 {
+		v.Cache = make(map[string]int, len(ans.Cache))
+		for _, c := range ans.Cache {
+			v.Cache[c.Host] = max(v.Cache[c.Host], c.Length)
+		}
+	}
+	return v
+}
+
+// Started reports that the request went upstream (addRequest: POST
+// /v1/load/stats) and counts it locally until the metadata center has it.
+// Each lifecycle method acts once per decision; later calls are no-ops.
+func (e *Engine) Started(d *Decision) {
+	if d == nil || !d.mark(stClaimed) {
+		return
+	}
+	f := e.bal.Tracker().Begin(d.Cluster, d.Host, d.PromptLength)
+	d.flight = f
+	d.mark(stStarted) // publishes d.flight to the other lifecycle calls
+	e.dispatch("add_request", d, func(ctx context.Context) error {
+		return e.updater.AddRequest(ctx, api.AddRequest{Cluster: d.Cluster, Host: d.Host, RequestID: d.RequestID, PromptLength: int64(d.PromptLength)})
+	}, func(err error) {
+		if err == nil {
+			f.Acked()
+		}
+	})
+}
+
+// FirstToken reports the end of prefill (deletePromptLength: DELETE
+// /v1/load/stats/prompt). Only after Started.
+func (e *Engine) FirstToken(d *Decision) {
+	if d == nil || !d.has(stStarted) || !d.mark(stFirstToken) {
+		return
+	}
+	d.flight.FirstToken()
+	e.dispatch("first_token", d, func(ctx context.Context) error {
+		return e.updater.FirstToken(ctx, api.RequestRef{Cluster: d.Cluster, Host: d.Host, RequestID: d.RequestID})
+	}, nil)
+}
+
+// Saved reports that the host now holds the prompt's KV cache (saveKVCache:
+// POST /v1/cache/save). Only after Started.
+func (e *Engine) Saved(d *Decision) {
+	if d == nil || !d.has(stStarted) || len(d.Hashes) == 0 || !d.mark(stSaved) {
+		return
+	}
+	e.dispatch("save_cache", d, func(ctx context.Context) error {
+		return e.updater.SaveCache(ctx, api.CacheSave{Cluster: d.Cluster, Host: d.Host, Hashes: d.Hashes})
+	}, nil)
+}
+
+// Done reports the end of the request (decreaseRequest: DELETE
+// /v1/load/stats) and releases the local in-flight count. Only after Started.
+func (e *Engine) Done(d *Decision) {
+	if d == nil || !d.has(stStarted) || !d.mark(stDone) {
+		return
+	}
+	d.flight.End()
+	e.dispatch("delete_request", d, func(ctx context.Context) error {
+		return e.updater.DeleteRequest(ctx, api.RequestRef{Cluster: d.Cluster, Host: d.Host, RequestID: d.RequestID})
+	}, nil)
+}
+
+func (e *Engine) dispatch(name string, d *Decision, run func(context.Context) error, done func(error)) {
+	if e.disp == nil {
+		return // no metadata center: local accounting only
+	}
+	e.disp.Dispatch(mcclient.Task{Name: name, Key: d.RequestID, Run: run, Done: done})
+}
+
+// InFlight returns this engine's local count of requests routed to host
+// and not done, and how many of them the metadata center has not yet
+// acknowledged (tests, debugging).
+func (e *Engine) InFlight(cluster, host string) (inflight, unacked int64) {
+	return e.bal.Tracker().InFlight(cluster, host)
+}
+
+// Pending is the number of queued metadata-center updates.
+func (e *Engine) Pending() int {
+	if e.disp == nil {
+		return 0
+	}
+	return e.disp.Pending()
+}

@@ -1,0 +1,647 @@
+package engine
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/istio-llm-filter/istio-llm-filter/filter/config"
+	"github.com/istio-llm-filter/istio-llm-filter/filter/endpoints"
+	"github.com/istio-llm-filter/istio-llm-filter/filter/mcclient"
+	"github.com/istio-llm-filter/istio-llm-filter/filter/prompthash"
+	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/api"
+	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/server"
+	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/store/memstore"
+)
+
+const cluster = "outbound|8000||qwen.llm.svc.cluster.local"
+
+var pods = []string{"10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"}
+
+// hdr is a lower-case header map, as Envoy presents them.
+type hdr map[string]string
+
+func (h hdr) Get(k string) (string, bool) { v, ok := h[k]; return v, ok }
+
+func chatPath() hdr { return hdr{":path": "/v1/chat/completions"} }
+
+// counts is a concurrency-safe Metrics.
+type counts struct {
+	mu sync.Mutex
+	m  map[string]int64
+}
+
+func (c *counts) Count(name string, d int64) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.m == nil {
+		c.m = map[string]int64{}
+	}
+	c.m[name] += d
+}
+
+func (c *counts) get(name string) int64 {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.m[name]
+}
+
+func quiet() *slog.Logger { return slog.New(slog.NewTextHandler(io.Discard, nil)) }
+
+// center starts the real metadata center (in-memory store) on loopback.
+func center(t *testing.T) *httptest.Server {
+	t.Helper()
+	ts := httptest.NewServer(server.New(memstore.New(memstore.Options{}), server.Options{Logger: quiet()}).Handler())
+	t.Cleanup(ts.Close)
+	return ts
+}
+
+func configFor(t *testing.T, mcAddr string, extra string) *config.Config {
+	t.Helper()
+	doc := fmt.Sprintf(`
+metadata_center: {address: %q, query_timeout: 2s, update_timeout: 2s}
+prompt_hash: {chunk_size: 64}
+model_mapping_rule:
+  qwen:
+    - headers: {x-env: canary}
+      cluster: canary
+      scene_name: canary
+    - cluster: %q
+      scene_name: chat
+  tiny:
+    - cluster: %q
+      backend: triton
+  lonely:
+    - headers: {x-env: prod}
+      cluster: %q
+  ghost:
+    - cluster: empty
+%s`, mcAddr, cluster, cluster, cluster, extra)
+	if mcAddr == "" {
+		doc = strings.Replace(doc, `metadata_center: {address: "", query_timeout: 2s, update_timeout: 2s}`, "", 1)
+	}
+	cfg, err := config.Parse([]byte(doc))
+	if err != nil {
+		t.Fatal(err)
+	}
+	return cfg
+}
+
+func staticSource(t *testing.T) endpoints.Source {
+	t.Helper()
+	s, err := endpoints.NewStatic(map[string][]string{cluster: pods, "canary": {"10.0.9.9:8000"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return s
+}
+
+func newEngine(t *testing.T, cfg *config.Config, o Options) *Engine {
+	t.Helper()
+	if o.Endpoints == nil {
+		o.Endpoints = staticSource(t)
+	}
+	if o.Logger == nil {
+		o.Logger = quiet()
+	}
+	e, err := New(cfg, o)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(e.Close)
+	return e
+}
+
+func chatBody(system, user string) []byte {
+	b, _ := json.Marshal(map[string]any{"model": "qwen", "stream": true, "messages": []any{
+		map[string]any{"role": "system", "content": system},
+		map[string]any{"role": "user", "content": user},
+	}})
+	return b
+}
+
+// eventually polls cond until it holds or 5 s pass.
+func eventually(t *testing.T, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(5 * time.Second)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out waiting for %s", what)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}
+
+func TestLifecycleAgainstMetadataCenter(t *testing.T) {
+	ts := center(t)
+	m := &counts{}
+	e := newEngine(t, configFor(t, ts.URL, ""), Options{Metrics: m})
+	mc, _ := mcclient.New(config.MetadataCenter{Address: ts.URL, QueryTimeout: 2 * time.Second}, nil)
+	ctx := context.Background()
+
+	system := strings.Repeat("You are a careful assistant who answers in French. ", 8)
+	body := chatBody(system, "Bonjour ?")
+	d, err := e.Decide(ctx, hdr{":path": "/v1/chat/completions", "x-request-id": "trace-1"}, body)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if d.TraceID != "trace-1" || d.Model != "qwen" || d.Cluster != cluster || d.SceneName != "chat" || d.Backend != "vllm" ||
+		d.Policy != "cache_aware" || !d.Stream || d.Degraded || d.CacheRatio != 0 || d.Body != nil || d.Path != "" || d.Response != nil ||
+		d.Candidates != 3 || d.RequestID == "" {
+		t.Fatalf("decision %+v", d)
+	}
+	if !contains(pods, d.Host) {
+		t.Fatalf("host %q is not a pod", d.Host)
+	}
+	// The hashes are prompthash's over the canonical chat, seeded by model.
+	canon := prompthash.CanonicalChat([]prompthash.Message{
+		{Role: "system", Parts: []prompthash.Part{{Type: "text", Text: system}}},
+		{Role: "user", Parts: []prompthash.Part{{Type: "text", Text: "Bonjour ?"}}},
+	})
+	if want := prompthash.Wire(prompthash.Hasher{ChunkSize: 64}.Sum("qwen", canon)); fmt.Sprint(want) != fmt.Sprint(d.Hashes) || d.PromptLength != len(canon) {
+		t.Fatalf("hashes %v / %d, want %v / %d", d.Hashes, d.PromptLength, want, len(canon))
+	}
+
+	e.Started(d)
+	e.Started(d) // once only
+	eventually(t, "the lease to reach the metadata center", func() bool {
+		ans, err := mc.Route(ctx, cluster, nil)
+		return err == nil && ans.Load[d.Host].TotalReqs == 1 && ans.Load[d.Host].PromptLength == int64(d.PromptLength)
+	})
+	eventually(t, "the add to be acknowledged locally", func() bool {
+		n, u := e.InFlight(cluster, d.Host)
+		return n == 1 && u == 0
+	})
+	e.FirstToken(d)
+	e.Saved(d)
+	eventually(t, "first token and cache save", func() bool {
+		ans, err := mc.Route(ctx, cluster, d.Hashes)
+		return err == nil && ans.Load[d.Host].PromptLength == 0 && len(ans.Cache) == 1 &&
+			ans.Cache[0].Host == d.Host && ans.Cache[0].Length == len(d.Hashes)
+	})
+
+	// The same system prompt with a new question goes where the prefix is,
+	// though that pod is the only busy one.
+	d2, err := e.Decide(ctx, chatPath(), chatBody(system, "Et maintenant ?"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if d2.Host != d.Host || d2.CacheRatio <= 0.5 || d2.CacheRatio >= 1 {
+		t.Fatalf("follow-up went to %s with ratio %v (first %s)", d2.Host, d2.CacheRatio, d.Host)
+	}
+	if d2.RequestID == d.RequestID {
+		t.Fatal("request ids repeat")
+	}
+
+	e.Done(d)
+	e.Done(d)
+	eventually(t, "the lease to be deleted", func() bool {
+		ans, err := mc.Route(ctx, cluster, nil)
+		return err == nil && ans.Load[d.Host].TotalReqs == 0
+	})
+	if n, _ := e.InFlight(cluster, d.Host); n != 0 {
+		t.Fatalf("local in-flight %d after Done", n)
+	}
+	if m.get("routed") != 2 || m.get("cache_hit_routes") != 1 || m.get("fallbacks") != 0 || m.get("async_errors") != 0 {
+		t.Fatalf("metrics %v", m.m)
+	}
+}
+
+func contains(list []string, s string) bool {
+	for _, v := range list {
+		if v == s {
+			return true
+		}
+	}
+	return false
+}
+
+func TestLifecycleCallsNeedStarted(t *testing.T) {
+	ts := center(t)
+	e := newEngine(t, configFor(t, ts.URL, ""), Options{})
+	d, err := e.Decide(context.Background(), chatPath(), chatBody("s", "u"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	// A decision the filter gave up on (never Started) owes nothing.
+	e.FirstToken(d)
+	e.Saved(d)
+	e.Done(d)
+	e.Started(nil)
+	e.Done(nil)
+	if n, _ := e.InFlight(cluster, d.Host); n != 0 || e.Pending() != 0 {
+		t.Fatalf("in flight %d pending %d", n, e.Pending())
+	}
+}
+
+func TestTraceID(t *testing.T) {
+	e := newEngine(t, configFor(t, "", ""), Options{})
+	body := chatBody("s", "u")
+	for _, c := range []struct {
+		h    hdr
+		want string
+	}{
+		{hdr{"x-request-id": "a", "x-trace-id": "b", "x-amzn-trace-id": "c"}, "a"},
+		{hdr{"x-trace-id": "b", "x-amzn-trace-id": "c"}, "b"},
+		{hdr{"x-amzn-trace-id": "Root=1-5759e988"}, "Root=1-5759e988"},
+		{hdr{"x-request-id": ""}, ""},
+	} {
+		d, err := e.Decide(context.Background(), c.h, body)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if c.want != "" && d.TraceID != c.want {
+			t.Fatalf("%v: trace %q", c.h, d.TraceID)
+		}
+		if c.want == "" && len(d.TraceID) != 36 {
+			t.Fatalf("generated trace id %q is not a UUID", d.TraceID)
+		}
+	}
+	// Errors carry the trace id too.
+	_, err := e.Decide(context.Background(), hdr{"x-request-id": "t-err"}, []byte(`{`))
+	var ee *Error
+	if !errors.As(err, &ee) || ee.TraceID != "t-err" {
+		t.Fatalf("err %v", err)
+	}
+}
+
+func TestRefusals(t *testing.T) {
+	m := &counts{}
+	e := newEngine(t, configFor(t, "", "max_body_bytes: 4096"), Options{Metrics: m})
+	cases := []struct {
+		h      hdr
+		body   string
+		status int
+		typ    string
+		msg    string
+	}{
+		{chatPath(), `{"model":"qwen","messages":[`, 400, "bad_request", "invalid JSON"},
+		{chatPath(), `{"messages":[{"role":"user","content":"x"}]}`, 400, "bad_request", `missing required field "model"`},
+		{chatPath(), `{"model":"llama","messages":[{"role":"user","content":"x"}]}`, 404, "not_found", `model not found: "llama"`},
+		{chatPath(), `{"model":"lonely","messages":[{"role":"user","content":"x"}]}`, 404, "not_found", "no rule of model \"lonely\" matches"},
+		{chatPath(), `{"model":"ghost","messages":[{"role":"user","content":"x"}]}`, 404, "not_found", `no available endpoint in cluster "empty"`},
+		{chatPath(), `{"model":"qwen","lora":"sql","messages":[{"role":"user","content":"x"}]}`, 404, "not_found", `matching label selector {"lora":"sql"}`},
+		{chatPath(), `{"model":"qwen","messages":[{"role":"user","content":"` + strings.Repeat("x", 5000) + `"}]}`, 413, "payload_too_large", "exceeds max_body_bytes (4096)"},
+		{hdr{":path": "/v1/embeddings"}, `{"model":"qwen","input":"x"}`, 404, "not_found", "unsupported path"},
+	}
+	for _, c := range cases {
+		d, err := e.Decide(context.Background(), c.h, []byte(c.body))
+		var ee *Error
+		if d != nil || !errors.As(err, &ee) {
+			t.Fatalf("%.60s: decision %v err %v", c.body, d, err)
+		}
+		if ee.Status != c.status || ee.Type != c.typ || !strings.Contains(ee.Message, c.msg) {
+			t.Errorf("%.60s: got %d %s %q", c.body, ee.Status, ee.Type, ee.Message)
+		}
+		var wire struct {
+			Error struct {
+				Code          int
+				Type, Message string
+			} `json:"error"`
+			TraceID string `json:"trace_id"`
+		}
+		if err := json.Unmarshal(ee.JSON(), &wire); err != nil || wire.Error.Code != c.status || wire.Error.Type != c.typ ||
+			wire.Error.Message != ee.Message || wire.TraceID != ee.TraceID || wire.TraceID == "" {
+			t.Errorf("JSON %s", ee.JSON())
+		}
+	}
+	if m.get("rejected") != int64(len(cases)) || m.get("routed") != 0 {
+		t.Fatalf("metrics %v", m.m)
+	}
+
+	// An unregistered protocol fails every request with 400 (seed step 2).
+	cfg := configFor(t, "", "")
+	cfg.Protocol = "grpc"
+	e2 := newEngine(t, cfg, Options{})
+	_, err := e2.Decide(context.Background(), chatPath(), chatBody("s", "u"))
+	var ee *Error
+	if !errors.As(err, &ee) || ee.Status != 400 || !strings.Contains(ee.Message, `unsupported protocol "grpc"`) {
+		t.Fatalf("err %v", err)
+	}
+	if _, err := New(cfg, Options{}); err == nil {
+		t.Fatal("engine without endpoints accepted")
+	}
+}
+
+func TestHeaderRuleAndSelectors(t *testing.T) {
+	e := newEngine(t, configFor(t, "", ""), Options{})
+	d, err := e.Decide(context.Background(), hdr{":path": "/v1/chat/completions", "x-env": "canary"}, chatBody("s", "u"))
+	if err != nil || d.Cluster != "canary" || d.Host != "10.0.9.9:8000" || d.SceneName != "canary" {
+		t.Fatalf("%+v %v", d, err)
+	}
+	// Labelled endpoints: the request's lora selects among them.
+	src := labelled{cluster: {
+		{Address: "10.1.0.1:8000", Labels: map[string]string{"lora": "sql"}},
+		{Address: "10.1.0.2:8000", Labels: map[string]string{"lora": "chat"}},
+	}}
+	e2 := newEngine(t, configFor(t, "", ""), Options{Endpoints: src})
+	for range 20 {
+		d, err := e2.Decide(context.Background(), chatPath(), []byte(`{"model":"qwen","lora":"sql","messages":[{"role":"user","content":"x"}]}`))
+		if err != nil || d.Host != "10.1.0.1:8000" || d.Candidates != 1 {
+			t.Fatalf("%+v %v", d, err)
+		}
+	}
+}
+
+type labelled map[string][]endpoints.Endpoint
+
+func (l labelled) Endpoints(c string) []endpoints.Endpoint {
+	return append([]endpoints.Endpoint(nil), l[c]...)
+}
+
+func TestDegradesWhenMetadataCenterIsDown(t *testing.T) {
+	dead := httptest.NewServer(http.NotFoundHandler())
+	addr := dead.URL
+	dead.Close()
+	m := &counts{}
+	e := newEngine(t, configFor(t, addr, ""), Options{Metrics: m})
+	seen := map[string]bool{}
+	for range 60 {
+		d, err := e.Decide(context.Background(), chatPath(), chatBody("s", "u"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !d.Degraded || d.CacheRatio != 0 {
+			t.Fatalf("%+v", d)
+		}
+		seen[d.Host] = true
+	}
+	if len(seen) != len(pods) {
+		t.Fatalf("degraded routing reached only %v", seen)
+	}
+	if m.get("fallbacks") != 60 || m.get("metadata_center_errors") != 60 || m.get("routed") != 60 {
+		t.Fatalf("metrics %v", m.m)
+	}
+}
+
+func TestQueryTimeoutBoundsDecide(t *testing.T) {
+	release := make(chan struct{})
+	slow := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		select {
+		case <-release:
+		case <-r.Context().Done():
+		}
+	}))
+	t.Cleanup(slow.Close)
+	t.Cleanup(func() { close(release) })
+	cfg := configFor(t, slow.URL, "")
+	cfg.MetadataCenter.QueryTimeout = 50 * time.Millisecond
+	e := newEngine(t, cfg, Options{})
+	start := time.Now()
+	d, err := e.Decide(context.Background(), chatPath(), chatBody("s", "u"))
+	if err != nil || !d.Degraded {
+		t.Fatalf("%+v %v", d, err)
+	}
+	if took := time.Since(start); took > 2*time.Second { // generous: it must not wait for the server
+		t.Fatalf("Decide took %v with a 50ms query timeout", took)
+	}
+}
+
+func TestBurstWithoutMetadataSpreadsLocally(t *testing.T) {
+	// No metadata center at all: cache_aware still spreads a burst evenly
+	// thanks to local in-flight accounting.
+	e := newEngine(t, configFor(t, "", ""), Options{})
+	per := map[string]int{}
+	var ds []*Decision
+	for range 30 {
+		d, err := e.Decide(context.Background(), chatPath(), chatBody("same", "same"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		e.Started(d)
+		per[d.Host]++
+		ds = append(ds, d)
+	}
+	for _, p := range pods {
+		if per[p] != 10 {
+			t.Fatalf("burst spread %v", per)
+		}
+	}
+	for _, d := range ds {
+		e.Done(d)
+	}
+	for _, p := range pods {
+		if n, _ := e.InFlight(cluster, p); n != 0 {
+			t.Fatalf("%s still has %d in flight", p, n)
+		}
+	}
+}
+
+// countingRouter answers from memory and counts queries.
+type countingRouter struct {
+	mu  sync.Mutex
+	n   int
+	ans api.RouteAnswer
+}
+
+func (r *countingRouter) Route(ctx context.Context, cluster string, hashes []string) (*api.RouteAnswer, error) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.n++
+	a := r.ans
+	return &a, nil
+}
+
+func TestPoliciesThatNeedNoMetadataSkipTheQuery(t *testing.T) {
+	r := &countingRouter{}
+	cfg := configFor(t, "", fmt.Sprintf("lb_mapping_rule: {%q: {policy: round_robin}}", cluster))
+	e := newEngine(t, cfg, Options{Router: r})
+	var hosts []string
+	for range 6 {
+		d, err := e.Decide(context.Background(), chatPath(), chatBody("s", "u"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if d.Policy != "round_robin" || d.Degraded {
+			t.Fatalf("%+v", d)
+		}
+		hosts = append(hosts, d.Host)
+	}
+	if r.n != 0 {
+		t.Fatalf("round_robin queried the metadata center %d times", r.n)
+	}
+	if fmt.Sprint(hosts[:3]) != fmt.Sprint(hosts[3:]) || hosts[0] == hosts[1] || hosts[1] == hosts[2] {
+		t.Fatalf("round robin order %v", hosts)
+	}
+	// The default rule of another cluster still uses cache_aware and queries.
+	d, err := e.Decide(context.Background(), hdr{":path": "/v1/chat/completions", "x-env": "canary"}, chatBody("s", "u"))
+	if err != nil || d.Policy != "cache_aware" || r.n != 1 {
+		t.Fatalf("%+v %v (queries %d)", d, err, r.n)
+	}
+}
+
+func TestTritonBackendRewritesRequest(t *testing.T) {
+	e := newEngine(t, configFor(t, "", ""), Options{})
+	d, err := e.Decide(context.Background(), chatPath(), []byte(`{"model":"tiny","stream":true,"max_tokens":8,"messages":[{"role":"user","content":"hi"}]}`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if d.Backend != "triton" || d.Path != "/v2/models/tiny/generate_stream" || d.Response == nil || !strings.Contains(string(d.Body), `"text_input":"user: hi\nassistant:"`) {
+		t.Fatalf("%+v body %s", d, d.Body)
+	}
+	out, err := d.Response.Chunk([]byte("data: {\"text_output\":\"yo\"}\n\n"))
+	if err != nil || !strings.Contains(string(out), `"content":"yo"`) {
+		t.Fatalf("chunk %q %v", out, err)
+	}
+	// protocol: triton translates whatever the rule's backend.
+	cfg := configFor(t, "", "")
+	cfg.Protocol = "triton"
+	e2 := newEngine(t, cfg, Options{})
+	d, err = e2.Decide(context.Background(), chatPath(), chatBody("s", "u"))
+	if err != nil || d.Path != "/v2/models/qwen/generate_stream" {
+		t.Fatalf("%+v %v", d, err)
+	}
+}
+
+// blockingUpdater holds every update until released.
+type blockingUpdater struct{ release chan struct{} }
+
+func (b blockingUpdater) wait(ctx context.Context) error {
+	select {
+	case <-b.release:
+		return nil
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+}
+func (b blockingUpdater) AddRequest(ctx context.Context, _ api.AddRequest) error { return b.wait(ctx) }
+func (b blockingUpdater) FirstToken(ctx context.Context, _ api.RequestRef) error { return b.wait(ctx) }
+func (b blockingUpdater) DeleteRequest(ctx context.Context, _ api.RequestRef) error {
+	return b.wait(ctx)
+}
+func (b blockingUpdater) SaveCache(ctx context.Context, _ api.CacheSave) error { return b.wait(ctx) }
+
+func TestUpdatesDropInsteadOfBlocking(t *testing.T) {
+	m := &counts{}
+	u := blockingUpdater{release: make(chan struct{})}
+	cfg := configFor(t, "", "async: {queue_size: 2, workers: 1, drain_timeout: 1s}")
+	e := newEngine(t, cfg, Options{Metrics: m, Updater: u})
+	start := time.Now()
+	var ds []*Decision
+	for range 10 {
+		d, err := e.Decide(context.Background(), chatPath(), chatBody("s", "u"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		e.Started(d)
+		ds = append(ds, d)
+	}
+	if took := time.Since(start); took > 2*time.Second {
+		t.Fatalf("lifecycle reports blocked for %v", took)
+	}
+	// One running, two queued: seven adds dropped. Their requests stay
+	// counted locally (unacknowledged) until Done.
+	eventually(t, "drops to be counted", func() bool { return m.get("async_dropped") >= 7 })
+	var unacked int64
+	for _, p := range pods {
+		_, u := e.InFlight(cluster, p)
+		unacked += u
+	}
+	if unacked != 10 {
+		t.Fatalf("unacknowledged %d, want 10", unacked)
+	}
+	close(u.release)
+	for _, d := range ds {
+		e.Done(d)
+	}
+	e.Close()
+	for _, p := range pods {
+		if n, _ := e.InFlight(cluster, p); n != 0 {
+			t.Fatalf("%s: %d in flight after Done", p, n)
+		}
+	}
+}
+
+func TestCloseDrainsQueuedUpdates(t *testing.T) {
+	ts := center(t)
+	e := newEngine(t, configFor(t, ts.URL, ""), Options{})
+	var ds []*Decision
+	for range 20 {
+		d, err := e.Decide(context.Background(), chatPath(), chatBody("s", "u"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		e.Started(d)
+		ds = append(ds, d)
+	}
+	e.Close()
+	mc, _ := mcclient.New(config.MetadataCenter{Address: ts.URL}, nil)
+	ans, err := mc.Route(context.Background(), cluster, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var total int64
+	for _, st := range ans.Load {
+		total += st.TotalReqs
+	}
+	if total != 20 {
+		t.Fatalf("after Close the metadata center counts %d of 20 requests", total)
+	}
+	// After Close, reports are dropped, never block or panic.
+	e.Done(ds[0])
+}
+
+func TestNilHeadersAndRateLimitedWarnings(t *testing.T) {
+	dead := httptest.NewServer(http.NotFoundHandler())
+	addr := dead.URL
+	dead.Close()
+	var buf strings.Builder
+	var mu sync.Mutex
+	log := slog.New(slog.NewTextHandler(writerFunc(func(p []byte) (int, error) {
+		mu.Lock()
+		defer mu.Unlock()
+		return buf.Write(p)
+	}), nil))
+	e := newEngine(t, configFor(t, addr, ""), Options{Logger: log})
+	for range 20 {
+		if _, err := e.Decide(context.Background(), nil, chatBody("s", "u")); err != nil {
+			t.Fatal(err)
+		}
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	if n := strings.Count(buf.String(), "route query failed"); n != 1 {
+		t.Fatalf("%d warnings for 20 failures in well under a second:\n%s", n, buf.String())
+	}
+}
+
+type writerFunc func([]byte) (int, error)
+
+func (f writerFunc) Write(p []byte) (int, error) { return f(p) }
+
+func TestBurstBetweenMetadataUpdatesSpreads(t *testing.T) {
+	// The metadata center answers (all pods idle, the same prefix cached
+	// nowhere) but none of the burst's adds has landed yet: every decision
+	// sees the same stale view, and only local accounting spreads them.
+	u := blockingUpdater{release: make(chan struct{})}
+	e := newEngine(t, configFor(t, "", ""), Options{Router: &countingRouter{ans: api.RouteAnswer{Load: api.LoadStats{}}}, Updater: u})
+	per := map[string]int{}
+	var ds []*Decision
+	for range 30 {
+		d, err := e.Decide(context.Background(), chatPath(), chatBody("one hot system prompt", "same question"))
+		if err != nil || d.Degraded {
+			t.Fatalf("%+v %v", d, err)
+		}
+		e.Started(d)
+		per[d.Host]++
+		ds = append(ds, d)
+	}
+	for _, p := range pods {
+		if per[p] != 10 {
+			t.Fatalf("burst of 30 over 3 pods: %v", per)
+		}
+	}
+	close(u.release)
+	for _, d := range ds {
+		e.Done(d)
+	}
+}

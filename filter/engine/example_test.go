@@ -1,0 +1,58 @@
+package engine_test
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"log/slog"
+
+	"github.com/istio-llm-filter/istio-llm-filter/filter/config"
+	"github.com/istio-llm-filter/istio-llm-filter/filter/endpoints"
+	"github.com/istio-llm-filter/istio-llm-filter/filter/engine"
+)
+
+type headers map[string]string
+
+func (h headers) Get(k string) (string, bool) { v, ok := h[k]; return v, ok }
+
+// A host (the Envoy filter, the standalone gateway) decides, pins the
+// request to d.Host, and reports the request's lifecycle.
+func Example() {
+	cfg, err := config.Parse([]byte(`
+model_mapping_rule:
+  qwen: [{cluster: pool}]
+lb_mapping_rule:
+  default: {policy: round_robin}
+`))
+	if err != nil {
+		panic(err)
+	}
+	src, _ := endpoints.NewStatic(map[string][]string{"pool": {"10.0.0.1:8000", "10.0.0.2:8000"}})
+	e, err := engine.New(cfg, engine.Options{Endpoints: src, Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
+	if err != nil {
+		panic(err)
+	}
+	defer e.Close()
+
+	for range 3 {
+		d, err := e.Decide(context.Background(), headers{":path": "/v1/chat/completions", "x-request-id": "t1"},
+			[]byte(`{"model":"qwen","messages":[{"role":"user","content":"hi"}]}`))
+		if err != nil {
+			fmt.Println(string(err.(*engine.Error).JSON()))
+			return
+		}
+		e.Started(d) // request sent upstream
+		fmt.Println(d.TraceID, d.Cluster, d.Host, len(d.Hashes))
+		e.FirstToken(d) // first byte of the answer
+		e.Saved(d)      // the pod now holds this prompt's KV cache
+		e.Done(d)       // request over
+	}
+
+	_, err = e.Decide(context.Background(), headers{"x-request-id": "t2"}, []byte(`{"model":"llama","prompt":"x"}`))
+	fmt.Println(string(err.(*engine.Error).JSON()))
+	// Output:
+	// t1 pool 10.0.0.1:8000 1
+	// t1 pool 10.0.0.2:8000 1
+	// t1 pool 10.0.0.1:8000 1
+	// {"error":{"code":404,"type":"not_found","message":"model not found: \"llama\""},"trace_id":"t2"}
+}

@@ -1,0 +1,184 @@
+// Package mcclient talks to the metadata center (DESIGN §6) for the filter:
+// the synchronous route query (load and cache locations in one round trip,
+// bounded by the query timeout) and the four lifecycle updates, which callers
+// run through a Dispatcher so they never hold up a request.
+package mcclient
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"net/url"
+	"time"
+
+	"github.com/istio-llm-filter/istio-llm-filter/filter/config"
+	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/api"
+)
+
+// maxAnswer bounds what is read from one answer: a route answer lists a
+// cluster's hosts, a few KiB even for hundreds of pods.
+const maxAnswer = 4 << 20
+
+// Client is a metadata-center client. Safe for concurrent use.
+type Client struct {
+	base          string
+	token         string
+	hc            *http.Client
+	queryTimeout  time.Duration
+	updateTimeout time.Duration
+}
+
+// StatusError is a non-2xx answer.
+type StatusError struct {
+	Status int
+	Body   api.Error // zero if the answer was not in the seed's format
+	Op     string
+}
+
+func (e *StatusError) Error() string {
+	if e.Body.Error.Message != "" {
+		return fmt.Sprintf("metadata center %s: %d %s: %s", e.Op, e.Status, e.Body.Error.Type, e.Body.Error.Message)
+	}
+	return fmt.Sprintf("metadata center %s: status %d", e.Op, e.Status)
+}
+
+// NewTransport returns a transport suited to many small calls to one host:
+// keep-alive pools big enough for the async workers plus concurrent queries,
+// and no proxy from the environment (the metadata center is in-cluster).
+func NewTransport() *http.Transport {
+	return &http.Transport{
+		DialContext:           (&net.Dialer{Timeout: 2 * time.Second, KeepAlive: 30 * time.Second}).DialContext,
+		MaxIdleConns:          256,
+		MaxIdleConnsPerHost:   256,
+		IdleConnTimeout:       90 * time.Second,
+		ResponseHeaderTimeout: 10 * time.Second,
+		ForceAttemptHTTP2:     false,
+	}
+}
+
+// New returns a client for cfg.Address. hc nil means a client over
+// NewTransport; timeouts always come from cfg, per call.
+func New(cfg config.MetadataCenter, hc *http.Client) (*Client, error) {
+	if cfg.Address == "" {
+		return nil, errors.New("mcclient: no metadata center address")
+	}
+	u, err := url.Parse(cfg.Address)
+	if err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
+		return nil, fmt.Errorf("mcclient: bad address %q", cfg.Address)
+	}
+	if hc == nil {
+		hc = &http.Client{Transport: NewTransport()}
+	}
+	c := &Client{
+		base:          u.Scheme + "://" + u.Host + trimSlash(u.Path),
+		token:         cfg.AuthToken,
+		hc:            hc,
+		queryTimeout:  cfg.QueryTimeout,
+		updateTimeout: cfg.UpdateTimeout,
+	}
+	if c.queryTimeout <= 0 {
+		c.queryTimeout = config.DefaultQueryTimeout
+	}
+	if c.updateTimeout <= 0 {
+		c.updateTimeout = config.DefaultUpdateTimeout
+	}
+	return c, nil
+}
+
+func trimSlash(p string) string {
+	for len(p) > 0 && p[len(p)-1] == '/' {
+		p = p[:len(p)-1]
+	}
+	return p
+}
+
+// QueryTimeout is the bound Route applies.
+func (c *Client) QueryTimeout() time.Duration { return c.queryTimeout }
+
+// UpdateTimeout is the per-task bound for updates.
+func (c *Client) UpdateTimeout() time.Duration { return c.updateTimeout }
+
+// Route asks for the load and the cache locations of hashes in one round
+// trip (POST /v1/route/query), within the query timeout. Hashes beyond
+// api.MaxHashes are not sent: the leading ones decide prefix matches.
+func (c *Client) Route(ctx context.Context, cluster string, hashes []string) (*api.RouteAnswer, error) {
+	ctx, cancel := context.WithTimeout(ctx, c.queryTimeout)
+	defer cancel()
+	if len(hashes) > api.MaxHashes {
+		hashes = hashes[:api.MaxHashes]
+	}
+	if hashes == nil {
+		hashes = []string{} // the API wants the field present
+	}
+	var ans api.RouteAnswer
+	if err := c.do(ctx, "route query", http.MethodPost, api.PathRouteQuery, api.RouteQuery{Cluster: cluster, Hashes: hashes}, &ans); err != nil {
+		return nil, err
+	}
+	return &ans, nil
+}
+
+// AddRequest is addRequest: POST /v1/load/stats.
+func (c *Client) AddRequest(ctx context.Context, r api.AddRequest) error {
+	return c.do(ctx, "add request", http.MethodPost, api.PathLoadStats, r, nil)
+}
+
+// FirstToken is deletePromptLength: DELETE /v1/load/stats/prompt.
+func (c *Client) FirstToken(ctx context.Context, r api.RequestRef) error {
+	return c.do(ctx, "first token", http.MethodDelete, api.PathLoadStatsPrompt, r, nil)
+}
+
+// DeleteRequest is decreaseRequest: DELETE /v1/load/stats.
+func (c *Client) DeleteRequest(ctx context.Context, r api.RequestRef) error {
+	return c.do(ctx, "delete request", http.MethodDelete, api.PathLoadStats, r, nil)
+}
+
+// SaveCache is saveKVCache: POST /v1/cache/save. Hashes beyond
+// api.MaxHashes are not sent.
+func (c *Client) SaveCache(ctx context.Context, r api.CacheSave) error {
+	if len(r.Hashes) > api.MaxHashes {
+		r.Hashes = r.Hashes[:api.MaxHashes]
+	}
+	return c.do(ctx, "cache save", http.MethodPost, api.PathCacheSave, r, nil)
+}
+
+func (c *Client) do(ctx context.Context, op, method, path string, in, out any) error {
+	body, err := json.Marshal(in)
+	if err != nil {
+		return fmt.Errorf("metadata center %s: encode: %w", op, err)
+	}
+	req, err := http.NewRequestWithContext(ctx, method, c.base+path, bytes.NewReader(body))
+	if err != nil {
+		return fmt.Errorf("metadata center %s: %w", op, err)
+	}
+	req.Header.Set("Content-Type", "application/json")
+	req.Header.Set("Accept", "application/json")
+	if c.token != "" {
+		req.Header.Set("Authorization", "Bearer "+c.token)
+	}
+	resp, err := c.hc.Do(req)
+	if err != nil {
+		return fmt.Errorf("metadata center %s: %w", op, err)
+	}
+	defer resp.Body.Close()
+	data, err := io.ReadAll(io.LimitReader(resp.Body, maxAnswer))
+	if err != nil {
+		return fmt.Errorf("metadata center %s: read answer: %w", op, err)
+	}
+	if resp.StatusCode < 200 || resp.StatusCode > 299 {
+		se := &StatusError{Status: resp.StatusCode, Op: op}
+		_ = json.Unmarshal(data, &se.Body)
+		return se
+	}
+	if out == nil {
+		return nil
+	}
+	if err := json.Unmarshal(data, out); err != nil {
+		return fmt.Errorf("metadata center %s: bad answer: %w", op, err)
+	}
+	return nil
+}

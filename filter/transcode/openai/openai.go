@@ -1,0 +1,248 @@
+// Package openai parses OpenAI chat/completions and completions requests
+// (seed 002 §3 step 3) and passes them through to OpenAI-speaking backends,
+// translating only for Triton backends.
+//
+// Beyond the OpenAI schema it reads two optional body fields that steer
+// endpoint selection: "label_selector" (object of label -> value every chosen
+// endpoint must carry) and "lora" (adapter name; adds lora=<name> to the
+// selector).
+package openai
+
+import (
+	"bytes"
+	"errors"
+	"strings"
+
+	"github.com/istio-llm-filter/istio-llm-filter/filter/config"
+	"github.com/istio-llm-filter/istio-llm-filter/filter/prompthash"
+	"github.com/istio-llm-filter/istio-llm-filter/filter/transcode"
+	"github.com/istio-llm-filter/istio-llm-filter/filter/transcode/triton"
+)
+
+// Paths of the two endpoints; any API prefix before them is accepted.
+const (
+	ChatPath       = "/chat/completions"
+	CompletionPath = "/completions"
+)
+
+// LoRALabel is the endpoint label a "lora" request field selects on.
+const LoRALabel = "lora"
+
+// Transcoder is the "openai" protocol. The zero value is ready.
+type Transcoder struct {
+	// LazyCanonical leaves Request.Canonical nil: the caller renders it with
+	// Request.AppendCanonical into a buffer of its own (the engine pools
+	// them; the 8 KiB per request were a third of a decision's garbage).
+	LazyCanonical bool
+}
+
+// New returns the openai transcoder.
+func New() Transcoder { return Transcoder{} }
+
+// kindOf maps a :path to its endpoint. ok is false for a path that is
+// neither; an empty path returns kind 0: the body decides.
+func kindOf(path string) (transcode.Kind, bool) {
+	if i := strings.IndexByte(path, '?'); i >= 0 {
+		path = path[:i]
+	}
+	path = strings.TrimRight(path, "/")
+	switch {
+	case path == "":
+		return 0, true
+	case strings.HasSuffix(path, ChatPath):
+		return transcode.Chat, true
+	case strings.HasSuffix(path, CompletionPath):
+		return transcode.Completion, true
+	}
+	return 0, false
+}
+
+// Parse implements transcode.Transcoder.
+func (t Transcoder) Parse(path string, raw []byte) (*transcode.Request, error) {
+	kind, ok := kindOf(path)
+	if !ok {
+		return nil, transcode.NotFound("unsupported path %q: only chat/completions and completions are routed", path)
+	}
+	if len(bytes.TrimLeft(raw, " \t\r\n")) == 0 {
+		return nil, transcode.BadRequest("empty request body")
+	}
+	b, err := decodeBody(raw)
+	if err != nil {
+		var te *typeError
+		switch {
+		case errors.As(err, &te):
+			return nil, transcode.BadRequest("%s", te.Error())
+		case errors.Is(err, errNotObject):
+			return nil, transcode.BadRequest("invalid JSON: request body must be an object")
+		}
+		return nil, transcode.BadRequest("invalid JSON: %v", err)
+	}
+	if b.model == nil {
+		return nil, transcode.BadRequest("missing required field \"model\"")
+	}
+	if *b.model == "" {
+		return nil, transcode.BadRequest("field \"model\" must not be empty")
+	}
+	req := &transcode.Request{Model: *b.model, Body: raw}
+	if b.stream != nil {
+		req.Stream = *b.stream
+	}
+	hasMessages, hasPrompt := b.hasMessages, b.prompt != nil
+	if kind == 0 {
+		switch {
+		case hasMessages && hasPrompt:
+			return nil, transcode.BadRequest("request has both \"messages\" and \"prompt\"")
+		case hasMessages:
+			kind = transcode.Chat
+		case hasPrompt:
+			kind = transcode.Completion
+		default:
+			return nil, transcode.BadRequest("missing required field \"messages\" or \"prompt\"")
+		}
+	}
+	req.Kind = kind
+	switch kind {
+	case transcode.Chat:
+		if !hasMessages {
+			return nil, transcode.BadRequest("missing required field \"messages\"")
+		}
+		if hasPrompt {
+			return nil, transcode.BadRequest("chat request must not carry \"prompt\"")
+		}
+		if len(b.messages) == 0 {
+			return nil, transcode.BadRequest("field \"messages\" must not be empty")
+		}
+		msgs, err := convertMessages(b.messages)
+		if err != nil {
+			return nil, err
+		}
+		req.Messages = msgs
+		if !t.LazyCanonical {
+			req.Canonical = prompthash.CanonicalChat(msgs)
+		}
+	case transcode.Completion:
+		if !hasPrompt {
+			return nil, transcode.BadRequest("missing required field \"prompt\"")
+		}
+		if hasMessages {
+			return nil, transcode.BadRequest("completion request must not carry \"messages\"")
+		}
+		req.Prompt = b.prompt.text
+		if !t.LazyCanonical {
+			req.Canonical = prompthash.CanonicalCompletion(req.Prompt)
+		}
+	}
+	if len(b.labelSelector) > 0 {
+		req.Selector = b.labelSelector
+	}
+	if b.lora != nil && *b.lora != "" {
+		req.LoRA = *b.lora
+		if req.Selector == nil {
+			req.Selector = map[string]string{}
+		}
+		if v, ok := req.Selector[LoRALabel]; ok && v != req.LoRA {
+			return nil, transcode.BadRequest("\"lora\" %q contradicts label_selector %s=%q", req.LoRA, LoRALabel, v)
+		}
+		req.Selector[LoRALabel] = req.LoRA
+	}
+	return req, nil
+}
+
+func convertMessages(in []message) ([]prompthash.Message, error) {
+	out := make([]prompthash.Message, len(in))
+	for i := range in {
+		m := &in[i]
+		if m.role == nil || *m.role == "" {
+			return nil, transcode.BadRequest("messages[%d].role is required", i)
+		}
+		out[i].Role = *m.role
+		parts := make([]prompthash.Part, 0, len(m.content.parts)+1)
+		if m.name != nil && *m.name != "" {
+			parts = append(parts, prompthash.Part{Type: "name", URL: *m.name})
+		}
+		if m.toolCallID != nil && *m.toolCallID != "" {
+			parts = append(parts, prompthash.Part{Type: "tool_call_id", URL: *m.toolCallID})
+		}
+		switch c := &m.content; {
+		case c.text != nil:
+			parts = append(parts, prompthash.Part{Type: "text", Text: *c.text})
+		default:
+			// null or absent content is an assistant turn that only calls tools.
+			for j, p := range c.parts {
+				hp, err := convertPart(p)
+				if err != nil {
+					return nil, transcode.BadRequest("messages[%d].content[%d]: %s", i, j, err.Message)
+				}
+				parts = append(parts, hp)
+			}
+		}
+		if m.toolCalls != nil {
+			// Tool calls are part of the prefix the backend sees; their exact
+			// bytes are as stable as the client that resends them.
+			parts = append(parts, prompthash.Part{Type: "tool_calls", URL: string(m.toolCalls)})
+		}
+		out[i].Parts = parts
+	}
+	return out, nil
+}
+
+func deref(p *string) string {
+	if p == nil {
+		return ""
+	}
+	return *p
+}
+
+func convertPart(p part) (prompthash.Part, *transcode.Error) {
+	typ := deref(p.typ)
+	switch typ {
+	case "":
+		return prompthash.Part{}, transcode.BadRequest("missing part type")
+	case "text":
+		if p.text == nil {
+			return prompthash.Part{}, transcode.BadRequest("text part without \"text\"")
+		}
+		return prompthash.Part{Type: "text", Text: *p.text}, nil
+	case "image_url":
+		if deref(p.imageURL) == "" {
+			return prompthash.Part{}, transcode.BadRequest("image_url part without \"image_url.url\"")
+		}
+		return prompthash.Part{Type: typ, URL: *p.imageURL}, nil
+	case "input_audio":
+		if deref(p.audioData) == "" {
+			return prompthash.Part{}, transcode.BadRequest("input_audio part without \"input_audio.data\"")
+		}
+		return prompthash.Part{Type: typ, URL: deref(p.audioFmt) + ":" + *p.audioData}, nil
+	case "file":
+		if deref(p.fileData) == "" && deref(p.fileID) == "" {
+			return prompthash.Part{}, transcode.BadRequest("file part without \"file.file_data\" or \"file.file_id\"")
+		}
+		return prompthash.Part{Type: typ, URL: deref(p.fileID) + ":" + deref(p.fileData)}, nil
+	}
+	// Unknown part types still count towards the prefix, by their text if any.
+	if p.text != nil {
+		return prompthash.Part{Type: typ, URL: *p.text}, nil
+	}
+	return prompthash.Part{Type: typ}, nil
+}
+
+// Upstream implements transcode.Transcoder: OpenAI-speaking backends get the
+// request unchanged; Triton backends get it translated.
+func (Transcoder) Upstream(req *transcode.Request, backend string) (transcode.Upstream, error) {
+	if backend == config.BackendTriton {
+		return triton.Translate(req)
+	}
+	return transcode.Upstream{}, nil
+}
+
+// Canonical parses a request body and returns its model and canonical
+// prompt bytes exactly as the gateway computes them, for parties that must
+// reproduce the gateway's prompt hashes (workers reporting evictions):
+// prompthash.Hasher{ChunkSize: n}.Sum(model, canonical).
+func Canonical(path string, body []byte) (model string, canonical []byte, err error) {
+	req, err := Transcoder{}.Parse(path, body)
+	if err != nil {
+		return "", nil, err
+	}
+	return req.Model, req.Canonical, nil
+}
