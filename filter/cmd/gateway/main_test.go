@@ -1,0 +1,192 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"net/http/httptest"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+)
+
+func writeConfig(t *testing.T, body string) string {
+	p := filepath.Join(t.TempDir(), "gateway.yaml")
+	if err := os.WriteFile(p, []byte(body), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	return p
+}
+
+func TestGatewayServesProxiesAndExportsMetrics(t *testing.T) {
+	backend := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("content-type", "application/json")
+		fmt.Fprintf(w, `{"object":"chat.completion","choices":[{"message":{"content":"hi"}}],"rid":%q}`, r.Header.Get("x-request-id"))
+	}))
+	defer backend.Close()
+	path := writeConfig(t, fmt.Sprintf(`
+listen: 127.0.0.1:0
+log_level: warn
+default_cluster: tiny-pool
+filter:
+  model_mapping_rule:
+    qwen:
+      - cluster: tiny-pool
+        backend: llamacpp
+  lb_mapping_rule:
+    default: {policy: round_robin}
+  endpoints:
+    static: {tiny-pool: [%s]}
+`, backend.Listener.Addr()))
+	ctx, cancel := context.WithCancel(context.Background())
+	ready := make(chan net.Addr, 1)
+	done := make(chan error, 1)
+	go func() { done <- run(ctx, []string{"--config", path}, io.Discard, ready) }()
+	var addr net.Addr
+	select {
+	case addr = <-ready:
+	case err := <-done:
+		t.Fatalf("gateway exited: %v", err)
+	case <-time.After(10 * time.Second):
+		t.Fatal("gateway not ready")
+	}
+	base := "http://" + addr.String()
+
+	resp, err := http.Post(base+"/v1/chat/completions", "application/json",
+		strings.NewReader(`{"model":"qwen","messages":[{"role":"user","content":"hello"}]}`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	body, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if resp.StatusCode != 200 || !strings.Contains(string(body), `"rid":"`) || strings.Contains(string(body), `"rid":""`) {
+		t.Fatalf("proxied answer %d %s", resp.StatusCode, body)
+	}
+
+	resp, err = http.Post(base+"/v1/chat/completions", "application/json", strings.NewReader(`{"model":"nope","messages":[]}`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	body, _ = io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if resp.StatusCode < 400 || !strings.Contains(string(body), `"error":{"code":`) || !strings.Contains(string(body), `"trace_id":`) {
+		t.Fatalf("refused request answered %d %s", resp.StatusCode, body)
+	}
+
+	// No body, nothing to decide: the default cluster serves it.
+	resp, err = http.Get(base + "/v1/models")
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	if resp.StatusCode != 200 {
+		t.Fatalf("GET /v1/models via default_cluster: %d", resp.StatusCode)
+	}
+
+	resp, err = http.Get(base + "/metrics")
+	if err != nil {
+		t.Fatal(err)
+	}
+	metrics, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	for _, want := range []string{`llm_filter_events_total{event="routed"} 1`, `llm_filter_events_total{event="requests"} 3`, `llm_gateway_requests_total{code="200",local="false"} 2`} {
+		if !strings.Contains(string(metrics), want) {
+			t.Errorf("/metrics lacks %s", want)
+		}
+	}
+	cancel()
+	if err := <-done; err != nil {
+		t.Fatalf("shutdown: %v", err)
+	}
+}
+
+func TestGatewayRefusesBadConfig(t *testing.T) {
+	for name, body := range map[string]string{
+		"unknown top-level key": "listen: 127.0.0.1:0\nfilters: {}\n",
+		"no filter":             "listen: 127.0.0.1:0\n",
+		"bad filter value":      "filter:\n  model_mapping_rule: {qwen: [{cluster: c}]}\n  lb_mapping_rule: {default: {candidate_percent: 0}}\n",
+		"bad static address":    "filter:\n  model_mapping_rule: {qwen: [{cluster: c}]}\n  endpoints: {static: {c: [localhost:80]}}\n",
+		"unknown default":       "default_cluster: d\nfilter:\n  model_mapping_rule: {qwen: [{cluster: c}]}\n  endpoints: {static: {c: [127.0.0.1:80]}}\n",
+	} {
+		t.Run(name, func(t *testing.T) {
+			err := run(context.Background(), []string{"--config", writeConfig(t, body)}, io.Discard, nil)
+			if err == nil {
+				t.Fatal("accepted")
+			}
+		})
+	}
+	if err := run(context.Background(), nil, io.Discard, nil); err == nil || !strings.Contains(err.Error(), "--config") {
+		t.Fatalf("missing --config: %v", err)
+	}
+}
+
+func TestGatewayEjectsAPodWhoseConnectionFails(t *testing.T) {
+	alive := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("content-type", "application/json")
+		fmt.Fprint(w, `{"object":"chat.completion","choices":[{"message":{"content":"hi"}}]}`)
+	}))
+	defer alive.Close()
+	// A port nobody listens on: the pod died.
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	dead := l.Addr().String()
+	l.Close()
+	path := writeConfig(t, fmt.Sprintf(`
+listen: 127.0.0.1:0
+log_level: error
+filter:
+  model_mapping_rule:
+    qwen: [{cluster: pool, backend: llamacpp}]
+  lb_mapping_rule:
+    default: {policy: round_robin}
+  endpoints:
+    static: {pool: [%s, %s]}
+`, dead, alive.Listener.Addr()))
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	ready := make(chan net.Addr, 1)
+	done := make(chan error, 1)
+	go func() { done <- run(ctx, []string{"--config", path}, io.Discard, ready) }()
+	var base string
+	select {
+	case addr := <-ready:
+		base = "http://" + addr.String()
+	case err := <-done:
+		t.Fatalf("gateway exited: %v", err)
+	}
+	post := func() (int, string) {
+		resp, err := http.Post(base+"/v1/chat/completions", "application/json",
+			strings.NewReader(`{"model":"qwen","messages":[{"role":"user","content":"hello"}]}`))
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer resp.Body.Close()
+		b, _ := io.ReadAll(resp.Body)
+		return resp.StatusCode, string(b)
+	}
+	failures := 0
+	for i := 0; i < 2; i++ { // round robin reaches the dead pod within two requests
+		if code, body := post(); code != 200 {
+			if code != http.StatusServiceUnavailable || !strings.Contains(body, "upstream_unavailable") {
+				t.Fatalf("dead pod answered %d %s", code, body)
+			}
+			failures++
+		}
+	}
+	if failures != 1 {
+		t.Fatalf("%d of the first two requests failed, want exactly the one sent to the dead pod", failures)
+	}
+	for i := 0; i < 10; i++ {
+		if code, body := post(); code != 200 {
+			t.Fatalf("request %d after ejection: %d %s", i, code, body)
+		}
+	}
+	cancel()
+	<-done
+}

@@ -1,0 +1,112 @@
+package endpoints
+
+import (
+	"sync"
+	"time"
+)
+
+// Outlier is passive health checking for a Source, after Envoy's outlier
+// detection: a host whose connection failed is ejected for a while, so the
+// balancer stops choosing a pod that died between discovery refreshes (static
+// lists have no refresh at all). Each further ejection of the same host
+// doubles the time, up to MaxEjection; a success resets it. When every host of
+// a cluster is ejected, all are returned, as Envoy's panic threshold does:
+// trying a possibly-dead pod beats refusing every request.
+//
+// One Outlier holds the health of hosts for a whole process; Wrap gives each
+// config's Source a view filtered by it.
+type Outlier struct {
+	base time.Duration
+	max  time.Duration
+	now  func() time.Time
+
+	mu      sync.Mutex
+	ejected map[string]ejection
+}
+
+type ejection struct {
+	until time.Time
+	times int // consecutive ejections, for the backoff
+}
+
+// OutlierOptions tune ejection; zero values take Envoy's defaults.
+type OutlierOptions struct {
+	BaseEjection time.Duration    // first ejection (default 30s, Envoy's base_ejection_time)
+	MaxEjection  time.Duration    // cap (default 300s, Envoy's max_ejection_time)
+	Now          func() time.Time // clock, for tests
+}
+
+// NewOutlier starts with every host healthy.
+func NewOutlier(o OutlierOptions) *Outlier {
+	if o.BaseEjection <= 0 {
+		o.BaseEjection = 30 * time.Second
+	}
+	if o.MaxEjection < o.BaseEjection {
+		o.MaxEjection = max(300*time.Second, o.BaseEjection)
+	}
+	if o.Now == nil {
+		o.Now = time.Now
+	}
+	return &Outlier{base: o.BaseEjection, max: o.MaxEjection, now: o.Now, ejected: map[string]ejection{}}
+}
+
+// Wrap returns src without the hosts that are currently ejected.
+func (o *Outlier) Wrap(src Source) Source { return outlierView{o: o, src: src} }
+
+type outlierView struct {
+	o   *Outlier
+	src Source
+}
+
+func (v outlierView) Endpoints(cluster string) []Endpoint {
+	return v.o.filter(v.src.Endpoints(cluster))
+}
+
+func (o *Outlier) filter(all []Endpoint) []Endpoint {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	if len(o.ejected) == 0 {
+		return all
+	}
+	now := o.now()
+	healthy := make([]Endpoint, 0, len(all))
+	for _, e := range all {
+		if ej, ok := o.ejected[e.Address]; !ok || !now.Before(ej.until) {
+			healthy = append(healthy, e)
+		}
+	}
+	if len(healthy) == 0 {
+		return all
+	}
+	return healthy
+}
+
+// Failed records that a connection to addr failed and ejects it.
+func (o *Outlier) Failed(addr string) {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	ej := o.ejected[addr]
+	now := o.now()
+	if now.Before(ej.until) {
+		return // already out; concurrent failures are one event
+	}
+	d := o.base << min(ej.times, 16)
+	if d > o.max || d <= 0 {
+		d = o.max
+	}
+	o.ejected[addr] = ejection{until: now.Add(d), times: ej.times + 1}
+}
+
+// Succeeded records a served request: the host is healthy again.
+func (o *Outlier) Succeeded(addr string) {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	delete(o.ejected, addr)
+}
+
+// Ejected reports whether addr is currently ejected.
+func (o *Outlier) Ejected(addr string) bool {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	return o.now().Before(o.ejected[addr].until)
+}

@@ -1,0 +1,192 @@
+// Package llmfilter is the Envoy Go HTTP filter of seed 002: it buffers the
+// request, asks the decision engine where to send it, pins it there with
+// SetUpstreamOverrideHost, and reports the request's lifecycle (started,
+// first token, cache saved, done) back to the engine. The same filter object
+// runs inside Envoy (filter/cmd/llm-filter) and in the standalone gateway
+// (filter/standalone, filter/cmd/gateway).
+//
+// Only contrib/golang/common/go/api is imported from Envoy: the cgo shim is
+// linked by filter/cmd/llm-filter alone, so this package is testable.
+package llmfilter
+
+import (
+	"fmt"
+	"log/slog"
+	"net/http"
+	"sync"
+
+	"github.com/envoyproxy/envoy/contrib/golang/common/go/api"
+	"google.golang.org/protobuf/types/known/anypb"
+
+	"github.com/istio-llm-filter/istio-llm-filter/filter/config"
+	"github.com/istio-llm-filter/istio-llm-filter/filter/endpoints"
+	"github.com/istio-llm-filter/istio-llm-filter/filter/engine"
+)
+
+// Name is the plugin_name the EnvoyFilter refers to.
+const Name = "llm-filter"
+
+// UpstreamHostHeader is the response header naming the "ip:port" of the pod
+// that served a routed request.
+const UpstreamHostHeader = "x-llm-upstream-host"
+
+// ParserOptions are the process-wide things every parsed config shares.
+type ParserOptions struct {
+	// Registry shares one Envoy-admin poller per admin address among all
+	// configs (each xDS push parses a new one). Required for envoy_admin.
+	Registry *endpoints.Registry
+	// DefaultAdmin polls Envoy's admin at its default address when the
+	// config names no endpoint source at all: right inside Envoy, wrong in
+	// the standalone gateway.
+	DefaultAdmin bool
+	// Outlier, if set, hides hosts whose connections failed (the standalone
+	// gateway's passive health check; inside Envoy, the admin poller already
+	// drops hosts Envoy's own outlier detection ejected).
+	Outlier    *endpoints.Outlier
+	Logger     *slog.Logger
+	HTTPClient *http.Client // metadata-center client; nil: the engine's default
+}
+
+// Parser is the api.StreamFilterConfigParser of the plugin.
+type Parser struct {
+	opts ParserOptions
+}
+
+var _ api.StreamFilterConfigParser = (*Parser)(nil)
+
+// NewParser returns a parser; see ParserOptions.
+func NewParser(opts ParserOptions) *Parser {
+	if opts.Logger == nil {
+		opts.Logger = slog.Default()
+	}
+	if opts.Registry == nil {
+		opts.Registry = endpoints.NewRegistry(opts.Logger)
+	}
+	return &Parser{opts: opts}
+}
+
+// Parse builds a Config from Envoy's plugin_config. callbacks is nil for
+// route-level configs.
+func (p *Parser) Parse(a *anypb.Any, callbacks api.ConfigCallbackHandler) (any, error) {
+	cfg, err := config.ParseAny(a)
+	if err != nil {
+		return nil, err
+	}
+	var m Metrics
+	if callbacks != nil {
+		m = newEnvoyMetrics(callbacks)
+	}
+	return p.Build(cfg, m)
+}
+
+// Merge lets a route-level config replace the listener-level one wholesale:
+// merging model rules key by key would make a route's config depend on
+// listener settings its author cannot see.
+//
+// Envoy stores the merge result under its own id and destroys it on its own
+// schedule (re-merging when the listener config changes), while the child
+// config lives on; so the result is a view that shares the child's engine
+// and whose Destroy leaves it alone.
+func (p *Parser) Merge(parent, child any) any {
+	cc, ok := child.(*Config)
+	if !ok {
+		if child == nil {
+			return parent
+		}
+		return child
+	}
+	if pc, ok := parent.(*Config); ok {
+		cc.metrics.adopt(pc.metrics)
+	}
+	return &Config{cfg: cc.cfg, engine: cc.engine, metrics: cc.metrics, log: cc.log, borrowed: true}
+}
+
+// Config is one parsed plugin config with its engine. Envoy calls Destroy when
+// the config is replaced or removed.
+type Config struct {
+	cfg     *config.Config
+	engine  *engine.Engine
+	metrics *metricsRef
+	log     *slog.Logger
+	release func()
+	once    sync.Once
+	// borrowed: a Merge view; the config it came from owns the engine.
+	borrowed bool
+}
+
+var _ api.Config = (*Config)(nil)
+
+// Build creates the engine for an already parsed config; m may be nil. The
+// standalone gateway calls it with Prometheus metrics.
+func (p *Parser) Build(cfg *config.Config, m Metrics) (*Config, error) {
+	src, release, err := p.source(cfg)
+	if err != nil {
+		return nil, err
+	}
+	if p.opts.Outlier != nil {
+		src = p.opts.Outlier.Wrap(src)
+	}
+	ref := newMetricsRef(m)
+	eng, err := engine.New(cfg, engine.Options{
+		Endpoints:  src,
+		Metrics:    ref,
+		Logger:     p.opts.Logger,
+		HTTPClient: p.opts.HTTPClient,
+	})
+	if err != nil {
+		release()
+		return nil, err
+	}
+	return &Config{cfg: cfg, engine: eng, metrics: ref, log: p.opts.Logger, release: release}, nil
+}
+
+func (p *Parser) source(cfg *config.Config) (endpoints.Source, func(), error) {
+	noop := func() {}
+	var pinned *endpoints.Static
+	if len(cfg.Endpoints.Static) > 0 {
+		s, err := endpoints.NewStatic(cfg.Endpoints.Static)
+		if err != nil {
+			return nil, nil, fmt.Errorf("endpoints.static: %w", err)
+		}
+		pinned = s
+	}
+	admin := cfg.Endpoints.EnvoyAdmin
+	if admin == nil && pinned == nil && p.opts.DefaultAdmin {
+		admin = &config.EnvoyAdmin{Address: endpoints.DefaultAdminAddress, Refresh: endpoints.DefaultAdminRefresh}
+	}
+	if admin == nil {
+		return endpoints.Layered{Pinned: pinned}, noop, nil
+	}
+	poller, release, err := p.opts.Registry.Acquire(admin.Address, admin.Refresh)
+	if err != nil {
+		return nil, nil, fmt.Errorf("endpoints.envoy_admin: %w", err)
+	}
+	return endpoints.Layered{Pinned: pinned, Dynamic: poller}, release, nil
+}
+
+// Destroy stops the engine (draining queued updates within its bound) and
+// releases the shared admin poller.
+func (c *Config) Destroy() {
+	if c.borrowed {
+		return
+	}
+	c.once.Do(func() {
+		c.engine.Close()
+		c.release()
+	})
+}
+
+// Engine exposes the decision engine (the gateway's readiness, tests).
+func (c *Config) Engine() *engine.Engine { return c.engine }
+
+// Factory is the api.StreamFilterFactory of the plugin.
+func Factory(c any, callbacks api.FilterCallbackHandler) api.StreamFilter {
+	conf, ok := c.(*Config)
+	if !ok {
+		// Envoy hands whatever Parse returned; anything else is a wiring bug,
+		// and passing traffic through unrouted is safer than crashing Envoy.
+		slog.Error("llm-filter: unexpected config type; passing requests through", "type", fmt.Sprintf("%T", c))
+		return &api.PassThroughStreamFilter{}
+	}
+	return newFilter(conf, callbacks)
+}

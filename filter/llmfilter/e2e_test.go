@@ -1,0 +1,421 @@
+package llmfilter_test
+
+import (
+	"bufio"
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"log/slog"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/istio-llm-filter/istio-llm-filter/filter/config"
+	"github.com/istio-llm-filter/istio-llm-filter/filter/llmfilter"
+	"github.com/istio-llm-filter/istio-llm-filter/filter/standalone"
+	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/server"
+	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/store"
+	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/store/memstore"
+)
+
+// recStore is the real in-memory store with call counters, so tests can wait
+// for the filter's asynchronous updates to land instead of sleeping.
+type recStore struct {
+	store.Store
+	adds, saves, deletes atomic.Int64
+}
+
+func (r *recStore) AddLease(ctx context.Context, c, h, id string, p int64) error {
+	err := r.Store.AddLease(ctx, c, h, id, p)
+	r.adds.Add(1)
+	return err
+}
+
+func (r *recStore) SaveCache(ctx context.Context, c, h string, hs []store.Hash) error {
+	err := r.Store.SaveCache(ctx, c, h, hs)
+	r.saves.Add(1)
+	return err
+}
+
+func (r *recStore) DeleteLease(ctx context.Context, c, h, id string) error {
+	err := r.Store.DeleteLease(ctx, c, h, id)
+	r.deletes.Add(1)
+	return err
+}
+
+func waitUntil(t testing.TB, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out waiting for %s", what)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}
+
+// backend is a fake OpenAI server: JSON or SSE answers, optionally held
+// open until released, naming itself in x-served-by.
+type backend struct {
+	srv   *httptest.Server
+	addr  string
+	hits  atomic.Int64
+	mu    sync.Mutex
+	hold  chan struct{} // non-nil: requests wait on it before answering
+	paths []string
+}
+
+func newBackend(t testing.TB) *backend {
+	b := &backend{}
+	b.srv = httptest.NewServer(http.HandlerFunc(b.serve))
+	b.addr = b.srv.Listener.Addr().String()
+	t.Cleanup(b.srv.Close)
+	return b
+}
+
+func (b *backend) setHold(ch chan struct{}) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	b.hold = ch
+}
+
+func (b *backend) serve(w http.ResponseWriter, r *http.Request) {
+	b.hits.Add(1)
+	var req struct {
+		Stream bool `json:"stream"`
+	}
+	body, _ := io.ReadAll(r.Body)
+	_ = json.Unmarshal(body, &req)
+	b.mu.Lock()
+	hold := b.hold
+	b.paths = append(b.paths, r.URL.Path)
+	b.mu.Unlock()
+	w.Header().Set("x-served-by", b.addr)
+	w.Header().Set("x-seen-request-id", r.Header.Get("x-request-id"))
+	if req.Stream {
+		w.Header().Set("content-type", "text/event-stream")
+		fl := w.(http.Flusher)
+		fmt.Fprint(w, `data: {"choices":[{"delta":{"content":"first"}}]}`+"\n\n")
+		fl.Flush()
+		if hold != nil {
+			select {
+			case <-hold:
+			case <-r.Context().Done():
+				return
+			}
+		}
+		fmt.Fprint(w, `data: {"choices":[{"delta":{"content":" second"}}]}`+"\n\n")
+		fmt.Fprint(w, "data: [DONE]\n\n")
+		return
+	}
+	if hold != nil {
+		select {
+		case <-hold:
+		case <-r.Context().Done():
+			return
+		}
+	}
+	w.Header().Set("content-type", "application/json")
+	fmt.Fprintf(w, `{"object":"chat.completion","choices":[{"message":{"role":"assistant","content":"ok from %s"}}]}`, b.addr)
+}
+
+type world struct {
+	t        testing.TB
+	backends []*backend
+	byAddr   map[string]*backend
+	st       *recStore
+	gw       *httptest.Server
+	metrics  *counts
+}
+
+type counts struct {
+	mu sync.Mutex
+	m  map[string]int64
+}
+
+func (c *counts) Count(name string, d int64) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.m[name] += d
+}
+
+func (c *counts) get(name string) int64 {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.m[name]
+}
+
+// noMetadataCenter as newWorld's mcURL configures none at all.
+const noMetadataCenter = "none"
+
+// newWorld starts n fake pods, a real metadata center (server + memstore)
+// unless mcURL is given, and the standalone gateway running the filter.
+func newWorld(t testing.TB, n int, mcURL string) *world {
+	w := &world{t: t, byAddr: map[string]*backend{}, metrics: &counts{m: map[string]int64{}}}
+	addrs := []string{}
+	for i := 0; i < n; i++ {
+		b := newBackend(t)
+		w.backends = append(w.backends, b)
+		w.byAddr[b.addr] = b
+		addrs = append(addrs, b.addr)
+	}
+	quiet := slog.New(slog.NewTextHandler(io.Discard, nil))
+	if mcURL == "" {
+		w.st = &recStore{Store: memstore.New(memstore.Options{})}
+		mc := httptest.NewServer(server.New(w.st, server.Options{Logger: quiet}).Handler())
+		t.Cleanup(mc.Close)
+		mcURL = mc.URL
+	}
+	mcDoc := fmt.Sprintf("metadata_center: {address: %q, query_timeout: 500ms, update_timeout: 2s}", mcURL)
+	if mcURL == noMetadataCenter {
+		mcDoc = ""
+	}
+	doc := fmt.Sprintf(`
+%s
+model_mapping_rule:
+  qwen:
+    - cluster: tiny-pool
+      backend: llamacpp
+lb_mapping_rule:
+  default: {policy: cache_aware}
+endpoints:
+  static: {tiny-pool: [%s]}
+`, mcDoc, strings.Join(addrs, ", "))
+	cfg, err := config.Parse([]byte(doc))
+	if err != nil {
+		t.Fatal(err)
+	}
+	conf, err := llmfilter.NewParser(llmfilter.ParserOptions{Logger: quiet}).Build(cfg, w.metrics)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(conf.Destroy)
+	host, err := standalone.New(standalone.Options{Factory: llmfilter.Factory, Config: conf, Logger: quiet})
+	if err != nil {
+		t.Fatal(err)
+	}
+	w.gw = httptest.NewServer(host)
+	t.Cleanup(w.gw.Close)
+	return w
+}
+
+func chatBody(prompt string, stream bool) string {
+	b, _ := json.Marshal(map[string]any{"model": "qwen", "stream": stream,
+		"messages": []any{
+			map[string]any{"role": "system", "content": "You are terse."},
+			map[string]any{"role": "user", "content": prompt},
+		}})
+	return string(b)
+}
+
+// ask sends a non-streamed chat and returns the pod that served it.
+func (w *world) ask(prompt string) string {
+	w.t.Helper()
+	resp, err := http.Post(w.gw.URL+"/v1/chat/completions", "application/json", strings.NewReader(chatBody(prompt, false)))
+	if err != nil {
+		w.t.Fatal(err)
+	}
+	body, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if resp.StatusCode != 200 {
+		w.t.Fatalf("status %d: %s", resp.StatusCode, body)
+	}
+	if resp.Header.Get("x-seen-request-id") == "" {
+		w.t.Fatal("the backend must see an x-request-id")
+	}
+	served := resp.Header.Get("x-served-by")
+	if got := resp.Header.Get(llmfilter.UpstreamHostHeader); got != served {
+		w.t.Fatalf("%s = %q, but %s served the request", llmfilter.UpstreamHostHeader, got, served)
+	}
+	return served
+}
+
+// settle waits until every finished request's async updates reached the
+// metadata center (updates of one request run in order, Done last).
+func (w *world) settle(done int64) {
+	w.t.Helper()
+	waitUntil(w.t, fmt.Sprintf("%d request leases deleted", done), func() bool { return w.st.deletes.Load() >= done })
+}
+
+// longPrefix is a shared system-prompt-like prefix spanning several 512-byte blocks.
+var longPrefix = strings.Repeat("The quick brown fox jumps over the lazy dog while the router keeps the KV cache warm. ", 40)
+
+func TestE2ERepeatedPrefixLandsOnItsPod(t *testing.T) {
+	w := newWorld(t, 4, "")
+	first := w.ask(longPrefix + "Question 0?")
+	w.settle(1)
+	if w.st.saves.Load() < 1 {
+		t.Fatal("the first answer must have saved its cache location")
+	}
+	for i := 1; i <= 6; i++ {
+		if got := w.ask(longPrefix + fmt.Sprintf("Question %d?", i)); got != first {
+			t.Fatalf("request %d with the cached prefix went to %s, not %s which holds it", i, got, first)
+		}
+		w.settle(int64(i + 1))
+	}
+	if w.metrics.get("cache_hit_routes") < 6 {
+		t.Fatalf("cache_hit_routes = %d, want >= 6", w.metrics.get("cache_hit_routes"))
+	}
+}
+
+func TestE2EUnrelatedPromptsSpread(t *testing.T) {
+	w := newWorld(t, 4, "")
+	used := map[string]int{}
+	for i := 0; i < 24; i++ {
+		// Different from the first byte on: no shared block at all.
+		used[w.ask(fmt.Sprintf("%d unrelated question number %d about topic %x", i*7919, i, i*104729))]++
+		w.settle(int64(i + 1))
+	}
+	if len(used) < 3 {
+		t.Fatalf("24 unrelated prompts used only %d of 4 pods: %v", len(used), used)
+	}
+}
+
+func TestE2EHotPrefixSpreadsOnceItsPodIsLoaded(t *testing.T) {
+	w := newWorld(t, 4, "")
+	home := w.ask(longPrefix + "warm up")
+	w.settle(1)
+
+	// Every pod now holds requests open: in-flight load is visible.
+	release := make(chan struct{})
+	for _, b := range w.backends {
+		b.setHold(release)
+	}
+	type result struct {
+		pod string
+		err error
+	}
+	results := make(chan result, 8)
+	send := func(i int) {
+		resp, err := http.Post(w.gw.URL+"/v1/chat/completions", "application/json",
+			strings.NewReader(chatBody(longPrefix+fmt.Sprintf("hot %d", i), false)))
+		if err != nil {
+			results <- result{err: err}
+			return
+		}
+		io.Copy(io.Discard, resp.Body)
+		resp.Body.Close()
+		results <- result{pod: resp.Header.Get("x-served-by")}
+	}
+	hits := func() map[string]int64 {
+		m := map[string]int64{}
+		for _, b := range w.backends {
+			m[b.addr] = b.hits.Load()
+		}
+		return m
+	}
+	before := hits()
+	go send(1)
+	// The first hot request goes home and stays there, prompt not yet prefilled.
+	waitUntil(t, "first hot request at its pod", func() bool { return w.byAddr[home].hits.Load() == before[home]+1 })
+	waitUntil(t, "its lease at the metadata center", func() bool { return w.st.adds.Load() >= 2 })
+	for i := 2; i <= 4; i++ {
+		go send(i)
+	}
+	waitUntil(t, "three more hot requests at pods", func() bool {
+		var n int64
+		for addr, h := range hits() {
+			n += h - before[addr]
+		}
+		return n == 4
+	})
+	after := hits()
+	if extra := after[home] - before[home]; extra != 1 {
+		t.Fatalf("the loaded home pod got %d of the 4 hot requests; the rest should have spread: %v -> %v", extra, before, after)
+	}
+	close(release)
+	for i := 0; i < 4; i++ {
+		if r := <-results; r.err != nil {
+			t.Fatal(r.err)
+		}
+	}
+}
+
+func TestE2EStreamReachesClientUnbuffered(t *testing.T) {
+	w := newWorld(t, 2, "")
+	release := make(chan struct{})
+	for _, b := range w.backends {
+		b.setHold(release)
+	}
+	resp, err := http.Post(w.gw.URL+"/v1/chat/completions", "application/json", strings.NewReader(chatBody("stream it", true)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	if ct := resp.Header.Get("content-type"); !strings.HasPrefix(ct, "text/event-stream") {
+		t.Fatalf("content-type %q", ct)
+	}
+	rd := bufio.NewReader(resp.Body)
+	line, err := rd.ReadString('\n')
+	if err != nil {
+		t.Fatal(err)
+	}
+	// The backend is still holding the rest: this line was not buffered.
+	if !strings.Contains(line, `"first"`) {
+		t.Fatalf("first line %q", line)
+	}
+	close(release)
+	rest, err := io.ReadAll(rd)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !strings.Contains(string(rest), `" second"`) || !strings.HasSuffix(string(rest), "data: [DONE]\n\n") {
+		t.Fatalf("rest of stream %q", rest)
+	}
+	w.settle(1)
+}
+
+func TestE2EMetadataCenterDownStillServes(t *testing.T) {
+	dead := httptest.NewServer(http.NotFoundHandler())
+	url := dead.URL
+	dead.Close()
+	w := newWorld(t, 3, url)
+	used := map[string]bool{}
+	for i := 0; i < 6; i++ {
+		used[w.ask(fmt.Sprintf("question %d with the metadata center down", i))] = true
+	}
+	for pod := range used {
+		if w.byAddr[pod] == nil {
+			t.Fatalf("served by unknown pod %q", pod)
+		}
+	}
+	if w.metrics.get("routed") != 6 {
+		t.Fatalf("routed = %d, want 6 (degraded, not failed)", w.metrics.get("routed"))
+	}
+}
+
+func TestE2EClientGoneMidStreamReleasesThePod(t *testing.T) {
+	w := newWorld(t, 2, "")
+	release := make(chan struct{})
+	defer close(release)
+	for _, b := range w.backends {
+		b.setHold(release)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	req, _ := http.NewRequestWithContext(ctx, "POST", w.gw.URL+"/v1/chat/completions", strings.NewReader(chatBody("leave early", true)))
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := bufio.NewReader(resp.Body).ReadString('\n'); err != nil {
+		t.Fatal(err)
+	}
+	pod := resp.Header.Get("x-served-by")
+	waitUntil(t, "the lease at the metadata center", func() bool { return w.st.adds.Load() == 1 })
+	cancel() // the client goes away while the pod is still generating
+	resp.Body.Close()
+	// The filter still reports the end: the lease is deleted and the pod is free.
+	w.settle(1)
+	stats, err := w.st.LoadStats(context.Background(), "tiny-pool")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if s := stats[pod]; s.TotalReqs != 0 || s.PromptLength != 0 {
+		t.Fatalf("pod %s still looks busy after the client left: %+v", pod, s)
+	}
+}

@@ -1,0 +1,183 @@
+package llmfilter
+
+import (
+	"net/netip"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/envoyproxy/envoy/contrib/golang/common/go/api"
+)
+
+// fakeEnvoy is the callback side of one stream, with the rules of Envoy
+// v1.36's golang filter (contrib/golang/filters/http/source): Continue and
+// SendLocalReply end the phase the filter took async and may not be called
+// twice; after OnDestroy every call fails as errFilterDestroyed does in the
+// real shim (a panic); SetUpstreamOverrideHost takes only an IP with port and
+// only while decoding. Every violation is also recorded so tests fail on it
+// even when the filter's goroutine swallows the panic.
+type fakeEnvoy struct {
+	t *testing.T
+
+	mu         sync.Mutex
+	inGo       bool
+	encoding   bool
+	destroyed  bool // Envoy's side: the stream is gone, calls panic
+	goDone     bool // the filter's OnDestroy returned: any call is a bug
+	violations []string
+	override   string
+	strict     bool
+	events     chan fakeEvent
+}
+
+type fakeEvent struct {
+	status  api.StatusType
+	reply   bool
+	code    int
+	body    string
+	headers map[string][]string
+	details string
+	body2   string // the request body after the decision (set by the test driver)
+}
+
+// errFakeDestroyed is the value Envoy's shim panics with (a string there too).
+const errFakeDestroyed = "golang filter has been destroyed"
+
+func newFakeEnvoy(t *testing.T) *fakeEnvoy {
+	return &fakeEnvoy{t: t, events: make(chan fakeEvent, 4)}
+}
+
+func (e *fakeEnvoy) violate(msg string) {
+	e.violations = append(e.violations, msg)
+}
+
+// enter marks the start of a phase (Envoy calling into Go).
+func (e *fakeEnvoy) enter(encoding bool) {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	e.inGo, e.encoding = true, encoding
+}
+
+// leave records the phase's synchronous status.
+func (e *fakeEnvoy) leave(st api.StatusType) {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if st != api.Running {
+		e.inGo = false
+	}
+}
+
+func (e *fakeEnvoy) finishPhase(ev fakeEvent, what string) {
+	e.mu.Lock()
+	if e.goDone {
+		e.violate(what + " after OnDestroy returned")
+	}
+	if e.destroyed {
+		e.mu.Unlock()
+		panic(errFakeDestroyed)
+	}
+	if !e.inGo {
+		e.violate(what + " while no phase waits on Go")
+		e.mu.Unlock()
+		panic("fake envoy: not processing Go")
+	}
+	e.inGo = false
+	e.mu.Unlock()
+	e.events <- ev
+}
+
+// wait returns the event ending an async phase.
+func (e *fakeEnvoy) wait() fakeEvent {
+	e.t.Helper()
+	select {
+	case ev := <-e.events:
+		return ev
+	case <-time.After(10 * time.Second):
+		e.t.Fatal("filter never continued the phase")
+		return fakeEvent{}
+	}
+}
+
+func (e *fakeEnvoy) destroy() {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	e.destroyed = true
+}
+
+// destroyed marks the return of the filter's OnDestroy.
+func (e *fakeEnvoy) goDestroyed() {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	e.goDone = true
+}
+
+func (e *fakeEnvoy) check() {
+	e.t.Helper()
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	for _, v := range e.violations {
+		e.t.Errorf("Envoy API misuse: %s", v)
+	}
+}
+
+// --- api.FilterCallbackHandler ---
+
+func (e *fakeEnvoy) StreamInfo() api.StreamInfo                         { return nil }
+func (e *fakeEnvoy) ClearRouteCache()                                   {}
+func (e *fakeEnvoy) RefreshRouteCache()                                 {}
+func (e *fakeEnvoy) Log(api.LogType, string)                            {}
+func (e *fakeEnvoy) LogLevel() api.LogType                              { return api.Error }
+func (e *fakeEnvoy) GetProperty(string) (string, error)                 { return "", api.ErrValueNotFound }
+func (e *fakeEnvoy) SecretManager() api.SecretManager                   { return nil }
+func (e *fakeEnvoy) DecoderFilterCallbacks() api.DecoderFilterCallbacks { return fakeDecoder{e} }
+func (e *fakeEnvoy) EncoderFilterCallbacks() api.EncoderFilterCallbacks { return fakeEncoder{e} }
+
+type fakeProcess struct{ e *fakeEnvoy }
+
+func (p fakeProcess) Continue(st api.StatusType) { p.e.finishPhase(fakeEvent{status: st}, "Continue") }
+func (p fakeProcess) SendLocalReply(code int, body string, h map[string][]string, _ int64, details string) {
+	p.e.finishPhase(fakeEvent{reply: true, code: code, body: body, headers: h, details: details}, "SendLocalReply")
+}
+func (p fakeProcess) RecoverPanic()        { _ = recover() }
+func (p fakeProcess) AddData([]byte, bool) { p.e.violate("AddData is not used by this filter") }
+func (p fakeProcess) InjectData([]byte)    { p.e.violate("InjectData is not used by this filter") }
+
+type fakeDecoder struct{ e *fakeEnvoy }
+type fakeEncoder struct{ e *fakeEnvoy }
+
+func (d fakeDecoder) Continue(st api.StatusType) { fakeProcess(d).Continue(st) }
+func (d fakeDecoder) SendLocalReply(code int, body string, h map[string][]string, g int64, det string) {
+	fakeProcess(d).SendLocalReply(code, body, h, g, det)
+}
+func (d fakeDecoder) RecoverPanic()            { _ = recover() }
+func (d fakeDecoder) AddData(b []byte, s bool) { fakeProcess(d).AddData(b, s) }
+func (d fakeDecoder) InjectData(b []byte)      { fakeProcess(d).InjectData(b) }
+
+func (d fakeDecoder) SetUpstreamOverrideHost(host string, strict bool) error {
+	e := d.e
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if e.goDone {
+		e.violate("SetUpstreamOverrideHost after OnDestroy returned")
+	}
+	switch {
+	case e.destroyed:
+		panic(errFakeDestroyed)
+	case !e.inGo || e.encoding:
+		e.violate("SetUpstreamOverrideHost outside a decode phase in Go")
+		panic("fake envoy: invalid phase")
+	}
+	if _, err := netip.ParseAddrPort(host); err != nil {
+		return api.ErrInvalidIPAddress
+	}
+	e.override, e.strict = host, strict
+	return nil
+}
+
+func (c fakeEncoder) Continue(st api.StatusType) { fakeProcess(c).Continue(st) }
+func (c fakeEncoder) SendLocalReply(code int, body string, h map[string][]string, g int64, det string) {
+	fakeProcess(c).SendLocalReply(code, body, h, g, det)
+}
+func (c fakeEncoder) RecoverPanic()            { _ = recover() }
+func (c fakeEncoder) AddData(b []byte, s bool) { fakeProcess(c).AddData(b, s) }
+func (c fakeEncoder) InjectData(b []byte)      { fakeProcess(c).InjectData(b) }

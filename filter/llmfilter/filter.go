@@ -1,0 +1,445 @@
+package llmfilter
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"runtime/debug"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/envoyproxy/envoy/contrib/golang/common/go/api"
+	"github.com/google/uuid"
+
+	"github.com/istio-llm-filter/istio-llm-filter/filter/engine"
+)
+
+// filter is one request. Envoy calls the phase methods one at a time on its
+// worker thread; the decision runs on a goroutine of ours, and OnDestroy may
+// come at any moment (client gone), so everything the goroutine shares with
+// the phases sits under mu, and no callback is touched once destroyed is set.
+type filter struct {
+	conf *Config
+	cb   api.FilterCallbackHandler
+	log  *slog.Logger
+
+	start time.Time
+
+	mu        sync.Mutex
+	destroyed bool
+	cancel    context.CancelFunc // stops a running decision when the client leaves
+	decision  *engine.Decision
+	started   bool // engine.Started called: exactly one engine.Done is owed
+	finished  bool // engine.Done called
+
+	// Set on the worker thread only.
+	reqHeaders  api.RequestHeaderMap
+	respHeaders api.ResponseHeaderMap
+	traceID     string // guarded by mu: the decision goroutine refines it
+	status      int
+	streaming   bool // text/event-stream response
+	buffering   bool // whole response buffered for transcoding
+	success     bool // 2xx from the backend
+	firstData   time.Time
+	localType   atomic.Pointer[string] // error type of the local reply we sent
+}
+
+func newFilter(conf *Config, cb api.FilterCallbackHandler) *filter {
+	return &filter{conf: conf, cb: cb, log: conf.log, start: time.Now()}
+}
+
+var _ api.StreamFilter = (*filter)(nil)
+
+// traceHeaders are tried in order (seed 002 §3 step 1). Envoy's connection
+// manager sets x-request-id on every request, so the first usually wins.
+var traceHeaders = []string{"x-request-id", "x-trace-id", "x-amzn-trace-id"}
+
+func traceIDOf(h api.RequestHeaderMap) string {
+	for _, k := range traceHeaders {
+		if v, ok := h.Get(k); ok && v != "" {
+			return v
+		}
+	}
+	return uuid.NewString()
+}
+
+// --- decode ---
+
+func (f *filter) DecodeHeaders(h api.RequestHeaderMap, endStream bool) (st api.StatusType) {
+	defer f.recoverPhase(&st, true)
+	f.reqHeaders = h
+	trace := traceIDOf(h)
+	f.mu.Lock()
+	f.traceID = trace
+	f.mu.Unlock()
+	f.conf.metrics.Count("requests", 1)
+	if endStream {
+		// No body, nothing to route on (GET /v1/models, health checks): the
+		// route's own cluster and load balancing apply (seed 002 §2).
+		return api.Continue
+	}
+	if cl, ok := h.Get("content-length"); ok {
+		if n, err := strconv.ParseInt(cl, 10, 64); err == nil && n > int64(f.conf.cfg.MaxBodyBytes) {
+			return f.reply(f.cb.DecoderFilterCallbacks(), &engine.Error{Status: 413, Type: "payload_too_large",
+				Message: fmt.Sprintf("request body of %d bytes exceeds max_body_bytes (%d)", n, f.conf.cfg.MaxBodyBytes), TraceID: f.trace()})
+		}
+	}
+	return api.StopAndBuffer
+}
+
+func (f *filter) DecodeData(buf api.BufferInstance, endStream bool) (st api.StatusType) {
+	defer f.recoverPhase(&st, true)
+	if !endStream {
+		// Only reachable if another filter changed the buffering mode.
+		return api.StopAndBuffer
+	}
+	body := bytes.Clone(buf.Bytes())
+	ctx, cancel := context.WithCancel(context.Background())
+	f.mu.Lock()
+	if f.destroyed {
+		f.mu.Unlock()
+		cancel()
+		return api.LocalReply
+	}
+	f.cancel = cancel
+	f.mu.Unlock()
+	// The decision waits on the metadata center (up to query_timeout): never
+	// on Envoy's worker thread.
+	go f.decide(ctx, cancel, buf, body)
+	return api.Running
+}
+
+func (f *filter) decide(ctx context.Context, cancel context.CancelFunc, buf api.BufferInstance, body []byte) {
+	defer cancel()
+	defer func() {
+		if e := recover(); e != nil {
+			f.asyncPanic(e)
+		}
+	}()
+	d, err := f.conf.engine.Decide(ctx, f.reqHeaders, body)
+
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if f.destroyed {
+		return // the client left while we were deciding; nothing was started
+	}
+	dec := f.cb.DecoderFilterCallbacks()
+	if err != nil {
+		f.reply(dec, asEngineError(err, f.traceID))
+		return
+	}
+	f.traceID = d.TraceID
+	if err := dec.SetUpstreamOverrideHost(d.Host, true); err != nil {
+		f.reply(dec, &engine.Error{Status: 503, Type: "invalid_upstream",
+			Message: fmt.Sprintf("chosen host %q cannot be used: %v", d.Host, err), TraceID: d.TraceID})
+		return
+	}
+	if d.Body != nil {
+		if err := buf.Set(d.Body); err != nil {
+			f.reply(dec, &engine.Error{Status: 500, Type: "internal_error", Message: "cannot replace the request body: " + err.Error(), TraceID: d.TraceID})
+			return
+		}
+		f.reqHeaders.Set("content-length", strconv.Itoa(len(d.Body)))
+	}
+	if d.Path != "" {
+		f.reqHeaders.SetPath(d.Path)
+	}
+	f.decision = d
+	f.started = true
+	f.conf.engine.Started(d)
+	f.conf.metrics.Count("in_flight", 1)
+	dec.Continue(api.Continue)
+}
+
+func asEngineError(err error, traceID string) *engine.Error {
+	var e *engine.Error
+	if errors.As(err, &e) {
+		if e.TraceID == "" {
+			c := *e
+			c.TraceID = traceID
+			return &c
+		}
+		return e
+	}
+	return &engine.Error{Status: 500, Type: "internal_error", Message: err.Error(), TraceID: traceID}
+}
+
+// reply sends a local reply in the seed's §8.2 format. Callers in a
+// goroutine hold f.mu and have checked destroyed.
+func (f *filter) reply(cb api.FilterProcessCallbacks, e *engine.Error) api.StatusType {
+	f.localType.Store(&e.Type)
+	f.conf.metrics.Count("local_replies", 1)
+	cb.SendLocalReply(e.Status, string(e.JSON()), map[string][]string{"content-type": {"application/json"}}, -1, "llm_filter_"+e.Type)
+	return api.LocalReply
+}
+
+func (f *filter) DecodeTrailers(api.RequestTrailerMap) api.StatusType { return api.Continue }
+
+// --- encode ---
+
+func (f *filter) EncodeHeaders(h api.ResponseHeaderMap, endStream bool) (st api.StatusType) {
+	defer f.recoverPhase(&st, false)
+	f.respHeaders = h
+	f.status, _ = h.Status()
+	d := f.currentDecision()
+	if d == nil || f.replied() != "" {
+		// An unrouted request, Envoy's own local reply (no route, upstream
+		// 503), or the local reply we sent (Envoy may run it through the
+		// encoder filters again).
+		return api.Continue
+	}
+	// Name the pod that served the request, so clients and benchmarks can
+	// see where routing sent them (like Envoy's %UPSTREAM_HOST%).
+	h.Set(UpstreamHostHeader, d.Host)
+	f.success = f.status >= 200 && f.status < 300
+	if !f.success {
+		f.conf.metrics.Count("upstream_errors", 1)
+		// The backend refused or failed, and holds no new cache. OpenAI
+		// servers already answer errors in OpenAI form (and a 429 or 408
+		// tells the client more than a 503), so theirs go back untouched; a
+		// translated backend's error is not something the client can read,
+		// so it becomes the seed's 503 (§8.1) once its body is in.
+		if d.Response == nil || endStream {
+			return api.Continue
+		}
+		f.buffering = true
+		return api.StopAndBuffer
+	}
+	// The backend is answering, so it has (or is building) the prompt's KV
+	// cache: record it for the next requests sharing this prefix.
+	f.conf.engine.Saved(d)
+	if endStream {
+		f.firstToken(d)
+		return api.Continue
+	}
+	ct, _ := h.Get("content-type")
+	f.streaming = strings.HasPrefix(strings.ToLower(strings.TrimSpace(ct)), "text/event-stream")
+	if d.Response == nil {
+		// Streams flow chunk by chunk; a pass-through JSON body needs no
+		// buffering either (its first byte is its first token).
+		return api.Continue
+	}
+	if ctype := d.Response.ContentType(f.streaming); ctype != "" {
+		h.Set("content-type", ctype)
+	}
+	if f.streaming {
+		h.Del("content-length") // transcoded events have other sizes
+		return api.Continue
+	}
+	f.buffering = true
+	return api.StopAndBuffer
+}
+
+func (f *filter) EncodeData(buf api.BufferInstance, endStream bool) (st api.StatusType) {
+	defer f.recoverPhase(&st, false)
+	d := f.currentDecision()
+	if d == nil || f.replied() != "" {
+		// Nothing of ours, or the body of the local reply we just sent.
+		return api.Continue
+	}
+	if !f.success {
+		if !f.buffering {
+			return api.Continue
+		}
+		if !endStream {
+			return api.StopAndBuffer
+		}
+		return f.reply(f.cb.EncoderFilterCallbacks(), &engine.Error{Status: 503, Type: "backend_error",
+			Message: fmt.Sprintf("backend %s answered %d: %s", d.Host, f.status, snippet(buf.Bytes())), TraceID: f.trace()})
+	}
+	if f.firstData.IsZero() && (buf.Len() > 0 || endStream) {
+		f.firstToken(d)
+	}
+	if d.Response == nil {
+		return api.Continue
+	}
+	if f.buffering {
+		if !endStream {
+			return api.StopAndBuffer
+		}
+		out, err := d.Response.Body(buf.Bytes())
+		if err != nil {
+			f.conf.metrics.Count("transcode_errors", 1)
+			f.log.Warn("response transcoding failed", "trace_id", f.trace(), "backend", d.Backend, "err", err)
+			return f.reply(f.cb.EncoderFilterCallbacks(), &engine.Error{Status: 503, Type: "transcode_failed",
+				Message: "backend response could not be transcoded: " + err.Error(), TraceID: f.trace()})
+		}
+		_ = buf.Set(out)
+		f.respHeaders.Set("content-length", strconv.Itoa(len(out)))
+		return api.Continue
+	}
+	// Streamed: headers are gone, so a bad chunk becomes an SSE error event.
+	out, err := d.Response.Chunk(buf.Bytes())
+	if err == nil && endStream {
+		var tail []byte
+		tail, err = d.Response.Flush()
+		out = append(out, tail...)
+	}
+	if err != nil {
+		f.conf.metrics.Count("transcode_errors", 1)
+		f.log.Warn("stream chunk transcoding failed", "trace_id", f.trace(), "backend", d.Backend, "err", err)
+		e := &engine.Error{Status: 503, Type: "transcode_failed", Message: "backend stream could not be transcoded: " + err.Error(), TraceID: f.trace()}
+		out = append(append([]byte("data: "), e.JSON()...), "\n\n"...)
+	}
+	_ = buf.Set(out)
+	return api.Continue
+}
+
+// snippet keeps error messages readable when a backend answers with a page.
+func snippet(b []byte) string {
+	const limit = 200
+	s := strings.TrimSpace(string(b))
+	if len(s) > limit {
+		s = strings.ToValidUTF8(s[:limit], "") + "…"
+	}
+	return s
+}
+
+func (f *filter) firstToken(d *engine.Decision) {
+	f.firstData = time.Now()
+	f.conf.engine.FirstToken(d)
+}
+
+func (f *filter) EncodeTrailers(api.ResponseTrailerMap) api.StatusType { return api.Continue }
+
+func (f *filter) currentDecision() *engine.Decision {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return f.decision
+}
+
+// --- end of stream ---
+
+func (f *filter) OnLog(reqH api.RequestHeaderMap, _ api.RequestTrailerMap, respH api.ResponseHeaderMap, _ api.ResponseTrailerMap) {
+	defer f.recoverLifecycle("OnLog")
+	status := f.status
+	if respH != nil {
+		if s, ok := respH.Status(); ok {
+			status = s
+		}
+	}
+	d := f.finish()
+	dur := time.Since(f.start)
+	ttft := time.Duration(0)
+	if !f.firstData.IsZero() {
+		ttft = f.firstData.Sub(f.start)
+	}
+	attrs := []any{"trace_id", f.trace(), "status", status, "duration_ms", dur.Milliseconds(), "ttft_ms", ttft.Milliseconds()}
+	if d != nil {
+		attrs = append(attrs, "model", d.Model, "backend", d.Host, "cluster", d.Cluster, "scene", d.SceneName,
+			"policy", d.Policy, "cache_ratio", d.CacheRatio, "degraded", d.Degraded, "stream", f.streaming,
+			"prompt_length", d.PromptLength)
+	} else if reqH != nil {
+		attrs = append(attrs, "path", reqH.Path())
+	}
+	if t := f.replied(); t != "" {
+		attrs = append(attrs, "error", t)
+	}
+	f.log.Info("completed", attrs...)
+}
+
+// finish reports the end of a started request exactly once (OnLog, or
+// OnDestroy if Envoy never logs) and returns its decision.
+func (f *filter) finish() *engine.Decision {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if f.started && !f.finished {
+		f.finished = true
+		f.conf.engine.Done(f.decision)
+		f.conf.metrics.Count("in_flight", -1)
+	}
+	return f.decision
+}
+
+func (f *filter) OnLogDownstreamStart(api.RequestHeaderMap) {}
+func (f *filter) OnLogDownstreamPeriodic(api.RequestHeaderMap, api.RequestTrailerMap, api.ResponseHeaderMap, api.ResponseTrailerMap) {
+}
+func (f *filter) OnStreamComplete() {}
+
+func (f *filter) OnDestroy(api.DestroyReason) {
+	defer f.recoverLifecycle("OnDestroy")
+	f.mu.Lock()
+	f.destroyed = true
+	cancel := f.cancel
+	f.mu.Unlock()
+	if cancel != nil {
+		cancel()
+	}
+	f.finish()
+}
+
+// --- panics ---
+
+// recoverPhase turns a panic in a phase into a 500 in the seed's format (Envoy
+// would answer a bare 500 too, but without the trace id).
+func (f *filter) recoverPhase(st *api.StatusType, decoding bool) {
+	e := recover()
+	if e == nil {
+		return
+	}
+	f.conf.metrics.Count("panics", 1)
+	f.log.Error("panic in filter phase", "trace_id", f.trace(), "panic", e, "stack", string(debug.Stack()))
+	*st = api.Continue
+	func() {
+		defer func() { _ = recover() }() // the stream may not accept a reply now
+		var cb api.FilterProcessCallbacks = f.cb.EncoderFilterCallbacks()
+		if decoding {
+			cb = f.cb.DecoderFilterCallbacks()
+		}
+		*st = f.reply(cb, &engine.Error{Status: 500, Type: "internal_error", Message: fmt.Sprint("filter panic: ", e), TraceID: f.trace()})
+	}()
+}
+
+// trace is the request's trace id; the decision goroutine may update it
+// while Envoy runs other phases (its own local replies, OnLog on a reset).
+func (f *filter) trace() string {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return f.traceID
+}
+
+// replied is the error type of the local reply we sent, "" if none.
+func (f *filter) replied() string {
+	if t := f.localType.Load(); t != nil {
+		return *t
+	}
+	return ""
+}
+
+// streamGone recognises the panic Envoy's shim raises ("golang filter has
+// been destroyed", "request has been finished") for a callback made after
+// Envoy ended the stream but before our OnDestroy ran: a window that no
+// Go-side flag can close, and nothing to report.
+func streamGone(e any) bool {
+	s := fmt.Sprint(e)
+	return strings.Contains(s, "has been destroyed") || strings.Contains(s, "request has been finished")
+}
+
+// asyncPanic handles a panic on our decision goroutine: Envoy would crash.
+func (f *filter) asyncPanic(e any) {
+	if streamGone(e) {
+		f.log.Debug("stream ended while the decision was being applied", "trace_id", f.trace())
+		return
+	}
+	f.conf.metrics.Count("panics", 1)
+	f.log.Error("panic in filter goroutine", "trace_id", f.trace(), "panic", e, "stack", string(debug.Stack()))
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if f.destroyed {
+		return
+	}
+	defer func() { _ = recover() }()
+	f.reply(f.cb.DecoderFilterCallbacks(), &engine.Error{Status: 500, Type: "internal_error", Message: fmt.Sprint("filter panic: ", e), TraceID: f.traceID})
+}
+
+func (f *filter) recoverLifecycle(where string) {
+	if e := recover(); e != nil {
+		f.conf.metrics.Count("panics", 1)
+		f.log.Error("panic in "+where, "trace_id", f.trace(), "panic", e, "stack", string(debug.Stack()))
+	}
+}

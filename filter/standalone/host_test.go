@@ -1,0 +1,847 @@
+package standalone
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/envoyproxy/envoy/contrib/golang/common/go/api"
+)
+
+// testFilter records every call and lets each test script the statuses.
+type testFilter struct {
+	api.PassThroughStreamFilter
+	cb  api.FilterCallbackHandler
+	rec *recorder
+
+	decodeHeaders func(f *testFilter, h api.RequestHeaderMap, end bool) api.StatusType
+	decodeData    func(f *testFilter, b api.BufferInstance, end bool) api.StatusType
+	encodeHeaders func(f *testFilter, h api.ResponseHeaderMap, end bool) api.StatusType
+	encodeData    func(f *testFilter, b api.BufferInstance, end bool) api.StatusType
+}
+
+type recorder struct {
+	mu      sync.Mutex
+	calls   []string
+	logCode int
+	reason  api.DestroyReason
+	done    chan struct{}
+}
+
+func (r *recorder) add(format string, args ...any) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.calls = append(r.calls, fmt.Sprintf(format, args...))
+}
+
+func (r *recorder) list() []string {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return append([]string(nil), r.calls...)
+}
+
+func (f *testFilter) DecodeHeaders(h api.RequestHeaderMap, end bool) api.StatusType {
+	f.rec.add("DecodeHeaders end=%v", end)
+	if f.decodeHeaders != nil {
+		return f.decodeHeaders(f, h, end)
+	}
+	if end {
+		return api.Continue
+	}
+	return api.StopAndBuffer
+}
+
+func (f *testFilter) DecodeData(b api.BufferInstance, end bool) api.StatusType {
+	f.rec.add("DecodeData len=%d end=%v", b.Len(), end)
+	if f.decodeData != nil {
+		return f.decodeData(f, b, end)
+	}
+	return api.Continue
+}
+
+func (f *testFilter) EncodeHeaders(h api.ResponseHeaderMap, end bool) api.StatusType {
+	code, _ := h.Status()
+	f.rec.add("EncodeHeaders status=%d end=%v", code, end)
+	if f.encodeHeaders != nil {
+		return f.encodeHeaders(f, h, end)
+	}
+	return api.Continue
+}
+
+func (f *testFilter) EncodeData(b api.BufferInstance, end bool) api.StatusType {
+	f.rec.add("EncodeData end=%v", end)
+	if f.encodeData != nil {
+		return f.encodeData(f, b, end)
+	}
+	return api.Continue
+}
+
+func (f *testFilter) OnStreamComplete() { f.rec.add("OnStreamComplete") }
+
+func (f *testFilter) OnLog(_ api.RequestHeaderMap, _ api.RequestTrailerMap, resp api.ResponseHeaderMap, _ api.ResponseTrailerMap) {
+	code := 0
+	if resp != nil {
+		code, _ = resp.Status()
+	}
+	f.rec.mu.Lock()
+	f.rec.logCode = code
+	f.rec.mu.Unlock()
+	f.rec.add("OnLog")
+}
+
+func (f *testFilter) OnDestroy(r api.DestroyReason) {
+	f.rec.mu.Lock()
+	f.rec.reason = r
+	f.rec.mu.Unlock()
+	f.rec.add("OnDestroy")
+	close(f.rec.done)
+}
+
+// harness: a backend, a host with a scripted filter in front, and the
+// recorder of the last stream.
+type harness struct {
+	t       *testing.T
+	backend *httptest.Server
+	gw      *httptest.Server
+	mu      sync.Mutex
+	last    *recorder
+	script  func(*testFilter)
+}
+
+func newHarness(t *testing.T, backend http.Handler, opts Options, script func(*testFilter)) *harness {
+	t.Helper()
+	h := &harness{t: t, script: script}
+	if backend != nil {
+		h.backend = httptest.NewServer(backend)
+		t.Cleanup(h.backend.Close)
+	}
+	opts.Factory = func(_ any, cb api.FilterCallbackHandler) api.StreamFilter {
+		rec := &recorder{done: make(chan struct{})}
+		h.mu.Lock()
+		h.last = rec
+		h.mu.Unlock()
+		f := &testFilter{cb: cb, rec: rec}
+		if h.script != nil {
+			h.script(f)
+		}
+		return f
+	}
+	host, err := New(opts)
+	if err != nil {
+		t.Fatal(err)
+	}
+	h.gw = httptest.NewServer(host)
+	t.Cleanup(h.gw.Close)
+	return h
+}
+
+func (h *harness) backendAddr() string { return h.backend.Listener.Addr().String() }
+
+func (h *harness) rec() *recorder {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	select {
+	case <-h.last.done:
+	case <-time.After(5 * time.Second):
+		h.t.Fatal("stream never destroyed")
+	}
+	return h.last
+}
+
+func pin(addr string) func(f *testFilter, b api.BufferInstance, end bool) api.StatusType {
+	return func(f *testFilter, b api.BufferInstance, end bool) api.StatusType {
+		if err := f.cb.DecoderFilterCallbacks().SetUpstreamOverrideHost(addr, true); err != nil {
+			panic(err)
+		}
+		return api.Continue
+	}
+}
+
+type seen struct {
+	mu     sync.Mutex
+	method string
+	path   string
+	body   string
+	header http.Header
+	length int64
+}
+
+func echoBackend(s *seen) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		b, _ := io.ReadAll(r.Body)
+		s.mu.Lock()
+		s.method, s.path, s.body, s.header, s.length = r.Method, r.URL.RequestURI(), string(b), r.Header.Clone(), r.ContentLength
+		s.mu.Unlock()
+		w.Header().Set("content-type", "application/json")
+		fmt.Fprintf(w, `{"echo":%q}`, string(b))
+	})
+}
+
+func TestBufferedRequestIsPinnedRewrittenAndTraced(t *testing.T) {
+	var got seen
+	var h *harness
+	h = newHarness(t, echoBackend(&got), Options{}, func(f *testFilter) {
+		f.decodeData = func(f *testFilter, b api.BufferInstance, end bool) api.StatusType {
+			if !end {
+				t.Errorf("StopAndBuffer must deliver the body in one final call")
+			}
+			_ = b.SetString(strings.ToUpper(b.String()))
+			f.cb.DecoderFilterCallbacks().SetUpstreamOverrideHost(h.backendAddr(), true)
+			return api.Continue
+		}
+		f.decodeHeaders = func(f *testFilter, hdr api.RequestHeaderMap, end bool) api.StatusType {
+			hdr.SetPath("/rewritten?x=1")
+			hdr.Set("x-added", "yes")
+			return api.StopAndBuffer
+		}
+	})
+	body := strings.Repeat("hello ", 20000) // several reads
+	resp, err := http.Post(h.gw.URL+"/v1/chat/completions", "application/json", strings.NewReader(body))
+	if err != nil {
+		t.Fatal(err)
+	}
+	out, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if resp.StatusCode != 200 {
+		t.Fatalf("status %d: %s", resp.StatusCode, out)
+	}
+	got.mu.Lock()
+	defer got.mu.Unlock()
+	if got.body != strings.ToUpper(body) || got.length != int64(len(body)) {
+		t.Fatalf("backend got %d bytes (content-length %d), want the rewritten body", len(got.body), got.length)
+	}
+	if got.path != "/rewritten?x=1" || got.header.Get("x-added") != "yes" {
+		t.Fatalf("path %q header %v", got.path, got.header)
+	}
+	if got.header.Get("x-request-id") == "" {
+		t.Fatal("x-request-id must be generated when the client sent none")
+	}
+	calls := h.rec().list()
+	want := []string{
+		"DecodeHeaders end=false",
+		fmt.Sprintf("DecodeData len=%d end=true", len(body)),
+		"EncodeHeaders status=200 end=false",
+	}
+	for i, w := range want {
+		if calls[i] != w {
+			t.Fatalf("calls = %v, want prefix %v", calls, want)
+		}
+	}
+	if n := len(calls); calls[n-3] != "OnStreamComplete" || calls[n-2] != "OnLog" || calls[n-1] != "OnDestroy" {
+		t.Fatalf("end of stream order = %v", calls[n-3:])
+	}
+}
+
+func TestClientRequestIDIsKept(t *testing.T) {
+	var got seen
+	var h *harness
+	h = newHarness(t, echoBackend(&got), Options{Fallback: func(*http.Request) string { return h.backendAddr() }}, nil)
+	req, _ := http.NewRequest("GET", h.gw.URL+"/v1/models", nil)
+	req.Header.Set("X-Request-Id", "abc-123")
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	if got.header.Get("x-request-id") != "abc-123" || got.method != "GET" {
+		t.Fatalf("backend saw %v %v", got.method, got.header)
+	}
+	if calls := h.rec().list(); calls[0] != "DecodeHeaders end=true" || calls[1] != "EncodeHeaders status=200 end=false" {
+		t.Fatalf("a body-less request must see DecodeHeaders(end=true) and no DecodeData: %v", calls)
+	}
+}
+
+func TestRunningThenContinueFromGoroutine(t *testing.T) {
+	var got seen
+	var h *harness
+	h = newHarness(t, echoBackend(&got), Options{}, func(f *testFilter) {
+		f.decodeData = func(f *testFilter, b api.BufferInstance, end bool) api.StatusType {
+			go func() {
+				defer f.cb.DecoderFilterCallbacks().RecoverPanic()
+				time.Sleep(20 * time.Millisecond) // the decision takes a while
+				_ = b.SetString(`{"decided":true}`)
+				f.cb.DecoderFilterCallbacks().SetUpstreamOverrideHost(h.backendAddr(), true)
+				f.cb.DecoderFilterCallbacks().Continue(api.Continue)
+			}()
+			return api.Running
+		}
+	})
+	resp, err := http.Post(h.gw.URL+"/x", "application/json", strings.NewReader(`{"a":1}`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	if resp.StatusCode != 200 || got.body != `{"decided":true}` {
+		t.Fatalf("status %d backend body %q", resp.StatusCode, got.body)
+	}
+	if r := h.rec(); r.reason != api.Normal {
+		t.Fatalf("destroy reason %v", r.reason)
+	}
+}
+
+func TestLocalReplySyncAndAsyncGoThroughEncode(t *testing.T) {
+	for _, async := range []bool{false, true} {
+		t.Run(fmt.Sprint("async=", async), func(t *testing.T) {
+			h := newHarness(t, nil, Options{}, func(f *testFilter) {
+				f.decodeData = func(f *testFilter, b api.BufferInstance, end bool) api.StatusType {
+					reply := func() {
+						f.cb.DecoderFilterCallbacks().SendLocalReply(404, `{"error":{"code":404}}`,
+							map[string][]string{"content-type": {"application/json"}}, 0, "no_route")
+					}
+					if !async {
+						reply()
+						return api.LocalReply
+					}
+					go reply()
+					return api.Running
+				}
+			})
+			resp, err := http.Post(h.gw.URL+"/x", "application/json", strings.NewReader(`{}`))
+			if err != nil {
+				t.Fatal(err)
+			}
+			out, _ := io.ReadAll(resp.Body)
+			resp.Body.Close()
+			if resp.StatusCode != 404 || string(out) != `{"error":{"code":404}}` || resp.Header.Get("content-type") != "application/json" {
+				t.Fatalf("got %d %q %v", resp.StatusCode, out, resp.Header)
+			}
+			r := h.rec()
+			calls := r.list()
+			if !contains(calls, "EncodeHeaders status=404 end=false") || r.logCode != 404 {
+				t.Fatalf("local reply must pass EncodeHeaders and reach OnLog: %v (log %d)", calls, r.logCode)
+			}
+		})
+	}
+}
+
+func contains(s []string, x string) bool {
+	for _, v := range s {
+		if v == x {
+			return true
+		}
+	}
+	return false
+}
+
+func decodeErr(t *testing.T, b []byte) (code int, typ, trace string) {
+	t.Helper()
+	var doc struct {
+		Error struct {
+			Code int    `json:"code"`
+			Type string `json:"type"`
+		} `json:"error"`
+		TraceID string `json:"trace_id"`
+	}
+	if err := json.Unmarshal(b, &doc); err != nil {
+		t.Fatalf("error body %q is not the seed's JSON: %v", b, err)
+	}
+	return doc.Error.Code, doc.Error.Type, doc.TraceID
+}
+
+func TestBodyOverLimitIs413(t *testing.T) {
+	h := newHarness(t, nil, Options{MaxRequestBody: 1000}, nil)
+	req, _ := http.NewRequest("POST", h.gw.URL+"/x", strings.NewReader(strings.Repeat("a", 1001)))
+	req.Header.Set("x-request-id", "t-413")
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	out, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	code, typ, trace := decodeErr(t, out)
+	if resp.StatusCode != 413 || code != 413 || typ != "payload_too_large" || trace != "t-413" {
+		t.Fatalf("got %d %s", resp.StatusCode, out)
+	}
+	if calls := h.rec().list(); contains(calls, "DecodeData len=1001 end=true") {
+		t.Fatalf("an oversized body must not reach the filter: %v", calls)
+	}
+}
+
+func TestNoUpstreamAndDeadUpstreamAre503(t *testing.T) {
+	dead := httptest.NewServer(http.NotFoundHandler())
+	deadAddr := dead.Listener.Addr().String()
+	dead.Close()
+	h := newHarness(t, nil, Options{}, func(f *testFilter) {
+		f.decodeData = func(f *testFilter, b api.BufferInstance, end bool) api.StatusType {
+			if b.String() == "pin" {
+				f.cb.DecoderFilterCallbacks().SetUpstreamOverrideHost(deadAddr, true)
+			}
+			return api.Continue
+		}
+	})
+	for _, body := range []string{"nopin", "pin"} {
+		resp, err := http.Post(h.gw.URL+"/x", "text/plain", strings.NewReader(body))
+		if err != nil {
+			t.Fatal(err)
+		}
+		out, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		code, typ, trace := decodeErr(t, out)
+		if resp.StatusCode != 503 || code != 503 || trace == "" {
+			t.Fatalf("%s: got %d %s", body, resp.StatusCode, out)
+		}
+		r := h.rec()
+		if r.logCode != 503 || !contains(r.list(), "EncodeHeaders status=503 end=false") {
+			t.Fatalf("%s (%s): the 503 must go through the filter: %v", body, typ, r.list())
+		}
+	}
+}
+
+func TestSetUpstreamOverrideHostRules(t *testing.T) {
+	errs := make(chan error, 8)
+	h := newHarness(t, nil, Options{}, func(f *testFilter) {
+		f.decodeData = func(f *testFilter, b api.BufferInstance, end bool) api.StatusType {
+			cb := f.cb.DecoderFilterCallbacks()
+			for _, bad := range []string{"localhost:80", "10.0.0.1", "", " 10.0.0.1:80"} {
+				errs <- cb.SetUpstreamOverrideHost(bad, true)
+			}
+			cb.SendLocalReply(418, "", nil, 0, "")
+			return api.LocalReply
+		}
+		f.encodeHeaders = func(f *testFilter, _ api.ResponseHeaderMap, _ bool) api.StatusType {
+			func() {
+				defer func() { errs <- fmt.Errorf("%v", recover()) }()
+				f.cb.DecoderFilterCallbacks().SetUpstreamOverrideHost("10.0.0.1:80", true)
+			}()
+			return api.Continue
+		}
+	})
+	resp, err := http.Post(h.gw.URL+"/x", "text/plain", strings.NewReader("x"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	for i := 0; i < 4; i++ {
+		if e := <-errs; !errors.Is(e, api.ErrInvalidIPAddress) {
+			t.Fatalf("bad host accepted: %v", e)
+		}
+	}
+	if e := <-errs; !strings.Contains(e.Error(), ErrInvalidPhase.Error()) {
+		t.Fatalf("override in the encode phase must panic with ErrInvalidPhase, got %v", e)
+	}
+	if resp.StatusCode != 418 {
+		t.Fatalf("status %d", resp.StatusCode)
+	}
+}
+
+func TestPanicInFilterIs500(t *testing.T) {
+	h := newHarness(t, nil, Options{}, func(f *testFilter) {
+		f.decodeData = func(*testFilter, api.BufferInstance, bool) api.StatusType { panic("boom") }
+	})
+	resp, err := http.Post(h.gw.URL+"/x", "text/plain", strings.NewReader("x"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	if resp.StatusCode != 500 {
+		t.Fatalf("status %d", resp.StatusCode)
+	}
+	if h.rec().logCode != 500 {
+		t.Fatal("OnLog must see the 500")
+	}
+}
+
+func TestGoroutinePanicRecoveredAs500(t *testing.T) {
+	h := newHarness(t, nil, Options{}, func(f *testFilter) {
+		f.decodeData = func(f *testFilter, _ api.BufferInstance, _ bool) api.StatusType {
+			go func() {
+				defer f.cb.DecoderFilterCallbacks().RecoverPanic()
+				var m map[string]int
+				m["x"] = 1 // nil map write
+			}()
+			return api.Running
+		}
+	})
+	resp, err := http.Post(h.gw.URL+"/x", "text/plain", strings.NewReader("x"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	if resp.StatusCode != 500 {
+		t.Fatalf("status %d", resp.StatusCode)
+	}
+}
+
+func TestDoubleContinuePanicsNotInGo(t *testing.T) {
+	second := make(chan any, 1)
+	var h *harness
+	h = newHarness(t, echoBackend(&seen{}), Options{}, func(f *testFilter) {
+		f.decodeData = func(f *testFilter, _ api.BufferInstance, _ bool) api.StatusType {
+			cb := f.cb.DecoderFilterCallbacks()
+			cb.SetUpstreamOverrideHost(h.backendAddr(), true)
+			go func() {
+				cb.Continue(api.Continue)
+				defer func() { second <- recover() }()
+				cb.Continue(api.Continue)
+			}()
+			return api.Running
+		}
+	})
+	resp, err := http.Post(h.gw.URL+"/x", "text/plain", strings.NewReader("x"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	if e := <-second; e != ErrNotInGo && e != ErrFilterDestroyed {
+		t.Fatalf("second Continue: %v", e)
+	}
+}
+
+// sseBackend writes one event, then waits for release before the rest.
+func sseBackend(release <-chan struct{}) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("content-type", "text/event-stream")
+		fl := w.(http.Flusher)
+		fmt.Fprint(w, "data: {\"n\":1}\n\n")
+		fl.Flush()
+		select {
+		case <-release:
+		case <-r.Context().Done():
+			return
+		}
+		fmt.Fprint(w, "data: {\"n\":2}\n\n")
+		fl.Flush()
+		fmt.Fprint(w, "data: [DONE]\n\n")
+	})
+}
+
+func TestSSEIsForwardedChunkByChunk(t *testing.T) {
+	release := make(chan struct{})
+	var h *harness
+	h = newHarness(t, sseBackend(release), Options{}, func(f *testFilter) {
+		f.decodeData = func(f *testFilter, b api.BufferInstance, end bool) api.StatusType {
+			return pin(h.backendAddr())(f, b, end)
+		}
+		f.encodeData = func(f *testFilter, b api.BufferInstance, end bool) api.StatusType {
+			_ = b.SetString(strings.ReplaceAll(b.String(), `"n"`, `"N"`))
+			return api.Continue
+		}
+	})
+	resp, err := http.Post(h.gw.URL+"/v1/chat/completions", "application/json", strings.NewReader(`{"stream":true}`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	rd := bufio.NewReader(resp.Body)
+	line, err := rd.ReadString('\n')
+	if err != nil {
+		t.Fatal(err)
+	}
+	// The backend is still blocked: this line crossed the gateway unbuffered.
+	if line != "data: {\"N\":1}\n" {
+		t.Fatalf("first line %q", line)
+	}
+	close(release)
+	rest, _ := io.ReadAll(rd)
+	if !strings.Contains(string(rest), `data: {"N":2}`) || !strings.HasSuffix(string(rest), "data: [DONE]\n\n") {
+		t.Fatalf("rest %q", rest)
+	}
+	calls := h.rec().list()
+	n := 0
+	for _, c := range calls {
+		if strings.HasPrefix(c, "EncodeData") {
+			n++
+		}
+	}
+	if n < 2 || !contains(calls, "EncodeData end=true") {
+		t.Fatalf("expected per-chunk EncodeData ending with end=true: %v", calls)
+	}
+}
+
+func TestBufferedResponseIsRewrittenWithLength(t *testing.T) {
+	var h *harness
+	h = newHarness(t, echoBackend(&seen{}), Options{}, func(f *testFilter) {
+		f.decodeData = func(f *testFilter, b api.BufferInstance, end bool) api.StatusType {
+			return pin(h.backendAddr())(f, b, end)
+		}
+		f.encodeHeaders = func(*testFilter, api.ResponseHeaderMap, bool) api.StatusType { return api.StopAndBuffer }
+		f.encodeData = func(f *testFilter, b api.BufferInstance, end bool) api.StatusType {
+			if !end {
+				t.Error("buffered response must arrive in one final call")
+			}
+			_ = b.SetString("[" + b.String() + "]")
+			return api.Continue
+		}
+	})
+	resp, err := http.Post(h.gw.URL+"/x", "text/plain", strings.NewReader("abc"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	out, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if string(out) != `[{"echo":"abc"}]` || resp.ContentLength != int64(len(out)) {
+		t.Fatalf("got %q (content-length %d)", out, resp.ContentLength)
+	}
+}
+
+func TestLocalReplyDuringEncodeReplacesResponse(t *testing.T) {
+	var h *harness
+	h = newHarness(t, echoBackend(&seen{}), Options{}, func(f *testFilter) {
+		f.decodeData = func(f *testFilter, b api.BufferInstance, end bool) api.StatusType {
+			return pin(h.backendAddr())(f, b, end)
+		}
+		f.encodeHeaders = func(*testFilter, api.ResponseHeaderMap, bool) api.StatusType { return api.StopAndBuffer }
+		f.encodeData = func(f *testFilter, b api.BufferInstance, end bool) api.StatusType {
+			go f.cb.EncoderFilterCallbacks().SendLocalReply(503, `{"error":{"code":503}}`, nil, 0, "transcode")
+			return api.Running
+		}
+	})
+	resp, err := http.Post(h.gw.URL+"/x", "text/plain", strings.NewReader("abc"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	out, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if resp.StatusCode != 503 || string(out) != `{"error":{"code":503}}` {
+		t.Fatalf("got %d %q", resp.StatusCode, out)
+	}
+	if code := h.rec().logCode; code != 503 {
+		t.Fatalf("OnLog saw status %d, want the 503 the client got", code)
+	}
+}
+
+func TestClientGoneWhileRunningThenLateContinue(t *testing.T) {
+	late := make(chan any, 1)
+	started := make(chan struct{})
+	h := newHarness(t, nil, Options{}, func(f *testFilter) {
+		f.decodeData = func(f *testFilter, _ api.BufferInstance, _ bool) api.StatusType {
+			cb := f.cb.DecoderFilterCallbacks()
+			go func() {
+				close(started)
+				<-f.rec.done // wait until the host destroyed the stream
+				defer func() { late <- recover() }()
+				cb.Continue(api.Continue)
+			}()
+			return api.Running
+		}
+	})
+	ctx, cancel := context.WithCancel(context.Background())
+	req, _ := http.NewRequestWithContext(ctx, "POST", h.gw.URL+"/x", strings.NewReader("x"))
+	go func() { <-started; cancel() }()
+	if _, err := http.DefaultClient.Do(req); err == nil {
+		t.Fatal("request should have been cancelled")
+	}
+	r := h.rec()
+	if r.reason != api.Terminate {
+		t.Fatalf("destroy reason %v, want Terminate (client gone while in Go)", r.reason)
+	}
+	if e := <-late; e != ErrFilterDestroyed {
+		t.Fatalf("late Continue: %v", e)
+	}
+	if calls := r.list(); calls[len(calls)-1] != "OnDestroy" || !contains(calls, "OnLog") {
+		t.Fatalf("calls %v", calls)
+	}
+}
+
+func TestClientGoneMidStream(t *testing.T) {
+	release := make(chan struct{})
+	defer close(release)
+	backendDone := make(chan struct{})
+	backend := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		defer close(backendDone)
+		w.Header().Set("content-type", "text/event-stream")
+		fmt.Fprint(w, "data: 1\n\n")
+		w.(http.Flusher).Flush()
+		<-r.Context().Done() // only the gateway cancelling ends this
+	})
+	var h *harness
+	h = newHarness(t, backend, Options{}, func(f *testFilter) {
+		f.decodeData = func(f *testFilter, b api.BufferInstance, end bool) api.StatusType {
+			return pin(h.backendAddr())(f, b, end)
+		}
+	})
+	conn, err := net.Dial("tcp", h.gw.Listener.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	fmt.Fprint(conn, "POST /x HTTP/1.1\r\nHost: gw\r\nContent-Length: 1\r\n\r\nx")
+	rd := bufio.NewReader(conn)
+	for {
+		line, err := rd.ReadString('\n')
+		if err != nil {
+			t.Fatal(err)
+		}
+		if strings.Contains(line, "data: 1") {
+			break
+		}
+	}
+	conn.Close()
+	select {
+	case <-backendDone:
+	case <-time.After(5 * time.Second):
+		t.Fatal("backend request not cancelled after the client left")
+	}
+	r := h.rec()
+	if r.logCode != 200 || !contains(r.list(), "OnLog") {
+		t.Fatalf("OnLog must still run with the status sent: %v %d", r.list(), r.logCode)
+	}
+}
+
+func TestHeaderMapAndBuffer(t *testing.T) {
+	m := NewResponseHeaders(201, http.Header{"Content-Type": {"a"}, "X-Multi": {"1", "2"}})
+	if c, ok := m.Status(); !ok || c != 201 {
+		t.Fatal("status")
+	}
+	if v, _ := m.Get("CONTENT-TYPE"); v != "a" {
+		t.Fatal("case-insensitive get")
+	}
+	m.Add("x-multi", "3")
+	if got := m.Values("x-multi"); len(got) != 3 {
+		t.Fatalf("values %v", got)
+	}
+	m.Set("x-multi", "only")
+	if got := m.Values("x-multi"); len(got) != 1 || got[0] != "only" {
+		t.Fatalf("set %v", got)
+	}
+	m.Del("x-multi")
+	if _, ok := m.Get("x-multi"); ok {
+		t.Fatal("del")
+	}
+	n := 0
+	m.Range(func(k, v string) bool { n++; m.Set("x-during-range", "ok"); return true })
+	if n != 2 || m.GetAllHeaders()["x-during-range"][0] != "ok" {
+		t.Fatalf("range saw %d", n)
+	}
+
+	b := NewBuffer([]byte("world"))
+	_ = b.PrependString("hello ")
+	_ = b.WriteUint16(42)
+	if b.String() != "hello world42" {
+		t.Fatalf("buffer %q", b.String())
+	}
+	b.Drain(6)
+	if b.String() != "world42" || b.Len() != 7 {
+		t.Fatalf("drain %q", b.String())
+	}
+	b.Reset()
+	if b.Bytes() != nil || b.Len() != 0 {
+		t.Fatal("reset")
+	}
+	_ = b.Set(bytes.Repeat([]byte("x"), 3))
+	if b.String() != "xxx" {
+		t.Fatal("set")
+	}
+}
+
+func TestWatermarkDeliversChunksAndRegroupsOnStopAndBuffer(t *testing.T) {
+	var got seen
+	var h *harness
+	var sizes []int
+	var mu sync.Mutex
+	h = newHarness(t, echoBackend(&got), Options{}, func(f *testFilter) {
+		f.decodeHeaders = func(*testFilter, api.RequestHeaderMap, bool) api.StatusType { return api.StopAndBufferWatermark }
+		calls := 0
+		f.decodeData = func(f *testFilter, b api.BufferInstance, end bool) api.StatusType {
+			mu.Lock()
+			sizes = append(sizes, b.Len())
+			mu.Unlock()
+			calls++
+			if calls == 1 && !end {
+				return api.StopAndBuffer // keep it and wait for the rest in one piece
+			}
+			if !end {
+				t.Error("after StopAndBuffer the rest must come in one final call")
+			}
+			f.cb.DecoderFilterCallbacks().SetUpstreamOverrideHost(h.backendAddr(), true)
+			return api.Continue
+		}
+	})
+	// A chunked upload arriving in pieces.
+	pr, pw := io.Pipe()
+	go func() {
+		for i := 0; i < 3; i++ {
+			pw.Write([]byte(strings.Repeat(string(rune('a'+i)), 1000)))
+			time.Sleep(20 * time.Millisecond)
+		}
+		pw.Close()
+	}()
+	resp, err := http.Post(h.gw.URL+"/x", "text/plain", pr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	mu.Lock()
+	defer mu.Unlock()
+	if len(sizes) != 2 || sizes[0] != 1000 || sizes[1] != 3000 {
+		t.Fatalf("DecodeData sizes %v, want [1000 3000] (first chunk, then held + rest)", sizes)
+	}
+	if len(got.body) != 3000 {
+		t.Fatalf("backend got %d bytes", len(got.body))
+	}
+}
+
+func TestBackendResetMidBody(t *testing.T) {
+	for _, buffered := range []bool{false, true} {
+		t.Run(fmt.Sprint("buffered=", buffered), func(t *testing.T) {
+			backend := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				w.Header().Set("content-length", "1000")
+				w.WriteHeader(200)
+				w.Write([]byte("partial"))
+				w.(http.Flusher).Flush()
+				panic(http.ErrAbortHandler) // cut the connection mid-body
+			})
+			var h *harness
+			h = newHarness(t, backend, Options{}, func(f *testFilter) {
+				f.decodeData = func(f *testFilter, b api.BufferInstance, end bool) api.StatusType {
+					return pin(h.backendAddr())(f, b, end)
+				}
+				if buffered {
+					f.encodeHeaders = func(*testFilter, api.ResponseHeaderMap, bool) api.StatusType { return api.StopAndBuffer }
+				}
+			})
+			resp, err := http.Post(h.gw.URL+"/x", "text/plain", strings.NewReader("x"))
+			if err != nil {
+				t.Fatal(err)
+			}
+			body, err := io.ReadAll(resp.Body)
+			resp.Body.Close()
+			if buffered {
+				if resp.StatusCode != 503 || err != nil {
+					t.Fatalf("a reset before the buffered body completed must be a 503, got %d %q %v", resp.StatusCode, body, err)
+				}
+			} else if err == nil {
+				t.Fatalf("a reset mid-stream must reach the client as an error, got a clean %q", body)
+			}
+			h.rec()
+		})
+	}
+}
+
+func TestFallbackForUnpinnedRequests(t *testing.T) {
+	var got seen
+	var h *harness
+	h = newHarness(t, echoBackend(&got), Options{Fallback: func(r *http.Request) string {
+		if r.URL.Path == "/bad" {
+			return "not-an-address"
+		}
+		return h.backendAddr()
+	}}, nil)
+	resp, err := http.Get(h.gw.URL + "/v1/models")
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	if resp.StatusCode != 200 || got.path != "/v1/models" {
+		t.Fatalf("status %d path %q", resp.StatusCode, got.path)
+	}
+	h.rec()
+	resp, err = http.Get(h.gw.URL + "/bad")
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	if resp.StatusCode != 503 {
+		t.Fatalf("an invalid fallback must be a 503, got %d", resp.StatusCode)
+	}
+}
