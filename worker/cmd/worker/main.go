@@ -1,0 +1,267 @@
+// Command worker is the llama.cpp-backed OpenAI server whose KV cache the
+// router exploits (DESIGN §7, §9).
+//
+//	go run ./worker/cmd/worker --model var/models/tiny.gguf --listen 127.0.0.1:9001
+//	go run ./worker/cmd/worker --engine sim --listen 127.0.0.1:9002   # no compute: fleet benchmarks
+//
+// With --metadata-center it reports KV-cache evictions (and {all:true} at
+// start-up) for --cluster and --advertise-host.
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"net/http"
+	"os"
+	"os/signal"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
+
+	"github.com/istio-llm-filter/istio-llm-filter/filter/prompthash"
+	"github.com/istio-llm-filter/istio-llm-filter/worker/engine"
+	"github.com/istio-llm-filter/istio-llm-filter/worker/engine/llama"
+	"github.com/istio-llm-filter/istio-llm-filter/worker/engine/sim"
+	"github.com/istio-llm-filter/istio-llm-filter/worker/kvcache"
+	"github.com/istio-llm-filter/istio-llm-filter/worker/mcreport"
+	"github.com/istio-llm-filter/istio-llm-filter/worker/openai"
+	"github.com/istio-llm-filter/istio-llm-filter/worker/scheduler"
+	"github.com/istio-llm-filter/istio-llm-filter/worker/seqpool"
+	"github.com/istio-llm-filter/istio-llm-filter/worker/server"
+)
+
+func main() {
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	if err := run(ctx, os.Args[1:], os.Stderr, nil); err != nil && !errors.Is(err, flag.ErrHelp) {
+		fmt.Fprintln(os.Stderr, "worker:", err)
+		os.Exit(2)
+	}
+}
+
+type options struct {
+	model, listen, engine, modelName, advertise, cluster, mcURL, mcToken, kvType, logLevel string
+	nSeqMax, maxRunning, maxQueue, nCtx, nBatch, threads, hashChunk                        int
+	kvMaxMB, kvMaxItems                                                                    int64
+	kvThreshold                                                                            float64
+	timeout, cleanup                                                                       time.Duration
+	strictModel, flashAttn                                                                 bool
+	simCost                                                                                sim.Cost
+	simBytesPerToken                                                                       int64
+}
+
+func parse(args []string, stderr io.Writer) (*options, error) {
+	o := &options{}
+	fs := flag.NewFlagSet("worker", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	fs.StringVar(&o.model, "model", "", "GGUF model path (required for --engine llama; with sim it only lends its name, context and KV size)")
+	fs.StringVar(&o.listen, "listen", "127.0.0.1:9001", "HTTP listen address")
+	fs.StringVar(&o.engine, "engine", "llama", "compute engine: llama (llama.cpp) or sim (calibrated cost model, no compute)")
+	fs.IntVar(&o.nSeqMax, "n-seq-max", 16, "llama.cpp sequence ids (1-256): running requests plus idle KV-cache entries")
+	fs.IntVar(&o.maxRunning, "max-concurrent-requests", 8, "running-set size (requests decoding together)")
+	fs.IntVar(&o.maxQueue, "max-queue", 256, "request queue length; beyond it requests get 429")
+	fs.DurationVar(&o.timeout, "request-timeout", 60*time.Second, "time a request may spend in the running set before 408")
+	fs.IntVar(&o.nCtx, "n-ctx", 0, "KV cells shared by all sequences (0: the model's training context; sim without a model: 16384)")
+	fs.IntVar(&o.nBatch, "n-batch", 512, "most tokens per decode step")
+	fs.IntVar(&o.threads, "threads", 0, "llama.cpp threads (0: half the CPUs, at least 1)")
+	fs.StringVar(&o.kvType, "kv-cache-type", "f16", "KV cache type: f16, q8_0 or q4_0")
+	fs.BoolVar(&o.flashAttn, "flash-attention", false, "use llama.cpp's fused attention kernel")
+	fs.Int64Var(&o.kvMaxMB, "kv-max-memory-mb", 1024, "KV-cache memory limit in MiB; idle entries are evicted past threshold x limit")
+	fs.Int64Var(&o.kvMaxItems, "kv-max-items", 4*1024*1024, "KV-cache item (token) limit")
+	fs.Float64Var(&o.kvThreshold, "kv-eviction-threshold", 0.8, "fraction of a limit at which LRU eviction starts")
+	fs.DurationVar(&o.cleanup, "kv-cleanup-interval", time.Second, "period of the KV-cache threshold check")
+	fs.StringVar(&o.mcURL, "metadata-center", "", "metadata center URL for eviction reports (empty: no reports)")
+	fs.StringVar(&o.mcToken, "metadata-center-token", "", "bearer token for the metadata center")
+	fs.StringVar(&o.cluster, "cluster", "", "Envoy cluster name the router knows this worker under (with --metadata-center)")
+	fs.StringVar(&o.advertise, "advertise-host", "", "this worker's ip:port as the router addresses it (default: --listen when it names an IP)")
+	fs.StringVar(&o.modelName, "model-name", "", "model id served (default: the model file name, or \"sim\")")
+	fs.BoolVar(&o.strictModel, "strict-model-name", false, "answer 404 to requests naming another model")
+	fs.IntVar(&o.hashChunk, "prompt-hash-chunk-size", prompthash.DefaultChunkSize, "the router's prompt_hash.chunk_size")
+	fs.StringVar(&o.logLevel, "log-level", "info", "debug, info, warn or error")
+	def := sim.BenchCost()
+	fs.DurationVar(&o.simCost.StepOverhead, "sim-step-overhead", def.StepOverhead, "sim: cost of every decode step")
+	fs.DurationVar(&o.simCost.PerToken, "sim-per-token", def.PerToken, "sim: cost per evaluated token")
+	fs.DurationVar(&o.simCost.PerSample, "sim-per-sample", def.PerSample, "sim: cost per sampled sequence")
+	fs.DurationVar(&o.simCost.PerKCtxToken, "sim-per-kctx-token", def.PerKCtxToken, "sim: attention cost per token per 1000 cells of context")
+	fs.Int64Var(&o.simBytesPerToken, "sim-bytes-per-token", 0, "sim: KV bytes per token (0: from --model, else the bench preset's 8192)")
+	if err := fs.Parse(args); err != nil {
+		return nil, err
+	}
+	if fs.NArg() > 0 {
+		return nil, fmt.Errorf("unexpected arguments %q", fs.Args())
+	}
+	switch {
+	case o.engine != "llama" && o.engine != "sim":
+		return nil, fmt.Errorf("--engine must be llama or sim, got %q", o.engine)
+	case o.engine == "llama" && o.model == "":
+		return nil, errors.New("--model is required with --engine llama")
+	case o.nSeqMax < 1 || o.nSeqMax > seqpool.MaxSeq:
+		return nil, fmt.Errorf("--n-seq-max must be within 1..%d, got %d", seqpool.MaxSeq, o.nSeqMax)
+	case o.maxRunning < 1 || o.maxQueue < 1:
+		return nil, errors.New("--max-concurrent-requests and --max-queue must be at least 1")
+	case o.timeout <= 0 || o.cleanup <= 0:
+		return nil, errors.New("--request-timeout and --kv-cleanup-interval must be positive")
+	case o.nCtx < 0 || o.nBatch < 1 || o.threads < 0 || o.kvMaxMB < 0 || o.kvMaxItems < 0 || o.hashChunk < 1:
+		return nil, errors.New("--n-ctx, --n-batch, --threads, --kv-max-memory-mb, --kv-max-items and --prompt-hash-chunk-size must not be negative (n-batch and chunk size at least 1)")
+	case o.kvThreshold <= 0 || o.kvThreshold > 1:
+		return nil, fmt.Errorf("--kv-eviction-threshold must be within (0, 1], got %g", o.kvThreshold)
+	}
+	if o.mcURL != "" {
+		if o.cluster == "" {
+			return nil, errors.New("--cluster is required with --metadata-center")
+		}
+		if o.advertise == "" {
+			host, _, err := net.SplitHostPort(o.listen)
+			if ip := net.ParseIP(host); err != nil || ip == nil || ip.IsUnspecified() {
+				return nil, fmt.Errorf("--advertise-host is required with --metadata-center when --listen %q names no IP", o.listen)
+			}
+			o.advertise = o.listen
+		}
+		if _, _, err := net.SplitHostPort(o.advertise); err != nil {
+			return nil, fmt.Errorf("--advertise-host %q: want ip:port", o.advertise)
+		}
+	}
+	return o, nil
+}
+
+// run starts the worker and serves until ctx ends. ready, if set, gets the
+// bound address once requests are accepted.
+func run(ctx context.Context, args []string, stderr io.Writer, ready func(addr string)) error {
+	o, err := parse(args, stderr)
+	if err != nil {
+		return err
+	}
+	var level slog.Level
+	if err := level.UnmarshalText([]byte(o.logLevel)); err != nil {
+		return fmt.Errorf("--log-level: %w", err)
+	}
+	log := slog.New(slog.NewTextHandler(stderr, &slog.HandlerOptions{Level: level}))
+	// llama.cpp's own messages go through slog.Default's level.
+	slog.SetDefault(log)
+
+	if o.nSeqMax <= o.maxRunning {
+		// Finished conversations keep their cells under a seq id; with no
+		// spare ids every new request evicts one, and reuse only happens
+		// for a conversation's immediate next turn.
+		log.Warn("--n-seq-max leaves no seq ids for cached conversations beyond the running set",
+			"n_seq_max", o.nSeqMax, "max_concurrent_requests", o.maxRunning)
+	}
+	eng, tmpl, err := openEngine(o, log)
+	if err != nil {
+		return err
+	}
+	defer eng.Close()
+	info := eng.Info()
+
+	reg := prometheus.NewRegistry()
+	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	cfg := scheduler.Config{
+		MaxQueue: o.maxQueue, MaxRunning: o.maxRunning, RequestTimeout: o.timeout, CleanupInterval: o.cleanup,
+		KV:      kvcache.Limits{MaxItems: o.kvMaxItems, MaxBytes: o.kvMaxMB << 20, Threshold: o.kvThreshold},
+		Metrics: scheduler.NewMetrics(reg), Logger: log,
+	}
+	runCtx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	var reporterDone chan struct{}
+	if o.mcURL != "" {
+		rep, err := mcreport.New(mcreport.Config{URL: o.mcURL, Cluster: o.cluster, Host: o.advertise, AuthToken: o.mcToken,
+			Logger: log, Registerer: reg})
+		if err != nil {
+			return err
+		}
+		cfg.OnEvict = rep.Evict
+		reporterDone = make(chan struct{})
+		go func() { rep.Run(runCtx); close(reporterDone) }()
+	}
+	sched, err := scheduler.New(eng, cfg)
+	if err != nil {
+		return err
+	}
+	schedDone := make(chan struct{})
+	go func() { sched.Run(runCtx); close(schedDone) }()
+	defer func() {
+		cancel()
+		<-schedDone
+		if reporterDone != nil {
+			<-reporterDone
+		}
+	}()
+
+	srv := server.New(sched, eng, server.Config{
+		ModelName: o.modelName, StrictModel: o.strictModel, Template: tmpl, HashChunkSize: o.hashChunk,
+		RequestTimeout: o.timeout, Registry: reg, Logger: log,
+	})
+	ln, err := net.Listen("tcp", o.listen)
+	if err != nil {
+		return err
+	}
+	hs := &http.Server{Handler: srv, ReadHeaderTimeout: 10 * time.Second}
+	log.Info("worker ready", "addr", ln.Addr().String(), "engine", o.engine, "model", info.Name, "n_ctx", info.NCtx,
+		"n_seq_max", info.NSeqMax, "n_batch", info.NBatch, "template", string(tmpl.Family), "kv_bytes_per_token", info.BytesPerToken)
+	if ready != nil {
+		ready(ln.Addr().String())
+	}
+	errc := make(chan error, 1)
+	go func() { errc <- hs.Serve(ln) }()
+	select {
+	case err := <-errc:
+		return err
+	case <-ctx.Done():
+	}
+	sctx, scancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer scancel()
+	// Stop the loop first: running requests end (503) and their handlers
+	// return, so Shutdown does not wait for long generations.
+	cancel()
+	<-schedDone
+	if err := hs.Shutdown(sctx); err != nil {
+		return err
+	}
+	return nil
+}
+
+func openEngine(o *options, log *slog.Logger) (engine.Engine, openai.Template, error) {
+	tmpl := openai.ChatML()
+	if o.model != "" {
+		t, known, err := openai.LoadTemplate(o.model)
+		if err != nil {
+			return nil, tmpl, err
+		}
+		if !known {
+			log.Warn("the model's chat template is not one this worker renders; using ChatML", "model", o.model)
+		}
+		tmpl = t
+	}
+	if o.engine == "llama" {
+		eng, err := llama.Open(llama.Config{ModelPath: o.model, Name: o.modelName, NCtx: o.nCtx, NBatch: o.nBatch,
+			NSeqMax: o.nSeqMax, Threads: o.threads, KVCacheType: o.kvType, FlashAttention: o.flashAttn})
+		return eng, tmpl, err
+	}
+	cfg := sim.Config{Name: o.modelName, NCtx: o.nCtx, NBatch: o.nBatch, NSeqMax: o.nSeqMax, Cost: o.simCost, BytesPerToken: o.simBytesPerToken}
+	if o.model != "" {
+		meta, err := llama.ReadMeta(o.model)
+		if err != nil {
+			return nil, tmpl, err
+		}
+		if cfg.NCtx == 0 {
+			cfg.NCtx = meta.NCtxTrain
+		}
+		if cfg.BytesPerToken == 0 {
+			cfg.BytesPerToken = meta.BytesPerToken
+		}
+		if cfg.Name == "" {
+			cfg.Name = strings.TrimSuffix(filepath.Base(o.model), filepath.Ext(o.model))
+		}
+	}
+	eng, err := sim.New(cfg)
+	return eng, tmpl, err
+}

@@ -1,0 +1,154 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"io"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/api"
+	"github.com/istio-llm-filter/istio-llm-filter/worker/testmodel"
+)
+
+func TestFlagValidation(t *testing.T) {
+	bad := [][]string{
+		{"--engine", "gpu"},
+		{"--engine", "llama"}, // no model
+		{"--engine", "sim", "--n-seq-max", "0"},
+		{"--engine", "sim", "--n-seq-max", "257"},
+		{"--engine", "sim", "--max-queue", "0"},
+		{"--engine", "sim", "--request-timeout", "-1s"},
+		{"--engine", "sim", "--kv-eviction-threshold", "1.5"},
+		{"--engine", "sim", "--metadata-center", "http://mc:8080"}, // no cluster
+		{"--engine", "sim", "--metadata-center", "http://mc:8080", "--cluster", "c", "--listen", ":9001"}, // no advertise
+		{"--engine", "sim", "--metadata-center", "http://mc:8080", "--cluster", "c", "--advertise-host", "nohost"},
+		{"--engine", "sim", "extra"},
+	}
+	for _, args := range bad {
+		if _, err := parse(args, io.Discard); err == nil {
+			t.Errorf("parse(%q) accepted", args)
+		}
+	}
+	o, err := parse([]string{"--engine", "sim", "--metadata-center", "http://mc:8080", "--cluster", "c", "--listen", "10.1.2.3:9001"}, io.Discard)
+	if err != nil || o.advertise != "10.1.2.3:9001" || o.nSeqMax != 16 || o.maxRunning != 8 || o.maxQueue != 256 || o.timeout != 60*time.Second {
+		t.Fatalf("defaults: %+v %v", o, err)
+	}
+}
+
+type center struct {
+	mu   sync.Mutex
+	body []api.CacheEvict
+}
+
+func (c *center) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	var b api.CacheEvict
+	json.NewDecoder(r.Body).Decode(&b)
+	c.mu.Lock()
+	c.body = append(c.body, b)
+	c.mu.Unlock()
+}
+
+func start(t *testing.T, args ...string) string {
+	t.Helper()
+	ctx, cancel := context.WithCancel(context.Background())
+	addr := make(chan string, 1)
+	done := make(chan error, 1)
+	go func() {
+		done <- run(ctx, append(args, "--listen", "127.0.0.1:0", "--log-level", "warn"), io.Discard, func(a string) { addr <- a })
+	}()
+	t.Cleanup(func() {
+		cancel()
+		if err := <-done; err != nil {
+			t.Errorf("run: %v", err)
+		}
+	})
+	select {
+	case a := <-addr:
+		return "http://" + a
+	case err := <-done:
+		t.Fatalf("worker exited: %v", err)
+	case <-time.After(60 * time.Second):
+		t.Fatal("worker did not start")
+	}
+	return ""
+}
+
+func chat(t *testing.T, url string) map[string]any {
+	t.Helper()
+	resp, err := http.Post(url+"/v1/chat/completions", "application/json",
+		bytes.NewReader([]byte(`{"model":"m","messages":[{"role":"user","content":"hello"}],"max_tokens":5,"ignore_eos":true,"temperature":0}`)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	var out map[string]any
+	json.NewDecoder(resp.Body).Decode(&out)
+	if resp.StatusCode != 200 {
+		t.Fatalf("%d %v", resp.StatusCode, out)
+	}
+	return out
+}
+
+func TestRunsTheLlamaEngineOnTheGeneratedModel(t *testing.T) {
+	url := start(t, "--model", testmodel.Path(t), "--n-ctx", "2048", "--n-seq-max", "4", "--threads", "1")
+	out := chat(t, url)
+	usage := out["usage"].(map[string]any)
+	if usage["completion_tokens"].(float64) != 5 {
+		t.Fatalf("%v", out)
+	}
+	resp, err := http.Get(url + "/v1/models")
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if !strings.Contains(string(b), `"object":"list"`) {
+		t.Fatalf("models: %s", b)
+	}
+}
+
+func TestSimEngineReportsEvictAllAtStartup(t *testing.T) {
+	c := &center{}
+	mc := httptest.NewServer(c)
+	defer mc.Close()
+	url := start(t, "--engine", "sim", "--sim-step-overhead", "1ms", "--metadata-center", mc.URL, "--cluster", "pool", "--advertise-host", "10.0.0.9:9001")
+	out := chat(t, url)
+	if out["object"] != "chat.completion" {
+		t.Fatalf("%v", out)
+	}
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		c.mu.Lock()
+		n := len(c.body)
+		var first api.CacheEvict
+		if n > 0 {
+			first = c.body[0]
+		}
+		c.mu.Unlock()
+		if n > 0 {
+			if !first.All || first.Host != "10.0.0.9:9001" || first.Cluster != "pool" {
+				t.Fatalf("first report %+v", first)
+			}
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("no evict-all at start-up")
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	resp, err := http.Get(url + "/metrics")
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if !strings.Contains(string(b), "llmf_worker_generated_tokens_total 5") {
+		t.Fatal("metrics missing generated tokens")
+	}
+}

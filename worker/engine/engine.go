@@ -1,0 +1,87 @@
+// Package engine is the seam between the scheduler and whatever computes
+// tokens: llama.cpp through cgo (engine/llama) or a cost model that only
+// sleeps (engine/sim).
+//
+// The interface is the handful of operations a continuous-batching loop
+// needs, in llama.cpp's terms: sequences are small integers (seq ids), a
+// sequence's cells sit at positions 0..n-1 of one unified KV cache, a prefix
+// of one sequence's cells can be shared into another without recompute, and
+// one Step evaluates tokens of several sequences together and samples the
+// next token for those that asked.
+//
+// Engines are not safe for concurrent use except where a method says so:
+// one goroutine (the scheduler loop) owns the compute state.
+package engine
+
+import "errors"
+
+// ErrKVFull means the KV cache has no free cells for the batch (llama_decode
+// returned 1). Nothing was evaluated; the caller frees cells and retries.
+var ErrKVFull = errors.New("engine: KV cache has no room for the batch")
+
+// Info describes the loaded model and context.
+type Info struct {
+	Name          string // model name the API reports (file name without extension)
+	NCtx          int    // KV cells of the context: the most tokens all sequences together hold
+	NCtxTrain     int    // the model's training context (llama.context_length)
+	NBatch        int    // most tokens one Step may evaluate
+	NSeqMax       int    // seq ids are 0..NSeqMax-1
+	NVocab        int
+	BytesPerToken int64  // KV bytes one token's cells take over all layers (K and V)
+	ChatTemplate  string // tokenizer.chat_template from the GGUF, "" if none
+}
+
+// SamplingParams are the OpenAI sampling knobs the engines honour.
+type SamplingParams struct {
+	Temperature float32 // 0 = greedy
+	TopP        float32 // 1 = off
+	Seed        uint32
+	SeedSet     bool // false: a random seed
+}
+
+// Sampler picks next tokens for one sequence; it carries the RNG state.
+type Sampler interface{}
+
+// Span is a run of tokens of one sequence to evaluate in a Step: Tokens[i]
+// goes to position Pos+i of seq Seq, which must be exactly the sequence's
+// current length (cells are contiguous from 0).
+type Span struct {
+	Seq     int
+	Pos     int
+	Tokens  []int
+	Sampler Sampler // non-nil: sample the token following the span's last one
+}
+
+// Engine is what the scheduler drives.
+type Engine interface {
+	Info() Info
+
+	// Tokenize renders text to tokens, parsing special tokens (chat
+	// templates contain them); with addSpecial it adds BOS when the model
+	// wants one (completion prompts; rendered chat templates write their
+	// own). Safe for concurrent use: it reads only the vocabulary.
+	Tokenize(text string, addSpecial bool) ([]int, error)
+	// Piece is the text of one token; byte tokens may be partial UTF-8.
+	// Safe for concurrent use.
+	Piece(tok int) string
+	// IsEOG reports end-of-generation tokens. Safe for concurrent use.
+	IsEOG(tok int) bool
+
+	// NewSampler makes a sampler; it may be called from any goroutine, but
+	// the sampler is then used only by the loop.
+	NewSampler(SamplingParams) (Sampler, error)
+
+	// Step evaluates spans in one batch (at most NBatch tokens in all) and
+	// returns, for each span with a Sampler, the sampled token (-1 for the
+	// others). ErrKVFull leaves the KV cache as it was.
+	Step(spans []Span) ([]int, error)
+
+	// CopyPrefix shares src's cells at positions [0,n) into dst, which must
+	// hold no cells. llama.cpp's unified cache tags the same cells with
+	// both seq ids: no compute, no copy.
+	CopyPrefix(src, dst, n int)
+	// Remove drops seq's cells at positions >= from.
+	Remove(seq, from int)
+
+	Close() error
+}

@@ -1,0 +1,276 @@
+// Package llama is the engine over llama.cpp, through the cgo bindings of
+// github.com/ollama/ollama/llama (v0.11.4: one unified KV stream in which
+// KvCacheSeqCp shares cells between seq ids).
+//
+// Build with the host's vector instructions (CGO_CFLAGS/CGO_CXXFLAGS =
+// "-O3 -march=native", as the Makefile exports): the package's own flags are
+// plain -O3 and prefill is ~20x slower without.
+package llama
+
+import (
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"runtime"
+	"strings"
+
+	"github.com/ollama/ollama/fs/ggml"
+	ll "github.com/ollama/ollama/llama"
+
+	"github.com/istio-llm-filter/istio-llm-filter/worker/engine"
+)
+
+// Config opens a model.
+type Config struct {
+	ModelPath string
+	Name      string // reported model name; default: file name without extension
+	NCtx      int    // KV cells; 0 = the model's training context
+	NBatch    int    // most tokens per Step; 0 = 512
+	NSeqMax   int    // seq ids; 1..256
+	Threads   int    // 0 = half the CPUs, at least 1 (see Open)
+	// KVCacheType is "f16" (default), "q8_0" or "q4_0".
+	KVCacheType string
+	// FlashAttention selects llama.cpp's fused attention kernel.
+	FlashAttention bool
+}
+
+// Engine owns one llama.cpp model and context.
+type Engine struct {
+	info  engine.Info
+	model *ll.Model
+	lc    *ll.Context
+	batch *ll.Batch
+	vocab int
+}
+
+type sampler struct{ sc *ll.SamplingContext }
+
+// Meta is what the GGUF header says about a model, read in pure Go before
+// llama.cpp is involved.
+type Meta struct {
+	Arch          string
+	NCtxTrain     int
+	BytesPerToken int64 // f16 K and V over all layers
+	ChatTemplate  string
+}
+
+// ReadMeta decodes the GGUF header of path.
+func ReadMeta(path string) (Meta, error) {
+	f, err := os.Open(path)
+	if err != nil {
+		return Meta{}, err
+	}
+	defer f.Close()
+	g, err := ggml.Decode(f, 0)
+	if err != nil {
+		return Meta{}, fmt.Errorf("%s: not a GGUF model: %w", path, err)
+	}
+	kv := g.KV()
+	layers := int64(kv.BlockCount())
+	kvHeads := int64(kv.HeadCountKVMax())
+	perTok := layers * kvHeads * int64(kv.EmbeddingHeadCountK()+kv.EmbeddingHeadCountV()) * 2
+	return Meta{
+		Arch:          kv.Architecture(),
+		NCtxTrain:     int(kv.ContextLength()),
+		BytesPerToken: perTok,
+		ChatTemplate:  kv.ChatTemplate(),
+	}, nil
+}
+
+// Open loads the model and builds the context.
+func Open(cfg Config) (*Engine, error) {
+	if cfg.ModelPath == "" {
+		return nil, errors.New("llama: no model path")
+	}
+	meta, err := ReadMeta(cfg.ModelPath)
+	if err != nil {
+		return nil, err
+	}
+	if cfg.NSeqMax < 1 || cfg.NSeqMax > 256 {
+		return nil, fmt.Errorf("llama: n_seq_max must be within 1..256, got %d", cfg.NSeqMax)
+	}
+	if cfg.NCtx <= 0 {
+		cfg.NCtx = meta.NCtxTrain
+	}
+	if cfg.NCtx <= 0 {
+		return nil, fmt.Errorf("llama: %s has no context_length; pass --n-ctx", cfg.ModelPath)
+	}
+	if cfg.NBatch <= 0 {
+		cfg.NBatch = 512
+	}
+	if cfg.Threads <= 0 {
+		// Half the logical CPUs, like llama.cpp's physical-core default on
+		// SMT machines. ggml's threads meet at a barrier after every op, and
+		// on oversubscribed cores (several workers per node, other pods, CI)
+		// a descheduled thread stalls them all: here two threads on two busy
+		// cores ran 2-40x slower than one.
+		cfg.Threads = max(1, runtime.NumCPU()/2)
+	}
+	if cfg.Name == "" {
+		cfg.Name = strings.TrimSuffix(filepath.Base(cfg.ModelPath), filepath.Ext(cfg.ModelPath))
+	}
+	bytesPerTok := meta.BytesPerToken
+	switch strings.ToLower(cfg.KVCacheType) {
+	case "", "f16":
+	case "q8_0":
+		bytesPerTok = bytesPerTok * 34 / 64 // 34 bytes per block of 32 vs 64 in f16
+	case "q4_0":
+		bytesPerTok = bytesPerTok * 18 / 64
+	default:
+		return nil, fmt.Errorf("llama: kv cache type %q: want f16, q8_0 or q4_0", cfg.KVCacheType)
+	}
+
+	ll.BackendInit()
+	model, err := ll.LoadModelFromFile(cfg.ModelPath, ll.ModelParams{UseMmap: true})
+	if err != nil {
+		return nil, err
+	}
+	// n_ubatch defaults to n_batch here, so a batch is one ubatch and a
+	// failed KV slot search leaves the cache untouched (llama_decode's
+	// kv guard restores it).
+	lc, err := ll.NewContextWithModel(model, ll.NewContextParams(cfg.NCtx, cfg.NBatch, cfg.NSeqMax, cfg.Threads, cfg.FlashAttention, cfg.KVCacheType))
+	if err != nil {
+		ll.FreeModel(model)
+		return nil, err
+	}
+	batch, err := ll.NewBatch(cfg.NBatch, 1, 0)
+	if err != nil {
+		ll.FreeModel(model)
+		return nil, err
+	}
+	e := &Engine{model: model, lc: lc, batch: batch, vocab: model.NumVocab()}
+	e.info = engine.Info{
+		Name:          cfg.Name,
+		NCtx:          cfg.NCtx,
+		NCtxTrain:     meta.NCtxTrain,
+		NBatch:        cfg.NBatch,
+		NSeqMax:       cfg.NSeqMax,
+		NVocab:        e.vocab,
+		BytesPerToken: bytesPerTok,
+		ChatTemplate:  meta.ChatTemplate,
+	}
+	return e, nil
+}
+
+// Info implements engine.Engine.
+func (e *Engine) Info() engine.Info { return e.info }
+
+// Tokenize implements engine.Engine.
+func (e *Engine) Tokenize(text string, addSpecial bool) ([]int, error) {
+	if text == "" {
+		// The binding indexes the token buffer, which an empty text with
+		// no BOS would leave empty.
+		return nil, nil
+	}
+	return e.model.Tokenize(text, addSpecial, true)
+}
+
+// Piece implements engine.Engine.
+func (e *Engine) Piece(tok int) string { return e.model.TokenToPiece(tok) }
+
+// IsEOG implements engine.Engine.
+func (e *Engine) IsEOG(tok int) bool { return e.model.TokenIsEog(tok) }
+
+// NewSampler implements engine.Engine. Only temperature, top_p and seed are
+// set; top_k, min_p, typical_p and penalties stay neutral, as OpenAI defines
+// its API.
+func (e *Engine) NewSampler(p engine.SamplingParams) (engine.Sampler, error) {
+	seed := uint32(0xFFFFFFFF) // LLAMA_DEFAULT_SEED: llama.cpp draws a random one
+	if p.SeedSet {
+		seed = p.Seed
+	}
+	topP := p.TopP
+	if topP <= 0 || topP > 1 {
+		topP = 1
+	}
+	sc, err := ll.NewSamplingContext(e.model, ll.SamplingParams{
+		TopK:          0,
+		TopP:          topP,
+		MinP:          0,
+		TypicalP:      1,
+		Temp:          p.Temperature,
+		RepeatLastN:   0,
+		PenaltyRepeat: 1,
+		Seed:          seed,
+	})
+	if err != nil {
+		return nil, err
+	}
+	return sampler{sc: sc}, nil
+}
+
+// Step implements engine.Engine.
+func (e *Engine) Step(spans []engine.Span) ([]int, error) {
+	n := 0
+	for _, s := range spans {
+		n += len(s.Tokens)
+	}
+	if n == 0 {
+		return nil, errors.New("llama: empty batch")
+	}
+	if n > e.info.NBatch {
+		return nil, fmt.Errorf("llama: batch of %d tokens exceeds n_batch %d", n, e.info.NBatch)
+	}
+	e.batch.Clear()
+	last := make([]int, len(spans))
+	for i, s := range spans {
+		if s.Seq < 0 || s.Seq >= e.info.NSeqMax {
+			return nil, fmt.Errorf("llama: seq id %d outside 0..%d", s.Seq, e.info.NSeqMax-1)
+		}
+		for j, t := range s.Tokens {
+			// llama_decode throws (and aborts the process through cgo)
+			// on an out-of-vocabulary token.
+			if t < 0 || t >= e.vocab {
+				return nil, fmt.Errorf("llama: token %d outside the vocabulary of %d", t, e.vocab)
+			}
+			e.batch.Add(t, nil, s.Pos+j, s.Sampler != nil && j == len(s.Tokens)-1, s.Seq)
+		}
+		last[i] = e.batch.NumTokens() - 1
+	}
+	if err := e.lc.Decode(e.batch); err != nil {
+		if errors.Is(err, ll.ErrKvCacheFull) {
+			return nil, engine.ErrKVFull
+		}
+		return nil, err
+	}
+	out := make([]int, len(spans))
+	for i, s := range spans {
+		out[i] = -1
+		if s.Sampler == nil {
+			continue
+		}
+		sm, ok := s.Sampler.(sampler)
+		if !ok {
+			return nil, fmt.Errorf("llama: sampler %T is not this engine's", s.Sampler)
+		}
+		tok := sm.sc.Sample(e.lc, last[i])
+		sm.sc.Accept(tok, false)
+		out[i] = tok
+	}
+	return out, nil
+}
+
+// CopyPrefix implements engine.Engine.
+func (e *Engine) CopyPrefix(src, dst, n int) {
+	if n > 0 {
+		e.lc.KvCacheSeqCp(src, dst, 0, n)
+	}
+}
+
+// Remove implements engine.Engine.
+func (e *Engine) Remove(seq, from int) { e.lc.KvCacheSeqRm(seq, from, -1) }
+
+// Close frees the batch and the model. The context itself has no free
+// function in the bindings; it goes with the process.
+func (e *Engine) Close() error {
+	if e.batch != nil {
+		e.batch.Free()
+		e.batch = nil
+	}
+	if e.model != nil {
+		ll.FreeModel(e.model)
+		e.model = nil
+	}
+	return nil
+}

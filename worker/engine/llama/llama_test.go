@@ -1,0 +1,199 @@
+package llama
+
+import (
+	"errors"
+	"fmt"
+	"os"
+	"slices"
+	"strconv"
+	"strings"
+	"testing"
+
+	"github.com/istio-llm-filter/istio-llm-filter/worker/engine"
+	"github.com/istio-llm-filter/istio-llm-filter/worker/testmodel"
+)
+
+func open(t *testing.T, nCtx, nSeq int) *Engine {
+	t.Helper()
+	e, err := Open(Config{ModelPath: testmodel.Path(t), NCtx: nCtx, NSeqMax: nSeq, Threads: 1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { e.Close() })
+	return e
+}
+
+// greedy evaluates prompt into seq from position from (cells before it must
+// already be there) and then decodes n tokens greedily.
+func greedy(t *testing.T, e *Engine, seq int, prompt []int, from, n int) []int {
+	t.Helper()
+	s, err := e.NewSampler(engine.SamplingParams{Temperature: 0})
+	if err != nil {
+		t.Fatal(err)
+	}
+	pos := from
+	rest := prompt[from:]
+	var out []int
+	for len(rest) > 0 {
+		k := min(len(rest), e.Info().NBatch)
+		span := engine.Span{Seq: seq, Pos: pos, Tokens: rest[:k]}
+		if k == len(rest) {
+			span.Sampler = s
+		}
+		toks, err := e.Step([]engine.Span{span})
+		if err != nil {
+			t.Fatal(err)
+		}
+		pos += k
+		rest = rest[k:]
+		if span.Sampler != nil {
+			out = append(out, toks[0])
+		}
+	}
+	for len(out) < n {
+		toks, err := e.Step([]engine.Span{{Seq: seq, Pos: pos, Tokens: out[len(out)-1:], Sampler: s}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		pos++
+		out = append(out, toks[0])
+	}
+	return out
+}
+
+func TestInfoFromTheGGUF(t *testing.T) {
+	e := open(t, 0, 2)
+	in := e.Info()
+	if in.NCtx != in.NCtxTrain || in.NCtxTrain < 8192 {
+		t.Fatalf("context %d should default to the training context %d (>= 8192 for the tiny model)", in.NCtx, in.NCtxTrain)
+	}
+	if in.BytesPerToken <= 0 || in.NVocab <= 0 || in.NBatch != 512 || in.NSeqMax != 2 {
+		t.Fatalf("info %+v", in)
+	}
+	toks, err := e.Tokenize("hello world", true)
+	if err != nil || len(toks) < 3 {
+		t.Fatalf("Tokenize = %v, %v", toks, err)
+	}
+	var sb strings.Builder
+	for _, tk := range toks {
+		sb.WriteString(e.Piece(tk))
+	}
+	if !strings.Contains(sb.String(), "hello world") {
+		t.Fatalf("pieces %q do not spell the prompt", sb.String())
+	}
+}
+
+func TestSharedPrefixGivesTheSameGreedyOutput(t *testing.T) {
+	e := open(t, 4096, 3)
+	prompt, _ := e.Tokenize(strings.Repeat("the quick brown fox jumps over the lazy dog. ", 30), true)
+	full := greedy(t, e, 0, prompt, 0, 16)
+
+	// seq 1 shares all but the last prompt token of seq 0's cells and
+	// evaluates only that token.
+	e.Remove(0, len(prompt)) // keep exactly the prompt's cells
+	e.CopyPrefix(0, 1, len(prompt)-1)
+	reused := greedy(t, e, 1, prompt, len(prompt)-1, 16)
+	if !slices.Equal(full, reused) {
+		t.Fatalf("greedy output differs with a shared prefix:\nfull   %v\nreused %v", full, reused)
+	}
+	// Removing seq 0 entirely must not disturb seq 1's shared cells.
+	e.Remove(0, 0)
+	e.Remove(1, len(prompt))
+	e.CopyPrefix(1, 2, len(prompt)-1)
+	again := greedy(t, e, 2, prompt, len(prompt)-1, 16)
+	if !slices.Equal(full, again) {
+		t.Fatalf("output changed after the source sequence was removed: %v vs %v", full, again)
+	}
+}
+
+func TestKVFullIsAnErrorNotACrash(t *testing.T) {
+	e := open(t, 256, 2)
+	toks := make([]int, 200)
+	for i := range toks {
+		toks[i] = 3 + 'a' + i%26
+	}
+	if _, err := e.Step([]engine.Span{{Seq: 0, Pos: 0, Tokens: toks}}); err != nil {
+		t.Fatal(err)
+	}
+	_, err := e.Step([]engine.Span{{Seq: 1, Pos: 0, Tokens: toks}})
+	if !errors.Is(err, engine.ErrKVFull) {
+		t.Fatalf("second 200-token sequence in 256 cells: err %v, want ErrKVFull", err)
+	}
+	// The failed batch left nothing behind: freeing seq 0 makes room.
+	e.Remove(0, 0)
+	if _, err := e.Step([]engine.Span{{Seq: 1, Pos: 0, Tokens: toks}}); err != nil {
+		t.Fatalf("after freeing seq 0: %v", err)
+	}
+	if _, err := e.Step([]engine.Span{{Seq: 1, Pos: 200, Tokens: []int{1 << 30}}}); err == nil {
+		t.Fatal("out-of-vocabulary token accepted")
+	}
+}
+
+// BenchmarkStep measures single decode steps, the numbers the sim engine's
+// cost model is fitted to (docs/worker.md). Point LLMF_BENCH_MODEL at the
+// bench preset (go run ./worker/cmd/mkmodel --preset bench --out ...) for the
+// calibration; without it the tiny model is used. LLMF_THREADS and
+// LLMF_FLASH_ATTN=1 vary the context.
+func BenchmarkStep(b *testing.B) {
+	path := os.Getenv("LLMF_BENCH_MODEL")
+	if path == "" {
+		path = testmodel.Path(b)
+	}
+	threads, _ := strconv.Atoi(os.Getenv("LLMF_THREADS"))
+	e, err := Open(Config{ModelPath: path, NCtx: 4096, NSeqMax: 8, Threads: threads, FlashAttention: os.Getenv("LLMF_FLASH_ATTN") == "1"})
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer e.Close()
+	toks := func(n, salt int) []int {
+		out := make([]int, n)
+		for i := range out {
+			out[i] = 3 + 'a' + (i*7+salt)%26
+		}
+		return out
+	}
+	for _, ctx := range []int{0, 1536} {
+		b.Run(fmt.Sprintf("prefill512/ctx=%d", ctx), func(b *testing.B) {
+			e.Remove(0, 0)
+			if ctx > 0 {
+				for p := 0; p < ctx; p += 512 {
+					if _, err := e.Step([]engine.Span{{Seq: 0, Pos: p, Tokens: toks(512, p)}}); err != nil {
+						b.Fatal(err)
+					}
+				}
+			}
+			s, _ := e.NewSampler(engine.SamplingParams{})
+			b.ResetTimer()
+			for range b.N {
+				if _, err := e.Step([]engine.Span{{Seq: 0, Pos: ctx, Tokens: toks(512, 1), Sampler: s}}); err != nil {
+					b.Fatal(err)
+				}
+				e.Remove(0, ctx)
+			}
+			b.ReportMetric(float64(b.Elapsed().Microseconds())/1000/float64(b.N), "ms/step")
+		})
+	}
+	for _, n := range []int{1, 4, 8} {
+		b.Run(fmt.Sprintf("decode/seqs=%d", n), func(b *testing.B) {
+			var spans []engine.Span
+			for s := range n {
+				e.Remove(s, 0)
+				if _, err := e.Step([]engine.Span{{Seq: s, Pos: 0, Tokens: toks(64, s)}}); err != nil {
+					b.Fatal(err)
+				}
+				sm, _ := e.NewSampler(engine.SamplingParams{})
+				spans = append(spans, engine.Span{Seq: s, Pos: 64, Tokens: []int{3 + 'x'}, Sampler: sm})
+			}
+			b.ResetTimer()
+			for range b.N {
+				if _, err := e.Step(spans); err != nil {
+					b.Fatal(err)
+				}
+				for s := range n {
+					e.Remove(s, 64)
+				}
+			}
+			b.ReportMetric(float64(b.Elapsed().Microseconds())/1000/float64(b.N), "ms/step")
+		})
+	}
+}

@@ -1,0 +1,50 @@
+package ggufgen
+
+import "fmt"
+
+// Token ids of the byte-level vocabulary. The first three follow the
+// SentencePiece llama layout (unk, bos, eos at 0, 1, 2; bytes from 3) so
+// tools that assume it keep working.
+const (
+	TokenUnk     = 0
+	TokenBOS     = 1 // "<s>"
+	TokenEOSText = 2 // "</s>": a control token, not end-of-generation here
+	TokenByte0   = 3 // "<0x00>"; byte b is TokenByte0+b
+	// TokenSpace is SentencePiece's escaped space "▁" (U+2581). The SPM
+	// tokenizer replaces every ' ' with it before lookup; without it in the
+	// vocab a space would fall back to the three UTF-8 bytes of "▁" and
+	// detokenize as "▁", not " ".
+	TokenSpace   = 259
+	TokenIMStart = 260 // "<|im_start|>"
+	TokenIMEnd   = 261 // "<|im_end|>": the eos token and the end of every ChatML turn
+	VocabSize    = 262
+)
+
+// llama.cpp's LLAMA_TOKEN_TYPE_* values as stored in tokenizer.ggml.token_type.
+const (
+	tokenTypeNormal  int32 = 1
+	tokenTypeUnknown int32 = 2
+	tokenTypeControl int32 = 3
+	tokenTypeByte    int32 = 6
+)
+
+// ChatMLTemplate is the Jinja chat template stored in tokenizer.chat_template:
+// the ChatML template as Hugging Face documents it (Qwen, OpenHermes).
+const ChatMLTemplate = "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+
+// Vocab returns the token texts and llama.cpp token types, indexed by id.
+func Vocab() (tokens []string, types []int32) {
+	tokens = make([]string, VocabSize)
+	types = make([]int32, VocabSize)
+	tokens[TokenUnk], types[TokenUnk] = "<unk>", tokenTypeUnknown
+	tokens[TokenBOS], types[TokenBOS] = "<s>", tokenTypeControl
+	tokens[TokenEOSText], types[TokenEOSText] = "</s>", tokenTypeControl
+	for b := range 256 {
+		tokens[TokenByte0+b] = fmt.Sprintf("<0x%02X>", b)
+		types[TokenByte0+b] = tokenTypeByte
+	}
+	tokens[TokenSpace], types[TokenSpace] = "\u2581", tokenTypeNormal
+	tokens[TokenIMStart], types[TokenIMStart] = "<|im_start|>", tokenTypeControl
+	tokens[TokenIMEnd], types[TokenIMEnd] = "<|im_end|>", tokenTypeControl
+	return tokens, types
+}

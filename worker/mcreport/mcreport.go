@@ -1,0 +1,257 @@
+// Package mcreport tells the metadata center which prompt prefixes this
+// worker no longer holds, so the router's cache index stays true.
+//
+// At start-up it sends {all: true} for this host: a restarted pod has an
+// empty KV cache, and whatever the index remembered about it is stale. After
+// that, every hash the KV-cache manager reports (no entry holds it any more)
+// is queued and sent in POST /v1/cache/evict batches. Sending is
+// asynchronous and never blocks the scheduler: the pending set is bounded,
+// coalesces duplicates, and retries with backoff while the metadata center
+// is unreachable. Hashes dropped because the set is full are counted; the
+// metadata center's TTL ages those index entries out.
+package mcreport
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net/http"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/istio-llm-filter/istio-llm-filter/filter/prompthash"
+	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/api"
+)
+
+// Config of a reporter.
+type Config struct {
+	URL        string // metadata center base URL, e.g. http://127.0.0.1:8080
+	Cluster    string // the Envoy cluster name the router indexes this host under
+	Host       string // this worker as ip:port, as the router addresses it
+	AuthToken  string // optional bearer token
+	Client     *http.Client
+	MaxPending int           // distinct hashes waiting; default 65536
+	MaxBackoff time.Duration // default 5 s
+	Logger     *slog.Logger
+	Registerer prometheus.Registerer
+}
+
+// Reporter queues and sends eviction reports.
+type Reporter struct {
+	cfg     Config
+	log     *slog.Logger
+	kick    chan struct{}
+	mu      sync.Mutex
+	pending map[uint64]struct{}
+	idle    *sync.Cond // signalled when pending empties after a send
+
+	sent    *prometheus.CounterVec
+	dropped prometheus.Counter
+}
+
+// New validates cfg.
+func New(cfg Config) (*Reporter, error) {
+	if cfg.URL == "" || cfg.Cluster == "" || cfg.Host == "" {
+		return nil, errors.New("mcreport: metadata center URL, cluster and host are all required")
+	}
+	if !strings.HasPrefix(cfg.URL, "http://") && !strings.HasPrefix(cfg.URL, "https://") {
+		return nil, fmt.Errorf("mcreport: metadata center URL %q must start with http:// or https://", cfg.URL)
+	}
+	cfg.URL = strings.TrimRight(cfg.URL, "/")
+	if cfg.Client == nil {
+		cfg.Client = &http.Client{Timeout: 5 * time.Second}
+	}
+	if cfg.MaxPending <= 0 {
+		cfg.MaxPending = 65536
+	}
+	if cfg.MaxBackoff <= 0 {
+		cfg.MaxBackoff = 5 * time.Second
+	}
+	if cfg.Logger == nil {
+		cfg.Logger = slog.Default()
+	}
+	r := &Reporter{
+		cfg: cfg, log: cfg.Logger, kick: make(chan struct{}, 1), pending: map[uint64]struct{}{},
+		sent: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "llmf_worker_evict_reports_total",
+			Help: "POST /v1/cache/evict calls by result (ok, error, rejected)."}, []string{"result"}),
+		dropped: prometheus.NewCounter(prometheus.CounterOpts{Name: "llmf_worker_evict_hashes_dropped_total",
+			Help: "Evicted hashes not reported because the pending set was full."}),
+	}
+	r.idle = sync.NewCond(&r.mu)
+	if cfg.Registerer != nil {
+		cfg.Registerer.MustRegister(r.sent, r.dropped)
+	}
+	return r, nil
+}
+
+// Evict queues hashes; it never blocks.
+func (r *Reporter) Evict(hs []uint64) {
+	r.mu.Lock()
+	for _, h := range hs {
+		if len(r.pending) >= r.cfg.MaxPending {
+			r.dropped.Inc()
+			continue
+		}
+		r.pending[h] = struct{}{}
+	}
+	r.mu.Unlock()
+	select {
+	case r.kick <- struct{}{}:
+	default:
+	}
+}
+
+// Pending counts hashes not sent yet.
+func (r *Reporter) Pending() int {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return len(r.pending)
+}
+
+// Run sends {all:true} and then the queued hashes until ctx ends.
+func (r *Reporter) Run(ctx context.Context) {
+	backoff := 100 * time.Millisecond
+	for {
+		err := r.post(ctx, api.CacheEvict{Cluster: r.cfg.Cluster, Host: r.cfg.Host, All: true})
+		if err == nil {
+			r.log.Info("metadata center: cleared this host's cache index", "host", r.cfg.Host, "cluster", r.cfg.Cluster)
+			break
+		}
+		r.log.Warn("metadata center: start-up evict-all failed; retrying", "err", err, "in", backoff)
+		if !sleep(ctx, backoff) {
+			return
+		}
+		backoff = min(2*backoff, r.cfg.MaxBackoff)
+	}
+	backoff = 100 * time.Millisecond
+	for {
+		batch := r.next()
+		if len(batch) == 0 {
+			select {
+			case <-r.kick:
+				continue
+			case <-ctx.Done():
+				return
+			}
+		}
+		err := r.post(ctx, api.CacheEvict{Cluster: r.cfg.Cluster, Host: r.cfg.Host, Hashes: prompthash.Wire(batch)})
+		var rej *rejected
+		switch {
+		case err == nil || errors.As(err, &rej):
+			if err != nil {
+				r.log.Error("metadata center refused an eviction report; dropping it", "err", err, "hashes", len(batch))
+			}
+			r.done(batch)
+			backoff = 100 * time.Millisecond
+		default:
+			r.log.Warn("metadata center: eviction report failed; retrying", "err", err, "in", backoff)
+			if !sleep(ctx, backoff) {
+				return
+			}
+			backoff = min(2*backoff, r.cfg.MaxBackoff)
+		}
+	}
+}
+
+// next picks up to api.MaxHashes pending hashes without removing them, so a
+// failed send keeps them.
+func (r *Reporter) next() []uint64 {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	out := make([]uint64, 0, min(len(r.pending), api.MaxHashes))
+	for h := range r.pending {
+		if len(out) == api.MaxHashes {
+			break
+		}
+		out = append(out, h)
+	}
+	return out
+}
+
+func (r *Reporter) done(batch []uint64) {
+	r.mu.Lock()
+	for _, h := range batch {
+		delete(r.pending, h)
+	}
+	if len(r.pending) == 0 {
+		r.idle.Broadcast()
+	}
+	r.mu.Unlock()
+}
+
+// Flush waits until nothing is pending (tests, shutdown) or ctx ends.
+func (r *Reporter) Flush(ctx context.Context) error {
+	stop := context.AfterFunc(ctx, func() {
+		r.mu.Lock()
+		r.idle.Broadcast()
+		r.mu.Unlock()
+	})
+	defer stop()
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	for len(r.pending) > 0 {
+		if ctx.Err() != nil {
+			return ctx.Err()
+		}
+		r.idle.Wait()
+	}
+	return nil
+}
+
+type rejected struct {
+	status int
+	body   string
+}
+
+func (e *rejected) Error() string { return fmt.Sprintf("status %d: %s", e.status, e.body) }
+
+func (r *Reporter) post(ctx context.Context, body api.CacheEvict) error {
+	b, err := json.Marshal(body)
+	if err != nil {
+		return err
+	}
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, r.cfg.URL+api.PathCacheEvict, bytes.NewReader(b))
+	if err != nil {
+		return err
+	}
+	req.Header.Set("Content-Type", "application/json")
+	if r.cfg.AuthToken != "" {
+		req.Header.Set("Authorization", "Bearer "+r.cfg.AuthToken)
+	}
+	resp, err := r.cfg.Client.Do(req)
+	if err != nil {
+		r.sent.WithLabelValues("error").Inc()
+		return err
+	}
+	defer resp.Body.Close()
+	msg, _ := io.ReadAll(io.LimitReader(resp.Body, 512))
+	switch {
+	case resp.StatusCode/100 == 2:
+		r.sent.WithLabelValues("ok").Inc()
+		return nil
+	case resp.StatusCode/100 == 4 && resp.StatusCode != http.StatusTooManyRequests && resp.StatusCode != http.StatusRequestTimeout:
+		r.sent.WithLabelValues("rejected").Inc()
+		return &rejected{status: resp.StatusCode, body: strings.TrimSpace(string(msg))}
+	default:
+		r.sent.WithLabelValues("error").Inc()
+		return fmt.Errorf("status %d: %s", resp.StatusCode, strings.TrimSpace(string(msg)))
+	}
+}
+
+func sleep(ctx context.Context, d time.Duration) bool {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-t.C:
+		return true
+	case <-ctx.Done():
+		return false
+	}
+}

@@ -1,0 +1,147 @@
+package mcreport
+
+import (
+	"context"
+	"encoding/json"
+	"net/http"
+	"net/http/httptest"
+	"slices"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/istio-llm-filter/istio-llm-filter/filter/prompthash"
+	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/api"
+)
+
+type center struct {
+	mu       sync.Mutex
+	bodies   []api.CacheEvict
+	failures int // answer 503 this many times first
+	auth     []string
+}
+
+func (c *center) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	if r.Method != http.MethodPost || r.URL.Path != api.PathCacheEvict {
+		http.Error(w, "wrong call", http.StatusNotFound)
+		return
+	}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.auth = append(c.auth, r.Header.Get("Authorization"))
+	if c.failures > 0 {
+		c.failures--
+		http.Error(w, "unavailable", http.StatusServiceUnavailable)
+		return
+	}
+	var b api.CacheEvict
+	if err := json.NewDecoder(r.Body).Decode(&b); err != nil {
+		http.Error(w, err.Error(), http.StatusBadRequest)
+		return
+	}
+	c.bodies = append(c.bodies, b)
+	w.WriteHeader(http.StatusNoContent)
+}
+
+func (c *center) got() []api.CacheEvict {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return slices.Clone(c.bodies)
+}
+
+func start(t *testing.T, c *center, cfg Config) *Reporter {
+	t.Helper()
+	srv := httptest.NewServer(c)
+	t.Cleanup(srv.Close)
+	cfg.URL, cfg.Cluster, cfg.Host = srv.URL+"/", "outbound|8000||tiny", "10.0.0.7:9001"
+	cfg.MaxBackoff = 20 * time.Millisecond
+	r, err := New(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { r.Run(ctx); close(done) }()
+	t.Cleanup(func() { cancel(); <-done })
+	return r
+}
+
+func flush(t *testing.T, r *Reporter) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if err := r.Flush(ctx); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func TestEvictAllFirstThenHashesInWireForm(t *testing.T) {
+	c := &center{}
+	r := start(t, c, Config{AuthToken: "s3cret"})
+	r.Evict([]uint64{0xabc, 1, 0xabc})
+	flush(t, r)
+	got := c.got()
+	if len(got) < 2 || !got[0].All || got[0].Host != "10.0.0.7:9001" || got[0].Cluster != "outbound|8000||tiny" || len(got[0].Hashes) != 0 {
+		t.Fatalf("first call %+v, want {all:true} for this host", got)
+	}
+	var hs []string
+	for _, b := range got[1:] {
+		if b.All {
+			t.Fatal("all:true sent twice")
+		}
+		hs = append(hs, b.Hashes...)
+	}
+	slices.Sort(hs)
+	want := prompthash.Wire([]uint64{1, 0xabc})
+	slices.Sort(want)
+	if !slices.Equal(hs, want) || hs[0] != "0000000000000001" {
+		t.Fatalf("hashes %v, want %v (deduplicated, 16 hex digits)", hs, want)
+	}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	for _, a := range c.auth {
+		if a != "Bearer s3cret" {
+			t.Fatalf("authorization %q", a)
+		}
+	}
+}
+
+func TestRetriesWhileTheCenterIsDown(t *testing.T) {
+	c := &center{failures: 3}
+	r := start(t, c, Config{})
+	r.Evict([]uint64{7})
+	flush(t, r)
+	got := c.got()
+	if len(got) != 2 || !got[0].All || !slices.Equal(got[1].Hashes, prompthash.Wire([]uint64{7})) {
+		t.Fatalf("after 3 failures: %+v", got)
+	}
+}
+
+func TestBatchesAreBoundedAndPendingIsBounded(t *testing.T) {
+	c := &center{}
+	r := start(t, c, Config{MaxPending: api.MaxHashes + 10})
+	hs := make([]uint64, api.MaxHashes+50)
+	for i := range hs {
+		hs[i] = uint64(i + 1)
+	}
+	r.Evict(hs)
+	flush(t, r)
+	total := 0
+	for _, b := range c.got()[1:] {
+		if len(b.Hashes) > api.MaxHashes {
+			t.Fatalf("a call carried %d hashes, the API allows %d", len(b.Hashes), api.MaxHashes)
+		}
+		total += len(b.Hashes)
+	}
+	if total != api.MaxHashes+10 || r.Pending() != 0 {
+		t.Fatalf("sent %d hashes, want the %d that fit the pending set", total, api.MaxHashes+10)
+	}
+}
+
+func TestNewValidates(t *testing.T) {
+	for _, cfg := range []Config{{}, {URL: "127.0.0.1:8080", Cluster: "c", Host: "h:1"}, {URL: "http://x", Host: "h:1"}} {
+		if _, err := New(cfg); err == nil {
+			t.Errorf("New(%+v) accepted", cfg)
+		}
+	}
+}

@@ -1,0 +1,181 @@
+package openai
+
+import (
+	"crypto/rand"
+	"encoding/json"
+	"net/http"
+	"strconv"
+	"time"
+)
+
+// Finish reasons.
+const (
+	FinishStop   = "stop"   // EOS or a stop sequence
+	FinishLength = "length" // max_tokens or the context size
+)
+
+// Object names.
+const (
+	ObjectChatCompletion      = "chat.completion"
+	ObjectChatCompletionChunk = "chat.completion.chunk"
+	ObjectTextCompletion      = "text_completion"
+)
+
+// NewChatID returns a fresh "chatcmpl-..." id.
+func NewChatID() string { return "chatcmpl-" + randomID() }
+
+// NewCompletionID returns a fresh "cmpl-..." id.
+func NewCompletionID() string { return "cmpl-" + randomID() }
+
+func randomID() string {
+	const alphabet = "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+	var b [24]byte
+	rand.Read(b[:]) // never fails (crypto/rand)
+	for i := range b {
+		b[i] = alphabet[int(b[i])%len(alphabet)]
+	}
+	return string(b[:])
+}
+
+// Usage is the token accounting of a response.
+type Usage struct {
+	PromptTokens        int                  `json:"prompt_tokens"`
+	CompletionTokens    int                  `json:"completion_tokens"`
+	TotalTokens         int                  `json:"total_tokens"`
+	PromptTokensDetails *PromptTokensDetails `json:"prompt_tokens_details,omitempty"`
+}
+
+// PromptTokensDetails reports how many prompt tokens came from the KV cache.
+type PromptTokensDetails struct {
+	CachedTokens int `json:"cached_tokens"`
+}
+
+// NewUsage fills in the total and the cached-token details.
+func NewUsage(prompt, completion, cached int) *Usage {
+	return &Usage{PromptTokens: prompt, CompletionTokens: completion, TotalTokens: prompt + completion,
+		PromptTokensDetails: &PromptTokensDetails{CachedTokens: cached}}
+}
+
+// ChatMessage is an assistant message in a response.
+type ChatMessage struct {
+	Role    string `json:"role"`
+	Content string `json:"content"`
+}
+
+// ChatChoice is a choice of a chat.completion.
+type ChatChoice struct {
+	Index        int             `json:"index"`
+	Message      ChatMessage     `json:"message"`
+	Logprobs     json.RawMessage `json:"logprobs"`
+	FinishReason string          `json:"finish_reason"`
+}
+
+// ChatCompletion is the non-streamed chat answer.
+type ChatCompletion struct {
+	ID      string       `json:"id"`
+	Object  string       `json:"object"`
+	Created int64        `json:"created"`
+	Model   string       `json:"model"`
+	Choices []ChatChoice `json:"choices"`
+	Usage   *Usage       `json:"usage"`
+}
+
+// null is a JSON null for fields OpenAI always sends, e.g. logprobs.
+func null() json.RawMessage { return json.RawMessage("null") }
+
+// NewChatCompletion builds a one-choice chat.completion.
+func NewChatCompletion(id, model string, created time.Time, content, finish string, usage *Usage) *ChatCompletion {
+	return &ChatCompletion{ID: id, Object: ObjectChatCompletion, Created: created.Unix(), Model: model,
+		Choices: []ChatChoice{{Message: ChatMessage{Role: RoleAssistant, Content: content}, Logprobs: null(), FinishReason: finish}},
+		Usage:   usage}
+}
+
+// Delta is the incremental message of a chunk.
+type Delta struct {
+	Role    string  `json:"role,omitempty"`
+	Content *string `json:"content,omitempty"`
+}
+
+// ChunkChoice is a choice of a chat.completion.chunk. FinishReason is null
+// until the last content chunk.
+type ChunkChoice struct {
+	Index        int             `json:"index"`
+	Delta        Delta           `json:"delta"`
+	Logprobs     json.RawMessage `json:"logprobs"`
+	FinishReason *string         `json:"finish_reason"`
+}
+
+// ChatCompletionChunk is one streamed chat event.
+type ChatCompletionChunk struct {
+	ID      string        `json:"id"`
+	Object  string        `json:"object"`
+	Created int64         `json:"created"`
+	Model   string        `json:"model"`
+	Choices []ChunkChoice `json:"choices"`
+	// Usage is null on every chunk but the extra last one, and only present
+	// at all when the client asked for stream_options.include_usage.
+	Usage *Usage `json:"usage,omitempty"`
+}
+
+// CompletionChoice is a choice of a text_completion (streamed or not;
+// FinishReason is null on intermediate stream events).
+type CompletionChoice struct {
+	Index        int             `json:"index"`
+	Text         string          `json:"text"`
+	Logprobs     json.RawMessage `json:"logprobs"`
+	FinishReason *string         `json:"finish_reason"`
+}
+
+// Completion is a text_completion, the whole answer or one stream event.
+type Completion struct {
+	ID      string             `json:"id"`
+	Object  string             `json:"object"`
+	Created int64              `json:"created"`
+	Model   string             `json:"model"`
+	Choices []CompletionChoice `json:"choices"`
+	Usage   *Usage             `json:"usage,omitempty"`
+}
+
+// NewCompletion builds a one-choice text_completion.
+func NewCompletion(id, model string, created time.Time, text, finish string, usage *Usage) *Completion {
+	return &Completion{ID: id, Object: ObjectTextCompletion, Created: created.Unix(), Model: model,
+		Choices: []CompletionChoice{{Text: text, Logprobs: null(), FinishReason: &finish}}, Usage: usage}
+}
+
+// Model is an entry of GET /v1/models.
+type Model struct {
+	ID      string `json:"id"`
+	Object  string `json:"object"`
+	Created int64  `json:"created"`
+	OwnedBy string `json:"owned_by"`
+}
+
+// ModelList is the GET /v1/models answer.
+type ModelList struct {
+	Object string  `json:"object"`
+	Data   []Model `json:"data"`
+}
+
+// NewModelList lists models created at the given time.
+func NewModelList(created time.Time, ownedBy string, ids ...string) *ModelList {
+	l := &ModelList{Object: "list", Data: []Model{}}
+	for _, id := range ids {
+		l.Data = append(l.Data, Model{ID: id, Object: "model", Created: created.Unix(), OwnedBy: ownedBy})
+	}
+	return l
+}
+
+// WriteJSON writes v as a JSON response with the given status.
+func WriteJSON(w http.ResponseWriter, status int, v any) error {
+	body, err := json.Marshal(v)
+	if err != nil {
+		WriteError(w, Internal("encoding response: %v", err))
+		return err
+	}
+	body = append(body, '\n')
+	w.Header().Set("Content-Type", "application/json")
+	w.Header().Set("Content-Length", strconv.Itoa(len(body)))
+	w.WriteHeader(status)
+	_, err = w.Write(body)
+	return err
+}

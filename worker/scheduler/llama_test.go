@@ -1,0 +1,304 @@
+package scheduler
+
+// Tests and benchmarks on real llama.cpp compute with the generated models.
+// Tests use one llama.cpp thread: go test runs packages side by side, and
+// ggml's thread barriers collapse when cores are oversubscribed.
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"os"
+	"path/filepath"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	dto "github.com/prometheus/client_model/go"
+
+	"github.com/istio-llm-filter/istio-llm-filter/worker/engine"
+	"github.com/istio-llm-filter/istio-llm-filter/worker/engine/llama"
+	"github.com/istio-llm-filter/istio-llm-filter/worker/engine/sim"
+	"github.com/istio-llm-filter/istio-llm-filter/worker/ggufgen"
+	"github.com/istio-llm-filter/istio-llm-filter/worker/testmodel"
+)
+
+// TestMain quiets llama.cpp's model-loading chatter (it logs through
+// slog.Default's level) so benchmark output stays readable.
+func TestMain(m *testing.M) {
+	slog.SetDefault(slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn})))
+	os.Exit(m.Run())
+}
+
+func startSched(tb testing.TB, eng engine.Engine, cfg Config) *Scheduler {
+	tb.Helper()
+	s, err := New(eng, cfg)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { s.Run(ctx); close(done) }()
+	tb.Cleanup(func() { cancel(); <-done })
+	return s
+}
+
+func openLlama(tb testing.TB, path string, nCtx, nSeq int) *llama.Engine {
+	tb.Helper()
+	e, err := llama.Open(llama.Config{ModelPath: path, NCtx: nCtx, NSeqMax: nSeq, Threads: 1})
+	if err != nil {
+		tb.Fatal(err)
+	}
+	tb.Cleanup(func() { e.Close() })
+	return e
+}
+
+func collect(tb testing.TB, s *Scheduler, req *Request) ([]int, *Result) {
+	tb.Helper()
+	h, err := s.Submit(context.Background(), req)
+	if err != nil {
+		tb.Fatalf("submit %s: %v", req.ID, err)
+	}
+	var out []int
+	for {
+		toks, res := h.Take()
+		out = append(out, toks...)
+		if res != nil {
+			return out, res
+		}
+		<-h.Ready()
+	}
+}
+
+func tokenize(tb testing.TB, e engine.Engine, text string) []int {
+	tb.Helper()
+	toks, err := e.Tokenize(text, true)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	return toks
+}
+
+// history is a multi-turn ChatML conversation of about n tokens on the
+// byte-level vocabularies.
+func history(n int, salt string) string {
+	var sb strings.Builder
+	sb.WriteString("<|im_start|>system\n" + salt + ": you are a careful assistant.<|im_end|>\n")
+	for i := 0; sb.Len() < n; i++ {
+		fmt.Fprintf(&sb, "<|im_start|>user\nQuestion %d: tell me about topic %d in detail.<|im_end|>\n", i, i*7)
+		fmt.Fprintf(&sb, "<|im_start|>assistant\nTopic %d is about many things, such as item %d and item %d.<|im_end|>\n", i*7, i, i+1)
+	}
+	return sb.String()
+}
+
+func TestLlamaGreedyIdenticalWithAndWithoutCacheReuse(t *testing.T) {
+	path := testmodel.Path(t)
+	eng := openLlama(t, path, 4096, 4)
+	s := startSched(t, eng, Config{})
+	turn1 := tokenize(t, eng, history(600, "A")+"<|im_start|>assistant\n")
+	out1, res1 := collect(t, s, &Request{ID: "t1", Prompt: turn1, MaxTokens: 24, IgnoreEOS: true})
+	if res1.State != Completed || res1.CachedTokens != 0 || len(out1) != 24 {
+		t.Fatalf("turn 1: %+v (%d tokens)", res1, len(out1))
+	}
+	// Turn 2 continues turn 1 with its answer and a new question.
+	turn2 := append(append(slices.Clone(turn1), out1...), tokenize(t, eng, "<|im_end|>\n<|im_start|>user\nand then?<|im_end|>\n<|im_start|>assistant\n")[1:]...)
+	warm, res2 := collect(t, s, &Request{ID: "t2", Prompt: turn2, MaxTokens: 24, IgnoreEOS: true})
+	if res2.CachedTokens != len(turn1)+23 {
+		t.Fatalf("turn 2 cached %d tokens, want turn 1's %d cells", res2.CachedTokens, len(turn1)+23)
+	}
+	// The same prompt again: everything but the last token is cached.
+	again, res3 := collect(t, s, &Request{ID: "t3", Prompt: turn2, MaxTokens: 24, IgnoreEOS: true})
+	if res3.CachedTokens != len(turn2)-1 {
+		t.Fatalf("repeat cached %d, want %d", res3.CachedTokens, len(turn2)-1)
+	}
+
+	coldEng := openLlama(t, path, 4096, 4)
+	cold := startSched(t, coldEng, Config{})
+	ref, resCold := collect(t, cold, &Request{ID: "c", Prompt: turn2, MaxTokens: 24, IgnoreEOS: true})
+	if resCold.CachedTokens != 0 {
+		t.Fatalf("cold worker reported %d cached tokens", resCold.CachedTokens)
+	}
+	if !slices.Equal(warm, ref) || !slices.Equal(again, ref) {
+		t.Fatalf("greedy output differs with cache reuse:\ncold %v\nwarm %v\nrepeat %v", ref, warm, again)
+	}
+}
+
+func TestLlamaConcurrentBatchesMatchSoloRuns(t *testing.T) {
+	path := testmodel.Path(t)
+	prompts := []string{history(300, "x"), history(500, "y"), history(200, "z"), "short prompt"}
+	solo := make([][]int, len(prompts))
+	{
+		eng := openLlama(t, path, 4096, 2)
+		s := startSched(t, eng, Config{MaxRunning: 1})
+		for i, p := range prompts {
+			solo[i], _ = collect(t, s, &Request{ID: fmt.Sprint("solo", i), Prompt: tokenize(t, eng, p), MaxTokens: 16, IgnoreEOS: true})
+			_ = i
+		}
+	}
+	eng := openLlama(t, path, 4096, 8)
+	s := startSched(t, eng, Config{MaxRunning: 4})
+	var wg sync.WaitGroup
+	for i, p := range prompts {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			out, res := collect(t, s, &Request{ID: fmt.Sprint("b", i), Prompt: tokenize(t, eng, p), MaxTokens: 16, IgnoreEOS: true})
+			if res.State != Completed || !slices.Equal(out, solo[i]) {
+				t.Errorf("prompt %d batched with others: %+v\n got %v\nwant %v", i, res, out, solo[i])
+			}
+		}()
+	}
+	wg.Wait()
+}
+
+func TestLlamaKVFullEvictsInsteadOfCrashing(t *testing.T) {
+	path := testmodel.Path(t)
+	// 1024 cells: each request needs ~600, so every new one must evict the
+	// previous entry, found through llama_decode's KV-full answer.
+	eng := openLlama(t, path, 1024, 4)
+	m := NewMetrics(nil)
+	s := startSched(t, eng, Config{Metrics: m})
+	for i := range 4 {
+		p := tokenize(t, eng, history(580, fmt.Sprint("salt", i)))
+		out, res := collect(t, s, &Request{ID: fmt.Sprint("k", i), Prompt: p, MaxTokens: 8, IgnoreEOS: true})
+		if res.State != Completed || len(out) != 8 {
+			t.Fatalf("request %d: %+v", i, res)
+		}
+	}
+	if n := counterValue(m.evictions.WithLabelValues("kv_full")); n < 3 {
+		t.Fatalf("%v evictions on KV full, want one per request after the first", n)
+	}
+}
+
+// benchModel is the bench preset (8 layers, 512 wide): $LLMF_BENCH_MODEL,
+// or generated once into the user cache directory.
+func benchModel(b *testing.B) string {
+	if p := os.Getenv("LLMF_BENCH_MODEL"); p != "" {
+		return p
+	}
+	dir, err := os.UserCacheDir()
+	if err != nil {
+		dir = os.TempDir()
+	}
+	p := ggufgen.Bench()
+	path := filepath.Join(dir, "istio-llm-filter", p.ID(ggufgen.DefaultSeed)+".gguf")
+	if _, err := os.Stat(path); err == nil {
+		return path
+	}
+	if err := os.MkdirAll(filepath.Dir(path), 0o755); err != nil {
+		b.Fatal(err)
+	}
+	if err := ggufgen.WriteFile(path, ggufgen.Options{Preset: p, Seed: ggufgen.DefaultSeed}); err != nil {
+		b.Fatal(err)
+	}
+	return path
+}
+
+type engineMaker func(b *testing.B, nSeq int) engine.Engine
+
+func benchEngines() map[string]engineMaker {
+	return map[string]engineMaker{
+		"llama": func(b *testing.B, nSeq int) engine.Engine {
+			threads, _ := strconv.Atoi(os.Getenv("LLMF_THREADS"))
+			e, err := llama.Open(llama.Config{ModelPath: benchModel(b), NCtx: 8192, NSeqMax: nSeq, Threads: threads})
+			if err != nil {
+				b.Fatal(err)
+			}
+			b.Cleanup(func() { e.Close() })
+			return e
+		},
+		"sim": func(b *testing.B, nSeq int) engine.Engine {
+			e, err := sim.New(sim.Config{NCtx: 8192, NSeqMax: nSeq, Cost: sim.BenchCost()})
+			if err != nil {
+				b.Fatal(err)
+			}
+			return e
+		},
+	}
+}
+
+// BenchmarkTTFT measures time to first token for a new question after a
+// ~2k-token conversation: cold (no cache: the history is prefilled) and warm
+// (the history's cells are reused and only the question is prefilled).
+func BenchmarkTTFT(b *testing.B) {
+	for _, name := range []string{"llama", "sim"} {
+		mk := benchEngines()[name]
+		for _, warm := range []bool{false, true} {
+			mode := map[bool]string{false: "cold", true: "warm"}[warm]
+			b.Run(name+"/"+mode, func(b *testing.B) {
+				eng := mk(b, 8)
+				s := startSched(b, eng, Config{})
+				hist := tokenize(b, eng, history(2600, "bench"))
+				if warm {
+					collect(b, s, &Request{ID: "history", Prompt: hist, MaxTokens: 1})
+				}
+				var ttft time.Duration
+				var cached int
+				b.ResetTimer()
+				for i := range b.N {
+					p := hist
+					if !warm {
+						// A different first message: nothing to reuse.
+						p = tokenize(b, eng, history(2600, fmt.Sprint("cold", i)))
+					}
+					p = append(slices.Clone(p), tokenize(b, eng, fmt.Sprintf("<|im_start|>user\nnew question %d?<|im_end|>\n<|im_start|>assistant\n", i))[1:]...)
+					_, res := collect(b, s, &Request{ID: fmt.Sprint("q", i), Prompt: p, MaxTokens: 1})
+					ttft += res.TTFT
+					cached += res.CachedTokens
+				}
+				b.ReportMetric(float64(ttft.Microseconds())/1000/float64(b.N), "ms/ttft")
+				b.ReportMetric(float64(cached)/float64(b.N), "cached-tokens")
+				b.ReportMetric(float64(len(hist)), "history-tokens")
+			})
+		}
+	}
+}
+
+// BenchmarkDecode measures generated tokens per second with 1, 4 and 8
+// sequences decoding together (short prompts, 64 tokens each).
+func BenchmarkDecode(b *testing.B) {
+	for _, name := range []string{"llama", "sim"} {
+		mk := benchEngines()[name]
+		for _, n := range []int{1, 4, 8} {
+			b.Run(fmt.Sprintf("%s/seqs=%d", name, n), func(b *testing.B) {
+				eng := mk(b, 16)
+				s := startSched(b, eng, Config{MaxRunning: n})
+				const gen = 64
+				total := 0
+				var elapsed time.Duration
+				b.ResetTimer()
+				for i := range b.N {
+					start := time.Now()
+					var wg sync.WaitGroup
+					for j := range n {
+						wg.Add(1)
+						go func() {
+							defer wg.Done()
+							p := tokenize(b, eng, fmt.Sprintf("sequence %d of round %d: write a story", j, i))
+							out, _ := collect(b, s, &Request{ID: fmt.Sprint(i, "-", j), Prompt: p, MaxTokens: gen, IgnoreEOS: true})
+							if len(out) != gen {
+								b.Errorf("got %d tokens", len(out))
+							}
+						}()
+					}
+					wg.Wait()
+					elapsed += time.Since(start)
+					total += n * gen
+				}
+				b.ReportMetric(float64(total)/elapsed.Seconds(), "tokens/s")
+			})
+		}
+	}
+}
+
+func counterValue(c prometheus.Counter) float64 {
+	var m dto.Metric
+	if err := c.Write(&m); err != nil {
+		return -1
+	}
+	return m.GetCounter().GetValue()
+}

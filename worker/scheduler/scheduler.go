@@ -1,0 +1,692 @@
+// Package scheduler is the worker's request pipeline (seeds 000/001, DESIGN
+// §7): a bounded RequestQueue in front of a running set, a seq-id pool bound
+// to request ids, the KV-cache manager, and one goroutine that owns the
+// engine and runs continuous batching.
+//
+// Every step the loop puts one decode token of each generating sequence and
+// prefill chunks of the others into a single batch of at most n_batch
+// tokens, like llama-server and Ollama's runner. A request that gets a seq id
+// first adopts the idle KV entry sharing the longest token prefix with its
+// prompt, so only the rest is prefilled; a finished request leaves its cells
+// behind as such an entry. Every exit path (COMPLETED, TIMEOUT, FAILED,
+// CANCELLED) ends the work at once and releases the seq id, either back to
+// the pool or, on completion, to the cache entry that now holds the cells.
+package scheduler
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"slices"
+	"sync"
+	"time"
+
+	"github.com/istio-llm-filter/istio-llm-filter/worker/engine"
+	"github.com/istio-llm-filter/istio-llm-filter/worker/kvcache"
+	"github.com/istio-llm-filter/istio-llm-filter/worker/seqpool"
+)
+
+// Config are the scheduler's knobs; zero values take the seed's defaults.
+type Config struct {
+	MaxQueue        int           // RequestQueue length; default 256
+	MaxRunning      int           // running set size (maxConcurrentRequests); default 8
+	RequestTimeout  time.Duration // from entering the running set; default 60 s
+	CleanupInterval time.Duration // KV threshold check period; default 1 s
+	KV              kvcache.Limits
+	// OnEvict receives prompt hashes no KV entry holds any more. It is
+	// called from the loop and must not block (worker/mcreport queues).
+	OnEvict func([]uint64)
+	Metrics *Metrics
+	Logger  *slog.Logger
+}
+
+func (c *Config) defaults() {
+	if c.MaxQueue <= 0 {
+		c.MaxQueue = 256
+	}
+	if c.MaxRunning <= 0 {
+		c.MaxRunning = 8
+	}
+	if c.RequestTimeout <= 0 {
+		c.RequestTimeout = 60 * time.Second
+	}
+	if c.CleanupInterval <= 0 {
+		c.CleanupInterval = time.Second
+	}
+	if c.KV.Threshold == 0 {
+		c.KV.Threshold = 0.8
+	}
+	if c.Metrics == nil {
+		c.Metrics = NewMetrics(nil)
+	}
+	if c.Logger == nil {
+		c.Logger = slog.Default()
+	}
+}
+
+// Scheduler owns the engine once Run starts.
+type Scheduler struct {
+	cfg  Config
+	eng  engine.Engine
+	info engine.Info
+	pool *seqpool.Pool
+	kv   *kvcache.Manager
+	m    *Metrics
+	log  *slog.Logger
+	wake chan struct{}
+	ctl  chan func()
+
+	mu      sync.Mutex
+	queue   []*task
+	closed  bool
+	running int // published for Stats
+
+	// loop-owned
+	set      []*task // the running set, in admission order
+	releases uint64  // terminal transitions so far; preempted tasks wait for one
+	rr       int     // round-robin start for prefill chunks
+}
+
+type task struct {
+	req       *Request
+	h         *Handle
+	ctx       context.Context
+	stopCtx   func() bool
+	sampler   engine.Sampler
+	state     State
+	seq       int
+	toks      []int // prompt + generated; cells hold toks[:past]
+	past      int
+	nGen      int
+	cached    int
+	submitted time.Time
+	admitted  time.Time
+	firstAt   time.Time
+	waitRel   uint64 // preempted: do not take a seq id before releases passes this
+	spanLen   int    // tokens of this task in the current batch
+}
+
+// New builds a scheduler over eng. The pool size is the engine's n_seq_max.
+func New(eng engine.Engine, cfg Config) (*Scheduler, error) {
+	cfg.defaults()
+	info := eng.Info()
+	pool, err := seqpool.New(info.NSeqMax)
+	if err != nil {
+		return nil, err
+	}
+	if cfg.KV.BytesPerToken == 0 {
+		cfg.KV.BytesPerToken = info.BytesPerToken
+	}
+	kv, err := kvcache.New(cfg.KV)
+	if err != nil {
+		return nil, err
+	}
+	return &Scheduler{
+		cfg: cfg, eng: eng, info: info, pool: pool, kv: kv, m: cfg.Metrics, log: cfg.Logger,
+		wake: make(chan struct{}, 1), ctl: make(chan func()),
+	}, nil
+}
+
+// Info is the engine's description.
+func (s *Scheduler) Info() engine.Info { return s.info }
+
+// Pool exposes the seq-id pool (read-only use: metrics, tests).
+func (s *Scheduler) Pool() *seqpool.Pool { return s.pool }
+
+func (s *Scheduler) signal() {
+	select {
+	case s.wake <- struct{}{}:
+	default:
+	}
+}
+
+// Submit queues r. It fails at once with ErrQueueFull when the RequestQueue
+// is full, ErrTooLong when the prompt cannot fit the context, ErrShutdown
+// after Run returned. ctx is the client's: when it ends the request is
+// CANCELLED and its seq id released.
+func (s *Scheduler) Submit(ctx context.Context, r *Request) (*Handle, error) {
+	switch {
+	case r.ID == "":
+		return nil, fmt.Errorf("%w: request without id", ErrBadInput)
+	case len(r.Prompt) == 0:
+		return nil, fmt.Errorf("%w: empty prompt", ErrBadInput)
+	case len(r.Prompt) > s.info.NCtx:
+		return nil, fmt.Errorf("%w: %d prompt tokens, context holds %d", ErrTooLong, len(r.Prompt), s.info.NCtx)
+	case r.MaxTokens < 0 || r.MinTokens < 0:
+		return nil, fmt.Errorf("%w: negative max_tokens or min_tokens", ErrBadInput)
+	}
+	for _, t := range r.Prompt {
+		if t < 0 || t >= s.info.NVocab {
+			return nil, fmt.Errorf("%w: token %d outside the vocabulary", ErrBadInput, t)
+		}
+	}
+	sm := r.Sampler
+	if sm == nil {
+		var err error
+		if sm, err = s.eng.NewSampler(r.Sampling); err != nil {
+			return nil, err
+		}
+	}
+	t := &task{
+		req: r, h: newHandle(r.ID, s.signal), ctx: ctx, sampler: sm, seq: -1,
+		toks: slices.Clip(slices.Clone(r.Prompt)), submitted: time.Now(),
+	}
+	// Registered before the task is visible to the loop, which calls it.
+	t.stopCtx = context.AfterFunc(ctx, s.signal)
+	s.mu.Lock()
+	var err error
+	switch {
+	case s.closed:
+		err = ErrShutdown
+	case len(s.queue) >= s.cfg.MaxQueue:
+		err = ErrQueueFull
+	default:
+		s.queue = append(s.queue, t)
+		s.m.queueDepth.Set(float64(len(s.queue)))
+	}
+	s.mu.Unlock()
+	if err != nil {
+		t.stopCtx()
+		return nil, err
+	}
+	s.signal()
+	return t.h, nil
+}
+
+// Stats is a snapshot for health answers.
+type Stats struct {
+	Queued, Running int
+}
+
+// Stats returns queue and running-set sizes.
+func (s *Scheduler) Stats() Stats {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return Stats{Queued: len(s.queue), Running: s.running}
+}
+
+// Run is the loop; it owns the engine until ctx ends, then fails whatever is
+// left with ErrShutdown and returns.
+func (s *Scheduler) Run(ctx context.Context) {
+	timer := time.NewTimer(time.Hour)
+	defer timer.Stop()
+	nextCleanup := time.Now().Add(s.cfg.CleanupInterval)
+	for {
+		if ctx.Err() != nil {
+			s.shutdown()
+			return
+		}
+		s.runControl()
+		now := time.Now()
+		s.admit(now)
+		s.expire(now)
+		s.assign()
+		if !now.Before(nextCleanup) {
+			s.evictOverThreshold("threshold")
+			nextCleanup = now.Add(s.cfg.CleanupInterval)
+		}
+		s.publish()
+		spans, tasks := s.batch()
+		if len(spans) == 0 {
+			wait := time.Until(nextCleanup)
+			for _, t := range s.set {
+				wait = min(wait, time.Until(t.admitted.Add(s.cfg.RequestTimeout)))
+			}
+			timer.Reset(max(wait, time.Millisecond))
+			select {
+			case <-s.wake:
+			case f := <-s.ctl:
+				f()
+			case <-timer.C:
+			case <-ctx.Done():
+			}
+			if !timer.Stop() {
+				select {
+				case <-timer.C:
+				default:
+				}
+			}
+			continue
+		}
+		s.step(spans, tasks)
+	}
+}
+
+// admit moves queued requests into the running set as PENDING.
+func (s *Scheduler) admit(now time.Time) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	kept := s.queue[:0]
+	for _, t := range s.queue {
+		if t.ctx.Err() != nil {
+			s.end(t, Result{State: Cancelled, Err: ErrCancelled})
+			continue
+		}
+		if len(s.set) < s.cfg.MaxRunning {
+			t.state = Pending
+			t.admitted = now
+			s.set = append(s.set, t)
+			continue
+		}
+		kept = append(kept, t)
+	}
+	clear(s.queue[len(kept):])
+	s.queue = kept
+	s.running = len(s.set)
+	s.m.queueDepth.Set(float64(len(s.queue)))
+}
+
+// expire ends running requests whose client left, whose time is up, or whose
+// reader asked to stop.
+func (s *Scheduler) expire(now time.Time) {
+	for _, t := range slices.Clone(s.set) {
+		switch {
+		case t.ctx.Err() != nil:
+			s.finish(t, Result{State: Cancelled, Err: ErrCancelled})
+		case now.Sub(t.admitted) > s.cfg.RequestTimeout:
+			s.finish(t, Result{State: Timeout, Err: fmt.Errorf("%w after %v in the running set", ErrTimeout, s.cfg.RequestTimeout)})
+		case t.state == Processing && t.nGen > 0 && t.h.stopRequested():
+			s.finish(t, Result{State: Completed, Finish: FinishStop})
+		}
+	}
+}
+
+// assign gives PENDING requests seq ids in admission order; the first that
+// cannot get one waits, and so do those behind it, so nobody starves.
+func (s *Scheduler) assign() {
+	for _, t := range slices.Clone(s.set) {
+		if t.state != Pending {
+			continue
+		}
+		if t.waitRel > 0 && s.releases < t.waitRel {
+			return
+		}
+		if !s.bind(t) {
+			return
+		}
+	}
+}
+
+// bind takes a seq id for t, reusing the entry with the longest common token
+// prefix: an idle entry that is wholly a prefix of the prompt is taken over
+// in place; otherwise the shared cells are copied into a fresh id. It returns
+// false when every id is held by running requests.
+func (s *Scheduler) bind(t *task) bool {
+	id := t.req.ID
+	if _, dup := s.kv.Get(id); dup {
+		s.finish(t, Result{State: Failed, Err: fmt.Errorf("%w: request id %q is already in use", ErrBadInput, id)})
+		return true
+	}
+	e, n := s.kv.Match(t.toks)
+	reuse := min(n, len(t.toks)-1) // the last token is always evaluated: its logits pick the next one
+	newEntry := func(seq int) {
+		// Cannot fail: the id was checked above and the loop is the only writer.
+		s.kv.Add(&kvcache.Entry{ID: id, Seq: seq, Tokens: slices.Clone(t.toks[:reuse]), Hashes: t.req.Hashes, InUse: true})
+	}
+	switch {
+	case e != nil && reuse > 0 && !e.InUse && (n == len(e.Tokens) || (s.pool.Free() == 0 && s.kv.LRU(e.ID) == nil)):
+		// The entry is wholly a prefix of this prompt (a conversation's
+		// next turn), or it is the only thing that could make room: take
+		// its seq id over and drop its divergent tail.
+		seq := e.Seq
+		s.eng.Remove(seq, reuse)
+		if _, err := s.pool.Transfer(e.ID, id); err != nil {
+			panic(err)
+		}
+		newEntry(seq)
+		_, freed := s.kv.Remove(e.ID)
+		s.report(freed)
+		t.seq = seq
+	case e != nil && reuse > 0:
+		// Share the prefix cells into a fresh id; the entry stays for others
+		// (a running one keeps writing past them).
+		seq, ok := s.acquire(id, e.ID)
+		if !ok {
+			return false
+		}
+		s.eng.CopyPrefix(e.Seq, seq, reuse)
+		s.kv.Touch(e.ID)
+		newEntry(seq)
+		t.seq = seq
+	default:
+		reuse = 0
+		seq, ok := s.acquire(id)
+		if !ok {
+			return false
+		}
+		newEntry(seq)
+		t.seq = seq
+	}
+	t.past = reuse
+	if t.waitRel == 0 { // a recomputed request keeps the cached count of its first admission
+		t.cached = reuse
+		t.h.setCached(reuse)
+	}
+	t.state = Processing
+	return true
+}
+
+// acquire takes a free id or frees the least recently used idle entry's.
+func (s *Scheduler) acquire(owner string, keep ...string) (int, bool) {
+	for {
+		seq, err := s.pool.Acquire(owner)
+		if err == nil {
+			s.eng.Remove(seq, 0)
+			return seq, true
+		}
+		if !errors.Is(err, seqpool.ErrExhausted) {
+			panic(err)
+		}
+		v := s.kv.LRU(keep...)
+		if v == nil {
+			return -1, false
+		}
+		s.evict(v, "seq_ids")
+	}
+}
+
+func (s *Scheduler) evict(e *kvcache.Entry, cause string) {
+	s.eng.Remove(e.Seq, 0)
+	s.pool.Release(e.ID)
+	_, freed := s.kv.Remove(e.ID)
+	s.report(freed)
+	s.m.evictions.WithLabelValues(cause).Inc()
+}
+
+func (s *Scheduler) evictOverThreshold(cause string) {
+	for _, ev := range s.kv.EvictOverThreshold() {
+		s.eng.Remove(ev.Entry.Seq, 0)
+		s.pool.Release(ev.Entry.ID)
+		s.report(ev.Freed)
+		s.m.evictions.WithLabelValues(cause).Inc()
+	}
+}
+
+func (s *Scheduler) report(hs []uint64) {
+	if len(hs) > 0 && s.cfg.OnEvict != nil {
+		s.cfg.OnEvict(hs)
+	}
+}
+
+// batch builds one step: every generating sequence's next token first (so
+// decode latency never waits behind a long prefill), then prefill chunks
+// round-robin until n_batch tokens.
+func (s *Scheduler) batch() ([]engine.Span, []*task) {
+	var spans []engine.Span
+	var tasks []*task
+	budget := s.info.NBatch
+	for _, t := range s.set {
+		t.spanLen = 0
+		if t.state == Processing && len(t.toks)-t.past == 1 && budget > 0 {
+			spans = append(spans, engine.Span{Seq: t.seq, Pos: t.past, Tokens: t.toks[t.past:], Sampler: t.sampler})
+			tasks = append(tasks, t)
+			t.spanLen = 1
+			budget--
+		}
+	}
+	n := len(s.set)
+	for i := range n {
+		if budget == 0 {
+			break
+		}
+		t := s.set[(s.rr+i)%n]
+		if t.state != Processing || t.spanLen > 0 || len(t.toks)-t.past < 2 {
+			continue
+		}
+		k := min(len(t.toks)-t.past, budget)
+		sp := engine.Span{Seq: t.seq, Pos: t.past, Tokens: t.toks[t.past : t.past+k]}
+		if t.past+k == len(t.toks) {
+			sp.Sampler = t.sampler
+		}
+		spans = append(spans, sp)
+		tasks = append(tasks, t)
+		t.spanLen = k
+		budget -= k
+	}
+	if n > 0 {
+		s.rr = (s.rr + 1) % n
+	}
+	return spans, tasks
+}
+
+// step runs the batch, making room when the KV cache is full: first by
+// evicting idle entries, then by preempting the newest request in the batch
+// (it returns to PENDING and recomputes later), and a request alone in a
+// batch that still does not fit fails.
+func (s *Scheduler) step(spans []engine.Span, tasks []*task) {
+	for {
+		start := time.Now()
+		out, err := s.eng.Step(spans)
+		if err == nil {
+			s.m.stepDuration.Observe(time.Since(start).Seconds())
+			s.m.stepBatchToks.Observe(float64(tokens(spans)))
+			s.apply(spans, tasks, out)
+			return
+		}
+		if !errors.Is(err, engine.ErrKVFull) {
+			s.log.Error("decode failed", "err", err, "sequences", len(spans))
+			for _, t := range tasks {
+				s.finish(t, Result{State: Failed, Err: fmt.Errorf("decode: %w", err)})
+			}
+			return
+		}
+		if v := s.kv.LRU(); v != nil {
+			s.evict(v, "kv_full")
+			continue
+		}
+		// Nothing idle to evict: preempt the newest request holding cells.
+		var victim *task
+		for _, t := range s.set {
+			if t.seq >= 0 && (victim == nil || !t.admitted.Before(victim.admitted)) {
+				victim = t
+			}
+		}
+		if victim == nil || (len(tasks) == 1 && victim == tasks[0] && s.holders() == 1) {
+			t := tasks[0]
+			s.finish(t, Result{State: Failed, Err: fmt.Errorf("%w: it needs %d cells and the context has %d",
+				ErrNoFit, len(t.toks), s.info.NCtx)})
+			return
+		}
+		s.preempt(victim)
+		if i := slices.Index(tasks, victim); i >= 0 {
+			spans = slices.Delete(spans, i, i+1)
+			tasks = slices.Delete(tasks, i, i+1)
+		}
+		if len(spans) == 0 {
+			return
+		}
+	}
+}
+
+func (s *Scheduler) holders() int {
+	n := 0
+	for _, t := range s.set {
+		if t.seq >= 0 {
+			n++
+		}
+	}
+	return n
+}
+
+func tokens(spans []engine.Span) int {
+	n := 0
+	for _, s := range spans {
+		n += len(s.Tokens)
+	}
+	return n
+}
+
+// preempt sends t back to PENDING without its cells; it keeps its generated
+// tokens and re-prefills prompt and output later (vLLM's recompute).
+func (s *Scheduler) preempt(t *task) {
+	s.release(t)
+	t.state = Pending
+	t.past = 0
+	t.waitRel = s.releases + 1
+	s.m.preemptions.Inc()
+	s.log.Warn("KV cache full: preempted a request", "request", t.req.ID, "tokens", len(t.toks))
+}
+
+func (s *Scheduler) apply(spans []engine.Span, tasks []*task, out []int) {
+	for i, t := range tasks {
+		sp := spans[i]
+		t.past += len(sp.Tokens)
+		s.kv.Append(t.req.ID, sp.Tokens...)
+		tok := out[i]
+		if tok < 0 {
+			continue
+		}
+		if t.nGen == 0 {
+			t.firstAt = time.Now()
+			s.m.ttft.Observe(t.firstAt.Sub(t.submitted).Seconds())
+			s.m.promptTokens.WithLabelValues("cached").Add(float64(t.cached))
+			s.m.promptTokens.WithLabelValues("computed").Add(float64(len(t.req.Prompt) - t.cached))
+		}
+		eog := s.eng.IsEOG(tok)
+		if eog && !t.req.IgnoreEOS && t.nGen >= t.req.MinTokens {
+			s.finish(t, Result{State: Completed, Finish: FinishStop})
+			continue
+		}
+		t.nGen++
+		t.toks = append(t.toks, tok)
+		s.m.generated.Inc()
+		t.h.emit(tok)
+		switch {
+		case t.req.MaxTokens > 0 && t.nGen >= t.req.MaxTokens:
+			s.finish(t, Result{State: Completed, Finish: FinishLength})
+		case len(t.toks) >= s.info.NCtx:
+			s.finish(t, Result{State: Completed, Finish: FinishLength})
+		}
+	}
+	if s.kv.OverThreshold() {
+		s.evictOverThreshold("threshold")
+	}
+}
+
+// finish ends a running request. COMPLETED keeps its cells as an idle cache
+// entry (the seq id passes to the entry); every other end removes the cells
+// and returns the id to the pool.
+func (s *Scheduler) finish(t *task, r Result) {
+	if t.state == Processing && r.State == Completed {
+		s.kv.SetInUse(t.req.ID, false)
+	} else {
+		s.release(t)
+	}
+	s.set = slices.DeleteFunc(s.set, func(x *task) bool { return x == t })
+	s.releases++
+	s.end(t, r)
+	if r.State == Completed && s.kv.OverThreshold() {
+		s.evictOverThreshold("threshold")
+	}
+}
+
+// release drops t's cells and seq id.
+func (s *Scheduler) release(t *task) {
+	if t.seq < 0 {
+		return
+	}
+	s.eng.Remove(t.seq, 0)
+	s.pool.Release(t.req.ID)
+	_, freed := s.kv.Remove(t.req.ID)
+	s.report(freed)
+	t.seq = -1
+}
+
+// end publishes the result; callable for queued and running tasks.
+func (s *Scheduler) end(t *task, r Result) {
+	t.state = r.State
+	r.PromptTokens = len(t.req.Prompt)
+	r.CachedTokens = t.cached
+	r.CompletionTokens = t.nGen
+	if !t.firstAt.IsZero() {
+		r.TTFT = t.firstAt.Sub(t.submitted)
+	}
+	if t.stopCtx != nil {
+		t.stopCtx()
+	}
+	s.m.requests.WithLabelValues(r.State.String()).Inc()
+	t.h.finish(r)
+}
+
+func (s *Scheduler) shutdown() {
+	s.mu.Lock()
+	s.closed = true
+	q := s.queue
+	s.queue = nil
+	s.mu.Unlock()
+	for _, t := range q {
+		s.end(t, Result{State: Failed, Err: ErrShutdown})
+	}
+	for _, t := range slices.Clone(s.set) {
+		s.finish(t, Result{State: Failed, Err: ErrShutdown})
+	}
+	s.publish()
+}
+
+func (s *Scheduler) publish() {
+	pending, processing := 0, 0
+	for _, t := range s.set {
+		if t.state == Pending {
+			pending++
+		} else {
+			processing++
+		}
+	}
+	s.mu.Lock()
+	s.running = len(s.set)
+	s.mu.Unlock()
+	s.m.running.WithLabelValues("PENDING").Set(float64(pending))
+	s.m.running.WithLabelValues("PROCESSING").Set(float64(processing))
+	idle := s.kv.Idle()
+	s.m.seqInUse.WithLabelValues("request").Set(float64(s.pool.InUse() - idle))
+	s.m.seqInUse.WithLabelValues("cache").Set(float64(idle))
+	s.m.kvItems.Set(float64(s.kv.Items()))
+	s.m.kvBytes.Set(float64(s.kv.Bytes()))
+	s.m.kvEntries.WithLabelValues("in_use").Set(float64(s.kv.Len() - idle))
+	s.m.kvEntries.WithLabelValues("idle").Set(float64(idle))
+}
+
+// View is a read-only look at the loop's books, valid only inside the
+// function given to Inspect.
+type View struct {
+	KV     *kvcache.Manager
+	Pool   *seqpool.Pool
+	States map[string]State // running set: request id -> PENDING / PROCESSING
+}
+
+// Inspect runs fn on the loop goroutine between two steps, so that what it
+// sees is consistent. It waits for the loop, or for ctx.
+func (s *Scheduler) Inspect(ctx context.Context, fn func(View)) error {
+	done := make(chan struct{})
+	f := func() {
+		st := make(map[string]State, len(s.set))
+		for _, t := range s.set {
+			st[t.req.ID] = t.state
+		}
+		fn(View{KV: s.kv, Pool: s.pool, States: st})
+		close(done)
+	}
+	select {
+	case s.ctl <- f:
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+	select {
+	case <-done:
+		return nil
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+}
+
+func (s *Scheduler) runControl() {
+	for {
+		select {
+		case f := <-s.ctl:
+			f()
+		default:
+			return
+		}
+	}
+}
