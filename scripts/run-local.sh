@@ -1,14 +1,91 @@
 #!/usr/bin/env bash
-# README's main command (`make run`): starts the local stack and stops it all on Ctrl-C.
+# README's main command (`make run`): the whole system on one machine, no mesh.
+# Builds everything, generates the tiny model, starts the metadata center
+# (embedded store; STORE=redis REDIS_ADDR=... for Redis), three llama.cpp
+# workers and the standalone gateway, prints how to call it, and stops
+# everything on Ctrl-C.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export CGO_CFLAGS="${CGO_CFLAGS:--O3 -march=native}" CGO_CXXFLAGS="${CGO_CXXFLAGS:--O3 -march=native}"
-MC_LISTEN=${MC_LISTEN:-127.0.0.1:8080}
-mkdir -p bin
-go build -o bin/ ./metadata-center/cmd/metadata-center
+
+GATEWAY=${GATEWAY:-127.0.0.1:8000}
+MC=${MC:-127.0.0.1:8080}
+WORKER_PORTS=${WORKER_PORTS:-"9001 9002 9003"}
+STORE=${STORE:-memory}
+REDIS_ADDR=${REDIS_ADDR:-127.0.0.1:6379}
+MODEL=${MODEL:-var/models/tiny.gguf}
+MODEL_NAME=${MODEL_NAME:-tiny}
+ENGINE=${ENGINE:-llama}
+CLUSTER="outbound|8000||tiny-pool.local"
+RUN=var/run
+mkdir -p bin "$RUN"
+
+echo "== building (first build of llama.cpp takes a few minutes)"
+go build -o bin/ ./metadata-center/cmd/metadata-center ./worker/cmd/worker ./filter/cmd/gateway
+[ -f "$MODEL" ] || { echo "== generating $MODEL"; make -s model MODEL="$MODEL"; }
+
 pids=()
-trap 'kill "${pids[@]}" 2>/dev/null; wait' EXIT INT TERM
-./bin/metadata-center --listen "$MC_LISTEN" --store "${STORE:-memory}" &
+stop() {
+  trap - EXIT INT TERM
+  echo; echo "== stopping"
+  kill "${pids[@]}" 2>/dev/null || true
+  wait 2>/dev/null || true
+}
+trap stop EXIT INT TERM
+
+wait_http() { # url name
+  for _ in $(seq 1 300); do
+    curl -fsS -o /dev/null "$1" 2>/dev/null && return 0
+    sleep 0.2
+  done
+  echo "$2 did not come up at $1 (logs in $RUN/)" >&2; exit 1
+}
+
+./bin/metadata-center --listen "$MC" --store "$STORE" --redis-addr "$REDIS_ADDR" >"$RUN/metadata-center.log" 2>&1 &
 pids+=($!)
-echo "metadata center on http://$MC_LISTEN (Ctrl-C stops everything)"
-wait
+wait_http "http://$MC/healthz" "metadata center"
+
+hosts=()
+for port in $WORKER_PORTS; do
+  ./bin/worker --model "$MODEL" --model-name "$MODEL_NAME" --listen "127.0.0.1:$port" --engine "$ENGINE" \
+    --metadata-center "http://$MC" --advertise-host "127.0.0.1:$port" --cluster "$CLUSTER" \
+    >"$RUN/worker-$port.log" 2>&1 &
+  pids+=($!)
+  hosts+=("127.0.0.1:$port")
+done
+for h in "${hosts[@]}"; do wait_http "http://$h/healthz" "worker $h"; done
+
+cfg="$RUN/gateway.yaml"
+{
+  echo "listen: $GATEWAY"
+  echo "filter:"
+  echo "  protocol: openai"
+  echo "  metadata_center: {address: http://$MC}"
+  echo "  model_mapping_rule:"
+  echo "    $MODEL_NAME:"
+  echo "      - {cluster: \"$CLUSTER\", backend: llamacpp}"
+  echo "  lb_mapping_rule:"
+  echo "    default: {policy: ${POLICY:-cache_aware}}"
+  echo "  endpoints:"
+  echo "    static:"
+  echo "      \"$CLUSTER\": [$(IFS=,; echo "${hosts[*]}")]"
+} >"$cfg"
+./bin/gateway --config "$cfg" >"$RUN/gateway.log" 2>&1 &
+pids+=($!)
+wait_http "http://$GATEWAY/healthz" "gateway"
+
+cat <<EOM
+
+istio-llm-filter is up (logs in $RUN/):
+  gateway          http://$GATEWAY   (OpenAI API; policy ${POLICY:-cache_aware})
+  metadata center  http://$MC   (store: $STORE)
+  workers          ${hosts[*]}   (engine: $ENGINE, model: $MODEL)
+
+Try:
+  curl -s http://$GATEWAY/v1/chat/completions -H 'content-type: application/json' \\
+    -d '{"model":"$MODEL_NAME","messages":[{"role":"user","content":"Hello"}],"max_tokens":16}'
+
+Ctrl-C stops everything.
+EOM
+wait -n "${pids[@]}" || true
+echo "a component exited; see $RUN/*.log" >&2

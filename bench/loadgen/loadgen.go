@@ -23,11 +23,8 @@ import (
 
 	"github.com/istio-llm-filter/istio-llm-filter/bench/report"
 	"github.com/istio-llm-filter/istio-llm-filter/bench/workload"
+	"github.com/istio-llm-filter/istio-llm-filter/filter/llmfilter"
 )
-
-// UpstreamHeader is the response header through which the gateway names the
-// worker that served a request.
-const UpstreamHeader = "X-Llm-Upstream-Host"
 
 // Options controls one replay.
 type Options struct {
@@ -176,7 +173,7 @@ func (o Options) do(ctx context.Context, msgs []message, runStart time.Time) (re
 	}
 	defer resp.Body.Close()
 	r.Status = resp.StatusCode
-	r.Worker = resp.Header.Get(UpstreamHeader)
+	r.Worker = resp.Header.Get(llmfilter.UpstreamHostHeader)
 	if resp.StatusCode/100 != 2 {
 		msg, _ := io.ReadAll(io.LimitReader(resp.Body, 512))
 		r.Err, r.Latency = fmt.Sprintf("status %d: %s", resp.StatusCode, bytes.TrimSpace(msg)), time.Since(t0)

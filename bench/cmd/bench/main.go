@@ -1,0 +1,182 @@
+// Command bench compares the filter's routing policies side by side in one
+// run: for every workload and every policy it starts a fresh fleet (metadata
+// center, N workers, standalone gateway) from the binaries in --bin, replays
+// the same sessions through the gateway, and writes JSON, Markdown and SVG
+// plots to --out.
+//
+//	make build && go run ./bench/cmd/bench --engine sim --workers 8 --out bench/out/sim
+//	go run ./bench/cmd/bench --engine llama --workers 3 --model var/models/tiny.gguf --out bench/out/llama
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"flag"
+	"fmt"
+	"os"
+	"os/signal"
+	"path/filepath"
+	"runtime"
+	"strings"
+	"syscall"
+	"time"
+
+	"github.com/istio-llm-filter/istio-llm-filter/bench/fleet"
+	"github.com/istio-llm-filter/istio-llm-filter/bench/loadgen"
+	"github.com/istio-llm-filter/istio-llm-filter/bench/report"
+	"github.com/istio-llm-filter/istio-llm-filter/bench/workload"
+)
+
+func main() {
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	if err := run(ctx, os.Args[1:]); err != nil {
+		fmt.Fprintln(os.Stderr, "bench:", err)
+		os.Exit(1)
+	}
+}
+
+func run(ctx context.Context, args []string) error {
+	fs := flag.NewFlagSet("bench", flag.ContinueOnError)
+	var (
+		bin         = fs.String("bin", "bin", "directory with the metadata-center, worker and gateway binaries (make build)")
+		out         = fs.String("out", "bench/out/run", "output directory")
+		engine      = fs.String("engine", "sim", "worker engine: sim (calibrated cost model) or llama (real compute)")
+		workers     = fs.Int("workers", 8, "number of workers")
+		model       = fs.String("model", "", "GGUF model (required for llama; gives sim its context size)")
+		modelName   = fs.String("model-name", "tiny", "model name clients send")
+		workerArgs  = fs.String("worker-args", "", "extra worker flags, space-separated")
+		policies    = fs.String("policies", "cache_aware,round_robin,random,least_request,prefix_only", "policies to compare")
+		workloads   = fs.String("workloads", strings.Join(workload.Kinds, ","), "workloads to run")
+		concurrency = fs.Int("concurrency", 0, "sessions in flight at once (0: Poisson arrivals at --rate)")
+		rate        = fs.Float64("rate", 4, "Poisson session arrival rate per second (when --concurrency is 0)")
+		maxTokens   = fs.Int("max-tokens", 16, "output tokens per request (fixed with ignore_eos)")
+		seed        = fs.Uint64("seed", 1, "workload and arrival seed")
+		spec        workload.Spec
+	)
+	fs.IntVar(&spec.Systems, "systems", 4, "shared-prefix: system prompts")
+	fs.IntVar(&spec.Users, "users", 4, "shared-prefix: users per system prompt")
+	fs.IntVar(&spec.Questions, "questions", 4, "shared-prefix: questions per user")
+	fs.IntVar(&spec.Sessions, "sessions", 16, "multi-turn: conversations")
+	fs.IntVar(&spec.Turns, "turns", 4, "multi-turn: turns per conversation")
+	fs.IntVar(&spec.Requests, "requests", 64, "no-sharing / hot-prompt: requests")
+	fs.IntVar(&spec.SystemBytes, "system-bytes", 1536, "system prompt length (bytes = tokens on byte-level vocabularies)")
+	fs.IntVar(&spec.UserBytes, "user-bytes", 512, "user context / turn length")
+	fs.IntVar(&spec.QuestionBytes, "question-bytes", 96, "question length")
+	if err := fs.Parse(args); err != nil {
+		return err
+	}
+	if *engine == "llama" && *model == "" {
+		return fmt.Errorf("--engine llama needs --model")
+	}
+	spec.Seed = *seed
+	run := report.Run{
+		Title:   fmt.Sprintf("Routing policies on %d %s workers", *workers, *engine),
+		Started: time.Now().UTC().Format(time.RFC3339),
+		Machine: map[string]string{"cpus": fmt.Sprint(runtime.NumCPU()), "os": runtime.GOOS + "/" + runtime.GOARCH, "go": runtime.Version()},
+		Settings: map[string]string{
+			"engine": *engine, "workers": fmt.Sprint(*workers), "max_tokens": fmt.Sprint(*maxTokens),
+			"concurrency": fmt.Sprint(*concurrency), "rate": fmt.Sprint(*rate), "seed": fmt.Sprint(*seed),
+			"worker_args": *workerArgs, "model": *model,
+		},
+	}
+	var raw []report.Result
+	pols := split(*policies)
+	wls := split(*workloads)
+	step, steps := 0, len(pols)*len(wls)
+	for _, wl := range wls {
+		s := spec
+		s.Kind = wl
+		sessions, err := workload.Generate(s)
+		if err != nil {
+			return err
+		}
+		ttfts := map[string][]float64{}
+		for _, p := range pols {
+			step++
+			label := fmt.Sprintf("[%d/%d] %s × %s", step, steps, wl, p)
+			f, err := fleet.Start(ctx, fleet.Spec{
+				BinDir: *bin, LogDir: filepath.Join(*out, "logs", wl, p), Engine: *engine, Workers: *workers,
+				Model: *model, ModelName: *modelName, Policy: p, WorkerArgs: strings.Fields(*workerArgs),
+			})
+			if err != nil {
+				return fmt.Errorf("%s: %w", label, err)
+			}
+			t0 := time.Now()
+			rs := loadgen.Run(ctx, sessions, loadgen.Options{
+				BaseURL: f.Gateway, Model: *modelName, MaxTokens: *maxTokens,
+				Concurrency: *concurrency, Rate: *rate, Seed: *seed,
+				Progress: func(done, total int) {
+					fmt.Fprintf(os.Stderr, "\r%s: %d/%d requests, %.0fs   ", label, done, total, time.Since(t0).Seconds())
+				},
+			})
+			f.Stop()
+			for i := range rs {
+				rs[i].Workload, rs[i].Policy = wl, p
+				if rs[i].OK() && rs[i].TTFT > 0 {
+					ttfts[p] = append(ttfts[p], float64(rs[i].TTFT)/float64(time.Millisecond))
+				}
+			}
+			raw = append(raw, rs...)
+			sum := report.Summarize(wl, p, rs, f.Workers)
+			run.Summaries = append(run.Summaries, sum)
+			fmt.Fprintf(os.Stderr, "\r%s: TTFT p90 %.1f ms, success %.0f%%, cache hit %.0f%%, imbalance %.2f\n",
+				label, sum.TTFT.P90, 100*sum.SuccessRate, 100*sum.CacheHitRate, sum.Imbalance)
+			if ctx.Err() != nil {
+				return ctx.Err()
+			}
+		}
+		if err := writeFile(filepath.Join(*out, "ttft_cdf_"+wl+".svg"), func(w *os.File) error {
+			return report.CDF(w, "TTFT distribution — "+wl, "TTFT (ms)", ttfts, pols)
+		}); err != nil {
+			return err
+		}
+	}
+	return writeOutputs(*out, run, raw)
+}
+
+func writeOutputs(out string, run report.Run, raw []report.Result) error {
+	files := map[string]func(*os.File) error{
+		"summary.json": func(w *os.File) error { return run.WriteJSON(w) },
+		"results.json": func(w *os.File) error { return json.NewEncoder(w).Encode(raw) },
+		"report.md":    func(w *os.File) error { return run.WriteMarkdown(w) },
+		"ttft_p90.svg": func(w *os.File) error {
+			return run.BarChart(w, "TTFT p90 by workload and policy", "ms", func(s report.Summary) float64 { return s.TTFT.P90 })
+		},
+		"cache_hit.svg": func(w *os.File) error {
+			return run.BarChart(w, "True cache-hit rate (cached_tokens / prompt_tokens)", "%", func(s report.Summary) float64 { return 100 * s.CacheHitRate })
+		},
+	}
+	for name, write := range files {
+		if err := writeFile(filepath.Join(out, name), write); err != nil {
+			return err
+		}
+	}
+	fmt.Fprintf(os.Stderr, "wrote %s/{report.md,summary.json,results.json,*.svg}\n", out)
+	return nil
+}
+
+func writeFile(path string, write func(*os.File) error) error {
+	if err := os.MkdirAll(filepath.Dir(path), 0o755); err != nil {
+		return err
+	}
+	f, err := os.Create(path)
+	if err != nil {
+		return err
+	}
+	if err := write(f); err != nil {
+		f.Close()
+		return err
+	}
+	return f.Close()
+}
+
+func split(s string) []string {
+	var out []string
+	for _, p := range strings.Split(s, ",") {
+		if p = strings.TrimSpace(p); p != "" {
+			out = append(out, p)
+		}
+	}
+	return out
+}

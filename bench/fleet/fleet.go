@@ -1,0 +1,244 @@
+// Package fleet starts the whole system as real processes on loopback — a
+// metadata center, N workers and the standalone gateway — from the binaries
+// `make build` produces, and stops them again. The benchmark starts a fresh
+// fleet for every workload × policy pair so that no policy inherits another's
+// warm caches.
+package fleet
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"time"
+)
+
+// Spec describes one fleet.
+type Spec struct {
+	BinDir     string   // holds metadata-center, worker, gateway
+	LogDir     string   // one log file per process
+	Engine     string   // sim | llama
+	Workers    int      // number of worker processes
+	Model      string   // GGUF path (llama; optional for sim)
+	ModelName  string   // the OpenAI model name clients send
+	Policy     string   // the filter's lb policy for the whole cluster
+	WorkerArgs []string // extra worker flags (scheduler sizes, sim cost knobs)
+	Store      string   // metadata-center store: memory (default) | redis
+	RedisAddr  string
+}
+
+// Cluster is the Envoy-style cluster name the fleet's workers form.
+const Cluster = "outbound|8000||bench-pool.local"
+
+// Fleet is a running system.
+type Fleet struct {
+	Gateway string   // base URL of the gateway
+	MC      string   // base URL of the metadata center
+	Workers []string // worker ip:port, as the router knows them
+	LogDir  string   // one <process>.log per process
+
+	spec    Spec
+	mcArgs  []string
+	procs   []*exec.Cmd
+	mc      *exec.Cmd
+	workers []*exec.Cmd
+}
+
+// Start launches the fleet and waits until every part answers /healthz.
+func Start(ctx context.Context, s Spec) (*Fleet, error) {
+	if s.ModelName == "" {
+		s.ModelName = "tiny"
+	}
+	if s.Store == "" {
+		s.Store = "memory"
+	}
+	if err := os.MkdirAll(s.LogDir, 0o755); err != nil {
+		return nil, err
+	}
+	f := &Fleet{spec: s, LogDir: s.LogDir}
+	ok := false
+	defer func() {
+		if !ok {
+			f.Stop()
+		}
+	}()
+	mc, err := freeAddr()
+	if err != nil {
+		return nil, err
+	}
+	f.MC = "http://" + mc
+	f.mcArgs = []string{"--listen", mc, "--store", s.Store}
+	if s.RedisAddr != "" {
+		f.mcArgs = append(f.mcArgs, "--redis-addr", s.RedisAddr)
+	}
+	if err := f.StartMC(ctx); err != nil {
+		return nil, err
+	}
+	for i := 0; i < s.Workers; i++ {
+		addr, err := freeAddr()
+		if err != nil {
+			return nil, err
+		}
+		args := []string{"--listen", addr, "--engine", s.Engine, "--model-name", s.ModelName,
+			"--metadata-center", f.MC, "--advertise-host", addr, "--cluster", Cluster}
+		if s.Model != "" {
+			args = append(args, "--model", s.Model)
+		}
+		args = append(args, s.WorkerArgs...)
+		p, err := f.spawn(s, "worker", fmt.Sprintf("worker-%d", i), args...)
+		if err != nil {
+			return nil, err
+		}
+		f.Workers = append(f.Workers, addr)
+		f.workers = append(f.workers, p)
+	}
+	for _, w := range f.Workers {
+		if err := waitHealthy(ctx, "http://"+w+"/healthz"); err != nil {
+			return nil, fmt.Errorf("worker %s: %w", w, err)
+		}
+	}
+	gw, err := freeAddr()
+	if err != nil {
+		return nil, err
+	}
+	cfg := filepath.Join(s.LogDir, "gateway.yaml")
+	if err := os.WriteFile(cfg, []byte(gatewayConfig(gw, f.MC, s, f.Workers)), 0o644); err != nil {
+		return nil, err
+	}
+	if _, err := f.spawn(s, "gateway", "gateway", "--config", cfg); err != nil {
+		return nil, err
+	}
+	f.Gateway = "http://" + gw
+	if err := waitHealthy(ctx, f.Gateway+"/healthz"); err != nil {
+		return nil, fmt.Errorf("gateway: %w", err)
+	}
+	ok = true
+	return f, nil
+}
+
+func gatewayConfig(listen, mc string, s Spec, workers []string) string {
+	return fmt.Sprintf(`listen: %s
+log_level: warn
+filter:
+  protocol: openai
+  metadata_center: {address: %s}
+  model_mapping_rule:
+    %s:
+      - {cluster: %q, backend: llamacpp}
+  lb_mapping_rule:
+    default: {policy: %s}
+  endpoints:
+    static:
+      %q: [%s]
+`, listen, mc, s.ModelName, Cluster, s.Policy, Cluster, strings.Join(workers, ", "))
+}
+
+// StartMC (re)starts the metadata center on its address, e.g. after StopMC.
+func (f *Fleet) StartMC(ctx context.Context) error {
+	p, err := f.spawn(f.spec, "metadata-center", "metadata-center", f.mcArgs...)
+	if err != nil {
+		return err
+	}
+	f.mc = p
+	if err := waitHealthy(ctx, f.MC+"/healthz"); err != nil {
+		return fmt.Errorf("metadata center: %w", err)
+	}
+	return nil
+}
+
+// StopMC stops the metadata center, leaving the rest of the fleet running.
+func (f *Fleet) StopMC() { f.terminate(f.mc) }
+
+// KillWorker kills worker i outright (SIGKILL), as a crashed pod would die.
+func (f *Fleet) KillWorker(i int) {
+	p := f.workers[i]
+	_ = p.Process.Kill()
+	_ = p.Wait()
+	f.forget(p)
+}
+
+func (f *Fleet) spawn(s Spec, bin, name string, args ...string) (*exec.Cmd, error) {
+	logf, err := os.OpenFile(filepath.Join(s.LogDir, name+".log"), os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644)
+	if err != nil {
+		return nil, err
+	}
+	cmd := exec.Command(filepath.Join(s.BinDir, bin), args...)
+	cmd.Stdout, cmd.Stderr = logf, logf
+	if err := cmd.Start(); err != nil {
+		logf.Close()
+		return nil, fmt.Errorf("start %s: %w", name, err)
+	}
+	logf.Close() // the child holds its own descriptor
+	f.procs = append(f.procs, cmd)
+	return cmd, nil
+}
+
+// Stop terminates every process still running, newest first.
+func (f *Fleet) Stop() {
+	for i := len(f.procs) - 1; i >= 0; i-- {
+		f.terminate(f.procs[i])
+	}
+}
+
+// terminate sends SIGTERM, then SIGKILL after 5 s.
+func (f *Fleet) terminate(p *exec.Cmd) {
+	if p == nil {
+		return
+	}
+	_ = p.Process.Signal(syscall.SIGTERM)
+	done := make(chan struct{})
+	go func() { _ = p.Wait(); close(done) }()
+	select {
+	case <-done:
+	case <-time.After(5 * time.Second):
+		_ = p.Process.Kill()
+		<-done
+	}
+	f.forget(p)
+}
+
+func (f *Fleet) forget(p *exec.Cmd) {
+	for i, q := range f.procs {
+		if q == p {
+			f.procs = append(f.procs[:i], f.procs[i+1:]...)
+			return
+		}
+	}
+}
+
+func freeAddr() (string, error) {
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return "", err
+	}
+	defer l.Close()
+	return l.Addr().String(), nil
+}
+
+func waitHealthy(ctx context.Context, url string) error {
+	deadline := time.Now().Add(60 * time.Second)
+	var last error = errors.New("not answering")
+	for time.Now().Before(deadline) {
+		if ctx.Err() != nil {
+			return ctx.Err()
+		}
+		resp, err := http.Get(url)
+		if err == nil {
+			resp.Body.Close()
+			if resp.StatusCode == http.StatusOK {
+				return nil
+			}
+			last = fmt.Errorf("status %d", resp.StatusCode)
+		} else {
+			last = err
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+	return fmt.Errorf("%s not healthy after 60s: %w", url, last)
+}

@@ -1,0 +1,302 @@
+package e2e
+
+import (
+	"context"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/openai/openai-go"
+	"github.com/openai/openai-go/option"
+
+	"github.com/istio-llm-filter/istio-llm-filter/bench/fleet"
+	"github.com/istio-llm-filter/istio-llm-filter/bench/workload"
+	"github.com/istio-llm-filter/istio-llm-filter/filter/llmfilter"
+	"github.com/istio-llm-filter/istio-llm-filter/worker/testmodel"
+)
+
+var (
+	buildOnce sync.Once
+	binDir    string
+	buildErr  error
+)
+
+// binaries builds the three commands once per test binary, with the same
+// vector flags as the Makefile so the llama.cpp build is shared with it.
+func binaries(t *testing.T) string {
+	t.Helper()
+	buildOnce.Do(func() {
+		root, err := exec.Command("go", "env", "GOMOD").Output()
+		if err != nil {
+			buildErr = err
+			return
+		}
+		binDir, buildErr = os.MkdirTemp("", "llmf-e2e-bin-")
+		if buildErr != nil {
+			return
+		}
+		cmd := exec.Command("go", "build", "-o", binDir+"/",
+			"./metadata-center/cmd/metadata-center", "./worker/cmd/worker", "./filter/cmd/gateway")
+		cmd.Dir = filepath.Dir(strings.TrimSpace(string(root)))
+		cmd.Env = os.Environ()
+		for _, kv := range []string{"CGO_CFLAGS", "CGO_CXXFLAGS"} {
+			if os.Getenv(kv) == "" {
+				cmd.Env = append(cmd.Env, kv+"=-O3 -march=native")
+			}
+		}
+		if out, err := cmd.CombinedOutput(); err != nil {
+			buildErr = err
+			t.Logf("go build:\n%s", out)
+		}
+	})
+	if buildErr != nil {
+		t.Fatalf("building the binaries: %v", buildErr)
+	}
+	return binDir
+}
+
+func startFleet(t *testing.T) *fleet.Fleet {
+	t.Helper()
+	if testing.Short() {
+		t.Skip("starts llama.cpp workers")
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+	defer cancel()
+	f, err := fleet.Start(ctx, fleet.Spec{
+		BinDir: binaries(t), LogDir: t.TempDir(), Engine: "llama", Workers: 3,
+		Model: testmodel.Path(t), ModelName: "tiny", Policy: "cache_aware",
+		// Three workers share two cores: one thread each keeps them from
+		// thrashing; small queues keep failures quick.
+		WorkerArgs: []string{"--threads", "1", "--n-ctx", "8192", "--n-seq-max", "8"},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		f.Stop()
+		if t.Failed() {
+			dumpLogs(t, f)
+		}
+	})
+	return f
+}
+
+func dumpLogs(t *testing.T, f *fleet.Fleet) {
+	matches, _ := filepath.Glob(filepath.Join(f.LogDir, "*.log"))
+	for _, m := range matches {
+		b, _ := os.ReadFile(m)
+		if len(b) > 4000 {
+			b = b[len(b)-4000:]
+		}
+		t.Logf("--- %s (tail)\n%s", filepath.Base(m), b)
+	}
+}
+
+func client(f *fleet.Fleet, retries int) openai.Client {
+	return openai.NewClient(
+		option.WithBaseURL(f.Gateway+"/v1/"),
+		option.WithAPIKey("unused"),
+		option.WithMaxRetries(retries),
+		option.WithRequestTimeout(2*time.Minute),
+	)
+}
+
+// turn is one answered request of a conversation.
+type turn struct {
+	worker              string
+	answer              string
+	prompt, cached, gen int64
+	status              int
+}
+
+// conversation is a multi-turn chat replayed through the SDK.
+type conversation struct {
+	msgs   []openai.ChatCompletionMessageParamUnion
+	stream bool
+}
+
+func newConversation(stream bool, seed uint64) *conversation {
+	sys := workload.Text(newRand(seed), 1500) // three 512-byte blocks and more
+	return &conversation{stream: stream, msgs: []openai.ChatCompletionMessageParamUnion{openai.SystemMessage(sys)}}
+}
+
+// ask sends the next user message and, on success, appends the answer.
+func (c *conversation) ask(t *testing.T, cl openai.Client, user string) (turn, error) {
+	t.Helper()
+	c.msgs = append(c.msgs, openai.UserMessage(user))
+	params := openai.ChatCompletionNewParams{
+		Model:       "tiny",
+		Messages:    c.msgs,
+		MaxTokens:   openai.Int(12),
+		Temperature: openai.Float(0),
+	}
+	var resp *http.Response
+	var tr turn
+	ctx := context.Background()
+	// Random weights may say EOS at any step: fixed-length answers (vLLM's
+	// and llama-server's ignore_eos) keep the turns comparable.
+	opts := []option.RequestOption{option.WithResponseInto(&resp), option.WithJSONSet("ignore_eos", true)}
+	if c.stream {
+		params.StreamOptions = openai.ChatCompletionStreamOptionsParam{IncludeUsage: openai.Bool(true)}
+		s := cl.Chat.Completions.NewStreaming(ctx, params, opts...)
+		var b strings.Builder
+		chunks := 0
+		for s.Next() {
+			ch := s.Current()
+			for _, choice := range ch.Choices {
+				b.WriteString(choice.Delta.Content)
+			}
+			if ch.Usage.PromptTokens > 0 {
+				tr.prompt, tr.cached, tr.gen = ch.Usage.PromptTokens, ch.Usage.PromptTokensDetails.CachedTokens, ch.Usage.CompletionTokens
+			}
+			chunks++
+		}
+		if err := s.Err(); err != nil {
+			c.msgs = c.msgs[:len(c.msgs)-1]
+			return tr, err
+		}
+		if chunks < 3 {
+			t.Fatalf("a streamed answer came in %d chunks", chunks)
+		}
+		tr.answer = b.String()
+	} else {
+		out, err := cl.Chat.Completions.New(ctx, params, opts...)
+		if err != nil {
+			c.msgs = c.msgs[:len(c.msgs)-1]
+			return tr, err
+		}
+		tr.answer = out.Choices[0].Message.Content
+		tr.prompt, tr.cached, tr.gen = out.Usage.PromptTokens, out.Usage.PromptTokensDetails.CachedTokens, out.Usage.CompletionTokens
+	}
+	tr.worker = resp.Header.Get(llmfilter.UpstreamHostHeader)
+	tr.status = resp.StatusCode
+	if tr.worker == "" || tr.prompt == 0 || tr.gen != 12 {
+		t.Fatalf("answer lacks routing or usage: %+v", tr)
+	}
+	c.msgs = append(c.msgs, openai.AssistantMessage(tr.answer))
+	// The gateway records the cache location asynchronously when the
+	// answer starts; give it the moment a person would take to type.
+	time.Sleep(100 * time.Millisecond)
+	return tr, nil
+}
+
+func TestConversationKeepsLandingOnItsKVCache(t *testing.T) {
+	f := startFleet(t)
+	cl := client(f, 0)
+	for _, stream := range []bool{false, true} {
+		name := map[bool]string{false: "json", true: "sse"}[stream]
+		t.Run(name, func(t *testing.T) {
+			c := newConversation(stream, map[bool]uint64{false: 1, true: 2}[stream])
+			first, err := c.ask(t, cl, "Tell me about prefix caches.")
+			if err != nil {
+				t.Fatal(err)
+			}
+			prev := first
+			for i := 2; i <= 4; i++ {
+				tr, err := c.ask(t, cl, workload.Text(newRand(uint64(10*i)), 200))
+				if err != nil {
+					t.Fatalf("turn %d: %v", i, err)
+				}
+				if tr.worker != first.worker {
+					t.Fatalf("turn %d went to %s, the conversation's KV cache is on %s", i, tr.worker, first.worker)
+				}
+				// Everything the previous turn prefilled is reused; only the
+				// answer (re-tokenized) and the new message are computed.
+				if tr.cached < prev.prompt || tr.cached >= tr.prompt {
+					t.Fatalf("turn %d: cached %d of %d prompt tokens, want at least the previous prompt's %d",
+						i, tr.cached, tr.prompt, prev.prompt)
+				}
+				prev = tr
+			}
+		})
+	}
+}
+
+func TestKilledWorkerIsAvoided(t *testing.T) {
+	f := startFleet(t)
+	cl := client(f, 0)
+	c := newConversation(false, 3)
+	first, err := c.ask(t, cl, "Which worker am I on?")
+	if err != nil {
+		t.Fatal(err)
+	}
+	dead := -1
+	for i, w := range f.Workers {
+		if w == first.worker {
+			dead = i
+		}
+	}
+	if dead < 0 {
+		t.Fatalf("upstream %s is not one of the fleet's workers %v", first.worker, f.Workers)
+	}
+	f.KillWorker(dead)
+
+	// The router still believes the dead pod holds the conversation: the next
+	// request may be sent there once, fail fast with 503, and eject it.
+	tr, err := c.ask(t, cl, "Are you still there?")
+	if err != nil {
+		var apiErr *openai.Error
+		if !asAPIError(err, &apiErr) || apiErr.StatusCode != http.StatusServiceUnavailable {
+			t.Fatalf("first request after the kill: %v", err)
+		}
+		if tr, err = c.ask(t, cl, "Are you still there?"); err != nil {
+			t.Fatalf("request after ejection: %v", err)
+		}
+	}
+	if tr.worker == first.worker {
+		t.Fatalf("served by the killed worker %s", tr.worker)
+	}
+	for i := 0; i < 4; i++ {
+		other := newConversation(i%2 == 0, uint64(100+i))
+		tr, err := other.ask(t, cl, "A fresh question.")
+		if err != nil {
+			t.Fatalf("request %d after the kill: %v", i, err)
+		}
+		if tr.worker == first.worker {
+			t.Fatalf("request %d was routed to the killed worker", i)
+		}
+	}
+}
+
+func TestMetadataCenterOutageAndRecovery(t *testing.T) {
+	f := startFleet(t)
+	cl := client(f, 0)
+	f.StopMC()
+
+	// Without the metadata center every request still succeeds: the router
+	// degrades to equal load and no cache knowledge.
+	down := newConversation(true, 4)
+	for i := 0; i < 3; i++ {
+		if _, err := down.ask(t, cl, workload.Text(newRand(uint64(40+i)), 120)); err != nil {
+			t.Fatalf("turn %d with the metadata center down: %v", i, err)
+		}
+	}
+
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	if err := f.StartMC(ctx); err != nil {
+		t.Fatal(err)
+	}
+	// Back again (and empty): the first turn is recorded, and the following
+	// ones return to the worker that holds the conversation.
+	up := newConversation(false, 5)
+	first, err := up.ask(t, cl, "Hello again.")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i := 0; i < 2; i++ {
+		tr, err := up.ask(t, cl, workload.Text(newRand(uint64(50+i)), 120))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if tr.worker != first.worker || tr.cached == 0 {
+			t.Fatalf("after recovery turn %d went to %s with %d cached tokens; the conversation is on %s",
+				i+2, tr.worker, tr.cached, first.worker)
+		}
+	}
+}
