@@ -27,6 +27,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"math"
 	"net/http"
 	"sync"
 	"sync/atomic"
@@ -244,12 +245,18 @@ type Decision struct {
 	Host string
 	// Hashes are the prompt's chained block hashes, wire form.
 	Hashes []string
-	// PromptLength is the canonical prompt's size in bytes (what the
-	// metadata center's prompt_length counts).
+	// PromptLength is the canonical prompt's size in bytes.
 	PromptLength int
 	Stream       bool
 	// CacheRatio is the chosen host's matched share of the prompt's blocks.
 	CacheRatio float64
+	// PrefillLength is the prefill this request adds to its pod: the part
+	// of the prompt the pod does not hold, PromptLength·(1−CacheRatio).
+	// It is what the metadata center's prompt_length counts, so the score's
+	// prefill term measures work still to do, not prompt bytes a cache will
+	// skip — otherwise a pod serving cache hits would look as busy as one
+	// prefilling cold prompts and repel the next request of its prefix.
+	PrefillLength int
 	// Degraded: the metadata center was not consulted successfully.
 	Degraded bool
 	// Candidates is the number of endpoints left after selector filtering.
@@ -389,6 +396,7 @@ func (e *Engine) Decide(ctx context.Context, h Headers, body []byte) (*Decision,
 	}
 	d.Host = choice.Host.Address
 	d.CacheRatio = choice.Host.CacheRatio
+	d.PrefillLength = int(math.Round(float64(d.PromptLength) * (1 - d.CacheRatio)))
 	d.Degraded = policy.NeedsMetadata() && view.Degraded
 	d.Candidates = choice.Candidates
 
@@ -465,11 +473,11 @@ func (e *Engine) Started(d *Decision) {
 	if d == nil || !d.mark(stClaimed) {
 		return
 	}
-	f := e.bal.Tracker().Begin(d.Cluster, d.Host, d.PromptLength)
+	f := e.bal.Tracker().Begin(d.Cluster, d.Host, d.PrefillLength)
 	d.flight = f
 	d.mark(stStarted) // publishes d.flight to the other lifecycle calls
 	e.dispatch("add_request", d, func(ctx context.Context) error {
-		return e.updater.AddRequest(ctx, api.AddRequest{Cluster: d.Cluster, Host: d.Host, RequestID: d.RequestID, PromptLength: int64(d.PromptLength)})
+		return e.updater.AddRequest(ctx, api.AddRequest{Cluster: d.Cluster, Host: d.Host, RequestID: d.RequestID, PromptLength: int64(d.PrefillLength)})
 	}, func(err error) {
 		if err == nil {
 			f.Acked()

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"math"
 	"net/http"
 	"net/http/httptest"
 	"strings"
@@ -175,7 +176,9 @@ func TestLifecycleAgainstMetadataCenter(t *testing.T) {
 	e.Started(d) // once only
 	eventually(t, "the lease to reach the metadata center", func() bool {
 		ans, err := mc.Route(ctx, cluster, nil)
-		return err == nil && ans.Load[d.Host].TotalReqs == 1 && ans.Load[d.Host].PromptLength == int64(d.PromptLength)
+		// Nothing cached yet: the whole prompt is prefill to do.
+		return err == nil && ans.Load[d.Host].TotalReqs == 1 && ans.Load[d.Host].PromptLength == int64(d.PromptLength) &&
+			d.PrefillLength == d.PromptLength
 	})
 	eventually(t, "the add to be acknowledged locally", func() bool {
 		n, u := e.InFlight(cluster, d.Host)
@@ -200,6 +203,10 @@ func TestLifecycleAgainstMetadataCenter(t *testing.T) {
 	}
 	if d2.RequestID == d.RequestID {
 		t.Fatal("request ids repeat")
+	}
+	// Its prefill load is only the part the pod does not hold.
+	if want := int(math.Round(float64(d2.PromptLength) * (1 - d2.CacheRatio))); d2.PrefillLength != want || want >= d2.PromptLength/2 {
+		t.Fatalf("prefill length %d of a %d-byte prompt with ratio %v, want %d", d2.PrefillLength, d2.PromptLength, d2.CacheRatio, want)
 	}
 
 	e.Done(d)

@@ -56,12 +56,12 @@ func run(ctx context.Context, args []string) error {
 	)
 	fs.IntVar(&spec.Systems, "systems", 4, "shared-prefix: system prompts")
 	fs.IntVar(&spec.Users, "users", 4, "shared-prefix: users per system prompt")
-	fs.IntVar(&spec.Questions, "questions", 4, "shared-prefix: questions per user")
+	fs.IntVar(&spec.Questions, "questions", 8, "shared-prefix: questions per user")
 	fs.IntVar(&spec.Sessions, "sessions", 16, "multi-turn: conversations")
-	fs.IntVar(&spec.Turns, "turns", 4, "multi-turn: turns per conversation")
-	fs.IntVar(&spec.Requests, "requests", 64, "no-sharing / hot-prompt: requests")
-	fs.IntVar(&spec.SystemBytes, "system-bytes", 1536, "system prompt length (bytes = tokens on byte-level vocabularies)")
-	fs.IntVar(&spec.UserBytes, "user-bytes", 512, "user context / turn length")
+	fs.IntVar(&spec.Turns, "turns", 12, "multi-turn: turns per conversation")
+	fs.IntVar(&spec.Requests, "requests", 128, "no-sharing / hot-prompt: requests")
+	fs.IntVar(&spec.SystemBytes, "system-bytes", 1024, "system prompt length (bytes = tokens on byte-level vocabularies)")
+	fs.IntVar(&spec.UserBytes, "user-bytes", 256, "user context / turn length")
 	fs.IntVar(&spec.QuestionBytes, "question-bytes", 96, "question length")
 	if err := fs.Parse(args); err != nil {
 		return err
