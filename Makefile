@@ -11,7 +11,7 @@ GO       ?= go
 BIN      := bin
 MODEL    ?= var/models/tiny.gguf
 
-.PHONY: run test vet fmt-check model build filter-so bench clean
+.PHONY: run test vet fmt-check model build filter-so bench bench-llama clean
 
 ## run: the main job — metadata center, workers and the standalone gateway on a generated model
 run:
@@ -41,6 +41,15 @@ build:
 filter-so:
 	@mkdir -p $(BIN)
 	$(GO) build -tags envoy -buildmode=c-shared -o $(BIN)/llm-filter.so ./filter/cmd/llm-filter
+
+## bench: every routing policy side by side on 8 simulated workers (docs/benchmarks.md)
+bench: build
+	$(GO) run ./bench/cmd/bench --engine sim --workers 8 --rate 4 --out bench/out/sim
+
+## bench-llama: the same on 3 real llama.cpp workers with the tiny model
+bench-llama: build $(MODEL)
+	$(GO) run ./bench/cmd/bench --engine llama --workers 3 --model $(MODEL) --rate 2 \
+		--worker-args "--threads 1" --out bench/out/llama
 
 clean:
 	rm -rf $(BIN) var

@@ -7,7 +7,6 @@ package deploy_test
 
 import (
 	"bufio"
-	"bytes"
 	"encoding/json"
 	"fmt"
 	"os"
@@ -80,21 +79,13 @@ type stack struct {
 
 func build(t *testing.T, dir string) stack {
 	t.Helper()
-	out, err := manifesttest.Build(dir)
-	if err != nil {
-		t.Fatalf("kustomize build %s: %v", dir, err)
-	}
-	docs, err := manifesttest.SplitDocuments(dir, bytes.NewReader(out))
+	rendered, err := manifesttest.BuildDecoded(dir)
 	if err != nil {
 		t.Fatal(err)
 	}
 	var s stack
-	for _, d := range docs {
-		obj, err := manifesttest.Decode(d.YAML)
-		if err != nil {
-			t.Fatalf("kustomize build %s, %s: %v\n%s", dir, d, err, d.YAML)
-		}
-		s.objs = append(s.objs, obj)
+	for _, r := range rendered {
+		s.objs = append(s.objs, r.Object)
 	}
 	return s
 }

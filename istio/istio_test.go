@@ -5,7 +5,6 @@
 package istio_test
 
 import (
-	"bytes"
 	"encoding/json"
 	"os"
 	"path/filepath"
@@ -81,22 +80,14 @@ type rendered struct {
 
 func render(t *testing.T, dir string) rendered {
 	t.Helper()
-	out, err := manifesttest.Build(dir)
-	if err != nil {
-		t.Fatalf("kustomize build %s: %v", dir, err)
-	}
-	docs, err := manifesttest.SplitDocuments(dir, bytes.NewReader(out))
+	objs, err := manifesttest.BuildDecoded(dir)
 	if err != nil {
 		t.Fatal(err)
 	}
 	var r rendered
-	for _, d := range docs {
-		obj, err := manifesttest.Decode(d.YAML)
-		if err != nil {
-			t.Fatalf("%s: %v", d, err)
-		}
-		r.kinds = append(r.kinds, reflect.TypeOf(obj).Elem().Name())
-		if ef, ok := obj.(*networkingv1alpha3.EnvoyFilter); ok {
+	for _, o := range objs {
+		r.kinds = append(r.kinds, reflect.TypeOf(o.Object).Elem().Name())
+		if ef, ok := o.Object.(*networkingv1alpha3.EnvoyFilter); ok {
 			r.filter = ef
 		}
 	}

@@ -31,7 +31,9 @@ stop() {
   kill "${pids[@]}" 2>/dev/null || true
   wait 2>/dev/null || true
 }
-trap stop EXIT INT TERM
+interrupted=""
+trap stop EXIT
+trap 'interrupted=1; stop' INT TERM
 
 wait_http() { # url name
   for _ in $(seq 1 300); do
@@ -87,5 +89,10 @@ Try:
 
 Ctrl-C stops everything.
 EOM
-wait -n "${pids[@]}" || true
-echo "a component exited; see $RUN/*.log" >&2
+# Returns when any component ends: on Ctrl-C they all stop cleanly (status
+# 0); a non-zero status means one of them failed on its own.
+status=0
+wait -n "${pids[@]}" || status=$?
+if [ "$status" -ne 0 ] && [ -z "$interrupted" ]; then
+  echo "a component exited with status $status; see $RUN/*.log" >&2
+fi

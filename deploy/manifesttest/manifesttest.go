@@ -11,6 +11,7 @@ package manifesttest
 
 import (
 	"bufio"
+	"bytes"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -254,6 +255,33 @@ func Build(dir string) ([]byte, error) {
 		return nil, err
 	}
 	return m.AsYaml()
+}
+
+// Rendered is one document of a kustomize build, decoded strictly.
+type Rendered struct {
+	Document
+	Object any
+}
+
+// BuildDecoded runs Build and decodes every document of its output strictly.
+func BuildDecoded(dir string) ([]Rendered, error) {
+	out, err := Build(dir)
+	if err != nil {
+		return nil, fmt.Errorf("kustomize build %s: %w", dir, err)
+	}
+	docs, err := SplitDocuments(dir, bytes.NewReader(out))
+	if err != nil {
+		return nil, err
+	}
+	objs := make([]Rendered, 0, len(docs))
+	for _, d := range docs {
+		obj, err := Decode(d.YAML)
+		if err != nil {
+			return nil, fmt.Errorf("kustomize build %s, %s: %w\n%s", dir, d, err, d.YAML)
+		}
+		objs = append(objs, Rendered{Document: d, Object: obj})
+	}
+	return objs, nil
 }
 
 // YAMLFiles lists every .yaml/.yml file under the roots, sorted.

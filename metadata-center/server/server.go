@@ -328,29 +328,20 @@ func (s *Server) decodeRef(c *gin.Context) (api.RequestRef, bool) {
 	return ref, true
 }
 
-func (s *Server) deleteLease(c *gin.Context) {
-	ref, ok := s.decodeRef(c)
-	if !ok {
-		return
-	}
-	ctx, cancel := s.storeCtx(c)
-	defer cancel()
-	if err := s.st.DeleteLease(ctx, ref.Cluster, ref.Host, ref.RequestID); err != nil {
-		s.storeFailed(c, "delete lease", err)
-		return
-	}
-	s.ok(c, struct{}{})
-}
+func (s *Server) deleteLease(c *gin.Context) { s.leaseOp(c, "delete lease", s.st.DeleteLease) }
 
-func (s *Server) firstToken(c *gin.Context) {
+func (s *Server) firstToken(c *gin.Context) { s.leaseOp(c, "first token", s.st.FirstToken) }
+
+// leaseOp runs a store call on the lease a RequestRef body names.
+func (s *Server) leaseOp(c *gin.Context, op string, call func(ctx context.Context, cluster, host, requestID string) error) {
 	ref, ok := s.decodeRef(c)
 	if !ok {
 		return
 	}
 	ctx, cancel := s.storeCtx(c)
 	defer cancel()
-	if err := s.st.FirstToken(ctx, ref.Cluster, ref.Host, ref.RequestID); err != nil {
-		s.storeFailed(c, "first token", err)
+	if err := call(ctx, ref.Cluster, ref.Host, ref.RequestID); err != nil {
+		s.storeFailed(c, op, err)
 		return
 	}
 	s.ok(c, struct{}{})
