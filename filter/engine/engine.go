@@ -483,6 +483,17 @@ func (e *Engine) Started(d *Decision) {
 			f.Acked()
 		}
 	})
+	// Record the prefix on its pod now, not only when the answer starts
+	// (Saved, the seed's step): a cold prompt prefills for seconds, and every
+	// request of the same prefix arriving meanwhile would be routed blind and
+	// prefill it again elsewhere. The worker shares a running request's
+	// computed cells, so followers really do reuse it. Saved confirms the
+	// entry (and refreshes its TTL) once the pod answers.
+	if len(d.Hashes) > 0 && d.CacheRatio < 1 {
+		e.dispatch("save_cache", d, func(ctx context.Context) error {
+			return e.updater.SaveCache(ctx, api.CacheSave{Cluster: d.Cluster, Host: d.Host, Hashes: d.Hashes})
+		}, nil)
+	}
 }
 
 // FirstToken reports the end of prefill (deletePromptLength: DELETE

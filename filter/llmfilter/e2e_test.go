@@ -281,57 +281,57 @@ func TestE2EHotPrefixSpreadsOnceItsPodIsLoaded(t *testing.T) {
 	home := w.ask(longPrefix + "warm up")
 	w.settle(1)
 
-	// Every pod now holds requests open: in-flight load is visible.
+	// Every pod holds requests open, so in-flight load accumulates.
 	release := make(chan struct{})
+	var once sync.Once
+	t.Cleanup(func() { once.Do(func() { close(release) }) }) // also on failure: held handlers block server Close
 	for _, b := range w.backends {
 		b.setHold(release)
 	}
-	type result struct {
-		pod string
-		err error
-	}
-	results := make(chan result, 8)
+	results := make(chan error, 16)
 	send := func(i int) {
 		resp, err := http.Post(w.gw.URL+"/v1/chat/completions", "application/json",
 			strings.NewReader(chatBody(longPrefix+fmt.Sprintf("hot %d", i), false)))
-		if err != nil {
-			results <- result{err: err}
-			return
+		if err == nil {
+			io.Copy(io.Discard, resp.Body)
+			resp.Body.Close()
 		}
-		io.Copy(io.Discard, resp.Body)
-		resp.Body.Close()
-		results <- result{pod: resp.Header.Get("x-served-by")}
+		results <- err
 	}
-	hits := func() map[string]int64 {
-		m := map[string]int64{}
-		for _, b := range w.backends {
-			m[b.addr] = b.hits.Load()
-		}
-		return m
-	}
-	before := hits()
-	go send(1)
-	// The first hot request goes home and stays there, prompt not yet prefilled.
-	waitUntil(t, "first hot request at its pod", func() bool { return w.byAddr[home].hits.Load() == before[home]+1 })
-	waitUntil(t, "its lease at the metadata center", func() bool { return w.st.adds.Load() >= 2 })
-	for i := 2; i <= 4; i++ {
-		go send(i)
-	}
-	waitUntil(t, "three more hot requests at pods", func() bool {
+	total := func() int64 {
 		var n int64
-		for addr, h := range hits() {
-			n += h - before[addr]
+		for _, b := range w.backends {
+			n += b.hits.Load()
 		}
-		return n == 4
-	})
-	after := hits()
-	if extra := after[home] - before[home]; extra != 1 {
-		t.Fatalf("the loaded home pod got %d of the 4 hot requests; the rest should have spread: %v -> %v", extra, before, after)
+		return n
 	}
-	close(release)
-	for i := 0; i < 4; i++ {
-		if r := <-results; r.err != nil {
-			t.Fatal(r.err)
+	// Hot requests one at a time, each held at its pod: a cache hit costs its
+	// pod little prefill, so the first go home; as home's queue grows the
+	// seed's request-load term (with its dynamic weight) outweighs the cache
+	// bonus and the prefix spreads to other pods.
+	base := total()
+	homeHits := w.byAddr[home].hits.Load()
+	sent, spreadAt := 0, 0
+	for i := 1; i <= 12 && spreadAt == 0; i++ {
+		go send(i)
+		sent++
+		waitUntil(t, fmt.Sprintf("hot request %d at a pod", i), func() bool { return total() == base+int64(i) })
+		waitUntil(t, fmt.Sprintf("hot request %d's lease", i), func() bool { return w.st.adds.Load() >= int64(1+i) })
+		if w.byAddr[home].hits.Load()-homeHits < int64(i) {
+			spreadAt = i
+		}
+	}
+	if spreadAt == 0 {
+		t.Fatalf("12 concurrent hot requests all piled onto %s", home)
+	}
+	if spreadAt == 1 {
+		t.Fatal("the first hot request left the idle pod that holds its prefix")
+	}
+	t.Logf("the hot prefix spread with %d requests in flight at its home pod", spreadAt-1)
+	once.Do(func() { close(release) })
+	for i := 0; i < sent; i++ {
+		if err := <-results; err != nil {
+			t.Fatal(err)
 		}
 	}
 }

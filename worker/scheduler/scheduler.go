@@ -85,7 +85,7 @@ type Scheduler struct {
 	// loop-owned
 	set      []*task // the running set, in admission order
 	releases uint64  // terminal transitions so far; preempted tasks wait for one
-	rr       int     // round-robin start for prefill chunks
+	prefill  []*task // scratch: prefill candidates of one step
 }
 
 type task struct {
@@ -410,29 +410,39 @@ func (s *Scheduler) report(hs []uint64) {
 }
 
 // batch builds one step: every generating sequence's next token first (so
-// decode latency never waits behind a long prefill), then prefill chunks
-// round-robin until n_batch tokens.
+// decode latency never waits behind a long prefill), then prefill chunks,
+// shortest remaining prefill first, until n_batch tokens. Shortest first is
+// what makes a cache hit fast: its few uncached tokens finish in the next
+// step instead of waiting for a cold prompt's 512-token chunks to go first.
+// Long prompts still take whatever budget is left in every step, so they are
+// not starved unless short prefills alone fill every step.
 func (s *Scheduler) batch() ([]engine.Span, []*task) {
 	var spans []engine.Span
 	var tasks []*task
 	budget := s.info.NBatch
+	s.prefill = s.prefill[:0]
 	for _, t := range s.set {
 		t.spanLen = 0
-		if t.state == Processing && len(t.toks)-t.past == 1 && budget > 0 {
+		if t.state != Processing {
+			continue
+		}
+		switch left := len(t.toks) - t.past; {
+		case left == 1 && budget > 0:
 			spans = append(spans, engine.Span{Seq: t.seq, Pos: t.past, Tokens: t.toks[t.past:], Sampler: t.sampler})
 			tasks = append(tasks, t)
 			t.spanLen = 1
 			budget--
+		case left >= 2:
+			s.prefill = append(s.prefill, t)
 		}
 	}
-	n := len(s.set)
-	for i := range n {
+	// Stable: equal remainders keep admission order (first come, first served).
+	slices.SortStableFunc(s.prefill, func(a, b *task) int {
+		return (len(a.toks) - a.past) - (len(b.toks) - b.past)
+	})
+	for _, t := range s.prefill {
 		if budget == 0 {
 			break
-		}
-		t := s.set[(s.rr+i)%n]
-		if t.state != Processing || t.spanLen > 0 || len(t.toks)-t.past < 2 {
-			continue
 		}
 		k := min(len(t.toks)-t.past, budget)
 		sp := engine.Span{Seq: t.seq, Pos: t.past, Tokens: t.toks[t.past : t.past+k]}
@@ -444,9 +454,7 @@ func (s *Scheduler) batch() ([]engine.Span, []*task) {
 		t.spanLen = k
 		budget -= k
 	}
-	if n > 0 {
-		s.rr = (s.rr + 1) % n
-	}
+	clear(s.prefill) // do not pin finished tasks
 	return spans, tasks
 }
 

@@ -1,0 +1,58 @@
+package scheduler
+
+import (
+	"testing"
+
+	"github.com/istio-llm-filter/istio-llm-filter/worker/engine"
+	"github.com/istio-llm-filter/istio-llm-filter/worker/engine/sim"
+)
+
+// A step serves every decoding sequence first, then prefill shortest
+// remaining first: a cache hit with a short uncached tail completes its
+// prefill in this step although cold prompts were admitted before it.
+func TestBatchDecodesFirstThenShortestPrefill(t *testing.T) {
+	eng, err := sim.New(sim.Config{NSeqMax: 8, NCtx: 8192, NBatch: 512})
+	if err != nil {
+		t.Fatal(err)
+	}
+	s, err := New(eng, Config{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	mk := func(seq, total, past int) *task {
+		sm, err := eng.NewSampler(engine.SamplingParams{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return &task{state: Processing, seq: seq, toks: make([]int, total), past: past, sampler: sm}
+	}
+	coldA := mk(0, 3000, 0)     // admitted first, 3000 to prefill
+	coldB := mk(1, 2000, 512)   // 1488 left
+	decoding := mk(2, 900, 899) // one token: decoding
+	hit := mk(3, 1400, 1310)    // 90 left: its prefix came from the cache
+	waiting := &task{state: Pending, seq: -1, toks: make([]int, 50)}
+	s.set = []*task{coldA, coldB, decoding, hit, waiting}
+
+	spans, tasks := s.batch()
+	got := map[*task]int{}
+	total := 0
+	for i, tk := range tasks {
+		got[tk] = len(spans[i].Tokens)
+		total += len(spans[i].Tokens)
+	}
+	if tasks[0] != decoding || got[decoding] != 1 {
+		t.Fatalf("the decoding sequence must come first with one token, got %d", got[decoding])
+	}
+	if tasks[1] != hit || got[hit] != 90 || spans[1].Sampler != hit.sampler {
+		t.Fatalf("the cache hit must prefill all its 90 tokens next, got %d", got[hit])
+	}
+	if spans[2].Sampler != nil {
+		t.Fatal("a prefill chunk that does not reach the prompt's end must not sample")
+	}
+	if got[coldB] != 512-1-90 || got[coldA] != 0 || got[waiting] != 0 {
+		t.Fatalf("the rest of the budget goes to the shorter cold prompt: A %d B %d pending %d", got[coldA], got[coldB], got[waiting])
+	}
+	if total != 512 {
+		t.Fatalf("batch has %d tokens, want the full n_batch 512", total)
+	}
+}
