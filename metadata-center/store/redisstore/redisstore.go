@@ -5,8 +5,9 @@
 // after a script-cache flush), and all keys of one cluster share the hash
 // tag {prefix:cluster}, so the scripts are Redis Cluster-safe. The key
 // layout is documented in docs/metadata-center.md. Redis 7.0 has no
-// per-field expiry, so freshness lives in sorted-set scores (expiry in ms)
-// and whole keys carry a PEXPIRE as a backstop for abandoned clusters.
+// per-field expiry, so freshness lives in the values (expiry in ms: sorted-
+// set scores, or the records of a prefix's holder list) and whole keys
+// carry a PEXPIRE as a backstop for abandoned clusters.
 //
 // Client timeouts are short and retries off on purpose: when Redis is down
 // a call fails within a few hundred milliseconds with store.ErrUnavailable
@@ -152,7 +153,7 @@ func (s *Store) keys(cluster string) keys { return keys{base: "{" + s.prefix + "
 func (k keys) leases() []string {
 	return []string{k.base + ":lx", k.base + ":lp", k.base + ":lr", k.base + ":lq"}
 }
-func (k keys) hash(h store.Hash) string { return k.base + ":h:" + h.String() }
+func (k keys) hash(h store.Hash) string { return k.base + ":p:" + h.String() }
 func (k keys) host(host string) string  { return k.base + ":e:" + host }
 func (k keys) hosts() string            { return k.base + ":hosts" }
 
@@ -297,12 +298,41 @@ func parseLoad(reqs, prompts any) (api.LoadStats, error) {
 	return out, nil
 }
 
-func parseLocations(v any) ([]api.CacheLocation, error) {
+// parseLocations reads a cache query's reply: a holder list whose hosts
+// all reached groupLen, then "host\tlength\t..." for the hosts that went
+// further, whose entry replaces their group entry.
+func parseLocations(group, groupLen, rest any) ([]api.CacheLocation, error) {
 	out := make([]api.CacheLocation, 0, 16)
-	err := pairs(v, func(host string, n int64) error {
+	err := pairs(rest, func(host string, n int64) error {
 		out = append(out, api.CacheLocation{Host: host, Length: int(n)})
 		return nil
 	})
+	further := len(out)
+	g, ok1 := group.(string)
+	gl, ok2 := groupLen.(int64)
+	if err == nil && (!ok1 || !ok2) {
+		err = fmt.Errorf("unexpected group %T/%T", group, groupLen)
+	}
+	if err == nil && g != "" {
+		// "minExpiry;host expiry;host expiry..."
+		_, recs, _ := strings.Cut(g, ";")
+	next:
+		for recs != "" {
+			var rec string
+			rec, recs, _ = strings.Cut(recs, ";")
+			host, _, ok := strings.Cut(rec, " ")
+			if !ok || host == "" {
+				err = fmt.Errorf("malformed holder list near %q", rec)
+				break
+			}
+			for _, l := range out[:further] {
+				if l.Host == host {
+					continue next
+				}
+			}
+			out = append(out, api.CacheLocation{Host: host, Length: int(gl)})
+		}
+	}
 	if err != nil {
 		return nil, fmt.Errorf("redis cache query: %w", err)
 	}
@@ -315,14 +345,10 @@ func (s *Store) queryArgs(k keys, first []string, hashes []store.Hash) ([]string
 	now := s.ms()
 	ks := make([]string, 0, len(first)+len(hashes))
 	ks = append(ks, first...)
-	args := make([]any, 0, 5+len(hashes))
-	args = append(args, now, now+s.cacheTTL, s.cacheTTL, now+s.cacheTTL-s.touch, k.base)
 	for _, h := range hashes {
-		hs := h.String()
-		ks = append(ks, k.base+":h:"+hs)
-		args = append(args, hs)
+		ks = append(ks, k.hash(h))
 	}
-	return ks, args
+	return ks, []any{now, now + s.cacheTTL, s.cacheTTL, now + s.cacheTTL - s.touch, k.base}
 }
 
 // QueryCache implements store.Store.
@@ -332,11 +358,14 @@ func (s *Store) QueryCache(ctx context.Context, cluster string, hashes []store.H
 	}
 	k := s.keys(cluster)
 	ks, args := s.queryArgs(k, nil, hashes)
-	res, err := s.sc.query.Run(ctx, s.rdb, ks, args...).Result()
+	res, err := s.sc.query.Run(ctx, s.rdb, ks, args...).Slice()
 	if err != nil {
 		return nil, wrap("cache query", err)
 	}
-	return parseLocations(res)
+	if len(res) != 3 {
+		return nil, fmt.Errorf("redis cache query: unexpected reply %v", res)
+	}
+	return parseLocations(res[0], res[1], res[2])
 }
 
 // Route implements store.Store.
@@ -347,14 +376,14 @@ func (s *Store) Route(ctx context.Context, cluster string, hashes []store.Hash) 
 	if err != nil {
 		return api.RouteAnswer{}, wrap("route query", err)
 	}
-	if len(res) != 3 {
+	if len(res) != 5 {
 		return api.RouteAnswer{}, fmt.Errorf("redis route query: unexpected reply %v", res)
 	}
 	load, err := parseLoad(res[0], res[1])
 	if err != nil {
 		return api.RouteAnswer{}, err
 	}
-	locs, err := parseLocations(res[2])
+	locs, err := parseLocations(res[2], res[3], res[4])
 	if err != nil {
 		return api.RouteAnswer{}, err
 	}
@@ -374,7 +403,7 @@ func (s *Store) SaveCache(ctx context.Context, cluster, host string, hashes []st
 	args = append(args, now, now+s.cacheTTL, s.cacheTTL, host)
 	for _, h := range hashes {
 		hs := h.String()
-		ks = append(ks, k.base+":h:"+hs)
+		ks = append(ks, k.base+":p:"+hs)
 		args = append(args, hs)
 	}
 	_, err := s.run(ctx, "cache save", s.sc.save, cluster, ks, args...)
@@ -389,8 +418,8 @@ func (s *Store) EvictCache(ctx context.Context, cluster, host string, hashes []s
 	k := s.keys(cluster)
 	ks := make([]string, 0, 2+len(hashes))
 	ks = append(ks, k.host(host), k.hosts())
-	args := make([]any, 0, 1+len(hashes))
-	args = append(args, host)
+	args := make([]any, 0, 2+len(hashes))
+	args = append(args, s.ms(), host)
 	for _, h := range hashes {
 		ks = append(ks, k.hash(h))
 		args = append(args, h.String())
@@ -401,7 +430,7 @@ func (s *Store) EvictCache(ctx context.Context, cluster, host string, hashes []s
 // EvictHost implements store.Store.
 func (s *Store) EvictHost(ctx context.Context, cluster, host string) error {
 	k := s.keys(cluster)
-	return wrap("cache evict all", s.sc.evictHost.Run(ctx, s.rdb, []string{k.host(host), k.hosts()}, host, k.base).Err())
+	return wrap("cache evict all", s.sc.evictHost.Run(ctx, s.rdb, []string{k.host(host), k.hosts()}, s.ms(), host, k.base).Err())
 }
 
 // Stats implements store.Store. It costs one round trip per registered

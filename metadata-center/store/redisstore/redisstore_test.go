@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"reflect"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -84,7 +85,7 @@ func TestKeyLayout(t *testing.T) {
 	tag := "{" + srv.Prefix + ":" + cluster + "}"
 	want := map[string]bool{
 		tag + ":lx": true, tag + ":lp": true, tag + ":lr": true, tag + ":lq": true,
-		tag + ":h:0000000000000001": true, tag + ":h:0000000000000002": true, tag + ":h:0000000000000003": true,
+		tag + ":p:0000000000000001": true, tag + ":p:0000000000000002": true, tag + ":p:0000000000000003": true,
 		tag + ":e:" + host: true, tag + ":hosts": true,
 		"{" + srv.Prefix + "}:clusters": true,
 	}
@@ -147,44 +148,70 @@ func TestUnavailable(t *testing.T) {
 	}
 }
 
-// TestWideSetsHashed: a prefix held by many hosts is stored in the hashed
-// encoding, so route queries do not scan it linearly per candidate.
-func TestWideSetsHashed(t *testing.T) {
+// TestHolderLists checks the per-prefix holder lists on a real server: a
+// prefix every host holds is one sorted string of records, levels written
+// by the same saves are byte-identical (the query's shortcut), and the
+// shortcut never hides a host that dropped out of a later level or has a
+// hole, nor one whose record expired.
+func TestHolderLists(t *testing.T) {
 	srv := redistest.Shared(t)
-	st := newStore(t, srv, redisstore.Options{})
+	var nowMs atomic.Int64
+	nowMs.Store(1_000_000)
+	st := newStore(t, srv, redisstore.Options{CacheTTL: time.Minute,
+		Now: func() time.Time { return time.UnixMilli(nowMs.Load()) }})
 	ctx := context.Background()
-	hs := []store.Hash{7, 8}
-	for i := 0; i < 20; i++ {
-		h := []store.Hash{7}
-		if i < 3 {
-			h = hs
-		}
-		if err := st.SaveCache(ctx, "c", fmt.Sprintf("10.0.0.%d:1", i+1), h); err != nil {
+	must := func(err error) {
+		t.Helper()
+		if err != nil {
 			t.Fatal(err)
 		}
 	}
+	hs := []store.Hash{7, 8, 9, 10}
+	for i := 20; i >= 1; i-- {
+		must(st.SaveCache(ctx, "c", fmt.Sprintf("10.0.0.%d:1", i), hs[:2]))
+	}
+	must(st.SaveCache(ctx, "c", "10.0.0.3:1", hs))
+	must(st.SaveCache(ctx, "c", "10.0.0.4:1", hs))
+	must(st.EvictCache(ctx, "c", "10.0.0.4:1", hs[2:3]))
 	rdb := redis.NewClient(&redis.Options{Addr: srv.Addr})
 	defer rdb.Close()
 	tag := "{" + srv.Prefix + ":c}"
-	for key, want := range map[string]string{tag + ":h:0000000000000007": "skiplist", tag + ":h:0000000000000008": "listpack"} {
-		if got, err := rdb.ObjectEncoding(ctx, key).Result(); err != nil || got != want {
-			t.Errorf("%s: encoding %q (%v), want %q", key, got, err, want)
-		}
+	l7, err := rdb.Get(ctx, tag+":p:0000000000000007").Result()
+	must(err)
+	l8, err := rdb.Get(ctx, tag+":p:0000000000000008").Result()
+	must(err)
+	if l7 != l8 || !strings.HasPrefix(l7, "1060000;10.0.0.10:1 1060000;10.0.0.11:1 1060000;") || strings.Count(l7, ";") != 20 {
+		t.Fatalf("shared levels: %q and %q, want the same 20 sorted records", l7, l8)
 	}
-	// The conversion member is gone and answers are unaffected.
-	if n, err := rdb.ZCard(ctx, tag+":h:0000000000000007").Result(); err != nil || n != 20 {
-		t.Fatalf("wide set has %d members (%v), want 20", n, err)
+	if got, err := rdb.Get(ctx, tag+":p:0000000000000009").Result(); err != nil || got != "1060000;10.0.0.3:1 1060000" {
+		t.Fatalf("level 9 = %q (%v)", got, err)
 	}
 	locs, err := st.QueryCache(ctx, "c", hs)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if len(locs) != 20 || locs[0].Length != 2 || locs[3].Length != 1 {
+	must(err)
+	if len(locs) != 20 || locs[0] != (api.CacheLocation{Host: "10.0.0.3:1", Length: 4}) ||
+		locs[1] != (api.CacheLocation{Host: "10.0.0.10:1", Length: 2}) || locs[19].Length != 2 {
 		t.Fatalf("QueryCache = %v", locs)
 	}
-	// That query took the wide path; its scratch set must be gone.
-	if n, err := rdb.Exists(ctx, tag+":q").Result(); err != nil || n != 0 {
-		t.Fatalf("scratch key left behind (%d, %v)", n, err)
+	// Host 5 saves again later: its records outlive the others', so the
+	// shared levels stop being identical only where it is written.
+	nowMs.Add(30_000)
+	must(st.SaveCache(ctx, "c", "10.0.0.5:1", hs[:1]))
+	nowMs.Add(31_000)
+	locs, err = st.QueryCache(ctx, "c", hs)
+	must(err)
+	if want := []api.CacheLocation{{Host: "10.0.0.5:1", Length: 1}}; !reflect.DeepEqual(locs, want) {
+		t.Fatalf("after expiry: QueryCache = %v, want %v", locs, want)
+	}
+	// That query refreshed host 5; the dead records go with the next
+	// rewrite of the level.
+	must(st.SaveCache(ctx, "c", "10.0.0.6:1", hs[:1]))
+	if got, err := rdb.Get(ctx, tag+":p:0000000000000007").Result(); err != nil || got != "1121000;10.0.0.5:1 1121000;10.0.0.6:1 1121000" {
+		t.Fatalf("level 7 after rewrite = %q (%v)", got, err)
+	}
+	must(st.EvictHost(ctx, "c", "10.0.0.5:1"))
+	must(st.EvictCache(ctx, "c", "10.0.0.6:1", hs[:1]))
+	if n, err := rdb.Exists(ctx, tag+":p:0000000000000007").Result(); err != nil || n != 0 {
+		t.Fatalf("empty holder list left behind (%d, %v)", n, err)
 	}
 }
 

@@ -81,134 +81,178 @@ end
 return 1
 `
 
-// queryLib computes each host's leading run in two phases.
-//
-// Wide (at least as many candidate hosts as levels left, e.g. a system
-// prompt every pod holds): the candidates sit in a scratch sorted set and a
-// level costs two counts inside Redis (ZINTERCARD with the hash's set, and
-// ZCOUNT of its entries that are expired or due a refresh); only when
-// hosts drop out, or entries need a TTL refresh, does the level take the
-// exact path that moves host names into Lua (ZMSCORE). Moving 64 names per
-// level into Lua was most of a 64-host query's cost. The scratch key
-// carries the cluster's hash tag, is not replicated (REPL_NONE) and is
-// deleted before the script ends.
-//
-// Narrow (fewer hosts than levels left): host by host, one ZMSCORE over the
-// remaining hashes on the host's own set, so a 64-block prompt costs a few
-// calls instead of 64.
-//
-// Matched entries whose expiry is older than ARGV[4] get their TTL
-// refreshed (coalesced so that hot prefixes do not turn every read into
-// writes). Reply: "host\tlength\t..." in one string, which the Go side
-// splits far more cheaply than a nested array.
-const queryLib = `
-local function touch(k, hash, host, exp, ttl, base)
-  redis.call('ZADD', KEYS[k], 'XX', exp, host)
-  redis.call('PEXPIRE', KEYS[k], ttl)
-  local ek = base .. ':e:' .. host
-  redis.call('ZADD', ek, 'XX', exp, hash)
-  redis.call('PEXPIRE', ek, ttl)
-end
-local function scratch(...)
-  redis.set_repl(redis.REPL_NONE)
-  local r = redis.call(...)
-  redis.set_repl(redis.REPL_ALL)
-  return r
-end
-local function query(first, hashArg, now, exp, ttl, stale, base)
-  local n = #KEYS - first + 1
-  if n <= 0 then return '' end
-  local nowN, staleN = tonumber(now), tonumber(stale)
-  local live, old = '(' .. now, '(' .. stale
-  local res, touched = {}, {}
-  for _, h in ipairs(redis.call('ZRANGEBYSCORE', KEYS[first], live, old)) do
-    touch(first, ARGV[hashArg], h, exp, ttl, base)
-    touched[h] = true
+// holdersLib reads and writes the holder list of one prefix: the string
+// key {P:C}:p:<hash> holds "minExpiry" followed by ";host expiry" records
+// sorted by host, dead records dropped on every full rewrite. One string
+// per prefix lets a query fetch every level with a single MGET; the
+// leading minimum (exact after a full rewrite, a lower bound after an
+// in-place save) tells, without parsing, that every record is live and
+// none is due a refresh; and two levels written by the same saves and refreshes
+// are byte-identical, which Lua (whose strings are all interned) compares
+// in O(1). The key's PEXPIRE is the TTL of its newest record.
+const holdersLib = `
+local function parse(s)
+  local m = {}
+  if s then
+    for h, e in string.gmatch(s, ';([^ ;]+) (%d+)') do m[h] = tonumber(e) end
   end
-  local i, cands = 1, nil
-  local c = redis.call('ZCOUNT', KEYS[first], live, '+inf')
-  if c > 1 and c >= n - 1 then
-    local q = base .. ':q'
-    scratch('ZRANGESTORE', q, KEYS[first], live, '+inf', 'BYSCORE')
-    -- Hashed encoding, so ZINTERCARD looks members up instead of scanning.
-    local wide = string.rep('~', 65)
-    scratch('ZADD', q, 0, wide)
-    scratch('ZREM', q, wide)
-    while i < n and c > 0 and c >= n - i do
-      local k = KEYS[first + i]
-      if redis.call('ZINTERCARD', 2, q, k) ~= c or redis.call('ZCOUNT', k, '-inf', old) > 0 then
-        local names = redis.call('ZRANGE', q, 0, -1)
-        local sc = redis.call('ZMSCORE', k, unpack(names))
-        local gone = {}
-        for j, host in ipairs(names) do
-          local s = sc[j] and tonumber(sc[j])
-          if s and s > nowN then
-            if s < staleN then
-              touch(first + i, ARGV[hashArg + i], host, exp, ttl, base)
-              touched[host] = true
-            end
-          else
-            gone[#gone + 1] = host
-            res[#res + 1] = host
-            res[#res + 1] = i
-          end
-        end
-        if #gone > 0 then scratch('ZREM', q, unpack(gone)) end
-        c = c - #gone
+  return m
+end
+local function build(m, nowN)
+  local hs, low = {}, nil
+  for h, e in pairs(m) do
+    if e > nowN then
+      hs[#hs + 1] = h
+      if not low or e < low then low = e end
+    end
+  end
+  if not low then return '', 0 end
+  table.sort(hs)
+  for i, h in ipairs(hs) do hs[i] = ';' .. h .. ' ' .. string.format('%.0f', m[h]) end
+  return string.format('%.0f', low) .. table.concat(hs), #hs
+end
+local function lowest(s)
+  return tonumber(string.match(s, '^%d+')) or 0
+end
+local function hostsOf(s)
+  return (string.gsub(string.sub(s, (string.find(s, ';', 1, true))), ' %d+', ''))
+end
+local function lookup(s, m, h)
+  if m then return m[h] end
+  local p = string.find(s, ';' .. h .. ' ', 1, true)
+  if p then return tonumber(string.match(s, '^%d+', p + #h + 2)) end
+  return nil
+end
+`
+
+// queryLib walks the levels once. While every level so far has the same
+// holders as level 0, all live and none due a refresh (a system prompt
+// every pod holds), the candidates are level 0's string itself and a level
+// costs a string comparison. When that group breaks up, it goes to the
+// reply whole with the level its hosts reached, and the few that go on
+// are kept in a Lua table: a level identical to the one before changes
+// nothing; otherwise it is parsed (or, for a handful of
+// candidates, searched) and hosts that do not hold it live leave with
+// their run length. Holes stay exact because every level is looked at
+// until no candidate is left.
+//
+// Matched records whose expiry is older than staleBefore get their TTL
+// refreshed (the level is rewritten once for all its stale candidates, so
+// identical levels stay identical). Reply: the group (level 0's holder
+// list, or "" when there was none) and the length its hosts reached, then
+// "host\tlength\t..." for the hosts that went further, whose entry wins.
+// The group goes back as Redis stored it: Lua's pattern matching would
+// spend more on rewriting 64 records than the whole rest of the query,
+// and the Go side splits flat strings far more cheaply than nested arrays.
+const queryLib = holdersLib + `
+local function query(first, now, exp, ttl, stale, base)
+  local n = #KEYS - first + 1
+  if n <= 0 then return '', 0, '' end
+  local nowN, staleN, expN = tonumber(now), tonumber(stale), tonumber(exp)
+  local vals = redis.call('MGET', unpack(KEYS, first))
+  local res, touched, group = {}, {}, 0
+  local function refresh(i, hosts)
+    local m = parse(vals[i + 1])
+    local key = KEYS[first + i]
+    local hash = string.sub(key, #base + 4)
+    for _, h in ipairs(hosts) do
+      m[h] = expN
+      local ek = base .. ':e:' .. h
+      redis.call('ZADD', ek, 'XX', exp, hash)
+      redis.call('PEXPIRE', ek, ttl)
+      touched[h] = true
+    end
+    redis.call('SET', key, (build(m, nowN)), 'PX', ttl)
+  end
+  local s0 = vals[1]
+  if not s0 then return '', 0, '' end
+  local i = 1
+  local cands, nc, stl = {}, 0, {}
+  local prev = s0
+  if lowest(s0) > staleN then
+    local sig = nil
+    while i < n do
+      local s = vals[i + 1]
+      if s ~= s0 then
+        if not (s and lowest(s) > staleN) then break end
+        sig = sig or hostsOf(s0)
+        if hostsOf(s) ~= sig then break end
       end
       i = i + 1
     end
-    if c > 0 then cands = redis.call('ZRANGE', q, 0, -1) else cands = {} end
-    scratch('DEL', q)
-  else
-    cands = redis.call('ZRANGEBYSCORE', KEYS[first], live, '+inf')
-  end
-  if #cands > 0 and i < n then
-    local hs = {}
-    for l = i, n - 1 do hs[#hs + 1] = ARGV[hashArg + l] end
-    for _, host in ipairs(cands) do
-      local sc = redis.call('ZMSCORE', base .. ':e:' .. host, unpack(hs))
-      local len = n
-      for j = 1, #hs do
-        local s = sc[j] and tonumber(sc[j])
-        if not (s and s > nowN) then
-          len = i + j - 1
-          break
-        end
-        if s < staleN then
-          touch(first + i + j - 1, hs[j], host, exp, ttl, base)
-          touched[host] = true
+    if i == n then return s0, n, '' end
+    group = i
+    local s = vals[i + 1]
+    if s then
+      for h, e in pairs(parse(s)) do
+        if e > nowN and string.find(s0, ';' .. h .. ' ', 1, true) then
+          cands[h] = true
+          nc = nc + 1
+          if e < staleN then stl[#stl + 1] = h end
         end
       end
-      res[#res + 1] = host
-      res[#res + 1] = len
     end
+    prev = s
   else
-    for _, host in ipairs(cands) do
-      res[#res + 1] = host
-      res[#res + 1] = n
+    for h, e in pairs(parse(s0)) do
+      if e > nowN then
+        cands[h] = true
+        nc = nc + 1
+        if e < staleN then stl[#stl + 1] = h end
+      end
     end
+    i = 0
   end
-  for host in pairs(touched) do
-    redis.call('ZADD', base .. ':hosts', 'GT', exp, host)
+  if #stl > 0 then refresh(i, stl) end
+  i = i + 1
+  while i < n and nc > 0 do
+    local s = vals[i + 1]
+    if s ~= prev then
+      stl = {}
+      local m = nil
+      if s and nc > 4 then m = parse(s) end
+      for h in pairs(cands) do
+        local e = s and lookup(s, m, h)
+        if not (e and e > nowN) then
+          cands[h] = nil
+          nc = nc - 1
+          res[#res + 1] = h
+          res[#res + 1] = i
+        elseif e < staleN then
+          stl[#stl + 1] = h
+        end
+      end
+      prev = s
+    end
+    if #stl > 0 and nc > 0 then refresh(i, stl) end
+    i = i + 1
+  end
+  for h in pairs(cands) do
+    res[#res + 1] = h
+    res[#res + 1] = n
+  end
+  for h in pairs(touched) do
+    redis.call('ZADD', base .. ':hosts', 'GT', exp, h)
     redis.call('PEXPIRE', base .. ':hosts', ttl)
   end
-  return table.concat(res, '\t')
+  if group == 0 then return '', 0, table.concat(res, '\t') end
+  return s0, group, table.concat(res, '\t')
 end
 `
 
-// KEYS: h-keys. ARGV: now expiry ttl staleBefore base hashes...
+// KEYS: p-keys. ARGV: now expiry ttl staleBefore base.
+// Reply: {group, group length, rest}.
 const querySrc = queryLib + `
-return query(1, 6, ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5])
+return {query(1, ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5])}
 `
 
-// KEYS: lx lp lr lq h-keys. ARGV: now expiry ttl staleBefore base hashes...
-// Reply: {lr "host\tn\t...", lq likewise, cache likewise}.
+// KEYS: lx lp lr lq p-keys. ARGV: now expiry ttl staleBefore base.
+// Reply: {lr "host\tn\t...", lq likewise, cache group, group length, cache rest}.
 const routeSrc = leaseLib + queryLib + `
 local lx, lp, lr, lq = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 sweep(lx, lp, lr, lq, ARGV[1])
-return {table.concat(redis.call('HGETALL', lr), '\t'), table.concat(redis.call('HGETALL', lq), '\t'),
-  query(5, 6, ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5])}
+local g, gl, r = query(5, ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5])
+return {table.concat(redis.call('HGETALL', lr), '\t'), table.concat(redis.call('HGETALL', lq), '\t'), g, gl, r}
 `
 
 // KEYS: lx lp lr lq. ARGV: now. Reply: {lr "host\tn\t...", lq likewise}.
@@ -218,25 +262,46 @@ sweep(lx, lp, lr, lq, ARGV[1])
 return {table.concat(redis.call('HGETALL', lr), '\t'), table.concat(redis.call('HGETALL', lq), '\t')}
 `
 
-// wideAt is the holder count at which a hash's set is moved from the
-// compact listpack encoding (scanned linearly by every ZMSCORE) to the
-// hashed one: queries test many candidates against exactly these sets
-// (a system prompt every pod holds). Adding and removing a member longer
-// than zset-max-listpack-value converts the set for good.
-const wideAt = "16"
-
-// KEYS: e-key hosts-key h-keys. ARGV: now expiry ttl host hashes...
-const saveSrc = `
+// KEYS: e-key hosts-key p-keys. ARGV: now expiry ttl host hashes...
+//
+// A host saving a prefix it already holds (every request of a shared
+// system prompt does) gets its expiry replaced in place: the leading
+// minimum stays a valid lower bound because expiries only grow, so no
+// parse is needed. A new holder, a dead record or an expiry that went
+// backwards (replicas' clocks) takes the full rewrite, which also drops
+// the dead records and makes the minimum exact again.
+const saveSrc = holdersLib + `
 local ek, hk, host, exp, ttl = KEYS[1], KEYS[2], ARGV[4], ARGV[2], ARGV[3]
-local wide = string.rep('~', 65)
-for i = 3, #KEYS do
-  if redis.call('ZADD', KEYS[i], exp, host) == 1 and redis.call('ZCARD', KEYS[i]) == ` + wideAt + ` then
-    redis.call('ZADD', KEYS[i], 0, wide)
-    redis.call('ZREM', KEYS[i], wide)
+local nowN, expN = tonumber(ARGV[1]), tonumber(exp)
+local function hold(key)
+  local s = redis.call('GET', key)
+  if s then
+    local low = lowest(s)
+    if low > nowN and expN >= low then
+      local p = string.find(s, ';' .. host .. ' ', 1, true)
+      if p then
+        local a = p + #host + 2
+        local b = string.find(s, ';', a, true)
+        redis.call('SET', key, string.sub(s, 1, a - 1) .. exp .. (b and string.sub(s, b) or ''), 'PX', ttl)
+        return
+      end
+    end
   end
-  redis.call('ZREMRANGEBYSCORE', KEYS[i], '-inf', ARGV[1])
-  redis.call('PEXPIRE', KEYS[i], ttl)
-  redis.call('ZADD', ek, exp, ARGV[i + 2])
+  local m = parse(s)
+  m[host] = expN
+  redis.call('SET', key, (build(m, nowN)), 'PX', ttl)
+end
+-- One ZADD per 512 hashes rather than per hash (Lua's unpack stops at a
+-- few thousand values, and the API allows 4096 hashes).
+local batch = {}
+for i = 3, #KEYS do
+  hold(KEYS[i])
+  batch[#batch + 1] = exp
+  batch[#batch + 1] = ARGV[i + 2]
+  if #batch == 1024 or i == #KEYS then
+    redis.call('ZADD', ek, unpack(batch))
+    batch = {}
+  end
 end
 redis.call('ZREMRANGEBYSCORE', ek, '-inf', ARGV[1])
 redis.call('PEXPIRE', ek, ttl)
@@ -246,22 +311,39 @@ redis.call('PEXPIRE', hk, ttl)
 return 1
 `
 
-// KEYS: e-key hosts-key h-keys. ARGV: host hashes...
-const evictSrc = `
-local ek, hk, host = KEYS[1], KEYS[2], ARGV[1]
+// unholdLib removes one host from a prefix's holder list, deleting the
+// key when nobody is left.
+const unholdLib = holdersLib + `
+local function unhold(key, host, nowN)
+  local s = redis.call('GET', key)
+  if not s or not string.find(s, ';' .. host .. ' ', 1, true) then return end
+  local m = parse(s)
+  m[host] = nil
+  local v, c = build(m, nowN)
+  if c == 0 then
+    redis.call('DEL', key)
+  else
+    redis.call('SET', key, v, 'KEEPTTL')
+  end
+end
+`
+
+// KEYS: e-key hosts-key p-keys. ARGV: now host hashes...
+const evictSrc = unholdLib + `
+local ek, hk, host, nowN = KEYS[1], KEYS[2], ARGV[2], tonumber(ARGV[1])
 for i = 3, #KEYS do
-  redis.call('ZREM', KEYS[i], host)
-  redis.call('ZREM', ek, ARGV[i - 1])
+  unhold(KEYS[i], host, nowN)
+  redis.call('ZREM', ek, ARGV[i])
 end
 if redis.call('ZCARD', ek) == 0 then redis.call('ZREM', hk, host) end
 return 1
 `
 
-// KEYS: e-key hosts-key. ARGV: host base.
-const evictHostSrc = `
-local ek, hk, host, base = KEYS[1], KEYS[2], ARGV[1], ARGV[2]
+// KEYS: e-key hosts-key. ARGV: now host base.
+const evictHostSrc = unholdLib + `
+local ek, hk, host, base, nowN = KEYS[1], KEYS[2], ARGV[2], ARGV[3], tonumber(ARGV[1])
 local hs = redis.call('ZRANGE', ek, 0, -1)
-for _, h in ipairs(hs) do redis.call('ZREM', base .. ':h:' .. h, host) end
+for _, h in ipairs(hs) do unhold(base .. ':p:' .. h, host, nowN) end
 redis.call('DEL', ek)
 redis.call('ZREM', hk, host)
 return #hs

@@ -83,6 +83,7 @@ func Run(t *testing.T, f Factory) {
 		{"CacheLongestLeadingRun", testCacheLongestLeadingRun},
 		{"CacheEmptyAndUnknown", testCacheEmptyAndUnknown},
 		{"CacheManyHosts", testCacheManyHosts},
+		{"CacheSharedPrefix", testCacheSharedPrefix},
 		{"CacheTTLAndRefresh", testCacheTTLAndRefresh},
 		{"CacheEvict", testCacheEvict},
 		{"CacheEvictHost", testCacheEvictHost},
@@ -277,6 +278,59 @@ func testCacheLongestLeadingRun(e *env) {
 	e.wantCache(cl, hs, []api.CacheLocation{
 		{Host: hostC, Length: 6}, {Host: hostA, Length: 4}, {Host: hostB, Length: 2},
 	})
+}
+
+// testCacheSharedPrefix: a system prompt that every host holds, then the
+// ways a host can leave that group: a later re-save of part of it (same
+// holders, newer expiry), a hole right after level 0, an expired tail, and
+// conversations that go further, with and without a hole.
+func testCacheSharedPrefix(e *env) {
+	const nHosts = 20
+	hs := hashes("shared", 6)
+	host := func(i int) string { return fmt.Sprintf("10.3.0.%d:9000", i+1) }
+	for i := 0; i < nHosts; i++ {
+		e.must(e.st.SaveCache(e.ctx, cl, host(i), hs[:3]))
+	}
+	want := func(over map[int]int) []api.CacheLocation {
+		var out []api.CacheLocation
+		for i := 0; i < nHosts; i++ {
+			n, ok := over[i]
+			if !ok {
+				n = 3
+			}
+			if n > 0 {
+				out = append(out, api.CacheLocation{Host: host(i), Length: n})
+			}
+		}
+		store.SortLocations(out)
+		return out
+	}
+	e.wantCache(cl, hs, want(nil))
+	e.clock.Advance(cacheTTL / 2)
+	e.must(e.st.SaveCache(e.ctx, cl, host(1), hs[:2]))
+	e.wantCache(cl, hs, want(nil))
+	e.must(e.st.SaveCache(e.ctx, cl, host(2), hs))
+	e.must(e.st.SaveCache(e.ctx, cl, host(3), hs))
+	e.must(e.st.EvictCache(e.ctx, cl, host(3), hs[4:5]))
+	e.wantCache(cl, hs, want(map[int]int{2: 6, 3: 4}))
+	e.must(e.st.EvictCache(e.ctx, cl, host(4), hs[1:2]))
+	e.wantCache(cl, hs, want(map[int]int{2: 6, 3: 4, 4: 1}))
+	// Past the first saves' TTL: that query refreshed everything it
+	// matched, so only what it did not match ages out.
+	e.clock.Advance(cacheTTL/2 + time.Second)
+	e.wantCache(cl, hs, want(map[int]int{2: 6, 3: 4, 4: 1}))
+	e.clock.Advance(cacheTTL - time.Second)
+	e.must(e.st.SaveCache(e.ctx, cl, host(5), hs[:1]))
+	e.clock.Advance(2 * time.Second)
+	e.wantCache(cl, hs, want(func() map[int]int {
+		m := map[int]int{5: 1}
+		for i := 0; i < nHosts; i++ {
+			if i != 5 {
+				m[i] = 0
+			}
+		}
+		return m
+	}()))
 }
 
 // testCacheManyHosts: more holders than hashes, with holes and expired
