@@ -48,6 +48,20 @@ type State struct {
 	Rule    config.LBRule
 	// IntN returns a uniform int in [0, n); safe for concurrent use.
 	IntN func(n int) int
+
+	// floats is scratch for the built-in policies (Balancer.Choose pools it):
+	// past 64 hosts their stack buffers spill to the heap on every choice.
+	floats []float64
+}
+
+// scratch returns two float slices of length n, from s.floats when it is
+// big enough.
+func (s *State) scratch(n int) (a, b []float64) {
+	if cap(s.floats) < 2*n {
+		s.floats = make([]float64, 2*n)
+	}
+	f := s.floats[:2*n]
+	return f[:0:n], f[n : n : 2*n]
 }
 
 // Policy picks one of State.Hosts and returns its index.
@@ -83,7 +97,15 @@ type Balancer struct {
 	intn     func(int) int
 	policies map[string]Policy
 	tracker  *Tracker
-	hosts    sync.Pool // *[]Host: per-decision scratch, 2.5 KiB at 64 pods
+	scratch  sync.Pool // *chooseScratch: 2.5 KiB at 64 pods, per decision
+}
+
+// chooseScratch is what one Choose needs; the State is in it because a
+// policy is an interface, so &State would otherwise escape to the heap.
+type chooseScratch struct {
+	hosts  []Host
+	floats []float64
+	state  State
 }
 
 // New builds a balancer with the five built-in policies.
@@ -159,18 +181,18 @@ func (b *Balancer) Choose(cluster string, rule config.LBRule, cands []endpoints.
 	if err != nil {
 		return Choice{}, err
 	}
-	hp, _ := b.hosts.Get().(*[]Host)
-	if hp == nil {
-		hp = new([]Host)
+	sc, _ := b.scratch.Get().(*chooseScratch)
+	if sc == nil {
+		sc = new(chooseScratch)
 	}
-	hosts := slices.Grow((*hp)[:0], len(cands))[:len(cands)]
+	hosts := slices.Grow(sc.hosts[:0], len(cands))[:len(cands)]
 	b.tracker.fill(cluster, cands, view, blocks, hosts)
-	s := State{Cluster: cluster, Hosts: hosts, Rule: rule, IntN: b.intn}
-	i := p.Choose(&s)
+	sc.state = State{Cluster: cluster, Hosts: hosts, Rule: rule, IntN: b.intn, floats: sc.floats}
+	i := p.Choose(&sc.state)
 	ch := Choice{Host: hosts[i], Index: i, Candidates: len(hosts)}
 	clear(hosts) // do not pin endpoint addresses
-	*hp = hosts[:0]
-	b.hosts.Put(hp)
+	sc.hosts, sc.floats, sc.state = hosts[:0], sc.state.floats, State{}
+	b.scratch.Put(sc)
 	return ch, nil
 }
 
@@ -216,9 +238,14 @@ const tieEpsilon = 1e-9
 // pods strictly above T fill ranks 0..g-1 (each rank equally likely, so any
 // fixed order of them will do) and the pods at T share the remaining ranks.
 func pickTop(scores []float64, percent int, intn func(int) int) int {
+	var buf [64]float64
+	return pickTopBuf(scores, percent, intn, buf[:0])
+}
+
+// pickTopBuf is pickTop sorting a copy of the scores in buf.
+func pickTopBuf(scores []float64, percent int, intn func(int) int, buf []float64) int {
 	n := len(scores)
 	top := max(1, n*percent/100)
-	var buf [64]float64
 	sorted := append(buf[:0], scores...)
 	slices.Sort(sorted)
 	t := sorted[n-top]
@@ -254,9 +281,15 @@ type CacheAware struct{}
 func (CacheAware) NeedsMetadata() bool { return true }
 
 func (CacheAware) Choose(s *State) int {
-	var buf [64]float64
-	scores := Scores(s.Hosts, s.Rule, buf[:0])
-	return pickTop(scores, s.Rule.CandidatePercent, s.IntN)
+	var a, b []float64
+	if n := len(s.Hosts); n <= 64 {
+		var bufA, bufB [64]float64
+		a, b = bufA[:0], bufB[:0]
+	} else {
+		a, b = s.scratch(n)
+	}
+	scores := Scores(s.Hosts, s.Rule, a)
+	return pickTopBuf(scores, s.Rule.CandidatePercent, s.IntN, b)
 }
 
 // Random picks uniformly: a baseline.

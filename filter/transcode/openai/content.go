@@ -19,7 +19,18 @@ func unquote(lit []byte) string {
 	if bytes.IndexByte(b, '\\') < 0 && utf8.Valid(b) {
 		return string(b)
 	}
-	out := make([]byte, 0, len(b)+8)
+	out := appendUnquoted(make([]byte, 0, len(b)+8), lit)
+	// out is never written again: hand it over instead of copying it.
+	return unsafe.String(unsafe.SliceData(out), len(out))
+}
+
+// appendUnquoted appends the decoded string literal lit (with its quotes)
+// to out: unquote for callers that own a buffer.
+func appendUnquoted(out, lit []byte) []byte {
+	b := lit[1 : len(lit)-1]
+	if bytes.IndexByte(b, '\\') < 0 && utf8.Valid(b) {
+		return append(out, b...)
+	}
 	for i := 0; i < len(b); {
 		j := i + unqPlainRun(b[i:])
 		out = append(out, b[i:j]...)
@@ -69,8 +80,7 @@ func unquote(lit []byte) string {
 		}
 		i += 2
 	}
-	// out is never written again: hand it over instead of copying it.
-	return unsafe.String(unsafe.SliceData(out), len(out))
+	return out
 }
 
 // appendUTF8 appends run, replacing invalid UTF-8 with U+FFFD as

@@ -126,8 +126,12 @@ func (s *scanner) skipTyped(field, want string) error {
 }
 
 // decodeBody reads a request body in one pass (see scanner).
-func decodeBody(raw []byte) (*body, error) {
-	s := &scanner{b: raw}
+func decodeBody(raw []byte) (*body, error) { return decodeBodyTexts(raw, nil) }
+
+// decodeBodyTexts is decodeBody decoding prompt texts into *texts when it
+// is not nil (see scanner.texts).
+func decodeBodyTexts(raw []byte, texts *[]byte) (*body, error) {
+	s := &scanner{b: raw, texts: texts}
 	if s.peek() != '{' {
 		if _, err := s.skip(); err != nil {
 			return nil, err
@@ -172,6 +176,15 @@ func decodeBody(raw []byte) (*body, error) {
 }
 
 func (s *scanner) optString(dst **string, field string) error {
+	return s.optStr(dst, field, false)
+}
+
+// optText is optString for prompt text (see scanner.text).
+func (s *scanner) optText(dst **string, field string) error {
+	return s.optStr(dst, field, true)
+}
+
+func (s *scanner) optStr(dst **string, field string, text bool) error {
 	*dst = nil
 	if isNull, err := s.null(); isNull || err != nil {
 		return err
@@ -179,7 +192,13 @@ func (s *scanner) optString(dst **string, field string) error {
 	if s.peek() != '"' {
 		return s.skipTyped(field, "a string")
 	}
-	v, err := s.str()
+	var v string
+	var err error
+	if text {
+		v, err = s.text()
+	} else {
+		v, err = s.str()
+	}
 	if err != nil {
 		return err
 	}
@@ -286,7 +305,7 @@ func (s *scanner) content(field string) (content, error) {
 	case 'n':
 		return content{}, s.literal("null")
 	case '"':
-		v, err := s.str()
+		v, err := s.text()
 		return content{text: &v}, err
 	case '[':
 	default:
@@ -304,7 +323,7 @@ func (s *scanner) content(field string) (content, error) {
 			case "type":
 				return s.optString(&p.typ, pf+".type")
 			case "text":
-				return s.optString(&p.text, pf+".text")
+				return s.optText(&p.text, pf+".text")
 			case "image_url":
 				p.imageURL = nil
 				return s.subObject(pf+".image_url", map[string]**string{"url": &p.imageURL})
@@ -353,7 +372,7 @@ func (s *scanner) prompt() (*promptValue, error) {
 	case 'n':
 		return nil, s.literal("null")
 	case '"':
-		v, err := s.str()
+		v, err := s.text()
 		return &promptValue{text: v, batch: 1}, err
 	case '[':
 	default:
@@ -398,10 +417,13 @@ func (s *scanner) prompt() (*promptValue, error) {
 		switch {
 		case bad:
 		case shape == '"' && c == '"':
-			v, err := s.str()
-			if i == 0 {
-				p.text = v
+			if i > 0 {
+				// Only the first prompt of a batch is routed on.
+				_, _, err := s.rawString()
+				return err
 			}
+			v, err := s.text()
+			p.text = v
 			return err
 		case shape == '0':
 			return token(true)

@@ -11,6 +11,7 @@ package openai
 import (
 	"bytes"
 	"errors"
+	"slices"
 	"strings"
 
 	"github.com/istio-llm-filter/istio-llm-filter/filter/config"
@@ -59,6 +60,22 @@ func kindOf(path string) (transcode.Kind, bool) {
 
 // Parse implements transcode.Transcoder.
 func (t Transcoder) Parse(path string, raw []byte) (*transcode.Request, error) {
+	return t.ParseBuffered(path, raw, nil)
+}
+
+// ParseBuffered is Parse decoding the prompt texts (message contents, text
+// parts, the completion prompt) into *texts, appended, instead of into
+// fresh strings; nil texts is Parse. The Request's strings then alias
+// *texts: the caller must neither change nor reuse that memory while it
+// reads the Request, and must not keep the strings past that. The engine
+// passes a pooled buffer that it recycles after its decision: the texts
+// were two thirds of a decision's garbage, and garbage sets its tail.
+func (t Transcoder) ParseBuffered(path string, raw []byte, texts *[]byte) (*transcode.Request, error) {
+	if texts != nil {
+		// Decoded texts are at most the body's size unless invalid UTF-8
+		// grows into U+FFFD; growing mid-parse is still safe (scanner.text).
+		*texts = slices.Grow(*texts, len(raw))
+	}
 	kind, ok := kindOf(path)
 	if !ok {
 		return nil, transcode.NotFound("unsupported path %q: only chat/completions and completions are routed", path)
@@ -66,7 +83,7 @@ func (t Transcoder) Parse(path string, raw []byte) (*transcode.Request, error) {
 	if len(bytes.TrimLeft(raw, " \t\r\n")) == 0 {
 		return nil, transcode.BadRequest("empty request body")
 	}
-	b, err := decodeBody(raw)
+	b, err := decodeBodyTexts(raw, texts)
 	if err != nil {
 		var te *typeError
 		switch {

@@ -3,6 +3,9 @@ package openai
 import (
 	"fmt"
 	"strconv"
+	"unicode/utf16"
+	"unicode/utf8"
+	"unsafe"
 )
 
 // scanner is a single-pass JSON reader for request bodies. encoding/json
@@ -17,6 +20,9 @@ type scanner struct {
 	b     []byte
 	i     int
 	depth int
+	// texts, when set, receives the decoded prompt texts (see text and
+	// Transcoder.ParseBuffered).
+	texts *[]byte
 }
 
 // maxDepth bounds nesting, so hostile bodies cannot exhaust the stack.
@@ -132,6 +138,118 @@ func (s *scanner) str() (string, error) {
 	return unquote(raw), nil
 }
 
+// text decodes a string literal of prompt text. With a texts buffer the
+// result aliases it (see Transcoder.ParseBuffered); later appends never
+// write over it: they write past it, or into a new array when growing.
+func (s *scanner) text() (string, error) {
+	if s.texts == nil {
+		return s.str()
+	}
+	start := len(*s.texts)
+	out, err := s.decodeString(*s.texts)
+	if err != nil {
+		*s.texts = out[:start]
+		return "", err
+	}
+	*s.texts = out
+	t := out[start:]
+	if len(t) == 0 {
+		return "", nil
+	}
+	return unsafe.String(unsafe.SliceData(t), len(t)), nil
+}
+
+// decodeString is rawString and appendUnquoted in one pass: it scans a
+// string literal and appends its decoded value to out, with the same
+// results and errors (at the same offsets) as the two. Prompt text is most
+// of a body, and reading it twice was two fifths of a decision.
+func (s *scanner) decodeString(out []byte) ([]byte, error) {
+	if s.peek() != '"' {
+		return out, s.unexpected()
+	}
+	s.i++
+	b := s.b
+	for s.i < len(b) {
+		i := s.i + strPlainRun(b[s.i:])
+		out = append(out, b[s.i:i]...)
+		s.i = i
+		if i >= len(b) {
+			break
+		}
+		switch c := b[i]; {
+		case c == '"':
+			s.i++
+			return out, nil
+		case c == '\\':
+			s.i++
+			if s.i >= len(b) {
+				return out, s.fail("unexpected end of JSON input")
+			}
+			switch e := b[s.i]; e {
+			case '"', '\\', '/':
+				out = append(out, e)
+			case 'b':
+				out = append(out, '\b')
+			case 'f':
+				out = append(out, '\f')
+			case 'n':
+				out = append(out, '\n')
+			case 'r':
+				out = append(out, '\r')
+			case 't':
+				out = append(out, '\t')
+			case 'u':
+				if s.i+4 >= len(b) {
+					return out, s.fail("unexpected end of JSON input")
+				}
+				if !allHex(b[s.i+1 : s.i+5]) {
+					return out, s.fail("invalid \\u escape")
+				}
+				r := hex4(b[s.i+1:])
+				s.i += 5
+				if utf16.IsSurrogate(r) {
+					// A pair only if a well-formed \u follows; a malformed one
+					// is left for the next round to refuse.
+					r2 := rune(-1)
+					if s.i+6 <= len(b) && b[s.i] == '\\' && b[s.i+1] == 'u' && allHex(b[s.i+2:s.i+6]) {
+						r2 = hex4(b[s.i+2:])
+					}
+					if dec := utf16.DecodeRune(r, r2); dec != utf8.RuneError {
+						s.i += 6
+						r = dec
+					} else {
+						r = utf8.RuneError
+					}
+				}
+				out = utf8.AppendRune(out, r)
+				continue
+			default:
+				return out, s.fail("invalid escape \\%c", b[s.i])
+			}
+			s.i++
+		case c < 0x20:
+			return out, s.fail("control character in string")
+		default: // a run of non-ASCII: one validity check and one copy
+			j := i + 1
+			for j < len(b) && b[j] >= utf8.RuneSelf {
+				j++
+			}
+			out = appendUTF8(out, b[i:j])
+			s.i = j
+		}
+	}
+	return out, s.fail("unexpected end of JSON input")
+}
+
+func allHex(b []byte) bool {
+	for _, c := range b {
+		if !isHex(c) {
+			return false
+		}
+	}
+	return true
+}
+
 func (s *scanner) literal(lit string) error {
 	if len(s.b)-s.i < len(lit) || string(s.b[s.i:s.i+len(lit)]) != lit {
 		return s.unexpected()
@@ -239,12 +357,59 @@ func (s *scanner) object(fn func(key string) error) error {
 	}
 }
 
-// keyString decodes an object key (short: the copy is cheap).
+// keyString decodes an object key. The keys the decoder reads come back
+// as constants: a request has a dozen of them, each otherwise a small
+// allocation (comparing with string(b) does not allocate).
 func keyString(raw []byte, slow bool) string {
-	if !slow {
-		return string(raw[1 : len(raw)-1])
+	if slow {
+		return unquote(raw)
 	}
-	return unquote(raw)
+	switch k := raw[1 : len(raw)-1]; string(k) {
+	case "model":
+		return "model"
+	case "stream":
+		return "stream"
+	case "messages":
+		return "messages"
+	case "role":
+		return "role"
+	case "content":
+		return "content"
+	case "type":
+		return "type"
+	case "text":
+		return "text"
+	case "name":
+		return "name"
+	case "prompt":
+		return "prompt"
+	case "lora":
+		return "lora"
+	case "label_selector":
+		return "label_selector"
+	case "tool_calls":
+		return "tool_calls"
+	case "tool_call_id":
+		return "tool_call_id"
+	case "image_url":
+		return "image_url"
+	case "url":
+		return "url"
+	case "input_audio":
+		return "input_audio"
+	case "data":
+		return "data"
+	case "format":
+		return "format"
+	case "file":
+		return "file"
+	case "file_data":
+		return "file_data"
+	case "file_id":
+		return "file_id"
+	default:
+		return string(k)
+	}
 }
 
 // array calls fn for each element with the scanner before it.
