@@ -44,12 +44,12 @@ filter-so:
 
 ## bench: every routing policy side by side on 8 simulated workers (docs/benchmarks.md)
 bench: build
-	$(GO) run ./bench/cmd/bench --engine sim --workers 8 --rate 4 --out bench/out/sim
+	$(GO) run ./bench/cmd/bench --engine sim --workers 8 --rate 2 --out bench/out/sim
 
 ## bench-llama: the same on 3 real llama.cpp workers with the tiny model
 bench-llama: build $(MODEL)
-	$(GO) run ./bench/cmd/bench --engine llama --workers 3 --model $(MODEL) --rate 2 \
-		--worker-args "--threads 1" --out bench/out/llama
+	$(GO) run ./bench/cmd/bench --engine llama --workers 3 --model $(MODEL) --rate 3 \
+		--worker-args "--threads 1 --n-ctx 16384" --out bench/out/llama
 
 clean:
 	rm -rf $(BIN) var

@@ -49,22 +49,34 @@ type Spec struct {
 // Kinds lists the workloads Generate knows, in report order.
 var Kinds = []string{"shared-prefix", "multi-turn", "no-sharing", "hot-prompt"}
 
-// Defaults fills unset sizes with values that fit the tiny model's context.
+// Defaults fills unset sizes with the workload's own defaults. They are
+// chosen against the prompt hash's 512-byte blocks: shared parts span whole
+// blocks (a router can only see shared prefixes block by block), and every
+// kind's longest prompt fits the workers' context with several running.
 func (s Spec) Defaults() Spec {
 	def := func(v *int, d int) {
 		if *v <= 0 {
 			*v = d
 		}
 	}
-	def(&s.Systems, 4)
-	def(&s.Users, 4)
-	def(&s.Questions, 4)
-	def(&s.Sessions, 16)
-	def(&s.Turns, 4)
-	def(&s.Requests, 64)
-	def(&s.SystemBytes, 1536)
-	def(&s.UserBytes, 512)
-	def(&s.QuestionBytes, 96)
+	switch s.Kind {
+	case "shared-prefix": // a RAG-style shared document, a user's history, a short question
+		def(&s.Systems, 2)
+		def(&s.Users, 4)
+		def(&s.Questions, 32)
+		def(&s.SystemBytes, 2048)
+		def(&s.UserBytes, 1024)
+		def(&s.QuestionBytes, 64)
+	case "multi-turn": // long conversations: each turn resends the whole history
+		def(&s.Sessions, 16)
+		def(&s.Turns, 12)
+		def(&s.SystemBytes, 1024)
+		def(&s.UserBytes, 256)
+	default: // no-sharing, hot-prompt
+		def(&s.Requests, 128)
+		def(&s.SystemBytes, 1024)
+		def(&s.QuestionBytes, 96)
+	}
 	if s.Seed == 0 {
 		s.Seed = 1
 	}

@@ -49,20 +49,21 @@ func run(ctx context.Context, args []string) error {
 		policies    = fs.String("policies", "cache_aware,round_robin,random,least_request,prefix_only", "policies to compare")
 		workloads   = fs.String("workloads", strings.Join(workload.Kinds, ","), "workloads to run")
 		concurrency = fs.Int("concurrency", 0, "sessions in flight at once (0: Poisson arrivals at --rate)")
-		rate        = fs.Float64("rate", 4, "Poisson session arrival rate per second (when --concurrency is 0)")
+		rate        = fs.Float64("rate", 2, "Poisson session arrival rate per second (when --concurrency is 0)")
 		maxTokens   = fs.Int("max-tokens", 16, "output tokens per request (fixed with ignore_eos)")
 		seed        = fs.Uint64("seed", 1, "workload and arrival seed")
 		spec        workload.Spec
 	)
-	fs.IntVar(&spec.Systems, "systems", 4, "shared-prefix: system prompts")
-	fs.IntVar(&spec.Users, "users", 4, "shared-prefix: users per system prompt")
-	fs.IntVar(&spec.Questions, "questions", 8, "shared-prefix: questions per user")
-	fs.IntVar(&spec.Sessions, "sessions", 16, "multi-turn: conversations")
-	fs.IntVar(&spec.Turns, "turns", 12, "multi-turn: turns per conversation")
-	fs.IntVar(&spec.Requests, "requests", 128, "no-sharing / hot-prompt: requests")
-	fs.IntVar(&spec.SystemBytes, "system-bytes", 1024, "system prompt length (bytes = tokens on byte-level vocabularies)")
-	fs.IntVar(&spec.UserBytes, "user-bytes", 256, "user context / turn length")
-	fs.IntVar(&spec.QuestionBytes, "question-bytes", 96, "question length")
+	// Sizes default to 0: each workload's own defaults (workload.Spec.Defaults).
+	fs.IntVar(&spec.Systems, "systems", 0, "shared-prefix: system prompts (default 2)")
+	fs.IntVar(&spec.Users, "users", 0, "shared-prefix: users per system prompt (default 4)")
+	fs.IntVar(&spec.Questions, "questions", 0, "shared-prefix: questions per user (default 32)")
+	fs.IntVar(&spec.Sessions, "sessions", 0, "multi-turn: conversations (default 16)")
+	fs.IntVar(&spec.Turns, "turns", 0, "multi-turn: turns per conversation (default 12)")
+	fs.IntVar(&spec.Requests, "requests", 0, "no-sharing / hot-prompt: requests (default 128)")
+	fs.IntVar(&spec.SystemBytes, "system-bytes", 0, "system prompt bytes (= tokens on byte-level vocabularies); default 2048 shared-prefix, else 1024")
+	fs.IntVar(&spec.UserBytes, "user-bytes", 0, "user history (shared-prefix, default 1024) / turn (multi-turn, default 256) bytes")
+	fs.IntVar(&spec.QuestionBytes, "question-bytes", 0, "question bytes (default 64 shared-prefix, else 96)")
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
