@@ -47,19 +47,12 @@ func appendUnquoted(out, lit []byte) []byte {
 			i = j
 			continue
 		}
-		switch e := b[i+1]; e {
-		case '"', '\\', '/':
-			out = append(out, e)
-		case 'b':
-			out = append(out, '\b')
-		case 'f':
-			out = append(out, '\f')
-		case 'n':
-			out = append(out, '\n')
-		case 'r':
-			out = append(out, '\r')
-		case 't':
-			out = append(out, '\t')
+		if c, ok := unescapeByte(b[i+1]); ok {
+			out = append(out, c)
+			i += 2
+			continue
+		}
+		switch b[i+1] {
 		case 'u':
 			r := hex4(b[i+2:])
 			i += 6
@@ -81,6 +74,26 @@ func appendUnquoted(out, lit []byte) []byte {
 		i += 2
 	}
 	return out
+}
+
+// unescapeByte maps the one-byte JSON escapes (\" \\ \/ \b \f \n \r \t)
+// to the byte they stand for.
+func unescapeByte(e byte) (byte, bool) {
+	switch e {
+	case '"', '\\', '/':
+		return e, true
+	case 'b':
+		return '\b', true
+	case 'f':
+		return '\f', true
+	case 'n':
+		return '\n', true
+	case 'r':
+		return '\r', true
+	case 't':
+		return '\t', true
+	}
+	return 0, false
 }
 
 // appendUTF8 appends run, replacing invalid UTF-8 with U+FFFD as

@@ -185,48 +185,37 @@ func (s *scanner) decodeString(out []byte) ([]byte, error) {
 			if s.i >= len(b) {
 				return out, s.fail("unexpected end of JSON input")
 			}
-			switch e := b[s.i]; e {
-			case '"', '\\', '/':
-				out = append(out, e)
-			case 'b':
-				out = append(out, '\b')
-			case 'f':
-				out = append(out, '\f')
-			case 'n':
-				out = append(out, '\n')
-			case 'r':
-				out = append(out, '\r')
-			case 't':
-				out = append(out, '\t')
-			case 'u':
-				if s.i+4 >= len(b) {
-					return out, s.fail("unexpected end of JSON input")
-				}
-				if !allHex(b[s.i+1 : s.i+5]) {
-					return out, s.fail("invalid \\u escape")
-				}
-				r := hex4(b[s.i+1:])
-				s.i += 5
-				if utf16.IsSurrogate(r) {
-					// A pair only if a well-formed \u follows; a malformed one
-					// is left for the next round to refuse.
-					r2 := rune(-1)
-					if s.i+6 <= len(b) && b[s.i] == '\\' && b[s.i+1] == 'u' && allHex(b[s.i+2:s.i+6]) {
-						r2 = hex4(b[s.i+2:])
-					}
-					if dec := utf16.DecodeRune(r, r2); dec != utf8.RuneError {
-						s.i += 6
-						r = dec
-					} else {
-						r = utf8.RuneError
-					}
-				}
-				out = utf8.AppendRune(out, r)
+			if c, ok := unescapeByte(b[s.i]); ok {
+				out = append(out, c)
+				s.i++
 				continue
-			default:
+			}
+			if b[s.i] != 'u' {
 				return out, s.fail("invalid escape \\%c", b[s.i])
 			}
-			s.i++
+			if s.i+4 >= len(b) {
+				return out, s.fail("unexpected end of JSON input")
+			}
+			if !allHex(b[s.i+1 : s.i+5]) {
+				return out, s.fail("invalid \\u escape")
+			}
+			r := hex4(b[s.i+1:])
+			s.i += 5
+			if utf16.IsSurrogate(r) {
+				// A pair only if a well-formed \u follows; a malformed one
+				// is left for the next round to refuse.
+				r2 := rune(-1)
+				if s.i+6 <= len(b) && b[s.i] == '\\' && b[s.i+1] == 'u' && allHex(b[s.i+2:s.i+6]) {
+					r2 = hex4(b[s.i+2:])
+				}
+				if dec := utf16.DecodeRune(r, r2); dec != utf8.RuneError {
+					s.i += 6
+					r = dec
+				} else {
+					r = utf8.RuneError
+				}
+			}
+			out = utf8.AppendRune(out, r)
 		case c < 0x20:
 			return out, s.fail("control character in string")
 		default: // a run of non-ASCII: one validity check and one copy
