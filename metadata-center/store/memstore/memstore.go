@@ -195,16 +195,19 @@ func (s *Store) AddLease(_ context.Context, clusterName, host, id string, prompt
 	return nil
 }
 
+// findHost returns a host of a cluster, nil if either is unknown.
+func (s *Store) findHost(clusterName, host string) *hostState {
+	if c := s.clusters[clusterName]; c != nil {
+		return c.lookup(host)
+	}
+	return nil
+}
+
 func (s *Store) findLease(clusterName, host, id string) *lease {
-	c := s.clusters[clusterName]
-	if c == nil {
-		return nil
+	if h := s.findHost(clusterName, host); h != nil {
+		return h.leases[id]
 	}
-	h := c.lookup(host)
-	if h == nil {
-		return nil
-	}
-	return h.leases[id]
+	return nil
 }
 
 // FirstToken implements store.Store.
@@ -455,11 +458,7 @@ func (s *Store) touchEntries(stale []*entry, now int64) {
 func (s *Store) EvictCache(_ context.Context, clusterName, host string, hashes []store.Hash) error {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	c := s.clusters[clusterName]
-	if c == nil {
-		return nil
-	}
-	h := c.lookup(host)
+	h := s.findHost(clusterName, host)
 	if h == nil {
 		return nil
 	}
@@ -475,11 +474,7 @@ func (s *Store) EvictCache(_ context.Context, clusterName, host string, hashes [
 func (s *Store) EvictHost(_ context.Context, clusterName, host string) error {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	c := s.clusters[clusterName]
-	if c == nil {
-		return nil
-	}
-	h := c.lookup(host)
+	h := s.findHost(clusterName, host)
 	if h == nil {
 		return nil
 	}
