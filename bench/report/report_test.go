@@ -94,6 +94,9 @@ func TestRenderings(t *testing.T) {
 		t.Fatalf("bar chart has %d rects, want 9", n)
 	}
 	mustParseXML(t, svg.Bytes())
+	if strings.Contains(svg.String(), `stroke="white"`) {
+		t.Fatal("no bar is an outlier, yet the chart draws a break mark")
+	}
 	svg.Reset()
 	if err := CDF(&svg, "TTFT CDF", "ms", map[string][]float64{"a": {3, 1, 2}, "b": {5}}, []string{"a", "b"}); err != nil {
 		t.Fatal(err)
@@ -102,6 +105,27 @@ func TestRenderings(t *testing.T) {
 		t.Fatalf("CDF has %d lines, want 2", n)
 	}
 	mustParseXML(t, svg.Bytes())
+}
+
+func TestBarChartClipsAnOutlier(t *testing.T) {
+	r := sampleRun()
+	r.Summaries = append(r.Summaries, Summary{Workload: "shared-prefix", Policy: "prefix_only", TTFT: Percentiles{P90: 100000}})
+	var svg bytes.Buffer
+	if err := r.BarChart(&svg, "TTFT p90", "ms", func(s Summary) float64 { return s.TTFT.P90 }); err != nil {
+		t.Fatal(err)
+	}
+	out := svg.String()
+	mustParseXML(t, svg.Bytes())
+	// shared-prefix's median bar is 90 ms, so its axis stops at 3×90 → 500,
+	// and the 100 s bar is drawn clipped with its value written on it.
+	for _, want := range []string{">500</text>", ">100k</text>", `stroke="white"`, "prefix_only: 100000.00 ms"} {
+		if !strings.Contains(out, want) {
+			t.Errorf("clipped chart lacks %q", want)
+		}
+	}
+	if got := panelMax([]float64{60, 100, 80}, 3); got != 100 {
+		t.Errorf("panelMax without outlier = %v, want 100", got)
+	}
 }
 
 func mustParseXML(t *testing.T, b []byte) {

@@ -11,42 +11,90 @@ import (
 // palette gives each policy a stable, distinguishable colour.
 var palette = []string{"#1b9e77", "#d95f02", "#7570b3", "#e7298a", "#66a61e", "#e6ab02", "#a6761d", "#666666"}
 
-// BarChart plots one metric (chosen by value) for every workload × policy as
-// grouped bars, e.g. TTFT p90 per policy for each workload.
+// BarChart plots one metric (chosen by value) for every workload × policy:
+// one panel per workload, each with its own y axis, because workloads differ
+// by orders of magnitude (a hot prompt's TTFT is milliseconds, a herded
+// shared prefix's is minutes). A panel's axis stops at clipFactor × its median
+// bar so that one runaway policy does not flatten the others; a clipped bar
+// is drawn to the top with a break mark, and every bar carries its value.
 func (r Run) BarChart(w io.Writer, title, unit string, value func(Summary) float64) error {
+	const clipFactor = 3.0
 	wls, pols := r.Workloads(), r.Policies()
-	const width, height, left, right, top, bottom = 900.0, 420.0, 70.0, 170.0, 40.0, 60.0
-	plotW, plotH := width-left-right, height-top-bottom
-	max := 0.0
-	for _, s := range r.Summaries {
-		max = math.Max(max, value(s))
-	}
-	if max == 0 {
-		max = 1
-	}
-	max = niceCeil(max)
+	const panelW, height, left, right, top, bottom = 230.0, 420.0, 60.0, 170.0, 50.0, 60.0
+	width := left + panelW*float64(len(wls)) + right
+	plotH := height - top - bottom
 	var b strings.Builder
 	header(&b, width, height, title)
-	axes(&b, left, top, plotW, plotH, max, unit)
-	groupW := plotW / float64(len(wls))
-	barW := groupW * 0.8 / float64(len(pols))
+	fmt.Fprintf(&b, `<text x="18" y="%.1f" transform="rotate(-90 18 %.1f)" text-anchor="middle" font-size="12">%s</text>`+"\n", top+plotH/2, top+plotH/2, esc(unit))
 	for gi, wl := range wls {
-		x0 := left + float64(gi)*groupW + groupW*0.1
+		var vals []float64
+		for _, p := range pols {
+			if s, ok := r.find(wl, p); ok {
+				vals = append(vals, value(s))
+			}
+		}
+		max := panelMax(vals, clipFactor)
+		x0 := left + float64(gi)*panelW
+		plotW := panelW - 40
+		axes(&b, x0, top, plotW, plotH, max)
+		barW := plotW * 0.9 / float64(len(pols))
 		for pi, p := range pols {
 			s, ok := r.find(wl, p)
 			if !ok {
 				continue
 			}
-			h := value(s) / max * plotH
+			v := value(s)
+			h := math.Min(v, max) / max * plotH
+			x := x0 + plotW*0.05 + float64(pi)*barW
 			fmt.Fprintf(&b, `<rect x="%.1f" y="%.1f" width="%.1f" height="%.1f" fill="%s"><title>%s %s: %.2f %s</title></rect>`+"\n",
-				x0+float64(pi)*barW, top+plotH-h, barW*0.92, h, palette[pi%len(palette)], wl, p, value(s), unit)
+				x, top+plotH-h, barW*0.9, h, palette[pi%len(palette)], esc(wl), esc(p), v, esc(unit))
+			if v > max { // break mark: two white slashes across the bar's top
+				for _, dy := range []float64{10, 16} {
+					fmt.Fprintf(&b, `<line x1="%.1f" y1="%.1f" x2="%.1f" y2="%.1f" stroke="white" stroke-width="2"/>`+"\n",
+						x-1, top+dy+3, x+barW*0.9+1, top+dy-3)
+				}
+			}
+			fmt.Fprintf(&b, `<text x="%.1f" y="%.1f" text-anchor="end" font-size="10" transform="rotate(-90 %.1f %.1f)">%s</text>`+"\n",
+				x+barW*0.45+3, top+plotH-h-4, x+barW*0.45+3, top+plotH-h-4, shortNum(v))
 		}
-		fmt.Fprintf(&b, `<text x="%.1f" y="%.1f" text-anchor="middle" font-size="13">%s</text>`+"\n", x0+groupW*0.4, top+plotH+22, esc(wl))
+		fmt.Fprintf(&b, `<text x="%.1f" y="%.1f" text-anchor="middle" font-size="13">%s</text>`+"\n", x0+plotW/2, top+plotH+22, esc(wl))
 	}
 	legend(&b, width-right+15, top, pols)
 	b.WriteString("</svg>\n")
 	_, err := io.WriteString(w, b.String())
 	return err
+}
+
+// panelMax is a panel's axis top: the largest value, or clip × the median
+// when the largest is further out than that, rounded up to a readable tick.
+func panelMax(vals []float64, clip float64) float64 {
+	if len(vals) == 0 {
+		return 1
+	}
+	s := append([]float64(nil), vals...)
+	sort.Float64s(s)
+	max := s[len(s)-1]
+	if med := Quantile(s, 0.5); med > 0 && max > clip*med {
+		max = clip * med
+	}
+	if max <= 0 {
+		return 1
+	}
+	return niceCeil(max)
+}
+
+// shortNum prints a bar's value compactly: 3159 → "3.2k", 91.7 → "91.7".
+func shortNum(v float64) string {
+	switch {
+	case v >= 10000:
+		return fmt.Sprintf("%.0fk", v/1000)
+	case v >= 1000:
+		return fmt.Sprintf("%.1fk", v/1000)
+	case v >= 100:
+		return fmt.Sprintf("%.0f", v)
+	default:
+		return fmt.Sprintf("%.1f", v)
+	}
 }
 
 // CDF plots the empirical distribution of a per-request latency for each
@@ -100,15 +148,14 @@ func header(b *strings.Builder, w, h float64, title string) {
 	fmt.Fprintf(b, `<text x="%.1f" y="24" text-anchor="middle" font-size="16">%s</text>`+"\n", w/2, esc(title))
 }
 
-func axes(b *strings.Builder, left, top, plotW, plotH, max float64, unit string) {
+func axes(b *strings.Builder, left, top, plotW, plotH, max float64) {
 	fmt.Fprintf(b, `<line x1="%.1f" y1="%.1f" x2="%.1f" y2="%.1f" stroke="black"/>`+"\n", left, top+plotH, left+plotW, top+plotH)
 	fmt.Fprintf(b, `<line x1="%.1f" y1="%.1f" x2="%.1f" y2="%.1f" stroke="black"/>`+"\n", left, top, left, top+plotH)
 	for i := 0; i <= 5; i++ {
 		y := top + plotH - plotH*float64(i)/5
 		fmt.Fprintf(b, `<line x1="%.1f" y1="%.1f" x2="%.1f" y2="%.1f" stroke="#ddd"/>`+"\n", left, y, left+plotW, y)
-		fmt.Fprintf(b, `<text x="%.1f" y="%.1f" text-anchor="end" font-size="11">%g</text>`+"\n", left-6, y+4, max*float64(i)/5)
+		fmt.Fprintf(b, `<text x="%.1f" y="%.1f" text-anchor="end" font-size="11">%s</text>`+"\n", left-4, y+4, shortNum(max*float64(i)/5))
 	}
-	fmt.Fprintf(b, `<text x="18" y="%.1f" transform="rotate(-90 18 %.1f)" text-anchor="middle" font-size="12">%s</text>`+"\n", top+plotH/2, top+plotH/2, esc(unit))
 }
 
 func legend(b *strings.Builder, x, y float64, names []string) {

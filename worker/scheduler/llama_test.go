@@ -258,6 +258,48 @@ func BenchmarkTTFT(b *testing.B) {
 	}
 }
 
+// BenchmarkTTFTCrowded measures time to first token when the KV cache
+// already holds other conversations (idle cache entries, as on a busy pod):
+// llama.cpp's unified cache attends over every used cell up to the highest
+// one and masks out other sequences' cells, so without flash attention each
+// token's attention costs grow with what the pod keeps cached, not with its
+// own context. The CPU flash-attention kernel skips masked cells.
+func BenchmarkTTFTCrowded(b *testing.B) {
+	for _, fa := range []bool{false, true} {
+		for _, warm := range []bool{false, true} {
+			b.Run(fmt.Sprintf("flash=%v/%s", fa, map[bool]string{false: "cold", true: "warm"}[warm]), func(b *testing.B) {
+				threads, _ := strconv.Atoi(os.Getenv("LLMF_THREADS"))
+				eng, err := llama.Open(llama.Config{ModelPath: benchModel(b), NCtx: 16384, NSeqMax: 8, Threads: threads, FlashAttention: fa})
+				if err != nil {
+					b.Fatal(err)
+				}
+				b.Cleanup(func() { eng.Close() })
+				s := startSched(b, eng, Config{})
+				// Four other conversations fill ~10k of the 16k cells.
+				for i := range 4 {
+					collect(b, s, &Request{ID: fmt.Sprint("other", i), Prompt: tokenize(b, eng, history(2600, fmt.Sprint("other", i))), MaxTokens: 1})
+				}
+				hist := tokenize(b, eng, history(2600, "bench"))
+				if warm {
+					collect(b, s, &Request{ID: "history", Prompt: hist, MaxTokens: 1})
+				}
+				var ttft time.Duration
+				b.ResetTimer()
+				for i := range b.N {
+					p := hist
+					if !warm {
+						p = tokenize(b, eng, history(2600, fmt.Sprint("cold", i)))
+					}
+					p = append(slices.Clone(p), tokenize(b, eng, fmt.Sprintf("<|im_start|>user\nnew question %d?<|im_end|>\n<|im_start|>assistant\n", i))[1:]...)
+					_, res := collect(b, s, &Request{ID: fmt.Sprint("q", i), Prompt: p, MaxTokens: 1})
+					ttft += res.TTFT
+				}
+				b.ReportMetric(float64(ttft.Microseconds())/1000/float64(b.N), "ms/ttft")
+			})
+		}
+	}
+}
+
 // BenchmarkDecode measures generated tokens per second with 1, 4 and 8
 // sequences decoding together (short prompts, 64 tokens each).
 func BenchmarkDecode(b *testing.B) {

@@ -123,17 +123,23 @@ func run(ctx context.Context, args []string) error {
 			run.Summaries = append(run.Summaries, sum)
 			fmt.Fprintf(os.Stderr, "\r%s: TTFT p90 %.1f ms, success %.0f%%, cache hit %.0f%%, imbalance %.2f\n",
 				label, sum.TTFT.P90, 100*sum.SuccessRate, 100*sum.CacheHitRate, sum.Imbalance)
+			// Rewrite every output after each pair: a long real-compute run
+			// can be read (and survives an interrupt) while it goes on.
+			if err := writeOutputs(*out, run, raw); err != nil {
+				return err
+			}
+			if err := writeFile(filepath.Join(*out, "ttft_cdf_"+wl+".svg"), func(w *os.File) error {
+				return report.CDF(w, "TTFT distribution — "+wl, "TTFT (ms)", ttfts, pols)
+			}); err != nil {
+				return err
+			}
 			if ctx.Err() != nil {
 				return ctx.Err()
 			}
 		}
-		if err := writeFile(filepath.Join(*out, "ttft_cdf_"+wl+".svg"), func(w *os.File) error {
-			return report.CDF(w, "TTFT distribution — "+wl, "TTFT (ms)", ttfts, pols)
-		}); err != nil {
-			return err
-		}
 	}
-	return writeOutputs(*out, run, raw)
+	fmt.Fprintf(os.Stderr, "wrote %s/{report.md,summary.json,results.json,*.svg}\n", *out)
+	return nil
 }
 
 func writeOutputs(out string, run report.Run, raw []report.Result) error {
@@ -153,7 +159,6 @@ func writeOutputs(out string, run report.Run, raw []report.Result) error {
 			return err
 		}
 	}
-	fmt.Fprintf(os.Stderr, "wrote %s/{report.md,summary.json,results.json,*.svg}\n", out)
 	return nil
 }
 
