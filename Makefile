@@ -10,6 +10,7 @@ export CGO_CXXFLAGS := -O3 -march=$(LLMF_MARCH)
 GO       ?= go
 BIN      := bin
 MODEL    ?= var/models/tiny.gguf
+BENCH_MODEL ?= var/models/bench.gguf
 
 .PHONY: run test vet fmt-check model build filter-so bench bench-llama clean
 
@@ -46,10 +47,13 @@ filter-so:
 bench: build
 	$(GO) run ./bench/cmd/bench --engine sim --workers 8 --rate 2 --out bench/out/sim
 
-## bench-llama: the same on 3 real llama.cpp workers with the tiny model
-bench-llama: build $(MODEL)
-	$(GO) run ./bench/cmd/bench --engine llama --workers 3 --model $(MODEL) --rate 3 \
-		--worker-args "--threads 1 --n-ctx 16384" --out bench/out/llama
+## bench-llama: the same on 3 real llama.cpp workers with the bench-preset model (~75 min)
+bench-llama: build $(BENCH_MODEL)
+	./scripts/bench-llama.sh $(BENCH_MODEL) bench/out/llama
+
+$(BENCH_MODEL):
+	@mkdir -p $(dir $@)
+	$(GO) run ./worker/cmd/mkmodel --preset bench --out $@
 
 clean:
 	rm -rf $(BIN) var

@@ -120,3 +120,38 @@ func writeKV(b *strings.Builder, title string, m map[string]string) {
 	}
 	b.WriteString("\n\n")
 }
+
+// Merge joins runs made separately (one per workload, say, when each needs
+// its own arrival rate) into one for a single report. A setting that differs
+// between runs is kept per workload: "rate": "shared-prefix 1, multi-turn 0.5".
+func Merge(runs ...Run) Run {
+	if len(runs) == 0 {
+		return Run{}
+	}
+	out := Run{Title: runs[0].Title, Started: runs[0].Started, Machine: runs[0].Machine, Settings: map[string]string{}}
+	keys := map[string]bool{}
+	for _, r := range runs {
+		out.Summaries = append(out.Summaries, r.Summaries...)
+		for k := range r.Settings {
+			keys[k] = true
+		}
+	}
+	for k := range keys {
+		var per []string
+		same := true
+		for _, r := range runs {
+			v, ok := r.Settings[k]
+			if !ok {
+				v = "-"
+			}
+			same = same && v == runs[0].Settings[k]
+			per = append(per, strings.Join(r.Workloads(), "+")+" "+v)
+		}
+		if same {
+			out.Settings[k] = runs[0].Settings[k]
+		} else {
+			out.Settings[k] = strings.Join(per, ", ")
+		}
+	}
+	return out
+}

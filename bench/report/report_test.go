@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"encoding/xml"
 	"math"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -139,5 +140,22 @@ func mustParseXML(t *testing.T, b []byte) {
 			}
 			t.Fatalf("svg is not well-formed XML: %v", err)
 		}
+	}
+}
+
+func TestMergeKeepsDifferingSettingsPerWorkload(t *testing.T) {
+	a := Run{Title: "t", Settings: map[string]string{"rate": "1", "workers": "3"},
+		Summaries: []Summary{{Workload: "shared-prefix", Policy: "cache_aware"}}}
+	b := Run{Settings: map[string]string{"rate": "0.5", "workers": "3"},
+		Summaries: []Summary{{Workload: "multi-turn", Policy: "cache_aware"}, {Workload: "multi-turn", Policy: "round_robin"}}}
+	m := Merge(a, b)
+	if len(m.Summaries) != 3 || m.Title != "t" {
+		t.Fatalf("merged %d summaries, title %q", len(m.Summaries), m.Title)
+	}
+	if m.Settings["workers"] != "3" || m.Settings["rate"] != "shared-prefix 1, multi-turn 0.5" {
+		t.Fatalf("settings %v", m.Settings)
+	}
+	if !slices.Equal(m.Workloads(), []string{"shared-prefix", "multi-turn"}) {
+		t.Fatalf("workloads %v", m.Workloads())
 	}
 }

@@ -54,8 +54,12 @@ func (r Run) BarChart(w io.Writer, title, unit string, value func(Summary) float
 						x-1, top+dy+3, x+barW*0.9+1, top+dy-3)
 				}
 			}
-			fmt.Fprintf(&b, `<text x="%.1f" y="%.1f" text-anchor="end" font-size="10" transform="rotate(-90 %.1f %.1f)">%s</text>`+"\n",
-				x+barW*0.45+3, top+plotH-h-4, x+barW*0.45+3, top+plotH-h-4, shortNum(v))
+			labelY, fill := top+plotH-h-4, "black"
+			if v > max {
+				labelY, fill = top+32, "white"
+			}
+			fmt.Fprintf(&b, `<text x="%.1f" y="%.1f" text-anchor="middle" font-size="10" fill="%s">%s</text>`+"\n",
+				x+barW*0.45, labelY, fill, shortNum(v))
 		}
 		fmt.Fprintf(&b, `<text x="%.1f" y="%.1f" text-anchor="middle" font-size="13">%s</text>`+"\n", x0+plotW/2, top+plotH+22, esc(wl))
 	}

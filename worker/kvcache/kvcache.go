@@ -4,11 +4,12 @@
 // sequence (InUse, never evicted) or the cells a finished request left behind
 // under its seq id, kept so that a later request sharing a token prefix skips
 // that part of prefill (seed 004; llama-server keeps idle slots the same way).
-// The manager finds the entry with the longest common token prefix, orders
-// idle entries by last use for LRU eviction (seed 000: by items or bytes past
-// threshold x limit), and keeps per-hash reference counts of the prompt hashes
-// each entry was routed under, so that evicting an entry reports to the
-// metadata center only the hashes no remaining entry still holds.
+// The manager finds the entry with the longest common token prefix, picks
+// idle entries to evict by last use, redundant copies of a shared prefix
+// first (seed 000: LRU, by items or bytes past threshold x limit), and keeps
+// per-hash reference counts of the prompt hashes each entry was routed under,
+// so that evicting an entry reports to the metadata center only the hashes no
+// remaining entry still holds.
 //
 // Counting is logical: an entry of n tokens counts n items even when part of
 // its cells are shared with another entry through KvCacheSeqCp, so Items and
@@ -22,6 +23,7 @@ package kvcache
 import (
 	"errors"
 	"fmt"
+	"slices"
 )
 
 // Entry is one sequence's cells: Tokens[i] sits at position i of seq Seq.
@@ -218,19 +220,48 @@ func commonPrefix(a, b []int) int {
 	return n
 }
 
-// LRU returns the least recently used idle entry other than the excluded ids,
-// or nil if there is none.
-func (m *Manager) LRU(exclude ...string) *Entry {
-	var v *Entry
+// Victim returns the idle entry to evict next, other than the excluded ids,
+// or nil if there is none: the least recently used among the redundant
+// entries if any, else the least recently used of all. An entry is redundant
+// when another entry holds at least three quarters of its tokens as a common
+// prefix: evicting it frees a seq id while the shared part (a document, a
+// user's history) stays cached. Plain LRU would drop the last holder of a
+// prefix as readily as one of its twenty copies: many questions about one
+// document leave many entries that differ only in their last few tokens.
+func (m *Manager) Victim(exclude ...string) *Entry {
+	held := m.heldElsewhere()
+	var lru, redundant *Entry
 	for _, e := range m.entries {
 		if e.InUse || contains(exclude, e.ID) {
 			continue
 		}
-		if v == nil || e.lastUse < v.lastUse {
-			v = e
+		if lru == nil || e.lastUse < lru.lastUse {
+			lru = e
+		}
+		if 4*held[e] >= 3*len(e.Tokens) && (redundant == nil || e.lastUse < redundant.lastUse) {
+			redundant = e
 		}
 	}
-	return v
+	if redundant != nil {
+		return redundant
+	}
+	return lru
+}
+
+// heldElsewhere gives, for every entry, the longest prefix of its tokens
+// that some other entry also holds. In lexicographic order an entry's
+// longest common prefix with any other is the one with a neighbour, so this
+// is a sort and one pass rather than all pairs.
+func (m *Manager) heldElsewhere() map[*Entry]int {
+	all := m.Entries()
+	slices.SortFunc(all, func(a, b *Entry) int { return slices.Compare(a.Tokens, b.Tokens) })
+	held := make(map[*Entry]int, len(all))
+	for i := 1; i < len(all); i++ {
+		n := commonPrefix(all[i-1].Tokens, all[i].Tokens)
+		held[all[i-1]] = max(held[all[i-1]], n)
+		held[all[i]] = max(held[all[i]], n)
+	}
+	return held
 }
 
 func contains(ss []string, s string) bool {
@@ -279,13 +310,13 @@ type Eviction struct {
 	Freed []uint64
 }
 
-// EvictOverThreshold removes idle entries, least recently used first, until
+// EvictOverThreshold removes idle entries in Victim order until
 // usage is back under the threshold or nothing idle is left. Running entries
 // are never touched, so usage may stay above the threshold.
 func (m *Manager) EvictOverThreshold() []Eviction {
 	var out []Eviction
 	for m.OverThreshold() {
-		v := m.LRU()
+		v := m.Victim()
 		if v == nil {
 			break
 		}

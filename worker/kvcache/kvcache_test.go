@@ -99,8 +99,40 @@ func TestEvictionIsLRUAndSparesRunning(t *testing.T) {
 	if _, ok := m.Get("running"); !ok || !m.OverThreshold() {
 		t.Fatal("running entry evicted, or usage fell without it")
 	}
-	if m.LRU() != nil {
-		t.Fatal("LRU returned the running entry")
+	if m.Victim() != nil {
+		t.Fatal("Victim returned the running entry")
+	}
+}
+
+func TestVictimPrefersRedundantCopiesOfASharedPrefix(t *testing.T) {
+	m := mustNew(t, Limits{Threshold: 0.8})
+	doc := toks(100, 0)
+	withTail := func(tail int) []int { return append(slices.Clone(doc), toks(10, tail)...) }
+	// Oldest first: a lone conversation, then three questions about one
+	// document (same 100 tokens, different 10-token tails), then another lone one.
+	m.Add(&Entry{ID: "lone-old", Tokens: toks(50, 1000)})
+	m.Add(&Entry{ID: "doc-q1", Tokens: withTail(2000)})
+	m.Add(&Entry{ID: "doc-q2", Tokens: withTail(3000)})
+	m.Add(&Entry{ID: "doc-q3", Tokens: withTail(4000)})
+	m.Add(&Entry{ID: "lone-new", Tokens: toks(50, 5000)})
+	var order []string
+	for v := m.Victim(); v != nil; v = m.Victim() {
+		order = append(order, v.ID)
+		m.Remove(v.ID)
+	}
+	// The document's copies go oldest first until one is left; that one is
+	// then ordinary LRU among the rest.
+	want := []string{"doc-q1", "doc-q2", "lone-old", "doc-q3", "lone-new"}
+	if !slices.Equal(order, want) {
+		t.Fatalf("eviction order %v, want %v", order, want)
+	}
+	m.Add(&Entry{ID: "a", Tokens: withTail(1)})
+	m.Add(&Entry{ID: "b", Tokens: withTail(2), InUse: true})
+	if v := m.Victim(); v == nil || v.ID != "a" {
+		t.Fatalf("a prefix a running entry holds makes the idle copy redundant; got %v", v)
+	}
+	if v := m.Victim("a"); v != nil {
+		t.Fatalf("excluded and running entries are not victims; got %v", v.ID)
 	}
 }
 

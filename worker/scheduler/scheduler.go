@@ -325,7 +325,7 @@ func (s *Scheduler) bind(t *task) bool {
 		s.kv.Add(&kvcache.Entry{ID: id, Seq: seq, Tokens: slices.Clone(t.toks[:reuse]), Hashes: t.req.Hashes, InUse: true})
 	}
 	switch {
-	case e != nil && reuse > 0 && !e.InUse && (n == len(e.Tokens) || (s.pool.Free() == 0 && s.kv.LRU(e.ID) == nil)):
+	case e != nil && reuse > 0 && !e.InUse && (n == len(e.Tokens) || (s.pool.Free() == 0 && s.kv.Victim(e.ID) == nil)):
 		// The entry is wholly a prefix of this prompt (a conversation's
 		// next turn), or it is the only thing that could make room: take
 		// its seq id over and drop its divergent tail.
@@ -378,7 +378,7 @@ func (s *Scheduler) acquire(owner string, keep ...string) (int, bool) {
 		if !errors.Is(err, seqpool.ErrExhausted) {
 			panic(err)
 		}
-		v := s.kv.LRU(keep...)
+		v := s.kv.Victim(keep...)
 		if v == nil {
 			return -1, false
 		}
@@ -479,7 +479,7 @@ func (s *Scheduler) step(spans []engine.Span, tasks []*task) {
 			}
 			return
 		}
-		if v := s.kv.LRU(); v != nil {
+		if v := s.kv.Victim(); v != nil {
 			s.evict(v, "kv_full")
 			continue
 		}

@@ -179,6 +179,37 @@ func TestSharedPrefixIsCopiedAndTheEntryStays(t *testing.T) {
 	})
 }
 
+func TestScarceSeqIDsEvictCopiesBeforeTheLastHolderOfAPrefix(t *testing.T) {
+	// Four seq ids. Document A has one cached question (the oldest entry),
+	// document B two. When a stranger needs a seq id, plain LRU would drop A's
+	// only holder; one of B's copies goes instead and A stays reusable.
+	r := newRig(t, sim.Config{NSeqMax: 4}, Config{}, true)
+	doc := func(name string) []int {
+		return prompt(r.eng, "<|im_start|>system\n"+strings.Repeat("a long shared document "+name+". ", 20)+"<|im_end|>\n")
+	}
+	docA, docB := doc("A"), doc("B")
+	ask := func(id string, d []int, q string) *Result {
+		p := append(slices.Clone(d), prompt(r.eng, q)[1:]...)
+		_, res := run(t, r, context.Background(), &Request{ID: id, Prompt: p, MaxTokens: 2})
+		return res
+	}
+	ask("a1", docA, "first question")
+	ask("b1", docB, "first question")
+	ask("b2", docB, "second question")
+	ask("lone1", prompt(r.eng, "an unrelated conversation"), "hello")
+	ask("lone2", prompt(r.eng, "another unrelated one"), "hello") // needs an id: evicts
+	r.inspect(t, func(v View) {
+		_, hasA1 := v.KV.Get("a1")
+		_, hasB1 := v.KV.Get("b1")
+		if !hasA1 || hasB1 {
+			t.Errorf("after the eviction a1 present %v (want true), b1 present %v (want false)", hasA1, hasB1)
+		}
+	})
+	if res := ask("a2", docA, "second question"); res.CachedTokens < len(docA) {
+		t.Fatalf("document A reused %d tokens, want its %d", res.CachedTokens, len(docA))
+	}
+}
+
 func TestQueueFullIs429(t *testing.T) {
 	r := newRig(t, sim.Config{}, Config{MaxQueue: 2, MaxRunning: 1}, false)
 	p := prompt(r.eng, "x")

@@ -52,6 +52,7 @@ func run(ctx context.Context, args []string) error {
 		rate        = fs.Float64("rate", 2, "Poisson session arrival rate per second (when --concurrency is 0)")
 		maxTokens   = fs.Int("max-tokens", 16, "output tokens per request (fixed with ignore_eos)")
 		seed        = fs.Uint64("seed", 1, "workload and arrival seed")
+		merge       = fs.String("merge", "", "instead of running: join the outputs of earlier runs (comma-separated directories) into --out")
 		spec        workload.Spec
 	)
 	// Sizes default to 0: each workload's own defaults (workload.Spec.Defaults).
@@ -66,6 +67,9 @@ func run(ctx context.Context, args []string) error {
 	fs.IntVar(&spec.QuestionBytes, "question-bytes", 0, "question bytes (default 64 shared-prefix, else 96)")
 	if err := fs.Parse(args); err != nil {
 		return err
+	}
+	if *merge != "" {
+		return mergeRuns(split(*merge), *out)
 	}
 	if *engine == "llama" && *model == "" {
 		return fmt.Errorf("--engine llama needs --model")
@@ -139,6 +143,40 @@ func run(ctx context.Context, args []string) error {
 		}
 	}
 	fmt.Fprintf(os.Stderr, "wrote %s/{report.md,summary.json,results.json,*.svg}\n", *out)
+	return nil
+}
+
+// mergeRuns joins the summaries and per-request results of earlier runs and
+// writes the joint report, tables and bar charts (the CDFs stay per run).
+func mergeRuns(dirs []string, out string) error {
+	var runs []report.Run
+	var raw []report.Result
+	for _, d := range dirs {
+		var r report.Run
+		var rs []report.Result
+		if err := readJSON(filepath.Join(d, "summary.json"), &r); err != nil {
+			return err
+		}
+		if err := readJSON(filepath.Join(d, "results.json"), &rs); err != nil {
+			return err
+		}
+		runs, raw = append(runs, r), append(raw, rs...)
+	}
+	if err := writeOutputs(out, report.Merge(runs...), raw); err != nil {
+		return err
+	}
+	fmt.Fprintf(os.Stderr, "merged %d runs into %s\n", len(runs), out)
+	return nil
+}
+
+func readJSON(path string, v any) error {
+	b, err := os.ReadFile(path)
+	if err != nil {
+		return err
+	}
+	if err := json.Unmarshal(b, v); err != nil {
+		return fmt.Errorf("%s: %w", path, err)
+	}
 	return nil
 }
 

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Every routing policy on 3 real llama.cpp workers (one thread each) with the
+# bench-preset model: one bench run per workload, because real compute needs
+# per-workload sizes and arrival rates that keep the fleet busy but not
+# swamped (round_robin at roughly 60% of capacity once caches are warm).
+# At the end the four runs are merged into one report and chart in OUTDIR.
+# Usage: scripts/bench-llama.sh MODEL OUTDIR   (make bench-llama)
+set -euo pipefail
+model=${1:?model}
+out=${2:?output directory}
+bench=(go run ./bench/cmd/bench --engine llama --workers 3 --model "$model" --worker-args "--threads 1")
+"${bench[@]}" --workloads shared-prefix --rate 1 --out "$out/shared-prefix"
+"${bench[@]}" --workloads multi-turn --sessions 12 --turns 8 --rate 0.5 --out "$out/multi-turn"
+"${bench[@]}" --workloads no-sharing --requests 64 --rate 0.5 --out "$out/no-sharing"
+"${bench[@]}" --workloads hot-prompt --requests 64 --rate 0.5 --out "$out/hot-prompt"
+"${bench[@]}" --merge "$out/shared-prefix,$out/multi-turn,$out/no-sharing,$out/hot-prompt" --out "$out"
+echo "results: $out/report.md (CDFs in $out/*/)"
