@@ -228,46 +228,24 @@ func BenchmarkTTFT(b *testing.B) {
 	for _, name := range []string{"llama", "sim"} {
 		mk := benchEngines()[name]
 		for _, warm := range []bool{false, true} {
-			mode := map[bool]string{false: "cold", true: "warm"}[warm]
-			b.Run(name+"/"+mode, func(b *testing.B) {
+			b.Run(name+"/"+ttftMode(warm), func(b *testing.B) {
 				eng := mk(b, 8)
-				s := startSched(b, eng, Config{})
-				hist := tokenize(b, eng, history(2600, "bench"))
-				if warm {
-					collect(b, s, &Request{ID: "history", Prompt: hist, MaxTokens: 1})
-				}
-				var ttft time.Duration
-				var cached int
-				b.ResetTimer()
-				for i := range b.N {
-					p := hist
-					if !warm {
-						// A different first message: nothing to reuse.
-						p = tokenize(b, eng, history(2600, fmt.Sprint("cold", i)))
-					}
-					p = append(slices.Clone(p), tokenize(b, eng, fmt.Sprintf("<|im_start|>user\nnew question %d?<|im_end|>\n<|im_start|>assistant\n", i))[1:]...)
-					_, res := collect(b, s, &Request{ID: fmt.Sprint("q", i), Prompt: p, MaxTokens: 1})
-					ttft += res.TTFT
-					cached += res.CachedTokens
-				}
-				b.ReportMetric(float64(ttft.Microseconds())/1000/float64(b.N), "ms/ttft")
-				b.ReportMetric(float64(cached)/float64(b.N), "cached-tokens")
-				b.ReportMetric(float64(len(hist)), "history-tokens")
+				benchTTFT(b, eng, startSched(b, eng, Config{}), warm)
 			})
 		}
 	}
 }
 
-// BenchmarkTTFTCrowded measures time to first token when the KV cache
-// already holds other conversations (idle cache entries, as on a busy pod):
-// llama.cpp's unified cache attends over every used cell up to the highest
-// one and masks out other sequences' cells, so without flash attention each
-// token's attention costs grow with what the pod keeps cached, not with its
-// own context. The CPU flash-attention kernel skips masked cells.
+// BenchmarkTTFTCrowded is BenchmarkTTFT on a KV cache that already holds
+// other conversations (idle entries, as on a busy pod). llama.cpp's unified
+// cache attends over every used cell up to the highest one and masks out
+// other sequences' cells, so with the default kernel a token's attention
+// cost grows with everything the pod keeps cached, not with its own
+// context; the CPU flash-attention kernel skips masked cells.
 func BenchmarkTTFTCrowded(b *testing.B) {
 	for _, fa := range []bool{false, true} {
 		for _, warm := range []bool{false, true} {
-			b.Run(fmt.Sprintf("flash=%v/%s", fa, map[bool]string{false: "cold", true: "warm"}[warm]), func(b *testing.B) {
+			b.Run(fmt.Sprintf("flash=%v/%s", fa, ttftMode(warm)), func(b *testing.B) {
 				threads, _ := strconv.Atoi(os.Getenv("LLMF_THREADS"))
 				eng, err := llama.Open(llama.Config{ModelPath: benchModel(b), NCtx: 16384, NSeqMax: 8, Threads: threads, FlashAttention: fa})
 				if err != nil {
@@ -279,25 +257,38 @@ func BenchmarkTTFTCrowded(b *testing.B) {
 				for i := range 4 {
 					collect(b, s, &Request{ID: fmt.Sprint("other", i), Prompt: tokenize(b, eng, history(2600, fmt.Sprint("other", i))), MaxTokens: 1})
 				}
-				hist := tokenize(b, eng, history(2600, "bench"))
-				if warm {
-					collect(b, s, &Request{ID: "history", Prompt: hist, MaxTokens: 1})
-				}
-				var ttft time.Duration
-				b.ResetTimer()
-				for i := range b.N {
-					p := hist
-					if !warm {
-						p = tokenize(b, eng, history(2600, fmt.Sprint("cold", i)))
-					}
-					p = append(slices.Clone(p), tokenize(b, eng, fmt.Sprintf("<|im_start|>user\nnew question %d?<|im_end|>\n<|im_start|>assistant\n", i))[1:]...)
-					_, res := collect(b, s, &Request{ID: fmt.Sprint("q", i), Prompt: p, MaxTokens: 1})
-					ttft += res.TTFT
-				}
-				b.ReportMetric(float64(ttft.Microseconds())/1000/float64(b.N), "ms/ttft")
+				benchTTFT(b, eng, s, warm)
 			})
 		}
 	}
+}
+
+func ttftMode(warm bool) string { return map[bool]string{false: "cold", true: "warm"}[warm] }
+
+// benchTTFT asks b.N new questions after a ~2.6k-token history, served once
+// first when warm, and reports the mean time to first token.
+func benchTTFT(b *testing.B, eng engine.Engine, s *Scheduler, warm bool) {
+	hist := tokenize(b, eng, history(2600, "bench"))
+	if warm {
+		collect(b, s, &Request{ID: "history", Prompt: hist, MaxTokens: 1})
+	}
+	var ttft time.Duration
+	var cached int
+	b.ResetTimer()
+	for i := range b.N {
+		p := hist
+		if !warm {
+			// A different first message: nothing to reuse.
+			p = tokenize(b, eng, history(2600, fmt.Sprint("cold", i)))
+		}
+		p = append(slices.Clone(p), tokenize(b, eng, fmt.Sprintf("<|im_start|>user\nnew question %d?<|im_end|>\n<|im_start|>assistant\n", i))[1:]...)
+		_, res := collect(b, s, &Request{ID: fmt.Sprint("q", i), Prompt: p, MaxTokens: 1})
+		ttft += res.TTFT
+		cached += res.CachedTokens
+	}
+	b.ReportMetric(float64(ttft.Microseconds())/1000/float64(b.N), "ms/ttft")
+	b.ReportMetric(float64(cached)/float64(b.N), "cached-tokens")
+	b.ReportMetric(float64(len(hist)), "history-tokens")
 }
 
 // BenchmarkDecode measures generated tokens per second with 1, 4 and 8
