@@ -10,10 +10,18 @@
 //	delta = max(2, maxReqs−minReqs); W2' = W2·delta/5 when delta > 5
 //
 // sorted descending, then a uniform pick among the top
-// max(1, n·candidate_percent/100). Two things are added on top: ties are
-// broken at random (equal scores do not pile onto the first pod listed), and
+// max(1, n·candidate_percent/100). Three things are added on top: ties are
+// broken at random (equal scores do not pile onto the first pod listed);
 // reqs/prompt include requests this gateway routed but the metadata center
-// has not yet been told of (Tracker), so a burst between updates spreads out.
+// has not yet been told of (Tracker), so a burst between updates spreads out;
+// and a pod's prompt term counts the request's own prefill there,
+// L·(1−cacheRatio), so that it weighs the prefill standing before the
+// request's first token on that pod. The seed's term counts only others'
+// pending prefill: a pod that holds the prefix but has just started a cold
+// prompt then scores the full penalty, and the request goes to an idle pod
+// where it prefills all L itself — on a real fleet that duplicated cold work
+// cost more than the queueing it avoided (docs/benchmarks.md). The seed's
+// worked example still picks B with it.
 package balancer
 
 import (
@@ -46,6 +54,8 @@ type State struct {
 	Cluster string
 	Hosts   []Host
 	Rule    config.LBRule
+	// PromptLength is the request's prompt size (bytes, like Host.Prompt).
+	PromptLength int64
 	// IntN returns a uniform int in [0, n); safe for concurrent use.
 	IntN func(n int) int
 
@@ -171,9 +181,15 @@ type Choice struct {
 	Candidates int
 }
 
+// Request is what a policy knows of the request being routed.
+type Request struct {
+	Blocks       int   // prompt hash blocks (for cache ratios)
+	PromptLength int64 // prompt bytes
+}
+
 // Choose picks a candidate with the rule's policy. cands must already be
-// filtered; blocks is the number of prompt hash blocks (for cache ratios).
-func (b *Balancer) Choose(cluster string, rule config.LBRule, cands []endpoints.Endpoint, view View, blocks int) (Choice, error) {
+// filtered.
+func (b *Balancer) Choose(cluster string, rule config.LBRule, cands []endpoints.Endpoint, view View, req Request) (Choice, error) {
 	if len(cands) == 0 {
 		return Choice{}, ErrNoEndpoint
 	}
@@ -186,8 +202,8 @@ func (b *Balancer) Choose(cluster string, rule config.LBRule, cands []endpoints.
 		sc = new(chooseScratch)
 	}
 	hosts := slices.Grow(sc.hosts[:0], len(cands))[:len(cands)]
-	b.tracker.fill(cluster, cands, view, blocks, hosts)
-	sc.state = State{Cluster: cluster, Hosts: hosts, Rule: rule, IntN: b.intn, floats: sc.floats}
+	b.tracker.fill(cluster, cands, view, req.Blocks, hosts)
+	sc.state = State{Cluster: cluster, Hosts: hosts, Rule: rule, PromptLength: req.PromptLength, IntN: b.intn, floats: sc.floats}
 	i := p.Choose(&sc.state)
 	ch := Choice{Host: hosts[i], Index: i, Candidates: len(hosts)}
 	clear(hosts) // do not pin endpoint addresses
@@ -196,17 +212,20 @@ func (b *Balancer) Choose(cluster string, rule config.LBRule, cands []endpoints.
 	return ch, nil
 }
 
-// Scores computes the seed 002 §4 score of every host.
-func Scores(hosts []Host, rule config.LBRule, out []float64) []float64 {
+// Scores computes the seed 002 §4 score of every host, with each host's
+// prompt term counting promptLen·(1−cacheRatio) of its own for the request
+// (promptLen 0: the seed's score exactly).
+func Scores(hosts []Host, rule config.LBRule, promptLen int64, out []float64) []float64 {
 	out = out[:0]
 	if len(hosts) == 0 {
 		return out
 	}
-	minReqs, maxReqs, maxPrompt := hosts[0].Reqs, hosts[0].Reqs, int64(0)
+	prompt := func(h Host) float64 { return float64(h.Prompt) + float64(promptLen)*(1-h.CacheRatio) }
+	minReqs, maxReqs, maxPrompt := hosts[0].Reqs, hosts[0].Reqs, 0.0
 	for _, h := range hosts {
 		minReqs = min(minReqs, h.Reqs)
 		maxReqs = max(maxReqs, h.Reqs)
-		maxPrompt = max(maxPrompt, h.Prompt)
+		maxPrompt = max(maxPrompt, prompt(h))
 	}
 	delta := float64(max(2, maxReqs-minReqs))
 	w2 := rule.RequestLoadWeight
@@ -217,7 +236,7 @@ func Scores(hosts []Host, rule config.LBRule, out []float64) []float64 {
 	for _, h := range hosts {
 		s := rule.CacheRatioWeight*h.CacheRatio - w2*float64(h.Reqs-minReqs)/delta
 		if maxPrompt > 0 {
-			s -= rule.PrefillLoadWeight * float64(h.Prompt) / float64(maxPrompt)
+			s -= rule.PrefillLoadWeight * prompt(h) / maxPrompt
 		}
 		out = append(out, s)
 	}
@@ -288,7 +307,7 @@ func (CacheAware) Choose(s *State) int {
 	} else {
 		a, b = s.scratch(n)
 	}
-	scores := Scores(s.Hosts, s.Rule, a)
+	scores := Scores(s.Hosts, s.Rule, s.PromptLength, a)
 	return pickTopBuf(scores, s.Rule.CandidatePercent, s.IntN, b)
 }
 

@@ -26,6 +26,31 @@ func seededIntN(seed uint64) func(int) int {
 	}
 }
 
+// A pod that holds the whole prefix but is prefilling someone's cold prompt
+// of the same size, against an idle pod that holds nothing: in both the
+// request waits for about one prompt's prefill before its first token, and
+// only the idle pod makes the fleet prefill it twice. The seed's prompt term
+// sees only the others' pending prefill and sends it to the idle pod.
+func TestOwnPrefillKeepsAFollowerOnThePodThatHoldsItsPrefix(t *testing.T) {
+	hosts := []Host{
+		{Address: "holder", Reqs: 1, Prompt: 3000, CacheRatio: 1},
+		{Address: "idle", Reqs: 0, Prompt: 0, CacheRatio: 0},
+	}
+	seed := Scores(hosts, seedRule, 0, nil)
+	if seed[1] <= seed[0] {
+		t.Fatalf("seed score %v: expected the idle pod to win without the request's own prefill", seed)
+	}
+	own := Scores(hosts, seedRule, 3000, nil)
+	if own[0] <= own[1] {
+		t.Fatalf("scores with own prefill %v: want the holder", own)
+	}
+	// When the holder's queue is much longer than the prompt, going elsewhere wins again.
+	hosts[0].Prompt = 12000
+	if s := Scores(hosts, seedRule, 3000, nil); s[1] <= s[0] {
+		t.Fatalf("scores %v: a holder four prompts deep should lose to an idle pod", s)
+	}
+}
+
 func near(a, b float64) bool { return math.Abs(a-b) < 1e-9 }
 
 // TestSeedWorkedExample is seed 002 §4 step 5: pods A/B/C with
@@ -44,7 +69,7 @@ func TestSeedWorkedExample(t *testing.T) {
 		{Address: "B", Reqs: 2, Prompt: 1024, CacheRatio: 0.67},
 		{Address: "C", Reqs: 5, Prompt: 2048, CacheRatio: 0.33},
 	}
-	s := Scores(rounded, seedRule, nil)
+	s := Scores(rounded, seedRule, 0, nil)
 	if !near(s[0], -4.2) || !near(s[1], 0.59) || !near(s[2], -1.44) {
 		t.Fatalf("seed-rounded scores = %v, want [-4.2 0.59 -1.44]", s)
 	}
@@ -61,7 +86,7 @@ func TestSeedWorkedExample(t *testing.T) {
 	}
 	var hosts [3]Host
 	NewTracker().fill("c", cands, view, 3, hosts[:])
-	exact := Scores(hosts[:], seedRule, nil)
+	exact := Scores(hosts[:], seedRule, 0, nil)
 	if !near(exact[0], -4.2) || !near(exact[1], 2.0*2/3-0.75) || !near(exact[2], 2.0/3-0.6-1.5) {
 		t.Fatalf("exact scores = %v", exact)
 	}
@@ -70,34 +95,43 @@ func TestSeedWorkedExample(t *testing.T) {
 	}
 	for seed := uint64(0); seed < 200; seed++ {
 		b := New(Options{IntN: seededIntN(seed)})
-		ch, err := b.Choose("c", seedRule, cands, view, 3)
+		ch, err := b.Choose("c", seedRule, cands, view, Request{Blocks: 3})
 		if err != nil || ch.Host.Address != "10.0.1.2:8000" {
 			t.Fatalf("seed %d: chose %+v %v, want pod B", seed, ch, err)
 		}
 		if !near(ch.Host.CacheRatio, 2.0/3) {
 			t.Fatalf("cache ratio %v", ch.Host.CacheRatio)
 		}
+	}	// With the request's own prefill in the prompt term (3 blocks of 512
+	// bytes, 2 and 1 of them cached on B and C) the scores move
+	// (A −4.2, B 0.515, C −1.57) and B is still the choice.
+	for seed := uint64(0); seed < 50; seed++ {
+		ch, err := New(Options{IntN: seededIntN(seed)}).Choose("c", seedRule, cands, view, Request{Blocks: 3, PromptLength: 1536})
+		if err != nil || ch.Host.Address != "10.0.1.2:8000" {
+			t.Fatalf("seed %d with the request's own prefill: chose %+v %v, want pod B", seed, ch, err)
+		}
 	}
+
 }
 
 func TestDynamicRequestWeight(t *testing.T) {
 	// delta = 4 (≤ 5): W2 stays 1; the busiest pod loses exactly W2.
-	s := Scores([]Host{{Reqs: 0}, {Reqs: 4}}, seedRule, nil)
+	s := Scores([]Host{{Reqs: 0}, {Reqs: 4}}, seedRule, 0, nil)
 	if !near(s[0], 0) || !near(s[1], -1) {
 		t.Fatalf("delta 4: %v", s)
 	}
 	// delta = 10 (> 5): W2' = 1·10/5 = 2.
-	s = Scores([]Host{{Reqs: 0}, {Reqs: 10}}, seedRule, nil)
+	s = Scores([]Host{{Reqs: 0}, {Reqs: 10}}, seedRule, 0, nil)
 	if !near(s[1], -2) {
 		t.Fatalf("delta 10: %v", s)
 	}
 	// delta floors at 2: one extra request costs half of W2.
-	s = Scores([]Host{{Reqs: 3}, {Reqs: 4}}, seedRule, nil)
+	s = Scores([]Host{{Reqs: 3}, {Reqs: 4}}, seedRule, 0, nil)
 	if !near(s[1], -0.5) {
 		t.Fatalf("delta floor: %v", s)
 	}
 	// No prompt anywhere: the prefill term is zero, not NaN.
-	for _, v := range Scores([]Host{{}, {}}, seedRule, nil) {
+	for _, v := range Scores([]Host{{}, {}}, seedRule, 0, nil) {
 		if v != 0 {
 			t.Fatalf("idle scores %v", v)
 		}
@@ -125,7 +159,7 @@ func TestTopPercentOnly(t *testing.T) {
 	b := New(Options{IntN: seededIntN(1)})
 	seen := map[string]int{}
 	for range 3000 {
-		ch, _ := b.Choose("c", rule, cands, View{Load: load}, 0)
+		ch, _ := b.Choose("c", rule, cands, View{Load: load}, Request{})
 		seen[ch.Host.Address]++
 	}
 	if len(seen) != 3 || seen["10.0.0.1:8000"] == 0 || seen["10.0.0.2:8000"] == 0 || seen["10.0.0.3:8000"] == 0 {
@@ -145,7 +179,7 @@ func TestEqualScoresSpreadAtRandom(t *testing.T) {
 	b := New(Options{IntN: seededIntN(2)})
 	seen := map[string]int{}
 	for range 5000 {
-		ch, _ := b.Choose("c", seedRule, cands, View{Load: api.LoadStats{}}, 4)
+		ch, _ := b.Choose("c", seedRule, cands, View{Load: api.LoadStats{}}, Request{Blocks: 4})
 		seen[ch.Host.Address]++
 	}
 	for _, e := range cands {
@@ -184,7 +218,7 @@ func TestBurstSpreadsWithLocalInFlight(t *testing.T) {
 		rule.Policy = policy
 		per := map[string]int{}
 		for range 40 {
-			ch, err := b.Choose("c", rule, cands, View{Load: api.LoadStats{}}, 0)
+			ch, err := b.Choose("c", rule, cands, View{Load: api.LoadStats{}}, Request{})
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -277,7 +311,7 @@ func TestPolicies(t *testing.T) {
 	rule := seedRule
 	choose := func(policy string) string {
 		rule.Policy = policy
-		ch, err := b.Choose("c", rule, cands, view, 4)
+		ch, err := b.Choose("c", rule, cands, view, Request{Blocks: 4})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -310,7 +344,7 @@ func TestPolicies(t *testing.T) {
 		}
 	}
 	rule.Policy = "nope"
-	if _, err := b.Choose("c", rule, cands, view, 4); err == nil {
+	if _, err := b.Choose("c", rule, cands, view, Request{Blocks: 4}); err == nil {
 		t.Fatal("unknown policy accepted")
 	}
 }
@@ -328,7 +362,7 @@ func TestFilterAndNoEndpoint(t *testing.T) {
 		t.Fatalf("no selector filtered: %v", got)
 	}
 	none := Filter(append([]endpoints.Endpoint(nil), all...), map[string]string{"lora": "vision"})
-	if _, err := New(Options{}).Choose("c", seedRule, none, View{}, 0); !errors.Is(err, ErrNoEndpoint) {
+	if _, err := New(Options{}).Choose("c", seedRule, none, View{}, Request{}); !errors.Is(err, ErrNoEndpoint) {
 		t.Fatalf("err = %v", err)
 	}
 }
@@ -345,7 +379,7 @@ func BenchmarkChoose(b *testing.B) {
 			bal := New(Options{})
 			b.ReportAllocs()
 			for b.Loop() {
-				if _, err := bal.Choose("c", seedRule, cands, view, 16); err != nil {
+				if _, err := bal.Choose("c", seedRule, cands, view, Request{Blocks: 16}); err != nil {
 					b.Fatal(err)
 				}
 			}

@@ -32,11 +32,11 @@ func TestChooseManyHostsPooledScratch(t *testing.T) {
 				}
 				want[i] = Host{Address: addr, Reqs: st.TotalReqs, Prompt: st.PromptLength, CacheRatio: min(1, float64(view.Cache[addr])/20)}
 			}
-			ch, err := b.Choose("c", rule, cands, view, 20)
+			ch, err := b.Choose("c", rule, cands, view, Request{Blocks: 20})
 			if err != nil {
 				t.Fatal(err)
 			}
-			wantIdx := pickTop(Scores(want, rule, nil), rule.CandidatePercent, intn)
+			wantIdx := pickTop(Scores(want, rule, 0, nil), rule.CandidatePercent, intn)
 			if ch.Index != wantIdx || ch.Host != want[wantIdx] {
 				t.Fatalf("n=%d draw=%d: chose %d %+v, want %d %+v", n, draw, ch.Index, ch.Host, wantIdx, want[wantIdx])
 			}

@@ -430,7 +430,7 @@ func (e *Engine) Decide(ctx context.Context, h Headers, body []byte) (*Decision,
 	if policy.NeedsMetadata() {
 		view = e.query(ctx, trace, rule.Cluster, d.Hashes, sc)
 	}
-	choice, err := e.bal.Choose(rule.Cluster, lb, cands, view, len(sums))
+	choice, err := e.bal.Choose(rule.Cluster, lb, cands, view, balancer.Request{Blocks: len(sums), PromptLength: int64(promptLen)})
 	if err != nil {
 		if errors.Is(err, balancer.ErrNoEndpoint) {
 			return nil, e.reject(http.StatusNotFound, transcode.TypeNotFound, trace, "no available endpoint in cluster %q", rule.Cluster)
