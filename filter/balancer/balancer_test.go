@@ -102,7 +102,8 @@ func TestSeedWorkedExample(t *testing.T) {
 		if !near(ch.Host.CacheRatio, 2.0/3) {
 			t.Fatalf("cache ratio %v", ch.Host.CacheRatio)
 		}
-	} // With the request's own prefill in the prompt term (3 blocks of 512
+	}
+	// With the request's own prefill in the prompt term (3 blocks of 512
 	// bytes, 2 and 1 of them cached on B and C) the scores move
 	// (A −4.2, B 0.515, C −1.57) and B is still the choice.
 	for seed := uint64(0); seed < 50; seed++ {
@@ -111,7 +112,6 @@ func TestSeedWorkedExample(t *testing.T) {
 			t.Fatalf("seed %d with the request's own prefill: chose %+v %v, want pod B", seed, ch, err)
 		}
 	}
-
 }
 
 func TestDynamicRequestWeight(t *testing.T) {
