@@ -28,7 +28,9 @@ type Spec struct {
 	Model      string   // GGUF path (llama; optional for sim)
 	ModelName  string   // the OpenAI model name clients send
 	Policy     string   // the filter's lb policy for the whole cluster
+	LBRule     string   // extra lb_mapping_rule keys, YAML flow style ("cache_ratio_weight: 4, ...")
 	WorkerArgs []string // extra worker flags (scheduler sizes, sim cost knobs)
+	WorkerCPUs float64  // if > 0, each worker's CPU quota (cgroups): pods with their own compute
 	Store      string   // metadata-center store: memory (default) | redis
 	RedisAddr  string
 }
@@ -48,6 +50,7 @@ type Fleet struct {
 	procs   []*exec.Cmd
 	mc      *exec.Cmd
 	workers []*exec.Cmd
+	limits  []*cpuLimit
 }
 
 // Start launches the fleet and waits until every part answers /healthz.
@@ -97,6 +100,13 @@ func Start(ctx context.Context, s Spec) (*Fleet, error) {
 		}
 		f.Workers = append(f.Workers, addr)
 		f.workers = append(f.workers, p)
+		if s.WorkerCPUs > 0 {
+			l, err := limitCPU(p.Process.Pid, s.WorkerCPUs)
+			if err != nil {
+				return nil, err
+			}
+			f.limits = append(f.limits, l)
+		}
 	}
 	for _, w := range f.Workers {
 		if err := waitHealthy(ctx, "http://"+w+"/healthz"); err != nil {
@@ -123,6 +133,10 @@ func Start(ctx context.Context, s Spec) (*Fleet, error) {
 }
 
 func gatewayConfig(listen, mc string, s Spec, workers []string) string {
+	extra := ""
+	if s.LBRule != "" {
+		extra = ", " + s.LBRule
+	}
 	return fmt.Sprintf(`listen: %s
 log_level: warn
 filter:
@@ -132,11 +146,11 @@ filter:
     %s:
       - {cluster: %q, backend: llamacpp}
   lb_mapping_rule:
-    default: {policy: %s}
+    default: {policy: %s%s}
   endpoints:
     static:
       %q: [%s]
-`, listen, mc, s.ModelName, Cluster, s.Policy, Cluster, strings.Join(workers, ", "))
+`, listen, mc, s.ModelName, Cluster, s.Policy, extra, Cluster, strings.Join(workers, ", "))
 }
 
 // StartMC (re)starts the metadata center on its address, e.g. after StopMC.
@@ -184,6 +198,10 @@ func (f *Fleet) Stop() {
 	for i := len(f.procs) - 1; i >= 0; i-- {
 		f.terminate(f.procs[i])
 	}
+	for _, l := range f.limits {
+		l.remove()
+	}
+	f.limits = nil
 }
 
 // terminate sends SIGTERM, then SIGKILL after 5 s.

@@ -14,9 +14,9 @@
 // broken at random (equal scores do not pile onto the first pod listed);
 // reqs/prompt include requests this gateway routed but the metadata center
 // has not yet been told of (Tracker), so a burst between updates spreads out;
-// and a pod's prompt term counts the request's own prefill there,
-// L·(1−cacheRatio), so that it weighs the prefill standing before the
-// request's first token on that pod. The seed's term counts only others'
+// and while any pod has prefill pending, a pod's prompt term counts the
+// request's own prefill there, L·(1−cacheRatio), so that it weighs the
+// prefill standing before the request's first token on that pod. The seed's term counts only others'
 // pending prefill: a pod that holds the prefix but has just started a cold
 // prompt then scores the full penalty, and the request goes to an idle pod
 // where it prefills all L itself — on a real fleet that duplicated cold work
@@ -214,17 +214,29 @@ func (b *Balancer) Choose(cluster string, rule config.LBRule, cands []endpoints.
 
 // Scores computes the seed 002 §4 score of every host, with each host's
 // prompt term counting promptLen·(1−cacheRatio) of its own for the request
-// (promptLen 0: the seed's score exactly).
+// while any host has prefill pending (promptLen 0: the seed's score exactly).
 func Scores(hosts []Host, rule config.LBRule, promptLen int64, out []float64) []float64 {
 	out = out[:0]
 	if len(hosts) == 0 {
 		return out
 	}
-	prompt := func(h Host) float64 { return float64(h.Prompt) + float64(promptLen)*(1-h.CacheRatio) }
-	minReqs, maxReqs, maxPrompt := hosts[0].Reqs, hosts[0].Reqs, 0.0
+	minReqs, maxReqs, maxPending := hosts[0].Reqs, hosts[0].Reqs, int64(0)
 	for _, h := range hosts {
 		minReqs = min(minReqs, h.Reqs)
 		maxReqs = max(maxReqs, h.Reqs)
+		maxPending = max(maxPending, h.Prompt)
+	}
+	// The request's own prefill only matters against others' queued
+	// prefill. With no pod prefilling, (1−cacheRatio)·promptLen would just
+	// count the cache term a second time (at weight W3) and pile a hot
+	// prompt onto the pods that hold it; the prompt term is then off, as in
+	// the seed.
+	if maxPending == 0 {
+		promptLen = 0
+	}
+	prompt := func(h Host) float64 { return float64(h.Prompt) + float64(promptLen)*(1-h.CacheRatio) }
+	maxPrompt := 0.0
+	for _, h := range hosts {
 		maxPrompt = max(maxPrompt, prompt(h))
 	}
 	delta := float64(max(2, maxReqs-minReqs))

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"math"
 	"math/rand/v2"
+	"slices"
 	"sync"
 	"testing"
 
@@ -43,6 +44,12 @@ func TestOwnPrefillKeepsAFollowerOnThePodThatHoldsItsPrefix(t *testing.T) {
 	own := Scores(hosts, seedRule, 3000, nil)
 	if own[0] <= own[1] {
 		t.Fatalf("scores with own prefill %v: want the holder", own)
+	}
+	// With no prefill pending anywhere the own prefill would only repeat the
+	// cache term: the score is the seed's.
+	hot := []Host{{Reqs: 3, CacheRatio: 1}, {Reqs: 0}, {Reqs: 1, CacheRatio: 1}}
+	if got, want := Scores(hot, seedRule, 3000, nil), Scores(hot, seedRule, 0, nil); !slices.Equal(got, want) {
+		t.Fatalf("no pending prefill: scores %v, want the seed's %v", got, want)
 	}
 	// When the holder's queue is much longer than the prompt, going elsewhere wins again.
 	hosts[0].Prompt = 12000

@@ -52,6 +52,8 @@ func run(ctx context.Context, args []string) error {
 		rate        = fs.Float64("rate", 2, "Poisson session arrival rate per second (when --concurrency is 0)")
 		maxTokens   = fs.Int("max-tokens", 16, "output tokens per request (fixed with ignore_eos)")
 		seed        = fs.Uint64("seed", 1, "workload and arrival seed")
+		workerCPUs  = fs.Float64("worker-cpus", 0, "CPU quota per worker via cgroups (e.g. 0.6), so that each pod has its own compute as on real accelerators (0: workers share the machine)")
+		lbRule      = fs.String("lb-rule", "", `extra lb_mapping_rule keys for every policy, YAML flow style, e.g. "cache_ratio_weight: 4, prefill_load_weight: 1"`)
 		merge       = fs.String("merge", "", "instead of running: join the outputs of earlier runs (comma-separated directories) into --out")
 		spec        workload.Spec
 	)
@@ -82,7 +84,7 @@ func run(ctx context.Context, args []string) error {
 		Settings: map[string]string{
 			"engine": *engine, "workers": fmt.Sprint(*workers), "max_tokens": fmt.Sprint(*maxTokens),
 			"concurrency": fmt.Sprint(*concurrency), "rate": fmt.Sprint(*rate), "seed": fmt.Sprint(*seed),
-			"worker_args": *workerArgs, "model": *model,
+			"worker_args": *workerArgs, "model": *model, "lb_rule": *lbRule, "worker_cpus": fmt.Sprint(*workerCPUs),
 		},
 	}
 	var raw []report.Result
@@ -102,7 +104,7 @@ func run(ctx context.Context, args []string) error {
 			label := fmt.Sprintf("[%d/%d] %s × %s", step, steps, wl, p)
 			f, err := fleet.Start(ctx, fleet.Spec{
 				BinDir: *bin, LogDir: filepath.Join(*out, "logs", wl, p), Engine: *engine, Workers: *workers,
-				Model: *model, ModelName: *modelName, Policy: p, WorkerArgs: strings.Fields(*workerArgs),
+				Model: *model, ModelName: *modelName, Policy: p, LBRule: *lbRule, WorkerCPUs: *workerCPUs, WorkerArgs: strings.Fields(*workerArgs),
 			})
 			if err != nil {
 				return fmt.Errorf("%s: %w", label, err)

@@ -1,0 +1,47 @@
+package fleet
+
+import (
+	"os/exec"
+	"testing"
+	"time"
+)
+
+func TestLimitCPUThrottlesABusyProcess(t *testing.T) {
+	busy := exec.Command("sh", "-c", "while :; do :; done")
+	if err := busy.Start(); err != nil {
+		t.Fatal(err)
+	}
+	l, err := limitCPU(busy.Process.Pid, 0.05)
+	defer func() {
+		busy.Process.Kill()
+		busy.Wait()
+		if l != nil {
+			l.remove() // only once the process is gone: a cgroup must be empty
+		}
+	}()
+	if err != nil {
+		t.Skipf("cannot limit CPU here: %v", err)
+	}
+	// A spinning shell wants a whole CPU; 5% of one must throttle it
+	// within a few 100 ms periods.
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		n, err := l.throttled()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if n > 0 {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("a busy process under a 0.05 CPU quota was never throttled")
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+}
+
+func TestLimitCPURefusesTinyQuota(t *testing.T) {
+	if _, err := limitCPU(1, 0.001); err == nil {
+		t.Fatal("a 0.001 CPU quota was accepted")
+	}
+}
