@@ -16,11 +16,11 @@
 // has not yet been told of (Tracker), so a burst between updates spreads out;
 // and while any pod has prefill pending, a pod's prompt term counts the
 // request's own prefill there, L·(1−cacheRatio), so that it weighs the
-// prefill standing before the request's first token on that pod. The seed's term counts only others'
-// pending prefill: a pod that holds the prefix but has just started a cold
-// prompt then scores the full penalty, and the request goes to an idle pod
-// where it prefills all L itself — on a real fleet that duplicated cold work
-// cost more than the queueing it avoided (docs/benchmarks.md). The seed's
+// prefill standing before the request's first token on that pod. The seed's
+// term counts only others' pending prefill: a pod that holds the prefix but
+// has just started a cold prompt then scores the full penalty, and the
+// request goes to an idle pod where it prefills all L again (on 8 simulated
+// pods this halved shared-prefix TTFT p90; docs/benchmarks.md). The seed's
 // worked example still picks B with it.
 package balancer
 
