@@ -137,18 +137,17 @@ func Merge(runs ...Run) Run {
 		}
 	}
 	for k := range keys {
-		var per []string
-		same := true
+		var vals, per []string
 		for _, r := range runs {
 			v, ok := r.Settings[k]
 			if !ok {
 				v = "-"
 			}
-			same = same && v == runs[0].Settings[k]
+			vals = append(vals, v)
 			per = append(per, strings.Join(r.Workloads(), "+")+" "+v)
 		}
-		if same {
-			out.Settings[k] = runs[0].Settings[k]
+		if len(slices.Compact(slices.Clone(vals))) == 1 {
+			out.Settings[k] = vals[0]
 		} else {
 			out.Settings[k] = strings.Join(per, ", ")
 		}

@@ -48,14 +48,12 @@ func (r Run) BarChart(w io.Writer, title, unit string, value func(Summary) float
 			x := x0 + plotW*0.05 + float64(pi)*barW
 			fmt.Fprintf(&b, `<rect x="%.1f" y="%.1f" width="%.1f" height="%.1f" fill="%s"><title>%s %s: %.2f %s</title></rect>`+"\n",
 				x, top+plotH-h, barW*0.9, h, palette[pi%len(palette)], esc(wl), esc(p), v, esc(unit))
-			if v > max { // break mark: two white slashes across the bar's top
+			labelY, fill := top+plotH-h-4, "black"
+			if v > max { // break mark: two white slashes across the bar's top; the value goes inside
 				for _, dy := range []float64{10, 16} {
 					fmt.Fprintf(&b, `<line x1="%.1f" y1="%.1f" x2="%.1f" y2="%.1f" stroke="white" stroke-width="2"/>`+"\n",
 						x-1, top+dy+3, x+barW*0.9+1, top+dy-3)
 				}
-			}
-			labelY, fill := top+plotH-h-4, "black"
-			if v > max {
 				labelY, fill = top+32, "white"
 			}
 			fmt.Fprintf(&b, `<text x="%.1f" y="%.1f" text-anchor="middle" font-size="10" fill="%s">%s</text>`+"\n",

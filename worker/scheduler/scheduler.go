@@ -325,10 +325,11 @@ func (s *Scheduler) bind(t *task) bool {
 		s.kv.Add(&kvcache.Entry{ID: id, Seq: seq, Tokens: slices.Clone(t.toks[:reuse]), Hashes: t.req.Hashes, InUse: true})
 	}
 	switch {
-	case e != nil && reuse > 0 && !e.InUse && (n == len(e.Tokens) || (s.pool.Free() == 0 && s.kv.Victim(e.ID) == nil)):
+	case e != nil && reuse > 0 && !e.InUse && (n == len(e.Tokens) || (s.pool.Free() == 0 && s.kv.Idle() == 1)):
 		// The entry is wholly a prefix of this prompt (a conversation's
-		// next turn), or it is the only thing that could make room: take
-		// its seq id over and drop its divergent tail.
+		// next turn), or it is the only thing that could make room (no
+		// free id, and e is the one idle entry): take its seq id over and
+		// drop its divergent tail.
 		seq := e.Seq
 		s.eng.Remove(seq, reuse)
 		if _, err := s.pool.Transfer(e.ID, id); err != nil {
