@@ -10,7 +10,7 @@
 //	delta = max(2, maxReqs−minReqs); W2' = W2·delta/5 when delta > 5
 //
 // sorted descending, then a uniform pick among the top
-// max(1, n·candidate_percent/100). Three things are added on top: ties are
+// max(1, n·candidate_percent/100). Four things are added on top: ties are
 // broken at random (equal scores do not pile onto the first pod listed);
 // reqs/prompt include requests this gateway routed but the metadata center
 // has not yet been told of (Tracker), so a burst between updates spreads out;
@@ -20,8 +20,14 @@
 // term counts only others' pending prefill: a pod that holds the prefix but
 // has just started a cold prompt then scores the full penalty, and the
 // request goes to an idle pod where it prefills all L again (on 8 simulated
-// pods this halved shared-prefix TTFT p90; docs/benchmarks.md). The seed's
-// worked example still picks B with it.
+// pods this halved shared-prefix TTFT p90; docs/benchmarks.md). And herd
+// control (rule.HerdShare): a pod that has taken more than HerdShare times
+// its fair share of the cluster's recent decisions and is busier than the
+// idlest pod gets no cache credit. The seed's weights keep a prompt that
+// everyone sends on its pod until that pod has ten more requests than the
+// idlest, which on small pods queues what an idle pod could serve; with it
+// the prompt is copied to more pods. The seed's worked example still picks
+// B with both (B is the idlest pod, so it is never herded).
 package balancer
 
 import (
@@ -47,6 +53,9 @@ type Host struct {
 	Reqs       int64   // live requests: metadata center + unreported local ones
 	Prompt     int64   // prompt bytes not yet prefilled, likewise
 	CacheRatio float64 // matched leading blocks / total blocks
+	// Share is the fraction of the cluster's recent routing decisions that
+	// chose this pod (0 until there are enough of them; Tracker.Routed).
+	Share float64
 }
 
 // State is the input of one choice. Policies must not keep it.
@@ -206,6 +215,7 @@ func (b *Balancer) Choose(cluster string, rule config.LBRule, cands []endpoints.
 	sc.state = State{Cluster: cluster, Hosts: hosts, Rule: rule, PromptLength: req.PromptLength, IntN: b.intn, floats: sc.floats}
 	i := p.Choose(&sc.state)
 	ch := Choice{Host: hosts[i], Index: i, Candidates: len(hosts)}
+	b.tracker.Routed(cluster, ch.Host.Address, len(hosts))
 	clear(hosts) // do not pin endpoint addresses
 	sc.hosts, sc.floats, sc.state = hosts[:0], sc.state.floats, State{}
 	b.scratch.Put(sc)
@@ -234,7 +244,18 @@ func Scores(hosts []Host, rule config.LBRule, promptLen int64, out []float64) []
 	if maxPending == 0 {
 		promptLen = 0
 	}
-	prompt := func(h Host) float64 { return float64(h.Prompt) + float64(promptLen)*(1-h.CacheRatio) }
+	// Herd control: a pod that has been taking more than HerdShare times
+	// its fair share of requests and is busier than the idlest pod gets no
+	// cache credit, so a prefix that everyone wants is copied to another
+	// pod instead of queueing on the few that hold it.
+	herdShare := rule.HerdShare / float64(len(hosts))
+	ratio := func(h Host) float64 {
+		if rule.HerdShare > 0 && h.Share > herdShare && h.Reqs > minReqs {
+			return 0
+		}
+		return h.CacheRatio
+	}
+	prompt := func(h Host) float64 { return float64(h.Prompt) + float64(promptLen)*(1-ratio(h)) }
 	maxPrompt := 0.0
 	for _, h := range hosts {
 		maxPrompt = max(maxPrompt, prompt(h))
@@ -246,7 +267,7 @@ func Scores(hosts []Host, rule config.LBRule, promptLen int64, out []float64) []
 		w2 = w2 * delta / 5
 	}
 	for _, h := range hosts {
-		s := rule.CacheRatioWeight*h.CacheRatio - w2*float64(h.Reqs-minReqs)/delta
+		s := rule.CacheRatioWeight*ratio(h) - w2*float64(h.Reqs-minReqs)/delta
 		if maxPrompt > 0 {
 			s -= rule.PrefillLoadWeight * prompt(h) / maxPrompt
 		}

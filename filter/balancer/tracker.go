@@ -15,9 +15,45 @@ import (
 // metadata center's figures; once the metadata center has it (Acked) it is
 // no longer added, so nothing is counted twice. If the metadata center cannot
 // be queried at all, the tracker's full in-flight counts stand in for it.
+//
+// It also remembers, per cluster, where the last requests went (Host.Share):
+// cache_aware's herd control needs to know which pods have been taking more
+// than their share.
 type Tracker struct {
 	mu       sync.Mutex
 	clusters map[string]map[string]*local // cluster -> host -> counts
+	recent   map[string]*window           // cluster -> last routing decisions
+}
+
+// window counts the hosts of the last len(ring) routing decisions of a
+// cluster.
+type window struct {
+	ring   []string
+	next   int // ring index of the next decision
+	filled int // decisions in the ring (< len(ring) until it wraps)
+	counts map[string]int
+}
+
+// windowPerHost sizes a cluster's window: long enough that shares are not
+// mostly noise (8 decisions per pod), short enough to follow a shift.
+const (
+	windowPerHost = 8
+	windowMin     = 32
+	windowMax     = 512
+)
+
+func (w *window) add(host string) {
+	if w.filled == len(w.ring) {
+		old := w.ring[w.next]
+		if w.counts[old]--; w.counts[old] == 0 {
+			delete(w.counts, old)
+		}
+	} else {
+		w.filled++
+	}
+	w.ring[w.next] = host
+	w.counts[host]++
+	w.next = (w.next + 1) % len(w.ring)
 }
 
 type local struct {
@@ -28,7 +64,23 @@ type local struct {
 }
 
 // NewTracker returns an empty tracker.
-func NewTracker() *Tracker { return &Tracker{clusters: map[string]map[string]*local{}} }
+func NewTracker() *Tracker {
+	return &Tracker{clusters: map[string]map[string]*local{}, recent: map[string]*window{}}
+}
+
+// Routed records a routing decision among n candidates for Host.Share.
+func (t *Tracker) Routed(cluster, host string, n int) {
+	size := min(max(windowPerHost*n, windowMin), windowMax)
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	w := t.recent[cluster]
+	if w == nil || len(w.ring) != size {
+		// A new cluster, or its pod count changed: start counting afresh.
+		w = &window{ring: make([]string, size), counts: map[string]int{}}
+		t.recent[cluster] = w
+	}
+	w.add(host)
+}
 
 // Flight is one routed request's entry in the tracker. Its methods are
 // idempotent and may be called from any goroutine, in any order after Begin
@@ -149,6 +201,13 @@ func (t *Tracker) fill(cluster string, cands []endpoints.Endpoint, v View, block
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	mine := t.clusters[cluster]
+	w := t.recent[cluster]
+	// Shares are only read once the window holds two decisions per pod: the
+	// first pods chosen would otherwise look like they took everything.
+	// Degraded views have no cache ratios, so no herd to control.
+	if w != nil && w.filled < 2*len(cands) {
+		w = nil
+	}
 	for i, e := range cands {
 		h := Host{Address: e.Address}
 		var l *local
@@ -169,6 +228,11 @@ func (t *Tracker) fill(cluster string, cands []endpoints.Endpoint, v View, block
 			if blocks > 0 && len(v.Cache) > 0 {
 				h.CacheRatio = min(1, float64(v.Cache[e.Address])/float64(blocks))
 			}
+		}
+		// Only a pod with cache credit to lose needs its share (a map
+		// lookup per pod adds up at hundreds of pods).
+		if w != nil && h.CacheRatio > 0 {
+			h.Share = float64(w.counts[e.Address]) / float64(w.filled)
 		}
 		out[i] = h
 	}

@@ -25,6 +25,7 @@ const (
 	DefaultRequestLoadW     = 1.0
 	DefaultPrefillLoadW     = 3.0
 	DefaultCandidatePercent = 10
+	DefaultHerdShare        = 2.0
 	DefaultAdminRefresh     = time.Second
 	DefaultQueueSize        = 4096
 	DefaultWorkers          = 4
@@ -175,6 +176,13 @@ type LBRule struct {
 	// CandidatePercent (key `candidate_percent`, default 10, 1..100): the
 	// pick is uniform among the top max(1, n·percent/100) scores.
 	CandidatePercent int
+	// HerdShare (key `herd_share`, default 2, 0 or 1..100; 0 disables) is
+	// cache_aware's herd control: a pod that took more than HerdShare times
+	// its fair share (1/n) of the cluster's recent requests, and is busier
+	// than the idlest pod, gets no cache credit. The seed's score keeps a
+	// hot prefix on its pod until that pod has ~10 more requests than the
+	// idlest; this lets a prefix everyone wants spread to more pods early.
+	HerdShare float64
 }
 
 // Endpoints is key `endpoints`: where the pods of a cluster come from. Both

@@ -73,7 +73,7 @@ func TestDefaults(t *testing.T) {
 	if r := cfg.ModelMappingRule["m"][0]; r.Backend != "vllm" {
 		t.Fatalf("backend default: %q", r.Backend)
 	}
-	want := LBRule{Policy: "cache_aware", CacheRatioWeight: 2, RequestLoadWeight: 1, PrefillLoadWeight: 3, CandidatePercent: 10}
+	want := LBRule{Policy: "cache_aware", CacheRatioWeight: 2, RequestLoadWeight: 1, PrefillLoadWeight: 3, CandidatePercent: 10, HerdShare: 2}
 	if cfg.LBMappingRule.For("anything") != want {
 		t.Fatalf("lb default: %+v", cfg.LBMappingRule.For("anything"))
 	}
@@ -85,17 +85,17 @@ model_mapping_rule: {m: [{cluster: c}]}
 lb_mapping_rule:
   default: {cache_ratio_weight: 4}
   "outbound|8000||a": {policy: round_robin}
-  b: {candidate_percent: 50, request_load_weight: 0}
+  b: {candidate_percent: 50, request_load_weight: 0, herd_share: 0}
 `))
 	if err != nil {
 		t.Fatal(err)
 	}
 	a := cfg.LBMappingRule.For("outbound|8000||a")
-	if a.Policy != PolicyRoundRobin || a.CacheRatioWeight != 4 || a.CandidatePercent != 10 {
+	if a.Policy != PolicyRoundRobin || a.CacheRatioWeight != 4 || a.CandidatePercent != 10 || a.HerdShare != 2 {
 		t.Fatalf("a: %+v", a)
 	}
 	b := cfg.LBMappingRule.For("b")
-	if b.Policy != PolicyCacheAware || b.CandidatePercent != 50 || b.RequestLoadWeight != 0 || b.CacheRatioWeight != 4 {
+	if b.Policy != PolicyCacheAware || b.CandidatePercent != 50 || b.RequestLoadWeight != 0 || b.CacheRatioWeight != 4 || b.HerdShare != 0 {
 		t.Fatalf("b: %+v", b)
 	}
 }
@@ -106,6 +106,8 @@ func TestInvalidValuesNameTheirKey(t *testing.T) {
 		{base + "lb_mapping_rule: {default: {candidate_percent: 0}}", "lb_mapping_rule.default.candidate_percent: must be in 1..100"},
 		{base + "lb_mapping_rule: {default: {candidate_percent: 101}}", "lb_mapping_rule.default.candidate_percent: must be in 1..100"},
 		{base + "lb_mapping_rule: {default: {candidate_percent: 1.5}}", "lb_mapping_rule.default.candidate_percent: must be an integer"},
+		{base + "lb_mapping_rule: {default: {herd_share: 0.5}}", "lb_mapping_rule.default.herd_share: must be 0 (off) or in 1..100, got 0.5"},
+		{base + "lb_mapping_rule: {default: {herd_share: -1}}", "lb_mapping_rule.default.herd_share: must be in 0..100"},
 		{base + "lb_mapping_rule: {default: {cache_ratio_weight: -1}}", "lb_mapping_rule.default.cache_ratio_weight: must be in 0..1000"},
 		{base + "lb_mapping_rule: {default: {prefill_load_weight: x}}", "lb_mapping_rule.default.prefill_load_weight: must be a number"},
 		{base + "lb_mapping_rule: {default: {policy: fastest}}", "lb_mapping_rule.default.policy: must be one of cache_aware"},

@@ -460,7 +460,7 @@ func headerKey(h map[string]string) string {
 	return b.String()
 }
 
-var lbKeys = []string{"policy", "cache_ratio_weight", "request_load_weight", "prefill_load_weight", "candidate_percent"}
+var lbKeys = []string{"policy", "cache_ratio_weight", "request_load_weight", "prefill_load_weight", "candidate_percent", "herd_share"}
 
 func (d *decoder) lbRule(path string, v any, base LBRule) LBRule {
 	m, ok := d.object(path, v, lbKeys...)
@@ -476,6 +476,11 @@ func (d *decoder) lbRule(path string, v any, base LBRule) LBRule {
 	r.RequestLoadWeight = d.float(path, m, "request_load_weight", base.RequestLoadWeight, 0, 1000)
 	r.PrefillLoadWeight = d.float(path, m, "prefill_load_weight", base.PrefillLoadWeight, 0, 1000)
 	r.CandidatePercent = d.integer(path, m, "candidate_percent", base.CandidatePercent, 1, 100)
+	r.HerdShare = d.float(path, m, "herd_share", base.HerdShare, 0, 100)
+	if r.HerdShare > 0 && r.HerdShare < 1 {
+		// Below 1 every pod that took its fair share would lose its cache.
+		d.fail(join(path, "herd_share"), "must be 0 (off) or in 1..100, got %g", r.HerdShare)
+	}
 	return r
 }
 
@@ -486,6 +491,7 @@ func (d *decoder) lbMapping(v any) LBMapping {
 		RequestLoadWeight: DefaultRequestLoadW,
 		PrefillLoadWeight: DefaultPrefillLoadW,
 		CandidatePercent:  DefaultCandidatePercent,
+		HerdShare:         DefaultHerdShare,
 	}
 	out := LBMapping{Default: def}
 	if v == nil {

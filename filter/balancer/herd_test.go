@@ -1,0 +1,142 @@
+package balancer
+
+import (
+	"fmt"
+	"testing"
+
+	"github.com/istio-llm-filter/istio-llm-filter/filter/config"
+	"github.com/istio-llm-filter/istio-llm-filter/filter/endpoints"
+	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/api"
+)
+
+var herdRule = func() config.LBRule { r := seedRule; r.HerdShare = 2; return r }()
+
+// The seed's weights keep a prefix on the pod that holds it until that pod
+// has about ten more requests than the idlest. Herd control takes the cache
+// credit away from a pod that has been taking more than twice its share and
+// is busier than the idlest pod, and only from such a pod.
+func TestHerdShareTakesCacheCreditFromAnOverusedBusyHolder(t *testing.T) {
+	hosts := []Host{
+		{Address: "holder", Reqs: 1, CacheRatio: 1, Share: 0.6},
+		{Address: "idle1"}, {Address: "idle2"}, {Address: "idle3"},
+	}
+	if s := Scores(hosts, seedRule, 1000, nil); s[0] <= s[1] {
+		t.Fatalf("seed scores %v: the busy holder should still win without herd control", s)
+	}
+	if s := Scores(hosts, herdRule, 1000, nil); s[0] >= s[1] {
+		t.Fatalf("herd scores %v: a holder at 0.6 of the requests of 4 pods (limit 0.5), busier than the idlest, should lose", s)
+	}
+	// Not busier than the idlest pod: nothing is waiting there, keep the cache.
+	hosts[0].Reqs = 0
+	if s := Scores(hosts, herdRule, 1000, nil); s[0] <= s[1] {
+		t.Fatalf("scores %v: an idle holder should keep its cache credit whatever its share", s)
+	}
+	// Within twice its share: the seed's score.
+	hosts[0].Reqs, hosts[0].Share = 1, 0.5
+	got, want := Scores(hosts, herdRule, 1000, nil), Scores(hosts, seedRule, 1000, nil)
+	for i := range got {
+		if !near(got[i], want[i]) {
+			t.Fatalf("share at the limit: scores %v, want the seed's %v", got, want)
+		}
+	}
+}
+
+// The seed's worked example, with the default herd control and the shares
+// a window could hold: B still wins (B is the idlest pod, so it is never
+// herded, and the others only lose cache credit).
+func TestSeedWorkedExampleWithHerdControl(t *testing.T) {
+	for _, shares := range [][3]float64{{0, 0, 0}, {0.2, 0.4, 0.4}, {0.1, 0.8, 0.1}, {0.05, 0.05, 0.9}} {
+		hosts := []Host{
+			{Address: "A", Reqs: 8, Prompt: 4096, CacheRatio: 0, Share: shares[0]},
+			{Address: "B", Reqs: 2, Prompt: 1024, CacheRatio: 2.0 / 3, Share: shares[1]},
+			{Address: "C", Reqs: 5, Prompt: 2048, CacheRatio: 1.0 / 3, Share: shares[2]},
+		}
+		if i := pickTop(Scores(hosts, herdRule, 0, nil), 10, func(int) int { return 0 }); i != 1 {
+			t.Fatalf("shares %v: chose %s, want B", shares, hosts[i].Address)
+		}
+	}
+}
+
+// One hot prompt through a real Balancer: the metadata center says one pod
+// holds it, and each request stays in flight for the next two decisions (as
+// a hot prompt's short requests do). The seed's score never lets the holder
+// get ten requests ahead, so it takes every one; herd control stops it once
+// it has had more than twice its share while busier than the idlest pod.
+func TestHotPromptSpreadsThroughTheBalancer(t *testing.T) {
+	const n, requests = 4, 200
+	cands := make([]endpoints.Endpoint, n)
+	for i := range cands {
+		cands[i] = endpoints.Endpoint{Address: fmt.Sprintf("10.0.0.%d:8000", i+1)}
+	}
+	holder := cands[0].Address
+	run := func(rule config.LBRule) map[string]int {
+		b := New(Options{IntN: seededIntN(7)})
+		got := map[string]int{}
+		var flights []*Flight
+		for range requests {
+			// The metadata center has seen none of them yet: the load comes
+			// from the tracker's unacknowledged requests.
+			view := View{Load: api.LoadStats{}, Cache: map[string]int{holder: 2}}
+			ch, err := b.Choose("c", rule, cands, view, Request{Blocks: 2, PromptLength: 1100})
+			if err != nil {
+				t.Fatal(err)
+			}
+			flights = append(flights, b.Tracker().Begin("c", ch.Host.Address, 0))
+			if len(flights) > 2 {
+				flights[0].End()
+				flights = flights[1:]
+			}
+			got[ch.Host.Address]++
+		}
+		return got
+	}
+	if seed := run(seedRule); seed[holder] != requests {
+		t.Fatalf("without herd control: %v, want all %d on the holder", seed, requests)
+	}
+	got := run(herdRule)
+	// 2n: the first decisions are made before there are shares to read.
+	if limit := requests*2/n + 2*n; got[holder] > limit || got[holder] < requests/n || len(got) != n {
+		t.Fatalf("with herd control: %v, want the holder between its share (%d) and twice it (%d), every pod used", got, requests/n, limit)
+	}
+}
+
+// Shares are counted over the last windowPerHost·n decisions, and a change in
+// the number of pods starts the count afresh.
+func TestRoutedWindow(t *testing.T) {
+	tr := NewTracker()
+	cands := []endpoints.Endpoint{{Address: "a"}, {Address: "b"}, {Address: "c"}, {Address: "d"}}
+	shares := func() map[string]float64 {
+		out := make([]Host, len(cands))
+		// Every pod holds the prompt's one block: only pods with cache
+		// credit get a share.
+		cache := map[string]int{"a": 1, "b": 1, "c": 1, "d": 1}
+		tr.fill("c", cands, View{Load: api.LoadStats{}, Cache: cache}, 1, out)
+		m := map[string]float64{}
+		for _, h := range out {
+			m[h.Address] = h.Share
+		}
+		return m
+	}
+	for range 7 {
+		tr.Routed("c", "a", 4)
+	}
+	if s := shares(); s["a"] != 0 {
+		t.Fatalf("7 decisions for 4 pods: shares %v, want none yet (under 2 per pod)", s)
+	}
+	tr.Routed("c", "b", 4)
+	if s := shares(); s["a"] != 7.0/8 || s["b"] != 1.0/8 {
+		t.Fatalf("shares %v, want a 7/8, b 1/8", s)
+	}
+	// The window holds 32 decisions: 32 more for b push every a out.
+	for range 32 {
+		tr.Routed("c", "b", 4)
+	}
+	if s := shares(); s["a"] != 0 || s["b"] != 1 {
+		t.Fatalf("after the window turned over: shares %v, want b 1", s)
+	}
+	// Five pods now: a new, longer window.
+	tr.Routed("c", "e", 5)
+	if w := tr.recent["c"]; w.filled != 1 || len(w.ring) != 40 || w.counts["e"] != 1 || w.counts["b"] != 0 {
+		t.Fatalf("after a resize: filled %d, size %d, counts %v", w.filled, len(w.ring), w.counts)
+	}
+}
