@@ -47,7 +47,7 @@ filter-so:
 bench: build
 	$(GO) run ./bench/cmd/bench --engine sim --workers 8 --rate 2 --out bench/out/sim
 
-## bench-llama: the same on 3 real llama.cpp workers with the bench-preset model (~75 min)
+## bench-llama: the same on 3 real llama.cpp workers (0.6 CPU each) with the bench-preset model (~70 min)
 bench-llama: build $(BENCH_MODEL)
 	./scripts/bench-llama.sh $(BENCH_MODEL) bench/out/llama
 

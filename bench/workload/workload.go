@@ -68,7 +68,9 @@ func (s Spec) Defaults() Spec {
 		def(&s.UserBytes, 1024)
 		def(&s.QuestionBytes, 64)
 	case "multi-turn": // long conversations: each turn resends the whole history
-		def(&s.Sessions, 16)
+		// Four conversations per pod of the default 8: with two, how evenly
+		// conversations are spread hardly shows at p90.
+		def(&s.Sessions, 32)
 		def(&s.Turns, 12)
 		def(&s.SystemBytes, 1024)
 		def(&s.UserBytes, 256)

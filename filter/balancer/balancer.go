@@ -54,7 +54,8 @@ type Host struct {
 	Prompt     int64   // prompt bytes not yet prefilled, likewise
 	CacheRatio float64 // matched leading blocks / total blocks
 	// Share is the fraction of the cluster's recent routing decisions that
-	// chose this pod (0 until there are enough of them; Tracker.Routed).
+	// chose this pod, for herd control; filled only for pods with a cache
+	// ratio, once there are 2n decisions (Tracker.Routed).
 	Share float64
 }
 

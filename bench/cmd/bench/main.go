@@ -61,7 +61,7 @@ func run(ctx context.Context, args []string) error {
 	fs.IntVar(&spec.Systems, "systems", 0, "shared-prefix: system prompts (default 2)")
 	fs.IntVar(&spec.Users, "users", 0, "shared-prefix: users per system prompt (default 4)")
 	fs.IntVar(&spec.Questions, "questions", 0, "shared-prefix: questions per user (default 32)")
-	fs.IntVar(&spec.Sessions, "sessions", 0, "multi-turn: conversations (default 16)")
+	fs.IntVar(&spec.Sessions, "sessions", 0, "multi-turn: conversations (default 32)")
 	fs.IntVar(&spec.Turns, "turns", 0, "multi-turn: turns per conversation (default 12)")
 	fs.IntVar(&spec.Requests, "requests", 0, "no-sharing / hot-prompt: requests (default 128)")
 	fs.IntVar(&spec.SystemBytes, "system-bytes", 0, "system prompt bytes (= tokens on byte-level vocabularies); default 2048 shared-prefix, else 1024")
