@@ -87,16 +87,29 @@ filter:
 		t.Fatalf("GET /v1/models via default_cluster: %d", resp.StatusCode)
 	}
 
-	resp, err = http.Get(base + "/metrics")
-	if err != nil {
-		t.Fatal(err)
-	}
-	metrics, _ := io.ReadAll(resp.Body)
-	resp.Body.Close()
-	for _, want := range []string{`llm_filter_events_total{event="routed"} 1`, `llm_filter_events_total{event="requests"} 3`, `llm_gateway_requests_total{code="200",local="false"} 2`} {
-		if !strings.Contains(string(metrics), want) {
-			t.Errorf("/metrics lacks %s", want)
+	// A request is counted when its handler returns, which can be just
+	// after the client has read the whole answer: poll briefly.
+	wants := []string{`llm_filter_events_total{event="routed"} 1`, `llm_filter_events_total{event="requests"} 3`, `llm_gateway_requests_total{code="200",local="false"} 2`}
+	var missing []string
+	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(10 * time.Millisecond) {
+		resp, err = http.Get(base + "/metrics")
+		if err != nil {
+			t.Fatal(err)
 		}
+		metrics, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		missing = missing[:0]
+		for _, want := range wants {
+			if !strings.Contains(string(metrics), want) {
+				missing = append(missing, want)
+			}
+		}
+		if len(missing) == 0 || time.Now().After(deadline) {
+			break
+		}
+	}
+	for _, want := range missing {
+		t.Errorf("/metrics lacks %s", want)
 	}
 	cancel()
 	if err := <-done; err != nil {
