@@ -10,8 +10,10 @@
 //	delta = max(2, maxReqs−minReqs); W2' = W2·delta/5 when delta > 5
 //
 // sorted descending, then a uniform pick among the top
-// max(1, n·candidate_percent/100). Four things are added on top: ties are
-// broken at random (equal scores do not pile onto the first pod listed);
+// max(1, n·candidate_percent/100). Four things are added on top: ties go
+// to the pod with the fewest recent requests, then at random (equal scores
+// do not pile onto the first pod listed, nor onto a pod whose conversations
+// just happen to be between turns);
 // reqs/prompt include requests this gateway routed but the metadata center
 // has not yet been told of (Tracker), so a burst between updates spreads out;
 // and while any pod has prefill pending, a pod's prompt term counts the
@@ -54,8 +56,8 @@ type Host struct {
 	Prompt     int64   // prompt bytes not yet prefilled, likewise
 	CacheRatio float64 // matched leading blocks / total blocks
 	// Share is the fraction of the cluster's recent routing decisions that
-	// chose this pod, for herd control; filled only for pods with a cache
-	// ratio, once there are 2n decisions (Tracker.Routed).
+	// chose this pod, for herd control and cache_aware's tie-break; 0 until
+	// there are 2n decisions (Tracker.Routed).
 	Share float64
 }
 
@@ -342,8 +344,20 @@ func (CacheAware) Choose(s *State) int {
 		a, b = s.scratch(n)
 	}
 	scores := Scores(s.Hosts, s.Rule, s.PromptLength, a)
+	// Equal scores go to the pod that has had the fewest recent requests,
+	// not a random one: pods that look alike now may not be alike — a pod
+	// whose conversations are all between turns is as idle as one with no
+	// conversations, but only one of them should get the next one. The
+	// nudge (at most shareTieBreak) is far below any difference the
+	// weights make, and above tieEpsilon, so it only orders ties.
+	for i, h := range s.Hosts {
+		scores[i] -= shareTieBreak * h.Share
+	}
 	return pickTopBuf(scores, s.Rule.CandidatePercent, s.IntN, b)
 }
+
+// shareTieBreak orders cache_aware's equal scores by Host.Share.
+const shareTieBreak = 1e-6
 
 // Random picks uniformly: a baseline.
 type Random struct{}

@@ -107,10 +107,7 @@ func TestRoutedWindow(t *testing.T) {
 	cands := []endpoints.Endpoint{{Address: "a"}, {Address: "b"}, {Address: "c"}, {Address: "d"}}
 	shares := func() map[string]float64 {
 		out := make([]Host, len(cands))
-		// Every pod holds the prompt's one block: only pods with cache
-		// credit get a share.
-		cache := map[string]int{"a": 1, "b": 1, "c": 1, "d": 1}
-		tr.fill("c", cands, View{Load: api.LoadStats{}, Cache: cache}, 1, out)
+		tr.fill("c", cands, View{Load: api.LoadStats{}}, 0, out)
 		m := map[string]float64{}
 		for _, h := range out {
 			m[h.Address] = h.Share
@@ -138,5 +135,27 @@ func TestRoutedWindow(t *testing.T) {
 	tr.Routed("c", "e", 5)
 	if w := tr.recent["c"]; w.filled != 1 || len(w.ring) != 40 || w.counts["e"] != 1 || w.counts["b"] != 0 {
 		t.Fatalf("after a resize: filled %d, size %d, counts %v", w.filled, len(w.ring), w.counts)
+	}
+}
+
+// Pods that score alike go to the one with the smallest recent share,
+// whatever the random source draws; pods that do not score alike keep the
+// score's order however their shares stand.
+func TestCacheAwareBreaksTiesByRecentShare(t *testing.T) {
+	hosts := []Host{
+		{Address: "a", Share: 0.4}, {Address: "b", Share: 0.1},
+		{Address: "c", Share: 0.3}, {Address: "d", Share: 0.2},
+	}
+	for draw := range 4 {
+		s := &State{Hosts: hosts, Rule: herdRule, IntN: func(n int) int { return min(draw, n-1) }}
+		if i := (CacheAware{}).Choose(s); hosts[i].Address != "b" {
+			t.Fatalf("draw %d: chose %s, want b (fewest recent requests)", draw, hosts[i].Address)
+		}
+	}
+	// One live request more outweighs any share.
+	hosts[1].Reqs = 1
+	s := &State{Hosts: hosts, Rule: herdRule, IntN: func(int) int { return 0 }}
+	if i := (CacheAware{}).Choose(s); hosts[i].Address != "d" {
+		t.Fatalf("chose %s, want d (b is busier; d has the smallest share of the rest)", hosts[i].Address)
 	}
 }

@@ -229,9 +229,7 @@ func (t *Tracker) fill(cluster string, cands []endpoints.Endpoint, v View, block
 				h.CacheRatio = min(1, float64(v.Cache[e.Address])/float64(blocks))
 			}
 		}
-		// Only a pod with cache credit to lose needs its share (a map
-		// lookup per pod adds up at hundreds of pods).
-		if w != nil && h.CacheRatio > 0 {
+		if w != nil {
 			h.Share = float64(w.counts[e.Address]) / float64(w.filled)
 		}
 		out[i] = h
