@@ -251,9 +251,9 @@ func Scores(hosts []Host, rule config.LBRule, promptLen int64, out []float64) []
 	// its fair share of requests and is busier than the idlest pod gets no
 	// cache credit, so a prefix that everyone wants is copied to another
 	// pod instead of queueing on the few that hold it.
-	herdShare := rule.HerdShare / float64(len(hosts))
+	shareLimit := rule.HerdShare / float64(len(hosts))
 	ratio := func(h Host) float64 {
-		if rule.HerdShare > 0 && h.Share > herdShare && h.Reqs > minReqs {
+		if rule.HerdShare > 0 && h.Share > shareLimit && h.Reqs > minReqs {
 			return 0
 		}
 		return h.CacheRatio

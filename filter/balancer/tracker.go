@@ -204,7 +204,6 @@ func (t *Tracker) fill(cluster string, cands []endpoints.Endpoint, v View, block
 	w := t.recent[cluster]
 	// Shares are only read once the window holds two decisions per pod: the
 	// first pods chosen would otherwise look like they took everything.
-	// Degraded views have no cache ratios, so no herd to control.
 	if w != nil && w.filled < 2*len(cands) {
 		w = nil
 	}
