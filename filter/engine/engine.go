@@ -39,12 +39,12 @@ import (
 	"github.com/istio-llm-filter/istio-llm-filter/filter/config"
 	"github.com/istio-llm-filter/istio-llm-filter/filter/endpoints"
 	"github.com/istio-llm-filter/istio-llm-filter/filter/mcclient"
-	"github.com/istio-llm-filter/istio-llm-filter/filter/prompthash"
 	"github.com/istio-llm-filter/istio-llm-filter/filter/rules"
 	"github.com/istio-llm-filter/istio-llm-filter/filter/transcode"
 	"github.com/istio-llm-filter/istio-llm-filter/filter/transcode/openai"
 	"github.com/istio-llm-filter/istio-llm-filter/filter/transcode/triton"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/api"
+	"github.com/istio-llm-filter/istio-llm-filter/prefix"
 )
 
 // Headers is satisfied by Envoy's api.RequestHeaderMap (Get(key string) (string, bool)).
@@ -98,7 +98,7 @@ type Engine struct {
 	src     endpoints.Source
 	codecs  transcode.Registry
 	rules   *rules.Table
-	hasher  prompthash.Hasher
+	hasher  prefix.Hasher
 	bal     *balancer.Balancer
 	router  Router
 	updater Updater
@@ -123,7 +123,7 @@ type Engine struct {
 type scratch struct {
 	texts []byte // the parsed request's prompt texts (bufferedParser)
 	canon []byte
-	sums  []uint64
+	sums  []prefix.Hash
 	cache map[string]int
 }
 
@@ -177,7 +177,7 @@ func New(cfg *config.Config, opts Options) (*Engine, error) {
 		metrics: opts.Metrics,
 		src:     opts.Endpoints,
 		rules:   rules.New(cfg.ModelMappingRule),
-		hasher:  prompthash.Hasher{ChunkSize: cfg.PromptHash.ChunkSize},
+		hasher:  prefix.Hasher{ChunkSize: cfg.PromptHash.ChunkSize},
 		bal:     balancer.New(balancer.Options{IntN: opts.IntN, Policies: opts.Policies}),
 		router:  opts.Router,
 		updater: opts.Updater,
@@ -412,7 +412,7 @@ func (e *Engine) Decide(ctx context.Context, h Headers, body []byte) (*Decision,
 		Backend:      rule.Backend,
 		SceneName:    rule.SceneName,
 		Policy:       lb.Policy,
-		Hashes:       prompthash.Wire(sums),
+		Hashes:       prefix.Wire(sums),
 		PromptLength: promptLen,
 		Stream:       req.Stream,
 	}

@@ -18,10 +18,10 @@ import (
 	"github.com/istio-llm-filter/istio-llm-filter/filter/config"
 	"github.com/istio-llm-filter/istio-llm-filter/filter/endpoints"
 	"github.com/istio-llm-filter/istio-llm-filter/filter/mcclient"
-	"github.com/istio-llm-filter/istio-llm-filter/filter/prompthash"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/api"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/server"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/store/memstore"
+	"github.com/istio-llm-filter/istio-llm-filter/prefix"
 )
 
 const cluster = "outbound|8000||qwen.llm.svc.cluster.local"
@@ -163,12 +163,12 @@ func TestLifecycleAgainstMetadataCenter(t *testing.T) {
 	if !contains(pods, d.Host) {
 		t.Fatalf("host %q is not a pod", d.Host)
 	}
-	// The hashes are prompthash's over the canonical chat, seeded by model.
-	canon := prompthash.CanonicalChat([]prompthash.Message{
-		{Role: "system", Parts: []prompthash.Part{{Type: "text", Text: system}}},
-		{Role: "user", Parts: []prompthash.Part{{Type: "text", Text: "Bonjour ?"}}},
+	// The hashes are prefix's over the canonical chat, seeded by model.
+	canon := prefix.CanonicalChat([]prefix.Message{
+		{Role: "system", Parts: []prefix.Part{{Type: "text", Text: system}}},
+		{Role: "user", Parts: []prefix.Part{{Type: "text", Text: "Bonjour ?"}}},
 	})
-	if want := prompthash.Wire(prompthash.Hasher{ChunkSize: 64}.Sum("qwen", canon)); fmt.Sprint(want) != fmt.Sprint(d.Hashes) || d.PromptLength != len(canon) {
+	if want := prefix.Wire(prefix.Hasher{ChunkSize: 64}.Sum("qwen", canon)); fmt.Sprint(want) != fmt.Sprint(d.Hashes) || d.PromptLength != len(canon) {
 		t.Fatalf("hashes %v / %d, want %v / %d", d.Hashes, d.PromptLength, want, len(canon))
 	}
 

@@ -14,10 +14,10 @@ import (
 	"time"
 
 	"github.com/istio-llm-filter/istio-llm-filter/filter/config"
-	"github.com/istio-llm-filter/istio-llm-filter/filter/prompthash"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/api"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/server"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/store/memstore"
+	"github.com/istio-llm-filter/istio-llm-filter/prefix"
 )
 
 // startCenter runs the real metadata center (in-memory store) on loopback.
@@ -42,7 +42,7 @@ func newClient(t *testing.T, addr, token string, query time.Duration) *Client {
 }
 
 func hashes(text string) []string {
-	return prompthash.Wire(prompthash.Hasher{ChunkSize: 16}.Sum("m", prompthash.CanonicalCompletion(text)))
+	return prefix.Wire(prefix.Hasher{ChunkSize: 16}.Sum("m", prefix.CanonicalCompletion(text)))
 }
 
 func TestLifecycleAgainstMetadataCenter(t *testing.T) {

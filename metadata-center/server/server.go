@@ -5,6 +5,8 @@
 package server
 
 import (
+	"github.com/istio-llm-filter/istio-llm-filter/prefix"
+
 	"context"
 	"crypto/subtle"
 	"encoding/json"
@@ -242,12 +244,12 @@ func (s *Server) decode(c *gin.Context, v any) bool {
 
 // decodeQuery reads a RouteQuery/CacheQuery body, through the fast path
 // when it can.
-func (s *Server) decodeQuery(c *gin.Context) (string, []store.Hash, bool) {
+func (s *Server) decodeQuery(c *gin.Context) (string, []prefix.Hash, bool) {
 	body, ok := s.readBody(c)
 	if !ok {
 		return "", nil, false
 	}
-	cluster, hashes, fast := parseQuery(body, make([]store.Hash, 0, 64))
+	cluster, hashes, fast := parseQuery(body, make([]prefix.Hash, 0, 64))
 	var err error
 	if fast {
 		cluster, err = validCluster(cluster)

@@ -26,8 +26,8 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 
-	"github.com/istio-llm-filter/istio-llm-filter/filter/prompthash"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/api"
+	"github.com/istio-llm-filter/istio-llm-filter/prefix"
 )
 
 // Config of a reporter.
@@ -49,7 +49,7 @@ type Reporter struct {
 	log     *slog.Logger
 	kick    chan struct{}
 	mu      sync.Mutex
-	pending map[uint64]struct{}
+	pending map[prefix.Hash]struct{}
 	idle    *sync.Cond // signalled when pending empties after a send
 
 	sent    *prometheus.CounterVec
@@ -78,7 +78,7 @@ func New(cfg Config) (*Reporter, error) {
 		cfg.Logger = slog.Default()
 	}
 	r := &Reporter{
-		cfg: cfg, log: cfg.Logger, kick: make(chan struct{}, 1), pending: map[uint64]struct{}{},
+		cfg: cfg, log: cfg.Logger, kick: make(chan struct{}, 1), pending: map[prefix.Hash]struct{}{},
 		sent: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "llmf_worker_evict_reports_total",
 			Help: "POST /v1/cache/evict calls by result (ok, error, rejected)."}, []string{"result"}),
 		dropped: prometheus.NewCounter(prometheus.CounterOpts{Name: "llmf_worker_evict_hashes_dropped_total",
@@ -92,7 +92,7 @@ func New(cfg Config) (*Reporter, error) {
 }
 
 // Evict queues hashes; it never blocks.
-func (r *Reporter) Evict(hs []uint64) {
+func (r *Reporter) Evict(hs []prefix.Hash) {
 	r.mu.Lock()
 	for _, h := range hs {
 		if len(r.pending) >= r.cfg.MaxPending {
@@ -141,7 +141,7 @@ func (r *Reporter) Run(ctx context.Context) {
 				return
 			}
 		}
-		err := r.post(ctx, api.CacheEvict{Cluster: r.cfg.Cluster, Host: r.cfg.Host, Hashes: prompthash.Wire(batch)})
+		err := r.post(ctx, api.CacheEvict{Cluster: r.cfg.Cluster, Host: r.cfg.Host, Hashes: prefix.Wire(batch)})
 		var rej *rejected
 		switch {
 		case err == nil || errors.As(err, &rej):
@@ -162,10 +162,10 @@ func (r *Reporter) Run(ctx context.Context) {
 
 // next picks up to api.MaxHashes pending hashes without removing them, so a
 // failed send keeps them.
-func (r *Reporter) next() []uint64 {
+func (r *Reporter) next() []prefix.Hash {
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	out := make([]uint64, 0, min(len(r.pending), api.MaxHashes))
+	out := make([]prefix.Hash, 0, min(len(r.pending), api.MaxHashes))
 	for h := range r.pending {
 		if len(out) == api.MaxHashes {
 			break
@@ -175,7 +175,7 @@ func (r *Reporter) next() []uint64 {
 	return out
 }
 
-func (r *Reporter) done(batch []uint64) {
+func (r *Reporter) done(batch []prefix.Hash) {
 	r.mu.Lock()
 	for _, h := range batch {
 		delete(r.pending, h)

@@ -10,8 +10,8 @@ import (
 	"testing"
 	"time"
 
-	"github.com/istio-llm-filter/istio-llm-filter/filter/prompthash"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/api"
+	"github.com/istio-llm-filter/istio-llm-filter/prefix"
 )
 
 type center struct {
@@ -78,7 +78,7 @@ func flush(t *testing.T, r *Reporter) {
 func TestEvictAllFirstThenHashesInWireForm(t *testing.T) {
 	c := &center{}
 	r := start(t, c, Config{AuthToken: "s3cret"})
-	r.Evict([]uint64{0xabc, 1, 0xabc})
+	r.Evict([]prefix.Hash{0xabc, 1, 0xabc})
 	flush(t, r)
 	got := c.got()
 	if len(got) < 2 || !got[0].All || got[0].Host != "10.0.0.7:9001" || got[0].Cluster != "outbound|8000||tiny" || len(got[0].Hashes) != 0 {
@@ -92,7 +92,7 @@ func TestEvictAllFirstThenHashesInWireForm(t *testing.T) {
 		hs = append(hs, b.Hashes...)
 	}
 	slices.Sort(hs)
-	want := prompthash.Wire([]uint64{1, 0xabc})
+	want := prefix.Wire([]prefix.Hash{1, 0xabc})
 	slices.Sort(want)
 	if !slices.Equal(hs, want) || hs[0] != "0000000000000001" {
 		t.Fatalf("hashes %v, want %v (deduplicated, 16 hex digits)", hs, want)
@@ -109,10 +109,10 @@ func TestEvictAllFirstThenHashesInWireForm(t *testing.T) {
 func TestRetriesWhileTheCenterIsDown(t *testing.T) {
 	c := &center{failures: 3}
 	r := start(t, c, Config{})
-	r.Evict([]uint64{7})
+	r.Evict([]prefix.Hash{7})
 	flush(t, r)
 	got := c.got()
-	if len(got) != 2 || !got[0].All || !slices.Equal(got[1].Hashes, prompthash.Wire([]uint64{7})) {
+	if len(got) != 2 || !got[0].All || !slices.Equal(got[1].Hashes, prefix.Wire([]prefix.Hash{7})) {
 		t.Fatalf("after 3 failures: %+v", got)
 	}
 }
@@ -120,9 +120,9 @@ func TestRetriesWhileTheCenterIsDown(t *testing.T) {
 func TestBatchesAreBoundedAndPendingIsBounded(t *testing.T) {
 	c := &center{}
 	r := start(t, c, Config{MaxPending: api.MaxHashes + 10})
-	hs := make([]uint64, api.MaxHashes+50)
+	hs := make([]prefix.Hash, api.MaxHashes+50)
 	for i := range hs {
-		hs[i] = uint64(i + 1)
+		hs[i] = prefix.Hash(i + 1)
 	}
 	r.Evict(hs)
 	flush(t, r)
