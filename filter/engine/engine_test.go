@@ -17,8 +17,8 @@ import (
 
 	"github.com/istio-llm-filter/istio-llm-filter/filter/config"
 	"github.com/istio-llm-filter/istio-llm-filter/filter/endpoints"
-	"github.com/istio-llm-filter/istio-llm-filter/filter/mcclient"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/api"
+	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/client"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/server"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/store/memstore"
 	"github.com/istio-llm-filter/istio-llm-filter/prefix"
@@ -146,7 +146,7 @@ func TestLifecycleAgainstMetadataCenter(t *testing.T) {
 	ts := center(t)
 	m := &counts{}
 	e := newEngine(t, configFor(t, ts.URL, ""), Options{Metrics: m})
-	mc, _ := mcclient.New(config.MetadataCenter{Address: ts.URL, QueryTimeout: 2 * time.Second}, nil)
+	mc, _ := client.New(client.Options{Address: ts.URL, QueryTimeout: 2 * time.Second})
 	ctx := context.Background()
 
 	system := strings.Repeat("You are a careful assistant who answers in French. ", 8)
@@ -581,7 +581,7 @@ func TestCloseDrainsQueuedUpdates(t *testing.T) {
 		ds = append(ds, d)
 	}
 	e.Close()
-	mc, _ := mcclient.New(config.MetadataCenter{Address: ts.URL}, nil)
+	mc, _ := client.New(client.Options{Address: ts.URL})
 	ans, err := mc.Route(context.Background(), cluster, nil)
 	if err != nil {
 		t.Fatal(err)

@@ -3,14 +3,24 @@ package mcreport
 import (
 	"context"
 	"encoding/json"
+	"errors"
+	"io"
+	"log/slog"
 	"net/http"
 	"net/http/httptest"
 	"slices"
+	"strings"
 	"sync"
 	"testing"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
+	dto "github.com/prometheus/client_model/go"
+
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/api"
+	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/client"
+	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/server"
+	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/store/memstore"
 	"github.com/istio-llm-filter/istio-llm-filter/prefix"
 )
 
@@ -144,4 +154,95 @@ func TestNewValidates(t *testing.T) {
 			t.Errorf("New(%+v) accepted", cfg)
 		}
 	}
+}
+
+// A worker whose chunk size differs from the gateways' makes hashes that name
+// no indexed prefix: the real metadata center refuses its reports (409, not
+// retried), while a worker with the gateways' size evicts for real.
+func TestChunkSizeMismatchIsRefused(t *testing.T) {
+	reg := prometheus.NewRegistry()
+	srv := httptest.NewServer(server.New(memstore.New(memstore.Options{}), server.Options{
+		Logger: slog.New(slog.NewTextHandler(io.Discard, nil)), Registry: reg}).Handler())
+	t.Cleanup(srv.Close)
+	const cluster, host = "outbound|8000||tiny", "10.0.0.7:9001"
+	mc, err := client.New(client.Options{Address: srv.URL})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+	hs := prefix.Wire([]prefix.Hash{11, 12})
+	if err := mc.SaveCache(ctx, api.CacheSave{Cluster: cluster, Host: host, Hashes: hs, ChunkSize: 512}); err != nil {
+		t.Fatal(err)
+	}
+	held := func() int {
+		locs, err := mc.Route(ctx, cluster, hs)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, l := range locs.Cache {
+			if l.Host == host {
+				return l.Length
+			}
+		}
+		return 0
+	}
+
+	err = mc.EvictCache(ctx, api.CacheEvict{Cluster: cluster, Host: host, Hashes: hs[1:], ChunkSize: 256})
+	var se *client.StatusError
+	if !errors.As(err, &se) || se.Status != http.StatusConflict || se.Body.Error.Type != "chunk_size_mismatch" || !client.Permanent(err) {
+		t.Fatalf("evict with chunk size 256 against gateways' 512: %v", err)
+	}
+	if !strings.Contains(se.Body.Error.Message, "--prompt-hash-chunk-size to 512") {
+		t.Fatalf("the error does not say how to fix it: %q", se.Body.Error.Message)
+	}
+
+	// Through the reporter: refused, counted, dropped (not retried forever).
+	wrong, err := New(Config{URL: srv.URL, Cluster: cluster, Host: "10.0.0.8:9001", ChunkSize: 256,
+		MaxBackoff: 20 * time.Millisecond, Registerer: prometheus.NewRegistry()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	rctx, cancel := context.WithCancel(ctx)
+	t.Cleanup(cancel)
+	go wrong.Run(rctx)
+	wrong.Evict([]prefix.Hash{12})
+	fctx, fcancel := context.WithTimeout(ctx, 5*time.Second)
+	defer fcancel()
+	if err := wrong.Flush(fctx); err != nil {
+		t.Fatalf("refused report still pending: %v", err)
+	}
+	if got := counterValue(t, wrong.sent.WithLabelValues("rejected")); got != 1 {
+		t.Fatalf("rejected reports = %v, want 1", got)
+	}
+	if n := held(); n != 2 {
+		t.Fatalf("after refused reports the host holds %d blocks, want 2", n)
+	}
+
+	right, err := New(Config{URL: srv.URL, Cluster: cluster, Host: host, ChunkSize: 512,
+		MaxBackoff: 20 * time.Millisecond, Registerer: prometheus.NewRegistry()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	go right.Run(rctx)
+	right.Evict([]prefix.Hash{12})
+	if err := right.Flush(fctx); err != nil {
+		t.Fatal(err)
+	}
+	// The start-up evict-all of this host ran first, then the report: the
+	// host holds nothing now.
+	if n := held(); n != 0 {
+		t.Fatalf("after a matching report the host holds %d blocks, want 0", n)
+	}
+	if got := counterValue(t, right.sent.WithLabelValues("ok")); got < 2 {
+		t.Fatalf("ok reports = %v, want the evict-all and the eviction", got)
+	}
+}
+
+func counterValue(t *testing.T, c prometheus.Counter) float64 {
+	t.Helper()
+	var m dto.Metric
+	if err := c.Write(&m); err != nil {
+		t.Fatal(err)
+	}
+	return m.GetCounter().GetValue()
 }

@@ -173,7 +173,7 @@ func run(ctx context.Context, args []string, stderr io.Writer, ready func(addr s
 	defer cancel()
 	var reporterDone chan struct{}
 	if o.mcURL != "" {
-		rep, err := mcreport.New(mcreport.Config{URL: o.mcURL, Cluster: o.cluster, Host: o.advertise, AuthToken: o.mcToken,
+		rep, err := mcreport.New(mcreport.Config{URL: o.mcURL, Cluster: o.cluster, Host: o.advertise, AuthToken: o.mcToken, ChunkSize: o.hashChunk,
 			Logger: log, Registerer: reg})
 		if err != nil {
 			return err
