@@ -3,6 +3,7 @@
 //
 //	metadata-center --listen 127.0.0.1:8080 --store memory
 //	metadata-center --listen 0.0.0.0:8080 --store redis --redis-addr redis:6379 --auth-token T
+//	metadata-center --store redis --redis-cluster --redis-addr redis-0:6379,redis-1:6379
 //
 // It stops gracefully on SIGTERM or SIGINT: in-flight requests finish,
 // then the store is closed.
@@ -54,6 +55,7 @@ type config struct {
 	listen, storeKind, logLevel             string
 	redisAddr, redisPassword, redisPrefix   string
 	redisDB                                 int
+	redisCluster                            bool
 	redisDialTimeout, redisIOTimeout        time.Duration
 	authToken                               string
 	leaseTTL, cacheTTL                      time.Duration
@@ -68,7 +70,8 @@ func parse(args []string, stderr io.Writer) (config, error) {
 	fs.SetOutput(stderr)
 	fs.StringVar(&c.listen, "listen", "127.0.0.1:8080", "address to serve the API on")
 	fs.StringVar(&c.storeKind, "store", "memory", "store: memory (embedded, one replica) or redis (shared by replicas)")
-	fs.StringVar(&c.redisAddr, "redis-addr", "127.0.0.1:6379", "redis-server host:port (--store redis)")
+	fs.StringVar(&c.redisAddr, "redis-addr", "127.0.0.1:6379", "redis-server host:port (--store redis); with --redis-cluster a comma-separated seed list")
+	fs.BoolVar(&c.redisCluster, "redis-cluster", false, "--redis-addr names nodes of a Redis Cluster (the rest are discovered)")
 	fs.StringVar(&c.redisPassword, "redis-password", os.Getenv(envRedisPassword), "Redis password (default $"+envRedisPassword+")")
 	fs.IntVar(&c.redisDB, "redis-db", 0, "Redis database number")
 	fs.StringVar(&c.redisPrefix, "redis-key-prefix", redisstore.DefaultKeyPrefix, "prefix of every Redis key (share one Redis between deployments)")
@@ -92,13 +95,19 @@ func parse(args []string, stderr io.Writer) (config, error) {
 	if c.storeKind != "memory" && c.storeKind != "redis" {
 		return c, fmt.Errorf("--store %q: want memory or redis", c.storeKind)
 	}
+	if c.redisCluster && c.storeKind != "redis" {
+		return c, errors.New("--redis-cluster needs --store redis")
+	}
+	if c.redisCluster && c.redisDB != 0 {
+		return c, errors.New("--redis-db: a Redis Cluster has only database 0")
+	}
 	return c, nil
 }
 
 func newStore(c config) (store.Store, error) {
 	if c.storeKind == "redis" {
 		return redisstore.New(redisstore.Options{
-			Addr: c.redisAddr, Password: c.redisPassword, DB: c.redisDB, KeyPrefix: c.redisPrefix,
+			Addr: c.redisAddr, Cluster: c.redisCluster, Password: c.redisPassword, DB: c.redisDB, KeyPrefix: c.redisPrefix,
 			LeaseTTL: c.leaseTTL, CacheTTL: c.cacheTTL, TouchInterval: c.touchInt,
 			DialTimeout: c.redisDialTimeout, IOTimeout: c.redisIOTimeout,
 		})
@@ -149,7 +158,7 @@ func run(ctx context.Context, args []string, stderr io.Writer, onListen func(net
 	log.Info("metadata center listening", "addr", ln.Addr().String(), "store", c.storeKind,
 		"auth", c.authToken != "", "lease_ttl", c.leaseTTL.String(), "cache_ttl", c.cacheTTL.String())
 	if c.storeKind == "redis" {
-		log.Info("using redis", "addr", c.redisAddr, "key_prefix", c.redisPrefix)
+		log.Info("using redis", "addr", c.redisAddr, "cluster", c.redisCluster, "key_prefix", c.redisPrefix)
 		pctx, cancel := context.WithTimeout(ctx, c.storeTimeout)
 		if err := st.Ping(pctx); err != nil {
 			// Not fatal: /readyz reports it and the client reconnects by itself.

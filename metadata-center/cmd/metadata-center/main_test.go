@@ -100,6 +100,9 @@ func TestRunRedis(t *testing.T) {
 func TestFlags(t *testing.T) {
 	for _, args := range [][]string{
 		{"--store", "etcd"},
+		{"--redis-cluster"},
+		{"--store", "redis", "--redis-cluster", "--redis-db", "1"},
+		{"--store", "redis", "--redis-cluster", "--redis-addr", ","},
 		{"--log-level", "loud"},
 		{"extra"},
 		{"--no-such-flag"},

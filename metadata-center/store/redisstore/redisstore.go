@@ -9,6 +9,11 @@
 // set scores, or the records of a prefix's holder list) and whole keys
 // carry a PEXPIRE as a backstop for abandoned clusters.
 //
+// With Options.Cluster the same scripts run on a Redis Cluster through
+// go-redis's cluster client: every script's keys sit in one slot, so each
+// call is still one round trip to the master of that slot. See cluster.go
+// for how failovers are handled.
+//
 // Client timeouts are short and retries off on purpose: when Redis is down
 // a call fails within a few hundred milliseconds with store.ErrUnavailable
 // (the server answers 503) instead of queueing, and go-redis's pool redials
@@ -47,7 +52,10 @@ const registerEvery = time.Minute
 
 // Options configure a Store. Zero values pick the defaults.
 type Options struct {
-	Addr     string // host:port of redis-server
+	Addr string // host:port of redis-server; with Cluster, a comma-separated seed list
+	// Cluster talks to a Redis Cluster (go-redis ClusterClient) whose
+	// nodes Addr lists some of; the rest are discovered.
+	Cluster  bool
 	Username string
 	Password string
 	DB       int
@@ -69,7 +77,8 @@ type Options struct {
 
 // Store is the Redis store.Store.
 type Store struct {
-	rdb                       *redis.Client
+	rdb                       redis.UniversalClient
+	cluster                   *redis.ClusterClient // nil on a single node
 	sc                        scripts
 	prefix                    string
 	leaseTTL, cacheTTL, touch int64 // milliseconds
@@ -114,7 +123,25 @@ func New(o Options) (*Store, error) {
 	if o.Now == nil {
 		o.Now = time.Now
 	}
-	rdb := redis.NewClient(&redis.Options{
+	st := &Store{
+		sc:         newScripts(),
+		prefix:     o.KeyPrefix,
+		leaseTTL:   o.LeaseTTL.Milliseconds(),
+		cacheTTL:   o.CacheTTL.Milliseconds(),
+		touch:      o.TouchInterval.Milliseconds(),
+		now:        o.Now,
+		registered: make(map[string]time.Time),
+	}
+	if o.Cluster {
+		seeds, err := seedList(o.Addr)
+		if err != nil {
+			return nil, err
+		}
+		st.cluster = newClusterClient(o, seeds)
+		st.rdb = st.cluster
+		return st, nil
+	}
+	st.rdb = redis.NewClient(&redis.Options{
 		Addr:                  o.Addr,
 		Username:              o.Username,
 		Password:              o.Password,
@@ -135,16 +162,7 @@ func New(o Options) (*Store, error) {
 			Mode: maintnotifications.ModeDisabled,
 		},
 	})
-	return &Store{
-		rdb:        rdb,
-		sc:         newScripts(),
-		prefix:     o.KeyPrefix,
-		leaseTTL:   o.LeaseTTL.Milliseconds(),
-		cacheTTL:   o.CacheTTL.Milliseconds(),
-		touch:      o.TouchInterval.Milliseconds(),
-		now:        o.Now,
-		registered: make(map[string]time.Time),
-	}, nil
+	return st, nil
 }
 
 // keys names the keys of one cluster; see docs/metadata-center.md.
@@ -165,7 +183,7 @@ func member(host, id string) string { return host + "|" + id }
 
 func (s *Store) ms() int64 { return s.now().UnixMilli() }
 
-func wrap(op string, err error) error {
+func (s *Store) wrap(op string, err error) error {
 	if err == nil {
 		return nil
 	}
@@ -176,11 +194,13 @@ func wrap(op string, err error) error {
 		code, _, _ := strings.Cut(rerr.Error(), " ")
 		switch code {
 		case "LOADING", "READONLY", "MASTERDOWN", "CLUSTERDOWN", "TRYAGAIN", "BUSY", "OOM", "NOREPLICAS", "MOVED", "ASK":
+			s.slotsMayHaveMoved(code)
 			return fmt.Errorf("%w: redis %s: %v", store.ErrUnavailable, op, err)
 		}
 		return fmt.Errorf("redis %s: %w", op, err)
 	}
 	// Network errors, timeouts, a saturated pool, a closed client.
+	s.slotsMayHaveMoved("")
 	return fmt.Errorf("%w: redis %s: %v", store.ErrUnavailable, op, err)
 }
 
@@ -199,11 +219,11 @@ func (s *Store) run(ctx context.Context, op string, sc *redis.Script, cluster st
 		}
 		if !redis.HasErrorPrefix(cmd.Err(), "NOSCRIPT") {
 			s.forget(cluster)
-			return nil, wrap(op, err)
+			return nil, s.wrap(op, err)
 		}
 	}
 	cmd := sc.Run(ctx, s.rdb, ks, args...)
-	return cmd, wrap(op, cmd.Err())
+	return cmd, s.wrap(op, cmd.Err())
 }
 
 func (s *Store) needsRegister(cluster string) bool {
@@ -237,19 +257,19 @@ func (s *Store) AddLease(ctx context.Context, cluster, host, id string, prompt i
 
 // FirstToken implements store.Store.
 func (s *Store) FirstToken(ctx context.Context, cluster, host, id string) error {
-	return wrap("first token", s.sc.firstToken.Run(ctx, s.rdb, s.keys(cluster).leases(), s.ms(), host, member(host, id)).Err())
+	return s.wrap("first token", s.sc.firstToken.Run(ctx, s.rdb, s.keys(cluster).leases(), s.ms(), host, member(host, id)).Err())
 }
 
 // DeleteLease implements store.Store.
 func (s *Store) DeleteLease(ctx context.Context, cluster, host, id string) error {
-	return wrap("delete lease", s.sc.del.Run(ctx, s.rdb, s.keys(cluster).leases(), s.ms(), host, member(host, id)).Err())
+	return s.wrap("delete lease", s.sc.del.Run(ctx, s.rdb, s.keys(cluster).leases(), s.ms(), host, member(host, id)).Err())
 }
 
 // LoadStats implements store.Store.
 func (s *Store) LoadStats(ctx context.Context, cluster string) (api.LoadStats, error) {
 	res, err := s.sc.load.Run(ctx, s.rdb, s.keys(cluster).leases(), s.ms()).Slice()
 	if err != nil {
-		return nil, wrap("load stats", err)
+		return nil, s.wrap("load stats", err)
 	}
 	if len(res) != 2 {
 		return nil, fmt.Errorf("redis load stats: unexpected reply %v", res)
@@ -362,7 +382,7 @@ func (s *Store) QueryCache(ctx context.Context, cluster string, hashes []prefix.
 	ks, args := s.queryArgs(k, nil, hashes)
 	res, err := s.sc.query.Run(ctx, s.rdb, ks, args...).Slice()
 	if err != nil {
-		return nil, wrap("cache query", err)
+		return nil, s.wrap("cache query", err)
 	}
 	if len(res) != 3 {
 		return nil, fmt.Errorf("redis cache query: unexpected reply %v", res)
@@ -376,7 +396,7 @@ func (s *Store) Route(ctx context.Context, cluster string, hashes []prefix.Hash)
 	ks, args := s.queryArgs(k, k.leases(), hashes)
 	res, err := s.sc.route.Run(ctx, s.rdb, ks, args...).Slice()
 	if err != nil {
-		return api.RouteAnswer{}, wrap("route query", err)
+		return api.RouteAnswer{}, s.wrap("route query", err)
 	}
 	if len(res) != 5 {
 		return api.RouteAnswer{}, fmt.Errorf("redis route query: unexpected reply %v", res)
@@ -426,13 +446,13 @@ func (s *Store) EvictCache(ctx context.Context, cluster, host string, hashes []p
 		ks = append(ks, k.hash(h))
 		args = append(args, h.String())
 	}
-	return wrap("cache evict", s.sc.evict.Run(ctx, s.rdb, ks, args...).Err())
+	return s.wrap("cache evict", s.sc.evict.Run(ctx, s.rdb, ks, args...).Err())
 }
 
 // EvictHost implements store.Store.
 func (s *Store) EvictHost(ctx context.Context, cluster, host string) error {
 	k := s.keys(cluster)
-	return wrap("cache evict all", s.sc.evictHost.Run(ctx, s.rdb, []string{k.host(host), k.hosts()}, s.ms(), host, k.base).Err())
+	return s.wrap("cache evict all", s.sc.evictHost.Run(ctx, s.rdb, []string{k.host(host), k.hosts()}, s.ms(), host, k.base).Err())
 }
 
 // Stats implements store.Store. It costs one round trip per registered
@@ -440,7 +460,7 @@ func (s *Store) EvictHost(ctx context.Context, cluster, host string) error {
 func (s *Store) Stats(ctx context.Context) (store.Stats, error) {
 	clusters, err := s.rdb.SMembers(ctx, s.registry()).Result()
 	if err != nil {
-		return store.Stats{}, wrap("stats", err)
+		return store.Stats{}, s.wrap("stats", err)
 	}
 	now := s.ms()
 	var st store.Stats
@@ -448,7 +468,7 @@ func (s *Store) Stats(ctx context.Context) (store.Stats, error) {
 		k := s.keys(c)
 		res, err := s.sc.stats.Run(ctx, s.rdb, []string{k.base + ":lx", k.hosts()}, now, k.base).Int64Slice()
 		if err != nil {
-			return store.Stats{}, wrap("stats", err)
+			return store.Stats{}, s.wrap("stats", err)
 		}
 		if len(res) == 2 {
 			st.LiveLeases += res[0]
@@ -458,8 +478,15 @@ func (s *Store) Stats(ctx context.Context) (store.Stats, error) {
 	return st, nil
 }
 
-// Ping implements store.Store.
-func (s *Store) Ping(ctx context.Context) error { return wrap("ping", s.rdb.Ping(ctx).Err()) }
+// Ping implements store.Store. On a Redis Cluster it asks one node for
+// CLUSTER INFO: the store is ready when the cluster says every slot is
+// served, not merely when some node answers.
+func (s *Store) Ping(ctx context.Context) error {
+	if s.cluster != nil {
+		return s.pingCluster(ctx)
+	}
+	return s.wrap("ping", s.rdb.Ping(ctx).Err())
+}
 
 // Close implements store.Store.
 func (s *Store) Close() error { return s.rdb.Close() }
