@@ -107,3 +107,42 @@ type ErrorDetail struct {
 	Type    string `json:"type"`
 	Message string `json:"message"`
 }
+
+// PathBatch takes a batch of asynchronous updates in one call.
+const PathBatch = "/v1/batch"
+
+// MaxBatchOps bounds the updates one batch may carry.
+const MaxBatchOps = 1024
+
+// Kinds of BatchOp.Op: the same updates as the single calls.
+const (
+	OpAddRequest = "add_request" // POST /v1/load/stats
+	OpFirstToken = "first_token" // DELETE /v1/load/stats/prompt
+	OpDone       = "done"        // DELETE /v1/load/stats
+	OpCacheSave  = "cache_save"  // POST /v1/cache/save
+)
+
+// BatchOp is one update of a batch; the fields are those of the single
+// call named by Op.
+type BatchOp struct {
+	Op           string   `json:"op"`
+	Cluster      string   `json:"cluster"`
+	Host         string   `json:"host"`
+	RequestID    string   `json:"request_id,omitempty"`
+	PromptLength int64    `json:"prompt_length,omitempty"`
+	Hashes       []string `json:"hashes,omitempty"`
+	ChunkSize    int      `json:"chunk_size,omitempty"`
+}
+
+// Batch is the body of POST /v1/batch: updates applied in order (so one
+// request's add, first token and done keep their order), in one round trip
+// to the store. The whole batch is checked before any of it is applied: one
+// bad update refuses the batch with 400 naming its index.
+type Batch struct {
+	Ops []BatchOp `json:"ops"`
+}
+
+// BatchAnswer is the answer of POST /v1/batch.
+type BatchAnswer struct {
+	Applied int `json:"applied"`
+}

@@ -17,6 +17,8 @@ type metrics struct {
 	// chunkMismatch counts eviction reports refused because the worker
 	// hashes with another chunk size than the cluster's gateways.
 	chunkMismatch prometheus.Counter
+	// batchOps counts the updates applied through POST /v1/batch by kind.
+	batchOps *prometheus.CounterVec
 }
 
 func newMetrics(reg *prometheus.Registry, st store.Store, timeout time.Duration) *metrics {
@@ -40,7 +42,12 @@ func newMetrics(reg *prometheus.Registry, st store.Store, timeout time.Duration)
 			Namespace: "llmf", Subsystem: "metadata_center", Name: "chunk_size_mismatch_total",
 			Help: "Eviction reports refused (409) because the worker's prompt-hash chunk size differs from the cluster's gateways'.",
 		}),
+		batchOps: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Namespace: "llmf", Subsystem: "metadata_center", Name: "batch_ops_total",
+			Help: "Updates applied through POST /v1/batch, by op.",
+		}, []string{"op"}),
 	}
+	reg.MustRegister(m.batchOps)
 	reg.MustRegister(m.requests, m.latency, m.storeErrors, m.chunkMismatch, newGauges(st, timeout, m.storeErrors))
 	return m
 }

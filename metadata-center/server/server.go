@@ -97,6 +97,7 @@ func New(st store.Store, opts Options) *Server {
 	e.POST(api.PathCacheSave, s.cacheSave)
 	e.POST(api.PathCacheEvict, s.cacheEvict)
 	e.POST(api.PathRouteQuery, s.routeQuery)
+	e.POST(api.PathBatch, s.batch)
 	e.GET(api.PathHealthz, s.healthz)
 	e.GET(api.PathReadyz, s.readyz)
 	prom := promhttp.HandlerFor(opts.Registry, promhttp.HandlerOpts{})

@@ -257,3 +257,41 @@ func TestMaxHashes(t *testing.T) {
 		t.Fatalf("after evictions = %v", got)
 	}
 }
+
+// TestBatchAfterScriptFlush: a node that lost its script cache (restart,
+// a promoted replica) answers NOSCRIPT inside a pipeline; Apply resends
+// with the script source and the batch still lands, in order.
+func TestBatchAfterScriptFlush(t *testing.T) {
+	srv := redistest.Shared(t)
+	st := newStore(t, srv, redisstore.Options{})
+	ctx := context.Background()
+	const c = "flushed"
+	ops := []store.Op{
+		{Kind: store.OpAddLease, Cluster: c, Host: "10.0.0.1:1", RequestID: "a", PromptLength: 5},
+		{Kind: store.OpSaveCache, Cluster: c, Host: "10.0.0.1:1", Hashes: []prefix.Hash{9, 10}},
+		{Kind: store.OpAddLease, Cluster: c, Host: "10.0.0.1:1", RequestID: "b", PromptLength: 5},
+		{Kind: store.OpDeleteLease, Cluster: c, Host: "10.0.0.1:1", RequestID: "a"},
+	}
+	if err := store.Apply(ctx, st, ops[:1]); err != nil {
+		t.Fatal(err)
+	}
+	rdb := redis.NewClient(&redis.Options{Addr: srv.Addr})
+	defer rdb.Close()
+	if err := rdb.ScriptFlush(ctx).Err(); err != nil {
+		t.Fatal(err)
+	}
+	if err := store.Apply(ctx, st, ops); err != nil {
+		t.Fatal(err)
+	}
+	load, err := st.LoadStats(ctx, c)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !reflect.DeepEqual(load, api.LoadStats{"10.0.0.1:1": {TotalReqs: 1, PromptLength: 5}}) {
+		t.Fatalf("load after batch = %v", load)
+	}
+	locs, err := st.QueryCache(ctx, c, []prefix.Hash{9, 10})
+	if err != nil || len(locs) != 1 || locs[0].Length != 2 {
+		t.Fatalf("cache after batch = %v, %v", locs, err)
+	}
+}

@@ -93,6 +93,7 @@ func Run(t *testing.T, f Factory) {
 		{"Stats", testStats},
 		{"Concurrent", testConcurrent},
 		{"Ping", testPing},
+		{"Batch", testBatch},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) { tc.fn(setup(t, f)) })
@@ -585,4 +586,39 @@ func testPing(e *env) {
 	ctx, cancel := context.WithTimeout(e.ctx, 2*time.Second)
 	defer cancel()
 	e.must(e.st.Ping(ctx))
+}
+
+// testBatch: store.Apply runs a batch in order, across routing clusters,
+// with the single calls' semantics, and applying it again changes nothing.
+func testBatch(e *env) {
+	const other = "other-cluster"
+	hs := hashes("batch", 3)
+	ops := []store.Op{
+		{Kind: store.OpAddLease, Cluster: cl, Host: hostA, RequestID: "r1", PromptLength: 100},
+		{Kind: store.OpSaveCache, Cluster: cl, Host: hostA, Hashes: hs},
+		{Kind: store.OpAddLease, Cluster: other, Host: hostB, RequestID: "r2", PromptLength: 7},
+		{Kind: store.OpAddLease, Cluster: cl, Host: hostA, RequestID: "r3", PromptLength: 30},
+		{Kind: store.OpFirstToken, Cluster: cl, Host: hostA, RequestID: "r1"},
+		{Kind: store.OpDeleteLease, Cluster: cl, Host: hostA, RequestID: "r3"},
+		{Kind: store.OpDeleteLease, Cluster: cl, Host: hostA, RequestID: "never-added"},
+		{Kind: store.OpSaveCache, Cluster: other, Host: hostB, Hashes: hs[:1]},
+		{Kind: store.OpSaveCache, Cluster: cl, Host: hostB}, // no hashes: nothing
+	}
+	for range 2 {
+		e.must(store.Apply(e.ctx, e.st, ops))
+		e.wantLoad(cl, api.LoadStats{hostA: {TotalReqs: 1, PromptLength: 0}})
+		e.wantLoad(other, api.LoadStats{hostB: {TotalReqs: 1, PromptLength: 7}})
+		e.wantCache(cl, hs, []api.CacheLocation{{Host: hostA, Length: 3}})
+		e.wantCache(other, hs, []api.CacheLocation{{Host: hostB, Length: 1}})
+	}
+	// Order matters: a done before its add leaves the lease (as the single
+	// calls would), which is why the client keeps one request's updates in
+	// order.
+	e.must(store.Apply(e.ctx, e.st, []store.Op{
+		{Kind: store.OpDeleteLease, Cluster: cl, Host: hostA, RequestID: "r1"},
+		{Kind: store.OpDeleteLease, Cluster: cl, Host: hostB, RequestID: "r4"},
+		{Kind: store.OpAddLease, Cluster: cl, Host: hostB, RequestID: "r4", PromptLength: 1},
+	}))
+	e.wantLoad(cl, api.LoadStats{hostB: {TotalReqs: 1, PromptLength: 1}})
+	e.must(store.Apply(e.ctx, e.st, nil))
 }
