@@ -14,6 +14,7 @@ import (
 	"net"
 	"net/http"
 	"net/url"
+	"sync/atomic"
 	"time"
 
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/api"
@@ -36,6 +37,7 @@ type Client struct {
 	hc            *http.Client
 	queryTimeout  time.Duration
 	updateTimeout time.Duration
+	noBatch       atomic.Bool // the metadata center has no /v1/batch
 }
 
 // Options of a client.
