@@ -32,6 +32,8 @@ const (
 	DefaultQueueSize        = 4096
 	DefaultWorkers          = 4
 	DefaultDrainTimeout     = 2 * time.Second
+	DefaultBatchWindow      = 5 * time.Millisecond
+	DefaultBatchMaxOps      = 256
 	DefaultMaxBodyBytes     = 8 << 20
 )
 
@@ -219,4 +221,11 @@ type Async struct {
 	// DrainTimeout (key `drain_timeout`, default 2s, 0..1m) bounds how long
 	// Close waits for queued updates.
 	DrainTimeout time.Duration
+	// BatchWindow (key `batch_window`, default 5ms, 0..1s) coalesces the
+	// updates of this long into one POST /v1/batch, sent by one goroutine
+	// in order; 0 sends each update as its own call on the workers.
+	BatchWindow time.Duration
+	// BatchMaxOps (key `batch_max_ops`, default 256, 1..1024) sends a batch
+	// early once it holds this many updates.
+	BatchMaxOps int
 }

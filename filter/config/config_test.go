@@ -67,7 +67,7 @@ func TestDefaults(t *testing.T) {
 	}
 	if cfg.Protocol != DefaultProtocol || cfg.PromptHash.ChunkSize != 512 || cfg.MaxBodyBytes != DefaultMaxBodyBytes ||
 		cfg.MetadataCenter.QueryTimeout != DefaultQueryTimeout || cfg.MetadataCenter.UpdateTimeout != DefaultUpdateTimeout ||
-		cfg.Async != (Async{QueueSize: DefaultQueueSize, Workers: DefaultWorkers, DrainTimeout: DefaultDrainTimeout}) {
+		cfg.Async != (Async{QueueSize: DefaultQueueSize, Workers: DefaultWorkers, DrainTimeout: DefaultDrainTimeout, BatchWindow: DefaultBatchWindow, BatchMaxOps: DefaultBatchMaxOps}) {
 		t.Fatalf("defaults not applied: %+v", cfg)
 	}
 	if r := cfg.ModelMappingRule["m"][0]; r.Backend != "vllm" {
@@ -130,6 +130,8 @@ func TestInvalidValuesNameTheirKey(t *testing.T) {
 		{base + "async: {workers: 0}", "async.workers: must be in 1..1024"},
 		{base + "async: {queue_size: 2, workers: 4}", "async.workers: must not exceed async.queue_size"},
 		{base + "async: {drain_timeout: 2h}", "async.drain_timeout: must be in"},
+		{base + "async: {batch_window: 2s}", "async.batch_window: must be in"},
+		{base + "async: {batch_max_ops: 2000}", "async.batch_max_ops: must be in"},
 		{base + "endpoints: {static: {p: [localhost:80]}}", "endpoints.static.p[0]: address \"localhost:80\" is not a literal ip:port"},
 		{base + "endpoints: {static: {p: ['10.0.0.1:0']}}", "endpoints.static.p[0]: address \"10.0.0.1:0\" has port 0"},
 		{base + "endpoints: {static: {p: 10.0.0.1:80}}", "endpoints.static.p: must be a list"},

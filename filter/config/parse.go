@@ -582,18 +582,21 @@ func (d *decoder) endpoints(v any) Endpoints {
 }
 
 func (d *decoder) async(v any) Async {
-	a := Async{QueueSize: DefaultQueueSize, Workers: DefaultWorkers, DrainTimeout: DefaultDrainTimeout}
+	a := Async{QueueSize: DefaultQueueSize, Workers: DefaultWorkers, DrainTimeout: DefaultDrainTimeout,
+		BatchWindow: DefaultBatchWindow, BatchMaxOps: DefaultBatchMaxOps}
 	if v == nil {
 		return a
 	}
 	const p = "async"
-	m, ok := d.object(p, v, "queue_size", "workers", "drain_timeout")
+	m, ok := d.object(p, v, "queue_size", "workers", "drain_timeout", "batch_window", "batch_max_ops")
 	if !ok {
 		return a
 	}
 	a.QueueSize = d.integer(p, m, "queue_size", DefaultQueueSize, 1, 1<<20)
 	a.Workers = d.integer(p, m, "workers", DefaultWorkers, 1, 1024)
 	a.DrainTimeout = d.duration(p, m, "drain_timeout", DefaultDrainTimeout, 0, time.Minute)
+	a.BatchWindow = d.duration(p, m, "batch_window", DefaultBatchWindow, 0, time.Second)
+	a.BatchMaxOps = d.integer(p, m, "batch_max_ops", DefaultBatchMaxOps, 1, 1024)
 	if a.Workers > a.QueueSize {
 		d.fail(p+".workers", "must not exceed async.queue_size (%d), got %d", a.QueueSize, a.Workers)
 	}

@@ -103,6 +103,7 @@ type Engine struct {
 	router  Router
 	updater Updater
 	disp    *client.Dispatcher
+	batch   *client.Batcher // set when updates are batched (async.batch_window)
 	qto     time.Duration
 
 	// scratch pools per-decision buffers (*scratch). Garbage is what sets
@@ -219,7 +220,9 @@ func New(cfg *config.Config, opts Options) (*Engine, error) {
 			e.updater = c
 		}
 	}
-	if e.updater != nil {
+	if bs, ok := e.updater.(client.BatchSender); ok && cfg.Async.BatchWindow > 0 {
+		e.batch = e.newBatcher(bs)
+	} else if e.updater != nil {
 		e.disp = client.NewDispatcher(client.DispatcherOptions{
 			Workers:   cfg.Async.Workers,
 			QueueSize: cfg.Async.QueueSize,
@@ -245,6 +248,9 @@ func New(cfg *config.Config, opts Options) (*Engine, error) {
 func (e *Engine) Close() {
 	if e.disp != nil {
 		e.disp.Close(e.cfg.Async.DrainTimeout)
+	}
+	if e.batch != nil {
+		e.batch.Close(e.cfg.Async.DrainTimeout)
 	}
 }
 
@@ -584,6 +590,10 @@ func (e *Engine) Done(d *Decision) {
 }
 
 func (e *Engine) dispatch(name string, d *Decision, run func(context.Context) error, done func(error)) {
+	if e.batch != nil {
+		e.batch.Add(e.batchOp(name, d), done)
+		return
+	}
 	if e.disp == nil {
 		return // no metadata center: local accounting only
 	}
@@ -601,6 +611,9 @@ func (e *Engine) InFlight(cluster, host string) (inflight, unacked int64) {
 
 // Pending is the number of queued metadata-center updates.
 func (e *Engine) Pending() int {
+	if e.batch != nil {
+		return e.batch.Pending()
+	}
 	if e.disp == nil {
 		return 0
 	}

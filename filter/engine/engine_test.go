@@ -59,14 +59,14 @@ func (c *counts) get(name string) int64 {
 func quiet() *slog.Logger { return slog.New(slog.NewTextHandler(io.Discard, nil)) }
 
 // center starts the real metadata center (in-memory store) on loopback.
-func center(t *testing.T) *httptest.Server {
+func center(t testing.TB) *httptest.Server {
 	t.Helper()
 	ts := httptest.NewServer(server.New(memstore.New(memstore.Options{}), server.Options{Logger: quiet()}).Handler())
 	t.Cleanup(ts.Close)
 	return ts
 }
 
-func configFor(t *testing.T, mcAddr string, extra string) *config.Config {
+func configFor(t testing.TB, mcAddr string, extra string) *config.Config {
 	t.Helper()
 	doc := fmt.Sprintf(`
 metadata_center: {address: %q, query_timeout: 2s, update_timeout: 2s}
@@ -97,7 +97,7 @@ model_mapping_rule:
 	return cfg
 }
 
-func staticSource(t *testing.T) endpoints.Source {
+func staticSource(t testing.TB) endpoints.Source {
 	t.Helper()
 	s, err := endpoints.NewStatic(map[string][]string{cluster: pods, "canary": {"10.0.9.9:8000"}})
 	if err != nil {
@@ -106,7 +106,7 @@ func staticSource(t *testing.T) endpoints.Source {
 	return s
 }
 
-func newEngine(t *testing.T, cfg *config.Config, o Options) *Engine {
+func newEngine(t testing.TB, cfg *config.Config, o Options) *Engine {
 	t.Helper()
 	if o.Endpoints == nil {
 		o.Endpoints = staticSource(t)
