@@ -14,7 +14,7 @@ import (
 	"time"
 )
 
-func writeConfig(t *testing.T, body string) string {
+func writeConfig(t testing.TB, body string) string {
 	p := filepath.Join(t.TempDir(), "gateway.yaml")
 	if err := os.WriteFile(p, []byte(body), 0o600); err != nil {
 		t.Fatal(err)

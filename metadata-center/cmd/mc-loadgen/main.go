@@ -10,6 +10,7 @@
 // Or side by side on both stores, each served in process on a loopback port:
 //
 //	mc-loadgen --stores memory,redis --redis-addr 127.0.0.1:6379
+//	mc-loadgen --stores redis-cluster --redis-addr 127.0.0.1:7000,127.0.0.1:7001
 package main
 
 import (
@@ -60,8 +61,8 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	fs.SetOutput(stderr)
 	fs.StringVar(&c.addr, "addr", "", "base URL of a running metadata center (loopback only); empty: serve --stores in process")
 	fs.StringVar(&c.token, "token", os.Getenv("LLMF_MC_AUTH_TOKEN"), "bearer token for --addr")
-	fs.StringVar(&c.stores, "stores", "memory", "without --addr: comma-separated stores to measure in turn (memory, redis)")
-	fs.StringVar(&c.redisAddr, "redis-addr", "127.0.0.1:6379", "redis-server for --stores redis")
+	fs.StringVar(&c.stores, "stores", "memory", "without --addr: comma-separated stores to measure in turn (memory, redis, redis-cluster)")
+	fs.StringVar(&c.redisAddr, "redis-addr", "127.0.0.1:6379", "redis-server for --stores redis; seed list (comma-separated) for --stores redis-cluster")
 	fs.StringVar(&c.redisPrefix, "redis-key-prefix", fmt.Sprintf("mc-loadgen-%d", os.Getpid()), "key prefix for --stores redis (its keys are left to expire)")
 	fs.IntVar(&c.concurrency, "concurrency", 64, "closed-loop workers")
 	fs.IntVar(&c.requests, "requests", 200000, "stop after this many requests (0: no count bound)")
@@ -103,8 +104,8 @@ func serveAndMeasure(ctx context.Context, stdout io.Writer, c config, sc routelo
 	switch kind {
 	case "memory":
 		st = memstore.New(memstore.Options{})
-	case "redis":
-		rs, err := redisstore.New(redisstore.Options{Addr: c.redisAddr, KeyPrefix: c.redisPrefix})
+	case "redis", "redis-cluster":
+		rs, err := redisstore.New(redisstore.Options{Addr: c.redisAddr, KeyPrefix: c.redisPrefix, Cluster: kind == "redis-cluster"})
 		if err != nil {
 			return err
 		}
@@ -112,7 +113,7 @@ func serveAndMeasure(ctx context.Context, stdout io.Writer, c config, sc routelo
 		err = rs.Ping(pctx)
 		cancel()
 		if err != nil {
-			return fmt.Errorf("--stores redis: %w", err)
+			return fmt.Errorf("--stores %s: %w", kind, err)
 		}
 		st = rs
 	default:
