@@ -31,8 +31,14 @@ type Spec struct {
 	LBRule     string   // extra lb_mapping_rule keys, YAML flow style ("cache_ratio_weight: 4, ...")
 	WorkerArgs []string // extra worker flags (scheduler sizes, sim cost knobs)
 	WorkerCPUs float64  // if > 0, each worker's CPU quota (cgroups): pods with their own compute
-	Store      string   // metadata-center store: memory (default) | redis
-	RedisAddr  string
+	Store      string   // metadata-center store: memory (default) | redis | redis-cluster
+	RedisAddr  string   // empty with redis / redis-cluster: the fleet starts its own
+	// Gateways and MetadataCenters (default 1 each) scale the routing tier
+	// out: gateway i and worker i talk to metadata center i mod
+	// MetadataCenters, and clients spread requests over Gateways. More than
+	// one metadata center needs a shared store (redis or redis-cluster).
+	Gateways        int
+	MetadataCenters int
 }
 
 // Cluster is the Envoy-style cluster name the fleet's workers form.
@@ -40,8 +46,10 @@ const Cluster = "outbound|8000||bench-pool.local"
 
 // Fleet is a running system.
 type Fleet struct {
-	Gateway string   // base URL of the gateway
-	MC      string   // base URL of the metadata center
+	Gateway  string   // base URL of the (first) gateway
+	Gateways []string // base URLs of every gateway
+	MC       string   // base URL of the (first) metadata center
+	MCs      []string // base URLs of every metadata center
 	Workers []string // worker ip:port, as the router knows them
 	LogDir  string   // one <process>.log per process
 
@@ -71,17 +79,45 @@ func Start(ctx context.Context, s Spec) (*Fleet, error) {
 			f.Stop()
 		}
 	}()
-	mc, err := freeAddr()
-	if err != nil {
-		return nil, err
+	s.Gateways, s.MetadataCenters = max(1, s.Gateways), max(1, s.MetadataCenters)
+	if s.MetadataCenters > 1 && s.Store == "memory" {
+		return nil, errors.New("fleet: several metadata centers need a shared store (redis or redis-cluster)")
 	}
-	f.MC = "http://" + mc
-	f.mcArgs = []string{"--listen", mc, "--store", s.Store}
-	if s.RedisAddr != "" {
-		f.mcArgs = append(f.mcArgs, "--redis-addr", s.RedisAddr)
+	redisAddr := s.RedisAddr
+	if redisAddr == "" && s.Store != "memory" {
+		a, err := f.startRedis(ctx, s)
+		if err != nil {
+			return nil, err
+		}
+		redisAddr = a
 	}
-	if err := f.StartMC(ctx); err != nil {
-		return nil, err
+	for i := range s.MetadataCenters {
+		mc, err := freeAddr()
+		if err != nil {
+			return nil, err
+		}
+		args := []string{"--listen", mc, "--store", s.Store}
+		if s.Store == "redis-cluster" {
+			args[3] = "redis"
+			args = append(args, "--redis-cluster")
+		}
+		if redisAddr != "" {
+			args = append(args, "--redis-addr", redisAddr)
+		}
+		if i == 0 {
+			f.MC, f.mcArgs = "http://"+mc, args
+			if err := f.StartMC(ctx); err != nil {
+				return nil, err
+			}
+		} else {
+			if _, err := f.spawn(s, "metadata-center", fmt.Sprintf("metadata-center-%d", i), args...); err != nil {
+				return nil, err
+			}
+			if err := waitHealthy(ctx, "http://"+mc+"/healthz"); err != nil {
+				return nil, fmt.Errorf("metadata center %d: %w", i, err)
+			}
+		}
+		f.MCs = append(f.MCs, "http://"+mc)
 	}
 	for i := 0; i < s.Workers; i++ {
 		addr, err := freeAddr()
@@ -89,7 +125,7 @@ func Start(ctx context.Context, s Spec) (*Fleet, error) {
 			return nil, err
 		}
 		args := []string{"--listen", addr, "--engine", s.Engine, "--model-name", s.ModelName,
-			"--metadata-center", f.MC, "--advertise-host", addr, "--cluster", Cluster}
+			"--metadata-center", f.MCs[i%len(f.MCs)], "--advertise-host", addr, "--cluster", Cluster}
 		if s.Model != "" {
 			args = append(args, "--model", s.Model)
 		}
@@ -113,21 +149,28 @@ func Start(ctx context.Context, s Spec) (*Fleet, error) {
 			return nil, fmt.Errorf("worker %s: %w", w, err)
 		}
 	}
-	gw, err := freeAddr()
-	if err != nil {
-		return nil, err
+	for i := range s.Gateways {
+		gw, err := freeAddr()
+		if err != nil {
+			return nil, err
+		}
+		name := "gateway"
+		if i > 0 {
+			name = fmt.Sprintf("gateway-%d", i)
+		}
+		cfg := filepath.Join(s.LogDir, name+".yaml")
+		if err := os.WriteFile(cfg, []byte(gatewayConfig(gw, f.MCs[i%len(f.MCs)], s, f.Workers)), 0o644); err != nil {
+			return nil, err
+		}
+		if _, err := f.spawn(s, "gateway", name, "--config", cfg); err != nil {
+			return nil, err
+		}
+		if err := waitHealthy(ctx, "http://"+gw+"/healthz"); err != nil {
+			return nil, fmt.Errorf("%s: %w", name, err)
+		}
+		f.Gateways = append(f.Gateways, "http://"+gw)
 	}
-	cfg := filepath.Join(s.LogDir, "gateway.yaml")
-	if err := os.WriteFile(cfg, []byte(gatewayConfig(gw, f.MC, s, f.Workers)), 0o644); err != nil {
-		return nil, err
-	}
-	if _, err := f.spawn(s, "gateway", "gateway", "--config", cfg); err != nil {
-		return nil, err
-	}
-	f.Gateway = "http://" + gw
-	if err := waitHealthy(ctx, f.Gateway+"/healthz"); err != nil {
-		return nil, fmt.Errorf("gateway: %w", err)
-	}
+	f.Gateway = f.Gateways[0]
 	ok = true
 	return f, nil
 }
@@ -178,11 +221,17 @@ func (f *Fleet) KillWorker(i int) {
 }
 
 func (f *Fleet) spawn(s Spec, bin, name string, args ...string) (*exec.Cmd, error) {
+	return f.spawnPath(s, filepath.Join(s.BinDir, bin), name, args...)
+}
+
+// spawnPath starts path (a file, or a command looked up on PATH) with its
+// output in <LogDir>/<name>.log.
+func (f *Fleet) spawnPath(s Spec, path, name string, args ...string) (*exec.Cmd, error) {
 	logf, err := os.OpenFile(filepath.Join(s.LogDir, name+".log"), os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644)
 	if err != nil {
 		return nil, err
 	}
-	cmd := exec.Command(filepath.Join(s.BinDir, bin), args...)
+	cmd := exec.Command(path, args...)
 	cmd.Stdout, cmd.Stderr = logf, logf
 	if err := cmd.Start(); err != nil {
 		logf.Close()

@@ -29,6 +29,10 @@ import (
 // Options controls one replay.
 type Options struct {
 	BaseURL   string // e.g. http://127.0.0.1:8000
+	// BaseURLs, if set, replaces BaseURL: requests go to them in turn
+	// (client-side round robin over several gateways, per request, so one
+	// conversation's turns meet different gateways).
+	BaseURLs []string
 	Model     string
 	MaxTokens int // fixed output length (ignore_eos), so policies compare on equal work
 
@@ -41,6 +45,8 @@ type Options struct {
 	Timeout  time.Duration // per request
 	Client   *http.Client
 	Progress func(done, total int) // called after every request, may be nil
+
+	next *atomic.Uint64 // round-robin position over BaseURLs
 }
 
 // Run replays sessions and returns one result per request (turn).
@@ -51,6 +57,10 @@ func Run(ctx context.Context, sessions []workload.Session, o Options) []report.R
 	if o.Timeout == 0 {
 		o.Timeout = 2 * time.Minute
 	}
+	if len(o.BaseURLs) == 0 {
+		o.BaseURLs = []string{o.BaseURL}
+	}
+	o.next = new(atomic.Uint64)
 	total := 0
 	for _, s := range sessions {
 		total += len(s.Turns)
@@ -160,7 +170,7 @@ func (o Options) do(ctx context.Context, msgs []message, runStart time.Time) (re
 	defer cancel()
 	t0 := time.Now()
 	r := report.Result{Start: t0.Sub(runStart)}
-	req, err := http.NewRequestWithContext(ctx, http.MethodPost, strings.TrimRight(o.BaseURL, "/")+"/v1/chat/completions", bytes.NewReader(body))
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, strings.TrimRight(o.BaseURLs[(o.next.Add(1)-1)%uint64(len(o.BaseURLs))], "/")+"/v1/chat/completions", bytes.NewReader(body))
 	if err != nil {
 		r.Err = err.Error()
 		return r, ""

@@ -139,3 +139,33 @@ func TestPoissonArrivals(t *testing.T) {
 		t.Fatalf("arrivals not spread: %d distinct starts", len(starts))
 	}
 }
+
+// TestRoundRobinOverGateways: with BaseURLs every request goes to the next
+// gateway in turn, so a conversation's turns meet several gateways.
+func TestRoundRobinOverGateways(t *testing.T) {
+	var bes [3]*backend
+	var urls []string
+	for i := range bes {
+		bes[i] = &backend{}
+		srv := httptest.NewServer(bes[i])
+		defer srv.Close()
+		urls = append(urls, srv.URL)
+	}
+	sessions, _ := workload.Generate(workload.Spec{Kind: "multi-turn", Sessions: 4, Turns: 3, SystemBytes: 50, UserBytes: 20})
+	rs := Run(context.Background(), sessions, Options{BaseURLs: urls, Model: "m", MaxTokens: 3, Concurrency: 1})
+	if len(rs) != 12 {
+		t.Fatalf("results %d, want 12", len(rs))
+	}
+	for i, be := range bes {
+		if n := len(be.bodies); n != 4 {
+			t.Fatalf("gateway %d got %d requests, want 4 of 12", i, n)
+		}
+	}
+	// One session at a time: the first session's turn i went to gateway i
+	// (system + user, then an assistant and a user per earlier turn).
+	for i, be := range bes {
+		if msgs := be.bodies[0]["messages"].([]any); len(msgs) != 2+2*i {
+			t.Fatalf("gateway %d's first request has %d messages, want turn %d's %d", i, len(msgs), i, 2+2*i)
+		}
+	}
+}

@@ -54,6 +54,9 @@ func run(ctx context.Context, args []string) error {
 		seed        = fs.Uint64("seed", 1, "workload and arrival seed")
 		workerCPUs  = fs.Float64("worker-cpus", 0, "CPU quota per worker via cgroups (e.g. 0.6), so that each pod has its own compute as on real accelerators (0: workers share the machine)")
 		lbRule      = fs.String("lb-rule", "", `extra lb_mapping_rule keys for every policy, YAML flow style, e.g. "cache_ratio_weight: 4, prefill_load_weight: 1"`)
+		gateways    = fs.Int("gateways", 1, "standalone gateways; clients round-robin requests over them")
+		mcs         = fs.Int("metadata-centers", 1, "metadata-center replicas (more than one needs --store redis or redis-cluster)")
+		store       = fs.String("store", "memory", "metadata-center store: memory, redis (one redis-server) or redis-cluster (3 masters + 3 replicas), started by the bench")
 		merge       = fs.String("merge", "", "instead of running: join the outputs of earlier runs (comma-separated directories) into --out")
 		spec        workload.Spec
 	)
@@ -85,6 +88,7 @@ func run(ctx context.Context, args []string) error {
 			"engine": *engine, "workers": fmt.Sprint(*workers), "max_tokens": fmt.Sprint(*maxTokens),
 			"concurrency": fmt.Sprint(*concurrency), "rate": fmt.Sprint(*rate), "seed": fmt.Sprint(*seed),
 			"worker_args": *workerArgs, "model": *model, "lb_rule": *lbRule, "worker_cpus": fmt.Sprint(*workerCPUs),
+			"gateways": fmt.Sprint(*gateways), "metadata_centers": fmt.Sprint(*mcs), "store": *store,
 		},
 	}
 	var raw []report.Result
@@ -105,13 +109,14 @@ func run(ctx context.Context, args []string) error {
 			f, err := fleet.Start(ctx, fleet.Spec{
 				BinDir: *bin, LogDir: filepath.Join(*out, "logs", wl, p), Engine: *engine, Workers: *workers,
 				Model: *model, ModelName: *modelName, Policy: p, LBRule: *lbRule, WorkerCPUs: *workerCPUs, WorkerArgs: strings.Fields(*workerArgs),
+				Gateways: *gateways, MetadataCenters: *mcs, Store: *store,
 			})
 			if err != nil {
 				return fmt.Errorf("%s: %w", label, err)
 			}
 			t0 := time.Now()
 			rs := loadgen.Run(ctx, sessions, loadgen.Options{
-				BaseURL: f.Gateway, Model: *modelName, MaxTokens: *maxTokens,
+				BaseURLs: f.Gateways, Model: *modelName, MaxTokens: *maxTokens,
 				Concurrency: *concurrency, Rate: *rate, Seed: *seed,
 				Progress: func(done, total int) {
 					fmt.Fprintf(os.Stderr, "\r%s: %d/%d requests, %.0fs   ", label, done, total, time.Since(t0).Seconds())
