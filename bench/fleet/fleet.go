@@ -50,8 +50,8 @@ type Fleet struct {
 	Gateways []string // base URLs of every gateway
 	MC       string   // base URL of the (first) metadata center
 	MCs      []string // base URLs of every metadata center
-	Workers []string // worker ip:port, as the router knows them
-	LogDir  string   // one <process>.log per process
+	Workers  []string // worker ip:port, as the router knows them
+	LogDir   string   // one <process>.log per process
 
 	spec    Spec
 	mcArgs  []string

@@ -28,11 +28,11 @@ import (
 
 // Options controls one replay.
 type Options struct {
-	BaseURL   string // e.g. http://127.0.0.1:8000
+	BaseURL string // e.g. http://127.0.0.1:8000
 	// BaseURLs, if set, replaces BaseURL: requests go to them in turn
 	// (client-side round robin over several gateways, per request, so one
 	// conversation's turns meet different gateways).
-	BaseURLs []string
+	BaseURLs  []string
 	Model     string
 	MaxTokens int // fixed output length (ignore_eos), so policies compare on equal work
 
