@@ -9,12 +9,14 @@ export CGO_CFLAGS="${CGO_CFLAGS:--O3 -march=native}" CGO_CXXFLAGS="${CGO_CXXFLAG
 
 log() { printf '\n== %s\n' "$*"; }
 
-if ! command -v redis-server >/dev/null 2>&1; then
+# redis-cli (Debian's redis-tools, a dependency of redis-server) builds the
+# Redis Cluster the cluster tests start.
+if ! command -v redis-server >/dev/null 2>&1 || ! command -v redis-cli >/dev/null 2>&1; then
   log "installing redis-server (Debian package)"
   if [ "$(id -u)" -ne 0 ]; then echo "redis-server missing and not root: apt-get install redis-server" >&2; exit 1; fi
   export DEBIAN_FRONTEND=noninteractive
   apt-get update -qq
-  apt-get install -y -qq redis-server >/dev/null
+  apt-get install -y -qq redis-server redis-tools >/dev/null
   # Debian starts a system instance on 6379; tests use their own.
   (systemctl stop redis-server || service redis-server stop || true) >/dev/null 2>&1
 fi
