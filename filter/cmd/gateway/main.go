@@ -146,7 +146,7 @@ func run(ctx context.Context, args []string, logOut io.Writer, ready chan<- net.
 	if err != nil {
 		return err
 	}
-	defer conf.Destroy()
+	defer conf.Close()
 
 	var fallback func(*http.Request) string
 	if fc.DefaultCluster != "" {
