@@ -163,7 +163,7 @@ func (p fakeProcess) Continue(st api.StatusType) { p.e.finishPhase(fakeEvent{sta
 func (p fakeProcess) SendLocalReply(code int, body string, h map[string][]string, _ int64, details string) {
 	p.e.finishPhase(fakeEvent{reply: true, code: code, body: body, headers: h, details: details}, "SendLocalReply")
 }
-func (p fakeProcess) RecoverPanic()        { _ = recover() }
+func (p fakeProcess) RecoverPanic() { _ = recover() }
 func (p fakeProcess) AddData(b []byte, _ bool) {
 	p.e.mu.Lock()
 	defer p.e.mu.Unlock()
@@ -172,7 +172,7 @@ func (p fakeProcess) AddData(b []byte, _ bool) {
 	}
 	p.e.added = append(p.e.added, b...)
 }
-func (p fakeProcess) InjectData([]byte)    { p.e.violate("InjectData is not used by this filter") }
+func (p fakeProcess) InjectData([]byte) { p.e.violate("InjectData is not used by this filter") }
 
 type fakeDecoder struct{ e *fakeEnvoy }
 type fakeEncoder struct{ e *fakeEnvoy }
