@@ -261,6 +261,17 @@ func (h *Host) deadErr(err error) error {
 	return fmt.Errorf("envoyhost: %w; stderr:\n%s", err, h.Stderr())
 }
 
+// Build makes bin/envoyhost and bin/llm-filter.so with the project's
+// Makefile in the repository at root and returns their paths.
+func Build(root string) (hostBin, so string, err error) {
+	cmd := exec.Command("make", "-s", "filter-so", "envoyhost")
+	cmd.Dir = root
+	if out, err := cmd.CombinedOutput(); err != nil {
+		return "", "", fmt.Errorf("make filter-so envoyhost: %v\n%s", err, out)
+	}
+	return root + "/bin/envoyhost", root + "/bin/llm-filter.so", nil
+}
+
 // MarshalPluginConfig turns the filter document (YAML or JSON) into the
 // serialized Any Envoy hands the library: a TypedStruct, as istio/ sends it.
 func MarshalPluginConfig(doc []byte) ([]byte, error) {

@@ -43,11 +43,7 @@ func artifacts(t testing.TB) (hostBin, so string) {
 			return
 		}
 		repoRoot = filepath.Dir(strings.TrimSpace(string(out)))
-		cmd := exec.Command("make", "-s", "filter-so", "envoyhost")
-		cmd.Dir = repoRoot
-		if b, err := cmd.CombinedOutput(); err != nil {
-			buildErr = fmt.Errorf("make filter-so envoyhost: %v\n%s", err, b)
-		}
+		_, _, buildErr = Build(repoRoot)
 	})
 	if buildErr != nil {
 		t.Fatal(buildErr)

@@ -5,6 +5,7 @@ import (
 	"context"
 	"io"
 	"net/http"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -119,8 +120,9 @@ func (r *router) handle(f frame) {
 	r.mu.Unlock()
 }
 
-// pick chooses the host of one attempt.
-func (r *router) pick(u *upstream, attempt int) (clusterName, host, details string) {
+// pick chooses the host of one attempt. Retries skip the hosts already
+// tried (Istio's default retry_host_predicate: previous_hosts).
+func (r *router) pick(u *upstream, attempt int, tried ...string) (clusterName, host, details string) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	clusterName = r.defaultCluster
@@ -142,7 +144,7 @@ func (r *router) pick(u *upstream, attempt int) (clusterName, host, details stri
 	for i := 0; i < len(c.hosts); i++ {
 		h := c.hosts[c.next%len(c.hosts)]
 		c.next++
-		if c.healthy[h] {
+		if c.healthy[h] && !slices.Contains(tried, h) {
 			return clusterName, h, ""
 		}
 	}
@@ -207,8 +209,10 @@ func (r *router) proxy(id uint64, u *upstream) {
 			hdr.Add(hd.k, hd.v)
 		}
 	}
+	var tried []string
 	for attempt := 1; ; attempt++ {
-		clusterName, host, details := r.pick(u, attempt)
+		clusterName, host, details := r.pick(u, attempt, tried...)
+		tried = append(tried, host)
 		if host == "" {
 			r.localReply(id, clusterName, attempt, http.StatusServiceUnavailable, details, "no healthy upstream")
 			return
