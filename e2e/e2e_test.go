@@ -17,6 +17,7 @@ import (
 	"github.com/istio-llm-filter/istio-llm-filter/bench/fleet"
 	"github.com/istio-llm-filter/istio-llm-filter/bench/workload"
 	"github.com/istio-llm-filter/istio-llm-filter/filter/llmfilter"
+	"github.com/istio-llm-filter/istio-llm-filter/internal/testutil/redistest"
 	"github.com/istio-llm-filter/istio-llm-filter/worker/testmodel"
 )
 
@@ -67,8 +68,11 @@ func startFleet(t *testing.T) *fleet.Fleet {
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
 	defer cancel()
+	// The metadata center keeps its state in a real Redis, as deployed.
+	rd := redistest.Shared(t)
 	f, err := fleet.Start(ctx, fleet.Spec{
 		BinDir: binaries(t), LogDir: t.TempDir(), Engine: "llama", Workers: 3,
+		Store: "redis", RedisAddr: rd.Addr, RedisPrefix: rd.Prefix,
 		Model: testmodel.Path(t), ModelName: "tiny", Policy: "cache_aware",
 		// Three workers share two cores: one thread each keeps them from
 		// thrashing; small queues keep failures quick.
