@@ -194,3 +194,73 @@ func TestTranscodedStreamWithTrailersIsFlushed(t *testing.T) {
 		t.Fatalf("the client got %q (text %q, [DONE] %v): the stream's tail was lost", body, text.String(), done)
 	}
 }
+
+// Envoy's own buffer limits while the filter buffers (StopAndBuffer):
+// a chunked request over per_connection_buffer_limit_bytes is answered 413
+// by Envoy (the filter's max_body_bytes check needs a content-length), a
+// buffered answer over it 500.
+func TestBufferLimitsWhileBuffering(t *testing.T) {
+	_, mc := newMetadataCenter(t)
+	tb := newTritonBackend(t)
+	h := startHost(t, Options{Clusters: map[string][]string{"pool": {tb.addr}}, BufferLimit: 300})
+	if _, err := h.PushConfig([]byte(tritonDoc(mc, tb.addr))); err != nil {
+		t.Fatal(err)
+	}
+	// Chunked, and in pieces: Envoy only learns the size while buffering
+	// (a body that arrives in one read is handed over whole, unbuffered).
+	pr, pw := io.Pipe()
+	go func() {
+		b := chatBody(strings.Repeat("long question ", 60), false)
+		for len(b) > 0 {
+			n := min(200, len(b))
+			if _, err := pw.Write([]byte(b[:n])); err != nil {
+				return
+			}
+			b = b[n:]
+			time.Sleep(30 * time.Millisecond)
+		}
+		pw.Close()
+	}()
+	req, _ := http.NewRequest("POST", h.URL()+"/v1/chat/completions", pr)
+	req.ContentLength = -1
+	resp, err := (&http.Client{Timeout: 20 * time.Second}).Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	body, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if resp.StatusCode != 413 || tb.hits.Load() != 0 {
+		t.Fatalf("request over the buffer limit: status %d (%s), pod hits %d; want Envoy's 413", resp.StatusCode, body, tb.hits.Load())
+	}
+
+	// The answer: a Triton JSON body bigger than the limit, buffered for
+	// transcoding.
+	tb.mu.Lock()
+	tb.respTrailers = nil
+	tb.mu.Unlock()
+	big := newTritonBackendAnswering(t, `{"model_name":"qwen","text_output":"`+strings.Repeat("x", 600)+`"}`)
+	h.Router().SetHosts("pool", []string{big})
+	if _, err := h.PushConfig([]byte(tritonDoc(mc, big))); err != nil {
+		t.Fatal(err)
+	}
+	resp, body = post(t, h.URL(), chatBody("short", false))
+	if resp.StatusCode != 500 {
+		t.Fatalf("answer over the buffer limit: status %d (%s); want Envoy's 500", resp.StatusCode, body)
+	}
+	if err := h.Err(); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func newTritonBackendAnswering(t testing.TB, answer string) string {
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		_, _ = io.ReadAll(r.Body)
+		w.Header().Set("content-type", "application/json")
+		// chunked in two writes: Envoy sees the size only as data arrives
+		fmt.Fprint(w, answer[:len(answer)/2])
+		w.(http.Flusher).Flush()
+		fmt.Fprint(w, answer[len(answer)/2:])
+	}))
+	t.Cleanup(srv.Close)
+	return srv.Listener.Addr().String()
+}
