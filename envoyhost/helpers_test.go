@@ -257,6 +257,9 @@ func startHost(t testing.TB, opts Options) *Host {
 	t.Cleanup(func() {
 		if err := h.Close(); err != nil {
 			t.Errorf("host: %v", err)
+		} else if t.Failed() {
+			// a stalled stream or a wrong answer: the host's log says why
+			t.Logf("host stderr (tail):\n%s", lastLines(h.Stderr(), 40))
 		}
 	})
 	return h
