@@ -11,6 +11,8 @@ package config
 
 import (
 	"time"
+
+	"github.com/istio-llm-filter/istio-llm-filter/prefix"
 )
 
 // Defaults of the keys that may be omitted.
@@ -18,7 +20,7 @@ const (
 	DefaultProtocol         = "openai"
 	DefaultQueryTimeout     = 100 * time.Millisecond
 	DefaultUpdateTimeout    = 500 * time.Millisecond
-	DefaultChunkSize        = 512
+	DefaultChunkSize        = prefix.DefaultChunkSize
 	DefaultBackend          = BackendVLLM
 	DefaultPolicy           = PolicyCacheAware
 	DefaultCacheRatioW      = 2.0

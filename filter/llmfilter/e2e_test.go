@@ -21,6 +21,7 @@ import (
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/server"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/store"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/store/memstore"
+	"github.com/istio-llm-filter/istio-llm-filter/prefix"
 )
 
 // recStore is the real in-memory store with call counters, so tests can wait
@@ -36,7 +37,7 @@ func (r *recStore) AddLease(ctx context.Context, c, h, id string, p int64) error
 	return err
 }
 
-func (r *recStore) SaveCache(ctx context.Context, c, h string, hs []store.Hash) error {
+func (r *recStore) SaveCache(ctx context.Context, c, h string, hs []prefix.Hash) error {
 	err := r.Store.SaveCache(ctx, c, h, hs)
 	r.saves.Add(1)
 	return err

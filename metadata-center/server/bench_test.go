@@ -20,6 +20,7 @@ import (
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/store"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/store/memstore"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/store/redisstore"
+	"github.com/istio-llm-filter/istio-llm-filter/prefix"
 )
 
 // BenchmarkRouteQuery measures the route query of routeload.Default (64
@@ -62,7 +63,7 @@ func benchRoute(b *testing.B, sc routeload.Scenario, withHTTP bool) {
 			if err := sc.Populate(context.Background(), st); err != nil {
 				b.Fatal(err)
 			}
-			queries := make([][]store.Hash, sc.Prompts)
+			queries := make([][]prefix.Hash, sc.Prompts)
 			for p := range queries {
 				queries[p] = sc.Hashes(p)
 			}

@@ -9,7 +9,7 @@ import (
 	"testing"
 
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/api"
-	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/store"
+	"github.com/istio-llm-filter/istio-llm-filter/prefix"
 )
 
 // TestEncodeMatchesEncodingJSON: the hand-written encoder must be a pure
@@ -107,7 +107,7 @@ func TestParseQuery(t *testing.T) {
 	}
 	many := make([]string, api.MaxHashes+1)
 	for i := range many {
-		many[i] = store.Hash(i).String()
+		many[i] = prefix.Hash(i).String()
 	}
 	body, _ := json.Marshal(api.RouteQuery{Cluster: "c", Hashes: many})
 	if _, _, ok := parseQuery(body, nil); ok {

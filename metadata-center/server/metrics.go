@@ -14,6 +14,9 @@ type metrics struct {
 	requests    *prometheus.CounterVec
 	latency     *prometheus.HistogramVec
 	storeErrors *prometheus.CounterVec
+	// chunkMismatch counts eviction reports refused because the worker
+	// hashes with another chunk size than the cluster's gateways.
+	chunkMismatch prometheus.Counter
 }
 
 func newMetrics(reg *prometheus.Registry, st store.Store, timeout time.Duration) *metrics {
@@ -33,8 +36,12 @@ func newMetrics(reg *prometheus.Registry, st store.Store, timeout time.Duration)
 			Namespace: "llmf", Subsystem: "metadata_center", Name: "store_errors_total",
 			Help: "Failed store operations by operation.",
 		}, []string{"op"}),
+		chunkMismatch: prometheus.NewCounter(prometheus.CounterOpts{
+			Namespace: "llmf", Subsystem: "metadata_center", Name: "chunk_size_mismatch_total",
+			Help: "Eviction reports refused (409) because the worker's prompt-hash chunk size differs from the cluster's gateways'.",
+		}),
 	}
-	reg.MustRegister(m.requests, m.latency, m.storeErrors, newGauges(st, timeout, m.storeErrors))
+	reg.MustRegister(m.requests, m.latency, m.storeErrors, m.chunkMismatch, newGauges(st, timeout, m.storeErrors))
 	return m
 }
 
