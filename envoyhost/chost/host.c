@@ -7,7 +7,7 @@
 //
 // The HTTP side (listener, router, clusters, upstream connections) lives in
 // the Go driver (envoyhost/driver.go); the two talk over stdin/stdout with the
-// frames described in docs/envoy-filter.md. Logs go to stderr.
+// frames of envoyhost/frames.go (docs/envoy-filter.md). Logs go to stderr.
 //
 // References "gf.cc:N" are golang_filter.cc, "ps.cc:N"/"ps.h:N"
 // processor_state.{cc,h}, "cgo.cc:N" cgo.cc, all under
