@@ -171,6 +171,9 @@ func TestConfigPushUnderLoadWhileMetadataCenterHangs(t *testing.T) {
 		t.Errorf("Destroy of config %d blocked the Envoy thread for %v", second, d.Took)
 	}
 	_ = third
+	for _, d := range h.Destroyed() {
+		t.Logf("config %d destroyed in %v (worker thread: %v)", d.ID, d.Took, d.OnWorker)
+	}
 	if err := h.Err(); err != nil {
 		t.Fatal(err)
 	}
