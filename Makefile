@@ -48,6 +48,7 @@ ENVOY_API = $(shell $(GO) list -m -f '{{.Dir}}' github.com/envoyproxy/envoy)/con
 envoyhost: $(BIN)/envoyhost
 $(BIN)/envoyhost: envoyhost/chost/host.c
 	@mkdir -p $(BIN)
+	@$(GO) mod download github.com/envoyproxy/envoy
 	$(CC) -std=gnu11 -O2 -g -Wall -Wextra -Werror -Wno-unused-parameter -pthread -I$(ENVOY_API) -rdynamic -o $@ $< -ldl
 
 ## bench: every routing policy side by side on 8 simulated workers (docs/benchmarks.md)
