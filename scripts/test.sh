@@ -57,3 +57,6 @@ fi
 
 log "go test -race"
 go test -race -count=1 -timeout 40m ./...
+
+log "fuzz targets, briefly (scripts/fuzz.sh)"
+./scripts/fuzz.sh
