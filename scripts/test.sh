@@ -60,3 +60,6 @@ make -s filter-so envoyhost
 
 log "go test -race"
 go test -race -count=1 -timeout 40m ./...
+
+log "fuzz targets, briefly (scripts/fuzz.sh)"
+./scripts/fuzz.sh
