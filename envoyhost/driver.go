@@ -353,6 +353,14 @@ func (h *Host) Metrics() (map[string]int64, error) {
 	return m, nil
 }
 
+// ForceGC runs a Go GC cycle in the library and waits for its finalizers
+// (envoyGoFilterCleanUp, Envoy's ASan hook; it also makes every later config
+// destruction force one).
+func (h *Host) ForceGC() error {
+	_, err := h.call(fGC, nil, 30*time.Second)
+	return err
+}
+
 // Close stops the listener, destroys the configs and ends the host. It
 // returns the host's crash, if it crashed.
 func (h *Host) Close() error {
@@ -398,7 +406,7 @@ func (h *Host) readLoop(r *bufio.Reader) {
 			return
 		}
 		switch f.typ {
-		case fCfgPushed, fRouteSet, fMetricsOut, fBye:
+		case fCfgPushed, fRouteSet, fMetricsOut, fBye, fGCDone:
 			h.mu.Lock()
 			ch := h.replies[f.id]
 			delete(h.replies, f.id)

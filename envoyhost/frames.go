@@ -23,6 +23,7 @@ const (
 	fMetrics      = 10
 	fShutdown     = 11
 	fCfgDrop      = 12
+	fGC           = 13
 
 	fFwdHeaders     = 51
 	fFwdData        = 52
@@ -37,6 +38,7 @@ const (
 	fCfgDestroyed   = 103
 	fMetricsOut     = 110
 	fBye            = 111
+	fGCDone         = 112
 )
 
 // frame is one message: [u32 len][u8 type][u64 id][payload].

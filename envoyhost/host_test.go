@@ -68,3 +68,34 @@ func TestBodylessRequestUsesTheRoutesCluster(t *testing.T) {
 		t.Fatal("an unrouted request must not name a routed pod")
 	}
 }
+
+// Go's GC finalizers release every request's C memory through
+// envoyGoFilterHttpFinalize once its stream is destroyed (deferred while
+// the filter still exists): none may be missed, none may crash the host.
+func TestRequestsAreFinalizedByGoGC(t *testing.T) {
+	b := newBackend(t)
+	h := startHost(t, Options{Clusters: map[string][]string{"pool": {b.addr}}})
+	if _, err := h.PushConfig([]byte(filterDoc("", []string{b.addr}, ""))); err != nil {
+		t.Fatal(err)
+	}
+	for i := 0; i < 20; i++ {
+		if resp, body := post(t, h.URL(), chatBody("finalize me", i%2 == 0)); resp.StatusCode != 200 {
+			t.Fatalf("status %d: %s", resp.StatusCode, body)
+		}
+	}
+	var m map[string]int64
+	for try := 0; try < 10; try++ {
+		if err := h.ForceGC(); err != nil {
+			t.Fatal(err)
+		}
+		var err error
+		if m, err = h.Metrics(); err != nil {
+			t.Fatal(err)
+		}
+		if m["envoyhost.requests_in_go"] == 20 && m["envoyhost.requests_finalized"] == 20 {
+			return
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+	t.Fatalf("requests seen by Go %d, finalized %d; want 20, 20", m["envoyhost.requests_in_go"], m["envoyhost.requests_finalized"])
+}

@@ -181,6 +181,7 @@ enum {
   F_METRICS = 10,
   F_SHUTDOWN = 11,
   F_CFG_DROP = 12,
+  F_GC = 13,
   // host -> driver
   F_FWD_HEADERS = 51,
   F_FWD_DATA = 52,
@@ -195,6 +196,7 @@ enum {
   F_CFG_DESTROYED = 103,
   F_METRICS_OUT = 110,
   F_BYE = 111,
+  F_GC_DONE = 112,
 };
 
 static pthread_mutex_t out_mu = PTHREAD_MUTEX_INITIALIZER;
@@ -511,6 +513,9 @@ struct filter {
 };
 
 static pthread_mutex_t weak_mu = PTHREAD_MUTEX_INITIALIZER;
+
+// Requests Go saw, and the ones its GC finalized (cgo.cc:303).
+static _Atomic(long) requests_in_go, requests_finalized, configs_finalized;
 
 static void filter_free(filter_t *f) {
   h_free(&f->req_headers);
@@ -952,6 +957,7 @@ static uint64_t merged_config_id(filter_t *f);
 
 static void init_request(filter_t *f) { // gf.cc:1486
   if (f->req->base.configId == 0) {
+    atomic_fetch_add(&requests_in_go, 1);
     f->req->base.configId = merged_config_id(f);
   }
 }
@@ -2008,6 +2014,7 @@ static void req_deferred_free(void *a) {
 
 void envoyGoFilterHttpFinalize(void *r, int reason) {
   (void)reason;
+  atomic_fetch_add(&requests_finalized, 1);
   req_t *rq = r;
   filter_t *f = weak_lock(rq);
   if (f) {
@@ -2019,6 +2026,7 @@ void envoyGoFilterHttpFinalize(void *r, int reason) {
 }
 
 void envoyGoConfigHttpFinalize(void *c) { // cgo.cc:323
+  atomic_fetch_add(&configs_finalized, 1);
   pthread_mutex_lock(&cfg_mu);
   hconfig_t *h = c;
   if (h->weak) h->weak->h = NULL;
@@ -2352,6 +2360,12 @@ static void dump_metrics(uint64_t rid) {
     buf_add(&out, line, (size_t)n);
   }
   pthread_mutex_unlock(&stats_mu);
+  char line[256];
+  int n = snprintf(line, sizeof line,
+                   "envoyhost.requests_in_go %ld\nenvoyhost.requests_finalized %ld\nenvoyhost.configs_finalized %ld\n",
+                   atomic_load(&requests_in_go), atomic_load(&requests_finalized),
+                   atomic_load(&configs_finalized));
+  buf_add(&out, line, (size_t)n);
   send_frame(F_METRICS_OUT, rid, &out);
   buf_free(&out);
 }
@@ -2366,6 +2380,10 @@ static int read_full(int fd, void *p, size_t n) {
   }
   return 1;
 }
+
+// envoyGoFilterCleanUp: Envoy's ASan tests use it to force a GC cycle and
+// wait for the finalizers; tests here, to check the finalizer path.
+static void (*cleanup)(void);
 
 int main(int argc, char **argv) {
   const char *so_path = NULL;
@@ -2399,7 +2417,8 @@ int main(int argc, char **argv) {
   SYM(on_stream_complete, "envoyGoFilterOnHttpStreamComplete");
   SYM(on_destroy, "envoyGoFilterOnHttpDestroy");
   SYM(sema_dec, "envoyGoRequestSemaDec");
-  if (!dlsym(h, "envoyGoFilterCleanUp")) die("%s does not export envoyGoFilterCleanUp", so_path);
+  cleanup = (void (*)(void))dlsym(h, "envoyGoFilterCleanUp");
+  if (!cleanup) die("%s does not export envoyGoFilterCleanUp", so_path);
 
   workers = xmalloc(sizeof(worker_t) * concurrency);
   tables = xmalloc(sizeof(stable_t) * concurrency);
@@ -2437,6 +2456,11 @@ int main(int argc, char **argv) {
       break;
     case F_METRICS:
       dump_metrics(id);
+      free(p);
+      break;
+    case F_GC:
+      cleanup();
+      send_frame(F_GC_DONE, id, NULL);
       free(p);
       break;
     case F_SHUTDOWN:
