@@ -33,6 +33,8 @@ type Spec struct {
 	WorkerCPUs float64  // if > 0, each worker's CPU quota (cgroups): pods with their own compute
 	Store      string   // metadata-center store: memory (default) | redis | redis-cluster
 	RedisAddr  string   // empty with redis / redis-cluster: the fleet starts its own
+	// RedisPrefix is --redis-key-prefix: tests sharing one redis-server keep apart.
+	RedisPrefix string
 	// Gateways and MetadataCenters (default 1 each) scale the routing tier
 	// out: gateway i and worker i talk to metadata center i mod
 	// MetadataCenters, and clients spread requests over Gateways. More than
@@ -103,6 +105,9 @@ func Start(ctx context.Context, s Spec) (*Fleet, error) {
 		}
 		if redisAddr != "" {
 			args = append(args, "--redis-addr", redisAddr)
+		}
+		if s.RedisPrefix != "" {
+			args = append(args, "--redis-key-prefix", s.RedisPrefix)
 		}
 		if i == 0 {
 			f.MC, f.mcArgs = "http://"+mc, args
