@@ -16,7 +16,7 @@ import (
 
 var fuzzPaths = []string{
 	api.PathLoadStats, api.PathLoadStatsPrompt, api.PathCacheQuery, api.PathCacheSave, api.PathCacheEvict,
-	api.PathRouteQuery, api.PathHealthz, api.PathReadyz, "/v1/unknown", api.PathLoadStats + "?cluster=c",
+	api.PathRouteQuery, api.PathHealthz, api.PathReadyz, "/v1/unknown", api.PathLoadStats + "?cluster=c", api.PathBatch,
 }
 
 var fuzzMethods = []string{http.MethodGet, http.MethodPost, http.MethodDelete, http.MethodPut}
