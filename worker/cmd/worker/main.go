@@ -28,6 +28,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/collectors"
 
 	"github.com/istio-llm-filter/istio-llm-filter/prefix"
+	"github.com/istio-llm-filter/istio-llm-filter/worker/cpus"
 	"github.com/istio-llm-filter/istio-llm-filter/worker/engine"
 	"github.com/istio-llm-filter/istio-llm-filter/worker/engine/llama"
 	"github.com/istio-llm-filter/istio-llm-filter/worker/engine/sim"
@@ -72,7 +73,7 @@ func parse(args []string, stderr io.Writer) (*options, error) {
 	fs.DurationVar(&o.timeout, "request-timeout", 60*time.Second, "time a request may spend in the running set before 408")
 	fs.IntVar(&o.nCtx, "n-ctx", 0, "KV cells shared by all sequences (0: the model's training context; sim without a model: 16384)")
 	fs.IntVar(&o.nBatch, "n-batch", 512, "most tokens per decode step")
-	fs.IntVar(&o.threads, "threads", 0, "llama.cpp threads (0: half the CPUs, at least 1)")
+	fs.IntVar(&o.threads, "threads", 0, "llama.cpp threads (0: the CPUs this process may use: its affinity, capped by its cgroup CPU quota rounded down, at least 1)")
 	fs.StringVar(&o.kvType, "kv-cache-type", "f16", "KV cache type: f16, q8_0 or q4_0")
 	fs.BoolVar(&o.flashAttn, "flash-attention", true, "use llama.cpp's fused attention kernel, which skips other sequences' cells (2× faster prefill on a crowded KV cache)")
 	fs.Int64Var(&o.kvMaxMB, "kv-max-memory-mb", 1024, "KV-cache memory limit in MiB; idle entries are evicted past threshold x limit")
@@ -242,6 +243,12 @@ func openEngine(o *options, log *slog.Logger) (engine.Engine, openai.Template, e
 		tmpl = t
 	}
 	if o.engine == "llama" {
+		if o.threads == 0 {
+			l := cpus.Detect()
+			o.threads = l.Threads()
+			log.Info("llama.cpp threads from the CPUs this process may use", "threads", o.threads,
+				"affinity_cpus", l.Affinity, "cgroup_quota_cpus", l.Quota, "quota_file", l.Source)
+		}
 		eng, err := llama.Open(llama.Config{ModelPath: o.model, Name: o.modelName, NCtx: o.nCtx, NBatch: o.nBatch,
 			NSeqMax: o.nSeqMax, Threads: o.threads, KVCacheType: o.kvType, FlashAttention: o.flashAttn})
 		return eng, tmpl, err

@@ -12,12 +12,12 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
-	"runtime"
 	"strings"
 
 	"github.com/ollama/ollama/fs/ggml"
 	ll "github.com/ollama/ollama/llama"
 
+	"github.com/istio-llm-filter/istio-llm-filter/worker/cpus"
 	"github.com/istio-llm-filter/istio-llm-filter/worker/engine"
 )
 
@@ -28,7 +28,7 @@ type Config struct {
 	NCtx      int    // KV cells; 0 = the model's training context
 	NBatch    int    // most tokens per Step; 0 = 512
 	NSeqMax   int    // seq ids; 1..256
-	Threads   int    // 0 = half the CPUs, at least 1 (see Open)
+	Threads   int    // 0 = the CPUs this process may use (worker/cpus)
 	// KVCacheType is "f16" (default), "q8_0" or "q4_0".
 	KVCacheType string
 	// FlashAttention selects llama.cpp's fused attention kernel.
@@ -100,12 +100,11 @@ func Open(cfg Config) (*Engine, error) {
 		cfg.NBatch = 512
 	}
 	if cfg.Threads <= 0 {
-		// Half the logical CPUs, like llama.cpp's physical-core default on
-		// SMT machines. ggml's threads meet at a barrier after every op, and
-		// on oversubscribed cores (several workers per node, other pods, CI)
-		// a descheduled thread stalls them all: here two threads on two busy
-		// cores ran 2-40x slower than one.
-		cfg.Threads = max(1, runtime.NumCPU()/2)
+		// The CPUs the affinity and the cgroup quota really give this
+		// process, not the node's: ggml's threads meet at a barrier after
+		// every op, and a thread the kernel throttles or deschedules stalls
+		// them all.
+		cfg.Threads = cpus.Threads()
 	}
 	if cfg.Name == "" {
 		cfg.Name = strings.TrimSuffix(filepath.Base(cfg.ModelPath), filepath.Ext(cfg.ModelPath))
