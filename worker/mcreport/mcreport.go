@@ -110,6 +110,22 @@ func (r *Reporter) Evict(hs []prefix.Hash) {
 	}
 }
 
+// Cached withdraws pending reports of hashes a KV entry holds again: a
+// prefix cached again supersedes its eviction, which would otherwise delete
+// the index entry the gateway saved when it routed the new request here. A
+// report already on the wire cannot be withdrawn; if it fails it is not
+// retried for these hashes.
+func (r *Reporter) Cached(hs []prefix.Hash) {
+	r.mu.Lock()
+	for _, h := range hs {
+		delete(r.pending, h)
+	}
+	if len(r.pending) == 0 {
+		r.idle.Broadcast()
+	}
+	r.mu.Unlock()
+}
+
 // Pending counts hashes not sent yet.
 func (r *Reporter) Pending() int {
 	r.mu.Lock()

@@ -12,7 +12,7 @@ import (
 	"github.com/istio-llm-filter/istio-llm-filter/worker/engine"
 )
 
-// State is where a request is in its life (seed 000's state machine, with
+// State is where a request is in its life (the state machine of docs/worker.md, with
 // QUEUED for the RequestQueue in front of the running set and CANCELLED for
 // a client that went away).
 type State int

@@ -1,5 +1,5 @@
 // Command worker is the llama.cpp-backed OpenAI server whose KV cache the
-// router exploits (DESIGN §7, §9).
+// router exploits (docs/worker.md).
 //
 //	go run ./worker/cmd/worker --model var/models/tiny.gguf --listen 127.0.0.1:9001
 //	go run ./worker/cmd/worker --engine sim --listen 127.0.0.1:9002   # no compute: fleet benchmarks
@@ -180,6 +180,7 @@ func run(ctx context.Context, args []string, stderr io.Writer, ready func(addr s
 			return err
 		}
 		cfg.OnEvict = rep.Evict
+		cfg.OnCached = rep.Cached
 		reporterDone = make(chan struct{})
 		go func() { rep.Run(runCtx); close(reporterDone) }()
 	}

@@ -250,10 +250,10 @@ func (e *Engine) Step(spans []engine.Span) ([]int, error) {
 	return out, nil
 }
 
-// CopyPrefix implements engine.Engine.
-func (e *Engine) CopyPrefix(src, dst, n int) {
-	if n > 0 {
-		e.lc.KvCacheSeqCp(src, dst, 0, n)
+// Copy implements engine.Engine.
+func (e *Engine) Copy(src, dst, from, to int) {
+	if to > from && src != dst {
+		e.lc.KvCacheSeqCp(src, dst, from, to)
 	}
 }
 
