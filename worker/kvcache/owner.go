@@ -286,7 +286,6 @@ func (o *Owner) relead(fs []*Entry) {
 // unplaced marks a former follower relead has not placed yet.
 const unplaced = "\x00unplaced"
 
-
 func compareStr(a, b string) int {
 	switch {
 	case a < b:
