@@ -37,6 +37,11 @@ type SamplingParams struct {
 	TopP        float32 // 1 = off
 	Seed        uint32
 	SeedSet     bool // false: a random seed
+	// FrequencyPenalty and PresencePenalty are OpenAI's ([-2, 2], 0 off),
+	// applied by llama.cpp's penalty sampler over the tokens generated so
+	// far (not the prompt's, as vLLM does).
+	FrequencyPenalty float32
+	PresencePenalty  float32
 }
 
 // Sampler picks next tokens for one sequence; it carries the RNG state.

@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"slices"
+	"strings"
 
 	"github.com/istio-llm-filter/istio-llm-filter/prefix"
 	"github.com/istio-llm-filter/istio-llm-filter/worker/seqpool"
@@ -46,6 +47,9 @@ type OwnerConfig struct {
 	// OnEvict counts an entry evicted to make room ("seq_ids", "kv_full",
 	// "threshold"); optional.
 	OnEvict func(cause string)
+	// NoFollow turns following off: a request shares only cells already
+	// written (benchmarks compare the two).
+	NoFollow bool
 }
 
 // Owner is the one owner of the KV state: seq ids (seqpool), the cells
@@ -64,6 +68,7 @@ type Owner struct {
 	cells   Cells
 	reports Reports
 	onEvict func(string)
+	follow  bool
 }
 
 // NewOwner validates cfg.
@@ -79,7 +84,7 @@ func NewOwner(cfg OwnerConfig) (*Owner, error) {
 	if err != nil {
 		return nil, err
 	}
-	return &Owner{books: books, pool: pool, cells: cfg.Cells, reports: cfg.Reports, onEvict: cfg.OnEvict}, nil
+	return &Owner{books: books, pool: pool, cells: cfg.Cells, reports: cfg.Reports, onEvict: cfg.OnEvict, follow: !cfg.NoFollow}, nil
 }
 
 // Books are the entries, for reading (metrics, inspection, tests).
@@ -178,6 +183,9 @@ func (o *Owner) add(id string, seq int, toks []int, hashes []prefix.Hash) {
 // prompt shares the longest prefix with f's beyond what f holds — if any.
 func (o *Owner) lead(f *Entry) {
 	f.leader, f.shareTo = "", 0
+	if !o.follow {
+		return
+	}
 	limit := len(f.planned) - 1
 	best, bestN := (*Entry)(nil), len(f.Tokens)
 	for _, e := range o.books.entries {
@@ -268,7 +276,7 @@ func (o *Owner) relead(fs []*Entry) {
 		if c := len(b.planned) - len(a.planned); c != 0 {
 			return c
 		}
-		return compareStr(a.ID, b.ID)
+		return strings.Compare(a.ID, b.ID)
 	})
 	// Those not placed yet can lead nobody (lead skips followers).
 	for _, f := range fs {
@@ -285,16 +293,6 @@ func (o *Owner) relead(fs []*Entry) {
 
 // unplaced marks a former follower relead has not placed yet.
 const unplaced = "\x00unplaced"
-
-func compareStr(a, b string) int {
-	switch {
-	case a < b:
-		return -1
-	case a > b:
-		return 1
-	}
-	return 0
-}
 
 // Append records tokens whose cells id just wrote after its last one.
 func (o *Owner) Append(id string, toks ...int) { o.books.Append(id, toks...) }

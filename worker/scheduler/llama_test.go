@@ -224,6 +224,10 @@ func benchEngines() map[string]engineMaker {
 // BenchmarkTTFT measures time to first token for a new question after a
 // ~2k-token conversation: cold (no cache: the history is prefilled) and warm
 // (the history's cells are reused and only the question is prefilled).
+//
+// shared-prefix-concurrent: four users send one ~2k-token system prompt
+// plus their own question 50 ms apart, on an empty cache; the mean TTFT
+// of the four, with following a prefill in flight on and off.
 func BenchmarkTTFT(b *testing.B) {
 	for _, name := range []string{"llama", "sim"} {
 		mk := benchEngines()[name]
@@ -233,7 +237,45 @@ func BenchmarkTTFT(b *testing.B) {
 				benchTTFT(b, eng, startSched(b, eng, Config{}), warm)
 			})
 		}
+		for _, follow := range []bool{true, false} {
+			b.Run(fmt.Sprintf("%s/shared-prefix-concurrent/follow=%v", name, follow), func(b *testing.B) {
+				eng := mk(b, 8)
+				benchSharedConcurrent(b, eng, startSched(b, eng, Config{NoFollow: !follow}))
+			})
+		}
 	}
+}
+
+// benchSharedConcurrent: every iteration four users share a new ~2k-token
+// system prompt (so nothing is cached from the last one) and arrive 50 ms
+// apart.
+func benchSharedConcurrent(b *testing.B, eng engine.Engine, s *Scheduler) {
+	const users = 4
+	var ttft time.Duration
+	var cached int
+	b.ResetTimer()
+	for i := range b.N {
+		sys := tokenize(b, eng, history(2000, fmt.Sprint("system prompt ", i)))
+		var wg sync.WaitGroup
+		res := make([]*Result, users)
+		for u := range users {
+			q := tokenize(b, eng, fmt.Sprintf("<|im_start|>user\nuser %d question %d?<|im_end|>\n<|im_start|>assistant\n", u, i))
+			p := append(slices.Clone(sys), q[1:]...)
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				_, res[u] = collect(b, s, &Request{ID: fmt.Sprint("s", i, "-", u), Prompt: p, MaxTokens: 1})
+			}()
+			time.Sleep(50 * time.Millisecond)
+		}
+		wg.Wait()
+		for _, r := range res {
+			ttft += r.TTFT
+			cached += r.CachedTokens
+		}
+	}
+	b.ReportMetric(float64(ttft.Microseconds())/1000/float64(users*b.N), "ms/ttft")
+	b.ReportMetric(float64(cached)/float64(users*b.N), "cached-tokens")
 }
 
 // BenchmarkTTFTCrowded is BenchmarkTTFT on a KV cache that already holds

@@ -59,7 +59,10 @@ var (
 	ErrTooLong   = errors.New("prompt is longer than the context")            // 400
 	ErrNoFit     = errors.New("request does not fit in the KV cache")         // 500
 	ErrBadInput  = errors.New("invalid request")                              // 400
-	errPreempted = errors.New("preempted: KV cache full, will be recomputed") // internal
+	ErrMaxTokens = errors.New("max_tokens is more than this worker can give") // 400
+	// ErrStopTokenID is an ErrBadInput naming stop_token_ids.
+	ErrStopTokenID = fmt.Errorf("%w: stop_token_ids", ErrBadInput)
+	errPreempted   = errors.New("preempted: KV cache full, will be recomputed") // internal
 )
 
 // Request is what the HTTP layer submits: an already tokenized prompt.
@@ -69,9 +72,13 @@ type Request struct {
 	Hashes    []prefix.Hash // the router's prefix hashes of this prompt (eviction reports)
 	Sampling  engine.SamplingParams
 	Sampler   engine.Sampler // optional; made from Sampling when nil
-	MaxTokens int            // 0: until the context is full
+	MaxTokens int            // 0: Config.MaxOutputTokens (and never past the context)
 	MinTokens int            // end-of-generation does not stop before this many tokens
 	IgnoreEOS bool           // end-of-generation never stops (vLLM's ignore_eos)
+	// StopTokenIDs end generation like end-of-generation does (vLLM's
+	// stop_token_ids): the token is not emitted; min_tokens applies,
+	// ignore_eos does not.
+	StopTokenIDs []int
 }
 
 // Finish reasons of a completed request, as OpenAI names them.

@@ -15,8 +15,7 @@
 package scheduler
 
 import (
-	"github.com/istio-llm-filter/istio-llm-filter/prefix"
-
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -25,6 +24,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/istio-llm-filter/istio-llm-filter/prefix"
 	"github.com/istio-llm-filter/istio-llm-filter/worker/engine"
 	"github.com/istio-llm-filter/istio-llm-filter/worker/kvcache"
 	"github.com/istio-llm-filter/istio-llm-filter/worker/seqpool"
@@ -32,8 +32,14 @@ import (
 
 // Config are the scheduler's knobs; zero values take the seed's defaults.
 type Config struct {
-	MaxQueue        int           // RequestQueue length; default 256
-	MaxRunning      int           // running set size (maxConcurrentRequests); default 8
+	MaxQueue   int // RequestQueue length; default 256
+	MaxRunning int // running set size (maxConcurrentRequests); default 8
+	// MaxBatch is the most sequences one step evaluates (maxBatchSize);
+	// default 4, at most MaxRunning.
+	MaxBatch int
+	// MaxOutputTokens caps a request without max_tokens and refuses one
+	// asking for more (maxOutContextLength); default 2048.
+	MaxOutputTokens int
 	RequestTimeout  time.Duration // from entering the running set; default 60 s
 	CleanupInterval time.Duration // KV threshold check period; default 1 s
 	KV              kvcache.Limits
@@ -43,6 +49,9 @@ type Config struct {
 	// OnCached receives the hashes of every request that binds a KV entry:
 	// a pending eviction report of any of them is stale. Same rules.
 	OnCached func([]prefix.Hash)
+	// NoFollow: a request shares only prefix cells already written, never
+	// waits for a running request's prefill (benchmarks compare the two).
+	NoFollow bool
 	Metrics  *Metrics
 	Logger   *slog.Logger
 }
@@ -53,6 +62,12 @@ func (c *Config) defaults() {
 	}
 	if c.MaxRunning <= 0 {
 		c.MaxRunning = 8
+	}
+	if c.MaxBatch <= 0 {
+		c.MaxBatch = min(4, c.MaxRunning)
+	}
+	if c.MaxOutputTokens <= 0 {
+		c.MaxOutputTokens = 2048
 	}
 	if c.RequestTimeout <= 0 {
 		c.RequestTimeout = 60 * time.Second
@@ -91,6 +106,8 @@ type Scheduler struct {
 	set      []*task // the running set, in admission order
 	releases uint64  // terminal transitions so far; preempted tasks wait for one
 	prefill  []*task // scratch: prefill candidates of one step
+	ready    []*task // scratch: sequences with work in one step
+	steps    uint64  // batches built so far
 }
 
 type task struct {
@@ -110,12 +127,17 @@ type task struct {
 	firstAt   time.Time
 	waitRel   uint64 // preempted: do not take a seq id before releases passes this
 	following bool   // waits for a running request to write the prefix it shares
+	maxTokens int    // the request's max_tokens, or Config.MaxOutputTokens
+	lastStep  uint64 // the step that last evaluated a span of it
 	spanLen   int    // tokens of this task in the current batch
 }
 
 // New builds a scheduler over eng. The pool size is the engine's n_seq_max.
 func New(eng engine.Engine, cfg Config) (*Scheduler, error) {
 	cfg.defaults()
+	if cfg.MaxBatch > cfg.MaxRunning {
+		return nil, fmt.Errorf("scheduler: the batch size (%d sequences) must not exceed the running set (%d requests)", cfg.MaxBatch, cfg.MaxRunning)
+	}
 	info := eng.Info()
 	if cfg.KV.BytesPerToken == 0 {
 		cfg.KV.BytesPerToken = info.BytesPerToken
@@ -123,8 +145,9 @@ func New(eng engine.Engine, cfg Config) (*Scheduler, error) {
 	m := cfg.Metrics
 	kv, err := kvcache.NewOwner(kvcache.OwnerConfig{
 		Limits: cfg.KV, NSeqMax: info.NSeqMax, Cells: eng,
-		Reports: reports{evicted: cfg.OnEvict, cached: cfg.OnCached},
-		OnEvict: func(cause string) { m.evictions.WithLabelValues(cause).Inc() },
+		Reports:  reports{evicted: cfg.OnEvict, cached: cfg.OnCached},
+		OnEvict:  func(cause string) { m.evictions.WithLabelValues(cause).Inc() },
+		NoFollow: cfg.NoFollow,
 	})
 	if err != nil {
 		return nil, err
@@ -177,11 +200,30 @@ func (s *Scheduler) Submit(ctx context.Context, r *Request) (*Handle, error) {
 		return nil, fmt.Errorf("%w: %d prompt tokens, context holds %d", ErrTooLong, len(r.Prompt), s.info.NCtx)
 	case r.MaxTokens < 0 || r.MinTokens < 0:
 		return nil, fmt.Errorf("%w: negative max_tokens or min_tokens", ErrBadInput)
+	case r.MaxTokens > s.cfg.MaxOutputTokens:
+		return nil, fmt.Errorf("%w: max_tokens is %d; this worker generates at most %d tokens per request",
+			ErrMaxTokens, r.MaxTokens, s.cfg.MaxOutputTokens)
+	case r.MaxTokens > 0 && len(r.Prompt)+r.MaxTokens > s.info.NCtx:
+		// As OpenAI answers: refuse what cannot be given, rather than run
+		// until the context is full and cut the answer short.
+		return nil, fmt.Errorf("%w: this worker's context holds %d tokens, and the request asks for %d (%d in the prompt, %d in the completion)",
+			ErrMaxTokens, s.info.NCtx, len(r.Prompt)+r.MaxTokens, len(r.Prompt), r.MaxTokens)
+	case r.MinTokens > max(r.MaxTokens, s.cfg.MaxOutputTokens):
+		return nil, fmt.Errorf("%w: min_tokens %d exceeds the output cap", ErrBadInput, r.MinTokens)
 	}
 	for _, t := range r.Prompt {
 		if t < 0 || t >= s.info.NVocab {
 			return nil, fmt.Errorf("%w: token %d outside the vocabulary", ErrBadInput, t)
 		}
+	}
+	for _, t := range r.StopTokenIDs {
+		if t < 0 || t >= s.info.NVocab {
+			return nil, fmt.Errorf("%w: token id %d is outside the vocabulary of %d", ErrStopTokenID, t, s.info.NVocab)
+		}
+	}
+	maxTokens := r.MaxTokens
+	if maxTokens == 0 {
+		maxTokens = s.cfg.MaxOutputTokens
 	}
 	sm := r.Sampler
 	if sm == nil {
@@ -191,7 +233,7 @@ func (s *Scheduler) Submit(ctx context.Context, r *Request) (*Handle, error) {
 		}
 	}
 	t := &task{
-		req: r, h: newHandle(r.ID, s.signal), ctx: ctx, sampler: sm, seq: -1,
+		req: r, h: newHandle(r.ID, s.signal), ctx: ctx, sampler: sm, seq: -1, maxTokens: maxTokens,
 		toks: slices.Clip(slices.Clone(r.Prompt)), submitted: time.Now(),
 	}
 	// Registered before the task is visible to the loop, which calls it.
@@ -383,16 +425,43 @@ func (s *Scheduler) follow() {
 // step instead of waiting for a cold prompt's 512-token chunks to go first.
 // Long prompts still take whatever budget is left in every step, so they are
 // not starved unless short prefills alone fill every step.
+//
+// At most MaxBatch sequences take part. When more are ready, those that
+// waited longest since their last step go first (then decode before
+// prefill, shorter prefill first): every sequence gets a turn within
+// ceil(ready/MaxBatch) steps, and decoders cannot lock new prompts out.
 func (s *Scheduler) batch() ([]engine.Span, []*task) {
 	var spans []engine.Span
 	var tasks []*task
 	budget := s.info.NBatch
-	s.prefill = s.prefill[:0]
+	s.steps++
+	s.ready = s.ready[:0]
 	for _, t := range s.set {
 		t.spanLen = 0
-		if t.state != Processing || t.following {
-			continue
+		if t.state == Processing && !t.following && len(t.toks) > t.past {
+			s.ready = append(s.ready, t)
 		}
+	}
+	if len(s.ready) > s.cfg.MaxBatch {
+		slices.SortStableFunc(s.ready, func(a, b *task) int {
+			if a.lastStep != b.lastStep {
+				return cmp.Compare(a.lastStep, b.lastStep)
+			}
+			return cmp.Compare(len(a.toks)-a.past, len(b.toks)-b.past)
+		})
+		for _, t := range s.ready[s.cfg.MaxBatch:] {
+			t.spanLen = -1 // not in this step
+		}
+		// Back to admission order for the rules below.
+		s.ready = s.ready[:0]
+		for _, t := range s.set {
+			if t.spanLen == 0 && t.state == Processing && !t.following && len(t.toks) > t.past {
+				s.ready = append(s.ready, t)
+			}
+		}
+	}
+	s.prefill = s.prefill[:0]
+	for _, t := range s.ready {
 		switch left := len(t.toks) - t.past; {
 		case left == 1 && budget > 0:
 			spans = append(spans, engine.Span{Seq: t.seq, Pos: t.past, Tokens: t.toks[t.past:], Sampler: t.sampler})
@@ -422,6 +491,13 @@ func (s *Scheduler) batch() ([]engine.Span, []*task) {
 		budget -= k
 	}
 	clear(s.prefill) // do not pin finished tasks
+	clear(s.ready)
+	for _, t := range s.set {
+		t.spanLen = max(t.spanLen, 0)
+	}
+	for _, t := range tasks {
+		t.lastStep = s.steps
+	}
 	return spans, tasks
 }
 
@@ -517,8 +593,8 @@ func (s *Scheduler) apply(spans []engine.Span, tasks []*task, out []int) {
 			s.m.promptTokens.WithLabelValues("cached").Add(float64(t.cached))
 			s.m.promptTokens.WithLabelValues("computed").Add(float64(len(t.req.Prompt) - t.cached))
 		}
-		eog := s.eng.IsEOG(tok)
-		if eog && !t.req.IgnoreEOS && t.nGen >= t.req.MinTokens {
+		eog := s.eng.IsEOG(tok) && !t.req.IgnoreEOS
+		if (eog || slices.Contains(t.req.StopTokenIDs, tok)) && t.nGen >= t.req.MinTokens {
 			s.finish(t, Result{State: Completed, Finish: FinishStop})
 			continue
 		}
@@ -527,7 +603,7 @@ func (s *Scheduler) apply(spans []engine.Span, tasks []*task, out []int) {
 		s.m.generated.Inc()
 		t.h.emit(tok)
 		switch {
-		case t.req.MaxTokens > 0 && t.nGen >= t.req.MaxTokens:
+		case t.nGen >= t.maxTokens:
 			s.finish(t, Result{State: Completed, Finish: FinishLength})
 		case len(t.toks) >= s.info.NCtx:
 			s.finish(t, Result{State: Completed, Finish: FinishLength})

@@ -190,6 +190,10 @@ func (s *Server) submitError(j *job, err error) *openai.Error {
 			param = "messages"
 		}
 		return openai.BadRequest(param, "the prompt is %d tokens; this worker's context holds %d", len(j.prompt), s.info.NCtx)
+	case errors.Is(err, scheduler.ErrMaxTokens):
+		return openai.BadRequest("max_tokens", "%v", err)
+	case errors.Is(err, scheduler.ErrStopTokenID):
+		return openai.BadRequest("stop_token_ids", "%v", err)
 	case errors.Is(err, scheduler.ErrBadInput):
 		return openai.BadRequest("", "%v", err)
 	case errors.Is(err, scheduler.ErrShutdown):
@@ -267,7 +271,9 @@ func (s *Server) generate(w http.ResponseWriter, r *http.Request, j *job) {
 	p := j.params
 	req := &scheduler.Request{
 		ID: j.id, Prompt: j.prompt, Hashes: j.hashes, MaxTokens: p.MaxTokens, MinTokens: p.MinTokens, IgnoreEOS: p.IgnoreEOS,
-		Sampling: engine.SamplingParams{Temperature: float32(p.Temperature), TopP: float32(p.TopP)},
+		StopTokenIDs: p.StopTokenIDs,
+		Sampling: engine.SamplingParams{Temperature: float32(p.Temperature), TopP: float32(p.TopP),
+			FrequencyPenalty: float32(p.FrequencyPenalty), PresencePenalty: float32(p.PresencePenalty)},
 	}
 	if p.Seed != nil {
 		req.Sampling.Seed, req.Sampling.SeedSet = uint32(*p.Seed), true

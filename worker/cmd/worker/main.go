@@ -52,6 +52,7 @@ func main() {
 type options struct {
 	model, listen, engine, modelName, advertise, cluster, mcURL, mcToken, kvType, logLevel string
 	nSeqMax, maxRunning, maxQueue, nCtx, nBatch, threads, hashChunk                        int
+	maxBatch, maxOutput                                                                    int
 	kvMaxMB, kvMaxItems                                                                    int64
 	kvThreshold                                                                            float64
 	timeout, cleanup                                                                       time.Duration
@@ -69,6 +70,8 @@ func parse(args []string, stderr io.Writer) (*options, error) {
 	fs.StringVar(&o.engine, "engine", "llama", "compute engine: llama (llama.cpp) or sim (calibrated cost model, no compute)")
 	fs.IntVar(&o.nSeqMax, "n-seq-max", 16, "llama.cpp sequence ids (1-256): running requests plus idle KV-cache entries")
 	fs.IntVar(&o.maxRunning, "max-concurrent-requests", 8, "running-set size (requests decoding together)")
+	fs.IntVar(&o.maxBatch, "max-batch-size", 4, "most sequences one decode step evaluates; at most --max-concurrent-requests (unset: capped by it)")
+	fs.IntVar(&o.maxOutput, "max-output-tokens", 2048, "generated tokens of a request without max_tokens; a larger max_tokens is refused with 400")
 	fs.IntVar(&o.maxQueue, "max-queue", 256, "request queue length; beyond it requests get 429")
 	fs.DurationVar(&o.timeout, "request-timeout", 60*time.Second, "time a request may spend in the running set before 408")
 	fs.IntVar(&o.nCtx, "n-ctx", 0, "KV cells shared by all sequences (0: the model's training context; sim without a model: 16384)")
@@ -100,6 +103,11 @@ func parse(args []string, stderr io.Writer) (*options, error) {
 	if fs.NArg() > 0 {
 		return nil, fmt.Errorf("unexpected arguments %q", fs.Args())
 	}
+	batchSet := false
+	fs.Visit(func(f *flag.Flag) { batchSet = batchSet || f.Name == "max-batch-size" })
+	if !batchSet {
+		o.maxBatch = min(o.maxBatch, max(o.maxRunning, 1))
+	}
 	switch {
 	case o.engine != "llama" && o.engine != "sim":
 		return nil, fmt.Errorf("--engine must be llama or sim, got %q", o.engine)
@@ -107,8 +115,10 @@ func parse(args []string, stderr io.Writer) (*options, error) {
 		return nil, errors.New("--model is required with --engine llama")
 	case o.nSeqMax < 1 || o.nSeqMax > seqpool.MaxSeq:
 		return nil, fmt.Errorf("--n-seq-max must be within 1..%d, got %d", seqpool.MaxSeq, o.nSeqMax)
-	case o.maxRunning < 1 || o.maxQueue < 1:
-		return nil, errors.New("--max-concurrent-requests and --max-queue must be at least 1")
+	case o.maxRunning < 1 || o.maxQueue < 1 || o.maxBatch < 1 || o.maxOutput < 1:
+		return nil, errors.New("--max-concurrent-requests, --max-queue, --max-batch-size and --max-output-tokens must be at least 1")
+	case o.maxBatch > o.maxRunning:
+		return nil, fmt.Errorf("--max-batch-size (%d) must not exceed --max-concurrent-requests (%d): a step only holds running requests", o.maxBatch, o.maxRunning)
 	case o.timeout <= 0 || o.cleanup <= 0:
 		return nil, errors.New("--request-timeout and --kv-cleanup-interval must be positive")
 	case o.nCtx < 0 || o.nBatch < 1 || o.threads < 0 || o.kvMaxMB < 0 || o.kvMaxItems < 0 || o.hashChunk < 1:
@@ -167,6 +177,7 @@ func run(ctx context.Context, args []string, stderr io.Writer, ready func(addr s
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	cfg := scheduler.Config{
 		MaxQueue: o.maxQueue, MaxRunning: o.maxRunning, RequestTimeout: o.timeout, CleanupInterval: o.cleanup,
+		MaxBatch: o.maxBatch, MaxOutputTokens: o.maxOutput,
 		KV:      kvcache.Limits{MaxItems: o.kvMaxItems, MaxBytes: o.kvMaxMB << 20, Threshold: o.kvThreshold},
 		Metrics: scheduler.NewMetrics(reg), Logger: log,
 	}

@@ -171,9 +171,11 @@ func (e *Engine) Piece(tok int) string { return e.model.TokenToPiece(tok) }
 // IsEOG implements engine.Engine.
 func (e *Engine) IsEOG(tok int) bool { return e.model.TokenIsEog(tok) }
 
-// NewSampler implements engine.Engine. Only temperature, top_p and seed are
-// set; top_k, min_p, typical_p and penalties stay neutral, as OpenAI defines
-// its API.
+// NewSampler implements engine.Engine. Temperature, top_p, seed and the
+// frequency/presence penalties are set; top_k, min_p, typical_p and the
+// repetition penalty stay neutral, as OpenAI defines its API. The penalty
+// window is the whole context: only generated tokens enter it (Step
+// accepts each sampled token; prompt tokens are never accepted).
 func (e *Engine) NewSampler(p engine.SamplingParams) (engine.Sampler, error) {
 	seed := uint32(0xFFFFFFFF) // LLAMA_DEFAULT_SEED: llama.cpp draws a random one
 	if p.SeedSet {
@@ -183,15 +185,21 @@ func (e *Engine) NewSampler(p engine.SamplingParams) (engine.Sampler, error) {
 	if topP <= 0 || topP > 1 {
 		topP = 1
 	}
+	lastN := 0 // no penalty: llama.cpp skips the sampler's bookkeeping
+	if p.FrequencyPenalty != 0 || p.PresencePenalty != 0 {
+		lastN = e.info.NCtx
+	}
 	sc, err := ll.NewSamplingContext(e.model, ll.SamplingParams{
-		TopK:          0,
-		TopP:          topP,
-		MinP:          0,
-		TypicalP:      1,
-		Temp:          p.Temperature,
-		RepeatLastN:   0,
-		PenaltyRepeat: 1,
-		Seed:          seed,
+		TopK:           0,
+		TopP:           topP,
+		MinP:           0,
+		TypicalP:       1,
+		Temp:           p.Temperature,
+		RepeatLastN:    lastN,
+		PenaltyRepeat:  1,
+		PenaltyFreq:    p.FrequencyPenalty,
+		PenaltyPresent: p.PresencePenalty,
+		Seed:           seed,
 	})
 	if err != nil {
 		return nil, err
