@@ -72,10 +72,10 @@ for p in $parallel; do
 		bin/ollama serve >"var/bench-ollama-p$p.log" 2>&1 &
 	pids+=($!)
 	wait_up "http://$host/api/version"
-	OLLAMA_HOST=$host bin/ollama create bench -f var/Modelfile >/dev/null
+	OLLAMA_HOST=$host bin/ollama create bench -f var/Modelfile >/dev/null 2>&1
 	targets+=(--target "ollama-p$p=http://$host=bench")
 	port=$((port + 1))
 done
 
-echo "bench-ollama: $(bin/ollama -v 2>&1 | tail -1); worker threads: $(grep -o 'threads=[0-9]*' var/bench-ollama-worker.log | head -1)" >&2
+echo "bench-ollama: $(OLLAMA_HOST=127.0.0.1:11481 bin/ollama -v 2>&1 | tail -1); worker threads: $(grep -o 'threads=[0-9]*' var/bench-ollama-worker.log | head -1)" >&2
 bin/ttftcmp "${targets[@]}" "$@"

@@ -29,6 +29,7 @@ import (
 	"io"
 	"net/http"
 	"os"
+	"slices"
 	"strings"
 	"sync"
 	"time"
@@ -111,13 +112,15 @@ func run(ctx context.Context, c config, out io.Writer) error {
 			}
 		}
 	}
+	fmt.Fprintf(out, "mean TTFT (median in brackets), ratio to %s:\n\n", c.targets[0].name)
 	fmt.Fprintf(out, "| scenario | %s |\n|---|%s\n", names(c.targets, " | "), strings.Repeat("---|", len(c.targets)))
 	for _, sc := range c.scenarios {
 		ref := mean(means[sc][c.targets[0].name])
 		row := []string{}
 		for i, t := range c.targets {
-			m := mean(means[sc][t.name])
-			cell := fmt.Sprintf("%.0f ms", float64(m.Microseconds())/1000)
+			ds := means[sc][t.name]
+			m := mean(ds)
+			cell := fmt.Sprintf("%.2f s [%.2f]", m.Seconds(), median(ds).Seconds())
 			if i > 0 && ref > 0 {
 				cell += fmt.Sprintf(" (%.2f×)", float64(m)/float64(ref))
 			}
@@ -153,6 +156,18 @@ func mean(ds []time.Duration) time.Duration {
 		s += d
 	}
 	return s / time.Duration(len(ds))
+}
+
+func median(ds []time.Duration) time.Duration {
+	if len(ds) == 0 {
+		return 0
+	}
+	s := slices.Clone(ds)
+	slices.Sort(s)
+	if len(s)%2 == 1 {
+		return s[len(s)/2]
+	}
+	return (s[len(s)/2-1] + s[len(s)/2]) / 2
 }
 
 type msg struct {
