@@ -478,12 +478,17 @@ func TestLlamaCancelledLeaderKeepsTheFollowersWork(t *testing.T) {
 		}
 		hs = append(hs, h)
 	}
-	// Cancel the leader once it has written its first chunk, between steps.
+	// Cancel the leader once it has written its first chunk and the
+	// followers hold seq ids (follow it), between steps.
 	written := 0
-	for written < 512 {
+	for ready := false; !ready; {
 		if err := s.Inspect(context.Background(), func(v View) {
 			if e, ok := v.KV.Get("leader"); ok {
 				written = len(e.Tokens)
+			}
+			ready = written >= 512
+			for i := range hs {
+				ready = ready && v.States[fmt.Sprint("f", i+1)] == Processing
 			}
 		}); err != nil {
 			t.Fatal(err)
