@@ -106,9 +106,17 @@ type PodSignals struct {
 
 // PodReport is the body of POST /v1/pods/signals.
 type PodReport struct {
-	Cluster string `json:"cluster"`
-	Host    string `json:"host"`
-	PodSignals
+	Cluster       string  `json:"cluster"`
+	Host          string  `json:"host"`
+	Waiting       int64   `json:"waiting"`
+	Running       int64   `json:"running"`
+	KVCacheUtil   float64 `json:"kv_cache_util"`
+	PrefillTokens int64   `json:"prefill_tokens"`
+}
+
+// Signals returns the report's signals.
+func (r PodReport) Signals() PodSignals {
+	return PodSignals{Waiting: r.Waiting, Running: r.Running, KVCacheUtil: r.KVCacheUtil, PrefillTokens: r.PrefillTokens}
 }
 
 // MaxPodSignals bounds the pods one cluster keeps signals for.

@@ -14,6 +14,8 @@ type metrics struct {
 	requests    *prometheus.CounterVec
 	latency     *prometheus.HistogramVec
 	storeErrors *prometheus.CounterVec
+	// signalReports counts pods' reports accepted (pushed and scraped).
+	signalReports prometheus.Counter
 }
 
 func newMetrics(reg *prometheus.Registry, st store.Store, timeout time.Duration) *metrics {
@@ -34,7 +36,11 @@ func newMetrics(reg *prometheus.Registry, st store.Store, timeout time.Duration)
 			Help: "Failed store operations by operation.",
 		}, []string{"op"}),
 	}
-	reg.MustRegister(m.requests, m.latency, m.storeErrors, newGauges(st, timeout, m.storeErrors))
+	m.signalReports = prometheus.NewCounter(prometheus.CounterOpts{
+		Namespace: "llmf", Subsystem: "metadata_center", Name: "pod_signal_reports_total",
+		Help: "Pods' reports about themselves accepted through POST /v1/pods/signals.",
+	})
+	reg.MustRegister(m.requests, m.latency, m.storeErrors, m.signalReports, newGauges(st, timeout, m.storeErrors))
 	return m
 }
 

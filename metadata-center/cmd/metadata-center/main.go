@@ -60,6 +60,7 @@ type config struct {
 	maxEntries                              int
 	maxBodyBytes                            int64
 	storeTimeout, shutdownTimeout, touchInt time.Duration
+	signalMaxAge                            time.Duration
 }
 
 func parse(args []string, stderr io.Writer) (config, error) {
@@ -78,6 +79,7 @@ func parse(args []string, stderr io.Writer) (config, error) {
 	fs.DurationVar(&c.leaseTTL, "lease-ttl", store.DefaultLeaseTTL, "lifetime of a request lease that is never deleted (dead gateway)")
 	fs.DurationVar(&c.cacheTTL, "cache-ttl", store.DefaultCacheTTL, "lifetime of a cache index entry since its last save or hit")
 	fs.DurationVar(&c.touchInt, "cache-touch-interval", time.Second, "hits refresh an entry's TTL at most this often")
+	fs.DurationVar(&c.signalMaxAge, "signal-max-age", store.DefaultSignalMaxAge, "pods' reports (pushed or scraped) older than this are not answered")
 	fs.IntVar(&c.maxEntries, "max-entries", memstore.DefaultMaxEntries, "LRU cap on cache index entries (--store memory)")
 	fs.Int64Var(&c.maxBodyBytes, "max-body-bytes", server.DefaultMaxBodyBytes, "largest request body accepted")
 	fs.DurationVar(&c.storeTimeout, "store-timeout", server.DefaultStoreTimeout, "bound on each store call; past it the call answers 503")
@@ -99,12 +101,13 @@ func newStore(c config) (store.Store, error) {
 	if c.storeKind == "redis" {
 		return redisstore.New(redisstore.Options{
 			Addr: c.redisAddr, Password: c.redisPassword, DB: c.redisDB, KeyPrefix: c.redisPrefix,
-			LeaseTTL: c.leaseTTL, CacheTTL: c.cacheTTL, TouchInterval: c.touchInt,
+			LeaseTTL: c.leaseTTL, CacheTTL: c.cacheTTL, TouchInterval: c.touchInt, SignalMaxAge: c.signalMaxAge,
 			DialTimeout: c.redisDialTimeout, IOTimeout: c.redisIOTimeout,
 		})
 	}
 	return memstore.New(memstore.Options{
 		LeaseTTL: c.leaseTTL, CacheTTL: c.cacheTTL, TouchInterval: c.touchInt, MaxEntries: c.maxEntries,
+		SignalMaxAge: c.signalMaxAge,
 	}), nil
 }
 
