@@ -10,6 +10,8 @@
 package config
 
 import (
+	"github.com/istio-llm-filter/istio-llm-filter/prefix"
+
 	"time"
 )
 
@@ -18,7 +20,7 @@ const (
 	DefaultProtocol         = "openai"
 	DefaultQueryTimeout     = 100 * time.Millisecond
 	DefaultUpdateTimeout    = 500 * time.Millisecond
-	DefaultChunkSize        = 512
+	DefaultChunkSize        = prefix.DefaultChunkSize
 	DefaultBackend          = BackendVLLM
 	DefaultPolicy           = PolicyCacheAware
 	DefaultCacheRatioW      = 2.0

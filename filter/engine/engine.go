@@ -39,13 +39,13 @@ import (
 	"github.com/istio-llm-filter/istio-llm-filter/filter/balancer"
 	"github.com/istio-llm-filter/istio-llm-filter/filter/config"
 	"github.com/istio-llm-filter/istio-llm-filter/filter/endpoints"
-	"github.com/istio-llm-filter/istio-llm-filter/filter/mcclient"
-	"github.com/istio-llm-filter/istio-llm-filter/filter/prompthash"
 	"github.com/istio-llm-filter/istio-llm-filter/filter/rules"
 	"github.com/istio-llm-filter/istio-llm-filter/filter/transcode"
 	"github.com/istio-llm-filter/istio-llm-filter/filter/transcode/openai"
 	"github.com/istio-llm-filter/istio-llm-filter/filter/transcode/triton"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/api"
+	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/client"
+	"github.com/istio-llm-filter/istio-llm-filter/prefix"
 )
 
 // Headers is satisfied by Envoy's api.RequestHeaderMap (Get(key string) (string, bool)).
@@ -59,12 +59,12 @@ type Metrics interface {
 	Count(name string, delta int64)
 }
 
-// Router answers the route query; *mcclient.Client is the real one.
+// Router answers the route query; *client.Client is the real one.
 type Router interface {
 	Route(ctx context.Context, cluster string, hashes []string) (*api.RouteAnswer, error)
 }
 
-// Updater sends the lifecycle updates; *mcclient.Client is the real one.
+// Updater sends the lifecycle updates; *client.Client is the real one.
 type Updater interface {
 	AddRequest(ctx context.Context, r api.AddRequest) error
 	FirstToken(ctx context.Context, r api.RequestRef) error
@@ -77,7 +77,7 @@ type Options struct {
 	Endpoints  endpoints.Source
 	Metrics    Metrics
 	Logger     *slog.Logger // default slog.Default()
-	HTTPClient *http.Client // for the metadata center; default mcclient.NewTransport
+	HTTPClient *http.Client // for the metadata center; default client.NewTransport
 	// IntN replaces the balancer's random source (tests); must be safe for
 	// concurrent use.
 	IntN func(n int) int
@@ -103,11 +103,11 @@ type Engine struct {
 	src     endpoints.Source
 	codecs  transcode.Registry
 	rules   *rules.Table
-	hasher  prompthash.Hasher
+	hasher  prefix.Hasher
 	bal     *balancer.Balancer
 	router  Router
 	updater Updater
-	disp    *mcclient.Dispatcher
+	disp    *client.Dispatcher
 	qto     time.Duration
 
 	// scratch pools per-decision buffers (*scratch). Garbage is what sets
@@ -128,7 +128,7 @@ type Engine struct {
 type scratch struct {
 	texts []byte // the parsed request's prompt texts (bufferedParser)
 	canon []byte
-	sums  []uint64
+	sums  []prefix.Hash
 	cache map[string]int
 }
 
@@ -182,7 +182,7 @@ func New(cfg *config.Config, opts Options) (*Engine, error) {
 		metrics: opts.Metrics,
 		src:     opts.Endpoints,
 		rules:   rules.New(cfg.ModelMappingRule),
-		hasher:  prompthash.Hasher{ChunkSize: cfg.PromptHash.ChunkSize},
+		hasher:  prefix.Hasher{ChunkSize: cfg.PromptHash.ChunkSize},
 		bal: balancer.New(balancer.Options{IntN: opts.IntN, Policies: opts.Policies, Scorers: opts.Scorers,
 			Logger: opts.Logger, Registerer: opts.Registerer}),
 		router:  opts.Router,
@@ -216,7 +216,13 @@ func New(cfg *config.Config, opts Options) (*Engine, error) {
 		e.log.Warn("configured protocol has no transcoder: every request will get 400", "protocol", cfg.Protocol)
 	}
 	if cfg.MetadataCenter.Address != "" && (e.router == nil || e.updater == nil) {
-		c, err := mcclient.New(cfg.MetadataCenter, opts.HTTPClient)
+		c, err := client.New(client.Options{
+			Address:       cfg.MetadataCenter.Address,
+			AuthToken:     cfg.MetadataCenter.AuthToken,
+			QueryTimeout:  cfg.MetadataCenter.QueryTimeout,
+			UpdateTimeout: cfg.MetadataCenter.UpdateTimeout,
+			HTTPClient:    opts.HTTPClient,
+		})
 		if err != nil {
 			return nil, fmt.Errorf("engine: %w", err)
 		}
@@ -228,15 +234,15 @@ func New(cfg *config.Config, opts Options) (*Engine, error) {
 		}
 	}
 	if e.updater != nil {
-		e.disp = mcclient.NewDispatcher(mcclient.DispatcherOptions{
+		e.disp = client.NewDispatcher(client.DispatcherOptions{
 			Workers:   cfg.Async.Workers,
 			QueueSize: cfg.Async.QueueSize,
 			Timeout:   cfg.MetadataCenter.UpdateTimeout,
-			OnDrop: func(t mcclient.Task) {
+			OnDrop: func(t client.Task) {
 				e.metrics.Count("async_dropped", 1)
 				e.warn("metadata-center update dropped (queue full or closed)", "task", t.Name, "request_id", t.Key)
 			},
-			OnResult: func(t mcclient.Task, err error, took time.Duration) {
+			OnResult: func(t client.Task, err error, took time.Duration) {
 				if err != nil {
 					e.metrics.Count("async_errors", 1)
 					e.metrics.Count("metadata_center_errors", 1)
@@ -426,7 +432,7 @@ func (e *Engine) Decide(ctx context.Context, h Headers, body []byte) (*Decision,
 		Backend:      rule.Backend,
 		SceneName:    rule.SceneName,
 		Policy:       lb.Policy,
-		Hashes:       prompthash.Wire(sums),
+		Hashes:       prefix.Wire(sums),
 		PromptLength: promptLen,
 		Stream:       req.Stream,
 	}
@@ -507,7 +513,7 @@ func (e *Engine) query(ctx context.Context, trace, cluster string, hashes []stri
 	}
 	ctx, cancel := context.WithTimeout(ctx, e.qto)
 	defer cancel()
-	ans, err := e.router.Route(ctx, cluster, hashes)
+	ans, err := e.router.Route(client.WithTraceID(ctx, trace), cluster, hashes)
 	if err != nil {
 		e.metrics.Count("metadata_center_errors", 1)
 		e.warn("route query failed: routing without metadata", "trace_id", trace, "cluster", cluster, "err", err)
@@ -551,7 +557,7 @@ func (e *Engine) Started(d *Decision) {
 	// entry (and refreshes its TTL) once the pod answers.
 	if len(d.Hashes) > 0 && d.CacheRatio < 1 {
 		e.dispatch("save_cache", d, func(ctx context.Context) error {
-			return e.updater.SaveCache(ctx, api.CacheSave{Cluster: d.Cluster, Host: d.Host, Hashes: d.Hashes})
+			return e.updater.SaveCache(ctx, api.CacheSave{Cluster: d.Cluster, Host: d.Host, Hashes: d.Hashes, ChunkSize: e.hasher.ChunkSize})
 		}, nil)
 	}
 }
@@ -575,7 +581,7 @@ func (e *Engine) Saved(d *Decision) {
 		return
 	}
 	e.dispatch("save_cache", d, func(ctx context.Context) error {
-		return e.updater.SaveCache(ctx, api.CacheSave{Cluster: d.Cluster, Host: d.Host, Hashes: d.Hashes})
+		return e.updater.SaveCache(ctx, api.CacheSave{Cluster: d.Cluster, Host: d.Host, Hashes: d.Hashes, ChunkSize: e.hasher.ChunkSize})
 	}, nil)
 }
 
@@ -595,7 +601,9 @@ func (e *Engine) dispatch(name string, d *Decision, run func(context.Context) er
 	if e.disp == nil {
 		return // no metadata center: local accounting only
 	}
-	e.disp.Dispatch(mcclient.Task{Name: name, Key: d.RequestID, Run: run, Done: done})
+	trace := d.TraceID
+	e.disp.Dispatch(client.Task{Name: name, Key: d.RequestID, Done: done,
+		Run: func(ctx context.Context) error { return run(client.WithTraceID(ctx, trace)) }})
 }
 
 // InFlight returns this engine's local count of requests routed to host

@@ -18,11 +18,11 @@ import (
 	"github.com/istio-llm-filter/istio-llm-filter/filter/balancer"
 	"github.com/istio-llm-filter/istio-llm-filter/filter/config"
 	"github.com/istio-llm-filter/istio-llm-filter/filter/endpoints"
-	"github.com/istio-llm-filter/istio-llm-filter/filter/mcclient"
-	"github.com/istio-llm-filter/istio-llm-filter/filter/prompthash"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/api"
+	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/client"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/server"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/store/memstore"
+	"github.com/istio-llm-filter/istio-llm-filter/prefix"
 )
 
 const cluster = "outbound|8000||qwen.llm.svc.cluster.local"
@@ -147,7 +147,7 @@ func TestLifecycleAgainstMetadataCenter(t *testing.T) {
 	ts := center(t)
 	m := &counts{}
 	e := newEngine(t, configFor(t, ts.URL, ""), Options{Metrics: m})
-	mc, _ := mcclient.New(config.MetadataCenter{Address: ts.URL, QueryTimeout: 2 * time.Second}, nil)
+	mc, _ := client.New(client.Options{Address: ts.URL, QueryTimeout: 2 * time.Second})
 	ctx := context.Background()
 
 	system := strings.Repeat("You are a careful assistant who answers in French. ", 8)
@@ -164,12 +164,12 @@ func TestLifecycleAgainstMetadataCenter(t *testing.T) {
 	if !contains(pods, d.Host) {
 		t.Fatalf("host %q is not a pod", d.Host)
 	}
-	// The hashes are prompthash's over the canonical chat, seeded by model.
-	canon := prompthash.CanonicalChat([]prompthash.Message{
-		{Role: "system", Parts: []prompthash.Part{{Type: "text", Text: system}}},
-		{Role: "user", Parts: []prompthash.Part{{Type: "text", Text: "Bonjour ?"}}},
+	// The hashes are prefix's over the canonical chat, seeded by model.
+	canon := prefix.CanonicalChat([]prefix.Message{
+		{Role: "system", Parts: []prefix.Part{{Type: "text", Text: system}}},
+		{Role: "user", Parts: []prefix.Part{{Type: "text", Text: "Bonjour ?"}}},
 	})
-	if want := prompthash.Wire(prompthash.Hasher{ChunkSize: 64}.Sum("qwen", canon)); fmt.Sprint(want) != fmt.Sprint(d.Hashes) || d.PromptLength != len(canon) {
+	if want := prefix.Wire(prefix.Hasher{ChunkSize: 64}.Sum("qwen", canon)); fmt.Sprint(want) != fmt.Sprint(d.Hashes) || d.PromptLength != len(canon) {
 		t.Fatalf("hashes %v / %d, want %v / %d", d.Hashes, d.PromptLength, want, len(canon))
 	}
 
@@ -582,7 +582,7 @@ func TestCloseDrainsQueuedUpdates(t *testing.T) {
 		ds = append(ds, d)
 	}
 	e.Close()
-	mc, _ := mcclient.New(config.MetadataCenter{Address: ts.URL}, nil)
+	mc, _ := client.New(client.Options{Address: ts.URL})
 	ans, err := mc.Route(context.Background(), cluster, nil)
 	if err != nil {
 		t.Fatal(err)

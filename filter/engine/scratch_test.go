@@ -9,8 +9,8 @@ import (
 	"sync"
 	"testing"
 
-	"github.com/istio-llm-filter/istio-llm-filter/filter/prompthash"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/api"
+	"github.com/istio-llm-filter/istio-llm-filter/prefix"
 )
 
 // yieldingHeaders lets other decisions run at each header lookup, which
@@ -43,11 +43,11 @@ func TestPooledScratchKeepsDecisionsApart(t *testing.T) {
 	for i := range prompts {
 		system := strings.Repeat(fmt.Sprintf("système %d \"quoted\"\n", i), 10+i*7)
 		user := strings.Repeat("question é中 ", 1+i)
-		canon := prompthash.CanonicalChat([]prompthash.Message{
-			{Role: "system", Parts: []prompthash.Part{{Type: "text", Text: system}}},
-			{Role: "user", Parts: []prompthash.Part{{Type: "text", Text: user}}},
+		canon := prefix.CanonicalChat([]prefix.Message{
+			{Role: "system", Parts: []prefix.Part{{Type: "text", Text: system}}},
+			{Role: "user", Parts: []prefix.Part{{Type: "text", Text: user}}},
 		})
-		prompts[i] = prompt{chatBody(system, user), prompthash.Wire(prompthash.Hasher{ChunkSize: 64}.Sum("qwen", canon))}
+		prompts[i] = prompt{chatBody(system, user), prefix.Wire(prefix.Hasher{ChunkSize: 64}.Sum("qwen", canon))}
 	}
 	var wg sync.WaitGroup
 	errs := make(chan error, 8)

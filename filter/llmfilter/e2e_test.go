@@ -1,6 +1,8 @@
 package llmfilter_test
 
 import (
+	"github.com/istio-llm-filter/istio-llm-filter/prefix"
+
 	"bufio"
 	"context"
 	"encoding/json"
@@ -36,7 +38,7 @@ func (r *recStore) AddLease(ctx context.Context, c, h, id string, p int64) error
 	return err
 }
 
-func (r *recStore) SaveCache(ctx context.Context, c, h string, hs []store.Hash) error {
+func (r *recStore) SaveCache(ctx context.Context, c, h string, hs []prefix.Hash) error {
 	err := r.Store.SaveCache(ctx, c, h, hs)
 	r.saves.Add(1)
 	return err

@@ -13,7 +13,7 @@ import (
 	"fmt"
 	"net/http"
 
-	"github.com/istio-llm-filter/istio-llm-filter/filter/prompthash"
+	"github.com/istio-llm-filter/istio-llm-filter/prefix"
 )
 
 // Kind says which OpenAI endpoint a request is for.
@@ -40,7 +40,7 @@ type Request struct {
 	Model  string
 	Stream bool
 	// Messages of a chat request, in order.
-	Messages []prompthash.Message
+	Messages []prefix.Message
 	// Prompt of a completion request (the first one of a batch).
 	Prompt string
 	// Selector holds the labels every chosen endpoint must carry: the body's
@@ -48,7 +48,7 @@ type Request struct {
 	Selector map[string]string
 	// LoRA is the body's "lora" adapter name, if any.
 	LoRA string
-	// Canonical is the prompt in prompthash's canonical form; nil when the
+	// Canonical is the prompt in prefix's canonical form; nil when the
 	// transcoder leaves it to the caller (see AppendCanonical).
 	Canonical []byte
 	// Body is the request body as received (not copied: read only).
@@ -62,9 +62,9 @@ func (r *Request) AppendCanonical(dst []byte) []byte {
 	case r.Canonical != nil:
 		return append(dst, r.Canonical...)
 	case r.Kind == Chat:
-		return prompthash.AppendCanonicalChat(dst, r.Messages)
+		return prefix.AppendCanonicalChat(dst, r.Messages)
 	}
-	return prompthash.AppendCanonicalCompletion(dst, r.Prompt)
+	return prefix.AppendCanonicalCompletion(dst, r.Prompt)
 }
 
 // Upstream says how to rewrite a request for its backend. The zero value

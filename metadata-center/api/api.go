@@ -61,20 +61,27 @@ type CacheLocation struct {
 	Length int    `json:"length"`
 }
 
-// CacheSave is the body of POST /v1/cache/save.
+// CacheSave is the body of POST /v1/cache/save. ChunkSize is the gateway's
+// prompt_hash.chunk_size (0: not said); the metadata center learns it per
+// cluster to check the workers' eviction reports against it.
 type CacheSave struct {
-	Cluster string   `json:"cluster"`
-	Host    string   `json:"host"`
-	Hashes  []string `json:"hashes"`
+	Cluster   string   `json:"cluster"`
+	Host      string   `json:"host"`
+	Hashes    []string `json:"hashes"`
+	ChunkSize int      `json:"chunk_size,omitempty"`
 }
 
 // CacheEvict is the body of POST /v1/cache/evict: either the listed hashes or,
-// with All, everything the host holds (a restarted pod).
+// with All, everything the host holds (a restarted pod). ChunkSize is the
+// chunk size the worker hashed with (0: not said); hashes made with another
+// size than the cluster's gateways use name no indexed prefix, so such a
+// report is refused with 409 rather than silently matching nothing.
 type CacheEvict struct {
-	Cluster string   `json:"cluster"`
-	Host    string   `json:"host"`
-	Hashes  []string `json:"hashes,omitempty"`
-	All     bool     `json:"all,omitempty"`
+	Cluster   string   `json:"cluster"`
+	Host      string   `json:"host"`
+	Hashes    []string `json:"hashes,omitempty"`
+	All       bool     `json:"all,omitempty"`
+	ChunkSize int      `json:"chunk_size,omitempty"`
 }
 
 // RouteQuery is the body of POST /v1/route/query.

@@ -1,6 +1,8 @@
 package server_test
 
 import (
+	"github.com/istio-llm-filter/istio-llm-filter/prefix"
+
 	"context"
 	"io"
 	"log/slog"
@@ -62,7 +64,7 @@ func benchRoute(b *testing.B, sc routeload.Scenario, withHTTP bool) {
 			if err := sc.Populate(context.Background(), st); err != nil {
 				b.Fatal(err)
 			}
-			queries := make([][]store.Hash, sc.Prompts)
+			queries := make([][]prefix.Hash, sc.Prompts)
 			for p := range queries {
 				queries[p] = sc.Hashes(p)
 			}

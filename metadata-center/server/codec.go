@@ -1,12 +1,13 @@
 package server
 
 import (
+	"github.com/istio-llm-filter/istio-llm-filter/prefix"
+
 	"encoding/json"
 	"slices"
 	"strconv"
 
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/api"
-	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/store"
 )
 
 // The route and cache queries are on every inference request's critical
@@ -135,7 +136,7 @@ func appendFloat(b []byte, f float64) []byte {
 // anything it does not handle — escapes, unknown or repeated keys, null,
 // a malformed hash, bad syntax — and the caller then decodes with
 // encoding/json, which also produces the precise error message.
-func parseQuery(data []byte, buf []store.Hash) (cluster string, hashes []store.Hash, ok bool) {
+func parseQuery(data []byte, buf []prefix.Hash) (cluster string, hashes []prefix.Hash, ok bool) {
 	p := parser{data: data}
 	if !p.byte('{') {
 		return "", nil, false
@@ -173,7 +174,7 @@ func parseQuery(data []byte, buf []store.Hash) (cluster string, hashes []store.H
 					if !ok || len(hashes) >= api.MaxHashes {
 						return "", nil, false
 					}
-					h, ok := parseHash(raw)
+					h, ok := prefix.ParseHashBytes(raw)
 					if !ok {
 						return "", nil, false
 					}
@@ -195,7 +196,7 @@ func parseQuery(data []byte, buf []store.Hash) (cluster string, hashes []store.H
 		return "", nil, false
 	}
 	if hashes == nil {
-		hashes = []store.Hash{}
+		hashes = []prefix.Hash{}
 	}
 	return cluster, hashes, true
 }
@@ -252,23 +253,4 @@ func (p *parser) raw() ([]byte, bool) {
 		p.i++
 	}
 	return nil, false
-}
-
-// parseHash is store.ParseHash on bytes, without the error text.
-func parseHash(b []byte) (store.Hash, bool) {
-	if len(b) != 16 {
-		return 0, false
-	}
-	var h store.Hash
-	for _, c := range b {
-		switch {
-		case c >= '0' && c <= '9':
-			h = h<<4 | store.Hash(c-'0')
-		case c >= 'a' && c <= 'f':
-			h = h<<4 | store.Hash(c-'a'+10)
-		default:
-			return 0, false
-		}
-	}
-	return h, true
 }

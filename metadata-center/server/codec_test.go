@@ -1,6 +1,8 @@
 package server
 
 import (
+	"github.com/istio-llm-filter/istio-llm-filter/prefix"
+
 	"bytes"
 	"encoding/json"
 	"fmt"
@@ -9,7 +11,6 @@ import (
 	"testing"
 
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/api"
-	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/store"
 )
 
 // TestEncodeMatchesEncodingJSON: the hand-written encoder must be a pure
@@ -115,7 +116,7 @@ func TestParseQuery(t *testing.T) {
 	}
 	many := make([]string, api.MaxHashes+1)
 	for i := range many {
-		many[i] = store.Hash(i).String()
+		many[i] = prefix.Hash(i).String()
 	}
 	body, _ := json.Marshal(api.RouteQuery{Cluster: "c", Hashes: many})
 	if _, _, ok := parseQuery(body, nil); ok {

@@ -16,6 +16,9 @@ type metrics struct {
 	storeErrors *prometheus.CounterVec
 	// signalReports counts pods' reports accepted (pushed and scraped).
 	signalReports prometheus.Counter
+	// chunkMismatch counts eviction reports refused because the worker
+	// hashes with another chunk size than the cluster's gateways.
+	chunkMismatch prometheus.Counter
 }
 
 func newMetrics(reg *prometheus.Registry, st store.Store, timeout time.Duration) *metrics {
@@ -35,12 +38,16 @@ func newMetrics(reg *prometheus.Registry, st store.Store, timeout time.Duration)
 			Namespace: "llmf", Subsystem: "metadata_center", Name: "store_errors_total",
 			Help: "Failed store operations by operation.",
 		}, []string{"op"}),
+		chunkMismatch: prometheus.NewCounter(prometheus.CounterOpts{
+			Namespace: "llmf", Subsystem: "metadata_center", Name: "chunk_size_mismatch_total",
+			Help: "Eviction reports refused (409) because the worker's prompt-hash chunk size differs from the cluster's gateways'.",
+		}),
 	}
 	m.signalReports = prometheus.NewCounter(prometheus.CounterOpts{
 		Namespace: "llmf", Subsystem: "metadata_center", Name: "pod_signal_reports_total",
 		Help: "Pods' reports about themselves accepted through POST /v1/pods/signals.",
 	})
-	reg.MustRegister(m.requests, m.latency, m.storeErrors, m.signalReports, newGauges(st, timeout, m.storeErrors))
+	reg.MustRegister(m.requests, m.latency, m.storeErrors, m.chunkMismatch, m.signalReports, newGauges(st, timeout, m.storeErrors))
 	return m
 }
 

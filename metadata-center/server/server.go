@@ -5,6 +5,8 @@
 package server
 
 import (
+	"github.com/istio-llm-filter/istio-llm-filter/prefix"
+
 	"context"
 	"crypto/subtle"
 	"encoding/json"
@@ -54,6 +56,7 @@ type Server struct {
 	log     *slog.Logger
 	metrics *metrics
 	engine  *gin.Engine
+	chunks  chunkSizes
 }
 
 // New builds the server. The caller owns st and closes it.
@@ -145,7 +148,14 @@ func (s *Server) instrument(c *gin.Context) {
 	if endpoint == "" {
 		endpoint = "unmatched" // bounded label set whatever clients send
 	}
-	s.metrics.observe(endpoint, method(c.Request.Method), c.Writer.Status(), time.Since(start))
+	took := time.Since(start)
+	s.metrics.observe(endpoint, method(c.Request.Method), c.Writer.Status(), took)
+	// Per-call lines are debug: the route query runs once per inference
+	// request. The gateway's trace id ties them to the request that caused them.
+	if s.log.Enabled(c.Request.Context(), slog.LevelDebug) {
+		s.log.Debug("call", "endpoint", endpoint, "method", c.Request.Method, "status", c.Writer.Status(),
+			"took", took, "trace_id", c.GetHeader("X-Request-Id"))
+	}
 }
 
 // method keeps the label set bounded: clients may send any token as a
@@ -186,11 +196,11 @@ func (s *Server) raw(c *gin.Context, body []byte) {
 func (s *Server) storeFailed(c *gin.Context, op string, err error) {
 	s.metrics.storeErrors.WithLabelValues(op).Inc()
 	if errors.Is(err, store.ErrUnavailable) || errors.Is(err, context.DeadlineExceeded) {
-		s.log.Warn("store unavailable", "op", op, "err", err)
+		s.log.Warn("store unavailable", "op", op, "trace_id", c.GetHeader("X-Request-Id"), "err", err)
 		s.fail(c, http.StatusServiceUnavailable, "store_unavailable", op+": "+err.Error())
 		return
 	}
-	s.log.Error("store failed", "op", op, "err", err)
+	s.log.Error("store failed", "op", op, "trace_id", c.GetHeader("X-Request-Id"), "err", err)
 	s.fail(c, http.StatusInternalServerError, "internal_error", op+": "+err.Error())
 }
 
@@ -244,12 +254,12 @@ func (s *Server) decode(c *gin.Context, v any) bool {
 
 // decodeQuery reads a RouteQuery/CacheQuery body, through the fast path
 // when it can.
-func (s *Server) decodeQuery(c *gin.Context) (string, []store.Hash, bool) {
+func (s *Server) decodeQuery(c *gin.Context) (string, []prefix.Hash, bool) {
 	body, ok := s.readBody(c)
 	if !ok {
 		return "", nil, false
 	}
-	cluster, hashes, fast := parseQuery(body, make([]store.Hash, 0, 64))
+	cluster, hashes, fast := parseQuery(body, make([]prefix.Hash, 0, 64))
 	var err error
 	if fast {
 		cluster, err = validCluster(cluster)
@@ -446,6 +456,7 @@ func (s *Server) cacheSave(c *gin.Context) {
 		s.storeFailed(c, "cache save", err)
 		return
 	}
+	s.chunks.learn(cluster, req.ChunkSize)
 	s.ok(c, struct{}{})
 }
 
@@ -480,6 +491,12 @@ func (s *Server) cacheEvict(c *gin.Context) {
 	hashes, err := validHashes(req.Hashes)
 	if err != nil {
 		s.badRequest(c, err)
+		return
+	}
+	if err := s.chunks.check(cluster, req.ChunkSize); err != nil {
+		s.metrics.chunkMismatch.Inc()
+		s.log.Error("eviction report refused", "cluster", cluster, "host", host, "trace_id", c.GetHeader("X-Request-Id"), "err", err)
+		s.fail(c, http.StatusConflict, "chunk_size_mismatch", err.Error())
 		return
 	}
 	if err := s.st.EvictCache(ctx, cluster, host, hashes); err != nil {

@@ -1,6 +1,8 @@
 package server
 
 import (
+	"github.com/istio-llm-filter/istio-llm-filter/prefix"
+
 	"errors"
 	"fmt"
 	"net"
@@ -9,7 +11,6 @@ import (
 	"unicode/utf8"
 
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/api"
-	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/store"
 )
 
 // Limits on identifiers; far above what Envoy cluster names and request
@@ -90,13 +91,13 @@ func validPromptLength(n int64) error {
 	return nil
 }
 
-func validHashes(in []string) ([]store.Hash, error) {
+func validHashes(in []string) ([]prefix.Hash, error) {
 	if len(in) > api.MaxHashes {
 		return nil, fmt.Errorf("%d hashes: at most %d are accepted", len(in), api.MaxHashes)
 	}
-	out := make([]store.Hash, len(in))
+	out := make([]prefix.Hash, len(in))
 	for i, s := range in {
-		h, err := store.ParseHash(s)
+		h, err := prefix.ParseHash(s)
 		if err != nil {
 			return nil, fmt.Errorf("hashes[%d]: %v", i, err)
 		}
@@ -107,7 +108,7 @@ func validHashes(in []string) ([]store.Hash, error) {
 
 // validQuery: hashes must be present (null or missing is a client bug) but
 // may be empty (an empty prompt has no blocks; the answer is load only).
-func validQuery(cluster string, hashes []string) (string, []store.Hash, error) {
+func validQuery(cluster string, hashes []string) (string, []prefix.Hash, error) {
 	c, err := validCluster(cluster)
 	if err != nil {
 		return "", nil, err

@@ -9,9 +9,10 @@
 package store
 
 import (
+	"github.com/istio-llm-filter/istio-llm-filter/prefix"
+
 	"context"
 	"errors"
-	"fmt"
 	"slices"
 	"strings"
 	"sync"
@@ -33,44 +34,6 @@ const (
 	// answered: ten of our workers' 100 ms pushes, four default scrapes.
 	DefaultSignalMaxAge = time.Second
 )
-
-// Hash is one chained prefix hash (DESIGN §4) in numeric form; its wire
-// form is 16 lowercase hex digits (ParseHash / Hash.String).
-type Hash uint64
-
-// String renders the wire form.
-func (h Hash) String() string {
-	const digits = "0123456789abcdef"
-	var b [16]byte
-	for i := 15; i >= 0; i-- {
-		b[i] = digits[h&0xf]
-		h >>= 4
-	}
-	return string(b[:])
-}
-
-// ParseHash accepts exactly 16 lowercase hex digits: anything else would
-// be a second spelling of the same prefix and silently miss the index.
-func ParseHash(s string) (Hash, error) {
-	if len(s) != 16 {
-		return 0, fmt.Errorf("hash %q: want 16 lowercase hex digits, got %d characters", s, len(s))
-	}
-	var h Hash
-	for i := 0; i < 16; i++ {
-		c := s[i]
-		var v byte
-		switch {
-		case c >= '0' && c <= '9':
-			v = c - '0'
-		case c >= 'a' && c <= 'f':
-			v = c - 'a' + 10
-		default:
-			return 0, fmt.Errorf("hash %q: want 16 lowercase hex digits, found %q", s, c)
-		}
-		h = h<<4 | Hash(v)
-	}
-	return h, nil
-}
 
 // Stats are the gauges /metrics exports.
 type Stats struct {
@@ -96,13 +59,13 @@ type Store interface {
 
 	// SaveCache records that host holds each of the prefixes and (re)starts
 	// their TTL.
-	SaveCache(ctx context.Context, cluster, host string, hashes []Hash) error
+	SaveCache(ctx context.Context, cluster, host string, hashes []prefix.Hash) error
 	// QueryCache answers, per host, how many leading hashes it holds
 	// contiguously from index 0; hosts with none are left out. Sorted by
 	// length descending, then host. Matched entries get their TTL refreshed.
-	QueryCache(ctx context.Context, cluster string, hashes []Hash) ([]api.CacheLocation, error)
+	QueryCache(ctx context.Context, cluster string, hashes []prefix.Hash) ([]api.CacheLocation, error)
 	// EvictCache forgets the listed prefixes of host.
-	EvictCache(ctx context.Context, cluster, host string, hashes []Hash) error
+	EvictCache(ctx context.Context, cluster, host string, hashes []prefix.Hash) error
 	// EvictHost forgets every prefix of host in the cluster (pod restart).
 	EvictHost(ctx context.Context, cluster, host string) error
 
@@ -117,7 +80,7 @@ type Store interface {
 	// Route answers LoadStats, QueryCache and Signals together, in one
 	// round trip to the backing store. Signals is nil when no report is
 	// fresh.
-	Route(ctx context.Context, cluster string, hashes []Hash) (api.RouteAnswer, error)
+	Route(ctx context.Context, cluster string, hashes []prefix.Hash) (api.RouteAnswer, error)
 
 	// Stats reports the gauges for /metrics.
 	Stats(ctx context.Context) (Stats, error)

@@ -21,6 +21,8 @@
 package kvcache
 
 import (
+	"github.com/istio-llm-filter/istio-llm-filter/prefix"
+
 	"errors"
 	"fmt"
 	"slices"
@@ -31,8 +33,8 @@ type Entry struct {
 	ID     string
 	Seq    int
 	Tokens []int
-	Hashes []uint64 // prompt prefix hashes the router knows this entry by
-	InUse  bool     // held by a PROCESSING request: never evicted
+	Hashes []prefix.Hash // prompt prefix hashes the router knows this entry by
+	InUse  bool          // held by a PROCESSING request: never evicted
 
 	lastUse uint64
 }
@@ -60,7 +62,7 @@ func (l Limits) Validate() error {
 type Manager struct {
 	lim     Limits
 	entries map[string]*Entry
-	refs    map[uint64]int
+	refs    map[prefix.Hash]int
 	items   int64
 	clock   uint64
 }
@@ -70,7 +72,7 @@ func New(lim Limits) (*Manager, error) {
 	if err := lim.Validate(); err != nil {
 		return nil, err
 	}
-	return &Manager{lim: lim, entries: map[string]*Entry{}, refs: map[uint64]int{}}, nil
+	return &Manager{lim: lim, entries: map[string]*Entry{}, refs: map[prefix.Hash]int{}}, nil
 }
 
 // Limits returns the configured limits.
@@ -102,7 +104,7 @@ func (m *Manager) Get(id string) (*Entry, bool) {
 
 // Remove drops id and returns the hashes that no entry holds any more: the
 // ones to report as evicted.
-func (m *Manager) Remove(id string) (*Entry, []uint64) {
+func (m *Manager) Remove(id string) (*Entry, []prefix.Hash) {
 	e, ok := m.entries[id]
 	if !ok {
 		return nil, nil
@@ -112,8 +114,8 @@ func (m *Manager) Remove(id string) (*Entry, []uint64) {
 	return e, m.unref(e.Hashes)
 }
 
-func (m *Manager) unref(hs []uint64) []uint64 {
-	var gone []uint64
+func (m *Manager) unref(hs []prefix.Hash) []prefix.Hash {
+	var gone []prefix.Hash
 	for _, h := range hs {
 		switch n := m.refs[h]; {
 		case n <= 1:
@@ -131,7 +133,7 @@ func (m *Manager) unref(hs []uint64) []uint64 {
 // SetHashes replaces id's hashes, returning those no entry holds any more.
 // New references are taken before old ones are dropped, so a hash held by
 // both never looks unheld.
-func (m *Manager) SetHashes(id string, hs []uint64) []uint64 {
+func (m *Manager) SetHashes(id string, hs []prefix.Hash) []prefix.Hash {
 	e, ok := m.entries[id]
 	if !ok {
 		return nil
@@ -307,7 +309,7 @@ func (m *Manager) OverThreshold() bool {
 // Eviction is one removed entry and the hashes that went with it.
 type Eviction struct {
 	Entry *Entry
-	Freed []uint64
+	Freed []prefix.Hash
 }
 
 // EvictOverThreshold removes idle entries in Victim order until
@@ -336,4 +338,4 @@ func (m *Manager) Entries() []*Entry {
 }
 
 // Refs returns how many entries hold hash h.
-func (m *Manager) Refs(h uint64) int { return m.refs[h] }
+func (m *Manager) Refs(h prefix.Hash) int { return m.refs[h] }

@@ -1,6 +1,8 @@
 package kvcache
 
 import (
+	"github.com/istio-llm-filter/istio-llm-filter/prefix"
+
 	"slices"
 	"testing"
 )
@@ -154,27 +156,27 @@ func TestItemsLimit(t *testing.T) {
 
 func TestHashRefcountsReportOnlyUnheldHashes(t *testing.T) {
 	m := mustNew(t, Limits{Threshold: 0.8})
-	m.Add(&Entry{ID: "a", Hashes: []uint64{1, 2, 3}})
-	m.Add(&Entry{ID: "b", Hashes: []uint64{1, 2, 4}})
+	m.Add(&Entry{ID: "a", Hashes: []prefix.Hash{1, 2, 3}})
+	m.Add(&Entry{ID: "b", Hashes: []prefix.Hash{1, 2, 4}})
 	_, freed := m.Remove("a")
-	if !slices.Equal(freed, []uint64{3}) {
+	if !slices.Equal(freed, []prefix.Hash{3}) {
 		t.Fatalf("removing a freed %v, want [3] (1 and 2 are still held by b)", freed)
 	}
 	if m.Refs(1) != 1 || m.Refs(3) != 0 {
 		t.Fatalf("refs 1=%d 3=%d", m.Refs(1), m.Refs(3))
 	}
 	// A take-over: b's conversation continues as c with a longer prompt.
-	freed = m.SetHashes("b", []uint64{1, 2, 4, 5})
+	freed = m.SetHashes("b", []prefix.Hash{1, 2, 4, 5})
 	if len(freed) != 0 {
 		t.Fatalf("extending hashes freed %v", freed)
 	}
-	freed = m.SetHashes("b", []uint64{9})
+	freed = m.SetHashes("b", []prefix.Hash{9})
 	slices.Sort(freed)
-	if !slices.Equal(freed, []uint64{1, 2, 4, 5}) {
+	if !slices.Equal(freed, []prefix.Hash{1, 2, 4, 5}) {
 		t.Fatalf("replacing hashes freed %v", freed)
 	}
 	_, freed = m.Remove("b")
-	if !slices.Equal(freed, []uint64{9}) {
+	if !slices.Equal(freed, []prefix.Hash{9}) {
 		t.Fatalf("removing b freed %v", freed)
 	}
 	if _, freed = m.Remove("b"); freed != nil {

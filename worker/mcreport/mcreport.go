@@ -12,30 +12,34 @@
 package mcreport
 
 import (
-	"bytes"
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
-	"io"
 	"log/slog"
 	"net/http"
-	"strings"
 	"sync"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 
-	"github.com/istio-llm-filter/istio-llm-filter/filter/prompthash"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/api"
+	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/client"
+	"github.com/istio-llm-filter/istio-llm-filter/prefix"
 )
+
+// sendTimeout bounds one report; a metadata center slower than that is
+// treated as down and retried with backoff.
+const sendTimeout = 5 * time.Second
 
 // Config of a reporter.
 type Config struct {
-	URL        string // metadata center base URL, e.g. http://127.0.0.1:8080
-	Cluster    string // the Envoy cluster name the router indexes this host under
-	Host       string // this worker as ip:port, as the router addresses it
-	AuthToken  string // optional bearer token
+	URL       string // metadata center base URL, e.g. http://127.0.0.1:8080
+	Cluster   string // the Envoy cluster name the router indexes this host under
+	Host      string // this worker as ip:port, as the router addresses it
+	AuthToken string // optional bearer token
+	// ChunkSize is the prompt-hash chunk size the hashes were made with;
+	// the metadata center refuses reports whose size its gateways do not use.
+	ChunkSize  int
 	Client     *http.Client
 	MaxPending int           // distinct hashes waiting; default 65536
 	MaxBackoff time.Duration // default 5 s
@@ -46,10 +50,11 @@ type Config struct {
 // Reporter queues and sends eviction reports.
 type Reporter struct {
 	cfg     Config
+	mc      *client.Client
 	log     *slog.Logger
 	kick    chan struct{}
 	mu      sync.Mutex
-	pending map[uint64]struct{}
+	pending map[prefix.Hash]struct{}
 	idle    *sync.Cond // signalled when pending empties after a send
 
 	sent    *prometheus.CounterVec
@@ -61,12 +66,9 @@ func New(cfg Config) (*Reporter, error) {
 	if cfg.URL == "" || cfg.Cluster == "" || cfg.Host == "" {
 		return nil, errors.New("mcreport: metadata center URL, cluster and host are all required")
 	}
-	if !strings.HasPrefix(cfg.URL, "http://") && !strings.HasPrefix(cfg.URL, "https://") {
-		return nil, fmt.Errorf("mcreport: metadata center URL %q must start with http:// or https://", cfg.URL)
-	}
-	cfg.URL = strings.TrimRight(cfg.URL, "/")
-	if cfg.Client == nil {
-		cfg.Client = &http.Client{Timeout: 5 * time.Second}
+	mc, err := client.New(client.Options{Address: cfg.URL, AuthToken: cfg.AuthToken, HTTPClient: cfg.Client, UpdateTimeout: sendTimeout})
+	if err != nil {
+		return nil, fmt.Errorf("mcreport: %w", err)
 	}
 	if cfg.MaxPending <= 0 {
 		cfg.MaxPending = 65536
@@ -78,7 +80,7 @@ func New(cfg Config) (*Reporter, error) {
 		cfg.Logger = slog.Default()
 	}
 	r := &Reporter{
-		cfg: cfg, log: cfg.Logger, kick: make(chan struct{}, 1), pending: map[uint64]struct{}{},
+		cfg: cfg, mc: mc, log: cfg.Logger, kick: make(chan struct{}, 1), pending: map[prefix.Hash]struct{}{},
 		sent: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "llmf_worker_evict_reports_total",
 			Help: "POST /v1/cache/evict calls by result (ok, error, rejected)."}, []string{"result"}),
 		dropped: prometheus.NewCounter(prometheus.CounterOpts{Name: "llmf_worker_evict_hashes_dropped_total",
@@ -92,7 +94,7 @@ func New(cfg Config) (*Reporter, error) {
 }
 
 // Evict queues hashes; it never blocks.
-func (r *Reporter) Evict(hs []uint64) {
+func (r *Reporter) Evict(hs []prefix.Hash) {
 	r.mu.Lock()
 	for _, h := range hs {
 		if len(r.pending) >= r.cfg.MaxPending {
@@ -141,10 +143,9 @@ func (r *Reporter) Run(ctx context.Context) {
 				return
 			}
 		}
-		err := r.post(ctx, api.CacheEvict{Cluster: r.cfg.Cluster, Host: r.cfg.Host, Hashes: prompthash.Wire(batch)})
-		var rej *rejected
+		err := r.post(ctx, api.CacheEvict{Cluster: r.cfg.Cluster, Host: r.cfg.Host, Hashes: prefix.Wire(batch), ChunkSize: r.cfg.ChunkSize})
 		switch {
-		case err == nil || errors.As(err, &rej):
+		case err == nil || client.Permanent(err):
 			if err != nil {
 				r.log.Error("metadata center refused an eviction report; dropping it", "err", err, "hashes", len(batch))
 			}
@@ -162,10 +163,10 @@ func (r *Reporter) Run(ctx context.Context) {
 
 // next picks up to api.MaxHashes pending hashes without removing them, so a
 // failed send keeps them.
-func (r *Reporter) next() []uint64 {
+func (r *Reporter) next() []prefix.Hash {
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	out := make([]uint64, 0, min(len(r.pending), api.MaxHashes))
+	out := make([]prefix.Hash, 0, min(len(r.pending), api.MaxHashes))
 	for h := range r.pending {
 		if len(out) == api.MaxHashes {
 			break
@@ -175,7 +176,7 @@ func (r *Reporter) next() []uint64 {
 	return out
 }
 
-func (r *Reporter) done(batch []uint64) {
+func (r *Reporter) done(batch []prefix.Hash) {
 	r.mu.Lock()
 	for _, h := range batch {
 		delete(r.pending, h)
@@ -205,44 +206,18 @@ func (r *Reporter) Flush(ctx context.Context) error {
 	return nil
 }
 
-type rejected struct {
-	status int
-	body   string
-}
-
-func (e *rejected) Error() string { return fmt.Sprintf("status %d: %s", e.status, e.body) }
-
+// post sends one report and counts its outcome.
 func (r *Reporter) post(ctx context.Context, body api.CacheEvict) error {
-	b, err := json.Marshal(body)
-	if err != nil {
-		return err
-	}
-	req, err := http.NewRequestWithContext(ctx, http.MethodPost, r.cfg.URL+api.PathCacheEvict, bytes.NewReader(b))
-	if err != nil {
-		return err
-	}
-	req.Header.Set("Content-Type", "application/json")
-	if r.cfg.AuthToken != "" {
-		req.Header.Set("Authorization", "Bearer "+r.cfg.AuthToken)
-	}
-	resp, err := r.cfg.Client.Do(req)
-	if err != nil {
-		r.sent.WithLabelValues("error").Inc()
-		return err
-	}
-	defer resp.Body.Close()
-	msg, _ := io.ReadAll(io.LimitReader(resp.Body, 512))
+	err := r.mc.EvictCache(ctx, body)
 	switch {
-	case resp.StatusCode/100 == 2:
+	case err == nil:
 		r.sent.WithLabelValues("ok").Inc()
-		return nil
-	case resp.StatusCode/100 == 4 && resp.StatusCode != http.StatusTooManyRequests && resp.StatusCode != http.StatusRequestTimeout:
+	case client.Permanent(err):
 		r.sent.WithLabelValues("rejected").Inc()
-		return &rejected{status: resp.StatusCode, body: strings.TrimSpace(string(msg))}
 	default:
 		r.sent.WithLabelValues("error").Inc()
-		return fmt.Errorf("status %d: %s", resp.StatusCode, strings.TrimSpace(string(msg)))
 	}
+	return err
 }
 
 func sleep(ctx context.Context, d time.Duration) bool {

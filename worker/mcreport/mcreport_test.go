@@ -3,15 +3,25 @@ package mcreport
 import (
 	"context"
 	"encoding/json"
+	"errors"
+	"io"
+	"log/slog"
 	"net/http"
 	"net/http/httptest"
 	"slices"
+	"strings"
 	"sync"
 	"testing"
 	"time"
 
-	"github.com/istio-llm-filter/istio-llm-filter/filter/prompthash"
+	"github.com/prometheus/client_golang/prometheus"
+	dto "github.com/prometheus/client_model/go"
+
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/api"
+	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/client"
+	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/server"
+	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/store/memstore"
+	"github.com/istio-llm-filter/istio-llm-filter/prefix"
 )
 
 type center struct {
@@ -78,7 +88,7 @@ func flush(t *testing.T, r *Reporter) {
 func TestEvictAllFirstThenHashesInWireForm(t *testing.T) {
 	c := &center{}
 	r := start(t, c, Config{AuthToken: "s3cret"})
-	r.Evict([]uint64{0xabc, 1, 0xabc})
+	r.Evict([]prefix.Hash{0xabc, 1, 0xabc})
 	flush(t, r)
 	got := c.got()
 	if len(got) < 2 || !got[0].All || got[0].Host != "10.0.0.7:9001" || got[0].Cluster != "outbound|8000||tiny" || len(got[0].Hashes) != 0 {
@@ -92,7 +102,7 @@ func TestEvictAllFirstThenHashesInWireForm(t *testing.T) {
 		hs = append(hs, b.Hashes...)
 	}
 	slices.Sort(hs)
-	want := prompthash.Wire([]uint64{1, 0xabc})
+	want := prefix.Wire([]prefix.Hash{1, 0xabc})
 	slices.Sort(want)
 	if !slices.Equal(hs, want) || hs[0] != "0000000000000001" {
 		t.Fatalf("hashes %v, want %v (deduplicated, 16 hex digits)", hs, want)
@@ -109,10 +119,10 @@ func TestEvictAllFirstThenHashesInWireForm(t *testing.T) {
 func TestRetriesWhileTheCenterIsDown(t *testing.T) {
 	c := &center{failures: 3}
 	r := start(t, c, Config{})
-	r.Evict([]uint64{7})
+	r.Evict([]prefix.Hash{7})
 	flush(t, r)
 	got := c.got()
-	if len(got) != 2 || !got[0].All || !slices.Equal(got[1].Hashes, prompthash.Wire([]uint64{7})) {
+	if len(got) != 2 || !got[0].All || !slices.Equal(got[1].Hashes, prefix.Wire([]prefix.Hash{7})) {
 		t.Fatalf("after 3 failures: %+v", got)
 	}
 }
@@ -120,9 +130,9 @@ func TestRetriesWhileTheCenterIsDown(t *testing.T) {
 func TestBatchesAreBoundedAndPendingIsBounded(t *testing.T) {
 	c := &center{}
 	r := start(t, c, Config{MaxPending: api.MaxHashes + 10})
-	hs := make([]uint64, api.MaxHashes+50)
+	hs := make([]prefix.Hash, api.MaxHashes+50)
 	for i := range hs {
-		hs[i] = uint64(i + 1)
+		hs[i] = prefix.Hash(i + 1)
 	}
 	r.Evict(hs)
 	flush(t, r)
@@ -144,4 +154,95 @@ func TestNewValidates(t *testing.T) {
 			t.Errorf("New(%+v) accepted", cfg)
 		}
 	}
+}
+
+// A worker whose chunk size differs from the gateways' makes hashes that name
+// no indexed prefix: the real metadata center refuses its reports (409, not
+// retried), while a worker with the gateways' size evicts for real.
+func TestChunkSizeMismatchIsRefused(t *testing.T) {
+	reg := prometheus.NewRegistry()
+	srv := httptest.NewServer(server.New(memstore.New(memstore.Options{}), server.Options{
+		Logger: slog.New(slog.NewTextHandler(io.Discard, nil)), Registry: reg}).Handler())
+	t.Cleanup(srv.Close)
+	const cluster, host = "outbound|8000||tiny", "10.0.0.7:9001"
+	mc, err := client.New(client.Options{Address: srv.URL})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+	hs := prefix.Wire([]prefix.Hash{11, 12})
+	if err := mc.SaveCache(ctx, api.CacheSave{Cluster: cluster, Host: host, Hashes: hs, ChunkSize: 512}); err != nil {
+		t.Fatal(err)
+	}
+	held := func() int {
+		locs, err := mc.Route(ctx, cluster, hs)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, l := range locs.Cache {
+			if l.Host == host {
+				return l.Length
+			}
+		}
+		return 0
+	}
+
+	err = mc.EvictCache(ctx, api.CacheEvict{Cluster: cluster, Host: host, Hashes: hs[1:], ChunkSize: 256})
+	var se *client.StatusError
+	if !errors.As(err, &se) || se.Status != http.StatusConflict || se.Body.Error.Type != "chunk_size_mismatch" || !client.Permanent(err) {
+		t.Fatalf("evict with chunk size 256 against gateways' 512: %v", err)
+	}
+	if !strings.Contains(se.Body.Error.Message, "--prompt-hash-chunk-size to 512") {
+		t.Fatalf("the error does not say how to fix it: %q", se.Body.Error.Message)
+	}
+
+	// Through the reporter: refused, counted, dropped (not retried forever).
+	wrong, err := New(Config{URL: srv.URL, Cluster: cluster, Host: "10.0.0.8:9001", ChunkSize: 256,
+		MaxBackoff: 20 * time.Millisecond, Registerer: prometheus.NewRegistry()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	rctx, cancel := context.WithCancel(ctx)
+	t.Cleanup(cancel)
+	go wrong.Run(rctx)
+	wrong.Evict([]prefix.Hash{12})
+	fctx, fcancel := context.WithTimeout(ctx, 5*time.Second)
+	defer fcancel()
+	if err := wrong.Flush(fctx); err != nil {
+		t.Fatalf("refused report still pending: %v", err)
+	}
+	if got := counterValue(t, wrong.sent.WithLabelValues("rejected")); got != 1 {
+		t.Fatalf("rejected reports = %v, want 1", got)
+	}
+	if n := held(); n != 2 {
+		t.Fatalf("after refused reports the host holds %d blocks, want 2", n)
+	}
+
+	right, err := New(Config{URL: srv.URL, Cluster: cluster, Host: host, ChunkSize: 512,
+		MaxBackoff: 20 * time.Millisecond, Registerer: prometheus.NewRegistry()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	go right.Run(rctx)
+	right.Evict([]prefix.Hash{12})
+	if err := right.Flush(fctx); err != nil {
+		t.Fatal(err)
+	}
+	// The start-up evict-all of this host ran first, then the report: the
+	// host holds nothing now.
+	if n := held(); n != 0 {
+		t.Fatalf("after a matching report the host holds %d blocks, want 0", n)
+	}
+	if got := counterValue(t, right.sent.WithLabelValues("ok")); got < 2 {
+		t.Fatalf("ok reports = %v, want the evict-all and the eviction", got)
+	}
+}
+
+func counterValue(t *testing.T, c prometheus.Counter) float64 {
+	t.Helper()
+	var m dto.Metric
+	if err := c.Write(&m); err != nil {
+		t.Fatal(err)
+	}
+	return m.GetCounter().GetValue()
 }

@@ -5,8 +5,8 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/istio-llm-filter/istio-llm-filter/filter/prompthash"
 	gateway "github.com/istio-llm-filter/istio-llm-filter/filter/transcode/openai"
+	"github.com/istio-llm-filter/istio-llm-filter/prefix"
 )
 
 // gatewayCanonical is what the gateway's transcoder hashes for a body.
@@ -42,8 +42,8 @@ func TestCanonicalMatchesGateway(t *testing.T) {
 			t.Errorf("body %d: canonical\n got %q\nwant %q (gateway)", i, got, want)
 		}
 		// Same bytes, same chained hashes: what an eviction report names.
-		h := prompthash.Hasher{}
-		if a, b := prompthash.Wire(h.Sum("m", req.Canonical())), prompthash.Wire(h.Sum("m", want)); strings.Join(a, ",") != strings.Join(b, ",") {
+		h := prefix.Hasher{}
+		if a, b := prefix.Wire(h.Sum("m", req.Canonical())), prefix.Wire(h.Sum("m", want)); strings.Join(a, ",") != strings.Join(b, ",") {
 			t.Errorf("body %d: hashes differ", i)
 		}
 	}

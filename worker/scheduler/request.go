@@ -1,6 +1,8 @@
 package scheduler
 
 import (
+	"github.com/istio-llm-filter/istio-llm-filter/prefix"
+
 	"context"
 	"errors"
 	"fmt"
@@ -62,9 +64,9 @@ var (
 
 // Request is what the HTTP layer submits: an already tokenized prompt.
 type Request struct {
-	ID        string   // unique; names the seq-id binding and the KV entry it leaves
-	Prompt    []int    // tokens
-	Hashes    []uint64 // the router's prefix hashes of this prompt (eviction reports)
+	ID        string        // unique; names the seq-id binding and the KV entry it leaves
+	Prompt    []int         // tokens
+	Hashes    []prefix.Hash // the router's prefix hashes of this prompt (eviction reports)
 	Sampling  engine.SamplingParams
 	Sampler   engine.Sampler // optional; made from Sampling when nil
 	MaxTokens int            // 0: until the context is full

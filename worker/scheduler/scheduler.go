@@ -14,6 +14,8 @@
 package scheduler
 
 import (
+	"github.com/istio-llm-filter/istio-llm-filter/prefix"
+
 	"context"
 	"errors"
 	"fmt"
@@ -36,7 +38,7 @@ type Config struct {
 	KV              kvcache.Limits
 	// OnEvict receives prompt hashes no KV entry holds any more. It is
 	// called from the loop and must not block (worker/mcreport queues).
-	OnEvict func([]uint64)
+	OnEvict func([]prefix.Hash)
 	Metrics *Metrics
 	Logger  *slog.Logger
 }
@@ -404,7 +406,7 @@ func (s *Scheduler) evictOverThreshold(cause string) {
 	}
 }
 
-func (s *Scheduler) report(hs []uint64) {
+func (s *Scheduler) report(hs []prefix.Hash) {
 	if len(hs) > 0 && s.cfg.OnEvict != nil {
 		s.cfg.OnEvict(hs)
 	}

@@ -1,6 +1,8 @@
 package scheduler
 
 import (
+	"github.com/istio-llm-filter/istio-llm-filter/prefix"
+
 	"context"
 	"errors"
 	"fmt"
@@ -22,7 +24,7 @@ type rig struct {
 	cancel context.CancelFunc
 	done   chan struct{}
 	mu     sync.Mutex
-	evicts [][]uint64
+	evicts [][]prefix.Hash
 }
 
 func newRig(t *testing.T, sc sim.Config, cfg Config, start bool) *rig {
@@ -38,7 +40,7 @@ func newRig(t *testing.T, sc sim.Config, cfg Config, start bool) *rig {
 		t.Fatal(err)
 	}
 	r := &rig{eng: eng, done: make(chan struct{})}
-	cfg.OnEvict = func(h []uint64) {
+	cfg.OnEvict = func(h []prefix.Hash) {
 		r.mu.Lock()
 		r.evicts = append(r.evicts, slices.Clone(h))
 		r.mu.Unlock()
@@ -403,7 +405,7 @@ func TestEvictionUnderASmallLimitSparesRunningRequests(t *testing.T) {
 		go func() {
 			defer wg.Done()
 			p := prompt(r.eng, fmt.Sprintf("request number %d with its own words %s", i, string(rune('a'+i))))
-			out, res := run(t, r, context.Background(), &Request{ID: fmt.Sprint("e", i), Prompt: p, MaxTokens: 150, Hashes: []uint64{uint64(i), 1000}})
+			out, res := run(t, r, context.Background(), &Request{ID: fmt.Sprint("e", i), Prompt: p, MaxTokens: 150, Hashes: []prefix.Hash{prefix.Hash(i), 1000}})
 			if res.State != Completed || len(out) != 150 {
 				t.Errorf("e%d: %+v", i, res)
 			}
@@ -422,7 +424,7 @@ func TestEvictionUnderASmallLimitSparesRunningRequests(t *testing.T) {
 	})
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	reported := map[uint64]bool{}
+	reported := map[prefix.Hash]bool{}
 	for _, hs := range r.evicts {
 		for _, h := range hs {
 			if reported[h] {

@@ -4,8 +4,8 @@ import (
 	"slices"
 	"testing"
 
-	"github.com/istio-llm-filter/istio-llm-filter/filter/prompthash"
 	filteropenai "github.com/istio-llm-filter/istio-llm-filter/filter/transcode/openai"
+	"github.com/istio-llm-filter/istio-llm-filter/prefix"
 	"github.com/istio-llm-filter/istio-llm-filter/worker/openai"
 )
 
@@ -19,7 +19,7 @@ func TestWorkerHashesEqualTheGatewayHashes(t *testing.T) {
 		`{"model":"m","messages":[{"role":"user","content":[{"type":"text","text":"look at "},{"type":"text","text":"this"},{"type":"image_url","image_url":{"url":"data:image/png;base64,AAAA"}}]}]}`,
 		`{"model":"m","messages":[{"role":"developer","content":"rules"},{"role":"user","content":"` + longText(3000, "long") + `"}]}`,
 	}
-	h := prompthash.Hasher{}
+	h := prefix.Hasher{}
 	for i, body := range chats {
 		req, params, e := openai.ParseChat([]byte(body))
 		if e != nil {
@@ -31,7 +31,7 @@ func TestWorkerHashesEqualTheGatewayHashes(t *testing.T) {
 		}
 		got, want := h.Sum(params.Model, req.Canonical()), h.Sum(model, canon)
 		if len(want) == 0 || !slices.Equal(got, want) {
-			t.Errorf("chat %d: worker hashes %v, gateway hashes %v", i, prompthash.Wire(got), prompthash.Wire(want))
+			t.Errorf("chat %d: worker hashes %v, gateway hashes %v", i, prefix.Wire(got), prefix.Wire(want))
 		}
 	}
 	completions := []string{
@@ -48,7 +48,7 @@ func TestWorkerHashesEqualTheGatewayHashes(t *testing.T) {
 			t.Fatalf("completion %d: gateway parser: %v", i, err)
 		}
 		if got, want := h.Sum(params.Model, req.Canonical()), h.Sum(model, canon); !slices.Equal(got, want) {
-			t.Errorf("completion %d: worker hashes %v, gateway hashes %v", i, prompthash.Wire(got), prompthash.Wire(want))
+			t.Errorf("completion %d: worker hashes %v, gateway hashes %v", i, prefix.Wire(got), prefix.Wire(want))
 		}
 	}
 }

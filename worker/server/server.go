@@ -21,7 +21,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
-	"github.com/istio-llm-filter/istio-llm-filter/filter/prompthash"
+	"github.com/istio-llm-filter/istio-llm-filter/prefix"
 	"github.com/istio-llm-filter/istio-llm-filter/worker/engine"
 	"github.com/istio-llm-filter/istio-llm-filter/worker/openai"
 	"github.com/istio-llm-filter/istio-llm-filter/worker/scheduler"
@@ -50,7 +50,7 @@ type Server struct {
 	sched   *scheduler.Scheduler
 	eng     engine.Engine
 	info    engine.Info
-	hasher  prompthash.Hasher
+	hasher  prefix.Hasher
 	mux     *http.ServeMux
 	log     *slog.Logger
 	started time.Time
@@ -71,7 +71,7 @@ func New(sched *scheduler.Scheduler, eng engine.Engine, cfg Config) *Server {
 	if cfg.ModelName == "" {
 		cfg.ModelName = info.Name
 	}
-	s := &Server{cfg: cfg, sched: sched, eng: eng, info: info, hasher: prompthash.Hasher{ChunkSize: cfg.HashChunkSize},
+	s := &Server{cfg: cfg, sched: sched, eng: eng, info: info, hasher: prefix.Hasher{ChunkSize: cfg.HashChunkSize},
 		mux: http.NewServeMux(), log: cfg.Logger, started: time.Now()}
 	s.mux.HandleFunc("POST /v1/chat/completions", s.chat)
 	s.mux.HandleFunc("POST /v1/completions", s.completion)
@@ -103,7 +103,7 @@ type job struct {
 	id      string
 	model   string
 	prompt  []int
-	hashes  []uint64
+	hashes  []prefix.Hash
 	params  openai.Params
 	created time.Time
 	chat    bool

@@ -17,8 +17,8 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 
-	"github.com/istio-llm-filter/istio-llm-filter/filter/prompthash"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/api"
+	"github.com/istio-llm-filter/istio-llm-filter/prefix"
 	"github.com/istio-llm-filter/istio-llm-filter/worker/engine"
 	"github.com/istio-llm-filter/istio-llm-filter/worker/engine/llama"
 	"github.com/istio-llm-filter/istio-llm-filter/worker/kvcache"
@@ -562,7 +562,7 @@ func TestEvictionUnderASmallMemoryLimitSparesRunningRequestsAndIsReported(t *tes
 			t.Errorf("idle entries left above the threshold")
 		}
 		for _, e := range v.KV.Entries() {
-			for _, h := range prompthash.Wire(e.Hashes) {
+			for _, h := range prefix.Wire(e.Hashes) {
 				held[h] = true
 			}
 		}
@@ -572,14 +572,14 @@ func TestEvictionUnderASmallMemoryLimitSparesRunningRequestsAndIsReported(t *tes
 	if mc.all != 1 || len(mc.hashes) == 0 {
 		t.Fatalf("evict-all %d, hashes %d", mc.all, len(mc.hashes))
 	}
-	hasher := prompthash.Hasher{}
+	hasher := prefix.Hasher{}
 	evicted := 0
 	for i, text := range texts {
 		req, _, e := openai.ParseChat([]byte(fmt.Sprintf(`{"model":"tiny","messages":[{"role":"user","content":%q}]}`, text)))
 		if e != nil {
 			t.Fatal(e)
 		}
-		ws := prompthash.Wire(hasher.Sum("tiny", req.Canonical()))
+		ws := prefix.Wire(hasher.Sum("tiny", req.Canonical()))
 		n := 0
 		for _, h := range ws {
 			if mc.hashes[h] {

@@ -15,9 +15,9 @@ import (
 	"strings"
 
 	"github.com/istio-llm-filter/istio-llm-filter/filter/config"
-	"github.com/istio-llm-filter/istio-llm-filter/filter/prompthash"
 	"github.com/istio-llm-filter/istio-llm-filter/filter/transcode"
 	"github.com/istio-llm-filter/istio-llm-filter/filter/transcode/triton"
+	"github.com/istio-llm-filter/istio-llm-filter/prefix"
 )
 
 // Paths of the two endpoints; any API prefix before them is accepted.
@@ -135,7 +135,7 @@ func (t Transcoder) ParseBuffered(path string, raw []byte, texts *[]byte) (*tran
 		}
 		req.Messages = msgs
 		if !t.LazyCanonical {
-			req.Canonical = prompthash.CanonicalChat(msgs)
+			req.Canonical = prefix.CanonicalChat(msgs)
 		}
 	case transcode.Completion:
 		if !hasPrompt {
@@ -146,7 +146,7 @@ func (t Transcoder) ParseBuffered(path string, raw []byte, texts *[]byte) (*tran
 		}
 		req.Prompt = b.prompt.text
 		if !t.LazyCanonical {
-			req.Canonical = prompthash.CanonicalCompletion(req.Prompt)
+			req.Canonical = prefix.CanonicalCompletion(req.Prompt)
 		}
 	}
 	if len(b.labelSelector) > 0 {
@@ -165,24 +165,18 @@ func (t Transcoder) ParseBuffered(path string, raw []byte, texts *[]byte) (*tran
 	return req, nil
 }
 
-func convertMessages(in []message) ([]prompthash.Message, error) {
-	out := make([]prompthash.Message, len(in))
+func convertMessages(in []message) ([]prefix.Message, error) {
+	out := make([]prefix.Message, len(in))
+	var content []prefix.Part // reused: ChatMessage copies it
 	for i := range in {
 		m := &in[i]
 		if m.role == nil || *m.role == "" {
 			return nil, transcode.BadRequest("messages[%d].role is required", i)
 		}
-		out[i].Role = *m.role
-		parts := make([]prompthash.Part, 0, len(m.content.parts)+1)
-		if m.name != nil && *m.name != "" {
-			parts = append(parts, prompthash.Part{Type: "name", URL: *m.name})
-		}
-		if m.toolCallID != nil && *m.toolCallID != "" {
-			parts = append(parts, prompthash.Part{Type: "tool_call_id", URL: *m.toolCallID})
-		}
+		content = content[:0]
 		switch c := &m.content; {
 		case c.text != nil:
-			parts = append(parts, prompthash.Part{Type: "text", Text: *c.text})
+			content = append(content, prefix.Part{Type: "text", Text: *c.text})
 		default:
 			// null or absent content is an assistant turn that only calls tools.
 			for j, p := range c.parts {
@@ -190,15 +184,12 @@ func convertMessages(in []message) ([]prompthash.Message, error) {
 				if err != nil {
 					return nil, transcode.BadRequest("messages[%d].content[%d]: %s", i, j, err.Message)
 				}
-				parts = append(parts, hp)
+				content = append(content, hp)
 			}
 		}
-		if m.toolCalls != nil {
-			// Tool calls are part of the prefix the backend sees; their exact
-			// bytes are as stable as the client that resends them.
-			parts = append(parts, prompthash.Part{Type: "tool_calls", URL: string(m.toolCalls)})
-		}
-		out[i].Parts = parts
+		// Tool calls are part of the prefix the backend sees; their exact
+		// bytes are as stable as the client that resends them.
+		out[i] = prefix.ChatMessage(*m.role, deref(m.name), deref(m.toolCallID), content, m.toolCalls)
 	}
 	return out, nil
 }
@@ -210,37 +201,37 @@ func deref(p *string) string {
 	return *p
 }
 
-func convertPart(p part) (prompthash.Part, *transcode.Error) {
+func convertPart(p part) (prefix.Part, *transcode.Error) {
 	typ := deref(p.typ)
 	switch typ {
 	case "":
-		return prompthash.Part{}, transcode.BadRequest("missing part type")
+		return prefix.Part{}, transcode.BadRequest("missing part type")
 	case "text":
 		if p.text == nil {
-			return prompthash.Part{}, transcode.BadRequest("text part without \"text\"")
+			return prefix.Part{}, transcode.BadRequest("text part without \"text\"")
 		}
-		return prompthash.Part{Type: "text", Text: *p.text}, nil
+		return prefix.Part{Type: "text", Text: *p.text}, nil
 	case "image_url":
 		if deref(p.imageURL) == "" {
-			return prompthash.Part{}, transcode.BadRequest("image_url part without \"image_url.url\"")
+			return prefix.Part{}, transcode.BadRequest("image_url part without \"image_url.url\"")
 		}
-		return prompthash.Part{Type: typ, URL: *p.imageURL}, nil
+		return prefix.Part{Type: typ, URL: *p.imageURL}, nil
 	case "input_audio":
 		if deref(p.audioData) == "" {
-			return prompthash.Part{}, transcode.BadRequest("input_audio part without \"input_audio.data\"")
+			return prefix.Part{}, transcode.BadRequest("input_audio part without \"input_audio.data\"")
 		}
-		return prompthash.Part{Type: typ, URL: deref(p.audioFmt) + ":" + *p.audioData}, nil
+		return prefix.Part{Type: typ, URL: deref(p.audioFmt) + ":" + *p.audioData}, nil
 	case "file":
 		if deref(p.fileData) == "" && deref(p.fileID) == "" {
-			return prompthash.Part{}, transcode.BadRequest("file part without \"file.file_data\" or \"file.file_id\"")
+			return prefix.Part{}, transcode.BadRequest("file part without \"file.file_data\" or \"file.file_id\"")
 		}
-		return prompthash.Part{Type: typ, URL: deref(p.fileID) + ":" + deref(p.fileData)}, nil
+		return prefix.Part{Type: typ, URL: deref(p.fileID) + ":" + deref(p.fileData)}, nil
 	}
 	// Unknown part types still count towards the prefix, by their text if any.
 	if p.text != nil {
-		return prompthash.Part{Type: typ, URL: *p.text}, nil
+		return prefix.Part{Type: typ, URL: *p.text}, nil
 	}
-	return prompthash.Part{Type: typ}, nil
+	return prefix.Part{Type: typ}, nil
 }
 
 // Upstream implements transcode.Transcoder: OpenAI-speaking backends get the
@@ -255,7 +246,7 @@ func (Transcoder) Upstream(req *transcode.Request, backend string) (transcode.Up
 // Canonical parses a request body and returns its model and canonical
 // prompt bytes exactly as the gateway computes them, for parties that must
 // reproduce the gateway's prompt hashes (workers reporting evictions):
-// prompthash.Hasher{ChunkSize: n}.Sum(model, canonical).
+// prefix.Hasher{ChunkSize: n}.Sum(model, canonical).
 func Canonical(path string, body []byte) (model string, canonical []byte, err error) {
 	req, err := Transcoder{}.Parse(path, body)
 	if err != nil {

@@ -7,8 +7,8 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/istio-llm-filter/istio-llm-filter/filter/prompthash"
 	"github.com/istio-llm-filter/istio-llm-filter/filter/transcode"
+	"github.com/istio-llm-filter/istio-llm-filter/prefix"
 )
 
 func parse(t *testing.T, path, body string) *transcode.Request {
@@ -31,8 +31,8 @@ func TestParseChat(t *testing.T) {
 	if got := req.Messages[1].Parts; len(got) != 3 || got[2].Type != "image_url" || got[2].URL != "data:image/png;base64,AAAA" {
 		t.Fatalf("parts = %+v", got)
 	}
-	if !bytes.Equal(req.Canonical, prompthash.CanonicalChat(req.Messages)) {
-		t.Fatal("canonical prompt is not prompthash.CanonicalChat of the messages")
+	if !bytes.Equal(req.Canonical, prefix.CanonicalChat(req.Messages)) {
+		t.Fatal("canonical prompt is not prefix.CanonicalChat of the messages")
 	}
 }
 
@@ -64,7 +64,7 @@ func TestParseCompletion(t *testing.T) {
 		if req.Kind != transcode.Completion || req.Prompt != want {
 			t.Errorf("%s: kind %v prompt %q, want %q", body, req.Kind, req.Prompt, want)
 		}
-		if !bytes.Equal(req.Canonical, prompthash.CanonicalCompletion(want)) {
+		if !bytes.Equal(req.Canonical, prefix.CanonicalCompletion(want)) {
 			t.Errorf("%s: canonical mismatch", body)
 		}
 	}
@@ -183,11 +183,11 @@ func FuzzParse(f *testing.F) {
 		}
 		switch req.Kind {
 		case transcode.Chat:
-			if len(req.Messages) == 0 || !bytes.Equal(req.Canonical, prompthash.CanonicalChat(req.Messages)) {
+			if len(req.Messages) == 0 || !bytes.Equal(req.Canonical, prefix.CanonicalChat(req.Messages)) {
 				t.Fatal("chat without messages or with a stray canonical form")
 			}
 		case transcode.Completion:
-			if !bytes.Equal(req.Canonical, prompthash.CanonicalCompletion(req.Prompt)) {
+			if !bytes.Equal(req.Canonical, prefix.CanonicalCompletion(req.Prompt)) {
 				t.Fatal("completion canonical mismatch")
 			}
 		default:

@@ -6,16 +6,16 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/istio-llm-filter/istio-llm-filter/filter/prompthash"
 	"github.com/istio-llm-filter/istio-llm-filter/filter/transcode"
+	"github.com/istio-llm-filter/istio-llm-filter/prefix"
 )
 
-func chatReq(body string, stream bool, msgs ...prompthash.Message) *transcode.Request {
+func chatReq(body string, stream bool, msgs ...prefix.Message) *transcode.Request {
 	return &transcode.Request{Kind: transcode.Chat, Model: "llama 3", Stream: stream, Messages: msgs, Body: []byte(body)}
 }
 
-func text(role, s string) prompthash.Message {
-	return prompthash.Message{Role: role, Parts: []prompthash.Part{{Type: "text", Text: s}}}
+func text(role, s string) prefix.Message {
+	return prefix.Message{Role: role, Parts: []prefix.Part{{Type: "text", Text: s}}}
 }
 
 func TestTranslateChat(t *testing.T) {
@@ -46,7 +46,7 @@ func TestTranslateChat(t *testing.T) {
 }
 
 func TestTranslateRefusals(t *testing.T) {
-	img := prompthash.Message{Role: "user", Parts: []prompthash.Part{{Type: "image_url", URL: "u"}}}
+	img := prefix.Message{Role: "user", Parts: []prefix.Part{{Type: "image_url", URL: "u"}}}
 	cases := map[string]*transcode.Request{
 		"cannot be sent as text": chatReq(`{}`, false, img),
 		"n must be 1":            chatReq(`{"n":2}`, false, text("user", "x")),

@@ -10,6 +10,8 @@
 package routeload
 
 import (
+	"github.com/istio-llm-filter/istio-llm-filter/prefix"
+
 	"bufio"
 	"bytes"
 	"context"
@@ -50,8 +52,8 @@ func Default() Scenario {
 func (s Scenario) Host(i int) string { return fmt.Sprintf("10.0.%d.%d:8000", i/250, i%250+1) }
 
 // Hashes returns prompt p's chained hashes as numbers.
-func (s Scenario) Hashes(p int) []store.Hash {
-	out := make([]store.Hash, s.Blocks)
+func (s Scenario) Hashes(p int) []prefix.Hash {
+	out := make([]prefix.Hash, s.Blocks)
 	for i := range out {
 		owner := uint64(p + 1)
 		if i < s.SharedBlocks {
@@ -62,7 +64,7 @@ func (s Scenario) Hashes(p int) []store.Hash {
 		x ^= x >> 31
 		x *= 0x9e3779b97f4a7c15
 		x ^= x >> 29
-		out[i] = store.Hash(x)
+		out[i] = prefix.Hash(x)
 	}
 	return out
 }
@@ -111,9 +113,9 @@ func (s Scenario) Populate(ctx context.Context, st store.Store) error {
 		}
 	}
 	for _, sv := range s.Saves() {
-		hs := make([]store.Hash, len(sv.Hashes))
+		hs := make([]prefix.Hash, len(sv.Hashes))
 		for i, w := range sv.Hashes {
-			h, err := store.ParseHash(w)
+			h, err := prefix.ParseHash(w)
 			if err != nil {
 				return err
 			}

@@ -10,6 +10,8 @@
 package memstore
 
 import (
+	"github.com/istio-llm-filter/istio-llm-filter/prefix"
+
 	"container/list"
 	"context"
 	"slices"
@@ -60,7 +62,7 @@ type cluster struct {
 	ids   map[string]uint32
 	hosts []*hostState // by id; nil marks a free id
 	free  []uint32
-	index map[store.Hash]*holders
+	index map[prefix.Hash]*holders
 }
 
 type hostState struct {
@@ -68,7 +70,7 @@ type hostState struct {
 	id           uint32
 	reqs, prompt int64
 	leases       map[string]*lease
-	entries      map[store.Hash]*entry
+	entries      map[prefix.Hash]*entry
 }
 
 type holders struct {
@@ -88,7 +90,7 @@ type lease struct {
 type entry struct {
 	c       *cluster
 	h       *hostState
-	hash    store.Hash
+	hash    prefix.Hash
 	expires int64
 	touched int64
 	el      *list.Element // nil once removed
@@ -132,7 +134,7 @@ func (s *Store) nanos() int64 { return s.now().UnixNano() }
 func (s *Store) cluster(name string) *cluster {
 	c := s.clusters[name]
 	if c == nil {
-		c = &cluster{name: name, ids: make(map[string]uint32), index: make(map[store.Hash]*holders)}
+		c = &cluster{name: name, ids: make(map[string]uint32), index: make(map[prefix.Hash]*holders)}
 		s.clusters[name] = c
 	}
 	return c
@@ -142,7 +144,7 @@ func (c *cluster) host(name string) *hostState {
 	if id, ok := c.ids[name]; ok {
 		return c.hosts[id]
 	}
-	h := &hostState{name: name, leases: make(map[string]*lease), entries: make(map[store.Hash]*entry)}
+	h := &hostState{name: name, leases: make(map[string]*lease), entries: make(map[prefix.Hash]*entry)}
 	if n := len(c.free); n > 0 {
 		h.id = c.free[n-1]
 		c.free = c.free[:n-1]
@@ -299,7 +301,7 @@ func (s *Store) loadLocked(clusterName string) api.LoadStats {
 }
 
 // SaveCache implements store.Store.
-func (s *Store) SaveCache(_ context.Context, clusterName, host string, hashes []store.Hash) error {
+func (s *Store) SaveCache(_ context.Context, clusterName, host string, hashes []prefix.Hash) error {
 	now := s.nanos()
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -367,7 +369,7 @@ func (s *Store) sweepEntries(now int64) {
 }
 
 // QueryCache implements store.Store.
-func (s *Store) QueryCache(_ context.Context, clusterName string, hashes []store.Hash) ([]api.CacheLocation, error) {
+func (s *Store) QueryCache(_ context.Context, clusterName string, hashes []prefix.Hash) ([]api.CacheLocation, error) {
 	now := s.nanos()
 	s.mu.RLock()
 	locs, stale := s.queryLocked(clusterName, hashes, now)
@@ -385,7 +387,7 @@ type hit struct {
 // that held every hash so far; a host leaves the list at the first hash it
 // lacks, and that index is its match length. Cost follows the matches, not
 // the index size.
-func (s *Store) queryLocked(clusterName string, hashes []store.Hash, now int64) (locs []api.CacheLocation, stale []*entry) {
+func (s *Store) queryLocked(clusterName string, hashes []prefix.Hash, now int64) (locs []api.CacheLocation, stale []*entry) {
 	c := s.clusters[clusterName]
 	if c == nil || len(hashes) == 0 {
 		return []api.CacheLocation{}, nil
@@ -459,7 +461,7 @@ func (s *Store) touchEntries(stale []*entry, now int64) {
 }
 
 // EvictCache implements store.Store.
-func (s *Store) EvictCache(_ context.Context, clusterName, host string, hashes []store.Hash) error {
+func (s *Store) EvictCache(_ context.Context, clusterName, host string, hashes []prefix.Hash) error {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	h := s.findHost(clusterName, host)
@@ -489,7 +491,7 @@ func (s *Store) EvictHost(_ context.Context, clusterName, host string) error {
 }
 
 // Route implements store.Store.
-func (s *Store) Route(_ context.Context, clusterName string, hashes []store.Hash) (api.RouteAnswer, error) {
+func (s *Store) Route(_ context.Context, clusterName string, hashes []prefix.Hash) (api.RouteAnswer, error) {
 	now := s.nanos()
 	s.rlockSwept(now)
 	load := s.loadLocked(clusterName)

@@ -1,6 +1,8 @@
 package memstore_test
 
 import (
+	"github.com/istio-llm-filter/istio-llm-filter/prefix"
+
 	"context"
 	"fmt"
 	"reflect"
@@ -25,10 +27,10 @@ func TestLRUCap(t *testing.T) {
 	ctx := context.Background()
 	clock := storetest.NewClock()
 	st := memstore.New(memstore.Options{MaxEntries: 6, Now: clock.Now, TouchInterval: -1})
-	hs := func(p string) []store.Hash {
-		out := make([]store.Hash, 3)
+	hs := func(p string) []prefix.Hash {
+		out := make([]prefix.Hash, 3)
 		for i := range out {
-			h, err := store.ParseHash(fmt.Sprintf("%s%015x", p, i))
+			h, err := prefix.ParseHash(fmt.Sprintf("%s%015x", p, i))
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -44,7 +46,7 @@ func TestLRUCap(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	query := func(cluster string, q []store.Hash) []api.CacheLocation {
+	query := func(cluster string, q []prefix.Hash) []api.CacheLocation {
 		t.Helper()
 		got, err := st.QueryCache(ctx, cluster, q)
 		must(err)
@@ -80,7 +82,7 @@ func TestTouchCoalescing(t *testing.T) {
 	ctx := context.Background()
 	clock := storetest.NewClock()
 	st := memstore.New(memstore.Options{CacheTTL: time.Minute, TouchInterval: 10 * time.Second, Now: clock.Now})
-	h := []store.Hash{42}
+	h := []prefix.Hash{42}
 	if err := st.SaveCache(ctx, "c", "10.0.0.1:1", h); err != nil {
 		t.Fatal(err)
 	}
@@ -105,7 +107,7 @@ func TestTouchCoalescing(t *testing.T) {
 func TestHostChurn(t *testing.T) {
 	ctx := context.Background()
 	st := memstore.New(memstore.Options{})
-	hs := []store.Hash{1, 2, 3}
+	hs := []prefix.Hash{1, 2, 3}
 	for gen := 0; gen < 50; gen++ {
 		a, b := fmt.Sprintf("10.1.%d.1:80", gen), fmt.Sprintf("10.1.%d.2:80", gen)
 		if err := st.SaveCache(ctx, "c", a, hs); err != nil {

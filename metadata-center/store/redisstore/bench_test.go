@@ -1,12 +1,13 @@
 package redisstore_test
 
 import (
+	"github.com/istio-llm-filter/istio-llm-filter/prefix"
+
 	"context"
 	"testing"
 
 	"github.com/istio-llm-filter/istio-llm-filter/internal/testutil/redistest"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/internal/routeload"
-	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/store"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/store/redisstore"
 )
 
@@ -27,10 +28,10 @@ func BenchmarkSaveCache(b *testing.B) {
 		b.Fatal(err)
 	}
 	saves := sc.Saves()
-	hs := make([][]store.Hash, len(saves))
+	hs := make([][]prefix.Hash, len(saves))
 	for i, sv := range saves {
 		for _, w := range sv.Hashes {
-			h, err := store.ParseHash(w)
+			h, err := prefix.ParseHash(w)
 			if err != nil {
 				b.Fatal(err)
 			}

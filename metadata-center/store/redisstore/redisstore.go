@@ -16,6 +16,8 @@
 package redisstore
 
 import (
+	"github.com/istio-llm-filter/istio-llm-filter/prefix"
+
 	"context"
 	"errors"
 	"fmt"
@@ -159,10 +161,10 @@ func (s *Store) keys(cluster string) keys { return keys{base: "{" + s.prefix + "
 func (k keys) leases() []string {
 	return []string{k.base + ":lx", k.base + ":lp", k.base + ":lr", k.base + ":lq"}
 }
-func (k keys) hash(h store.Hash) string { return k.base + ":p:" + h.String() }
-func (k keys) host(host string) string  { return k.base + ":e:" + host }
-func (k keys) hosts() string            { return k.base + ":hosts" }
-func (k keys) signals() string          { return k.base + ":sig" }
+func (k keys) hash(h prefix.Hash) string { return k.base + ":p:" + h.String() }
+func (k keys) host(host string) string   { return k.base + ":e:" + host }
+func (k keys) hosts() string             { return k.base + ":hosts" }
+func (k keys) signals() string           { return k.base + ":sig" }
 
 func (s *Store) registry() string { return "{" + s.prefix + "}:clusters" }
 
@@ -348,7 +350,7 @@ func parseLocations(group, groupLen, rest any) ([]api.CacheLocation, error) {
 }
 
 // queryArgs builds KEYS (after any given first) and ARGV of the query part.
-func (s *Store) queryArgs(k keys, first []string, hashes []store.Hash) ([]string, []any) {
+func (s *Store) queryArgs(k keys, first []string, hashes []prefix.Hash) ([]string, []any) {
 	now := s.ms()
 	ks := make([]string, 0, len(first)+len(hashes))
 	ks = append(ks, first...)
@@ -359,7 +361,7 @@ func (s *Store) queryArgs(k keys, first []string, hashes []store.Hash) ([]string
 }
 
 // QueryCache implements store.Store.
-func (s *Store) QueryCache(ctx context.Context, cluster string, hashes []store.Hash) ([]api.CacheLocation, error) {
+func (s *Store) QueryCache(ctx context.Context, cluster string, hashes []prefix.Hash) ([]api.CacheLocation, error) {
 	if len(hashes) == 0 {
 		return []api.CacheLocation{}, nil
 	}
@@ -376,7 +378,7 @@ func (s *Store) QueryCache(ctx context.Context, cluster string, hashes []store.H
 }
 
 // Route implements store.Store.
-func (s *Store) Route(ctx context.Context, cluster string, hashes []store.Hash) (api.RouteAnswer, error) {
+func (s *Store) Route(ctx context.Context, cluster string, hashes []prefix.Hash) (api.RouteAnswer, error) {
 	k := s.keys(cluster)
 	ks, args := s.queryArgs(k, append(k.leases(), k.signals()), hashes)
 	res, err := s.sc.route.Run(ctx, s.rdb, ks, args...).Slice()
@@ -489,7 +491,7 @@ func (s *Store) fresh(rep string, now int64) (api.PodSignals, bool, error) {
 }
 
 // SaveCache implements store.Store.
-func (s *Store) SaveCache(ctx context.Context, cluster, host string, hashes []store.Hash) error {
+func (s *Store) SaveCache(ctx context.Context, cluster, host string, hashes []prefix.Hash) error {
 	if len(hashes) == 0 {
 		return nil
 	}
@@ -509,7 +511,7 @@ func (s *Store) SaveCache(ctx context.Context, cluster, host string, hashes []st
 }
 
 // EvictCache implements store.Store.
-func (s *Store) EvictCache(ctx context.Context, cluster, host string, hashes []store.Hash) error {
+func (s *Store) EvictCache(ctx context.Context, cluster, host string, hashes []prefix.Hash) error {
 	if len(hashes) == 0 {
 		return nil
 	}

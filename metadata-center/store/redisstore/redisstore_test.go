@@ -1,6 +1,8 @@
 package redisstore_test
 
 import (
+	"github.com/istio-llm-filter/istio-llm-filter/prefix"
+
 	"context"
 	"errors"
 	"fmt"
@@ -62,7 +64,7 @@ func TestKeyLayout(t *testing.T) {
 	ctx := context.Background()
 	const cluster = "outbound|8000||qwen.llm.svc.cluster.local"
 	const host = "10.1.2.3:8000"
-	hs := []store.Hash{1, 2, 3}
+	hs := []prefix.Hash{1, 2, 3}
 	for _, err := range []error{
 		st.AddLease(ctx, cluster, host, "r1", 10),
 		st.AddLease(ctx, cluster, host, "r2", 10),
@@ -121,7 +123,7 @@ func TestUnavailable(t *testing.T) {
 	for _, call := range []func() error{
 		func() error { return st.Ping(ctx) },
 		func() error { return st.AddLease(ctx, "c", "10.0.0.1:1", "r", 1) },
-		func() error { _, err := st.Route(ctx, "c", []store.Hash{1}); return err },
+		func() error { _, err := st.Route(ctx, "c", []prefix.Hash{1}); return err },
 		func() error { _, err := st.Stats(ctx); return err },
 	} {
 		start := time.Now()
@@ -166,7 +168,7 @@ func TestHolderLists(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	hs := []store.Hash{7, 8, 9, 10}
+	hs := []prefix.Hash{7, 8, 9, 10}
 	for i := 20; i >= 1; i-- {
 		must(st.SaveCache(ctx, "c", fmt.Sprintf("10.0.0.%d:1", i), hs[:2]))
 	}
@@ -221,9 +223,9 @@ func TestMaxHashes(t *testing.T) {
 	srv := redistest.Shared(t)
 	st := newStore(t, srv, redisstore.Options{})
 	ctx := context.Background()
-	hs := make([]store.Hash, api.MaxHashes)
+	hs := make([]prefix.Hash, api.MaxHashes)
 	for i := range hs {
-		hs[i] = store.Hash(i + 1)
+		hs[i] = prefix.Hash(i + 1)
 	}
 	// Narrow path: 3 hosts, one full, one half, one with a hole.
 	must := func(err error) {

@@ -4,6 +4,8 @@
 package storetest
 
 import (
+	"github.com/istio-llm-filter/istio-llm-filter/prefix"
+
 	"context"
 	"fmt"
 	"reflect"
@@ -98,15 +100,15 @@ func Run(t *testing.T, f Factory) {
 	}
 }
 
-func hashes(prefix string, n int) []store.Hash {
-	out := make([]store.Hash, n)
+func hashes(name string, n int) []prefix.Hash {
+	out := make([]prefix.Hash, n)
 	for i := range out {
 		// Distinct per prefix and index; the exact values do not matter.
 		var h uint64 = 1469598103934665603
-		for _, c := range fmt.Sprintf("%s/%d", prefix, i) {
+		for _, c := range fmt.Sprintf("%s/%d", name, i) {
 			h = (h ^ uint64(c)) * 1099511628211
 		}
-		out[i] = store.Hash(h)
+		out[i] = prefix.Hash(h)
 	}
 	return out
 }
@@ -132,14 +134,14 @@ func (e *env) wantLoad(cluster string, want api.LoadStats) {
 	}
 }
 
-func (e *env) query(cluster string, hs []store.Hash) []api.CacheLocation {
+func (e *env) query(cluster string, hs []prefix.Hash) []api.CacheLocation {
 	e.t.Helper()
 	got, err := e.st.QueryCache(e.ctx, cluster, hs)
 	e.must(err)
 	return got
 }
 
-func (e *env) wantCache(cluster string, hs []store.Hash, want []api.CacheLocation) {
+func (e *env) wantCache(cluster string, hs []prefix.Hash, want []api.CacheLocation) {
 	e.t.Helper()
 	if got := e.query(cluster, hs); !reflect.DeepEqual(got, want) {
 		e.t.Fatalf("QueryCache(%q) = %v, want %v", cluster, got, want)
@@ -262,7 +264,7 @@ func testCacheLongestLeadingRun(e *env) {
 	hs := hashes("conv", 6)
 	e.must(e.st.SaveCache(e.ctx, cl, hostA, hs[:4]))
 	// B holds 0, 1 and 3 but not 2: its run stops at 2 although it holds 3.
-	e.must(e.st.SaveCache(e.ctx, cl, hostB, []store.Hash{hs[0], hs[1], hs[3]}))
+	e.must(e.st.SaveCache(e.ctx, cl, hostB, []prefix.Hash{hs[0], hs[1], hs[3]}))
 	// C lacks hash 0, so it holds no leading run at all.
 	e.must(e.st.SaveCache(e.ctx, cl, hostC, hs[1:]))
 	e.wantCache(cl, hs, []api.CacheLocation{{Host: hostA, Length: 4}, {Host: hostB, Length: 2}})
@@ -344,7 +346,7 @@ func testCacheManyHosts(e *env) {
 	held := make([][]bool, nHosts)
 	for i := range held {
 		held[i] = make([]bool, nHashes)
-		var mine []store.Hash
+		var mine []prefix.Hash
 		for j := range hs {
 			// Host i holds hash j unless the pattern punches a hole.
 			if (i+j)%7 != 3 && j <= i%(nHashes+1) {
@@ -360,7 +362,7 @@ func testCacheManyHosts(e *env) {
 	// move past the first TTL.
 	e.clock.Advance(cacheTTL / 2)
 	for i := 0; i < nHosts; i += 2 {
-		var mine []store.Hash
+		var mine []prefix.Hash
 		for j := range hs {
 			if held[i][j] && j != 2 {
 				mine = append(mine, hs[j])
@@ -437,9 +439,9 @@ func testCacheEvict(e *env) {
 	hs := hashes("ev", 5)
 	e.must(e.st.SaveCache(e.ctx, cl, hostA, hs))
 	e.must(e.st.SaveCache(e.ctx, cl, hostB, hs))
-	e.must(e.st.EvictCache(e.ctx, cl, hostA, []store.Hash{hs[2], hashes("unknown", 1)[0]}))
+	e.must(e.st.EvictCache(e.ctx, cl, hostA, []prefix.Hash{hs[2], hashes("unknown", 1)[0]}))
 	e.wantCache(cl, hs, []api.CacheLocation{{Host: hostB, Length: 5}, {Host: hostA, Length: 2}})
-	e.must(e.st.EvictCache(e.ctx, cl, hostA, []store.Hash{hs[2]}))
+	e.must(e.st.EvictCache(e.ctx, cl, hostA, []prefix.Hash{hs[2]}))
 	e.must(e.st.EvictCache(e.ctx, "unknown-cluster", hostA, hs))
 	e.must(e.st.EvictCache(e.ctx, cl, hostB, hs[:1]))
 	e.wantCache(cl, hs, []api.CacheLocation{{Host: hostA, Length: 2}})

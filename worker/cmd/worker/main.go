@@ -27,7 +27,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
 
-	"github.com/istio-llm-filter/istio-llm-filter/filter/prompthash"
+	"github.com/istio-llm-filter/istio-llm-filter/prefix"
 	"github.com/istio-llm-filter/istio-llm-filter/worker/engine"
 	"github.com/istio-llm-filter/istio-llm-filter/worker/engine/llama"
 	"github.com/istio-llm-filter/istio-llm-filter/worker/engine/sim"
@@ -85,7 +85,7 @@ func parse(args []string, stderr io.Writer) (*options, error) {
 	fs.StringVar(&o.advertise, "advertise-host", "", "this worker's ip:port as the router addresses it (default: --listen when it names an IP)")
 	fs.StringVar(&o.modelName, "model-name", "", "model id served (default: the model file name, or \"sim\")")
 	fs.BoolVar(&o.strictModel, "strict-model-name", false, "answer 404 to requests naming another model")
-	fs.IntVar(&o.hashChunk, "prompt-hash-chunk-size", prompthash.DefaultChunkSize, "the router's prompt_hash.chunk_size")
+	fs.IntVar(&o.hashChunk, "prompt-hash-chunk-size", prefix.DefaultChunkSize, "the router's prompt_hash.chunk_size")
 	fs.StringVar(&o.logLevel, "log-level", "info", "debug, info, warn or error")
 	def := sim.BenchCost()
 	fs.DurationVar(&o.simCost.StepOverhead, "sim-step-overhead", def.StepOverhead, "sim: cost of every decode step")
@@ -173,7 +173,7 @@ func run(ctx context.Context, args []string, stderr io.Writer, ready func(addr s
 	defer cancel()
 	var reporterDone chan struct{}
 	if o.mcURL != "" {
-		rep, err := mcreport.New(mcreport.Config{URL: o.mcURL, Cluster: o.cluster, Host: o.advertise, AuthToken: o.mcToken,
+		rep, err := mcreport.New(mcreport.Config{URL: o.mcURL, Cluster: o.cluster, Host: o.advertise, AuthToken: o.mcToken, ChunkSize: o.hashChunk,
 			Logger: log, Registerer: reg})
 		if err != nil {
 			return err

@@ -1,4 +1,4 @@
-package prompthash
+package prefix
 
 import (
 	"encoding/binary"

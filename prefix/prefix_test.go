@@ -1,4 +1,4 @@
-package prompthash
+package prefix
 
 import (
 	"bytes"
@@ -95,13 +95,13 @@ func TestCanonicalCompletion(t *testing.T) {
 
 // reference re-implements the chain with explicit concatenation and the
 // one-shot murmur3 function, independently of Sum's streaming digest.
-func reference(model string, blocks [][]byte) []uint64 {
+func reference(model string, blocks [][]byte) []Hash {
 	prev := murmur3.Sum64([]byte(model))
-	var out []uint64
+	var out []Hash
 	for _, b := range blocks {
 		buf := binary.LittleEndian.AppendUint64(nil, prev)
 		prev = murmur3.Sum64(append(buf, b...))
-		out = append(out, prev)
+		out = append(out, Hash(prev))
 	}
 	return out
 }
@@ -197,7 +197,7 @@ func TestBlocksOfInvalidUTF8Terminate(t *testing.T) {
 }
 
 func TestWire(t *testing.T) {
-	sums := []uint64{0, 1, 0xdeadbeefcafebabe, ^uint64(0)}
+	sums := []Hash{0, 1, 0xdeadbeefcafebabe, ^Hash(0)}
 	w := Wire(sums)
 	want := []string{"0000000000000000", "0000000000000001", "deadbeefcafebabe", "ffffffffffffffff"}
 	if fmt.Sprint(w) != fmt.Sprint(want) {
@@ -208,14 +208,20 @@ func TestWire(t *testing.T) {
 		if !re.MatchString(s) {
 			t.Fatalf("element %d %q is not 16 lowercase hex digits", i, s)
 		}
-		v, ok := ParseWire(s)
-		if !ok || Wire([]uint64{v})[0] != s {
-			t.Fatalf("ParseWire(%q) does not round-trip", s)
+		v, err := ParseHash(s)
+		if err != nil || v.String() != s || Wire([]Hash{v})[0] != s {
+			t.Fatalf("ParseHash(%q) does not round-trip: %v", s, err)
+		}
+		if b, ok := ParseHashBytes([]byte(s)); !ok || b != v {
+			t.Fatalf("ParseHashBytes(%q) = %v, %v; ParseHash gave %v", s, b, ok, v)
 		}
 	}
 	for _, bad := range []string{"", "123", "DEADBEEFCAFEBABE", "zzzzzzzzzzzzzzzz", "00000000000000000"} {
-		if _, ok := ParseWire(bad); ok {
-			t.Fatalf("ParseWire(%q) accepted", bad)
+		if _, err := ParseHash(bad); err == nil {
+			t.Fatalf("ParseHash(%q) accepted", bad)
+		}
+		if _, ok := ParseHashBytes([]byte(bad)); ok {
+			t.Fatalf("ParseHashBytes(%q) accepted", bad)
 		}
 	}
 	if Wire(nil) != nil {
@@ -282,17 +288,17 @@ func BenchmarkHash(b *testing.B) {
 			b.ReportAllocs()
 			h := Hasher{}
 			for b.Loop() {
-				sink += h.Sum("qwen", data)[0]
+				sink += uint64(h.Sum("qwen", data)[0])
 			}
 		})
 		b.Run(fmt.Sprintf("chained-reuse/%dKiB", size>>10), func(b *testing.B) {
 			b.SetBytes(int64(len(data)))
 			b.ReportAllocs()
 			h := Hasher{}
-			dst := make([]uint64, 0, 512)
+			dst := make([]Hash, 0, 512)
 			for b.Loop() {
 				dst = h.AppendSum(dst[:0], "qwen", data)
-				sink += dst[0]
+				sink += uint64(dst[0])
 			}
 		})
 	}
@@ -324,7 +330,7 @@ func TestMurmurMatchesLibrary(t *testing.T) {
 			t.Fatalf("len %d: sum64Prefixed %x, murmur3 %x", n, got, want)
 		}
 	}
-	if Seed("qwen") != murmur3.Sum64([]byte("qwen")) {
+	if uint64(Seed("qwen")) != murmur3.Sum64([]byte("qwen")) {
 		t.Fatal("Seed differs from murmur3")
 	}
 }
@@ -347,7 +353,7 @@ func BenchmarkHashRatio(b *testing.B) {
 		data := benchInput(size)
 		b.Run(fmt.Sprintf("%dKiB", size>>10), func(b *testing.B) {
 			h := Hasher{}
-			dst := make([]uint64, 0, 512)
+			dst := make([]Hash, 0, 512)
 			var raw, chained time.Duration
 			for b.Loop() {
 				t0 := time.Now()
@@ -355,7 +361,7 @@ func BenchmarkHashRatio(b *testing.B) {
 				t1 := time.Now()
 				dst = h.AppendSum(dst[:0], "qwen", data)
 				t2 := time.Now()
-				sink += dst[0]
+				sink += uint64(dst[0])
 				raw += t1.Sub(t0)
 				chained += t2.Sub(t1)
 			}

@@ -1,4 +1,4 @@
-package mcclient
+package client
 
 import (
 	"context"
@@ -13,11 +13,10 @@ import (
 	"testing"
 	"time"
 
-	"github.com/istio-llm-filter/istio-llm-filter/filter/config"
-	"github.com/istio-llm-filter/istio-llm-filter/filter/prompthash"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/api"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/server"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/store/memstore"
+	"github.com/istio-llm-filter/istio-llm-filter/prefix"
 )
 
 // startCenter runs the real metadata center (in-memory store) on loopback.
@@ -34,7 +33,7 @@ func startCenter(t *testing.T, token string) *httptest.Server {
 
 func newClient(t *testing.T, addr, token string, query time.Duration) *Client {
 	t.Helper()
-	c, err := New(config.MetadataCenter{Address: addr, QueryTimeout: query, UpdateTimeout: time.Second, AuthToken: token}, nil)
+	c, err := New(Options{Address: addr, QueryTimeout: query, UpdateTimeout: time.Second, AuthToken: token})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -42,7 +41,7 @@ func newClient(t *testing.T, addr, token string, query time.Duration) *Client {
 }
 
 func hashes(text string) []string {
-	return prompthash.Wire(prompthash.Hasher{ChunkSize: 16}.Sum("m", prompthash.CanonicalCompletion(text)))
+	return prefix.Wire(prefix.Hasher{ChunkSize: 16}.Sum("m", prefix.CanonicalCompletion(text)))
 }
 
 func TestLifecycleAgainstMetadataCenter(t *testing.T) {
@@ -103,18 +102,22 @@ func TestErrorsAreTyped(t *testing.T) {
 		t.Fatalf("bad token: %v", err)
 	}
 	c := newClient(t, ts.URL, "s3cret", time.Second)
-	err = c.AddRequest(ctx, api.AddRequest{Cluster: "c", Host: "not-an-ip", RequestID: "x"})
-	if !errors.As(err, &se) || se.Status != 400 || se.Body.Error.Message == "" {
+	// The trace id travels as X-Request-Id: the center's error names it.
+	err = c.AddRequest(WithTraceID(ctx, "trace-42"), api.AddRequest{Cluster: "c", Host: "not-an-ip", RequestID: "x"})
+	if !errors.As(err, &se) || se.Status != 400 || se.Body.Error.Message == "" || !Permanent(err) {
 		t.Fatalf("bad host: %v", err)
+	}
+	if se.Body.TraceID != "trace-42" {
+		t.Fatalf("error answer trace_id = %q, want the caller's", se.Body.TraceID)
 	}
 	// Nothing listening.
 	dead := httptest.NewServer(http.NotFoundHandler())
 	addr := dead.URL
 	dead.Close()
-	if _, err := newClient(t, addr, "", time.Second).Route(ctx, "c", nil); err == nil {
-		t.Fatal("dead center answered")
+	if _, err := newClient(t, addr, "", time.Second).Route(ctx, "c", nil); err == nil || Permanent(err) {
+		t.Fatalf("dead center: %v (a transport error is worth retrying)", err)
 	}
-	if _, err := New(config.MetadataCenter{}, nil); err == nil {
+	if _, err := New(Options{}); err == nil {
 		t.Fatal("empty address accepted")
 	}
 }

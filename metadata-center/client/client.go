@@ -2,7 +2,7 @@
 // the synchronous route query (load and cache locations in one round trip,
 // bounded by the query timeout) and the four lifecycle updates, which callers
 // run through a Dispatcher so they never hold up a request.
-package mcclient
+package client
 
 import (
 	"bytes"
@@ -16,8 +16,13 @@ import (
 	"net/url"
 	"time"
 
-	"github.com/istio-llm-filter/istio-llm-filter/filter/config"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/api"
+)
+
+// Default per-call bounds when Options leave them zero.
+const (
+	DefaultQueryTimeout  = 100 * time.Millisecond
+	DefaultUpdateTimeout = 500 * time.Millisecond
 )
 
 // maxAnswer bounds what is read from one answer: a route answer lists a
@@ -31,6 +36,17 @@ type Client struct {
 	hc            *http.Client
 	queryTimeout  time.Duration
 	updateTimeout time.Duration
+}
+
+// Options of a client.
+type Options struct {
+	Address       string // base URL, http:// or https://
+	AuthToken     string // bearer token, if the metadata center wants one
+	QueryTimeout  time.Duration
+	UpdateTimeout time.Duration
+	// HTTPClient nil means a client over NewTransport; timeouts always
+	// come from the options, per call.
+	HTTPClient *http.Client
 }
 
 // StatusError is a non-2xx answer.
@@ -61,33 +77,56 @@ func NewTransport() *http.Transport {
 	}
 }
 
-// New returns a client for cfg.Address. hc nil means a client over
-// NewTransport; timeouts always come from cfg, per call.
-func New(cfg config.MetadataCenter, hc *http.Client) (*Client, error) {
-	if cfg.Address == "" {
-		return nil, errors.New("mcclient: no metadata center address")
+// New returns a client for o.Address.
+func New(o Options) (*Client, error) {
+	if o.Address == "" {
+		return nil, errors.New("metadata-center client: no address")
 	}
-	u, err := url.Parse(cfg.Address)
+	u, err := url.Parse(o.Address)
 	if err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
-		return nil, fmt.Errorf("mcclient: bad address %q", cfg.Address)
+		return nil, fmt.Errorf("metadata-center client: bad address %q (want http://host:port or https://...)", o.Address)
 	}
+	hc := o.HTTPClient
 	if hc == nil {
 		hc = &http.Client{Transport: NewTransport()}
 	}
 	c := &Client{
 		base:          u.Scheme + "://" + u.Host + trimSlash(u.Path),
-		token:         cfg.AuthToken,
+		token:         o.AuthToken,
 		hc:            hc,
-		queryTimeout:  cfg.QueryTimeout,
-		updateTimeout: cfg.UpdateTimeout,
+		queryTimeout:  o.QueryTimeout,
+		updateTimeout: o.UpdateTimeout,
 	}
 	if c.queryTimeout <= 0 {
-		c.queryTimeout = config.DefaultQueryTimeout
+		c.queryTimeout = DefaultQueryTimeout
 	}
 	if c.updateTimeout <= 0 {
-		c.updateTimeout = config.DefaultUpdateTimeout
+		c.updateTimeout = DefaultUpdateTimeout
 	}
 	return c, nil
+}
+
+type traceKey struct{}
+
+// WithTraceID returns ctx carrying a request's trace id: calls made with it
+// send it as X-Request-Id, so the metadata center's logs name the request
+// that caused them.
+func WithTraceID(ctx context.Context, id string) context.Context {
+	if id == "" {
+		return ctx
+	}
+	return context.WithValue(ctx, traceKey{}, id)
+}
+
+// Permanent reports whether err is an answer that retrying cannot change: a
+// 4xx other than 408 and 429 (the request itself is wrong, say a chunk size
+// the cluster does not use). Transport errors and 5xx are worth retrying.
+func Permanent(err error) bool {
+	var se *StatusError
+	if !errors.As(err, &se) {
+		return false
+	}
+	return se.Status/100 == 4 && se.Status != http.StatusRequestTimeout && se.Status != http.StatusTooManyRequests
 }
 
 func trimSlash(p string) string {
@@ -146,6 +185,17 @@ func (c *Client) SaveCache(ctx context.Context, r api.CacheSave) error {
 	return c.do(ctx, "cache save", http.MethodPost, api.PathCacheSave, r, nil)
 }
 
+// EvictCache is POST /v1/cache/evict: a worker no longer holds these
+// prefixes, or (All) anything at all. At most api.MaxHashes per call.
+func (c *Client) EvictCache(ctx context.Context, r api.CacheEvict) error {
+	if len(r.Hashes) > api.MaxHashes {
+		return fmt.Errorf("metadata center cache evict: %d hashes, at most %d per call", len(r.Hashes), api.MaxHashes)
+	}
+	ctx, cancel := context.WithTimeout(ctx, c.updateTimeout)
+	defer cancel()
+	return c.do(ctx, "cache evict", http.MethodPost, api.PathCacheEvict, r, nil)
+}
+
 func (c *Client) do(ctx context.Context, op, method, path string, in, out any) error {
 	body, err := json.Marshal(in)
 	if err != nil {
@@ -159,6 +209,9 @@ func (c *Client) do(ctx context.Context, op, method, path string, in, out any) e
 	req.Header.Set("Accept", "application/json")
 	if c.token != "" {
 		req.Header.Set("Authorization", "Bearer "+c.token)
+	}
+	if id, ok := ctx.Value(traceKey{}).(string); ok {
+		req.Header.Set("X-Request-Id", id)
 	}
 	resp, err := c.hc.Do(req)
 	if err != nil {

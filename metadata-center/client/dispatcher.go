@@ -1,4 +1,4 @@
-package mcclient
+package client
 
 import (
 	"context"
