@@ -222,7 +222,7 @@ func New(opts Options) *Balancer {
 	}
 	b.stages = prometheus.NewHistogramVec(prometheus.HistogramOpts{
 		Name:    "llm_filter_balancer_stage_seconds",
-		Help:    "Time spent per decision in each balancer stage: filters, scorer:<name>, picker.",
+		Help:    "Time spent per decision in each balancer stage: filters, scorer:<name>, picker for scoring profiles; the policy's name for the others.",
 		Buckets: prometheus.ExponentialBuckets(100e-9, 2, 14),
 	}, []string{"stage"})
 	if opts.Registerer != nil {
@@ -373,7 +373,9 @@ func (b *Balancer) Choose(cluster string, rule config.LBRule, cands []endpoints.
 		sc.obs = stageObserver{b: b, log: b.log, debug: b.log.Enabled(context.Background(), slog.LevelDebug)}
 		i = prof.run(&sc.state, &sc.obs)
 	} else {
+		t0 := time.Now()
 		i = p.Choose(&sc.state)
+		b.observe(rule.Policy, false, time.Since(t0))
 	}
 	ch := Choice{Host: hosts[i], Index: i, Candidates: len(hosts)}
 	b.tracker.routed(key, ch.Host.Address, len(hosts))
