@@ -357,12 +357,8 @@ func (b *Balancer) Choose(cluster string, rule config.LBRule, cands []endpoints.
 	if sc == nil {
 		sc = new(chooseScratch)
 	}
-	hosts := slices.Grow(sc.hosts[:0], len(cands))[:len(cands)]
-	key := b.tracker.fill(cluster, cands, view, req.Blocks, hosts)
-	sc.state = State{Cluster: cluster, Hosts: hosts, Rule: rule, PromptLength: req.PromptLength, IntN: b.intn,
-		floats: sc.floats, idx: sc.idx, kept: sc.kept}
-	var i int
-	if prof, ok := p.(*Profile); ok {
+	prof, isProfile := p.(*Profile)
+	if isProfile {
 		b.mu.RLock()
 		prof, err = b.withRule(prof, rule)
 		b.mu.RUnlock()
@@ -370,6 +366,18 @@ func (b *Balancer) Choose(cluster string, rule config.LBRule, cands []endpoints.
 			b.scratch.Put(sc)
 			return Choice{}, err
 		}
+		if !prof.readsSignals(rule) {
+			view.Signals = nil
+		}
+	} else if sr, ok := p.(SignalReader); ok && !sr.ReadsSignals() {
+		view.Signals = nil
+	}
+	hosts := slices.Grow(sc.hosts[:0], len(cands))[:len(cands)]
+	key := b.tracker.fill(cluster, cands, view, req.Blocks, hosts)
+	sc.state = State{Cluster: cluster, Hosts: hosts, Rule: rule, PromptLength: req.PromptLength, IntN: b.intn,
+		floats: sc.floats, idx: sc.idx, kept: sc.kept}
+	var i int
+	if isProfile {
 		sc.obs = stageObserver{b: b, log: b.log, debug: b.log.Enabled(context.Background(), slog.LevelDebug)}
 		i = prof.run(&sc.state, &sc.obs)
 	} else {
@@ -454,12 +462,14 @@ func pickTopBuf(scores []float64, percent int, intn func(int) int, buf []float64
 // Random picks uniformly: a baseline.
 type Random struct{}
 
+func (Random) ReadsSignals() bool  { return false }
 func (Random) NeedsMetadata() bool { return false }
 func (Random) Choose(s *State) int { return s.IntN(len(s.Hosts)) }
 
 // LeastRequest picks the fewest live requests, ties at random.
 type LeastRequest struct{}
 
+func (LeastRequest) ReadsSignals() bool  { return false }
 func (LeastRequest) NeedsMetadata() bool { return true }
 
 func (LeastRequest) Choose(s *State) int {
@@ -470,6 +480,7 @@ func (LeastRequest) Choose(s *State) int {
 // cache-affinity router does (and how it herds).
 type PrefixOnly struct{}
 
+func (PrefixOnly) ReadsSignals() bool  { return false }
 func (PrefixOnly) NeedsMetadata() bool { return true }
 
 func (PrefixOnly) Choose(s *State) int {
@@ -505,6 +516,7 @@ type RoundRobin struct {
 // NewRoundRobin returns a round-robin policy with its own counters.
 func NewRoundRobin() *RoundRobin { return &RoundRobin{next: map[string]uint64{}} }
 
+func (*RoundRobin) ReadsSignals() bool  { return false }
 func (*RoundRobin) NeedsMetadata() bool { return false }
 
 func (r *RoundRobin) Choose(s *State) int {

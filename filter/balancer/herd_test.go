@@ -177,7 +177,7 @@ func TestHerdWindowSurvivesMixedSelectors(t *testing.T) {
 	}
 	for _, pool := range []string{"x", "y"} {
 		cands := Filter(append([]endpoints.Endpoint(nil), all...), map[string]string{"pool": pool})
-		if w := b.tracker.recent[windowKey{"c", setHash(cands)}]; w == nil || w.filled != 32 {
+		if w := b.tracker.recent[windowKey{"c", b.tracker.setHash(cands)}]; w == nil || w.filled != 32 {
 			t.Fatalf("pool %s: window %+v, want 32 decisions", pool, w)
 		}
 	}

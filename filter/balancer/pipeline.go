@@ -69,6 +69,43 @@ type Profile struct {
 // NeedsMetadata implements Policy.
 func (p *Profile) NeedsMetadata() bool { return p.Metadata }
 
+// SignalReader is implemented by parts that read the pods' own signals
+// (Host.Signals and what comes with it). Filling them costs a map lookup
+// per pod, so it is skipped for policies that read none; a policy or part
+// registered from Go that does not implement it is assumed to read them.
+type SignalReader interface {
+	ReadsSignals() bool
+}
+
+// readsSignals says whether a filter or a scorer of
+// non-zero weight (under rule r) reads pod signals.
+func (p *Profile) readsSignals(r config.LBRule) bool {
+	reads := func(v any) bool {
+		sr, ok := v.(SignalReader)
+		return !ok || sr.ReadsSignals()
+	}
+	for _, f := range p.Filters {
+		if reads(f) {
+			return true
+		}
+	}
+	for _, w := range p.Scorers {
+		if w.weight(r) != 0 && reads(w.Scorer) {
+			return true
+		}
+	}
+	return false
+}
+
+func (PrefixScorer) ReadsSignals() bool       { return false }
+func (SeedLoad) ReadsSignals() bool           { return false }
+func (PrefillScorer) ReadsSignals() bool      { return false }
+func (LeastRequestScorer) ReadsSignals() bool { return false }
+func (RecentShareScorer) ReadsSignals() bool  { return false }
+func (QueueScorer) ReadsSignals() bool        { return true }
+func (KVCacheScorer) ReadsSignals() bool      { return true }
+func (KVFull) ReadsSignals() bool             { return true }
+
 // Choose implements Policy without instrumentation (Balancer.Choose runs
 // profiles through run, which times and logs each stage).
 func (p *Profile) Choose(s *State) int { return p.run(s, nil) }

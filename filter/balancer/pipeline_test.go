@@ -295,3 +295,23 @@ func label(m *dto.Metric, name string) string {
 	}
 	return ""
 }
+
+// Signals are read only for policies that use them: filling them is a map
+// lookup per pod on every decision.
+func TestSignalsFilledOnlyWhenRead(t *testing.T) {
+	b := New(Options{IntN: seededIntN(1)})
+	view := View{Load: api.LoadStats{}, Signals: map[string]api.PodSignals{"10.0.0.1:8000": {Running: 2}}}
+	for policy, want := range map[string]bool{config.PolicyCacheAware: false, ProfileSeed: false, ProfileEPP: true, PolicySGLang: true, config.PolicyLeastRequest: false} {
+		rule := seedRule
+		rule.Policy = policy
+		ch, err := b.Choose("c", rule, eps(1), view, Request{})
+		if err != nil || ch.Host.Signals != want {
+			t.Errorf("%s: host %+v %v, want signals %v", policy, ch.Host, err, want)
+		}
+	}
+	rule := seedRule
+	rule.Scorers = map[string]float64{ScorerPrefix: 1, ScorerKVCache: 1}
+	if ch, _ := b.Choose("c", rule, eps(1), view, Request{}); !ch.Host.Signals {
+		t.Error("cache_aware with a kv_cache weight did not read signals")
+	}
+}

@@ -20,6 +20,7 @@ const (
 type SGLang struct{}
 
 func (SGLang) NeedsMetadata() bool { return true }
+func (SGLang) ReadsSignals() bool  { return true }
 
 func (SGLang) Choose(s *State) int {
 	lo, hi := s.Hosts[0].Reqs, s.Hosts[0].Reqs

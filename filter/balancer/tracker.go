@@ -1,6 +1,7 @@
 package balancer
 
 import (
+	"hash/maphash"
 	"sync"
 
 	"github.com/istio-llm-filter/istio-llm-filter/filter/endpoints"
@@ -27,6 +28,7 @@ type Tracker struct {
 	mu       sync.Mutex
 	clusters map[string]map[string]*local // cluster -> host -> counts
 	recent   map[windowKey]*window        // last routing decisions
+	seed     maphash.Seed                 // of setHash
 }
 
 // windowKey names a candidate set of a cluster: set is an order-independent
@@ -40,22 +42,13 @@ type windowKey struct {
 // old ones must not pile up. Past it every window starts afresh.
 const maxWindows = 4096
 
-// setHash combines the addresses' FNV-1a hashes by sum, so the order the
-// endpoints arrive in does not matter.
-func setHash(cands []endpoints.Endpoint) uint64 {
+// setHash combines the addresses' hashes by sum, so the order the
+// endpoints arrive in does not matter. maphash: FNV over every byte of 256
+// addresses cost more than the rest of the scoring.
+func (t *Tracker) setHash(cands []endpoints.Endpoint) uint64 {
 	var sum uint64
 	for i := range cands {
-		h := uint64(14695981039346656037)
-		a := cands[i].Address
-		for j := 0; j < len(a); j++ {
-			h ^= uint64(a[j])
-			h *= 1099511628211
-		}
-		// Mix once more: plain FNV sums of similar addresses collide.
-		h ^= h >> 33
-		h *= 0xff51afd7ed558ccd
-		h ^= h >> 33
-		sum += h
+		sum += maphash.String(t.seed, cands[i].Address)
 	}
 	return sum
 }
@@ -100,12 +93,12 @@ type local struct {
 
 // NewTracker returns an empty tracker.
 func NewTracker() *Tracker {
-	return &Tracker{clusters: map[string]map[string]*local{}, recent: map[windowKey]*window{}}
+	return &Tracker{clusters: map[string]map[string]*local{}, recent: map[windowKey]*window{}, seed: maphash.MakeSeed()}
 }
 
 // Routed records a routing decision among cands for Host.Share.
 func (t *Tracker) Routed(cluster string, cands []endpoints.Endpoint, host string) {
-	t.routed(windowKey{cluster, setHash(cands)}, host, len(cands))
+	t.routed(windowKey{cluster, t.setHash(cands)}, host, len(cands))
 }
 
 func (t *Tracker) routed(key windowKey, host string, n int) {
@@ -240,7 +233,7 @@ func (t *Tracker) InFlight(cluster, host string) (inflight, unacked int64) {
 // fill computes every candidate's Host from the view plus local accounting,
 // and returns the key of the candidates' decision window.
 func (t *Tracker) fill(cluster string, cands []endpoints.Endpoint, v View, blocks int, out []Host) windowKey {
-	key := windowKey{cluster, setHash(cands)}
+	key := windowKey{cluster, t.setHash(cands)}
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	mine := t.clusters[cluster]
