@@ -182,9 +182,21 @@ func TestSGLangPolicy(t *testing.T) {
 	if got := choose(View{Load: load(40, 30, 20), Cache: map[string]int{"10.0.0.1:8000": 3}}); got != "10.0.0.1:8000" {
 		t.Fatalf("40 vs 20 is within 32: chose %s, want the holder", got)
 	}
+	// Below half matched: the smallest "tree" — no decisions yet, so the
+	// emptiest reported KV cache; then, as decisions pile up on it, the
+	// others take their turn before it gets a second.
 	sig := map[string]api.PodSignals{"10.0.0.1:8000": {KVCacheUtil: 0.9}, "10.0.0.2:8000": {KVCacheUtil: 0.2}, "10.0.0.3:8000": {KVCacheUtil: 0.5}}
-	if got := choose(View{Load: load(1, 5, 1), Cache: map[string]int{"10.0.0.1:8000": 2}, Signals: sig}); got != "10.0.0.2:8000" {
-		t.Fatalf("half matched (not above): chose %s, want the emptiest cache", got)
+	b = New(Options{IntN: seededIntN(2)})
+	counts := map[string]int{}
+	for i := range 30 {
+		got := choose(View{Load: load(1, 1, 1), Cache: map[string]int{"10.0.0.1:8000": 2}, Signals: sig})
+		if i == 0 && got != "10.0.0.2:8000" {
+			t.Fatalf("half matched (not above): chose %s, want the emptiest cache", got)
+		}
+		counts[got]++
+	}
+	if counts["10.0.0.1:8000"] < 5 || counts["10.0.0.2:8000"] < 5 || counts["10.0.0.3:8000"] < 5 {
+		t.Fatalf("new conversations herded: %v", counts)
 	}
 }
 

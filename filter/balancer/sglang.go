@@ -14,9 +14,14 @@ const (
 // SGLang is SGLang router's cache_aware policy: while the fleet is
 // imbalanced (max−min live requests > 32 and max > 1.5·min) the pod with the
 // fewest live requests; otherwise the pod with the longest prefix match if it
-// covers more than half the prompt, else the pod with the smallest cache
-// (the router's "smallest tree": here the pod's reported KV-cache use when it
-// reports one, its live requests when not). Ties at random.
+// covers more than half the prompt, else the pod with the smallest cache.
+// SGLang's router measures that by the size of its own radix tree per pod,
+// which grows the moment it routes a request there; the nearest thing here
+// that also moves at once is the pod's share of recent decisions
+// (Host.Share), then its live requests, with the pod's reported KV-cache
+// use to break ties. (The
+// reported use alone lags by a report: every new conversation of a burst
+// would go to the same emptiest pod.) Ties at random.
 type SGLang struct{}
 
 func (SGLang) NeedsMetadata() bool { return true }
@@ -38,9 +43,13 @@ func (SGLang) Choose(s *State) int {
 		return argBest(s, func(h Host) float64 { return h.CacheRatio })
 	}
 	return argBest(s, func(h Host) float64 {
+		// Share first; live requests (which count this gateway's own at
+		// once) while the window is too short to give shares; reported KV
+		// use last.
+		v := -1e6*h.Share - float64(h.Reqs)
 		if h.Signals {
-			return -h.KVUtil
+			v -= 1e-3 * h.KVUtil
 		}
-		return -float64(h.Reqs)
+		return v
 	})
 }
