@@ -18,7 +18,7 @@ func TestGenerateShapes(t *testing.T) {
 		{Spec{Kind: "no-sharing", Requests: 7}, 7, 1, 1},
 		{Spec{Kind: "hot-prompt", Requests: 9}, 9, 1, 1},
 		{Spec{Kind: "kv-pressure", Systems: 4, Users: 3, Turns: 5}, 12, 5, 4},
-		{Spec{Kind: "kv-pressure"}, 36, 8, 12},
+		{Spec{Kind: "kv-pressure"}, 36, 6, 12},
 	}
 	for _, c := range cases {
 		t.Run(c.spec.Kind, func(t *testing.T) {
@@ -120,7 +120,7 @@ func TestKVPressureSharesSystemsOnly(t *testing.T) {
 		bySystem[s.Group] = append(bySystem[s.Group], s)
 	}
 	for g, ss := range bySystem {
-		if len(ss) != 3 || len(ss[0].System) < 2048 {
+		if len(ss) != 3 || len(ss[0].System) < 1024 {
 			t.Fatalf("group %s: %d sessions, system %d bytes", g, len(ss), len(ss[0].System))
 		}
 		for _, s := range ss[1:] {
