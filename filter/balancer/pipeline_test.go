@@ -2,6 +2,7 @@ package balancer
 
 import (
 	"bytes"
+	"fmt"
 	"log/slog"
 	"math/rand/v2"
 	"strings"
@@ -282,13 +283,18 @@ func TestStageMetricsAndScorerLogs(t *testing.T) {
 			seen[label(m, "stage")] = m.GetHistogram().GetSampleCount()
 		}
 	}
-	for _, stage := range []string{"filters", "scorer:prefix_herd", "scorer:seed_load", "scorer:own_prefill", "scorer:recent_share", "picker"} {
+	for _, stage := range []string{"filters", "scorer:prefix_herd", "scorer:seed_load", "scorer:own_prefill", "scorer:kv_cache", "scorer:recent_share", "picker"} {
 		if seen[stage] != 1 {
 			t.Fatalf("stage %s observed %d times; all: %v", stage, seen[stage], seen)
 		}
 	}
-	if _, ok := seen["scorer:kv_cache"]; ok {
-		t.Fatalf("a scorer of weight 0 ran: %v", seen)
+	// A scorer of weight 0 does not run.
+	rule.Scorers = map[string]float64{ScorerPrefix: 1, ScorerQueue: 0}
+	if _, err := b.Choose("c", rule, eps(4), View{Load: api.LoadStats{}}, Request{Blocks: 1}); err != nil {
+		t.Fatal(err)
+	}
+	if mfs, _ = reg.Gather(); strings.Contains(fmt.Sprint(mfs), "scorer:queue") {
+		t.Fatal("a scorer of weight 0 ran")
 	}
 	for _, want := range []string{"scorer=prefix_herd", "scorer=seed_load", "picker=top_percent"} {
 		if !strings.Contains(logs.String(), want) {
@@ -313,7 +319,7 @@ func label(m *dto.Metric, name string) string {
 func TestSignalsFilledOnlyWhenRead(t *testing.T) {
 	b := New(Options{IntN: seededIntN(1)})
 	view := View{Load: api.LoadStats{}, Signals: map[string]api.PodSignals{"10.0.0.1:8000": {Running: 2}}}
-	for policy, want := range map[string]bool{config.PolicyCacheAware: false, ProfileSeed: false, ProfileEPP: true, PolicySGLang: true, config.PolicyLeastRequest: false} {
+	for policy, want := range map[string]bool{config.PolicyCacheAware: true, ProfileSeed: false, ProfileEPP: true, PolicySGLang: true, config.PolicyLeastRequest: false} {
 		rule := seedRule
 		rule.Policy = policy
 		ch, err := b.Choose("c", rule, eps(1), view, Request{})
@@ -322,8 +328,8 @@ func TestSignalsFilledOnlyWhenRead(t *testing.T) {
 		}
 	}
 	rule := seedRule
-	rule.Scorers = map[string]float64{ScorerPrefix: 1, ScorerKVCache: 1}
-	if ch, _ := b.Choose("c", rule, eps(1), view, Request{}); !ch.Host.Signals {
-		t.Error("cache_aware with a kv_cache weight did not read signals")
+	rule.Scorers = map[string]float64{ScorerPrefix: 1, ScorerKVCache: 0}
+	if ch, _ := b.Choose("c", rule, eps(1), view, Request{}); ch.Host.Signals {
+		t.Error("signals read for a kv_cache scorer of weight 0")
 	}
 }
