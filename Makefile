@@ -12,7 +12,7 @@ BIN      := bin
 MODEL    ?= var/models/tiny.gguf
 BENCH_MODEL ?= var/models/bench.gguf
 
-.PHONY: run test vet fmt-check model build filter-so bench bench-llama clean
+.PHONY: run test vet fmt-check model build filter-so envoyhost bench bench-llama clean
 
 ## run: the main job — metadata center, workers and the standalone gateway on a generated model
 run:
@@ -42,6 +42,18 @@ build:
 filter-so:
 	@mkdir -p $(BIN)
 	$(GO) build -tags envoy -buildmode=c-shared -o $(BIN)/llm-filter.so ./filter/cmd/llm-filter
+
+## envoyhost: the C host that runs the .so with Envoy's golang-filter semantics (envoyhost/, docs/envoy-filter.md)
+# api.h comes from the pinned envoy module (downloaded here on a fresh clone),
+# so the host's C declarations are the ones the .so was built against.
+envoyhost: $(BIN)/envoyhost
+$(BIN)/envoyhost: envoyhost/chost/host.c go.mod
+	@mkdir -p $(BIN)
+	@dir=$$($(GO) mod download -json github.com/envoyproxy/envoy | sed -n 's/^.*"Dir": "\(.*\)",$$/\1/p'); \
+	test -n "$$dir" || { echo "envoyhost: cannot locate the envoy module" >&2; exit 1; }; \
+	echo "$(CC) ... -I$$dir/contrib/golang/common/go/api -o $@ $<"; \
+	$(CC) -std=gnu11 -O2 -g -Wall -Wextra -Werror -Wno-unused-parameter -pthread \
+		-I$$dir/contrib/golang/common/go/api -rdynamic -o $@ $< -ldl
 
 ## bench: every routing policy side by side on 8 simulated workers (docs/benchmarks.md)
 bench: build

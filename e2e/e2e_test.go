@@ -17,6 +17,7 @@ import (
 	"github.com/istio-llm-filter/istio-llm-filter/bench/fleet"
 	"github.com/istio-llm-filter/istio-llm-filter/bench/workload"
 	"github.com/istio-llm-filter/istio-llm-filter/filter/llmfilter"
+	"github.com/istio-llm-filter/istio-llm-filter/internal/testutil/redistest"
 	"github.com/istio-llm-filter/istio-llm-filter/worker/testmodel"
 )
 
@@ -67,8 +68,11 @@ func startFleet(t *testing.T) *fleet.Fleet {
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
 	defer cancel()
+	// The metadata center keeps its state in a real Redis, as deployed.
+	rd := redistest.Shared(t)
 	f, err := fleet.Start(ctx, fleet.Spec{
 		BinDir: binaries(t), LogDir: t.TempDir(), Engine: "llama", Workers: 3,
+		Store: "redis", RedisAddr: rd.Addr, RedisPrefix: rd.Prefix,
 		Model: testmodel.Path(t), ModelName: "tiny", Policy: "cache_aware",
 		// Three workers share two cores: one thread each keeps them from
 		// thrashing; small queues keep failures quick.
@@ -187,33 +191,38 @@ func (c *conversation) ask(t *testing.T, cl openai.Client, user string) (turn, e
 
 func TestConversationKeepsLandingOnItsKVCache(t *testing.T) {
 	f := startFleet(t)
-	cl := client(f, 0)
-	for _, stream := range []bool{false, true} {
-		name := map[bool]string{false: "json", true: "sse"}[stream]
-		t.Run(name, func(t *testing.T) {
-			c := newConversation(stream, map[bool]uint64{false: 1, true: 2}[stream])
-			first, err := c.ask(t, cl, "Tell me about prefix caches.")
-			if err != nil {
-				t.Fatal(err)
-			}
-			prev := first
-			for i := 2; i <= 4; i++ {
-				tr, err := c.ask(t, cl, workload.Text(newRand(uint64(10*i)), 200))
-				if err != nil {
-					t.Fatalf("turn %d: %v", i, err)
-				}
-				if tr.worker != first.worker {
-					t.Fatalf("turn %d went to %s, the conversation's KV cache is on %s", i, tr.worker, first.worker)
-				}
-				// Everything the previous turn prefilled is reused; only the
-				// answer (re-tokenized) and the new message are computed.
-				if tr.cached < prev.prompt || tr.cached >= tr.prompt {
-					t.Fatalf("turn %d: cached %d of %d prompt tokens, want at least the previous prompt's %d",
-						i, tr.cached, tr.prompt, prev.prompt)
-				}
-				prev = tr
-			}
-		})
+	for gi, gw := range gateways(t, f) {
+		cl := clientAt(gw.url, 0)
+		for _, stream := range []bool{false, true} {
+			name := gw.name + "/" + map[bool]string{false: "json", true: "sse"}[stream]
+			seed := uint64(10*gi) + map[bool]uint64{false: 1, true: 2}[stream]
+			t.Run(name, func(t *testing.T) { conversationSticks(t, cl, stream, seed) })
+		}
+	}
+}
+
+func conversationSticks(t *testing.T, cl openai.Client, stream bool, seed uint64) {
+	c := newConversation(stream, seed)
+	first, err := c.ask(t, cl, "Tell me about prefix caches.")
+	if err != nil {
+		t.Fatal(err)
+	}
+	prev := first
+	for i := 2; i <= 4; i++ {
+		tr, err := c.ask(t, cl, workload.Text(newRand(uint64(10*i)), 200))
+		if err != nil {
+			t.Fatalf("turn %d: %v", i, err)
+		}
+		if tr.worker != first.worker {
+			t.Fatalf("turn %d went to %s, the conversation's KV cache is on %s", i, tr.worker, first.worker)
+		}
+		// Everything the previous turn prefilled is reused; only the
+		// answer (re-tokenized) and the new message are computed.
+		if tr.cached < prev.prompt || tr.cached >= tr.prompt {
+			t.Fatalf("turn %d: cached %d of %d prompt tokens, want at least the previous prompt's %d",
+				i, tr.cached, tr.prompt, prev.prompt)
+		}
+		prev = tr
 	}
 }
 
@@ -265,15 +274,17 @@ func TestKilledWorkerIsAvoided(t *testing.T) {
 
 func TestMetadataCenterOutageAndRecovery(t *testing.T) {
 	f := startFleet(t)
-	cl := client(f, 0)
+	gws := gateways(t, f)
 	f.StopMC()
 
 	// Without the metadata center every request still succeeds: the router
 	// degrades to equal load and no cache knowledge.
-	down := newConversation(true, 4)
-	for i := 0; i < 3; i++ {
-		if _, err := down.ask(t, cl, workload.Text(newRand(uint64(40+i)), 120)); err != nil {
-			t.Fatalf("turn %d with the metadata center down: %v", i, err)
+	for gi, gw := range gws {
+		down := newConversation(true, uint64(4+100*gi))
+		for i := 0; i < 3; i++ {
+			if _, err := down.ask(t, clientAt(gw.url, 0), workload.Text(newRand(uint64(40+i)), 120)); err != nil {
+				t.Fatalf("%s: turn %d with the metadata center down: %v", gw.name, i, err)
+			}
 		}
 	}
 
@@ -284,19 +295,22 @@ func TestMetadataCenterOutageAndRecovery(t *testing.T) {
 	}
 	// Back again (and empty): the first turn is recorded, and the following
 	// ones return to the worker that holds the conversation.
-	up := newConversation(false, 5)
-	first, err := up.ask(t, cl, "Hello again.")
-	if err != nil {
-		t.Fatal(err)
-	}
-	for i := 0; i < 2; i++ {
-		tr, err := up.ask(t, cl, workload.Text(newRand(uint64(50+i)), 120))
+	for gi, gw := range gws {
+		cl := clientAt(gw.url, 0)
+		up := newConversation(false, uint64(5+100*gi))
+		first, err := up.ask(t, cl, "Hello again.")
 		if err != nil {
-			t.Fatal(err)
+			t.Fatalf("%s: %v", gw.name, err)
 		}
-		if tr.worker != first.worker || tr.cached == 0 {
-			t.Fatalf("after recovery turn %d went to %s with %d cached tokens; the conversation is on %s",
-				i+2, tr.worker, tr.cached, first.worker)
+		for i := 0; i < 2; i++ {
+			tr, err := up.ask(t, cl, workload.Text(newRand(uint64(50+i)), 120))
+			if err != nil {
+				t.Fatalf("%s: %v", gw.name, err)
+			}
+			if tr.worker != first.worker || tr.cached == 0 {
+				t.Fatalf("%s: after recovery turn %d went to %s with %d cached tokens; the conversation is on %s",
+					gw.name, i+2, tr.worker, tr.cached, first.worker)
+			}
 		}
 	}
 }

@@ -55,5 +55,11 @@ if [ -d worker/cmd/mkmodel ]; then
   export LLMF_TEST_MODEL="$PWD/var/models/tiny.gguf"
 fi
 
+log "building the filter .so and the Envoy-faithful host (envoyhost/)"
+make -s filter-so envoyhost
+
 log "go test -race"
 go test -race -count=1 -timeout 40m ./...
+
+log "fuzz targets, briefly (scripts/fuzz.sh)"
+./scripts/fuzz.sh

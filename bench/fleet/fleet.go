@@ -21,18 +21,19 @@ import (
 
 // Spec describes one fleet.
 type Spec struct {
-	BinDir     string   // holds metadata-center, worker, gateway
-	LogDir     string   // one log file per process
-	Engine     string   // sim | llama
-	Workers    int      // number of worker processes
-	Model      string   // GGUF path (llama; optional for sim)
-	ModelName  string   // the OpenAI model name clients send
-	Policy     string   // the filter's lb policy for the whole cluster
-	LBRule     string   // extra lb_mapping_rule keys, YAML flow style ("cache_ratio_weight: 4, ...")
-	WorkerArgs []string // extra worker flags (scheduler sizes, sim cost knobs)
-	WorkerCPUs float64  // if > 0, each worker's CPU quota (cgroups): pods with their own compute
-	Store      string   // metadata-center store: memory (default) | redis
-	RedisAddr  string
+	BinDir      string   // holds metadata-center, worker, gateway
+	LogDir      string   // one log file per process
+	Engine      string   // sim | llama
+	Workers     int      // number of worker processes
+	Model       string   // GGUF path (llama; optional for sim)
+	ModelName   string   // the OpenAI model name clients send
+	Policy      string   // the filter's lb policy for the whole cluster
+	LBRule      string   // extra lb_mapping_rule keys, YAML flow style ("cache_ratio_weight: 4, ...")
+	WorkerArgs  []string // extra worker flags (scheduler sizes, sim cost knobs)
+	WorkerCPUs  float64  // if > 0, each worker's CPU quota (cgroups): pods with their own compute
+	Store       string   // metadata-center store: memory (default) | redis
+	RedisAddr   string
+	RedisPrefix string // --redis-key-prefix: tests sharing one redis-server keep apart
 }
 
 // Cluster is the Envoy-style cluster name the fleet's workers form.
@@ -79,6 +80,9 @@ func Start(ctx context.Context, s Spec) (*Fleet, error) {
 	f.mcArgs = []string{"--listen", mc, "--store", s.Store}
 	if s.RedisAddr != "" {
 		f.mcArgs = append(f.mcArgs, "--redis-addr", s.RedisAddr)
+	}
+	if s.RedisPrefix != "" {
+		f.mcArgs = append(f.mcArgs, "--redis-key-prefix", s.RedisPrefix)
 	}
 	if err := f.StartMC(ctx); err != nil {
 		return nil, err

@@ -10,9 +10,9 @@
 package config
 
 import (
-	"github.com/istio-llm-filter/istio-llm-filter/prefix"
-
 	"time"
+
+	"github.com/istio-llm-filter/istio-llm-filter/prefix"
 )
 
 // Defaults of the keys that may be omitted.

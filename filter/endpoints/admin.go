@@ -173,6 +173,13 @@ func NewAdminPoller(opts AdminOptions) (*AdminPoller, error) {
 
 func (p *AdminPoller) run(ctx context.Context) {
 	defer close(p.done)
+	// Inside Envoy a panic here would abort the proxy: log it and stop
+	// polling (the last snapshot stays).
+	defer func() {
+		if e := recover(); e != nil {
+			p.log.Error("endpoints: panic in the admin poller; polling stopped", "panic", e)
+		}
+	}()
 	t := time.NewTicker(p.refresh)
 	defer t.Stop()
 	failing := false

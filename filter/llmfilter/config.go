@@ -169,16 +169,42 @@ func (p *Parser) source(cfg *config.Config) (endpoints.Source, func(), error) {
 	return endpoints.Layered{Pinned: pinned, Dynamic: poller}, release, nil
 }
 
-// Destroy stops the engine (draining queued updates within its bound) and
-// releases the shared admin poller.
+// Destroy is Envoy's: the config was replaced or removed. It returns at
+// once — Envoy calls it on its main thread or on the worker that dropped the
+// last stream of the config — after stopping every use of the config's
+// Envoy metrics (their handle has already expired: any call would panic).
+// The queued metadata-center updates drain on a goroutine of their own,
+// within the engine's drain bound, so no lease is left behind.
 func (c *Config) Destroy() {
 	if c.borrowed {
 		return
 	}
 	c.once.Do(func() {
-		c.engine.Close()
-		c.release()
+		c.metrics.close()
+		go c.shutdown()
 	})
+}
+
+// Close is Destroy for hosts that want to wait for the drain (the
+// standalone gateway at exit).
+func (c *Config) Close() {
+	if c.borrowed {
+		return
+	}
+	c.once.Do(func() {
+		c.metrics.close()
+		c.shutdown()
+	})
+}
+
+func (c *Config) shutdown() {
+	defer func() {
+		if e := recover(); e != nil {
+			c.log.Error("llm-filter: panic while closing a config", "panic", e)
+		}
+	}()
+	c.engine.Close()
+	c.release()
 }
 
 // Engine exposes the decision engine (the gateway's readiness, tests).

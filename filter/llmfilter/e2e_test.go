@@ -1,8 +1,6 @@
 package llmfilter_test
 
 import (
-	"github.com/istio-llm-filter/istio-llm-filter/prefix"
-
 	"bufio"
 	"context"
 	"encoding/json"
@@ -23,6 +21,7 @@ import (
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/server"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/store"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/store/memstore"
+	"github.com/istio-llm-filter/istio-llm-filter/prefix"
 )
 
 // recStore is the real in-memory store with call counters, so tests can wait

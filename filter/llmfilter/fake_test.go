@@ -14,8 +14,12 @@ import (
 // SendLocalReply end the phase the filter took async and may not be called
 // twice; after OnDestroy every call fails as errFilterDestroyed does in the
 // real shim (a panic); SetUpstreamOverrideHost takes only an IP with port and
-// only while decoding. Every violation is also recorded so tests fail on it
-// even when the filter's goroutine swallows the panic.
+// only while decoding, and when it is called from a goroutine (the phase
+// returned Running) Envoy drops strict (golang_filter.cc posts the override
+// with strict=false). The upstream host is the override when it is a member
+// of the routed cluster (members; nil: any host is), else the cluster's own
+// pick, as envoyhost/ reproduces. Every violation is also recorded so tests
+// fail on it even when the filter's goroutine swallows the panic.
 type fakeEnvoy struct {
 	t *testing.T
 
@@ -27,6 +31,9 @@ type fakeEnvoy struct {
 	violations []string
 	override   string
 	strict     bool
+	async      bool            // the current phase returned Running
+	members    map[string]bool // the routed cluster; nil: every host
+	added      []byte          // AddData from a header/trailer phase
 	events     chan fakeEvent
 }
 
@@ -55,7 +62,7 @@ func (e *fakeEnvoy) violate(msg string) {
 func (e *fakeEnvoy) enter(encoding bool) {
 	e.mu.Lock()
 	defer e.mu.Unlock()
-	e.inGo, e.encoding = true, encoding
+	e.inGo, e.encoding, e.async = true, encoding, false
 }
 
 // leave records the phase's synchronous status.
@@ -64,7 +71,25 @@ func (e *fakeEnvoy) leave(st api.StatusType) {
 	defer e.mu.Unlock()
 	if st != api.Running {
 		e.inGo = false
+	} else {
+		e.async = true
 	}
+}
+
+// upstream is the host Envoy's router would send the request to.
+func (e *fakeEnvoy) upstream() string {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if e.override == "" || e.members == nil || e.members[e.override] {
+		return e.override
+	}
+	if e.strict {
+		return "" // 503 UH
+	}
+	for h := range e.members {
+		return h // the cluster's load balancer
+	}
+	return ""
 }
 
 func (e *fakeEnvoy) finishPhase(ev fakeEvent, what string) {
@@ -122,7 +147,7 @@ func (e *fakeEnvoy) check() {
 
 // --- api.FilterCallbackHandler ---
 
-func (e *fakeEnvoy) StreamInfo() api.StreamInfo                         { return nil }
+func (e *fakeEnvoy) StreamInfo() api.StreamInfo                         { return fakeStreamInfo{e: e} }
 func (e *fakeEnvoy) ClearRouteCache()                                   {}
 func (e *fakeEnvoy) RefreshRouteCache()                                 {}
 func (e *fakeEnvoy) Log(api.LogType, string)                            {}
@@ -138,9 +163,16 @@ func (p fakeProcess) Continue(st api.StatusType) { p.e.finishPhase(fakeEvent{sta
 func (p fakeProcess) SendLocalReply(code int, body string, h map[string][]string, _ int64, details string) {
 	p.e.finishPhase(fakeEvent{reply: true, code: code, body: body, headers: h, details: details}, "SendLocalReply")
 }
-func (p fakeProcess) RecoverPanic()        { _ = recover() }
-func (p fakeProcess) AddData([]byte, bool) { p.e.violate("AddData is not used by this filter") }
-func (p fakeProcess) InjectData([]byte)    { p.e.violate("InjectData is not used by this filter") }
+func (p fakeProcess) RecoverPanic() { _ = recover() }
+func (p fakeProcess) AddData(b []byte, _ bool) {
+	p.e.mu.Lock()
+	defer p.e.mu.Unlock()
+	if !p.e.inGo || p.e.async {
+		p.e.violate("AddData outside a synchronous phase")
+	}
+	p.e.added = append(p.e.added, b...)
+}
+func (p fakeProcess) InjectData([]byte) { p.e.violate("InjectData is not used by this filter") }
 
 type fakeDecoder struct{ e *fakeEnvoy }
 type fakeEncoder struct{ e *fakeEnvoy }
@@ -170,8 +202,20 @@ func (d fakeDecoder) SetUpstreamOverrideHost(host string, strict bool) error {
 	if _, err := netip.ParseAddrPort(host); err != nil {
 		return api.ErrInvalidIPAddress
 	}
-	e.override, e.strict = host, strict
+	e.override, e.strict = host, strict && !e.async
 	return nil
+}
+
+// fakeStreamInfo answers what the filter reads; anything else panics
+// (the embedded interface is nil).
+type fakeStreamInfo struct {
+	api.StreamInfo
+	e *fakeEnvoy
+}
+
+func (i fakeStreamInfo) UpstreamRemoteAddress() (string, bool) {
+	h := i.e.upstream()
+	return h, h != ""
 }
 
 func (c fakeEncoder) Continue(st api.StatusType) { fakeProcess(c).Continue(st) }

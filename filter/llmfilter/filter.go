@@ -46,6 +46,7 @@ type filter struct {
 	buffering   bool // whole response buffered for transcoding
 	success     bool // 2xx from the backend
 	firstData   time.Time
+	servedBy    string                 // the pod that really answered (Envoy may not have used ours)
 	localType   atomic.Pointer[string] // error type of the local reply we sent
 }
 
@@ -94,10 +95,11 @@ func (f *filter) DecodeHeaders(h api.RequestHeaderMap, endStream bool) (st api.S
 
 func (f *filter) DecodeData(buf api.BufferInstance, endStream bool) (st api.StatusType) {
 	defer f.recoverPhase(&st, true)
-	if !endStream {
-		// Only reachable if another filter changed the buffering mode.
-		return api.StopAndBuffer
-	}
+	// DecodeHeaders answered StopAndBuffer, so Envoy calls DecodeData once
+	// with the whole body: endStream=true, or endStream=false when trailers
+	// follow (golang_filter.cc doTrailer hands the buffered body over before
+	// DecodeTrailers). Both are the complete request. Answering StopAndBuffer
+	// to the latter would let Envoy pass the body and trailers on unrouted.
 	body := bytes.Clone(buf.Bytes())
 	ctx, cancel := context.WithCancel(context.Background())
 	f.mu.Lock()
@@ -134,7 +136,12 @@ func (f *filter) decide(ctx context.Context, cancel context.CancelFunc, buf api.
 		return
 	}
 	f.traceID = d.TraceID
-	if err := dec.SetUpstreamOverrideHost(d.Host, true); err != nil {
+	// From a goroutine Envoy v1.36 posts the override and applies it with
+	// strict=false whatever we ask (golang_filter.cc setUpstreamOverrideHost):
+	// a pod that left the cluster falls back to the cluster's own load
+	// balancing. Ask for what Envoy does; EncodeHeaders reports the pod that
+	// really served.
+	if err := dec.SetUpstreamOverrideHost(d.Host, false); err != nil {
 		f.reply(dec, &engine.Error{Status: 503, Type: "invalid_upstream",
 			Message: fmt.Sprintf("chosen host %q cannot be used: %v", d.Host, err), TraceID: d.TraceID})
 		return
@@ -144,7 +151,10 @@ func (f *filter) decide(ctx context.Context, cancel context.CancelFunc, buf api.
 			f.reply(dec, &engine.Error{Status: 500, Type: "internal_error", Message: "cannot replace the request body: " + err.Error(), TraceID: d.TraceID})
 			return
 		}
-		f.reqHeaders.Set("content-length", strconv.Itoa(len(d.Body)))
+		if _, ok := f.reqHeaders.Get("content-length"); ok {
+			// A chunked request (with trailers, say) stays chunked.
+			f.reqHeaders.Set("content-length", strconv.Itoa(len(d.Body)))
+		}
 	}
 	if d.Path != "" {
 		f.reqHeaders.SetPath(d.Path)
@@ -178,6 +188,8 @@ func (f *filter) reply(cb api.FilterProcessCallbacks, e *engine.Error) api.Statu
 	return api.LocalReply
 }
 
+// DecodeTrailers passes request trailers on: the decision already ran on
+// the body (DecodeData), and Envoy holds the trailers until it continued.
 func (f *filter) DecodeTrailers(api.RequestTrailerMap) api.StatusType { return api.Continue }
 
 // --- encode ---
@@ -194,8 +206,16 @@ func (f *filter) EncodeHeaders(h api.ResponseHeaderMap, endStream bool) (st api.
 		return api.Continue
 	}
 	// Name the pod that served the request, so clients and benchmarks can
-	// see where routing sent them (like Envoy's %UPSTREAM_HOST%).
-	h.Set(UpstreamHostHeader, d.Host)
+	// see where routing sent them (like Envoy's %UPSTREAM_HOST%). The
+	// override is not strict (see decide): when the chosen pod was not a
+	// healthy member of the routed cluster, Envoy's load balancer picked
+	// another one, and that is the pod that now holds the prompt's cache.
+	served := d.Host
+	if addr, ok := f.cb.StreamInfo().UpstreamRemoteAddress(); ok && addr != "" {
+		served = addr
+	}
+	f.servedBy = served
+	h.Set(UpstreamHostHeader, served)
 	f.success = f.status >= 200 && f.status < 300
 	if !f.success {
 		f.conf.metrics.Count("upstream_errors", 1)
@@ -211,8 +231,14 @@ func (f *filter) EncodeHeaders(h api.ResponseHeaderMap, endStream bool) (st api.
 		return api.StopAndBuffer
 	}
 	// The backend is answering, so it has (or is building) the prompt's KV
-	// cache: record it for the next requests sharing this prefix.
-	f.conf.engine.Saved(d)
+	// cache: record it for the next requests sharing this prefix — unless
+	// Envoy sent the request elsewhere, where the chosen pod holds nothing.
+	if served == d.Host {
+		f.conf.engine.Saved(d)
+	} else {
+		f.log.Warn("the chosen pod did not serve the request (not a healthy member of the cluster in Envoy)",
+			"trace_id", f.trace(), "chosen", d.Host, "served", served, "cluster", d.Cluster)
+	}
 	if endStream {
 		f.firstToken(d)
 		return api.Continue
@@ -246,9 +272,8 @@ func (f *filter) EncodeData(buf api.BufferInstance, endStream bool) (st api.Stat
 		if !f.buffering {
 			return api.Continue
 		}
-		if !endStream {
-			return api.StopAndBuffer
-		}
+		// After StopAndBuffer the one EncodeData call carries the whole
+		// body, with endStream=false when trailers follow.
 		return f.reply(f.cb.EncoderFilterCallbacks(), &engine.Error{Status: 503, Type: "backend_error",
 			Message: fmt.Sprintf("backend %s answered %d: %s", d.Host, f.status, snippet(buf.Bytes())), TraceID: f.trace()})
 	}
@@ -259,9 +284,7 @@ func (f *filter) EncodeData(buf api.BufferInstance, endStream bool) (st api.Stat
 		return api.Continue
 	}
 	if f.buffering {
-		if !endStream {
-			return api.StopAndBuffer
-		}
+		// The whole body (endStream=false: trailers follow), see above.
 		out, err := d.Response.Body(buf.Bytes())
 		if err != nil {
 			f.conf.metrics.Count("transcode_errors", 1)
@@ -270,7 +293,11 @@ func (f *filter) EncodeData(buf api.BufferInstance, endStream bool) (st api.Stat
 				Message: "backend response could not be transcoded: " + err.Error(), TraceID: f.trace()})
 		}
 		_ = buf.Set(out)
-		f.respHeaders.Set("content-length", strconv.Itoa(len(out)))
+		if _, ok := f.respHeaders.Get("content-length"); ok {
+			// A chunked answer stays chunked: over HTTP/1.1 a content-length
+			// would drop its trailers.
+			f.respHeaders.Set("content-length", strconv.Itoa(len(out)))
+		}
 		return api.Continue
 	}
 	// Streamed: headers are gone, so a bad chunk becomes an SSE error event.
@@ -305,7 +332,27 @@ func (f *filter) firstToken(d *engine.Decision) {
 	f.conf.engine.FirstToken(d)
 }
 
-func (f *filter) EncodeTrailers(api.ResponseTrailerMap) api.StatusType { return api.Continue }
+// EncodeTrailers ends a response that never showed EncodeData(endStream=
+// true): a transcoded stream's tail (the last event, [DONE]) is added
+// before the trailers, as Envoy's addEncodedData does from this callback.
+func (f *filter) EncodeTrailers(api.ResponseTrailerMap) (st api.StatusType) {
+	defer f.recoverPhase(&st, false)
+	d := f.currentDecision()
+	if d == nil || d.Response == nil || !f.success || f.buffering || f.replied() != "" {
+		return api.Continue
+	}
+	tail, err := d.Response.Flush()
+	if err != nil {
+		f.conf.metrics.Count("transcode_errors", 1)
+		f.log.Warn("stream tail transcoding failed", "trace_id", f.trace(), "backend", d.Backend, "err", err)
+		e := &engine.Error{Status: 503, Type: "transcode_failed", Message: "backend stream could not be transcoded: " + err.Error(), TraceID: f.trace()}
+		tail = append(append([]byte("data: "), e.JSON()...), "\n\n"...)
+	}
+	if len(tail) > 0 {
+		f.cb.EncoderFilterCallbacks().AddData(tail, true)
+	}
+	return api.Continue
+}
 
 func (f *filter) currentDecision() *engine.Decision {
 	f.mu.Lock()
@@ -331,7 +378,11 @@ func (f *filter) OnLog(reqH api.RequestHeaderMap, _ api.RequestTrailerMap, respH
 	}
 	attrs := []any{"trace_id", f.trace(), "status", status, "duration_ms", dur.Milliseconds(), "ttft_ms", ttft.Milliseconds()}
 	if d != nil {
-		attrs = append(attrs, "model", d.Model, "backend", d.Host, "cluster", d.Cluster, "scene", d.SceneName,
+		backend := d.Host
+		if f.servedBy != "" {
+			backend = f.servedBy
+		}
+		attrs = append(attrs, "model", d.Model, "backend", backend, "chosen", d.Host, "cluster", d.Cluster, "scene", d.SceneName,
 			"policy", d.Policy, "cache_ratio", d.CacheRatio, "degraded", d.Degraded, "stream", f.streaming,
 			"prompt_length", d.PromptLength)
 	} else if reqH != nil {

@@ -1,6 +1,7 @@
 package llmfilter
 
 import (
+	"sync"
 	"sync/atomic"
 
 	"github.com/envoyproxy/envoy/contrib/golang/common/go/api"
@@ -27,13 +28,24 @@ type Metrics interface {
 
 // envoyMetrics is engine.Metrics over Envoy's stats. The metric handles are
 // defined once in Parse (DefineCounterMetric is a config-time call) and the
-// maps are read-only afterwards, so no lock is needed.
+// maps are read-only afterwards.
+//
+// The handles belong to the config Envoy parsed them for. Envoy expires
+// that config's handle before it calls Destroy (FilterConfig's weak_ptr in
+// cgo.cc envoyGoConfigHandlerWrapper), and from then on the SDK panics on
+// every metric call — from our dispatcher goroutines, a process abort. So
+// close stops all counting under the write lock (no Count is in flight
+// once it returns) and Count recovers the panic of the short window between
+// the handle's expiry and Destroy.
 type envoyMetrics struct {
 	counters map[string]api.CounterMetric
 	gauges   map[string]api.GaugeMetric
+
+	mu     sync.RWMutex
+	closed bool
 }
 
-func newEnvoyMetrics(cb api.ConfigCallbacks) Metrics {
+func newEnvoyMetrics(cb api.ConfigCallbacks) *envoyMetrics {
 	if cb == nil {
 		// Route-level configs are parsed without callbacks; Merge lends them
 		// the listener-level metrics.
@@ -52,6 +64,12 @@ func newEnvoyMetrics(cb api.ConfigCallbacks) Metrics {
 // Count drops names it does not know rather than define metrics on a worker
 // thread: a new name must be added to counterNames.
 func (m *envoyMetrics) Count(name string, delta int64) {
+	m.mu.RLock()
+	defer m.mu.RUnlock()
+	if m.closed {
+		return
+	}
+	defer func() { _ = recover() }() // the config's handle expired: nothing to count into
 	if c, ok := m.counters[name]; ok {
 		if delta > 0 {
 			c.Increment(delta)
@@ -61,6 +79,13 @@ func (m *envoyMetrics) Count(name string, delta int64) {
 	if g, ok := m.gauges[name]; ok {
 		g.Increment(delta)
 	}
+}
+
+// close ends counting: Envoy's Destroy of the config that owns the handles.
+func (m *envoyMetrics) close() {
+	m.mu.Lock()
+	m.closed = true
+	m.mu.Unlock()
 }
 
 // PromMetrics is engine.Metrics over Prometheus, for the standalone gateway.
@@ -106,9 +131,14 @@ func (m *PromMetrics) Count(name string, delta int64) {
 }
 
 // metricsRef is the Metrics a config's engine is built with. Route-level
-// configs are parsed without callbacks, so they start empty and Merge points
-// them at the listener-level config's metrics.
-type metricsRef struct{ p atomic.Pointer[metricsBox] }
+// configs are parsed without callbacks, so they start empty and each Merge
+// points them at the parent config it is merged with: Envoy re-merges a
+// route config with every new listener config, and the previous parent's
+// metrics die with it.
+type metricsRef struct {
+	p   atomic.Pointer[metricsBox]
+	own bool // built with its own metrics: Merge leaves it alone
+}
 
 type metricsBox struct{ m Metrics }
 
@@ -116,6 +146,7 @@ func newMetricsRef(m Metrics) *metricsRef {
 	r := &metricsRef{}
 	if m != nil {
 		r.p.Store(&metricsBox{m})
+		r.own = true
 	}
 	return r
 }
@@ -128,9 +159,25 @@ func (r *metricsRef) Count(name string, delta int64) {
 
 func (r *metricsRef) empty() bool { return r.p.Load() == nil }
 
-// adopt makes r report into other's metrics, unless r has its own.
+// adopt makes r report into other's metrics (the latest parent wins),
+// unless r has its own.
 func (r *metricsRef) adopt(other *metricsRef) {
+	if r.own {
+		return
+	}
 	if b := other.p.Load(); b != nil {
-		r.p.CompareAndSwap(nil, b)
+		r.p.Store(b)
+	}
+}
+
+// close stops r's own Envoy metrics (see envoyMetrics).
+func (r *metricsRef) close() {
+	if !r.own {
+		return
+	}
+	if b := r.p.Load(); b != nil {
+		if em, ok := b.m.(*envoyMetrics); ok {
+			em.close()
+		}
 	}
 }

@@ -70,8 +70,15 @@ type Options struct {
 	MaxRequestBody  int64
 	MaxResponseBody int64
 	// Fallback picks an "ip:port" for requests the filter did not pin
-	// (say GET /v1/models); nil or "" means 503.
+	// (say GET /v1/models); nil or "" means 503. It is the route cluster's
+	// load balancer: Envoy uses it too when a non-strict override names a
+	// host outside the cluster.
 	Fallback func(*http.Request) string
+	// Member, if set, tells whether "ip:port" is a healthy member of the
+	// request's cluster. As in Envoy, an override that is not is ignored
+	// (non-strict: Fallback picks) or fails with 503 no_healthy_upstream
+	// (strict). nil: every host is a member.
+	Member func(r *http.Request, host string) bool
 	// Observe, if set, is told about every finished stream (metrics).
 	Observe func(Outcome)
 	Logger  *slog.Logger
@@ -286,8 +293,16 @@ func (h *Host) readChunks(r io.Reader, limit int64) ([][]byte, error) {
 func (h *Host) forward(ctx context.Context, s *stream, f api.StreamFilter, rw *responseState, hdr *RequestHeaders, body []byte, r *http.Request) *ResponseHeaders {
 	traceID, _ := hdr.Get("x-request-id")
 	s.mu.Lock()
-	target := s.override
+	target, strict := s.override, s.strict
 	s.mu.Unlock()
+	if target != "" && h.opts.Member != nil && !h.opts.Member(r, target) {
+		if strict {
+			return h.localReply(ctx, s, f, rw, &localReply{code: http.StatusServiceUnavailable, details: "no_healthy_upstream",
+				body:    jsonError(http.StatusServiceUnavailable, "no_healthy_upstream", "the override host is not a healthy member of the cluster", traceID),
+				headers: map[string][]string{"content-type": {"application/json"}}}, traceID)
+		}
+		target = ""
+	}
 	if target == "" && h.opts.Fallback != nil {
 		if fb := h.opts.Fallback(r); fb != "" {
 			if norm, err := normalizeAddress(fb); err == nil {

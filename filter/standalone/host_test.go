@@ -845,3 +845,48 @@ func TestFallbackForUnpinnedRequests(t *testing.T) {
 		t.Fatalf("an invalid fallback must be a 503, got %d", resp.StatusCode)
 	}
 }
+
+// As in Envoy: an override outside the cluster is ignored when it came from
+// a goroutine (strict dropped, the cluster's load balancer picks) and fails
+// with 503 when a phase set it strict synchronously.
+func TestOverrideOutsideTheClusterFollowsEnvoy(t *testing.T) {
+	var got seen
+	var h *harness
+	opts := Options{
+		Fallback: func(*http.Request) string { return h.backendAddr() },
+		Member:   func(_ *http.Request, host string) bool { return host == h.backendAddr() },
+	}
+	async := true
+	h = newHarness(t, echoBackend(&got), opts, func(f *testFilter) {
+		f.decodeData = func(f *testFilter, b api.BufferInstance, end bool) api.StatusType {
+			if !async {
+				_ = f.cb.DecoderFilterCallbacks().SetUpstreamOverrideHost("10.255.0.1:80", true)
+				return api.Continue
+			}
+			go func() {
+				defer f.cb.DecoderFilterCallbacks().RecoverPanic()
+				_ = f.cb.DecoderFilterCallbacks().SetUpstreamOverrideHost("10.255.0.1:80", true)
+				f.cb.DecoderFilterCallbacks().Continue(api.Continue)
+			}()
+			return api.Running
+		}
+	})
+	resp, err := http.Post(h.gw.URL+"/x", "application/json", strings.NewReader(`{"a":1}`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	if resp.StatusCode != 200 || got.body != `{"a":1}` {
+		t.Fatalf("goroutine override outside the cluster: status %d, backend saw %q; want the cluster's pick", resp.StatusCode, got.body)
+	}
+	h.rec()
+	async = false
+	resp, err = http.Post(h.gw.URL+"/x", "application/json", strings.NewReader(`{"a":2}`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	if resp.StatusCode != 503 {
+		t.Fatalf("strict override outside the cluster: status %d, want 503", resp.StatusCode)
+	}
+}

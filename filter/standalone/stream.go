@@ -49,6 +49,7 @@ type stream struct {
 
 	mu             sync.Mutex
 	inGo           bool // a phase is waiting on the filter (sync call or Running)
+	async          bool // the phase returned Running: calls come from goroutines
 	encoding       bool // current phase is an encode phase
 	destroyed      bool
 	override       string
@@ -90,10 +91,13 @@ func newStream(h *Host, r *http.Request) *stream {
 // when the client went away while waiting.
 func (s *stream) call(ctx context.Context, encoding bool, fn func() api.StatusType) (st api.StatusType, reply *localReply, ok bool) {
 	s.mu.Lock()
-	s.inGo, s.encoding = true, encoding
+	s.inGo, s.encoding, s.async = true, encoding, false
 	s.mu.Unlock()
 	st = s.protect(fn)
 	if st == api.Running {
+		s.mu.Lock()
+		s.async = true // callbacks now come from the filter's goroutines
+		s.mu.Unlock()
 		select {
 		case ev := <-s.events:
 			if ev.reply != nil {
@@ -241,7 +245,11 @@ func (d decoderCallbacks) SetUpstreamOverrideHost(host string, strict bool) erro
 	if err != nil {
 		return api.ErrInvalidIPAddress
 	}
-	s.override, s.strict = norm, strict
+	// Envoy posts an override made from a goroutine to the worker thread
+	// and applies it with strict=false (golang_filter.cc
+	// setUpstreamOverrideHost); only a phase's own synchronous call keeps
+	// strict.
+	s.override, s.strict = norm, strict && !s.async
 	return nil
 }
 

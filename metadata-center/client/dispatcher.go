@@ -3,6 +3,7 @@ package client
 import (
 	"context"
 	"hash/maphash"
+	"log/slog"
 	"sync"
 	"time"
 )
@@ -103,19 +104,31 @@ func (d *Dispatcher) Pending() int {
 func (d *Dispatcher) work(q chan Task) {
 	defer d.wg.Done()
 	for t := range q {
-		start := time.Now()
-		ctx, cancel := context.WithTimeout(d.ctx, d.opts.Timeout)
-		err := d.ctx.Err()
-		if err == nil {
-			err = t.Run(ctx)
+		d.run(t)
+	}
+}
+
+// run executes one task. Inside Envoy a panic on this goroutine aborts the
+// whole proxy, so it is recovered here and the task counts as failed.
+func (d *Dispatcher) run(t Task) {
+	start := time.Now()
+	ctx, cancel := context.WithTimeout(d.ctx, d.opts.Timeout)
+	defer cancel()
+	defer func() {
+		if e := recover(); e != nil {
+			slog.Error("mcclient: panic in an asynchronous task", "key", t.Key, "panic", e)
 		}
-		cancel()
-		if t.Done != nil {
-			t.Done(err)
-		}
-		if d.opts.OnResult != nil {
-			d.opts.OnResult(t, err, time.Since(start))
-		}
+	}()
+	err := d.ctx.Err()
+	if err == nil {
+		err = t.Run(ctx)
+	}
+	cancel()
+	if t.Done != nil {
+		t.Done(err)
+	}
+	if d.opts.OnResult != nil {
+		d.opts.OnResult(t, err, time.Since(start))
 	}
 }
 

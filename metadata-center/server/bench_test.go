@@ -1,8 +1,6 @@
 package server_test
 
 import (
-	"github.com/istio-llm-filter/istio-llm-filter/prefix"
-
 	"context"
 	"io"
 	"log/slog"
@@ -22,6 +20,7 @@ import (
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/store"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/store/memstore"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/store/redisstore"
+	"github.com/istio-llm-filter/istio-llm-filter/prefix"
 )
 
 // BenchmarkRouteQuery measures the route query of routeload.Default (64

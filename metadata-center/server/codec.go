@@ -1,13 +1,12 @@
 package server
 
 import (
-	"github.com/istio-llm-filter/istio-llm-filter/prefix"
-
 	"encoding/json"
 	"slices"
 	"strconv"
 
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/api"
+	"github.com/istio-llm-filter/istio-llm-filter/prefix"
 )
 
 // The route and cache queries are on every inference request's critical

@@ -1,8 +1,6 @@
 package server
 
 import (
-	"github.com/istio-llm-filter/istio-llm-filter/prefix"
-
 	"bytes"
 	"encoding/json"
 	"fmt"
@@ -11,6 +9,7 @@ import (
 	"testing"
 
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/api"
+	"github.com/istio-llm-filter/istio-llm-filter/prefix"
 )
 
 // TestEncodeMatchesEncodingJSON: the hand-written encoder must be a pure

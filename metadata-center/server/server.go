@@ -5,8 +5,6 @@
 package server
 
 import (
-	"github.com/istio-llm-filter/istio-llm-filter/prefix"
-
 	"context"
 	"crypto/subtle"
 	"encoding/json"
@@ -24,6 +22,7 @@ import (
 
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/api"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/store"
+	"github.com/istio-llm-filter/istio-llm-filter/prefix"
 )
 
 // Defaults of Options.

@@ -1,8 +1,6 @@
 package server
 
 import (
-	"github.com/istio-llm-filter/istio-llm-filter/prefix"
-
 	"errors"
 	"fmt"
 	"net"
@@ -11,6 +9,7 @@ import (
 	"unicode/utf8"
 
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/api"
+	"github.com/istio-llm-filter/istio-llm-filter/prefix"
 )
 
 // Limits on identifiers; far above what Envoy cluster names and request

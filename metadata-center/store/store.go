@@ -9,8 +9,6 @@
 package store
 
 import (
-	"github.com/istio-llm-filter/istio-llm-filter/prefix"
-
 	"context"
 	"errors"
 	"slices"
@@ -19,6 +17,7 @@ import (
 	"time"
 
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/api"
+	"github.com/istio-llm-filter/istio-llm-filter/prefix"
 )
 
 // ErrUnavailable marks failures of the backing store itself (Redis down,

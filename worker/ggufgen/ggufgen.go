@@ -342,8 +342,11 @@ func Write(f *os.File, o Options) error {
 	if err := o.Preset.Validate(); err != nil {
 		return err
 	}
-	specs := o.Preset.tensors()
-	prog := &progress{fn: o.Progress}
+	return writeGGUF(f, o.Preset.kv(), o.Preset.tensors(), o.Seed, o.Progress)
+}
+
+func writeGGUF(f *os.File, kv ggml.KV, specs []tensorSpec, seed uint64, fn func(Progress)) error {
+	prog := &progress{fn: fn}
 	ts := make([]*ggml.Tensor, len(specs))
 	for i, s := range specs {
 		prog.total += int64(s.elements()) * s.bytesPerElement()
@@ -352,9 +355,9 @@ func Write(f *os.File, o Options) error {
 			kind = uint32(ggml.TensorTypeF16)
 		}
 		ts[i] = &ggml.Tensor{Name: s.name, Kind: kind, Shape: s.shape,
-			WriterTo: tensorWriter{spec: s, seed: o.Seed, progress: prog}}
+			WriterTo: tensorWriter{spec: s, seed: seed, progress: prog}}
 	}
-	if err := ggml.WriteGGUF(f, o.Preset.kv(), ts); err != nil {
+	if err := ggml.WriteGGUF(f, kv, ts); err != nil {
 		return fmt.Errorf("ggufgen: write %s: %w", f.Name(), err)
 	}
 	return nil
@@ -362,10 +365,14 @@ func Write(f *os.File, o Options) error {
 
 // WriteFile writes the model to path atomically: readers see either no file
 // or the complete one, even when several processes generate it at once.
-func WriteFile(path string, o Options) (err error) {
+func WriteFile(path string, o Options) error {
 	if err := o.Preset.Validate(); err != nil {
 		return err
 	}
+	return writeAtomic(path, func(f *os.File) error { return Write(f, o) })
+}
+
+func writeAtomic(path string, write func(*os.File) error) (err error) {
 	tmp, err := os.CreateTemp(filepath.Dir(path), "."+filepath.Base(path)+".tmp-*")
 	if err != nil {
 		return fmt.Errorf("ggufgen: %w", err)
@@ -376,7 +383,7 @@ func WriteFile(path string, o Options) (err error) {
 			os.Remove(tmp.Name())
 		}
 	}()
-	if err := Write(tmp, o); err != nil {
+	if err := write(tmp); err != nil {
 		return err
 	}
 	if err := tmp.Sync(); err != nil {

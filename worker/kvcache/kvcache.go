@@ -21,11 +21,11 @@
 package kvcache
 
 import (
-	"github.com/istio-llm-filter/istio-llm-filter/prefix"
-
 	"errors"
 	"fmt"
 	"slices"
+
+	"github.com/istio-llm-filter/istio-llm-filter/prefix"
 )
 
 // Entry is one sequence's cells: Tokens[i] sits at position i of seq Seq.

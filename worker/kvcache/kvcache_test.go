@@ -1,10 +1,10 @@
 package kvcache
 
 import (
-	"github.com/istio-llm-filter/istio-llm-filter/prefix"
-
 	"slices"
 	"testing"
+
+	"github.com/istio-llm-filter/istio-llm-filter/prefix"
 )
 
 func mustNew(t *testing.T, lim Limits) *Manager {

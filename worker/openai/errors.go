@@ -11,6 +11,7 @@ import (
 	"fmt"
 	"net/http"
 	"strconv"
+	"strings"
 	"time"
 )
 
@@ -55,6 +56,17 @@ func BadRequest(param, format string, args ...any) *Error {
 func ModelNotFound(model string) *Error {
 	return &Error{Status: http.StatusNotFound, Type: TypeNotFound, Param: "model",
 		Message: fmt.Sprintf("model %q does not exist on this server", model)}
+}
+
+// AdapterNotFound is the 404 for a LoRA adapter this server has not loaded
+// (or, on an adapter pod, for a request that names none of its adapters).
+func AdapterNotFound(name string, loaded []string) *Error {
+	msg := fmt.Sprintf("lora adapter %q is not loaded on this server", name)
+	if name == "" {
+		msg = "this server serves only its LoRA adapters; name one with \"lora\" or as the model"
+	}
+	return &Error{Status: http.StatusNotFound, Type: TypeNotFound, Param: "lora",
+		Message: fmt.Sprintf("%s (loaded: %s)", msg, strings.Join(loaded, ", "))}
 }
 
 // Timeout is the 408 for a request that ran past its deadline.
@@ -111,9 +123,26 @@ func AsError(err error) *Error {
 	return Internal("internal error")
 }
 
-// WriteError writes err as a JSON error response (see AsError).
-func WriteError(w http.ResponseWriter, err error) {
+// TraceHeader carries a request's trace id: the gateway sets it, the worker
+// echoes it on every answer and names it in errors and logs.
+const TraceHeader = "X-Request-Id"
+
+// withTrace returns err as an *Error naming the trace id the response
+// carries, without changing the caller's value.
+func withTrace(w http.ResponseWriter, err error) *Error {
 	e := AsError(err)
+	if id := w.Header().Get(TraceHeader); e.TraceID == "" && id != "" {
+		c := *e
+		c.TraceID = id
+		e = &c
+	}
+	return e
+}
+
+// WriteError writes err as a JSON error response (see AsError), with the
+// trace id of the response's X-Request-Id header.
+func WriteError(w http.ResponseWriter, err error) {
+	e := withTrace(w, err)
 	body, _ := e.MarshalJSON() // only strings and ints: cannot fail
 	h := w.Header()
 	h.Set("Content-Type", "application/json")

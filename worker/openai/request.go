@@ -181,6 +181,9 @@ type common struct {
 	IgnoreEOS bool   `json:"ignore_eos,omitempty"`
 	MinTokens *int   `json:"min_tokens,omitempty"`
 	User      string `json:"user,omitempty"`
+	// LoRA names the adapter to serve the request with (the gateway routes
+	// on it too: docs/configuration.md).
+	LoRA string `json:"lora,omitempty"`
 
 	// Features this server does not implement. They are read only to refuse
 	// them: ignoring them would silently give the client something else.
@@ -235,6 +238,8 @@ type CompletionRequest struct {
 // Params are the validated generation settings, defaults applied.
 type Params struct {
 	Model string
+	// LoRA is the adapter the request names ("" = none).
+	LoRA string
 	// MaxTokens caps generated tokens; 0 means no cap but the context size.
 	MaxTokens int
 	// Temperature 0 means greedy decoding.
@@ -264,7 +269,7 @@ const (
 
 // Params validates the shared fields and returns them with defaults applied.
 func (c *common) params() (Params, *Error) {
-	p := Params{Model: c.Model, Temperature: DefaultTemperature, TopP: DefaultTopP,
+	p := Params{Model: c.Model, LoRA: c.LoRA, Temperature: DefaultTemperature, TopP: DefaultTopP,
 		Seed: c.Seed, IgnoreEOS: c.IgnoreEOS, Stream: c.Stream}
 	if strings.TrimSpace(c.Model) == "" {
 		return p, BadRequest("model", "model is required")
@@ -449,7 +454,7 @@ func (c *common) fields() []field {
 		{"max_tokens", &c.MaxTokens}, {"max_completion_tokens", &c.MaxCompletionTokens},
 		{"temperature", &c.Temperature}, {"top_p", &c.TopP}, {"seed", &c.Seed},
 		{"stop", &c.Stop}, {"n", &c.N}, {"ignore_eos", &c.IgnoreEOS},
-		{"min_tokens", &c.MinTokens}, {"user", &c.User},
+		{"min_tokens", &c.MinTokens}, {"user", &c.User}, {"lora", &c.LoRA},
 		{"frequency_penalty", &c.FrequencyPenalty}, {"presence_penalty", &c.PresencePenalty},
 		{"logprobs", &c.unsupported.Logprobs}, {"top_logprobs", &c.unsupported.TopLogprobs},
 		{"tools", &c.unsupported.Tools}, {"response_format", &c.unsupported.ResponseFormat},

@@ -74,7 +74,7 @@ func (s *SSEWriter) Error(err error) error {
 		WriteError(s.w, err)
 		return nil
 	}
-	e := AsError(err)
+	e := withTrace(s.w, err)
 	b, mErr := e.MarshalJSON()
 	if mErr != nil {
 		return mErr

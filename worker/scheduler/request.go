@@ -1,14 +1,13 @@
 package scheduler
 
 import (
-	"github.com/istio-llm-filter/istio-llm-filter/prefix"
-
 	"context"
 	"errors"
 	"fmt"
 	"sync"
 	"time"
 
+	"github.com/istio-llm-filter/istio-llm-filter/prefix"
 	"github.com/istio-llm-filter/istio-llm-filter/worker/engine"
 )
 

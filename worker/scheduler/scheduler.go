@@ -14,8 +14,6 @@
 package scheduler
 
 import (
-	"github.com/istio-llm-filter/istio-llm-filter/prefix"
-
 	"context"
 	"errors"
 	"fmt"
@@ -24,6 +22,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/istio-llm-filter/istio-llm-filter/prefix"
 	"github.com/istio-llm-filter/istio-llm-filter/worker/engine"
 	"github.com/istio-llm-filter/istio-llm-filter/worker/kvcache"
 	"github.com/istio-llm-filter/istio-llm-filter/worker/seqpool"

@@ -16,8 +16,10 @@ import (
 	"fmt"
 	"log/slog"
 	"net/http"
+	"slices"
 	"time"
 
+	"github.com/google/uuid"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
@@ -34,7 +36,11 @@ type Config struct {
 	// name is echoed and seeds the prompt hashes, as the router hashes it.
 	ModelName   string
 	StrictModel bool
-	Template    openai.Template
+	// Adapters are the LoRA adapters the engine applies to every sequence
+	// (an adapter pod). Requests must name one, by "lora" or as the model;
+	// /v1/models lists them beside the base model.
+	Adapters []string
+	Template openai.Template
 	// HashChunkSize must equal the router's prompt_hash.chunk_size.
 	HashChunkSize  int
 	MaxBodyBytes   int64
@@ -87,10 +93,22 @@ func New(sched *scheduler.Scheduler, eng engine.Engine, cfg Config) *Server {
 	return s
 }
 
-func (s *Server) ServeHTTP(w http.ResponseWriter, r *http.Request) { s.mux.ServeHTTP(w, r) }
+// ServeHTTP gives every request a trace id (the gateway's X-Request-Id, or
+// a new one) and echoes it, so errors and log lines name it.
+func (s *Server) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	id := r.Header.Get(openai.TraceHeader)
+	if id == "" || len(id) > maxTraceID {
+		id = uuid.NewString()
+	}
+	w.Header().Set(openai.TraceHeader, id)
+	s.mux.ServeHTTP(w, r)
+}
+
+// maxTraceID bounds an echoed trace id; a longer one is replaced.
+const maxTraceID = 256
 
 func (s *Server) models(w http.ResponseWriter, r *http.Request) {
-	openai.WriteJSON(w, http.StatusOK, openai.NewModelList(s.started, "istio-llm-filter", s.cfg.ModelName))
+	openai.WriteJSON(w, http.StatusOK, openai.NewModelList(s.started, "istio-llm-filter", append([]string{s.cfg.ModelName}, s.cfg.Adapters...)...))
 }
 
 func (s *Server) healthz(w http.ResponseWriter, r *http.Request) {
@@ -109,9 +127,24 @@ type job struct {
 	chat    bool
 }
 
-func (s *Server) checkModel(model string) *openai.Error {
-	if s.cfg.StrictModel && model != s.cfg.ModelName {
-		return openai.ModelNotFound(model)
+func (s *Server) checkModel(p openai.Params) *openai.Error {
+	if len(s.cfg.Adapters) > 0 {
+		// The adapters run on every sequence of this engine: a request that
+		// names none of them would silently get adapted output.
+		switch {
+		case p.LoRA != "" && !slices.Contains(s.cfg.Adapters, p.LoRA):
+			return openai.AdapterNotFound(p.LoRA, s.cfg.Adapters)
+		case p.LoRA == "" && !slices.Contains(s.cfg.Adapters, p.Model):
+			return openai.AdapterNotFound("", s.cfg.Adapters)
+		}
+		if slices.Contains(s.cfg.Adapters, p.Model) {
+			return nil
+		}
+	} else if p.LoRA != "" {
+		return openai.AdapterNotFound(p.LoRA, nil)
+	}
+	if s.cfg.StrictModel && p.Model != s.cfg.ModelName {
+		return openai.ModelNotFound(p.Model)
 	}
 	return nil
 }
@@ -127,7 +160,7 @@ func (s *Server) chat(w http.ResponseWriter, r *http.Request) {
 		openai.WriteError(w, e)
 		return
 	}
-	if e := s.checkModel(params.Model); e != nil {
+	if e := s.checkModel(params); e != nil {
 		openai.WriteError(w, e)
 		return
 	}
@@ -157,7 +190,7 @@ func (s *Server) completion(w http.ResponseWriter, r *http.Request) {
 		openai.WriteError(w, e)
 		return
 	}
-	if e := s.checkModel(params.Model); e != nil {
+	if e := s.checkModel(params); e != nil {
 		openai.WriteError(w, e)
 		return
 	}
@@ -315,7 +348,7 @@ func (s *Server) generate(w http.ResponseWriter, r *http.Request, j *job) {
 			if text != "" {
 				out.text(text)
 			}
-			s.log.Info("request failed", "id", j.id, "state", res.State.String(), "err", res.Err)
+			s.log.Info("request failed", "id", j.id, "trace_id", w.Header().Get(openai.TraceHeader), "state", res.State.String(), "err", res.Err)
 			out.fail(s.resultError(res))
 			return
 		}

@@ -146,7 +146,7 @@ func run(ctx context.Context, args []string, logOut io.Writer, ready chan<- net.
 	if err != nil {
 		return err
 	}
-	defer conf.Destroy()
+	defer conf.Close()
 
 	var fallback func(*http.Request) string
 	if fc.DefaultCluster != "" {
@@ -159,8 +159,21 @@ func run(ctx context.Context, args []string, logOut io.Writer, ready chan<- net.
 			return pods[(next.Add(1)-1)%uint64(len(pods))]
 		}
 	}
+	// The pods the gateway knows form its clusters: like Envoy it sends a
+	// request only to a member, whatever host the filter names.
+	var member func(*http.Request, string) bool
+	if len(cfg.Endpoints.Static) > 0 {
+		members := map[string]bool{}
+		for _, pods := range cfg.Endpoints.Static {
+			for _, p := range pods {
+				members[p] = true
+			}
+		}
+		member = func(_ *http.Request, host string) bool { return members[host] }
+	}
 	host, err := standalone.New(standalone.Options{
 		Fallback:       fallback,
+		Member:         member,
 		Factory:        llmfilter.Factory,
 		Config:         conf,
 		MaxRequestBody: int64(cfg.MaxBodyBytes),

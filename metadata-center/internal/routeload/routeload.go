@@ -10,8 +10,6 @@
 package routeload
 
 import (
-	"github.com/istio-llm-filter/istio-llm-filter/prefix"
-
 	"bufio"
 	"bytes"
 	"context"
@@ -30,6 +28,7 @@ import (
 
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/api"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/store"
+	"github.com/istio-llm-filter/istio-llm-filter/prefix"
 )
 
 // Scenario sizes the index and the load.

@@ -10,8 +10,6 @@
 package memstore
 
 import (
-	"github.com/istio-llm-filter/istio-llm-filter/prefix"
-
 	"container/list"
 	"context"
 	"slices"
@@ -20,6 +18,7 @@ import (
 
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/api"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/store"
+	"github.com/istio-llm-filter/istio-llm-filter/prefix"
 )
 
 // DefaultMaxEntries bounds the index when Options.MaxEntries is 0. An entry

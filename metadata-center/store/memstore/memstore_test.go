@@ -1,8 +1,6 @@
 package memstore_test
 
 import (
-	"github.com/istio-llm-filter/istio-llm-filter/prefix"
-
 	"context"
 	"fmt"
 	"reflect"
@@ -13,6 +11,7 @@ import (
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/store"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/store/memstore"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/store/storetest"
+	"github.com/istio-llm-filter/istio-llm-filter/prefix"
 )
 
 func TestContract(t *testing.T) {

@@ -1,14 +1,13 @@
 package redisstore_test
 
 import (
-	"github.com/istio-llm-filter/istio-llm-filter/prefix"
-
 	"context"
 	"testing"
 
 	"github.com/istio-llm-filter/istio-llm-filter/internal/testutil/redistest"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/internal/routeload"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/store/redisstore"
+	"github.com/istio-llm-filter/istio-llm-filter/prefix"
 )
 
 // BenchmarkSaveCache measures the write that follows most requests: a host

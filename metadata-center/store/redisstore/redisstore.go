@@ -16,8 +16,6 @@
 package redisstore
 
 import (
-	"github.com/istio-llm-filter/istio-llm-filter/prefix"
-
 	"context"
 	"errors"
 	"fmt"
@@ -31,6 +29,7 @@ import (
 
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/api"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/store"
+	"github.com/istio-llm-filter/istio-llm-filter/prefix"
 )
 
 // Defaults of Options.

@@ -1,8 +1,6 @@
 package redisstore_test
 
 import (
-	"github.com/istio-llm-filter/istio-llm-filter/prefix"
-
 	"context"
 	"errors"
 	"fmt"
@@ -19,6 +17,7 @@ import (
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/store"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/store/redisstore"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/store/storetest"
+	"github.com/istio-llm-filter/istio-llm-filter/prefix"
 )
 
 func newStore(t *testing.T, srv *redistest.Server, o redisstore.Options) *redisstore.Store {

@@ -4,8 +4,6 @@
 package storetest
 
 import (
-	"github.com/istio-llm-filter/istio-llm-filter/prefix"
-
 	"context"
 	"fmt"
 	"reflect"
@@ -15,6 +13,7 @@ import (
 
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/api"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/store"
+	"github.com/istio-llm-filter/istio-llm-filter/prefix"
 )
 
 // Config is what a factory must honour: TTLs and a clock the suite moves.

@@ -2,7 +2,9 @@
 // byte-level vocabulary: the model tests, benchmarks and the local stack run
 // on, since no model can be downloaded here.
 //
-//	go run ./worker/cmd/mkmodel --out var/models/tiny.gguf [--preset tiny|bench] [--seed N]
+//	go run ./worker/cmd/mkmodel --out var/models/tiny.gguf [--preset tiny|bench] [--seed N] [--lora-out PATH]
+//
+// --lora-out also writes a LoRA adapter for the model (worker --lora name=PATH).
 package main
 
 import (
@@ -31,6 +33,9 @@ func run(args []string, stdout, stderr io.Writer) error {
 	preset := fs.String("preset", "tiny", "model shape: "+strings.Join(ggufgen.PresetNames(), "|"))
 	seed := fs.Uint64("seed", ggufgen.DefaultSeed, "random seed; the same seed gives a byte-identical file")
 	quiet := fs.Bool("quiet", false, "do not print progress")
+	loraOut := fs.String("lora-out", "", "also write a LoRA adapter for this model to this path")
+	loraSeed := fs.Uint64("lora-seed", 7, "random seed of the adapter's weights")
+	loraRank := fs.Int("lora-rank", 8, "rank of the adapter")
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
@@ -65,6 +70,17 @@ func run(args []string, stdout, stderr io.Writer) error {
 	}
 	if err := ggufgen.WriteFile(*out, opts); err != nil {
 		return err
+	}
+	if *loraOut != "" {
+		if err := os.MkdirAll(filepath.Dir(*loraOut), 0o755); err != nil {
+			return err
+		}
+		if err := ggufgen.WriteLoRAFile(*loraOut, ggufgen.LoRAOptions{Preset: p, Seed: *loraSeed, Rank: *loraRank}); err != nil {
+			return err
+		}
+		if !*quiet {
+			fmt.Fprintf(stdout, "mkmodel: wrote LoRA adapter %s (rank %d, seed %d)\n", *loraOut, *loraRank, *loraSeed)
+		}
 	}
 	if !*quiet {
 		st, err := os.Stat(*out)

@@ -20,6 +20,8 @@ import (
 	"os"
 	"os/signal"
 	"path/filepath"
+	"slices"
+	"strconv"
 	"strings"
 	"syscall"
 	"time"
@@ -57,6 +59,7 @@ type options struct {
 	timeout, cleanup                                                                       time.Duration
 	strictModel, flashAttn                                                                 bool
 	simCost                                                                                sim.Cost
+	lora                                                                                   []llama.LoRA
 	simBytesPerToken                                                                       int64
 }
 
@@ -88,6 +91,17 @@ func parse(args []string, stderr io.Writer) (*options, error) {
 	fs.BoolVar(&o.strictModel, "strict-model-name", false, "answer 404 to requests naming another model")
 	fs.IntVar(&o.hashChunk, "prompt-hash-chunk-size", prefix.DefaultChunkSize, "the router's prompt_hash.chunk_size")
 	fs.StringVar(&o.logLevel, "log-level", "info", "debug, info, warn or error")
+	fs.Func("lora", "load a LoRA adapter, name=path[:scale] (repeatable); the worker then serves only requests naming an adapter", func(v string) error {
+		a, err := parseLoRA(v)
+		if err != nil {
+			return err
+		}
+		if slices.Contains(o.adapterNames(), a.Name) {
+			return fmt.Errorf("lora %q given twice", a.Name)
+		}
+		o.lora = append(o.lora, a)
+		return nil
+	})
 	def := sim.BenchCost()
 	fs.DurationVar(&o.simCost.StepOverhead, "sim-step-overhead", def.StepOverhead, "sim: cost of every decode step")
 	fs.DurationVar(&o.simCost.PerToken, "sim-per-token", def.PerToken, "sim: cost per evaluated token")
@@ -205,7 +219,7 @@ func run(ctx context.Context, args []string, stderr io.Writer, ready func(addr s
 	}()
 
 	srv := server.New(sched, eng, server.Config{
-		ModelName: o.modelName, StrictModel: o.strictModel, Template: tmpl, HashChunkSize: o.hashChunk,
+		ModelName: o.modelName, StrictModel: o.strictModel, Adapters: o.adapterNames(), Template: tmpl, HashChunkSize: o.hashChunk,
 		RequestTimeout: o.timeout, Registry: reg, Logger: log,
 	})
 	ln, err := net.Listen("tcp", o.listen)
@@ -251,7 +265,7 @@ func openEngine(o *options, log *slog.Logger) (engine.Engine, openai.Template, e
 	}
 	if o.engine == "llama" {
 		eng, err := llama.Open(llama.Config{ModelPath: o.model, Name: o.modelName, NCtx: o.nCtx, NBatch: o.nBatch,
-			NSeqMax: o.nSeqMax, Threads: o.threads, KVCacheType: o.kvType, FlashAttention: o.flashAttn})
+			NSeqMax: o.nSeqMax, Threads: o.threads, KVCacheType: o.kvType, FlashAttention: o.flashAttn, LoRA: o.lora})
 		return eng, tmpl, err
 	}
 	cfg := sim.Config{Name: o.modelName, NCtx: o.nCtx, NBatch: o.nBatch, NSeqMax: o.nSeqMax, Cost: o.simCost, BytesPerToken: o.simBytesPerToken}
@@ -284,4 +298,33 @@ func schedulerSignals(s *scheduler.Scheduler) mcreport.SignalSource {
 		}
 		return sig
 	})
+}
+
+// parseLoRA reads --lora name=path[:scale].
+func parseLoRA(v string) (llama.LoRA, error) {
+	name, path, ok := strings.Cut(v, "=")
+	if !ok || name == "" || path == "" {
+		return llama.LoRA{}, fmt.Errorf("want name=path[:scale], got %q", v)
+	}
+	a := llama.LoRA{Name: name, Path: path}
+	if i := strings.LastIndexByte(path, ':'); i > 0 {
+		if f, err := strconv.ParseFloat(path[i+1:], 32); err == nil {
+			if f <= 0 {
+				return llama.LoRA{}, fmt.Errorf("lora %q: scale must be positive, got %v", name, f)
+			}
+			a.Path, a.Scale = path[:i], float32(f)
+		}
+	}
+	if _, err := os.Stat(a.Path); err != nil {
+		return llama.LoRA{}, fmt.Errorf("lora %q: %w", name, err)
+	}
+	return a, nil
+}
+
+func (o *options) adapterNames() []string {
+	var names []string
+	for _, a := range o.lora {
+		names = append(names, a.Name)
+	}
+	return names
 }

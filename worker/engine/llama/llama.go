@@ -33,6 +33,16 @@ type Config struct {
 	KVCacheType string
 	// FlashAttention selects llama.cpp's fused attention kernel.
 	FlashAttention bool
+	// LoRA adapters applied to the whole context: every sequence this
+	// engine computes runs with them (an adapter pod serves one adapter set).
+	LoRA []LoRA
+}
+
+// LoRA is one adapter file and the scale llama.cpp applies it with.
+type LoRA struct {
+	Name  string
+	Path  string
+	Scale float32 // 0 = 1
 }
 
 // Engine owns one llama.cpp model and context.
@@ -133,6 +143,18 @@ func Open(cfg Config) (*Engine, error) {
 	if err != nil {
 		ll.FreeModel(model)
 		return nil, err
+	}
+	for _, a := range cfg.LoRA {
+		scale := a.Scale
+		if scale == 0 {
+			scale = 1
+		}
+		// llama.cpp checks the adapter's architecture and tensor shapes
+		// against the model, so a wrong base model fails here, at start.
+		if err := model.ApplyLoraFromFile(lc, a.Path, scale, cfg.Threads); err != nil {
+			ll.FreeModel(model)
+			return nil, fmt.Errorf("llama: lora %q (%s): %w", a.Name, a.Path, err)
+		}
 	}
 	batch, err := ll.NewBatch(cfg.NBatch, 1, 0)
 	if err != nil {
