@@ -245,7 +245,6 @@ func lowIsBest(hosts []Host, out []float64, key func(*Host) float64) {
 const (
 	ScorerPrefix       = "prefix"        // cached share of the prompt
 	ScorerPrefixHerd   = "prefix_herd"   // ... with herd control (herd_share)
-	ScorerPrefixReady  = "prefix_ready"  // ... and discounted by the prefill queued ahead
 	ScorerSeedLoad     = "seed_load"     // the seed's request term, W2·delta/5 past delta 5
 	ScorerSeedPrefill  = "seed_prefill"  // the seed's prefill term: others' queued prompt
 	ScorerOwnPrefill   = "own_prefill"   // ... plus the request's own uncached prefill
@@ -265,17 +264,10 @@ const (
 // PrefixScorer is the cached share of the prompt on each pod. With Herd it
 // applies herd control: a pod that took more than herd_share times its fair
 // share of recent decisions and is busier than the idlest pod scores 0.
-// With Ready the share is discounted by the prefill queued ahead of the
-// request there, ratio·L/(L+pending): a prefix held by a pod that has a cold
-// prompt to prefill first is worth less than the same prefix on a pod that
-// can start now.
-type PrefixScorer struct{ Herd, Ready bool }
+type PrefixScorer struct{ Herd bool }
 
 func (p PrefixScorer) Name() string {
-	switch {
-	case p.Ready:
-		return ScorerPrefixReady
-	case p.Herd:
+	if p.Herd {
 		return ScorerPrefixHerd
 	}
 	return ScorerPrefix
@@ -285,9 +277,6 @@ func (p PrefixScorer) Score(s *State, out []float64) {
 	if !p.Herd || s.Rule.HerdShare <= 0 {
 		for i := range s.Hosts {
 			out[i] = s.Hosts[i].CacheRatio
-			if h := &s.Hosts[i]; p.Ready && h.Prompt > 0 && s.PromptLength > 0 {
-				out[i] *= float64(s.PromptLength) / float64(s.PromptLength+h.Prompt)
-			}
 		}
 		return
 	}
@@ -296,11 +285,7 @@ func (p PrefixScorer) Score(s *State, out []float64) {
 		minReqs = min(minReqs, s.Hosts[i].Reqs)
 	}
 	for i := range s.Hosts {
-		h := &s.Hosts[i]
-		out[i] = herdRatio(h, s.Rule.HerdShare/float64(len(s.Hosts)), minReqs)
-		if p.Ready && h.Prompt > 0 && s.PromptLength > 0 {
-			out[i] *= float64(s.PromptLength) / float64(s.PromptLength+h.Prompt)
-		}
+		out[i] = herdRatio(&s.Hosts[i], s.Rule.HerdShare/float64(len(s.Hosts)), minReqs)
 	}
 }
 
@@ -540,7 +525,7 @@ func builtinProfiles() []*Profile {
 // builtinScorers returns every built-in scorer by name.
 func builtinScorers() map[string]Scorer {
 	m := map[string]Scorer{}
-	for _, s := range []Scorer{PrefixScorer{}, PrefixScorer{Herd: true}, PrefixScorer{Herd: true, Ready: true}, SeedLoad{}, PrefillScorer{}, PrefillScorer{Own: true},
+	for _, s := range []Scorer{PrefixScorer{}, PrefixScorer{Herd: true}, SeedLoad{}, PrefillScorer{}, PrefillScorer{Own: true},
 		LeastRequestScorer{}, QueueScorer{}, KVCacheScorer{}, RecentShareScorer{}} {
 		m[s.Name()] = s
 	}
