@@ -1,4 +1,4 @@
-// Package balancer chooses the pod for a request (seed 002 §4, ChooseServer):
+// Package balancer chooses the pod for a request:
 // label-selector filtering, then a per-cluster Policy over what the metadata
 // center says about load, cached prefixes and the pods' own signals,
 // corrected by this gateway's own in-flight requests that the metadata

@@ -7,7 +7,7 @@ import "github.com/istio-llm-filter/istio-llm-filter/filter/config"
 // profiles are tested against (their weighted sums differ from it by the
 // constant W2'+W3, and cache_aware's by its share tie-break).
 
-// Scores computes the seed 002 §4 score of every host, with each host's
+// Scores computes the seed formula's score of every host, with each host's
 // prompt term counting promptLen·(1−cacheRatio) of its own for the request
 // while any host has prefill pending (promptLen 0: the seed's score exactly).
 func Scores(hosts []Host, rule config.LBRule, promptLen int64, out []float64) []float64 {
