@@ -44,7 +44,9 @@ const (
 	PolicyPrefixOnly   = "prefix_only"   // longest cached prefix, ties random
 )
 
-// Policies lists the valid policy names.
+// Policies lists the policy names every build knows. The balancer adds
+// profiles (seed, epp, sglang) and any registered from Go; the engine checks
+// a rule's names against it when it starts.
 func Policies() []string {
 	return []string{PolicyCacheAware, PolicyRoundRobin, PolicyRandom, PolicyLeastRequest, PolicyPrefixOnly}
 }
@@ -166,9 +168,21 @@ func (m LBMapping) For(cluster string) LBRule {
 // LBRule is one entry of lb_mapping_rule. Weights are the seed 002 §4 score's:
 // score = W1·cacheRatio − W2'·(reqs−minReqs)/delta − W3·prompt/maxPrompt.
 type LBRule struct {
-	// Policy (key `policy`, default "cache_aware") is one of cache_aware,
-	// round_robin, random, least_request, prefix_only.
+	// Policy (key `policy`, default "cache_aware") names a policy or scoring
+	// profile of the balancer: cache_aware, seed, epp, sglang, round_robin,
+	// random, least_request, prefix_only, or one registered from Go.
+	// Parsing accepts any name of [a-z0-9_]; the engine refuses unknown ones
+	// when it starts.
 	Policy string
+	// Scorers (key `scorers`, optional) replaces the profile's scorers:
+	// scorer name -> weight (0..1000).
+	Scorers map[string]float64
+	// Filters (key `filters`, optional) replaces the profile's pod filters
+	// (names, applied in order); an empty list removes them.
+	Filters []string
+	// Picker (key `picker`, optional) replaces the profile's picker:
+	// top_percent or max_score.
+	Picker string
 	// CacheRatioWeight (key `cache_ratio_weight`, W1, default 2, 0..1000).
 	CacheRatioWeight float64
 	// RequestLoadWeight (key `request_load_weight`, W2, default 1, 0..1000).

@@ -34,6 +34,7 @@ import (
 	"time"
 
 	"github.com/google/uuid"
+	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/istio-llm-filter/istio-llm-filter/filter/balancer"
 	"github.com/istio-llm-filter/istio-llm-filter/filter/config"
@@ -86,8 +87,12 @@ type Options struct {
 	Updater Updater
 	// Transcoders adds or replaces protocols by name.
 	Transcoders map[string]transcode.Transcoder
-	// Policies adds or replaces load-balancing policies by name.
+	// Policies adds or replaces load-balancing policies by name; Scorers
+	// adds scorers for the lb rule's `scorers` key.
 	Policies map[string]balancer.Policy
+	Scorers  map[string]balancer.Scorer
+	// Registerer, if set, gets the balancer's per-stage latency histogram.
+	Registerer prometheus.Registerer
 }
 
 // Engine is safe for concurrent use.
@@ -178,7 +183,8 @@ func New(cfg *config.Config, opts Options) (*Engine, error) {
 		src:     opts.Endpoints,
 		rules:   rules.New(cfg.ModelMappingRule),
 		hasher:  prefix.Hasher{ChunkSize: cfg.PromptHash.ChunkSize},
-		bal:     balancer.New(balancer.Options{IntN: opts.IntN, Policies: opts.Policies}),
+		bal: balancer.New(balancer.Options{IntN: opts.IntN, Policies: opts.Policies, Scorers: opts.Scorers,
+			Logger: opts.Logger, Registerer: opts.Registerer}),
 		router:  opts.Router,
 		updater: opts.Updater,
 		qto:     cfg.MetadataCenter.QueryTimeout,
@@ -191,6 +197,14 @@ func New(cfg *config.Config, opts Options) (*Engine, error) {
 	}
 	if e.qto <= 0 {
 		e.qto = config.DefaultQueryTimeout
+	}
+	if err := e.bal.Check(cfg.LBMappingRule.Default); err != nil {
+		return nil, fmt.Errorf("engine: lb_mapping_rule.default: %w", err)
+	}
+	for cluster, r := range cfg.LBMappingRule.Clusters {
+		if err := e.bal.Check(r); err != nil {
+			return nil, fmt.Errorf("engine: lb_mapping_rule.%s: %w", cluster, err)
+		}
 	}
 	oa := openai.Transcoder{LazyCanonical: true}
 	e.codecs = transcode.Registry{"openai": oa, "triton": triton.New(oa)}
@@ -505,7 +519,7 @@ func (e *Engine) query(ctx context.Context, trace, cluster string, hashes []stri
 		e.warn("route query failed: routing without metadata", "trace_id", trace, "cluster", cluster, "err", err)
 		return balancer.View{Degraded: true}
 	}
-	v := balancer.View{Load: ans.Load}
+	v := balancer.View{Load: ans.Load, Signals: ans.Signals}
 	if len(ans.Cache) > 0 {
 		if sc.cache == nil {
 			sc.cache = make(map[string]int, len(ans.Cache))

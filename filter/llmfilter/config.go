@@ -11,6 +11,7 @@ package llmfilter
 
 import (
 	"fmt"
+	"github.com/prometheus/client_golang/prometheus"
 	"log/slog"
 	"net/http"
 	"sync"
@@ -45,6 +46,9 @@ type ParserOptions struct {
 	Outlier    *endpoints.Outlier
 	Logger     *slog.Logger
 	HTTPClient *http.Client // metadata-center client; nil: the engine's default
+	// Registerer, if set, gets the balancer's per-stage latency histogram
+	// (the standalone gateway's registry; inside Envoy there is none).
+	Registerer prometheus.Registerer
 }
 
 // Parser is the api.StreamFilterConfigParser of the plugin.
@@ -132,6 +136,7 @@ func (p *Parser) Build(cfg *config.Config, m Metrics) (*Config, error) {
 		Metrics:    ref,
 		Logger:     p.opts.Logger,
 		HTTPClient: p.opts.HTTPClient,
+		Registerer: p.opts.Registerer,
 	})
 	if err != nil {
 		release()

@@ -196,6 +196,13 @@ func (c *Client) EvictCache(ctx context.Context, r api.CacheEvict) error {
 	return c.do(ctx, "cache evict", http.MethodPost, api.PathCacheEvict, r, nil)
 }
 
+// ReportSignals is POST /v1/pods/signals: a pod's report about itself.
+func (c *Client) ReportSignals(ctx context.Context, r api.PodReport) error {
+	ctx, cancel := context.WithTimeout(ctx, c.updateTimeout)
+	defer cancel()
+	return c.do(ctx, "pod signals", http.MethodPost, api.PathPodSignals, r, nil)
+}
+
 func (c *Client) do(ctx context.Context, op, method, path string, in, out any) error {
 	body, err := json.Marshal(in)
 	if err != nil {

@@ -14,6 +14,8 @@ type metrics struct {
 	requests    *prometheus.CounterVec
 	latency     *prometheus.HistogramVec
 	storeErrors *prometheus.CounterVec
+	// signalReports counts pods' reports accepted (pushed and scraped).
+	signalReports prometheus.Counter
 	// chunkMismatch counts eviction reports refused because the worker
 	// hashes with another chunk size than the cluster's gateways.
 	chunkMismatch prometheus.Counter
@@ -41,7 +43,11 @@ func newMetrics(reg *prometheus.Registry, st store.Store, timeout time.Duration)
 			Help: "Eviction reports refused (409) because the worker's prompt-hash chunk size differs from the cluster's gateways'.",
 		}),
 	}
-	reg.MustRegister(m.requests, m.latency, m.storeErrors, m.chunkMismatch, newGauges(st, timeout, m.storeErrors))
+	m.signalReports = prometheus.NewCounter(prometheus.CounterOpts{
+		Namespace: "llmf", Subsystem: "metadata_center", Name: "pod_signal_reports_total",
+		Help: "Pods' reports about themselves accepted through POST /v1/pods/signals.",
+	})
+	reg.MustRegister(m.requests, m.latency, m.storeErrors, m.chunkMismatch, m.signalReports, newGauges(st, timeout, m.storeErrors))
 	return m
 }
 

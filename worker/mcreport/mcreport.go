@@ -59,6 +59,7 @@ type Reporter struct {
 
 	sent    *prometheus.CounterVec
 	dropped prometheus.Counter
+	signals *prometheus.CounterVec
 }
 
 // New validates cfg.
@@ -85,10 +86,11 @@ func New(cfg Config) (*Reporter, error) {
 			Help: "POST /v1/cache/evict calls by result (ok, error, rejected)."}, []string{"result"}),
 		dropped: prometheus.NewCounter(prometheus.CounterOpts{Name: "llmf_worker_evict_hashes_dropped_total",
 			Help: "Evicted hashes not reported because the pending set was full."}),
+		signals: newSignalCounter(),
 	}
 	r.idle = sync.NewCond(&r.mu)
 	if cfg.Registerer != nil {
-		cfg.Registerer.MustRegister(r.sent, r.dropped)
+		cfg.Registerer.MustRegister(r.sent, r.dropped, r.signals)
 	}
 	return r, nil
 }

@@ -101,6 +101,9 @@ type Scheduler struct {
 	queue   []*task
 	closed  bool
 	running int // published for Stats
+	// published for Stats (the pod's signals to the router): prompt tokens
+	// of the running set still to prefill, and KV cells in use.
+	setPrefill, kvUsed int
 
 	// loop-owned
 	set      []*task // the running set, in admission order
@@ -258,17 +261,33 @@ func (s *Scheduler) Submit(ctx context.Context, r *Request) (*Handle, error) {
 	return t.h, nil
 }
 
-// Stats is a snapshot for health answers.
+// Stats is a snapshot for health answers and the pod's signals.
 type Stats struct {
 	Queued, Running int
+	// PrefillTokens are prompt tokens not yet evaluated, queued or in the
+	// running set (cache hits of queued requests are not known yet and
+	// count in full).
+	PrefillTokens int
+	// KVCellsUsed are the context's cells in use (engines that count them;
+	// otherwise the KV-cache manager's tokens, which count a shared prefix
+	// once per entry), of KVCells.
+	KVCellsUsed, KVCells int
 }
 
-// Stats returns queue and running-set sizes.
+// Stats returns queue and running-set sizes, as of the last step for the
+// running set.
 func (s *Scheduler) Stats() Stats {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	return Stats{Queued: len(s.queue), Running: s.running}
+	st := Stats{Queued: len(s.queue), Running: s.running, PrefillTokens: s.setPrefill, KVCellsUsed: s.kvUsed, KVCells: s.info.NCtx}
+	for _, t := range s.queue {
+		st.PrefillTokens += len(t.toks)
+	}
+	return st
 }
+
+// cellCounter is implemented by engines that know their used KV cells.
+type cellCounter interface{ UsedCells() int }
 
 // Run is the loop; it owns the engine until ctx ends, then fails whatever is
 // left with ErrShutdown and returns.
@@ -672,16 +691,24 @@ func (s *Scheduler) shutdown() {
 }
 
 func (s *Scheduler) publish() {
-	pending, processing := 0, 0
+	pending, processing, prefill := 0, 0, 0
 	for _, t := range s.set {
 		if t.state == Pending {
 			pending++
 		} else {
 			processing++
 		}
+		if t.nGen == 0 {
+			prefill += max(0, len(t.toks)-t.past)
+		}
+	}
+	used := int(s.kv.Books().Items())
+	if cc, ok := s.eng.(cellCounter); ok {
+		used = cc.UsedCells()
 	}
 	s.mu.Lock()
 	s.running = len(s.set)
+	s.setPrefill, s.kvUsed = prefill, used
 	s.mu.Unlock()
 	s.m.running.WithLabelValues("PENDING").Set(float64(pending))
 	s.m.running.WithLabelValues("PROCESSING").Set(float64(processing))

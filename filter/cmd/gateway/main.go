@@ -141,7 +141,7 @@ func run(ctx context.Context, args []string, logOut io.Writer, ready chan<- net.
 	// failed, as Envoy's outlier detection would, so a dead worker stops
 	// being chosen until it answers again.
 	outlier := endpoints.NewOutlier(endpoints.OutlierOptions{})
-	parser := llmfilter.NewParser(llmfilter.ParserOptions{Registry: endpoints.NewRegistry(logger), Outlier: outlier, Logger: logger})
+	parser := llmfilter.NewParser(llmfilter.ParserOptions{Registry: endpoints.NewRegistry(logger), Outlier: outlier, Logger: logger, Registerer: reg})
 	conf, err := parser.Build(cfg, pm)
 	if err != nil {
 		return err

@@ -89,7 +89,8 @@ filter:
 
 	// A request is counted when its handler returns, which can be just
 	// after the client has read the whole answer: poll briefly.
-	wants := []string{`llm_filter_events_total{event="routed"} 1`, `llm_filter_events_total{event="requests"} 3`, `llm_gateway_requests_total{code="200",local="false"} 2`}
+	wants := []string{`llm_filter_events_total{event="routed"} 1`, `llm_filter_events_total{event="requests"} 3`, `llm_gateway_requests_total{code="200",local="false"} 2`,
+		`llm_filter_balancer_stage_seconds_count{stage="round_robin"} 1`}
 	var missing []string
 	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(10 * time.Millisecond) {
 		resp, err = http.Get(base + "/metrics")

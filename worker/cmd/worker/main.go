@@ -29,6 +29,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
 
+	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/api"
 	"github.com/istio-llm-filter/istio-llm-filter/prefix"
 	"github.com/istio-llm-filter/istio-llm-filter/worker/cpus"
 	"github.com/istio-llm-filter/istio-llm-filter/worker/engine"
@@ -198,6 +199,7 @@ func run(ctx context.Context, args []string, stderr io.Writer, ready func(addr s
 	runCtx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	var reporterDone chan struct{}
+	var reporter *mcreport.Reporter
 	if o.mcURL != "" {
 		rep, err := mcreport.New(mcreport.Config{URL: o.mcURL, Cluster: o.cluster, Host: o.advertise, AuthToken: o.mcToken, ChunkSize: o.hashChunk,
 			Logger: log, Registerer: reg})
@@ -206,12 +208,18 @@ func run(ctx context.Context, args []string, stderr io.Writer, ready func(addr s
 		}
 		cfg.OnEvict = rep.Evict
 		cfg.OnCached = rep.Cached
-		reporterDone = make(chan struct{})
-		go func() { rep.Run(runCtx); close(reporterDone) }()
+		reporter = rep
 	}
 	sched, err := scheduler.New(eng, cfg)
 	if err != nil {
 		return err
+	}
+	if reporter != nil {
+		reporterDone = make(chan struct{})
+		go func() { reporter.Run(runCtx); close(reporterDone) }()
+		signalsDone := make(chan struct{})
+		go func() { reporter.RunSignals(runCtx, schedulerSignals(sched), 0, 0); close(signalsDone) }()
+		defer func() { <-signalsDone }()
 	}
 	schedDone := make(chan struct{})
 	go func() { sched.Run(runCtx); close(schedDone) }()
@@ -297,6 +305,18 @@ func openEngine(o *options, log *slog.Logger) (engine.Engine, openai.Template, e
 	}
 	eng, err := sim.New(cfg)
 	return eng, tmpl, err
+}
+
+// schedulerSignals reads the pod's signals from the scheduler's stats.
+func schedulerSignals(s *scheduler.Scheduler) mcreport.SignalSource {
+	return mcreport.SignalSourceFunc(func() api.PodSignals {
+		st := s.Stats()
+		sig := api.PodSignals{Waiting: int64(st.Queued), Running: int64(st.Running), PrefillTokens: int64(st.PrefillTokens)}
+		if st.KVCells > 0 {
+			sig.KVCacheUtil = min(1, float64(st.KVCellsUsed)/float64(st.KVCells))
+		}
+		return sig
+	})
 }
 
 // parseLoRA reads --lora name=path[:scale].
