@@ -256,8 +256,13 @@ func TestCachedAgainSupersedesAPendingEviction(t *testing.T) {
 		Logger: slog.New(slog.NewTextHandler(io.Discard, nil)), Registry: prometheus.NewRegistry()}).Handler())
 	t.Cleanup(real.Close)
 	var down sync.Mutex // held while the worker cannot reach the center
+	refused := make(chan struct{}, 100)
 	gate := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		if !down.TryLock() {
+			select {
+			case refused <- struct{}{}:
+			default:
+			}
 			http.Error(w, "unavailable", http.StatusServiceUnavailable)
 			return
 		}
@@ -309,6 +314,14 @@ func TestCachedAgainSupersedesAPendingEviction(t *testing.T) {
 	}
 	down.Lock()
 	r.Evict([]prefix.Hash{21, 22}) // the worker dropped both prefixes
+	// Wait until that report has been refused: one still on its way when
+	// the center comes back could not be withdrawn. The retry comes after
+	// the reporter's first backoff (100 ms) and takes the pending set anew.
+	select {
+	case <-refused:
+	case <-fctx.Done():
+		t.Fatal("the eviction report never reached the gate")
+	}
 	// The gateway routes both prompts here again and saves them; the worker
 	// caches 21 again (the request bound an entry), 22 not yet.
 	if err := mc.SaveCache(ctx, api.CacheSave{Cluster: cluster, Host: host, Hashes: prefix.Wire([]prefix.Hash{21, 22}), ChunkSize: 512}); err != nil {
