@@ -79,8 +79,17 @@ func (f *filter) DecodeHeaders(h api.RequestHeaderMap, endStream bool) (st api.S
 	f.traceID = trace
 	f.mu.Unlock()
 	f.conf.metrics.Count("requests", 1)
+	if _, ok := h.Get(ClusterHeader); ok {
+		// Only the filter names the routed cluster: a client's own header
+		// would send a request to any cluster the gateway knows.
+		h.Del(ClusterHeader)
+		f.cb.ClearRouteCache()
+	}
+	if lr := f.bodylessReply(h, endStream); lr != nil {
+		return f.reply(f.cb.DecoderFilterCallbacks(), lr)
+	}
 	if endStream {
-		// No body, nothing to route on (GET /v1/models, health checks): the
+		// No body, nothing to route on (health checks, other GETs): the
 		// route's own cluster and load balancing apply (seed 002 §2).
 		return api.Continue
 	}
@@ -159,6 +168,12 @@ func (f *filter) decide(ctx context.Context, cancel context.CancelFunc, buf api.
 	if d.Path != "" {
 		f.reqHeaders.SetPath(d.Path)
 	}
+	// The rule's cluster is Envoy's cluster: the route forwards on this
+	// header (cluster_header, istio/gateway.yaml), so a header-conditioned
+	// rule reaches its own cluster and the override host is one of its
+	// members. The route was computed before we knew: recompute it.
+	f.reqHeaders.Set(ClusterHeader, d.Cluster)
+	f.cb.ClearRouteCache()
 	f.decision = d
 	f.started = true
 	f.conf.engine.Started(d)
@@ -181,12 +196,27 @@ func asEngineError(err error, traceID string) *engine.Error {
 
 // reply sends a local reply in the seed's §8.2 format. Callers in a
 // goroutine hold f.mu and have checked destroyed.
+//
+// Each reply is marked in the dynamic metadata (LocalReplyMetadataKey under
+// the filter's name) so that the HCM's local_reply_config, which turns
+// Envoy's own plain-text replies into the same JSON, leaves ours alone
+// (istio/gateway.yaml).
 func (f *filter) reply(cb api.FilterProcessCallbacks, e *engine.Error) api.StatusType {
 	f.localType.Store(&e.Type)
-	f.conf.metrics.Count("local_replies", 1)
-	cb.SendLocalReply(e.Status, string(e.JSON()), map[string][]string{"content-type": {"application/json"}}, -1, "llm_filter_"+e.Type)
+	body := e.JSON()
+	if e.Type == answered {
+		body = []byte(e.Message)
+	} else {
+		f.conf.metrics.Count("local_replies", 1)
+	}
+	f.cb.StreamInfo().DynamicMetadata().Set(Name, LocalReplyMetadataKey, true)
+	cb.SendLocalReply(e.Status, string(body), map[string][]string{"content-type": {"application/json"}}, -1, "llm_filter_"+e.Type)
 	return api.LocalReply
 }
+
+// LocalReplyMetadataKey is set (true) in the dynamic metadata namespace
+// Name on every reply the filter sends itself.
+const LocalReplyMetadataKey = "local_reply"
 
 // DecodeTrailers passes request trailers on: the decision already ran on
 // the body (DecodeData), and Envoy holds the trailers until it continued.
@@ -388,7 +418,7 @@ func (f *filter) OnLog(reqH api.RequestHeaderMap, _ api.RequestTrailerMap, respH
 	} else if reqH != nil {
 		attrs = append(attrs, "path", reqH.Path())
 	}
-	if t := f.replied(); t != "" {
+	if t := f.replied(); t != "" && t != answered {
 		attrs = append(attrs, "error", t)
 	}
 	f.log.Info("completed", attrs...)
