@@ -13,6 +13,7 @@ import (
 	"bufio"
 	"bytes"
 	"context"
+	"encoding/hex"
 	"errors"
 	"fmt"
 	"io"
@@ -351,6 +352,43 @@ func (h *Host) Metrics() (map[string]int64, error) {
 		m[k] = n
 	}
 	return m, nil
+}
+
+// AccessRecord is one line of the host's HCM access log: the response code
+// and the stream's dynamic metadata, "namespace:key" -> value.
+type AccessRecord struct {
+	Code     int
+	Metadata map[string]any
+}
+
+// AccessLog returns the access log so far, oldest first.
+func (h *Host) AccessLog() ([]AccessRecord, error) {
+	var out []AccessRecord
+	for _, line := range strings.Split(h.Stderr(), "\n") {
+		rest, ok := strings.CutPrefix(line, "envoyhost: access-log ")
+		if !ok {
+			continue
+		}
+		rec := AccessRecord{Metadata: map[string]any{}}
+		for i, field := range strings.Fields(rest) {
+			k, v, _ := strings.Cut(field, "=")
+			if i == 0 && k == "code" {
+				rec.Code, _ = strconv.Atoi(v)
+				continue
+			}
+			raw, err := hex.DecodeString(v)
+			if err != nil {
+				return nil, fmt.Errorf("access log %q: %w", field, err)
+			}
+			var pv structpb.Value
+			if err := proto.Unmarshal(raw, &pv); err != nil {
+				return nil, fmt.Errorf("access log %q: %w", field, err)
+			}
+			rec.Metadata[k] = pv.AsInterface()
+		}
+		out = append(out, rec)
+	}
+	return out, nil
 }
 
 // ForceGC runs a Go GC cycle in the library and waits for its finalizers

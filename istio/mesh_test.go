@@ -1,9 +1,12 @@
 package istio_test
 
 import (
+	"regexp"
+	"strings"
 	"testing"
 
 	accesslogv3 "github.com/envoyproxy/go-control-plane/envoy/config/accesslog/v3"
+	bootstrapv3 "github.com/envoyproxy/go-control-plane/envoy/config/bootstrap/v3"
 	listenerv3 "github.com/envoyproxy/go-control-plane/envoy/config/listener/v3"
 	routev3 "github.com/envoyproxy/go-control-plane/envoy/config/route/v3"
 	hcmv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/network/http_connection_manager/v3"
@@ -163,5 +166,54 @@ func TestLocalRepliesBecomeTheErrorDocument(t *testing.T) {
 	}
 	if len(errf) != len(want) || js["trace_id"].GetStringValue() != "%REQ(X-REQUEST-ID)%" || len(js) != 2 {
 		t.Errorf("json_format %v, want exactly error{code,type,message} and trace_id", bf.GetJsonFormat())
+	}
+}
+
+// The gateway's stats_tags turn the filter's labelled Envoy counters back
+// into one Prometheus family with the standalone gateway's labels. Envoy
+// applies each extractor to the stat name (TagExtractorStdRegexImpl: the
+// first group is removed from the name, the second is the value); the
+// regexes use only syntax ECMAScript (Envoy) and RE2 (here) read alike.
+func TestStatsTagsRebuildTheRequestLabels(t *testing.T) {
+	ps, _ := patchesOf(t, istioapi.EnvoyFilter_BOOTSTRAP)
+	if len(ps) != 1 {
+		t.Fatalf("%d BOOTSTRAP patches, want 1", len(ps))
+	}
+	var b bootstrapv3.Bootstrap
+	decodePatchInto(t, ps[0], &b, func(*bootstrapv3.Bootstrap) {})
+	tags := b.GetStatsConfig().GetStatsTags()
+	for _, l := range []llmfilter.RequestLabels{
+		{Model: "qwen2.5-7b", Cluster: "outbound|8000||qwen-prod.llm.svc.cluster.local", Scene: "prod", Policy: "cache_aware", Outcome: llmfilter.OutcomeSuccess},
+		{Outcome: llmfilter.OutcomeRejected},
+		{Model: "m;x=y", Cluster: "c", Outcome: llmfilter.OutcomeFailed},
+	} {
+		name := l.EnvoyStatName()
+		rest := name
+		got := map[string]string{}
+		for _, tag := range tags {
+			re := regexp.MustCompile(tag.GetRegex())
+			m := re.FindStringSubmatchIndex(name)
+			if m == nil || len(m) < 6 {
+				t.Fatalf("tag %s does not match %q", tag.GetTagName(), name)
+			}
+			got[tag.GetTagName()] = name[m[4]:m[5]]
+			rest = strings.Replace(rest, name[m[2]:m[3]], "", 1)
+		}
+		if rest != llmfilter.RequestsFamily {
+			t.Errorf("%q: name after extraction %q, want %q", name, rest, llmfilter.RequestsFamily)
+		}
+		want := map[string]string{"model": l.Model, "cluster": l.Cluster, "scene": l.Scene, "policy": l.Policy, "outcome": l.Outcome}
+		for k, v := range want {
+			if v == "" {
+				v = llmfilter.NoLabel
+			}
+			v = strings.NewReplacer(";", "_", "=", "_").Replace(v)
+			if got[k] != v {
+				t.Errorf("%q: tag %s = %q, want %q", name, k, got[k], v)
+			}
+		}
+		if len(got) != len(llmfilter.RequestLabelNames) {
+			t.Errorf("tags %v, want exactly %v", got, llmfilter.RequestLabelNames)
+		}
 	}
 }

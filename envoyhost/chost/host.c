@@ -216,6 +216,8 @@ static void put_hmap(buf_t *b, hmap_t *m) {
   }
 }
 
+static int frame_fd = 1; // the driver pipe (main moves it off fd 1)
+
 static void send_frame(uint8_t type, uint64_t id, buf_t *payload) {
   buf_t f = {0};
   put_u32(&f, (uint32_t)(1 + 8 + (payload ? payload->len : 0)));
@@ -225,7 +227,7 @@ static void send_frame(uint8_t type, uint64_t id, buf_t *payload) {
   pthread_mutex_lock(&out_mu);
   size_t off = 0;
   while (off < f.len) {
-    ssize_t w = write(1, f.p + off, f.len - off);
+    ssize_t w = write(frame_fd, f.p + off, f.len - off);
     if (w < 0 && errno == EINTR) continue;
     if (w <= 0) {
       pthread_mutex_unlock(&out_mu);
@@ -353,12 +355,13 @@ static int is_thread(worker_t *w) { return pthread_equal(pthread_self(), w->tid)
 
 // Stats live in the listener's scope, so a name defined again by the next
 // config is the same stat (gf.cc:1612 defineMetric uses the scope).
-#define MAX_STATS 256
+#define MAX_STATS 1024
 static pthread_mutex_t stats_mu = PTHREAD_MUTEX_INITIALIZER;
 static struct {
   char *name;
   int type;
-  int64_t value;
+  int64_t value; // histograms: the sum of recorded values
+  int64_t count; // histograms: how many were recorded
 } stats[MAX_STATS];
 static int nstats;
 
@@ -1099,12 +1102,46 @@ static void continue_status_internal(filter_t *f, pstate_t *s, int status) {
 
 // ------------------------------------------------ stream events from the driver
 
+// access_log is the HCM access log: one stderr line with the response code
+// and every dynamic metadata key, its serialized google.protobuf.Value in
+// hex (the driver decodes it: Host.AccessLog).
+static void access_log(filter_t *f) {
+  buf_t out = {0};
+  char head[128];
+  int n = snprintf(head, sizeof head, "envoyhost: access-log code=%d", f->response_code);
+  buf_add(&out, head, (size_t)n);
+  // Worker thread: the posted metadata writes run here too.
+  for (int i = 0; i < f->nmeta; i++) {
+    for (int j = 0; j < f->meta[i].kv.n; j++) {
+      hdr_t *e = &f->meta[i].kv.a[j];
+      buf_add(&out, " ", 1);
+      buf_add(&out, f->meta[i].name, strlen(f->meta[i].name));
+      buf_add(&out, ":", 1);
+      buf_add(&out, e->k, e->kl);
+      buf_add(&out, "=", 1);
+      for (size_t k = 0; k < e->vl; k++) {
+        char hx[3];
+        snprintf(hx, sizeof hx, "%02x", (unsigned char)e->v[k]);
+        buf_add(&out, hx, 2);
+      }
+    }
+  }
+  buf_add(&out, "\n", 1);
+  fwrite(out.p, 1, out.len, stderr);
+  fflush(stderr);
+  buf_free(&out);
+}
+
 static void stream_complete(filter_t *f, int reset) {
   if (f->completed) return;
   f->completed = 1;
   req_t *r = f->req;
   // ActiveStream completion: onStreamComplete, access log (DownstreamEnd),
   // then onDestroy, then deferred deletion of the filter.
+  // The HCM's access loggers were added to the stream before any filter
+  // (ActiveStream's constructor), so they run before the golang filter's
+  // log: they see the dynamic metadata the filter set until now.
+  access_log(f);
   if (r->base.configId != 0) {
     atomic_store(&r->base.is_golang_processing_log, 1); // gf.cc:138
     so.on_stream_complete(&r->base);
@@ -2247,11 +2284,12 @@ static CAPIStatus metric_op(void *c, uint32_t id, int op, int64_t v, uint64_t *o
       if (type == 1 || v > 0) stats[idx].value += v;
     } else if (op == 1) {
       *out = (uint64_t)stats[idx].value;
-    } else {
+    } else { // recordMetric (gf.cc:1686): gauge set, counter add, histogram recordValue
       if (type == 1)
         stats[idx].value = v;
       else
         stats[idx].value += v;
+      if (type == 2) stats[idx].count++;
     }
     pthread_mutex_unlock(&stats_mu);
   }
@@ -2355,8 +2393,14 @@ static void dump_metrics(uint64_t rid) {
   buf_t out = {0};
   pthread_mutex_lock(&stats_mu);
   for (int i = 0; i < nstats; i++) {
-    char line[512];
-    int n = snprintf(line, sizeof line, "%s %ld\n", stats[i].name, (long)stats[i].value);
+    char line[1024];
+    int n;
+    if (stats[i].type == 2)
+      n = snprintf(line, sizeof line, "%s:count %ld\n%s:sum %ld\n", stats[i].name, (long)stats[i].count,
+                   stats[i].name, (long)stats[i].value);
+    else
+      n = snprintf(line, sizeof line, "%s %ld\n", stats[i].name, (long)stats[i].value);
+    if (n >= (int)sizeof line) n = (int)sizeof line - 1;
     buf_add(&out, line, (size_t)n);
   }
   pthread_mutex_unlock(&stats_mu);
@@ -2401,6 +2445,11 @@ int main(int argc, char **argv) {
   }
   if (!so_path || concurrency == 0) die("--so is required, --concurrency must be > 0");
   setvbuf(stderr, NULL, _IOLBF, 0);
+  // Frames to the driver leave on a private copy of stdout; fd 1 becomes
+  // stderr, so whatever the library prints on stdout (as it may in Envoy,
+  // whose access log goes there) cannot corrupt the frame stream.
+  frame_fd = dup(1);
+  if (frame_fd < 0 || dup2(2, 1) < 0) die("cannot set up the frame pipe");
   // Dso::DsoManager loads with RTLD_LAZY|RTLD_LOCAL in Envoy; RTLD_NOW here
   // so a missing C function fails at load, not mid-request.
   void *h = dlopen(so_path, RTLD_NOW | RTLD_LOCAL);

@@ -315,6 +315,9 @@ type Decision struct {
 	// Response turns the backend's answers back into OpenAI form; nil for
 	// pass-through backends.
 	Response transcode.ResponseTranscoder
+	// RouteQueryTook is how long the route query took, failures included
+	// (0: the policy needs no metadata).
+	RouteQueryTook time.Duration
 	// RequestID names this request's lease at the metadata center; unique
 	// per decision even when clients reuse trace ids.
 	RequestID string
@@ -434,7 +437,9 @@ func (e *Engine) Decide(ctx context.Context, h Headers, body []byte) (*Decision,
 	}
 	view := balancer.View{Degraded: true}
 	if policy.NeedsMetadata() {
+		t0 := time.Now()
 		view = e.query(ctx, trace, rule.Cluster, d.Hashes, sc)
+		d.RouteQueryTook = time.Since(t0)
 	}
 	choice, err := e.bal.Choose(rule.Cluster, lb, cands, view, balancer.Request{Blocks: len(sums), PromptLength: int64(promptLen)})
 	if err != nil {

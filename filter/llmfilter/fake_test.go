@@ -216,6 +216,9 @@ type fakeStreamInfo struct {
 
 func (i fakeStreamInfo) DynamicMetadata() api.DynamicMetadata { return fakeMeta{i.e} }
 
+// ResponseCodeDetails: the fake's responses all come from upstream.
+func (i fakeStreamInfo) ResponseCodeDetails() (string, bool) { return "via_upstream", true }
+
 type fakeMeta struct{ e *fakeEnvoy }
 
 func (m fakeMeta) Get(ns string) map[string]any {

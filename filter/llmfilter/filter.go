@@ -47,6 +47,7 @@ type filter struct {
 	success     bool // 2xx from the backend
 	firstData   time.Time
 	servedBy    string                 // the pod that really answered (Envoy may not have used ours)
+	hostReply   bool                   // the response is Envoy's own local reply
 	localType   atomic.Pointer[string] // error type of the local reply we sent
 }
 
@@ -132,7 +133,12 @@ func (f *filter) decide(ctx context.Context, cancel context.CancelFunc, buf api.
 			f.asyncPanic(e)
 		}
 	}()
+	t0 := time.Now()
 	d, err := f.conf.engine.Decide(ctx, f.reqHeaders, body)
+	f.conf.metrics.Observe(HistDecision, micros(time.Since(t0)))
+	if d != nil && d.RouteQueryTook > 0 {
+		f.conf.metrics.Observe(HistRouteQuery, micros(d.RouteQueryTook))
+	}
 
 	f.mu.Lock()
 	defer f.mu.Unlock()
@@ -174,6 +180,7 @@ func (f *filter) decide(ctx context.Context, cancel context.CancelFunc, buf api.
 	// members. The route was computed before we knew: recompute it.
 	f.reqHeaders.Set(ClusterHeader, d.Cluster)
 	f.cb.ClearRouteCache()
+	f.record(d)
 	f.decision = d
 	f.started = true
 	f.conf.engine.Started(d)
@@ -245,7 +252,11 @@ func (f *filter) EncodeHeaders(h api.ResponseHeaderMap, endStream bool) (st api.
 		served = addr
 	}
 	f.servedBy = served
+	if details, ok := f.cb.StreamInfo().ResponseCodeDetails(); ok && details != "" && details != "via_upstream" {
+		f.hostReply = true // Envoy's own reply (no healthy upstream, reset): no pod answered
+	}
 	h.Set(UpstreamHostHeader, served)
+	f.meta(AccessBackend, served)
 	f.success = f.status >= 200 && f.status < 300
 	if !f.success {
 		f.conf.metrics.Count("upstream_errors", 1)
@@ -359,6 +370,9 @@ func snippet(b []byte) string {
 
 func (f *filter) firstToken(d *engine.Decision) {
 	f.firstData = time.Now()
+	ttft := f.firstData.Sub(f.start)
+	f.conf.metrics.Observe(HistTTFT, uint64(ttft.Milliseconds()))
+	f.meta(AccessTTFT, ttft.Milliseconds())
 	f.conf.engine.FirstToken(d)
 }
 
@@ -421,7 +435,36 @@ func (f *filter) OnLog(reqH api.RequestHeaderMap, _ api.RequestTrailerMap, respH
 	if t := f.replied(); t != "" && t != answered {
 		attrs = append(attrs, "error", t)
 	}
-	f.log.Info("completed", attrs...)
+	outcome := f.outcome(d, status)
+	attrs = append(attrs, "outcome", outcome)
+	f.conf.access.Info("completed", attrs...)
+	labels := RequestLabels{Outcome: outcome}
+	if d != nil {
+		labels = RequestLabels{Model: d.Model, Cluster: d.Cluster, Scene: d.SceneName, Policy: d.Policy, Outcome: outcome}
+		f.conf.metrics.Observe(HistDuration, uint64(dur.Milliseconds()))
+	}
+	f.conf.metrics.Request(labels)
+}
+
+// outcome classifies a finished request (label outcome of RequestsFamily).
+func (f *filter) outcome(d *engine.Decision, status int) string {
+	t := f.replied()
+	switch {
+	case d == nil && t == answered:
+		return OutcomeAnswered
+	case d == nil && t != "":
+		return OutcomeRejected
+	case status == 0:
+		return OutcomeCancelled
+	case d == nil:
+		return OutcomeUnrouted
+	case t != "" || f.hostReply:
+		return OutcomeFailed
+	case f.success:
+		return OutcomeSuccess
+	default:
+		return OutcomeUpstreamError
+	}
 }
 
 // finish reports the end of a started request exactly once (OnLog, or

@@ -130,6 +130,39 @@ func TestRuleClusterIsTheRoutedCluster(t *testing.T) {
 	if pool.hits.Load() != 2 || prod.hits.Load() != 1 {
 		t.Fatalf("hits pool=%d prod=%d, want 2 and 1", pool.hits.Load(), prod.hits.Load())
 	}
+	// The same metrics as in Envoy, as Prometheus families with labels.
+	waitMetrics(t, base,
+		`llm_filter_requests_total{cluster="prod",model="qwen",outcome="success",policy="round_robin",scene="prod"} 1`,
+		`llm_filter_requests_total{cluster="pool",model="qwen",outcome="success",policy="round_robin",scene="none"} 1`,
+		`llm_filter_requests_total{cluster="none",model="none",outcome="unrouted",policy="none",scene="none"} 1`,
+		`llm_filter_ttft_milliseconds_count 2`,
+		`llm_filter_request_duration_milliseconds_count 2`,
+		`llm_filter_decision_duration_microseconds_count 2`,
+		`llm_filter_ttft_milliseconds_bucket{le="0.5"}`,
+	)
+}
+
+// waitMetrics polls /metrics until every line is in it: a request is
+// counted when its handler returns, just after the client has its answer.
+func waitMetrics(t *testing.T, base string, wants ...string) string {
+	t.Helper()
+	var missing []string
+	var text string
+	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(10 * time.Millisecond) {
+		_, text = do(t, "GET", base+"/metrics", "", nil)
+		missing = missing[:0]
+		for _, w := range wants {
+			if !strings.Contains(text, w) {
+				missing = append(missing, w)
+			}
+		}
+		if len(missing) == 0 {
+			return text
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("/metrics lacks %q", missing)
+		}
+	}
 }
 
 // The gateway answers GET /v1/models from its rules, in OpenAI's shape,
