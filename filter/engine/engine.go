@@ -427,6 +427,7 @@ func (e *Engine) Decide(ctx context.Context, h Headers, body []byte) (*Decision,
 	}
 
 	cands := balancer.Filter(e.src.Endpoints(rule.Cluster), rule.Selector, req.Selector)
+	cands = withoutAdapterPods(cands, rule.Selector, req.Selector)
 	if len(cands) == 0 {
 		return nil, e.reject(http.StatusNotFound, transcode.TypeNotFound, trace,
 			"no available endpoint in cluster %q%s", rule.Cluster, selectorNote(rule.Selector, req.Selector))
@@ -469,6 +470,24 @@ func (e *Engine) Decide(ctx context.Context, h Headers, body []byte) (*Decision,
 		e.metrics.Count("fallbacks", 1)
 	}
 	return d, nil
+}
+
+// withoutAdapterPods drops pods labelled lora=<adapter> unless a selector
+// names an adapter: an adapter pod serves only requests for its adapters
+// (docs/worker.md), so a base request sent there would get 404.
+func withoutAdapterPods(eps []endpoints.Endpoint, sels ...map[string]string) []endpoints.Endpoint {
+	for _, s := range sels {
+		if _, ok := s[openai.LoRALabel]; ok {
+			return eps
+		}
+	}
+	out := eps[:0]
+	for _, ep := range eps {
+		if ep.Labels[openai.LoRALabel] == "" {
+			out = append(out, ep)
+		}
+	}
+	return out
 }
 
 func selectorNote(sels ...map[string]string) string {

@@ -153,7 +153,7 @@ func (p *Parser) source(cfg *config.Config) (endpoints.Source, func(), error) {
 	noop := func() {}
 	var pinned *endpoints.Static
 	if len(cfg.Endpoints.Static) > 0 {
-		s, err := endpoints.NewStatic(cfg.Endpoints.Static)
+		s, err := endpoints.NewStaticLabelled(cfg.Endpoints.Static, cfg.Endpoints.StaticLabels)
 		if err != nil {
 			return nil, nil, fmt.Errorf("endpoints.static: %w", err)
 		}
