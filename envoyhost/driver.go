@@ -312,6 +312,33 @@ func (h *Host) PushConfig(doc []byte) (uint64, error) {
 	return id, nil
 }
 
+// LocalReply is the HTTP connection manager's local_reply_config in the
+// shape istio/envoyfilter.yaml ships (docs/envoy-filter.md): replies whose
+// dynamic metadata has SkipNamespace.SkipKey = true are left alone; every
+// other local reply with status >= MinStatus gets JSONFormat (the
+// json_format as JSON text) with %RESPONSE_CODE%, %RESPONSE_CODE_DETAILS%,
+// %LOCAL_REPLY_BODY% and %REQ(X-REQUEST-ID)% substituted.
+type LocalReply struct {
+	SkipNamespace, SkipKey string
+	MinStatus              int
+	JSONFormat             string
+}
+
+// SetLocalReply installs the connection manager's local reply mapper
+// (nil removes it).
+func (h *Host) SetLocalReply(lr *LocalReply) error {
+	e := &enc{}
+	if lr == nil {
+		lr = &LocalReply{}
+	}
+	e.str(lr.SkipNamespace)
+	e.str(lr.SkipKey)
+	e.u32(uint32(lr.MinStatus))
+	e.str(lr.JSONFormat)
+	_, err := h.call(fLocalReplyCfg, e.b, 10*time.Second)
+	return err
+}
+
 // DropConfig removes the listener's config (listener removed).
 func (h *Host) DropConfig() error {
 	_, err := h.call(fCfgDrop, nil, 30*time.Second)
@@ -444,7 +471,7 @@ func (h *Host) readLoop(r *bufio.Reader) {
 			return
 		}
 		switch f.typ {
-		case fCfgPushed, fRouteSet, fMetricsOut, fBye, fGCDone:
+		case fCfgPushed, fRouteSet, fMetricsOut, fBye, fGCDone, fLocalReplySet:
 			h.mu.Lock()
 			ch := h.replies[f.id]
 			delete(h.replies, f.id)

@@ -182,6 +182,7 @@ enum {
   F_SHUTDOWN = 11,
   F_CFG_DROP = 12,
   F_GC = 13,
+  F_LOCAL_REPLY_CFG = 14,
   // host -> driver
   F_FWD_HEADERS = 51,
   F_FWD_DATA = 52,
@@ -197,6 +198,7 @@ enum {
   F_METRICS_OUT = 110,
   F_BYE = 111,
   F_GC_DONE = 112,
+  F_LOCAL_REPLY_SET = 113,
 };
 
 static pthread_mutex_t out_mu = PTHREAD_MUTEX_INITIALIZER;
@@ -743,6 +745,106 @@ static void fm_client_trailers(filter_t *f) {
 static void encode_headers(filter_t *f, int end);
 static void encode_data(filter_t *f, buf_t *data, int end);
 
+// The HTTP connection manager's local_reply_config (LocalReplyImpl::rewrite,
+// source/common/local_reply/local_reply.cc), for the shape istio/ ships: a
+// first mapper that leaves replies whose dynamic metadata has skip_ns.skip_key
+// = true alone, a second that rewrites every other reply with status >=
+// min_status to a JSON body_format. The template is the json_format as JSON
+// text: "%RESPONSE_CODE%" as a whole value becomes a number (Envoy keeps
+// single-operator values typed); the other operators are replaced inside
+// strings, JSON-escaped.
+static dynmeta_t *meta_for(filter_t *f, const char *name, size_t n, int create);
+static pthread_mutex_t lr_mu = PTHREAD_MUTEX_INITIALIZER;
+static struct {
+  int set;
+  char *skip_ns, *skip_key, *tmpl;
+  uint32_t min_status;
+} lr;
+
+static void set_local_reply(uint64_t rid, const char *p, size_t n) {
+  rd_t r = {p, n, 0};
+  size_t nl, kl, tl;
+  const char *ns = get_str(&r, &nl);
+  const char *key = get_str(&r, &kl);
+  uint32_t min_status = get_u32(&r);
+  const char *t = get_str(&r, &tl);
+  pthread_mutex_lock(&lr_mu);
+  free(lr.skip_ns);
+  free(lr.skip_key);
+  free(lr.tmpl);
+  lr.skip_ns = xstrndup(ns, nl);
+  lr.skip_key = xstrndup(key, kl);
+  lr.tmpl = xstrndup(t, tl);
+  lr.min_status = min_status;
+  lr.set = tl > 0;
+  pthread_mutex_unlock(&lr_mu);
+  send_frame(F_LOCAL_REPLY_SET, rid, NULL);
+}
+
+static void json_escape(buf_t *b, const char *s, size_t n) {
+  for (size_t i = 0; i < n; i++) {
+    unsigned char c = (unsigned char)s[i];
+    if (c == '"' || c == '\\') {
+      buf_add(b, "\\", 1);
+      buf_add(b, &s[i], 1);
+    } else if (c < 0x20) {
+      char e[8];
+      int k = snprintf(e, sizeof e, "\\u%04x", c);
+      buf_add(b, e, (size_t)k);
+    } else {
+      buf_add(b, &s[i], 1);
+    }
+  }
+}
+
+static int starts(const char *p, const char *end, const char *lit) {
+  size_t n = strlen(lit);
+  return (size_t)(end - p) >= n && !memcmp(p, lit, n);
+}
+
+// local_reply_rewrite returns 1 and fills out when the reply is rewritten.
+static int local_reply_rewrite(filter_t *f, int code, const char *body, size_t body_len, const char *details, buf_t *out) {
+  pthread_mutex_lock(&lr_mu);
+  if (!lr.set || code < (int)lr.min_status) {
+    pthread_mutex_unlock(&lr_mu);
+    return 0;
+  }
+  // First mapper: the filter's own replies (bool true = Value field 4, varint 1).
+  dynmeta_t *m = meta_for(f, lr.skip_ns, strlen(lr.skip_ns), 0);
+  hdr_t *mark = m ? h_get(&m->kv, lr.skip_key) : NULL;
+  if (mark && mark->vl == 2 && (unsigned char)mark->v[0] == 0x20 && mark->v[1] == 1) {
+    pthread_mutex_unlock(&lr_mu);
+    return 0;
+  }
+  hdr_t *rid = h_get(&f->req_headers, "x-request-id");
+  char num[16];
+  int nn = snprintf(num, sizeof num, "%d", code);
+  const char *p = lr.tmpl, *end = lr.tmpl + strlen(lr.tmpl);
+  while (p < end) {
+    if (starts(p, end, "\"%RESPONSE_CODE%\"")) {
+      buf_add(out, num, (size_t)nn);
+      p += strlen("\"%RESPONSE_CODE%\"");
+    } else if (starts(p, end, "%RESPONSE_CODE_DETAILS%")) {
+      json_escape(out, details, strlen(details));
+      p += strlen("%RESPONSE_CODE_DETAILS%");
+    } else if (starts(p, end, "%LOCAL_REPLY_BODY%")) {
+      json_escape(out, body, body_len);
+      p += strlen("%LOCAL_REPLY_BODY%");
+    } else if (starts(p, end, "%REQ(X-REQUEST-ID)%")) {
+      if (rid) json_escape(out, rid->v, rid->vl);
+      p += strlen("%REQ(X-REQUEST-ID)%");
+    } else if (starts(p, end, "%RESPONSE_CODE%")) {
+      buf_add(out, num, (size_t)nn);
+      p += strlen("%RESPONSE_CODE%");
+    } else {
+      buf_add(out, p, 1);
+      p++;
+    }
+  }
+  pthread_mutex_unlock(&lr_mu);
+  return 1;
+}
+
 // FilterManager::sendLocalReply: through the encoder filters while no
 // response headers exist; straight to the client once an upstream response
 // is being encoded but not sent; a reset once headers went out.
@@ -758,6 +860,13 @@ static void fm_send_local_reply(filter_t *f, int code, const char *body, size_t 
     stream_complete(f, 1);
     return;
   }
+  buf_t mapped = {0};
+  const char *ctype = "text/plain";
+  if (local_reply_rewrite(f, code, body, body_len, details, &mapped)) {
+    body = mapped.p;
+    body_len = mapped.len;
+    ctype = "application/json";
+  }
   hmap_t h = {0};
   char st[16];
   int n = snprintf(st, sizeof st, "%d", code);
@@ -766,7 +875,7 @@ static void fm_send_local_reply(filter_t *f, int code, const char *body, size_t 
     char cl[32];
     n = snprintf(cl, sizeof cl, "%zu", body_len);
     h_add(&h, "content-length", 14, cl, (size_t)n);
-    h_add(&h, "content-type", 12, "text/plain", 10);
+    h_add(&h, "content-type", 12, ctype, strlen(ctype));
   }
   for (int i = 0; extra && i < extra->n; i++)
     if (extra->a[i].vl > 0) h_set(&h, extra->a[i].k, extra->a[i].kl, extra->a[i].v, extra->a[i].vl);
@@ -782,6 +891,7 @@ static void fm_send_local_reply(filter_t *f, int code, const char *body, size_t 
       fm_client_data(f, &b, 1);
       buf_free(&b);
     }
+    buf_free(&mapped);
     return;
   }
   h_free(&f->resp_headers);
@@ -795,6 +905,7 @@ static void fm_send_local_reply(filter_t *f, int code, const char *body, size_t 
     encode_data(f, &b, 1);
     buf_free(&b);
   }
+  buf_free(&mapped);
 }
 
 // ------------------------------------------------ ProcessorState (ps.cc, ps.h)
@@ -996,6 +1107,9 @@ static int do_data(filter_t *f, pstate_t *s, buf_t *data, int end) { // gf.cc:28
       if (!buffer_empty(s)) {
         add_buffer_data(f, s, data);
         buf_move(data, &s->data_buffer);
+        // Over the limit: the 413 ended the stream; the filter (already
+        // destroyed here, where Envoy defers it) never sees this data.
+        if (f->decoding_aborted) break;
       }
       if (s->base.state == WaitingAllData) done = do_data_go(f, s, data, end);
       break;
@@ -2505,6 +2619,10 @@ int main(int argc, char **argv) {
       break;
     case F_METRICS:
       dump_metrics(id);
+      free(p);
+      break;
+    case F_LOCAL_REPLY_CFG:
+      set_local_reply(id, pl, pn);
       free(p);
       break;
     case F_GC:
