@@ -90,8 +90,13 @@ func labelValue(v string) string {
 		return NoLabel
 	}
 	// ";" and "=" delimit labels in the Envoy stat name.
-	return strings.NewReplacer(";", "_", "=", "_").Replace(v)
+	if strings.ContainsAny(v, ";=") {
+		return labelEscaper.Replace(v)
+	}
+	return v
 }
+
+var labelEscaper = strings.NewReplacer(";", "_", "=", "_")
 
 func (l RequestLabels) values() []string {
 	return []string{labelValue(l.Model), labelValue(l.Cluster), labelValue(l.Scene), labelValue(l.Policy), labelValue(l.Outcome)}
