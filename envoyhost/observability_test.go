@@ -1,6 +1,8 @@
 package envoyhost
 
 import (
+	"encoding/json"
+	"strings"
 	"testing"
 	"time"
 
@@ -14,7 +16,8 @@ import (
 func TestAccessRecordAndMetricsInEnvoy(t *testing.T) {
 	_, mc := newMetadataCenter(t)
 	pod := simWorker(t)
-	h := startHost(t, Options{Clusters: map[string][]string{"pool": {pod}}})
+	// Envoy's log at warning, Istio's default proxy log level.
+	h := startHost(t, Options{LogLevel: 3, Clusters: map[string][]string{"pool": {pod}}})
 	if _, err := h.PushConfig([]byte(filterDoc(mc, []string{pod}, ""))); err != nil {
 		t.Fatal(err)
 	}
@@ -70,6 +73,21 @@ func TestAccessRecordAndMetricsInEnvoy(t *testing.T) {
 		if m[name+":count"] != 2 {
 			t.Errorf("histogram %s recorded %d values, want 2 (all: %v)", name, m[name+":count"], m)
 		}
+	}
+	// The filter's own line goes to stdout (the host points fd 1 at its
+	// stderr), one JSON object per request, whatever Envoy's log level.
+	lines := 0
+	for _, l := range strings.Split(h.Stderr(), "\n") {
+		var rec map[string]any
+		if json.Unmarshal([]byte(l), &rec) == nil && rec["msg"] == "completed" {
+			lines++
+			if rec["outcome"] != llmfilter.OutcomeSuccess && rec["outcome"] != llmfilter.OutcomeRejected {
+				t.Errorf("access line with outcome %v: %s", rec["outcome"], l)
+			}
+		}
+	}
+	if lines != 3 {
+		t.Errorf("%d JSON access lines on stdout, want 3", lines)
 	}
 	if m[llmfilter.HistTTFT+":sum"] > m[llmfilter.HistDuration+":sum"] {
 		t.Errorf("TTFT sum %d ms above the duration sum %d ms", m[llmfilter.HistTTFT+":sum"], m[llmfilter.HistDuration+":sum"])
