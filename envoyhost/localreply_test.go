@@ -80,7 +80,7 @@ type errorDoc struct {
 
 // With istio/'s local_reply_config, Envoy's own replies (a cluster Envoy
 // does not know, a pod that refuses connections, a body over the buffer
-// limit) reach the client as the error JSON with the trace id, and the
+// limit, no healthy pod) reach the client as the error JSON with the trace id, and the
 // filter's own JSON replies pass unchanged. The 413 arrives while the
 // filter waits for the whole body: the next request must still work.
 func TestEnvoysLocalRepliesBecomeTheErrorDocument(t *testing.T) {
@@ -118,6 +118,14 @@ func TestEnvoysLocalRepliesBecomeTheErrorDocument(t *testing.T) {
 			e.Error.Type != tc.typ || e.TraceID != hdr["x-request-id"] || resp.Header.Get("content-type") != "application/json" {
 			t.Fatalf("%s: %d %q %s (%v)", tc.name, resp.StatusCode, resp.Header.Get("content-type"), body, err)
 		}
+	}
+	// Every pod of the cluster unhealthy: Envoy's "no healthy upstream".
+	h.Router().SetHealthy("pool", dead, false)
+	resp0, body0 := send(t, "POST", h.URL()+"/v1/chat/completions", chatBody("x", false), map[string]string{"x-request-id": "trace-uh"})
+	var e0 errorDoc
+	if err := json.Unmarshal([]byte(body0), &e0); err != nil || resp0.StatusCode != 503 || e0.Error.Type != "no_healthy_upstream" ||
+		e0.Error.Message != "no healthy upstream" || e0.TraceID != "trace-uh" {
+		t.Fatalf("no healthy upstream: %d %s (%v)", resp0.StatusCode, body0, err)
 	}
 	// The filter's own reply: exactly what the filter wrote.
 	resp, body := send(t, "POST", h.URL()+"/v1/chat/completions", "", map[string]string{"x-request-id": "trace-own"})
