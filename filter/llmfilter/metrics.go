@@ -297,6 +297,15 @@ func NewPromMetrics(reg prometheus.Registerer) (*PromMetrics, error) {
 	return m, nil
 }
 
+// Declare exports every request series cfg can produce at zero, as Envoy
+// does by defining them when it parses the config: rate() then sees a
+// series from its first request on.
+func (m *PromMetrics) Declare(cfg *config.Config) {
+	for _, l := range requestLabelSets(cfg) {
+		m.requests.WithLabelValues(l.values()...)
+	}
+}
+
 // Observe records into a histogram.
 func (m *PromMetrics) Observe(name string, v uint64) {
 	if h := m.hists[name]; h != nil {

@@ -128,6 +128,7 @@ func run(ctx context.Context, args []string, logOut io.Writer, ready chan<- net.
 	if err != nil {
 		return err
 	}
+	pm.Declare(cfg)
 	requests := prometheus.NewCounterVec(prometheus.CounterOpts{
 		Name: "llm_gateway_requests_total", Help: "Requests by status code and whether the gateway answered itself.",
 	}, []string{"code", "local"})

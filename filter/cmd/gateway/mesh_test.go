@@ -112,6 +112,8 @@ const chat = `{"model":"qwen","messages":[{"role":"user","content":"hello"}]}`
 func TestRuleClusterIsTheRoutedCluster(t *testing.T) {
 	pool, prod := newPod(t, "pool"), newPod(t, "prod")
 	base := startGateway(t, twoClusterConfig(pool.addr(), prod.addr()))
+	// Every series the rules can produce is exported from the start.
+	waitMetrics(t, base, `llm_filter_requests_total{cluster="prod",model="qwen",outcome="upstream_error",policy="round_robin",scene="prod"} 0`)
 
 	resp, body := do(t, "POST", base+"/v1/chat/completions", chat, map[string]string{"x-env": "prod"})
 	if resp.StatusCode != 200 || resp.Header.Get("x-pod") != "prod" || !strings.Contains(body, `"cluster_header":"prod"`) {
