@@ -208,8 +208,13 @@ type Endpoints struct {
 	// EnvoyAdmin is key `envoy_admin` (optional).
 	EnvoyAdmin *EnvoyAdmin
 	// Static (key `static`, optional) pins cluster -> ["ip:port", ...];
-	// addresses must be literal IPs with a non-zero port.
+	// addresses must be literal IPs with a non-zero port. An entry may also
+	// be {address: "ip:port", labels: {k: v}}: the labels label selectors
+	// match (`lora`, `label_selector`, a rule's `selector`).
 	Static map[string][]string
+	// StaticLabels holds the labels of static entries that have some:
+	// cluster -> address -> labels.
+	StaticLabels map[string]map[string]map[string]string
 }
 
 // EnvoyAdmin is key `endpoints.envoy_admin`.

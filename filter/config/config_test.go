@@ -309,3 +309,37 @@ func mapValues(m map[string]LBRule) []LBRule {
 	}
 	return out
 }
+
+func TestStaticEntriesWithLabels(t *testing.T) {
+	c, err := Parse([]byte(`
+model_mapping_rule: {m: [{cluster: pool}]}
+endpoints:
+  static:
+    pool:
+      - 10.0.0.5:8000
+      - {address: "10.0.0.6:8000", labels: {lora: support, tier: a100}}
+`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := c.Endpoints.Static["pool"]; len(got) != 2 || got[1] != "10.0.0.6:8000" {
+		t.Fatalf("static = %v", got)
+	}
+	if l := c.Endpoints.StaticLabels["pool"]["10.0.0.6:8000"]; l["lora"] != "support" || l["tier"] != "a100" {
+		t.Fatalf("labels = %v", c.Endpoints.StaticLabels)
+	}
+	if _, ok := c.Endpoints.StaticLabels["pool"]["10.0.0.5:8000"]; ok {
+		t.Fatal("a plain entry got labels")
+	}
+	for doc, want := range map[string]string{
+		`{labels: {a: b}}`:                        "endpoints.static.pool[0].address: is required",
+		`{address: "10.0.0.6:8000", lbl: {}}`:     "endpoints.static.pool[0]",
+		`{address: "10.0.0.6:8000", labels: [a]}`: "endpoints.static.pool[0].labels",
+		`7`: "endpoints.static.pool[0]: must be an \"ip:port\" string or {address, labels}",
+	} {
+		_, err := Parse([]byte("model_mapping_rule: {m: [{cluster: pool}]}\nendpoints: {static: {pool: [" + doc + "]}}\n"))
+		if err == nil || !strings.Contains(err.Error(), want) {
+			t.Errorf("%s: error %v, want it to mention %q", doc, err, want)
+		}
+	}
+}

@@ -610,9 +610,8 @@ func (d *decoder) endpoints(v any) Endpoints {
 				addrs := make([]string, 0, len(list))
 				for i, av := range list {
 					ep := fmt.Sprintf("%s[%d]", cp, i)
-					s, ok := av.(string)
+					s, labels, ok := d.staticEntry(ep, av)
 					if !ok {
-						d.fail(ep, "must be an \"ip:port\" string, got %s", kind(av))
 						continue
 					}
 					norm, err := endpoints.NormalizeAddress(s)
@@ -621,12 +620,47 @@ func (d *decoder) endpoints(v any) Endpoints {
 						continue
 					}
 					addrs = append(addrs, norm)
+					if len(labels) > 0 {
+						if out.StaticLabels == nil {
+							out.StaticLabels = map[string]map[string]map[string]string{}
+						}
+						if out.StaticLabels[cluster] == nil {
+							out.StaticLabels[cluster] = map[string]map[string]string{}
+						}
+						out.StaticLabels[cluster][norm] = labels
+					}
 				}
 				out.Static[cluster] = addrs
 			}
 		}
 	}
 	return out
+}
+
+// staticEntry reads one static endpoint: "ip:port", or
+// {address: "ip:port", labels: {k: v}} for label selectors.
+func (d *decoder) staticEntry(ep string, v any) (string, map[string]string, bool) {
+	switch e := v.(type) {
+	case string:
+		return e, nil, true
+	case map[string]any:
+		m, ok := d.object(ep, e, "address", "labels")
+		if !ok {
+			return "", nil, false
+		}
+		addr := d.str(ep, m, "address", "")
+		if addr == "" {
+			d.fail(ep+".address", "is required")
+			return "", nil, false
+		}
+		var labels map[string]string
+		if lv, ok := m["labels"]; ok && lv != nil {
+			labels = d.stringMap(ep+".labels", lv)
+		}
+		return addr, labels, true
+	}
+	d.fail(ep, "must be an \"ip:port\" string or {address, labels}, got %s", kind(v))
+	return "", nil, false
 }
 
 func (d *decoder) async(v any) Async {

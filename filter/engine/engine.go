@@ -329,6 +329,9 @@ type Decision struct {
 	// Response turns the backend's answers back into OpenAI form; nil for
 	// pass-through backends.
 	Response transcode.ResponseTranscoder
+	// RouteQueryTook is how long the route query took, failures included
+	// (0: the policy needs no metadata).
+	RouteQueryTook time.Duration
 	// RequestID names this request's lease at the metadata center; unique
 	// per decision even when clients reuse trace ids.
 	RequestID string
@@ -438,6 +441,7 @@ func (e *Engine) Decide(ctx context.Context, h Headers, body []byte) (*Decision,
 	}
 
 	cands := balancer.Filter(e.src.Endpoints(rule.Cluster), rule.Selector, req.Selector)
+	cands = withoutAdapterPods(cands, rule.Selector, req.Selector)
 	if len(cands) == 0 {
 		return nil, e.reject(http.StatusNotFound, transcode.TypeNotFound, trace,
 			"no available endpoint in cluster %q%s", rule.Cluster, selectorNote(rule.Selector, req.Selector))
@@ -448,7 +452,9 @@ func (e *Engine) Decide(ctx context.Context, h Headers, body []byte) (*Decision,
 	}
 	view := balancer.View{Degraded: true}
 	if policy.NeedsMetadata() {
+		t0 := time.Now()
 		view = e.query(ctx, trace, rule.Cluster, d.Hashes, sc)
+		d.RouteQueryTook = time.Since(t0)
 	}
 	choice, err := e.bal.Choose(rule.Cluster, lb, cands, view, balancer.Request{Blocks: len(sums), PromptLength: int64(promptLen)})
 	if err != nil {
@@ -478,6 +484,24 @@ func (e *Engine) Decide(ctx context.Context, h Headers, body []byte) (*Decision,
 		e.metrics.Count("fallbacks", 1)
 	}
 	return d, nil
+}
+
+// withoutAdapterPods drops pods labelled lora=<adapter> unless a selector
+// names an adapter: an adapter pod serves only requests for its adapters
+// (docs/worker.md), so a base request sent there would get 404.
+func withoutAdapterPods(eps []endpoints.Endpoint, sels ...map[string]string) []endpoints.Endpoint {
+	for _, s := range sels {
+		if _, ok := s[openai.LoRALabel]; ok {
+			return eps
+		}
+	}
+	out := eps[:0]
+	for _, ep := range eps {
+		if ep.Labels[openai.LoRALabel] == "" {
+			out = append(out, ep)
+		}
+	}
+	return out
 }
 
 func selectorNote(sels ...map[string]string) string {

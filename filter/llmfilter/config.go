@@ -49,6 +49,11 @@ type ParserOptions struct {
 	// Registerer, if set, gets the balancer's per-stage latency histogram
 	// (the standalone gateway's registry; inside Envoy there is none).
 	Registerer prometheus.Registerer
+	// Histograms defines Envoy histograms (the .so's main package); nil:
+	// the Envoy side records no histograms.
+	Histograms HistogramDefiner
+	// AccessLog receives one record per request ("completed"); nil: Logger.
+	AccessLog *slog.Logger
 }
 
 // Parser is the api.StreamFilterConfigParser of the plugin.
@@ -66,6 +71,9 @@ func NewParser(opts ParserOptions) *Parser {
 	if opts.Registry == nil {
 		opts.Registry = endpoints.NewRegistry(opts.Logger)
 	}
+	if opts.AccessLog == nil {
+		opts.AccessLog = opts.Logger
+	}
 	return &Parser{opts: opts}
 }
 
@@ -78,7 +86,7 @@ func (p *Parser) Parse(a *anypb.Any, callbacks api.ConfigCallbackHandler) (any, 
 	}
 	var m Metrics
 	if callbacks != nil {
-		m = newEnvoyMetrics(callbacks)
+		m = newEnvoyMetrics(callbacks, cfg, p.opts.Histograms)
 	}
 	return p.Build(cfg, m)
 }
@@ -102,7 +110,7 @@ func (p *Parser) Merge(parent, child any) any {
 	if pc, ok := parent.(*Config); ok {
 		cc.metrics.adopt(pc.metrics)
 	}
-	return &Config{cfg: cc.cfg, engine: cc.engine, metrics: cc.metrics, log: cc.log, borrowed: true}
+	return &Config{cfg: cc.cfg, engine: cc.engine, metrics: cc.metrics, log: cc.log, access: cc.access, borrowed: true}
 }
 
 // Config is one parsed plugin config with its engine. Envoy calls Destroy when
@@ -112,6 +120,7 @@ type Config struct {
 	engine  *engine.Engine
 	metrics *metricsRef
 	log     *slog.Logger
+	access  *slog.Logger
 	release func()
 	once    sync.Once
 	// borrowed: a Merge view; the config it came from owns the engine.
@@ -142,14 +151,14 @@ func (p *Parser) Build(cfg *config.Config, m Metrics) (*Config, error) {
 		release()
 		return nil, err
 	}
-	return &Config{cfg: cfg, engine: eng, metrics: ref, log: p.opts.Logger, release: release}, nil
+	return &Config{cfg: cfg, engine: eng, metrics: ref, log: p.opts.Logger, access: p.opts.AccessLog, release: release}, nil
 }
 
 func (p *Parser) source(cfg *config.Config) (endpoints.Source, func(), error) {
 	noop := func() {}
 	var pinned *endpoints.Static
 	if len(cfg.Endpoints.Static) > 0 {
-		s, err := endpoints.NewStatic(cfg.Endpoints.Static)
+		s, err := endpoints.NewStaticLabelled(cfg.Endpoints.Static, cfg.Endpoints.StaticLabels)
 		if err != nil {
 			return nil, nil, fmt.Errorf("endpoints.static: %w", err)
 		}

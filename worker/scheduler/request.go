@@ -95,6 +95,7 @@ type Result struct {
 	CachedTokens     int // prompt tokens served from the KV cache
 	CompletionTokens int
 	TTFT             time.Duration // submit to first token (0 if none)
+	QueueWait        time.Duration // submit to admission into the running set (or to the end, if never admitted)
 }
 
 // Handle is the submitter's view of a running request. The loop appends

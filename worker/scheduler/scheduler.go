@@ -668,6 +668,11 @@ func (s *Scheduler) end(t *task, r Result) {
 	if !t.firstAt.IsZero() {
 		r.TTFT = t.firstAt.Sub(t.submitted)
 	}
+	if t.admitted.IsZero() {
+		r.QueueWait = time.Since(t.submitted)
+	} else {
+		r.QueueWait = t.admitted.Sub(t.submitted)
+	}
 	if t.stopCtx != nil {
 		t.stopCtx()
 	}

@@ -7,6 +7,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
+	"log/slog"
 	"net/http"
 	"net/http/httptest"
 	"slices"
@@ -40,6 +41,7 @@ type opts struct {
 	nCtx, nSeq int
 	sched      scheduler.Config
 	mc         *mcreport.Reporter
+	logger     *slog.Logger
 }
 
 func startWorker(t *testing.T, o opts) *worker {
@@ -66,7 +68,7 @@ func startWorker(t *testing.T, o opts) *worker {
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan struct{})
 	go func() { sched.Run(ctx); close(done) }()
-	srv := httptest.NewServer(New(sched, eng, Config{Registry: reg, RequestTimeout: o.sched.RequestTimeout, ModelName: "tiny"}))
+	srv := httptest.NewServer(New(sched, eng, Config{Registry: reg, RequestTimeout: o.sched.RequestTimeout, ModelName: "tiny", Logger: o.logger}))
 	t.Cleanup(func() {
 		srv.CloseClientConnections()
 		cancel()
