@@ -46,7 +46,7 @@ import (
 )
 
 // ErrNoEndpoint means no endpoint is left after selector filtering: 404
-// "no available endpoint" (seed 002 §8.1).
+// "no available endpoint" (docs/envoy-filter.md).
 var ErrNoEndpoint = errors.New("no available endpoint")
 
 // Host is one candidate as a policy sees it.
@@ -134,7 +134,7 @@ type View struct {
 	Signals map[string]api.PodSignals
 	// Degraded: the query failed or timed out (or there is no metadata
 	// center). Load then comes from local accounting only and cache ratios
-	// are zero (seed 002 §8.3).
+	// are zero (docs/envoy-filter.md).
 	Degraded bool
 }
 

@@ -1,5 +1,5 @@
 // Package config is the filter's configuration: the `filter:` document of
-// DESIGN §9, as Envoy delivers it (plugin_config: an Any holding an
+// docs/configuration.md, as Envoy delivers it (plugin_config: an Any holding an
 // xds.type.v3.TypedStruct) and as the standalone gateway reads it (YAML or
 // JSON). Parsing is strict: an unknown key or an invalid value is refused
 // with an error naming its key path, e.g.
@@ -37,7 +37,7 @@ const (
 
 // Load-balancing policies (lb_mapping_rule.*.policy).
 const (
-	PolicyCacheAware   = "cache_aware"   // seed 002 §4 score, top N%, random pick
+	PolicyCacheAware   = "cache_aware"   // docs/configuration.md score, top N%, random pick
 	PolicyRoundRobin   = "round_robin"   // baseline: ignores load and cache
 	PolicyRandom       = "random"        // baseline: uniform
 	PolicyLeastRequest = "least_request" // fewest live requests, ties random
@@ -72,7 +72,7 @@ type Config struct {
 	// backends and translates only for rules with backend triton; "triton"
 	// translates every request to Triton's generate API whatever the rule says.
 	// Any non-empty name is accepted here; an unregistered one fails every
-	// request with 400 "unsupported protocol" (seed 002 §3 step 2).
+	// request with 400 "unsupported protocol" (docs/envoy-filter.md).
 	Protocol string
 
 	// MetadataCenter is key `metadata_center`.
@@ -105,7 +105,7 @@ type Config struct {
 
 // MetadataCenter is key `metadata_center`. The whole key may be omitted (or
 // address left empty): there is then no metadata center, every route query
-// is treated as failed (equal load, zero cache: seed 002 §8.3) and no
+// is treated as failed (equal load, zero cache: docs/envoy-filter.md) and no
 // updates are sent. Policies round_robin and random never need it.
 type MetadataCenter struct {
 	// Address (key `address`) is the base URL, scheme http or https with a
@@ -165,7 +165,7 @@ func (m LBMapping) For(cluster string) LBRule {
 	return m.Default
 }
 
-// LBRule is one entry of lb_mapping_rule. Weights are the seed 002 §4 score's:
+// LBRule is one entry of lb_mapping_rule. Weights are those of the score in docs/configuration.md:
 // score = W1·cacheRatio − W2'·(reqs−minReqs)/delta − W3·prompt/maxPrompt.
 type LBRule struct {
 	// Policy (key `policy`, default "cache_aware") names a policy or scoring

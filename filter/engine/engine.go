@@ -1,6 +1,6 @@
 // Package engine is the filter's decision engine, independent of Envoy: the
 // Envoy StreamFilter and the standalone gateway both hand it a complete
-// request and get back where to send it (seed 002 §3 steps 1–9), then report
+// request and get back where to send it (docs/envoy-filter.md), then report
 // the request's lifecycle (step 10, §5, §6) so that the metadata center's
 // load and cache figures stay true.
 //
@@ -289,7 +289,7 @@ type Error struct {
 
 func (e *Error) Error() string { return fmt.Sprintf("%d %s: %s", e.Status, e.Type, e.Message) }
 
-// JSON renders the seed 002 §8.2 body:
+// JSON renders the error body (docs/envoy-filter.md):
 // {"error":{"code":N,"type":"...","message":"..."},"trace_id":"..."}.
 func (e *Error) JSON() []byte {
 	b, _ := json.Marshal(api.Error{
@@ -367,7 +367,7 @@ type noHeaders struct{}
 
 func (noHeaders) Get(string) (string, bool) { return "", false }
 
-// traceID implements seed 002 §3 step 1.
+// traceID picks the request's trace id (docs/envoy-filter.md).
 func traceID(h Headers) string {
 	for _, k := range [...]string{"x-request-id", "x-trace-id", "x-amzn-trace-id"} {
 		if v, ok := h.Get(k); ok && v != "" {
@@ -382,7 +382,7 @@ func (e *Engine) reject(status int, typ, trace, format string, args ...any) *Err
 	return &Error{Status: status, Type: typ, Message: fmt.Sprintf(format, args...), TraceID: trace}
 }
 
-// Decide implements seed 002 §3 steps 1–9 on a complete request body. The
+// Decide runs the decision (docs/envoy-filter.md) on a complete request body. The
 // error, if any, is an *Error. It blocks at most for the route query's
 // timeout (and never past ctx).
 func (e *Engine) Decide(ctx context.Context, h Headers, body []byte) (*Decision, error) {

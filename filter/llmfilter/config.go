@@ -1,4 +1,4 @@
-// Package llmfilter is the Envoy Go HTTP filter of seed 002: it buffers the
+// Package llmfilter is the Envoy Go HTTP filter (docs/envoy-filter.md): it buffers the
 // request, asks the decision engine where to send it, pins it there with
 // SetUpstreamOverrideHost, and reports the request's lifecycle (started,
 // first token, cache saved, done) back to the engine. The same filter object

@@ -57,7 +57,7 @@ func newFilter(conf *Config, cb api.FilterCallbackHandler) *filter {
 
 var _ api.StreamFilter = (*filter)(nil)
 
-// traceHeaders are tried in order (seed 002 §3 step 1). Envoy's connection
+// traceHeaders are tried in order (docs/envoy-filter.md). Envoy's connection
 // manager sets x-request-id on every request, so the first usually wins.
 var traceHeaders = []string{"x-request-id", "x-trace-id", "x-amzn-trace-id"}
 
@@ -91,7 +91,7 @@ func (f *filter) DecodeHeaders(h api.RequestHeaderMap, endStream bool) (st api.S
 	}
 	if endStream {
 		// No body, nothing to route on (health checks, other GETs): the
-		// route's own cluster and load balancing apply (seed 002 §2).
+		// route's own cluster and load balancing apply (docs/envoy-filter.md).
 		return api.Continue
 	}
 	if cl, ok := h.Get("content-length"); ok {

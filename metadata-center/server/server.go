@@ -1,4 +1,4 @@
-// Package server is the metadata center's HTTP API v1 (DESIGN §6) on gin:
+// Package server is the metadata center's HTTP API v1 (docs/architecture.md) on gin:
 // it validates and canonicalises every request, maps it onto a store.Store,
 // and answers errors in the seed's format
 // {"error":{"code":N,"type":"...","message":"..."}}.

@@ -5,7 +5,7 @@
 //	go run ./filter/cmd/gateway --config gateway.yaml
 //
 // The file holds `listen:` and the filter's document under `filter:`
-// (DESIGN §9), plus optional `log_level` (debug|info|warn|error) and
+// (docs/configuration.md), plus optional `log_level` (debug|info|warn|error) and
 // `default_cluster` (a static cluster for requests the filter does not route).
 // /metrics (Prometheus) and /healthz are answered by the gateway itself.
 package main
