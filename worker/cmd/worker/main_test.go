@@ -54,7 +54,12 @@ type center struct {
 	body []api.CacheEvict
 }
 
+// ServeHTTP keeps only the eviction reports; the worker also pushes its
+// pod signals to the same center.
 func (c *center) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	if r.URL.Path != api.PathCacheEvict {
+		return
+	}
 	var b api.CacheEvict
 	json.NewDecoder(r.Body).Decode(&b)
 	c.mu.Lock()
