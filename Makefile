@@ -57,7 +57,7 @@ $(BIN)/envoyhost: envoyhost/chost/host.c go.mod
 
 ## bench: every routing policy side by side on 8 simulated workers (docs/benchmarks.md)
 bench: build
-	$(GO) run ./bench/cmd/bench --engine sim --workers 8 --rate 2 --out bench/out/sim
+	$(GO) run ./bench/cmd/bench --engine sim --workers 8 --rate 2 --kv-cells 8192 --out bench/out/sim
 
 ## bench-llama: the same on 3 real llama.cpp workers (0.6 CPU each) with the bench-preset model (~70 min)
 bench-llama: build $(BENCH_MODEL)

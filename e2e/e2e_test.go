@@ -27,7 +27,7 @@ var (
 	buildErr  error
 )
 
-// binaries builds the three commands once per test binary, with the same
+// binaries builds the commands once per test binary, with the same
 // vector flags as the Makefile so the llama.cpp build is shared with it.
 func binaries(t *testing.T) string {
 	t.Helper()
@@ -42,7 +42,7 @@ func binaries(t *testing.T) string {
 			return
 		}
 		cmd := exec.Command("go", "build", "-o", binDir+"/",
-			"./metadata-center/cmd/metadata-center", "./worker/cmd/worker", "./filter/cmd/gateway")
+			"./metadata-center/cmd/metadata-center", "./worker/cmd/worker", "./filter/cmd/gateway", "./worker/cmd/mkmodel")
 		cmd.Dir = filepath.Dir(strings.TrimSpace(string(root)))
 		cmd.Env = os.Environ()
 		for _, kv := range []string{"CGO_CFLAGS", "CGO_CXXFLAGS"} {

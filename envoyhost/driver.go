@@ -13,6 +13,7 @@ import (
 	"bufio"
 	"bytes"
 	"context"
+	"encoding/hex"
 	"errors"
 	"fmt"
 	"io"
@@ -311,6 +312,33 @@ func (h *Host) PushConfig(doc []byte) (uint64, error) {
 	return id, nil
 }
 
+// LocalReply is the HTTP connection manager's local_reply_config in the
+// shape istio/envoyfilter.yaml ships (docs/envoy-filter.md): replies whose
+// dynamic metadata has SkipNamespace.SkipKey = true are left alone; every
+// other local reply with status >= MinStatus gets JSONFormat (the
+// json_format as JSON text) with %RESPONSE_CODE%, %RESPONSE_CODE_DETAILS%,
+// %LOCAL_REPLY_BODY% and %REQ(X-REQUEST-ID)% substituted.
+type LocalReply struct {
+	SkipNamespace, SkipKey string
+	MinStatus              int
+	JSONFormat             string
+}
+
+// SetLocalReply installs the connection manager's local reply mapper
+// (nil removes it).
+func (h *Host) SetLocalReply(lr *LocalReply) error {
+	e := &enc{}
+	if lr == nil {
+		lr = &LocalReply{}
+	}
+	e.str(lr.SkipNamespace)
+	e.str(lr.SkipKey)
+	e.u32(uint32(lr.MinStatus))
+	e.str(lr.JSONFormat)
+	_, err := h.call(fLocalReplyCfg, e.b, 10*time.Second)
+	return err
+}
+
 // DropConfig removes the listener's config (listener removed).
 func (h *Host) DropConfig() error {
 	_, err := h.call(fCfgDrop, nil, 30*time.Second)
@@ -351,6 +379,43 @@ func (h *Host) Metrics() (map[string]int64, error) {
 		m[k] = n
 	}
 	return m, nil
+}
+
+// AccessRecord is one line of the host's HCM access log: the response code
+// and the stream's dynamic metadata, "namespace:key" -> value.
+type AccessRecord struct {
+	Code     int
+	Metadata map[string]any
+}
+
+// AccessLog returns the access log so far, oldest first.
+func (h *Host) AccessLog() ([]AccessRecord, error) {
+	var out []AccessRecord
+	for _, line := range strings.Split(h.Stderr(), "\n") {
+		rest, ok := strings.CutPrefix(line, "envoyhost: access-log ")
+		if !ok {
+			continue
+		}
+		rec := AccessRecord{Metadata: map[string]any{}}
+		for i, field := range strings.Fields(rest) {
+			k, v, _ := strings.Cut(field, "=")
+			if i == 0 && k == "code" {
+				rec.Code, _ = strconv.Atoi(v)
+				continue
+			}
+			raw, err := hex.DecodeString(v)
+			if err != nil {
+				return nil, fmt.Errorf("access log %q: %w", field, err)
+			}
+			var pv structpb.Value
+			if err := proto.Unmarshal(raw, &pv); err != nil {
+				return nil, fmt.Errorf("access log %q: %w", field, err)
+			}
+			rec.Metadata[k] = pv.AsInterface()
+		}
+		out = append(out, rec)
+	}
+	return out, nil
 }
 
 // ForceGC runs a Go GC cycle in the library and waits for its finalizers
@@ -406,7 +471,7 @@ func (h *Host) readLoop(r *bufio.Reader) {
 			return
 		}
 		switch f.typ {
-		case fCfgPushed, fRouteSet, fMetricsOut, fBye, fGCDone:
+		case fCfgPushed, fRouteSet, fMetricsOut, fBye, fGCDone, fLocalReplySet:
 			h.mu.Lock()
 			ch := h.replies[f.id]
 			delete(h.replies, f.id)

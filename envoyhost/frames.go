@@ -11,19 +11,20 @@ import (
 // Frame types of the pipe between the driver and the C host
 // (envoyhost/chost/host.c keeps the same numbers).
 const (
-	fCfgPush      = 1
-	fRouteCfg     = 2
-	fReqHeaders   = 3
-	fReqData      = 4
-	fReqTrailers  = 5
-	fRespHeaders  = 6
-	fRespData     = 7
-	fRespTrailers = 8
-	fReset        = 9
-	fMetrics      = 10
-	fShutdown     = 11
-	fCfgDrop      = 12
-	fGC           = 13
+	fCfgPush       = 1
+	fRouteCfg      = 2
+	fReqHeaders    = 3
+	fReqData       = 4
+	fReqTrailers   = 5
+	fRespHeaders   = 6
+	fRespData      = 7
+	fRespTrailers  = 8
+	fReset         = 9
+	fMetrics       = 10
+	fShutdown      = 11
+	fCfgDrop       = 12
+	fGC            = 13
+	fLocalReplyCfg = 14
 
 	fFwdHeaders     = 51
 	fFwdData        = 52
@@ -38,6 +39,7 @@ const (
 	fCfgDestroyed   = 103
 	fMetricsOut     = 110
 	fBye            = 111
+	fLocalReplySet  = 113
 	fGCDone         = 112
 )
 

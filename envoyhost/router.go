@@ -125,8 +125,11 @@ func (r *router) handle(f frame) {
 func (r *router) pick(u *upstream, attempt int, tried ...string) (clusterName, host, details string) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
+	// Two routes, as istio/gateway.yaml ships them: with x-llm-cluster
+	// present, cluster_header names the cluster (an unknown name is
+	// cluster_not_found); without it, the default route's cluster.
 	clusterName = r.defaultCluster
-	if _, ok := r.clusters[u.route]; ok {
+	if u.route != "" {
 		clusterName = u.route
 	}
 	c := r.clusters[clusterName]
@@ -214,7 +217,11 @@ func (r *router) proxy(id uint64, u *upstream) {
 		clusterName, host, details := r.pick(u, attempt, tried...)
 		tried = append(tried, host)
 		if host == "" {
-			r.localReply(id, clusterName, attempt, http.StatusServiceUnavailable, details, "no healthy upstream")
+			body := "no healthy upstream"
+			if details == "cluster_not_found" {
+				body = ""
+			}
+			r.localReply(id, clusterName, attempt, http.StatusServiceUnavailable, details, body)
 			return
 		}
 		req, err := http.NewRequestWithContext(u.ctx, method, "http://"+host+path, bytes.NewReader(u.body.Bytes()))

@@ -17,6 +17,8 @@ import (
 	"strings"
 	"syscall"
 	"time"
+
+	"github.com/istio-llm-filter/istio-llm-filter/internal/cpulimit"
 )
 
 // Spec describes one fleet.
@@ -60,7 +62,7 @@ type Fleet struct {
 	procs   []*exec.Cmd
 	mc      *exec.Cmd
 	workers []*exec.Cmd
-	limits  []*cpuLimit
+	limits  []*cpulimit.Group
 }
 
 // Start launches the fleet and waits until every part answers /healthz.
@@ -142,7 +144,7 @@ func Start(ctx context.Context, s Spec) (*Fleet, error) {
 		f.Workers = append(f.Workers, addr)
 		f.workers = append(f.workers, p)
 		if s.WorkerCPUs > 0 {
-			l, err := limitCPU(p.Process.Pid, s.WorkerCPUs)
+			l, err := cpulimit.Apply(p.Process.Pid, s.WorkerCPUs)
 			if err != nil {
 				return nil, err
 			}
@@ -253,7 +255,7 @@ func (f *Fleet) Stop() {
 		f.terminate(f.procs[i])
 	}
 	for _, l := range f.limits {
-		l.remove()
+		l.Remove()
 	}
 	f.limits = nil
 }

@@ -31,10 +31,11 @@ type Session struct {
 
 // Spec describes a workload.
 type Spec struct {
-	Kind string // shared-prefix | multi-turn | no-sharing | hot-prompt
+	Kind string // shared-prefix | multi-turn | no-sharing | hot-prompt | kv-pressure
 	Seed uint64
 
 	// shared-prefix: Systems × Users × Questions single-turn requests.
+	// kv-pressure: Systems × Users conversations of Turns turns.
 	Systems, Users, Questions int
 	// multi-turn: Sessions conversations of Turns turns each.
 	Sessions, Turns int
@@ -47,7 +48,7 @@ type Spec struct {
 }
 
 // Kinds lists the workloads Generate knows, in report order.
-var Kinds = []string{"shared-prefix", "multi-turn", "no-sharing", "hot-prompt"}
+var Kinds = []string{"shared-prefix", "multi-turn", "no-sharing", "hot-prompt", "kv-pressure"}
 
 // Defaults fills unset sizes with the workload's own defaults. They are
 // chosen against the prompt hash's 512-byte blocks: shared parts span whole
@@ -74,6 +75,16 @@ func (s Spec) Defaults() Spec {
 		def(&s.Turns, 12)
 		def(&s.SystemBytes, 1024)
 		def(&s.UserBytes, 256)
+	case "kv-pressure": // many users of a few long system prompts, long conversations
+		// 12 system prompts × 3 users, as in the llm-d comparison the
+		// workload was made for (docs/benchmarks.md); with small simulated
+		// KV caches (bench --kv-cells 4096) the conversations do not all
+		// fit, and pods evict.
+		def(&s.Systems, 12)
+		def(&s.Users, 3)
+		def(&s.Turns, 6)
+		def(&s.SystemBytes, 1024)
+		def(&s.UserBytes, 128)
 	default: // no-sharing, hot-prompt
 		def(&s.Requests, 128)
 		def(&s.SystemBytes, 1024)
@@ -113,6 +124,17 @@ func Generate(spec Spec) ([]Session, error) {
 				sess.Turns = append(sess.Turns, Turn{User: Text(r, s.UserBytes)})
 			}
 			out = append(out, sess)
+		}
+	case "kv-pressure":
+		systems := texts(r, "system", s.Systems, s.SystemBytes)
+		for si := range systems {
+			for u := 0; u < s.Users; u++ {
+				sess := Session{ID: fmt.Sprintf("kv-%d-%d", si, u), Group: fmt.Sprintf("s%d", si), System: systems[si]}
+				for t := 0; t < s.Turns; t++ {
+					sess.Turns = append(sess.Turns, Turn{User: Text(r, s.UserBytes)})
+				}
+				out = append(out, sess)
+			}
 		}
 	case "no-sharing":
 		for i := 0; i < s.Requests; i++ {

@@ -17,6 +17,8 @@ func TestGenerateShapes(t *testing.T) {
 		{Spec{Kind: "multi-turn", Sessions: 5, Turns: 3}, 5, 3, 5},
 		{Spec{Kind: "no-sharing", Requests: 7}, 7, 1, 1},
 		{Spec{Kind: "hot-prompt", Requests: 9}, 9, 1, 1},
+		{Spec{Kind: "kv-pressure", Systems: 4, Users: 3, Turns: 5}, 12, 5, 4},
+		{Spec{Kind: "kv-pressure"}, 36, 6, 12},
 	}
 	for _, c := range cases {
 		t.Run(c.spec.Kind, func(t *testing.T) {
@@ -103,5 +105,31 @@ func TestDeterministicAndSized(t *testing.T) {
 	}
 	if _, err := Generate(Spec{Kind: "nope"}); err == nil || !strings.Contains(err.Error(), "unknown kind") {
 		t.Fatalf("unknown kind error = %v", err)
+	}
+}
+
+// kv-pressure: the users of one system prompt share it word for word, and
+// their conversations differ from the first turn on.
+func TestKVPressureSharesSystemsOnly(t *testing.T) {
+	got, err := Generate(Spec{Kind: "kv-pressure", Systems: 2, Users: 3, Turns: 2})
+	if err != nil {
+		t.Fatal(err)
+	}
+	bySystem := map[string][]Session{}
+	for _, s := range got {
+		bySystem[s.Group] = append(bySystem[s.Group], s)
+	}
+	for g, ss := range bySystem {
+		if len(ss) != 3 || len(ss[0].System) < 1024 {
+			t.Fatalf("group %s: %d sessions, system %d bytes", g, len(ss), len(ss[0].System))
+		}
+		for _, s := range ss[1:] {
+			if s.System != ss[0].System || s.Turns[0].User == ss[0].Turns[0].User {
+				t.Fatalf("group %s: sessions should share only the system prompt", g)
+			}
+		}
+	}
+	if bySystem["s0"][0].System == bySystem["s1"][0].System {
+		t.Fatal("two groups share a system prompt")
 	}
 }

@@ -182,6 +182,7 @@ enum {
   F_SHUTDOWN = 11,
   F_CFG_DROP = 12,
   F_GC = 13,
+  F_LOCAL_REPLY_CFG = 14,
   // host -> driver
   F_FWD_HEADERS = 51,
   F_FWD_DATA = 52,
@@ -197,6 +198,7 @@ enum {
   F_METRICS_OUT = 110,
   F_BYE = 111,
   F_GC_DONE = 112,
+  F_LOCAL_REPLY_SET = 113,
 };
 
 static pthread_mutex_t out_mu = PTHREAD_MUTEX_INITIALIZER;
@@ -216,6 +218,8 @@ static void put_hmap(buf_t *b, hmap_t *m) {
   }
 }
 
+static int frame_fd = 1; // the driver pipe (main moves it off fd 1)
+
 static void send_frame(uint8_t type, uint64_t id, buf_t *payload) {
   buf_t f = {0};
   put_u32(&f, (uint32_t)(1 + 8 + (payload ? payload->len : 0)));
@@ -225,7 +229,7 @@ static void send_frame(uint8_t type, uint64_t id, buf_t *payload) {
   pthread_mutex_lock(&out_mu);
   size_t off = 0;
   while (off < f.len) {
-    ssize_t w = write(1, f.p + off, f.len - off);
+    ssize_t w = write(frame_fd, f.p + off, f.len - off);
     if (w < 0 && errno == EINTR) continue;
     if (w <= 0) {
       pthread_mutex_unlock(&out_mu);
@@ -353,12 +357,13 @@ static int is_thread(worker_t *w) { return pthread_equal(pthread_self(), w->tid)
 
 // Stats live in the listener's scope, so a name defined again by the next
 // config is the same stat (gf.cc:1612 defineMetric uses the scope).
-#define MAX_STATS 256
+#define MAX_STATS 1024
 static pthread_mutex_t stats_mu = PTHREAD_MUTEX_INITIALIZER;
 static struct {
   char *name;
   int type;
-  int64_t value;
+  int64_t value; // histograms: the sum of recorded values
+  int64_t count; // histograms: how many were recorded
 } stats[MAX_STATS];
 static int nstats;
 
@@ -740,6 +745,106 @@ static void fm_client_trailers(filter_t *f) {
 static void encode_headers(filter_t *f, int end);
 static void encode_data(filter_t *f, buf_t *data, int end);
 
+// The HTTP connection manager's local_reply_config (LocalReplyImpl::rewrite,
+// source/common/local_reply/local_reply.cc), for the shape istio/ ships: a
+// first mapper that leaves replies whose dynamic metadata has skip_ns.skip_key
+// = true alone, a second that rewrites every other reply with status >=
+// min_status to a JSON body_format. The template is the json_format as JSON
+// text: "%RESPONSE_CODE%" as a whole value becomes a number (Envoy keeps
+// single-operator values typed); the other operators are replaced inside
+// strings, JSON-escaped.
+static dynmeta_t *meta_for(filter_t *f, const char *name, size_t n, int create);
+static pthread_mutex_t lr_mu = PTHREAD_MUTEX_INITIALIZER;
+static struct {
+  int set;
+  char *skip_ns, *skip_key, *tmpl;
+  uint32_t min_status;
+} lr;
+
+static void set_local_reply(uint64_t rid, const char *p, size_t n) {
+  rd_t r = {p, n, 0};
+  size_t nl, kl, tl;
+  const char *ns = get_str(&r, &nl);
+  const char *key = get_str(&r, &kl);
+  uint32_t min_status = get_u32(&r);
+  const char *t = get_str(&r, &tl);
+  pthread_mutex_lock(&lr_mu);
+  free(lr.skip_ns);
+  free(lr.skip_key);
+  free(lr.tmpl);
+  lr.skip_ns = xstrndup(ns, nl);
+  lr.skip_key = xstrndup(key, kl);
+  lr.tmpl = xstrndup(t, tl);
+  lr.min_status = min_status;
+  lr.set = tl > 0;
+  pthread_mutex_unlock(&lr_mu);
+  send_frame(F_LOCAL_REPLY_SET, rid, NULL);
+}
+
+static void json_escape(buf_t *b, const char *s, size_t n) {
+  for (size_t i = 0; i < n; i++) {
+    unsigned char c = (unsigned char)s[i];
+    if (c == '"' || c == '\\') {
+      buf_add(b, "\\", 1);
+      buf_add(b, &s[i], 1);
+    } else if (c < 0x20) {
+      char e[8];
+      int k = snprintf(e, sizeof e, "\\u%04x", c);
+      buf_add(b, e, (size_t)k);
+    } else {
+      buf_add(b, &s[i], 1);
+    }
+  }
+}
+
+static int starts(const char *p, const char *end, const char *lit) {
+  size_t n = strlen(lit);
+  return (size_t)(end - p) >= n && !memcmp(p, lit, n);
+}
+
+// local_reply_rewrite returns 1 and fills out when the reply is rewritten.
+static int local_reply_rewrite(filter_t *f, int code, const char *body, size_t body_len, const char *details, buf_t *out) {
+  pthread_mutex_lock(&lr_mu);
+  if (!lr.set || code < (int)lr.min_status) {
+    pthread_mutex_unlock(&lr_mu);
+    return 0;
+  }
+  // First mapper: the filter's own replies (bool true = Value field 4, varint 1).
+  dynmeta_t *m = meta_for(f, lr.skip_ns, strlen(lr.skip_ns), 0);
+  hdr_t *mark = m ? h_get(&m->kv, lr.skip_key) : NULL;
+  if (mark && mark->vl == 2 && (unsigned char)mark->v[0] == 0x20 && mark->v[1] == 1) {
+    pthread_mutex_unlock(&lr_mu);
+    return 0;
+  }
+  hdr_t *rid = h_get(&f->req_headers, "x-request-id");
+  char num[16];
+  int nn = snprintf(num, sizeof num, "%d", code);
+  const char *p = lr.tmpl, *end = lr.tmpl + strlen(lr.tmpl);
+  while (p < end) {
+    if (starts(p, end, "\"%RESPONSE_CODE%\"")) {
+      buf_add(out, num, (size_t)nn);
+      p += strlen("\"%RESPONSE_CODE%\"");
+    } else if (starts(p, end, "%RESPONSE_CODE_DETAILS%")) {
+      json_escape(out, details, strlen(details));
+      p += strlen("%RESPONSE_CODE_DETAILS%");
+    } else if (starts(p, end, "%LOCAL_REPLY_BODY%")) {
+      json_escape(out, body, body_len);
+      p += strlen("%LOCAL_REPLY_BODY%");
+    } else if (starts(p, end, "%REQ(X-REQUEST-ID)%")) {
+      if (rid) json_escape(out, rid->v, rid->vl);
+      p += strlen("%REQ(X-REQUEST-ID)%");
+    } else if (starts(p, end, "%RESPONSE_CODE%")) {
+      buf_add(out, num, (size_t)nn);
+      p += strlen("%RESPONSE_CODE%");
+    } else {
+      buf_add(out, p, 1);
+      p++;
+    }
+  }
+  pthread_mutex_unlock(&lr_mu);
+  return 1;
+}
+
 // FilterManager::sendLocalReply: through the encoder filters while no
 // response headers exist; straight to the client once an upstream response
 // is being encoded but not sent; a reset once headers went out.
@@ -755,6 +860,13 @@ static void fm_send_local_reply(filter_t *f, int code, const char *body, size_t 
     stream_complete(f, 1);
     return;
   }
+  buf_t mapped = {0};
+  const char *ctype = "text/plain";
+  if (local_reply_rewrite(f, code, body, body_len, details, &mapped)) {
+    body = mapped.p;
+    body_len = mapped.len;
+    ctype = "application/json";
+  }
   hmap_t h = {0};
   char st[16];
   int n = snprintf(st, sizeof st, "%d", code);
@@ -763,7 +875,7 @@ static void fm_send_local_reply(filter_t *f, int code, const char *body, size_t 
     char cl[32];
     n = snprintf(cl, sizeof cl, "%zu", body_len);
     h_add(&h, "content-length", 14, cl, (size_t)n);
-    h_add(&h, "content-type", 12, "text/plain", 10);
+    h_add(&h, "content-type", 12, ctype, strlen(ctype));
   }
   for (int i = 0; extra && i < extra->n; i++)
     if (extra->a[i].vl > 0) h_set(&h, extra->a[i].k, extra->a[i].kl, extra->a[i].v, extra->a[i].vl);
@@ -779,6 +891,7 @@ static void fm_send_local_reply(filter_t *f, int code, const char *body, size_t 
       fm_client_data(f, &b, 1);
       buf_free(&b);
     }
+    buf_free(&mapped);
     return;
   }
   h_free(&f->resp_headers);
@@ -792,6 +905,7 @@ static void fm_send_local_reply(filter_t *f, int code, const char *body, size_t 
     encode_data(f, &b, 1);
     buf_free(&b);
   }
+  buf_free(&mapped);
 }
 
 // ------------------------------------------------ ProcessorState (ps.cc, ps.h)
@@ -993,6 +1107,9 @@ static int do_data(filter_t *f, pstate_t *s, buf_t *data, int end) { // gf.cc:28
       if (!buffer_empty(s)) {
         add_buffer_data(f, s, data);
         buf_move(data, &s->data_buffer);
+        // Over the limit: the 413 ended the stream; the filter (already
+        // destroyed here, where Envoy defers it) never sees this data.
+        if (f->decoding_aborted) break;
       }
       if (s->base.state == WaitingAllData) done = do_data_go(f, s, data, end);
       break;
@@ -1099,12 +1216,46 @@ static void continue_status_internal(filter_t *f, pstate_t *s, int status) {
 
 // ------------------------------------------------ stream events from the driver
 
+// access_log is the HCM access log: one stderr line with the response code
+// and every dynamic metadata key, its serialized google.protobuf.Value in
+// hex (the driver decodes it: Host.AccessLog).
+static void access_log(filter_t *f) {
+  buf_t out = {0};
+  char head[128];
+  int n = snprintf(head, sizeof head, "envoyhost: access-log code=%d", f->response_code);
+  buf_add(&out, head, (size_t)n);
+  // Worker thread: the posted metadata writes run here too.
+  for (int i = 0; i < f->nmeta; i++) {
+    for (int j = 0; j < f->meta[i].kv.n; j++) {
+      hdr_t *e = &f->meta[i].kv.a[j];
+      buf_add(&out, " ", 1);
+      buf_add(&out, f->meta[i].name, strlen(f->meta[i].name));
+      buf_add(&out, ":", 1);
+      buf_add(&out, e->k, e->kl);
+      buf_add(&out, "=", 1);
+      for (size_t k = 0; k < e->vl; k++) {
+        char hx[3];
+        snprintf(hx, sizeof hx, "%02x", (unsigned char)e->v[k]);
+        buf_add(&out, hx, 2);
+      }
+    }
+  }
+  buf_add(&out, "\n", 1);
+  fwrite(out.p, 1, out.len, stderr);
+  fflush(stderr);
+  buf_free(&out);
+}
+
 static void stream_complete(filter_t *f, int reset) {
   if (f->completed) return;
   f->completed = 1;
   req_t *r = f->req;
   // ActiveStream completion: onStreamComplete, access log (DownstreamEnd),
   // then onDestroy, then deferred deletion of the filter.
+  // The HCM's access loggers were added to the stream before any filter
+  // (ActiveStream's constructor), so they run before the golang filter's
+  // log: they see the dynamic metadata the filter set until now.
+  access_log(f);
   if (r->base.configId != 0) {
     atomic_store(&r->base.is_golang_processing_log, 1); // gf.cc:138
     so.on_stream_complete(&r->base);
@@ -2247,11 +2398,12 @@ static CAPIStatus metric_op(void *c, uint32_t id, int op, int64_t v, uint64_t *o
       if (type == 1 || v > 0) stats[idx].value += v;
     } else if (op == 1) {
       *out = (uint64_t)stats[idx].value;
-    } else {
+    } else { // recordMetric (gf.cc:1686): gauge set, counter add, histogram recordValue
       if (type == 1)
         stats[idx].value = v;
       else
         stats[idx].value += v;
+      if (type == 2) stats[idx].count++;
     }
     pthread_mutex_unlock(&stats_mu);
   }
@@ -2355,8 +2507,14 @@ static void dump_metrics(uint64_t rid) {
   buf_t out = {0};
   pthread_mutex_lock(&stats_mu);
   for (int i = 0; i < nstats; i++) {
-    char line[512];
-    int n = snprintf(line, sizeof line, "%s %ld\n", stats[i].name, (long)stats[i].value);
+    char line[1024];
+    int n;
+    if (stats[i].type == 2)
+      n = snprintf(line, sizeof line, "%s:count %ld\n%s:sum %ld\n", stats[i].name, (long)stats[i].count,
+                   stats[i].name, (long)stats[i].value);
+    else
+      n = snprintf(line, sizeof line, "%s %ld\n", stats[i].name, (long)stats[i].value);
+    if (n >= (int)sizeof line) n = (int)sizeof line - 1;
     buf_add(&out, line, (size_t)n);
   }
   pthread_mutex_unlock(&stats_mu);
@@ -2401,6 +2559,11 @@ int main(int argc, char **argv) {
   }
   if (!so_path || concurrency == 0) die("--so is required, --concurrency must be > 0");
   setvbuf(stderr, NULL, _IOLBF, 0);
+  // Frames to the driver leave on a private copy of stdout; fd 1 becomes
+  // stderr, so whatever the library prints on stdout (as it may in Envoy,
+  // whose access log goes there) cannot corrupt the frame stream.
+  frame_fd = dup(1);
+  if (frame_fd < 0 || dup2(2, 1) < 0) die("cannot set up the frame pipe");
   // Dso::DsoManager loads with RTLD_LAZY|RTLD_LOCAL in Envoy; RTLD_NOW here
   // so a missing C function fails at load, not mid-request.
   void *h = dlopen(so_path, RTLD_NOW | RTLD_LOCAL);
@@ -2456,6 +2619,10 @@ int main(int argc, char **argv) {
       break;
     case F_METRICS:
       dump_metrics(id);
+      free(p);
+      break;
+    case F_LOCAL_REPLY_CFG:
+      set_local_reply(id, pl, pn);
       free(p);
       break;
     case F_GC:

@@ -1,44 +1,44 @@
-// Package balancer chooses the pod for a request (seed 002 §4, ChooseServer):
+// Package balancer chooses the pod for a request:
 // label-selector filtering, then a per-cluster Policy over what the metadata
-// center says about load and cached prefixes, corrected by this gateway's own
-// in-flight requests that the metadata center does not know about yet.
+// center says about load, cached prefixes and the pods' own signals,
+// corrected by this gateway's own in-flight requests that the metadata
+// center does not know about yet (Tracker).
 //
-// The default policy, cache_aware, is the seed's score kept exactly
-// (DESIGN §5):
+// Most policies are Profiles: pod filters → scorers (each rates every pod in
+// [0,1] and names itself) → a picker, composed from the lb rule (weights per
+// scorer, picker, filters), with per-stage latency histograms and per-scorer
+// debug logs. Scorers, filters, pickers and whole policies can be registered
+// from Go (Options, Balancer.Register*). Built in:
 //
-//	score = W1·cacheRatio − W2'·(reqs−minReqs)/delta − W3·prompt/maxPrompt
-//	delta = max(2, maxReqs−minReqs); W2' = W2·delta/5 when delta > 5
-//
-// sorted descending, then a uniform pick among the top
-// max(1, n·candidate_percent/100). Four things are added on top: ties go
-// to the pod with the fewest recent requests, then at random (equal scores
-// do not pile onto the first pod listed, nor onto a pod whose conversations
-// just happen to be between turns);
-// reqs/prompt include requests this gateway routed but the metadata center
-// has not yet been told of (Tracker), so a burst between updates spreads out;
-// and while any pod has prefill pending, a pod's prompt term counts the
-// request's own prefill there, L·(1−cacheRatio), so that it weighs the
-// prefill standing before the request's first token on that pod. The seed's
-// term counts only others' pending prefill: a pod that holds the prefix but
-// has just started a cold prompt then scores the full penalty, and the
-// request goes to an idle pod where it prefills all L again (on 8 simulated
-// pods this halved shared-prefix TTFT p90; docs/benchmarks.md). And herd
-// control (rule.HerdShare): a pod that has taken more than HerdShare times
-// its fair share of the cluster's recent decisions and is busier than the
-// idlest pod gets no cache credit. The seed's weights keep a prompt that
-// everyone sends on its pod until that pod has ten more requests than the
-// idlest, which on small pods queues what an idle pod could serve; with it
-// the prompt is copied to more pods. The seed's worked example still picks
-// B with both (B is the idlest pod, so it is never herded).
+//   - seed: the seed's formula exactly,
+//     W1·cacheRatio − W2'·(reqs−minReqs)/delta − W3·prompt/maxPrompt with
+//     delta = max(2, maxReqs−minReqs), W2' = W2·delta/5 when delta > 5, as
+//     the weighted sum of three [0,1] scorers (which differs from it by the
+//     constant W2'+W3), uniform pick among the top candidate_percent.
+//   - cache_aware (the default): the seed plus herd control (a pod that took
+//     more than herd_share times its fair share of recent decisions and is
+//     busier than the idlest gets no cache credit), the request's own
+//     uncached prefill in the prompt term while any pod prefills, and ties
+//     ordered by recent share. docs/configuration.md says why each is there.
+//   - epp: llm-d's endpoint picker's default profile, a baseline: prefix ×3,
+//     queue ×2, KV-cache utilization ×2 (pod signals), max-score pick.
+//   - sglang: SGLang router's cache_aware, a baseline (SGLang).
+//   - round_robin, random, least_request, prefix_only: baselines.
 package balancer
 
 import (
+	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"math"
 	"math/rand/v2"
 	"slices"
+	"sort"
 	"sync"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/istio-llm-filter/istio-llm-filter/filter/config"
 	"github.com/istio-llm-filter/istio-llm-filter/filter/endpoints"
@@ -46,7 +46,7 @@ import (
 )
 
 // ErrNoEndpoint means no endpoint is left after selector filtering: 404
-// "no available endpoint" (seed 002 §8.1).
+// "no available endpoint" (docs/envoy-filter.md).
 var ErrNoEndpoint = errors.New("no available endpoint")
 
 // Host is one candidate as a policy sees it.
@@ -59,6 +59,15 @@ type Host struct {
 	// chose this pod, for herd control and cache_aware's tie-break; 0 until
 	// there are 2n decisions (Tracker.Routed).
 	Share float64
+
+	// The pod's own report (View.Signals); only when Signals is true: the
+	// metadata center answers fresh reports only, and a pod without one is
+	// never assumed idle.
+	Signals       bool
+	Waiting       int64   // requests queued on the pod
+	Running       int64   // requests the pod is running
+	KVUtil        float64 // used / total KV cache, 0..1
+	PrefillQueued int64   // prompt tokens the pod has still to prefill
 }
 
 // State is the input of one choice. Policies must not keep it.
@@ -71,19 +80,42 @@ type State struct {
 	// IntN returns a uniform int in [0, n); safe for concurrent use.
 	IntN func(n int) int
 
-	// floats is scratch for the built-in policies (Balancer.Choose pools it):
-	// past 64 hosts their stack buffers spill to the heap on every choice.
+	// Scratch for the policies (Balancer.Choose pools it): a decision at 64
+	// pods would otherwise allocate a few KiB.
 	floats []float64
+	idx    []int
+	kept   []Host
 }
 
-// scratch returns two float slices of length n, from s.floats when it is
-// big enough.
+// scratch returns two empty float slices of capacity n.
 func (s *State) scratch(n int) (a, b []float64) {
-	if cap(s.floats) < 2*n {
-		s.floats = make([]float64, 2*n)
+	if cap(s.floats) < 3*n {
+		s.floats = make([]float64, 3*n)
 	}
-	f := s.floats[:2*n]
+	f := s.floats[:3*n]
 	return f[:0:n], f[n : n : 2*n]
+}
+
+// sortBuf returns an empty float slice of capacity n apart from scratch's.
+func (s *State) sortBuf(n int) []float64 {
+	if cap(s.floats) < 3*n {
+		s.floats = make([]float64, 3*n)
+	}
+	return s.floats[2*n : 2*n : 3*n]
+}
+
+func (s *State) ints(n int) []int {
+	if cap(s.idx) < n {
+		s.idx = make([]int, 0, n)
+	}
+	return s.idx[:0]
+}
+
+func (s *State) hosts(n int) []Host {
+	if cap(s.kept) < n {
+		s.kept = make([]Host, 0, n)
+	}
+	return s.kept[:0]
 }
 
 // Policy picks one of State.Hosts and returns its index.
@@ -98,9 +130,11 @@ type Policy interface {
 type View struct {
 	Load  api.LoadStats  // host -> stats; nil when degraded
 	Cache map[string]int // host -> matched leading blocks
+	// Signals are the pods' own fresh reports, host -> signals.
+	Signals map[string]api.PodSignals
 	// Degraded: the query failed or timed out (or there is no metadata
 	// center). Load then comes from local accounting only and cache ratios
-	// are zero (seed 002 §8.3).
+	// are zero (docs/envoy-filter.md).
 	Degraded bool
 }
 
@@ -109,17 +143,35 @@ type Options struct {
 	// IntN overrides the random source (tests); it must be safe for
 	// concurrent use. Default: math/rand/v2.IntN.
 	IntN func(n int) int
-	// Policies adds or replaces policies by name.
+	// Policies adds or replaces policies by name (a *Profile is one).
 	Policies map[string]Policy
+	// Scorers, Filters and Pickers add or replace pipeline parts by name,
+	// for the lb rule's `scorers`, `filters` and `picker` keys.
+	Scorers map[string]Scorer
+	Filters map[string]PodFilter
+	Pickers map[string]Picker
+	// Logger receives per-scorer debug lines (at Debug level). Default
+	// slog.Default().
+	Logger *slog.Logger
+	// Registerer, if set, gets llm_filter_balancer_stage_seconds{stage}.
+	Registerer prometheus.Registerer
 }
 
 // Balancer holds the policies, the round-robin counters and the in-flight
 // tracker of one engine. Safe for concurrent use.
 type Balancer struct {
 	intn     func(int) int
+	mu       sync.RWMutex // guards the registries below
 	policies map[string]Policy
+	scorers  map[string]Scorer
+	filters  map[string]PodFilter
+	pickers  map[string]Picker
 	tracker  *Tracker
 	scratch  sync.Pool // *chooseScratch: 2.5 KiB at 64 pods, per decision
+	log      *slog.Logger
+	stages   *prometheus.HistogramVec
+	// stageObs and scorerObs cache stage name -> prometheus.Observer.
+	stageObs, scorerObs sync.Map
 }
 
 // chooseScratch is what one Choose needs; the State is in it because a
@@ -127,34 +179,126 @@ type Balancer struct {
 type chooseScratch struct {
 	hosts  []Host
 	floats []float64
+	idx    []int
+	kept   []Host
 	state  State
+	obs    stageObserver
 }
 
-// New builds a balancer with the five built-in policies.
+// New builds a balancer with the built-in policies, profiles, scorers,
+// filters and pickers, plus those of opts.
 func New(opts Options) *Balancer {
-	b := &Balancer{intn: opts.IntN, tracker: NewTracker()}
+	b := &Balancer{intn: opts.IntN, tracker: NewTracker(), log: opts.Logger}
 	if b.intn == nil {
 		b.intn = rand.IntN
 	}
+	if b.log == nil {
+		b.log = slog.Default()
+	}
 	b.policies = map[string]Policy{
-		config.PolicyCacheAware:   CacheAware{},
 		config.PolicyRoundRobin:   NewRoundRobin(),
 		config.PolicyRandom:       Random{},
 		config.PolicyLeastRequest: LeastRequest{},
 		config.PolicyPrefixOnly:   PrefixOnly{},
+		PolicySGLang:              SGLang{},
 	}
+	for _, p := range builtinProfiles() {
+		b.policies[p.Name] = p
+	}
+	b.scorers = builtinScorers()
+	b.filters = map[string]PodFilter{FilterKVFull: KVFull{}}
+	b.pickers = map[string]Picker{PickerTopPercent: TopPercent{}, PickerMaxScore: MaxScore{}}
 	for name, p := range opts.Policies {
 		b.policies[name] = p
 	}
+	for name, p := range opts.Scorers {
+		b.scorers[name] = p
+	}
+	for name, p := range opts.Filters {
+		b.filters[name] = p
+	}
+	for name, p := range opts.Pickers {
+		b.pickers[name] = p
+	}
+	b.stages = prometheus.NewHistogramVec(prometheus.HistogramOpts{
+		Name:    "llm_filter_balancer_stage_seconds",
+		Help:    "Time spent per decision in each balancer stage: filters, scorer:<name>, picker for scoring profiles; the policy's name for the others.",
+		Buckets: prometheus.ExponentialBuckets(100e-9, 2, 14),
+	}, []string{"stage"})
+	if opts.Registerer != nil {
+		// A second engine on the same registry (a config reload) shares the
+		// first one's histogram.
+		if err := opts.Registerer.Register(b.stages); err != nil {
+			var are prometheus.AlreadyRegisteredError
+			if errors.As(err, &are) {
+				if h, ok := are.ExistingCollector.(*prometheus.HistogramVec); ok {
+					b.stages = h
+				}
+			}
+		}
+	}
 	return b
+}
+
+// RegisterPolicy adds or replaces a policy (a *Profile is one).
+func (b *Balancer) RegisterPolicy(name string, p Policy) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	b.policies[name] = p
+}
+
+// RegisterScorer adds or replaces a scorer for the lb rule's `scorers`.
+func (b *Balancer) RegisterScorer(s Scorer) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	b.scorers[s.Name()] = s
+}
+
+// Check reports whether the rule names only registered parts: the engine
+// calls it for every lb rule when it starts, so a typo fails the config,
+// not each request.
+func (b *Balancer) Check(r config.LBRule) error {
+	p, err := b.Policy(r.Policy)
+	if err != nil {
+		return err
+	}
+	prof, ok := p.(*Profile)
+	if !ok {
+		if len(r.Scorers) > 0 || r.Picker != "" || r.Filters != nil {
+			return fmt.Errorf("policy %q is not a scoring profile: scorers, filters and picker do not apply", r.Policy)
+		}
+		return nil
+	}
+	b.mu.RLock()
+	defer b.mu.RUnlock()
+	_, err = b.withRule(prof, r)
+	return err
+}
+
+// Names lists the registered policies, scorers, filters and pickers.
+func (b *Balancer) Names() (policies, scorers, filters, pickers []string) {
+	b.mu.RLock()
+	defer b.mu.RUnlock()
+	return sortedNames(b.policies), sortedNames(b.scorers), sortedNames(b.filters), sortedNames(b.pickers)
+}
+
+func sortedNames[V any](m map[string]V) []string {
+	out := make([]string, 0, len(m))
+	for k := range m {
+		out = append(out, k)
+	}
+	sort.Strings(out)
+	return out
 }
 
 // Tracker returns the in-flight tracker.
 func (b *Balancer) Tracker() *Tracker { return b.tracker }
 
-// Policy returns the policy of a name (config validation guarantees it).
+// Policy returns the policy of a name.
 func (b *Balancer) Policy(name string) (Policy, error) {
+	b.mu.RLock()
 	p, ok := b.policies[name]
+	b.mu.RUnlock()
 	if !ok {
 		return nil, fmt.Errorf("unknown load-balancing policy %q", name)
 	}
@@ -213,77 +357,67 @@ func (b *Balancer) Choose(cluster string, rule config.LBRule, cands []endpoints.
 	if sc == nil {
 		sc = new(chooseScratch)
 	}
+	prof, isProfile := p.(*Profile)
+	if isProfile {
+		b.mu.RLock()
+		prof, err = b.withRule(prof, rule)
+		b.mu.RUnlock()
+		if err != nil {
+			b.scratch.Put(sc)
+			return Choice{}, err
+		}
+		if !prof.readsSignals(rule) {
+			view.Signals = nil
+		}
+	} else if sr, ok := p.(SignalReader); ok && !sr.ReadsSignals() {
+		view.Signals = nil
+	}
 	hosts := slices.Grow(sc.hosts[:0], len(cands))[:len(cands)]
-	b.tracker.fill(cluster, cands, view, req.Blocks, hosts)
-	sc.state = State{Cluster: cluster, Hosts: hosts, Rule: rule, PromptLength: req.PromptLength, IntN: b.intn, floats: sc.floats}
-	i := p.Choose(&sc.state)
+	key := b.tracker.fill(cluster, cands, view, req.Blocks, hosts)
+	sc.state = State{Cluster: cluster, Hosts: hosts, Rule: rule, PromptLength: req.PromptLength, IntN: b.intn,
+		floats: sc.floats, idx: sc.idx, kept: sc.kept}
+	var i int
+	if isProfile {
+		sc.obs = stageObserver{b: b, log: b.log, debug: b.log.Enabled(context.Background(), slog.LevelDebug)}
+		i = prof.run(&sc.state, &sc.obs)
+	} else {
+		t0 := time.Now()
+		i = p.Choose(&sc.state)
+		b.observe(rule.Policy, false, time.Since(t0))
+	}
 	ch := Choice{Host: hosts[i], Index: i, Candidates: len(hosts)}
-	b.tracker.Routed(cluster, ch.Host.Address, len(hosts))
+	b.tracker.routed(key, ch.Host.Address, len(hosts))
 	clear(hosts) // do not pin endpoint addresses
-	sc.hosts, sc.floats, sc.state = hosts[:0], sc.state.floats, State{}
+	clear(sc.state.kept[:cap(sc.state.kept)])
+	sc.hosts, sc.floats, sc.idx, sc.kept, sc.state = hosts[:0], sc.state.floats, sc.state.idx, sc.state.kept, State{}
 	b.scratch.Put(sc)
 	return ch, nil
 }
 
-// Scores computes the seed 002 §4 score of every host, with each host's
-// prompt term counting promptLen·(1−cacheRatio) of its own for the request
-// while any host has prefill pending (promptLen 0: the seed's score exactly).
-func Scores(hosts []Host, rule config.LBRule, promptLen int64, out []float64) []float64 {
-	out = out[:0]
-	if len(hosts) == 0 {
-		return out
+// observe records a stage's time. The histogram children are cached by
+// name: building "scorer:"+name and hashing labels on every decision would
+// cost more than some scorers do.
+func (b *Balancer) observe(stage string, scorer bool, d time.Duration) {
+	cache := &b.stageObs
+	if scorer {
+		cache = &b.scorerObs
 	}
-	minReqs, maxReqs, maxPending := hosts[0].Reqs, hosts[0].Reqs, int64(0)
-	for _, h := range hosts {
-		minReqs = min(minReqs, h.Reqs)
-		maxReqs = max(maxReqs, h.Reqs)
-		maxPending = max(maxPending, h.Prompt)
-	}
-	// The request's own prefill only matters against others' queued
-	// prefill. With no pod prefilling, (1−cacheRatio)·promptLen would just
-	// count the cache term a second time (at weight W3) and pile a hot
-	// prompt onto the pods that hold it; the prompt term is then off, as in
-	// the seed.
-	if maxPending == 0 {
-		promptLen = 0
-	}
-	// Herd control: a pod that has been taking more than HerdShare times
-	// its fair share of requests and is busier than the idlest pod gets no
-	// cache credit, so a prefix that everyone wants is copied to another
-	// pod instead of queueing on the few that hold it.
-	shareLimit := rule.HerdShare / float64(len(hosts))
-	ratio := func(h Host) float64 {
-		if rule.HerdShare > 0 && h.Share > shareLimit && h.Reqs > minReqs {
-			return 0
+	o, ok := cache.Load(stage)
+	if !ok {
+		label := stage
+		if scorer {
+			label = "scorer:" + stage
 		}
-		return h.CacheRatio
+		o, _ = cache.LoadOrStore(stage, b.stages.WithLabelValues(label))
 	}
-	prompt := func(h Host) float64 { return float64(h.Prompt) + float64(promptLen)*(1-ratio(h)) }
-	maxPrompt := 0.0
-	for _, h := range hosts {
-		maxPrompt = max(maxPrompt, prompt(h))
-	}
-	delta := float64(max(2, maxReqs-minReqs))
-	w2 := rule.RequestLoadWeight
-	if delta > 5 {
-		// Float division, as the seed's worked example (6/5 = 1.2) shows.
-		w2 = w2 * delta / 5
-	}
-	for _, h := range hosts {
-		s := rule.CacheRatioWeight*ratio(h) - w2*float64(h.Reqs-minReqs)/delta
-		if maxPrompt > 0 {
-			s -= rule.PrefillLoadWeight * prompt(h) / maxPrompt
-		}
-		out = append(out, s)
-	}
-	return out
+	o.(prometheus.Observer).Observe(d.Seconds())
 }
 
 // tieEpsilon treats scores this close as equal: they differ only by
 // floating-point noise of the same inputs.
 const tieEpsilon = 1e-9
 
-// pickTop implements "sort descending, pick uniformly among the top
+// pickTopBuf implements "sort descending, pick uniformly among the top
 // max(1, n·percent/100)" with random tie-breaking: a drawn rank that falls
 // on a group of equal scores is replaced by a uniform member of the whole
 // group, including members just past the cut, so equal pods are equally
@@ -292,12 +426,7 @@ const tieEpsilon = 1e-9
 // It does so without ordering the pods: with T the top-th largest score, the
 // pods strictly above T fill ranks 0..g-1 (each rank equally likely, so any
 // fixed order of them will do) and the pods at T share the remaining ranks.
-func pickTop(scores []float64, percent int, intn func(int) int) int {
-	var buf [64]float64
-	return pickTopBuf(scores, percent, intn, buf[:0])
-}
-
-// pickTopBuf is pickTop sorting a copy of the scores in buf.
+// It sorts a copy of the scores in buf.
 func pickTopBuf(scores []float64, percent int, intn func(int) int, buf []float64) int {
 	n := len(scores)
 	top := max(1, n*percent/100)
@@ -330,44 +459,17 @@ func pickTopBuf(scores []float64, percent int, intn func(int) int, buf []float64
 	return 0 // unreachable: the group has more than r members
 }
 
-// CacheAware is the seed's policy (the default).
-type CacheAware struct{}
-
-func (CacheAware) NeedsMetadata() bool { return true }
-
-func (CacheAware) Choose(s *State) int {
-	var a, b []float64
-	if n := len(s.Hosts); n <= 64 {
-		var bufA, bufB [64]float64
-		a, b = bufA[:0], bufB[:0]
-	} else {
-		a, b = s.scratch(n)
-	}
-	scores := Scores(s.Hosts, s.Rule, s.PromptLength, a)
-	// Equal scores go to the pod that has had the fewest recent requests,
-	// not a random one: pods that look alike now may not be alike — a pod
-	// whose conversations are all between turns is as idle as one with no
-	// conversations, but only one of them should get the next one. The
-	// nudge (at most shareTieBreak) is far below any difference the
-	// weights make, and above tieEpsilon, so it only orders ties.
-	for i, h := range s.Hosts {
-		scores[i] -= shareTieBreak * h.Share
-	}
-	return pickTopBuf(scores, s.Rule.CandidatePercent, s.IntN, b)
-}
-
-// shareTieBreak orders cache_aware's equal scores by Host.Share.
-const shareTieBreak = 1e-6
-
 // Random picks uniformly: a baseline.
 type Random struct{}
 
+func (Random) ReadsSignals() bool  { return false }
 func (Random) NeedsMetadata() bool { return false }
 func (Random) Choose(s *State) int { return s.IntN(len(s.Hosts)) }
 
 // LeastRequest picks the fewest live requests, ties at random.
 type LeastRequest struct{}
 
+func (LeastRequest) ReadsSignals() bool  { return false }
 func (LeastRequest) NeedsMetadata() bool { return true }
 
 func (LeastRequest) Choose(s *State) int {
@@ -378,6 +480,7 @@ func (LeastRequest) Choose(s *State) int {
 // cache-affinity router does (and how it herds).
 type PrefixOnly struct{}
 
+func (PrefixOnly) ReadsSignals() bool  { return false }
 func (PrefixOnly) NeedsMetadata() bool { return true }
 
 func (PrefixOnly) Choose(s *State) int {
@@ -413,6 +516,7 @@ type RoundRobin struct {
 // NewRoundRobin returns a round-robin policy with its own counters.
 func NewRoundRobin() *RoundRobin { return &RoundRobin{next: map[string]uint64{}} }
 
+func (*RoundRobin) ReadsSignals() bool  { return false }
 func (*RoundRobin) NeedsMetadata() bool { return false }
 
 func (r *RoundRobin) Choose(s *State) int {

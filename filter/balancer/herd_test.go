@@ -100,12 +100,12 @@ func TestHotPromptSpreadsThroughTheBalancer(t *testing.T) {
 	}
 }
 
-// Shares are counted over the last windowPerHost·n decisions, and a change in
-// the number of pods starts the count afresh.
+// Shares are counted over the last windowPerHost·n decisions, per cluster
+// and candidate set.
 func TestRoutedWindow(t *testing.T) {
 	tr := NewTracker()
 	cands := []endpoints.Endpoint{{Address: "a"}, {Address: "b"}, {Address: "c"}, {Address: "d"}}
-	shares := func() map[string]float64 {
+	shares := func(cands []endpoints.Endpoint) map[string]float64 {
 		out := make([]Host, len(cands))
 		tr.fill("c", cands, View{Load: api.LoadStats{}}, 0, out)
 		m := map[string]float64{}
@@ -115,26 +115,71 @@ func TestRoutedWindow(t *testing.T) {
 		return m
 	}
 	for range 7 {
-		tr.Routed("c", "a", 4)
+		tr.Routed("c", cands, "a")
 	}
-	if s := shares(); s["a"] != 0 {
+	if s := shares(cands); s["a"] != 0 {
 		t.Fatalf("7 decisions for 4 pods: shares %v, want none yet (under 2 per pod)", s)
 	}
-	tr.Routed("c", "b", 4)
-	if s := shares(); s["a"] != 7.0/8 || s["b"] != 1.0/8 {
+	tr.Routed("c", cands, "b")
+	if s := shares(cands); s["a"] != 7.0/8 || s["b"] != 1.0/8 {
 		t.Fatalf("shares %v, want a 7/8, b 1/8", s)
+	}
+	// The same set in another order is the same window.
+	reversed := []endpoints.Endpoint{cands[3], cands[2], cands[1], cands[0]}
+	if s := shares(reversed); s["a"] != 7.0/8 {
+		t.Fatalf("reordered candidates: shares %v, want a 7/8", s)
 	}
 	// The window holds 32 decisions: 32 more for b push every a out.
 	for range 32 {
-		tr.Routed("c", "b", 4)
+		tr.Routed("c", cands, "b")
 	}
-	if s := shares(); s["a"] != 0 || s["b"] != 1 {
+	if s := shares(cands); s["a"] != 0 || s["b"] != 1 {
 		t.Fatalf("after the window turned over: shares %v, want b 1", s)
 	}
-	// Five pods now: a new, longer window.
-	tr.Routed("c", "e", 5)
-	if w := tr.recent["c"]; w.filled != 1 || len(w.ring) != 40 || w.counts["e"] != 1 || w.counts["b"] != 0 {
-		t.Fatalf("after a resize: filled %d, size %d, counts %v", w.filled, len(w.ring), w.counts)
+	// Another candidate set of the cluster (another label selector) has
+	// its own window and leaves this one alone.
+	two := cands[:2]
+	for range 4 {
+		tr.Routed("c", two, "a")
+	}
+	if s := shares(two); s["a"] != 1 {
+		t.Fatalf("the two-pod set: shares %v, want a 1", s)
+	}
+	if s := shares(cands); s["b"] != 1 {
+		t.Fatalf("the four-pod set after decisions in the two-pod set: shares %v, want b still 1", s)
+	}
+	if len(tr.recent) != 2 {
+		t.Fatalf("%d windows, want 2", len(tr.recent))
+	}
+}
+
+// Requests of two label selectors alternating in one cluster: before the
+// window was keyed by candidate set, each switch restarted it and herd
+// control never saw a share. Now each set keeps its count.
+func TestHerdWindowSurvivesMixedSelectors(t *testing.T) {
+	b := New(Options{IntN: seededIntN(3)})
+	all := make([]endpoints.Endpoint, 8)
+	for i := range all {
+		pool := "x"
+		if i >= 4 {
+			pool = "y"
+		}
+		all[i] = endpoints.Endpoint{Address: fmt.Sprintf("10.0.0.%d:8000", i+1), Labels: map[string]string{"pool": pool}}
+	}
+	view := View{Load: api.LoadStats{}}
+	for range 40 {
+		for _, pool := range []string{"x", "y"} {
+			cands := Filter(append([]endpoints.Endpoint(nil), all...), map[string]string{"pool": pool})
+			if _, err := b.Choose("c", herdRule, cands, view, Request{}); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	for _, pool := range []string{"x", "y"} {
+		cands := Filter(append([]endpoints.Endpoint(nil), all...), map[string]string{"pool": pool})
+		if w := b.tracker.recent[windowKey{"c", b.tracker.setHash(cands)}]; w == nil || w.filled != 32 {
+			t.Fatalf("pool %s: window %+v, want 32 decisions", pool, w)
+		}
 	}
 }
 
@@ -148,14 +193,14 @@ func TestCacheAwareBreaksTiesByRecentShare(t *testing.T) {
 	}
 	for draw := range 4 {
 		s := &State{Hosts: hosts, Rule: herdRule, IntN: func(n int) int { return min(draw, n-1) }}
-		if i := (CacheAware{}).Choose(s); hosts[i].Address != "b" {
+		if i := cacheAware(s); hosts[i].Address != "b" {
 			t.Fatalf("draw %d: chose %s, want b (fewest recent requests)", draw, hosts[i].Address)
 		}
 	}
 	// One live request more outweighs any share.
 	hosts[1].Reqs = 1
 	s := &State{Hosts: hosts, Rule: herdRule, IntN: func(int) int { return 0 }}
-	if i := (CacheAware{}).Choose(s); hosts[i].Address != "d" {
+	if i := cacheAware(s); hosts[i].Address != "d" {
 		t.Fatalf("chose %s, want d (b is busier; d has the smallest share of the rest)", hosts[i].Address)
 	}
 }

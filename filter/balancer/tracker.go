@@ -1,6 +1,7 @@
 package balancer
 
 import (
+	"hash/maphash"
 	"sync"
 
 	"github.com/istio-llm-filter/istio-llm-filter/filter/endpoints"
@@ -16,13 +17,40 @@ import (
 // no longer added, so nothing is counted twice. If the metadata center cannot
 // be queried at all, the tracker's full in-flight counts stand in for it.
 //
-// It also remembers, per cluster, where the last requests went (Host.Share):
-// cache_aware's herd control needs to know which pods have been taking more
-// than their share.
+// It also remembers, per cluster and candidate set, where the last requests
+// went (Host.Share): cache_aware's herd control needs to know which pods have
+// been taking more than their share. The window is keyed by the set as well
+// as the cluster because rules and requests with different label selectors
+// choose among different pods of one cluster: one window for all would
+// restart each time the candidate count changed, and shares among 4 pods
+// would be read as shares among 8.
 type Tracker struct {
 	mu       sync.Mutex
 	clusters map[string]map[string]*local // cluster -> host -> counts
-	recent   map[string]*window           // cluster -> last routing decisions
+	recent   map[windowKey]*window        // last routing decisions
+	seed     maphash.Seed                 // of setHash
+}
+
+// windowKey names a candidate set of a cluster: set is an order-independent
+// hash of its addresses.
+type windowKey struct {
+	cluster string
+	set     uint64
+}
+
+// maxWindows bounds the windows kept: endpoint churn makes new sets, and
+// old ones must not pile up. Past it every window starts afresh.
+const maxWindows = 4096
+
+// setHash combines the addresses' hashes by sum, so the order the
+// endpoints arrive in does not matter. maphash: FNV over every byte of 256
+// addresses cost more than the rest of the scoring.
+func (t *Tracker) setHash(cands []endpoints.Endpoint) uint64 {
+	var sum uint64
+	for i := range cands {
+		sum += maphash.String(t.seed, cands[i].Address)
+	}
+	return sum
 }
 
 // window counts the hosts of the last len(ring) routing decisions of a
@@ -65,19 +93,25 @@ type local struct {
 
 // NewTracker returns an empty tracker.
 func NewTracker() *Tracker {
-	return &Tracker{clusters: map[string]map[string]*local{}, recent: map[string]*window{}}
+	return &Tracker{clusters: map[string]map[string]*local{}, recent: map[windowKey]*window{}, seed: maphash.MakeSeed()}
 }
 
-// Routed records a routing decision among n candidates for Host.Share.
-func (t *Tracker) Routed(cluster, host string, n int) {
+// Routed records a routing decision among cands for Host.Share.
+func (t *Tracker) Routed(cluster string, cands []endpoints.Endpoint, host string) {
+	t.routed(windowKey{cluster, t.setHash(cands)}, host, len(cands))
+}
+
+func (t *Tracker) routed(key windowKey, host string, n int) {
 	size := min(max(windowPerHost*n, windowMin), windowMax)
 	t.mu.Lock()
 	defer t.mu.Unlock()
-	w := t.recent[cluster]
+	w := t.recent[key]
 	if w == nil || len(w.ring) != size {
-		// A new cluster, or its pod count changed: start counting afresh.
+		if len(t.recent) >= maxWindows {
+			clear(t.recent)
+		}
 		w = &window{ring: make([]string, size), counts: map[string]int{}}
-		t.recent[cluster] = w
+		t.recent[key] = w
 	}
 	w.add(host)
 }
@@ -196,12 +230,14 @@ func (t *Tracker) InFlight(cluster, host string) (inflight, unacked int64) {
 	return 0, 0
 }
 
-// fill computes every candidate's Host from the view plus local accounting.
-func (t *Tracker) fill(cluster string, cands []endpoints.Endpoint, v View, blocks int, out []Host) {
+// fill computes every candidate's Host from the view plus local accounting,
+// and returns the key of the candidates' decision window.
+func (t *Tracker) fill(cluster string, cands []endpoints.Endpoint, v View, blocks int, out []Host) windowKey {
+	key := windowKey{cluster, t.setHash(cands)}
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	mine := t.clusters[cluster]
-	w := t.recent[cluster]
+	w := t.recent[key]
 	// Shares are only read once the window holds two decisions per pod: the
 	// first pods chosen would otherwise look like they took everything.
 	if w != nil && w.filled < 2*len(cands) {
@@ -227,10 +263,15 @@ func (t *Tracker) fill(cluster string, cands []endpoints.Endpoint, v View, block
 			if blocks > 0 && len(v.Cache) > 0 {
 				h.CacheRatio = min(1, float64(v.Cache[e.Address])/float64(blocks))
 			}
+			if sig, ok := v.Signals[e.Address]; ok {
+				h.Signals = true
+				h.Waiting, h.Running, h.KVUtil, h.PrefillQueued = sig.Waiting, sig.Running, sig.KVCacheUtil, sig.PrefillTokens
+			}
 		}
 		if w != nil {
 			h.Share = float64(w.counts[e.Address]) / float64(w.filled)
 		}
 		out[i] = h
 	}
+	return key
 }

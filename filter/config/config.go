@@ -1,5 +1,5 @@
 // Package config is the filter's configuration: the `filter:` document of
-// DESIGN §9, as Envoy delivers it (plugin_config: an Any holding an
+// docs/configuration.md, as Envoy delivers it (plugin_config: an Any holding an
 // xds.type.v3.TypedStruct) and as the standalone gateway reads it (YAML or
 // JSON). Parsing is strict: an unknown key or an invalid value is refused
 // with an error naming its key path, e.g.
@@ -39,14 +39,16 @@ const (
 
 // Load-balancing policies (lb_mapping_rule.*.policy).
 const (
-	PolicyCacheAware   = "cache_aware"   // seed 002 §4 score, top N%, random pick
+	PolicyCacheAware   = "cache_aware"   // docs/configuration.md score, top N%, random pick
 	PolicyRoundRobin   = "round_robin"   // baseline: ignores load and cache
 	PolicyRandom       = "random"        // baseline: uniform
 	PolicyLeastRequest = "least_request" // fewest live requests, ties random
 	PolicyPrefixOnly   = "prefix_only"   // longest cached prefix, ties random
 )
 
-// Policies lists the valid policy names.
+// Policies lists the policy names every build knows. The balancer adds
+// profiles (seed, epp, sglang) and any registered from Go; the engine checks
+// a rule's names against it when it starts.
 func Policies() []string {
 	return []string{PolicyCacheAware, PolicyRoundRobin, PolicyRandom, PolicyLeastRequest, PolicyPrefixOnly}
 }
@@ -72,7 +74,7 @@ type Config struct {
 	// backends and translates only for rules with backend triton; "triton"
 	// translates every request to Triton's generate API whatever the rule says.
 	// Any non-empty name is accepted here; an unregistered one fails every
-	// request with 400 "unsupported protocol" (seed 002 §3 step 2).
+	// request with 400 "unsupported protocol" (docs/envoy-filter.md).
 	Protocol string
 
 	// MetadataCenter is key `metadata_center`.
@@ -105,7 +107,7 @@ type Config struct {
 
 // MetadataCenter is key `metadata_center`. The whole key may be omitted (or
 // address left empty): there is then no metadata center, every route query
-// is treated as failed (equal load, zero cache: seed 002 §8.3) and no
+// is treated as failed (equal load, zero cache: docs/envoy-filter.md) and no
 // updates are sent. Policies round_robin and random never need it.
 type MetadataCenter struct {
 	// Address (key `address`) is the base URL, scheme http or https with a
@@ -165,12 +167,24 @@ func (m LBMapping) For(cluster string) LBRule {
 	return m.Default
 }
 
-// LBRule is one entry of lb_mapping_rule. Weights are the seed 002 §4 score's:
+// LBRule is one entry of lb_mapping_rule. Weights are those of the score in docs/configuration.md:
 // score = W1·cacheRatio − W2'·(reqs−minReqs)/delta − W3·prompt/maxPrompt.
 type LBRule struct {
-	// Policy (key `policy`, default "cache_aware") is one of cache_aware,
-	// round_robin, random, least_request, prefix_only.
+	// Policy (key `policy`, default "cache_aware") names a policy or scoring
+	// profile of the balancer: cache_aware, seed, epp, sglang, round_robin,
+	// random, least_request, prefix_only, or one registered from Go.
+	// Parsing accepts any name of [a-z0-9_]; the engine refuses unknown ones
+	// when it starts.
 	Policy string
+	// Scorers (key `scorers`, optional) replaces the profile's scorers:
+	// scorer name -> weight (0..1000).
+	Scorers map[string]float64
+	// Filters (key `filters`, optional) replaces the profile's pod filters
+	// (names, applied in order); an empty list removes them.
+	Filters []string
+	// Picker (key `picker`, optional) replaces the profile's picker:
+	// top_percent or max_score.
+	Picker string
 	// CacheRatioWeight (key `cache_ratio_weight`, W1, default 2, 0..1000).
 	CacheRatioWeight float64
 	// RequestLoadWeight (key `request_load_weight`, W2, default 1, 0..1000).
@@ -196,8 +210,13 @@ type Endpoints struct {
 	// EnvoyAdmin is key `envoy_admin` (optional).
 	EnvoyAdmin *EnvoyAdmin
 	// Static (key `static`, optional) pins cluster -> ["ip:port", ...];
-	// addresses must be literal IPs with a non-zero port.
+	// addresses must be literal IPs with a non-zero port. An entry may also
+	// be {address: "ip:port", labels: {k: v}}: the labels label selectors
+	// match (`lora`, `label_selector`, a rule's `selector`).
 	Static map[string][]string
+	// StaticLabels holds the labels of static entries that have some:
+	// cluster -> address -> labels.
+	StaticLabels map[string]map[string]map[string]string
 }
 
 // EnvoyAdmin is key `endpoints.envoy_admin`.

@@ -1,6 +1,7 @@
 package config
 
 import (
+	"reflect"
 	"strings"
 	"testing"
 	"time"
@@ -74,7 +75,7 @@ func TestDefaults(t *testing.T) {
 		t.Fatalf("backend default: %q", r.Backend)
 	}
 	want := LBRule{Policy: "cache_aware", CacheRatioWeight: 2, RequestLoadWeight: 1, PrefillLoadWeight: 3, CandidatePercent: 10, HerdShare: 2}
-	if cfg.LBMappingRule.For("anything") != want {
+	if !reflect.DeepEqual(cfg.LBMappingRule.For("anything"), want) {
 		t.Fatalf("lb default: %+v", cfg.LBMappingRule.For("anything"))
 	}
 }
@@ -110,8 +111,13 @@ func TestInvalidValuesNameTheirKey(t *testing.T) {
 		{base + "lb_mapping_rule: {default: {herd_share: -1}}", "lb_mapping_rule.default.herd_share: must be in 0..100"},
 		{base + "lb_mapping_rule: {default: {cache_ratio_weight: -1}}", "lb_mapping_rule.default.cache_ratio_weight: must be in 0..1000"},
 		{base + "lb_mapping_rule: {default: {prefill_load_weight: x}}", "lb_mapping_rule.default.prefill_load_weight: must be a number"},
-		{base + "lb_mapping_rule: {default: {policy: fastest}}", "lb_mapping_rule.default.policy: must be one of cache_aware"},
-		{base + "lb_mapping_rule: {c1: {policy: nope}}", "lb_mapping_rule.c1.policy"},
+		{base + "lb_mapping_rule: {default: {policy: Fastest!}}", "lb_mapping_rule.default.policy: must be a policy name"},
+		{base + "lb_mapping_rule: {c1: {policy: ''}}", "lb_mapping_rule.c1.policy"},
+		{base + "lb_mapping_rule: {default: {scorers: {prefix: 2000}}}", "lb_mapping_rule.default.scorers.prefix: must be in 0..1000"},
+		{base + "lb_mapping_rule: {default: {scorers: [prefix]}}", "lb_mapping_rule.default.scorers: must be an object"},
+		{base + "lb_mapping_rule: {default: {scorers: {'A b': 1}}}", `lb_mapping_rule.default.scorers: invalid scorer name "A b"`},
+		{base + "lb_mapping_rule: {default: {filters: kv_full}}", "lb_mapping_rule.default.filters: must be a list"},
+		{base + "lb_mapping_rule: {default: {picker: 3}}", "lb_mapping_rule.default.picker: must be a string"},
 		{base + "lb_mapping_rule: {\"outbound|1||x\": {weight: 1}}", `lb_mapping_rule["outbound|1||x"].weight: unknown key`},
 		{base + "metadata_center: {address: ftp://x}", "metadata_center.address: must be an http(s) URL"},
 		{base + "metadata_center: {address: 'http://'}", "metadata_center.address: must name a host"},
@@ -272,10 +278,70 @@ func FuzzParse(f *testing.F) {
 	})
 }
 
+// Profiles are composed in the lb rule: scorer weights, filters and the
+// picker, with per-cluster entries inheriting the default's.
+func TestLBRuleComposesProfiles(t *testing.T) {
+	cfg, err := Parse([]byte(`
+model_mapping_rule: {m: [{cluster: c}]}
+lb_mapping_rule:
+  default: {policy: epp, scorers: {prefix: 3, queue: 2, kv_cache: 2}, picker: max_score, filters: [kv_full]}
+  c2: {policy: my_policy}
+  c3: {filters: []}
+`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	d := cfg.LBMappingRule.Default
+	if d.Policy != "epp" || !reflect.DeepEqual(d.Scorers, map[string]float64{"prefix": 3, "queue": 2, "kv_cache": 2}) ||
+		d.Picker != "max_score" || !reflect.DeepEqual(d.Filters, []string{"kv_full"}) {
+		t.Fatalf("default: %+v", d)
+	}
+	if c2 := cfg.LBMappingRule.For("c2"); c2.Policy != "my_policy" || c2.Picker != "max_score" || len(c2.Scorers) != 3 {
+		t.Fatalf("c2 should inherit the default's parts: %+v", c2)
+	}
+	if c3 := cfg.LBMappingRule.For("c3"); c3.Filters == nil || len(c3.Filters) != 0 {
+		t.Fatalf("c3: an empty filter list removes the filters: %+v", c3)
+	}
+}
+
 func mapValues(m map[string]LBRule) []LBRule {
 	var out []LBRule
 	for _, v := range m {
 		out = append(out, v)
 	}
 	return out
+}
+
+func TestStaticEntriesWithLabels(t *testing.T) {
+	c, err := Parse([]byte(`
+model_mapping_rule: {m: [{cluster: pool}]}
+endpoints:
+  static:
+    pool:
+      - 10.0.0.5:8000
+      - {address: "10.0.0.6:8000", labels: {lora: support, tier: a100}}
+`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := c.Endpoints.Static["pool"]; len(got) != 2 || got[1] != "10.0.0.6:8000" {
+		t.Fatalf("static = %v", got)
+	}
+	if l := c.Endpoints.StaticLabels["pool"]["10.0.0.6:8000"]; l["lora"] != "support" || l["tier"] != "a100" {
+		t.Fatalf("labels = %v", c.Endpoints.StaticLabels)
+	}
+	if _, ok := c.Endpoints.StaticLabels["pool"]["10.0.0.5:8000"]; ok {
+		t.Fatal("a plain entry got labels")
+	}
+	for doc, want := range map[string]string{
+		`{labels: {a: b}}`:                        "endpoints.static.pool[0].address: is required",
+		`{address: "10.0.0.6:8000", lbl: {}}`:     "endpoints.static.pool[0]",
+		`{address: "10.0.0.6:8000", labels: [a]}`: "endpoints.static.pool[0].labels",
+		`7`: "endpoints.static.pool[0]: must be an \"ip:port\" string or {address, labels}",
+	} {
+		_, err := Parse([]byte("model_mapping_rule: {m: [{cluster: pool}]}\nendpoints: {static: {pool: [" + doc + "]}}\n"))
+		if err == nil || !strings.Contains(err.Error(), want) {
+			t.Errorf("%s: error %v, want it to mention %q", doc, err, want)
+		}
+	}
 }

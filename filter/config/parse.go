@@ -460,7 +460,22 @@ func headerKey(h map[string]string) string {
 	return b.String()
 }
 
-var lbKeys = []string{"policy", "cache_ratio_weight", "request_load_weight", "prefill_load_weight", "candidate_percent", "herd_share"}
+var lbKeys = []string{"policy", "cache_ratio_weight", "request_load_weight", "prefill_load_weight", "candidate_percent", "herd_share",
+	"scorers", "filters", "picker"}
+
+// validName is the shape of policy, scorer, filter and picker names.
+func validName(s string) bool {
+	if s == "" || len(s) > 64 {
+		return false
+	}
+	for i := 0; i < len(s); i++ {
+		c := s[i]
+		if !(c >= 'a' && c <= 'z' || c >= '0' && c <= '9' || c == '_' || c == '-') {
+			return false
+		}
+	}
+	return true
+}
 
 func (d *decoder) lbRule(path string, v any, base LBRule) LBRule {
 	m, ok := d.object(path, v, lbKeys...)
@@ -469,8 +484,41 @@ func (d *decoder) lbRule(path string, v any, base LBRule) LBRule {
 	}
 	r := base
 	r.Policy = d.str(path, m, "policy", base.Policy)
-	if !slices.Contains(Policies(), r.Policy) {
-		d.fail(join(path, "policy"), "must be one of %s, got %q", strings.Join(Policies(), ", "), r.Policy)
+	if !validName(r.Policy) {
+		d.fail(join(path, "policy"), "must be a policy name (lower-case letters, digits, _ or -; e.g. %s), got %q", strings.Join(Policies(), ", "), r.Policy)
+	}
+	if v, ok := m["scorers"]; ok && v != nil {
+		sp := join(path, "scorers")
+		if sm, ok := d.object(sp, v); ok {
+			r.Scorers = map[string]float64{}
+			for _, name := range sortedKeys(sm) {
+				if !validName(name) {
+					d.fail(sp, "invalid scorer name %q", name)
+					continue
+				}
+				r.Scorers[name] = d.float(sp, sm, name, 0, 0, 1000)
+			}
+		}
+	}
+	if v, ok := m["filters"]; ok && v != nil {
+		fp := join(path, "filters")
+		list, ok := v.([]any)
+		if !ok {
+			d.fail(fp, "must be a list of filter names")
+		}
+		r.Filters = []string{}
+		for _, e := range list {
+			name, ok := e.(string)
+			if !ok || !validName(name) {
+				d.fail(fp, "invalid filter name %v", e)
+				continue
+			}
+			r.Filters = append(r.Filters, name)
+		}
+	}
+	r.Picker = d.str(path, m, "picker", base.Picker)
+	if r.Picker != "" && !validName(r.Picker) {
+		d.fail(join(path, "picker"), "must be a picker name (top_percent, max_score), got %q", r.Picker)
 	}
 	r.CacheRatioWeight = d.float(path, m, "cache_ratio_weight", base.CacheRatioWeight, 0, 1000)
 	r.RequestLoadWeight = d.float(path, m, "request_load_weight", base.RequestLoadWeight, 0, 1000)
@@ -562,9 +610,8 @@ func (d *decoder) endpoints(v any) Endpoints {
 				addrs := make([]string, 0, len(list))
 				for i, av := range list {
 					ep := fmt.Sprintf("%s[%d]", cp, i)
-					s, ok := av.(string)
+					s, labels, ok := d.staticEntry(ep, av)
 					if !ok {
-						d.fail(ep, "must be an \"ip:port\" string, got %s", kind(av))
 						continue
 					}
 					norm, err := endpoints.NormalizeAddress(s)
@@ -573,12 +620,47 @@ func (d *decoder) endpoints(v any) Endpoints {
 						continue
 					}
 					addrs = append(addrs, norm)
+					if len(labels) > 0 {
+						if out.StaticLabels == nil {
+							out.StaticLabels = map[string]map[string]map[string]string{}
+						}
+						if out.StaticLabels[cluster] == nil {
+							out.StaticLabels[cluster] = map[string]map[string]string{}
+						}
+						out.StaticLabels[cluster][norm] = labels
+					}
 				}
 				out.Static[cluster] = addrs
 			}
 		}
 	}
 	return out
+}
+
+// staticEntry reads one static endpoint: "ip:port", or
+// {address: "ip:port", labels: {k: v}} for label selectors.
+func (d *decoder) staticEntry(ep string, v any) (string, map[string]string, bool) {
+	switch e := v.(type) {
+	case string:
+		return e, nil, true
+	case map[string]any:
+		m, ok := d.object(ep, e, "address", "labels")
+		if !ok {
+			return "", nil, false
+		}
+		addr := d.str(ep, m, "address", "")
+		if addr == "" {
+			d.fail(ep+".address", "is required")
+			return "", nil, false
+		}
+		var labels map[string]string
+		if lv, ok := m["labels"]; ok && lv != nil {
+			labels = d.stringMap(ep+".labels", lv)
+		}
+		return addr, labels, true
+	}
+	d.fail(ep, "must be an \"ip:port\" string or {address, labels}, got %s", kind(v))
+	return "", nil, false
 }
 
 func (d *decoder) async(v any) Async {

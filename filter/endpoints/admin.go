@@ -14,7 +14,7 @@ import (
 	"time"
 )
 
-// Defaults of the envoy_admin section (DESIGN §9).
+// Defaults of the envoy_admin section (docs/configuration.md).
 const (
 	DefaultAdminAddress = "http://127.0.0.1:15000"
 	DefaultAdminRefresh = time.Second

@@ -19,6 +19,12 @@ type Static struct {
 // Envoy's SetUpstreamOverrideHost refuses anything else) and drops duplicates
 // while keeping the configured order.
 func NewStatic(lists map[string][]string) (*Static, error) {
+	return NewStaticLabelled(lists, nil)
+}
+
+// NewStaticLabelled is NewStatic with labels per endpoint: cluster ->
+// address -> labels (addresses as in lists).
+func NewStaticLabelled(lists map[string][]string, labels map[string]map[string]map[string]string) (*Static, error) {
 	s := &Static{clusters: make(map[string][]Endpoint, len(lists))}
 	names := make([]string, 0, len(lists))
 	for name := range lists {
@@ -40,7 +46,11 @@ func NewStatic(lists map[string][]string) (*Static, error) {
 				continue
 			}
 			seen[norm] = true
-			eps = append(eps, Endpoint{Address: norm})
+			l := labels[name][addr]
+			if l == nil {
+				l = labels[name][norm]
+			}
+			eps = append(eps, Endpoint{Address: norm, Labels: l})
 		}
 		s.clusters[name] = eps
 	}

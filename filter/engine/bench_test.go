@@ -61,10 +61,11 @@ func BenchmarkDecide(b *testing.B) {
 		for _, n := range []int{8, 64, 256} {
 			b.Run(fmt.Sprintf("text=%s/prompt=%dKiB/endpoints=%d", v.text, size>>10, n), func(b *testing.B) {
 				addrs := make([]string, n)
-				ans := api.RouteAnswer{Load: api.LoadStats{}}
+				ans := api.RouteAnswer{Load: api.LoadStats{}, Signals: map[string]api.PodSignals{}}
 				for i := range addrs {
 					addrs[i] = fmt.Sprintf("10.0.%d.%d:8000", i/250, i%250+1)
 					ans.Load[addrs[i]] = api.EndpointStats{TotalReqs: int64(i % 9), PromptLength: int64(i%5) * 4096}
+					ans.Signals[addrs[i]] = api.PodSignals{Waiting: int64(i % 3), Running: int64(i % 9), KVCacheUtil: float64(i%10) / 10, AgeMS: 20}
 					if i%4 == 0 {
 						ans.Cache = append(ans.Cache, api.CacheLocation{Host: addrs[i], Length: i % 17})
 					}

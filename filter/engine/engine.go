@@ -1,6 +1,6 @@
 // Package engine is the filter's decision engine, independent of Envoy: the
 // Envoy StreamFilter and the standalone gateway both hand it a complete
-// request and get back where to send it (seed 002 §3 steps 1–9), then report
+// request and get back where to send it (docs/envoy-filter.md), then report
 // the request's lifecycle (step 10, §5, §6) so that the metadata center's
 // load and cache figures stay true.
 //
@@ -34,6 +34,7 @@ import (
 	"time"
 
 	"github.com/google/uuid"
+	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/istio-llm-filter/istio-llm-filter/filter/balancer"
 	"github.com/istio-llm-filter/istio-llm-filter/filter/config"
@@ -86,8 +87,12 @@ type Options struct {
 	Updater Updater
 	// Transcoders adds or replaces protocols by name.
 	Transcoders map[string]transcode.Transcoder
-	// Policies adds or replaces load-balancing policies by name.
+	// Policies adds or replaces load-balancing policies by name; Scorers
+	// adds scorers for the lb rule's `scorers` key.
 	Policies map[string]balancer.Policy
+	Scorers  map[string]balancer.Scorer
+	// Registerer, if set, gets the balancer's per-stage latency histogram.
+	Registerer prometheus.Registerer
 }
 
 // Engine is safe for concurrent use.
@@ -179,7 +184,8 @@ func New(cfg *config.Config, opts Options) (*Engine, error) {
 		src:     opts.Endpoints,
 		rules:   rules.New(cfg.ModelMappingRule),
 		hasher:  prefix.Hasher{ChunkSize: cfg.PromptHash.ChunkSize},
-		bal:     balancer.New(balancer.Options{IntN: opts.IntN, Policies: opts.Policies}),
+		bal: balancer.New(balancer.Options{IntN: opts.IntN, Policies: opts.Policies, Scorers: opts.Scorers,
+			Logger: opts.Logger, Registerer: opts.Registerer}),
 		router:  opts.Router,
 		updater: opts.Updater,
 		qto:     cfg.MetadataCenter.QueryTimeout,
@@ -192,6 +198,14 @@ func New(cfg *config.Config, opts Options) (*Engine, error) {
 	}
 	if e.qto <= 0 {
 		e.qto = config.DefaultQueryTimeout
+	}
+	if err := e.bal.Check(cfg.LBMappingRule.Default); err != nil {
+		return nil, fmt.Errorf("engine: lb_mapping_rule.default: %w", err)
+	}
+	for cluster, r := range cfg.LBMappingRule.Clusters {
+		if err := e.bal.Check(r); err != nil {
+			return nil, fmt.Errorf("engine: lb_mapping_rule.%s: %w", cluster, err)
+		}
 	}
 	oa := openai.Transcoder{LazyCanonical: true}
 	e.codecs = transcode.Registry{"openai": oa, "triton": triton.New(oa)}
@@ -281,7 +295,7 @@ type Error struct {
 
 func (e *Error) Error() string { return fmt.Sprintf("%d %s: %s", e.Status, e.Type, e.Message) }
 
-// JSON renders the seed 002 §8.2 body:
+// JSON renders the error body (docs/envoy-filter.md):
 // {"error":{"code":N,"type":"...","message":"..."},"trace_id":"..."}.
 func (e *Error) JSON() []byte {
 	b, _ := json.Marshal(api.Error{
@@ -321,6 +335,9 @@ type Decision struct {
 	// Response turns the backend's answers back into OpenAI form; nil for
 	// pass-through backends.
 	Response transcode.ResponseTranscoder
+	// RouteQueryTook is how long the route query took, failures included
+	// (0: the policy needs no metadata).
+	RouteQueryTook time.Duration
 	// RequestID names this request's lease at the metadata center; unique
 	// per decision even when clients reuse trace ids.
 	RequestID string
@@ -356,7 +373,7 @@ type noHeaders struct{}
 
 func (noHeaders) Get(string) (string, bool) { return "", false }
 
-// traceID implements seed 002 §3 step 1.
+// traceID picks the request's trace id (docs/envoy-filter.md).
 func traceID(h Headers) string {
 	for _, k := range [...]string{"x-request-id", "x-trace-id", "x-amzn-trace-id"} {
 		if v, ok := h.Get(k); ok && v != "" {
@@ -371,7 +388,7 @@ func (e *Engine) reject(status int, typ, trace, format string, args ...any) *Err
 	return &Error{Status: status, Type: typ, Message: fmt.Sprintf(format, args...), TraceID: trace}
 }
 
-// Decide implements seed 002 §3 steps 1–9 on a complete request body. The
+// Decide runs the decision (docs/envoy-filter.md) on a complete request body. The
 // error, if any, is an *Error. It blocks at most for the route query's
 // timeout (and never past ctx).
 func (e *Engine) Decide(ctx context.Context, h Headers, body []byte) (*Decision, error) {
@@ -430,6 +447,7 @@ func (e *Engine) Decide(ctx context.Context, h Headers, body []byte) (*Decision,
 	}
 
 	cands := balancer.Filter(e.src.Endpoints(rule.Cluster), rule.Selector, req.Selector)
+	cands = withoutAdapterPods(cands, rule.Selector, req.Selector)
 	if len(cands) == 0 {
 		return nil, e.reject(http.StatusNotFound, transcode.TypeNotFound, trace,
 			"no available endpoint in cluster %q%s", rule.Cluster, selectorNote(rule.Selector, req.Selector))
@@ -440,7 +458,9 @@ func (e *Engine) Decide(ctx context.Context, h Headers, body []byte) (*Decision,
 	}
 	view := balancer.View{Degraded: true}
 	if policy.NeedsMetadata() {
+		t0 := time.Now()
 		view = e.query(ctx, trace, rule.Cluster, d.Hashes, sc)
+		d.RouteQueryTook = time.Since(t0)
 	}
 	choice, err := e.bal.Choose(rule.Cluster, lb, cands, view, balancer.Request{Blocks: len(sums), PromptLength: int64(promptLen)})
 	if err != nil {
@@ -470,6 +490,24 @@ func (e *Engine) Decide(ctx context.Context, h Headers, body []byte) (*Decision,
 		e.metrics.Count("fallbacks", 1)
 	}
 	return d, nil
+}
+
+// withoutAdapterPods drops pods labelled lora=<adapter> unless a selector
+// names an adapter: an adapter pod serves only requests for its adapters
+// (docs/worker.md), so a base request sent there would get 404.
+func withoutAdapterPods(eps []endpoints.Endpoint, sels ...map[string]string) []endpoints.Endpoint {
+	for _, s := range sels {
+		if _, ok := s[openai.LoRALabel]; ok {
+			return eps
+		}
+	}
+	out := eps[:0]
+	for _, ep := range eps {
+		if ep.Labels[openai.LoRALabel] == "" {
+			out = append(out, ep)
+		}
+	}
+	return out
 }
 
 func selectorNote(sels ...map[string]string) string {
@@ -511,7 +549,7 @@ func (e *Engine) query(ctx context.Context, trace, cluster string, hashes []stri
 		e.warn("route query failed: routing without metadata", "trace_id", trace, "cluster", cluster, "err", err)
 		return balancer.View{Degraded: true}
 	}
-	v := balancer.View{Load: ans.Load}
+	v := balancer.View{Load: ans.Load, Signals: ans.Signals}
 	if len(ans.Cache) > 0 {
 		if sc.cache == nil {
 			sc.cache = make(map[string]int, len(ans.Cache))

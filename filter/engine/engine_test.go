@@ -15,6 +15,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/istio-llm-filter/istio-llm-filter/filter/balancer"
 	"github.com/istio-llm-filter/istio-llm-filter/filter/config"
 	"github.com/istio-llm-filter/istio-llm-filter/filter/endpoints"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/api"
@@ -650,5 +651,42 @@ func TestBurstBetweenMetadataUpdatesSpreads(t *testing.T) {
 	close(u.release)
 	for _, d := range ds {
 		e.Done(d)
+	}
+}
+
+// lastPod scores the last candidate best: a scorer registered from Go.
+type lastPod struct{}
+
+func (lastPod) Name() string { return "last_pod" }
+func (lastPod) Score(s *balancer.State, out []float64) {
+	for i := range out {
+		out[i] = float64(i) / float64(len(out))
+	}
+}
+
+// An lb rule may name scorers registered from Go; names nobody registered
+// fail New, not every request.
+func TestLBRuleNamesAreCheckedAtStart(t *testing.T) {
+	for _, extra := range []string{
+		"lb_mapping_rule: {default: {policy: nope}}",
+		"lb_mapping_rule: {default: {policy: epp, scorers: {last_pod: 1}}}",
+		"lb_mapping_rule: {" + cluster + ": {picker: best_guess}}",
+	} {
+		_, err := New(configFor(t, "", extra), Options{Endpoints: staticSource(t), Logger: quiet()})
+		if err == nil || !strings.Contains(err.Error(), "lb_mapping_rule") {
+			t.Fatalf("%s: New = %v, want an lb_mapping_rule error", extra, err)
+		}
+	}
+	e := newEngine(t, configFor(t, "", "lb_mapping_rule: {default: {policy: epp, scorers: {last_pod: 1}}}"),
+		Options{Scorers: map[string]balancer.Scorer{"last_pod": lastPod{}}})
+	eps := e.src.Endpoints(cluster)
+	for range 5 {
+		d, err := e.Decide(context.Background(), chatPath(), chatBody("s", "u"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if d.Host != eps[len(eps)-1].Address {
+			t.Fatalf("chose %s, want the last pod %s", d.Host, eps[len(eps)-1].Address)
+		}
 	}
 }

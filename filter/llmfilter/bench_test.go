@@ -7,6 +7,10 @@ import (
 	"strings"
 	"sync/atomic"
 	"testing"
+
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/istio-llm-filter/istio-llm-filter/filter/llmfilter"
 )
 
 // BenchmarkGatewayRequest measures one non-streamed chat through the
@@ -21,6 +25,21 @@ func BenchmarkGatewayRequest(b *testing.B) {
 // center (no route query, no updates): the filter and engine alone.
 func BenchmarkGatewayRequestNoMetadataCenter(b *testing.B) {
 	benchGateway(b, newWorld(b, 4, noMetadataCenter))
+}
+
+// BenchmarkGatewayObservability runs the same request (no metadata
+// center) with the filter reporting into plain event counts and into the
+// standalone gateway's Prometheus metrics (histograms, the labelled request
+// counter): the cost of the observability per request, side by side.
+func BenchmarkGatewayObservability(b *testing.B) {
+	b.Run("counts", func(b *testing.B) { benchGateway(b, newWorld(b, 4, noMetadataCenter)) })
+	b.Run("prometheus", func(b *testing.B) {
+		pm, err := llmfilter.NewPromMetrics(prometheus.NewRegistry())
+		if err != nil {
+			b.Fatal(err)
+		}
+		benchGateway(b, newWorldMetrics(b, 4, noMetadataCenter, pm))
+	})
 }
 
 func benchGateway(b *testing.B, w *world) {

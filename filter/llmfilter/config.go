@@ -1,4 +1,4 @@
-// Package llmfilter is the Envoy Go HTTP filter of seed 002: it buffers the
+// Package llmfilter is the Envoy Go HTTP filter (docs/envoy-filter.md): it buffers the
 // request, asks the decision engine where to send it, pins it there with
 // SetUpstreamOverrideHost, and reports the request's lifecycle (started,
 // first token, cache saved, done) back to the engine. The same filter object
@@ -11,6 +11,7 @@ package llmfilter
 
 import (
 	"fmt"
+	"github.com/prometheus/client_golang/prometheus"
 	"log/slog"
 	"net/http"
 	"sync"
@@ -45,6 +46,14 @@ type ParserOptions struct {
 	Outlier    *endpoints.Outlier
 	Logger     *slog.Logger
 	HTTPClient *http.Client // metadata-center client; nil: the engine's default
+	// Registerer, if set, gets the balancer's per-stage latency histogram
+	// (the standalone gateway's registry; inside Envoy there is none).
+	Registerer prometheus.Registerer
+	// Histograms defines Envoy histograms (the .so's main package); nil:
+	// the Envoy side records no histograms.
+	Histograms HistogramDefiner
+	// AccessLog receives one record per request ("completed"); nil: Logger.
+	AccessLog *slog.Logger
 }
 
 // Parser is the api.StreamFilterConfigParser of the plugin.
@@ -62,6 +71,9 @@ func NewParser(opts ParserOptions) *Parser {
 	if opts.Registry == nil {
 		opts.Registry = endpoints.NewRegistry(opts.Logger)
 	}
+	if opts.AccessLog == nil {
+		opts.AccessLog = opts.Logger
+	}
 	return &Parser{opts: opts}
 }
 
@@ -74,7 +86,7 @@ func (p *Parser) Parse(a *anypb.Any, callbacks api.ConfigCallbackHandler) (any, 
 	}
 	var m Metrics
 	if callbacks != nil {
-		m = newEnvoyMetrics(callbacks)
+		m = newEnvoyMetrics(callbacks, cfg, p.opts.Histograms)
 	}
 	return p.Build(cfg, m)
 }
@@ -98,7 +110,7 @@ func (p *Parser) Merge(parent, child any) any {
 	if pc, ok := parent.(*Config); ok {
 		cc.metrics.adopt(pc.metrics)
 	}
-	return &Config{cfg: cc.cfg, engine: cc.engine, metrics: cc.metrics, log: cc.log, borrowed: true}
+	return &Config{cfg: cc.cfg, engine: cc.engine, metrics: cc.metrics, log: cc.log, access: cc.access, borrowed: true}
 }
 
 // Config is one parsed plugin config with its engine. Envoy calls Destroy when
@@ -108,6 +120,7 @@ type Config struct {
 	engine  *engine.Engine
 	metrics *metricsRef
 	log     *slog.Logger
+	access  *slog.Logger
 	release func()
 	once    sync.Once
 	// borrowed: a Merge view; the config it came from owns the engine.
@@ -132,19 +145,20 @@ func (p *Parser) Build(cfg *config.Config, m Metrics) (*Config, error) {
 		Metrics:    ref,
 		Logger:     p.opts.Logger,
 		HTTPClient: p.opts.HTTPClient,
+		Registerer: p.opts.Registerer,
 	})
 	if err != nil {
 		release()
 		return nil, err
 	}
-	return &Config{cfg: cfg, engine: eng, metrics: ref, log: p.opts.Logger, release: release}, nil
+	return &Config{cfg: cfg, engine: eng, metrics: ref, log: p.opts.Logger, access: p.opts.AccessLog, release: release}, nil
 }
 
 func (p *Parser) source(cfg *config.Config) (endpoints.Source, func(), error) {
 	noop := func() {}
 	var pinned *endpoints.Static
 	if len(cfg.Endpoints.Static) > 0 {
-		s, err := endpoints.NewStatic(cfg.Endpoints.Static)
+		s, err := endpoints.NewStaticLabelled(cfg.Endpoints.Static, cfg.Endpoints.StaticLabels)
 		if err != nil {
 			return nil, nil, fmt.Errorf("endpoints.static: %w", err)
 		}

@@ -157,6 +157,12 @@ const noMetadataCenter = "none"
 // newWorld starts n fake pods, a real metadata center (server + memstore)
 // unless mcURL is given, and the standalone gateway running the filter.
 func newWorld(t testing.TB, n int, mcURL string) *world {
+	return newWorldMetrics(t, n, mcURL, nil)
+}
+
+// newWorldMetrics is newWorld with the filter reporting into m instead of
+// the world's counts (nil: the counts).
+func newWorldMetrics(t testing.TB, n int, mcURL string, m llmfilter.Metrics) *world {
 	w := &world{t: t, byAddr: map[string]*backend{}, metrics: &counts{m: map[string]int64{}}}
 	addrs := []string{}
 	for i := 0; i < n; i++ {
@@ -191,7 +197,10 @@ endpoints:
 	if err != nil {
 		t.Fatal(err)
 	}
-	conf, err := llmfilter.NewParser(llmfilter.ParserOptions{Logger: quiet}).Build(cfg, w.metrics)
+	if m == nil {
+		m = w.metrics
+	}
+	conf, err := llmfilter.NewParser(llmfilter.ParserOptions{Logger: quiet}).Build(cfg, m)
 	if err != nil {
 		t.Fatal(err)
 	}

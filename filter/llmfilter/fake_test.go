@@ -35,6 +35,7 @@ type fakeEnvoy struct {
 	members    map[string]bool // the routed cluster; nil: every host
 	added      []byte          // AddData from a header/trailer phase
 	events     chan fakeEvent
+	meta       map[string]map[string]any // dynamic metadata by namespace
 }
 
 type fakeEvent struct {
@@ -211,6 +212,35 @@ func (d fakeDecoder) SetUpstreamOverrideHost(host string, strict bool) error {
 type fakeStreamInfo struct {
 	api.StreamInfo
 	e *fakeEnvoy
+}
+
+func (i fakeStreamInfo) DynamicMetadata() api.DynamicMetadata { return fakeMeta{i.e} }
+
+// ResponseCodeDetails: the fake's responses all come from upstream.
+func (i fakeStreamInfo) ResponseCodeDetails() (string, bool) { return "via_upstream", true }
+
+type fakeMeta struct{ e *fakeEnvoy }
+
+func (m fakeMeta) Get(ns string) map[string]any {
+	m.e.mu.Lock()
+	defer m.e.mu.Unlock()
+	out := map[string]any{}
+	for k, v := range m.e.meta[ns] {
+		out[k] = v
+	}
+	return out
+}
+
+func (m fakeMeta) Set(ns, key string, value any) {
+	m.e.mu.Lock()
+	defer m.e.mu.Unlock()
+	if m.e.meta == nil {
+		m.e.meta = map[string]map[string]any{}
+	}
+	if m.e.meta[ns] == nil {
+		m.e.meta[ns] = map[string]any{}
+	}
+	m.e.meta[ns][key] = value
 }
 
 func (i fakeStreamInfo) UpstreamRemoteAddress() (string, bool) {

@@ -47,6 +47,7 @@ type filter struct {
 	success     bool // 2xx from the backend
 	firstData   time.Time
 	servedBy    string                 // the pod that really answered (Envoy may not have used ours)
+	hostReply   bool                   // the response is Envoy's own local reply
 	localType   atomic.Pointer[string] // error type of the local reply we sent
 }
 
@@ -56,7 +57,7 @@ func newFilter(conf *Config, cb api.FilterCallbackHandler) *filter {
 
 var _ api.StreamFilter = (*filter)(nil)
 
-// traceHeaders are tried in order (seed 002 §3 step 1). Envoy's connection
+// traceHeaders are tried in order (docs/envoy-filter.md). Envoy's connection
 // manager sets x-request-id on every request, so the first usually wins.
 var traceHeaders = []string{"x-request-id", "x-trace-id", "x-amzn-trace-id"}
 
@@ -79,9 +80,18 @@ func (f *filter) DecodeHeaders(h api.RequestHeaderMap, endStream bool) (st api.S
 	f.traceID = trace
 	f.mu.Unlock()
 	f.conf.metrics.Count("requests", 1)
+	if _, ok := h.Get(ClusterHeader); ok {
+		// Only the filter names the routed cluster: a client's own header
+		// would send a request to any cluster the gateway knows.
+		h.Del(ClusterHeader)
+		f.cb.ClearRouteCache()
+	}
+	if lr := f.bodylessReply(h, endStream); lr != nil {
+		return f.reply(f.cb.DecoderFilterCallbacks(), lr)
+	}
 	if endStream {
-		// No body, nothing to route on (GET /v1/models, health checks): the
-		// route's own cluster and load balancing apply (seed 002 §2).
+		// No body, nothing to route on (health checks, other GETs): the
+		// route's own cluster and load balancing apply (docs/envoy-filter.md).
 		return api.Continue
 	}
 	if cl, ok := h.Get("content-length"); ok {
@@ -123,7 +133,12 @@ func (f *filter) decide(ctx context.Context, cancel context.CancelFunc, buf api.
 			f.asyncPanic(e)
 		}
 	}()
+	t0 := time.Now()
 	d, err := f.conf.engine.Decide(ctx, f.reqHeaders, body)
+	f.conf.metrics.Observe(HistDecision, micros(time.Since(t0)))
+	if d != nil && d.RouteQueryTook > 0 {
+		f.conf.metrics.Observe(HistRouteQuery, micros(d.RouteQueryTook))
+	}
 
 	f.mu.Lock()
 	defer f.mu.Unlock()
@@ -159,6 +174,13 @@ func (f *filter) decide(ctx context.Context, cancel context.CancelFunc, buf api.
 	if d.Path != "" {
 		f.reqHeaders.SetPath(d.Path)
 	}
+	// The rule's cluster is Envoy's cluster: the route forwards on this
+	// header (cluster_header, istio/gateway.yaml), so a header-conditioned
+	// rule reaches its own cluster and the override host is one of its
+	// members. The route was computed before we knew: recompute it.
+	f.reqHeaders.Set(ClusterHeader, d.Cluster)
+	f.cb.ClearRouteCache()
+	f.record(d)
 	f.decision = d
 	f.started = true
 	f.conf.engine.Started(d)
@@ -181,12 +203,27 @@ func asEngineError(err error, traceID string) *engine.Error {
 
 // reply sends a local reply in the seed's §8.2 format. Callers in a
 // goroutine hold f.mu and have checked destroyed.
+//
+// Each reply is marked in the dynamic metadata (LocalReplyMetadataKey under
+// the filter's name) so that the HCM's local_reply_config, which turns
+// Envoy's own plain-text replies into the same JSON, leaves ours alone
+// (istio/gateway.yaml).
 func (f *filter) reply(cb api.FilterProcessCallbacks, e *engine.Error) api.StatusType {
 	f.localType.Store(&e.Type)
-	f.conf.metrics.Count("local_replies", 1)
-	cb.SendLocalReply(e.Status, string(e.JSON()), map[string][]string{"content-type": {"application/json"}}, -1, "llm_filter_"+e.Type)
+	body := e.JSON()
+	if e.Type == answered {
+		body = []byte(e.Message)
+	} else {
+		f.conf.metrics.Count("local_replies", 1)
+	}
+	f.cb.StreamInfo().DynamicMetadata().Set(Name, LocalReplyMetadataKey, true)
+	cb.SendLocalReply(e.Status, string(body), map[string][]string{"content-type": {"application/json"}}, -1, "llm_filter_"+e.Type)
 	return api.LocalReply
 }
+
+// LocalReplyMetadataKey is set (true) in the dynamic metadata namespace
+// Name on every reply the filter sends itself.
+const LocalReplyMetadataKey = "local_reply"
 
 // DecodeTrailers passes request trailers on: the decision already ran on
 // the body (DecodeData), and Envoy holds the trailers until it continued.
@@ -215,7 +252,11 @@ func (f *filter) EncodeHeaders(h api.ResponseHeaderMap, endStream bool) (st api.
 		served = addr
 	}
 	f.servedBy = served
+	if details, ok := f.cb.StreamInfo().ResponseCodeDetails(); ok && details != "" && details != "via_upstream" {
+		f.hostReply = true // Envoy's own reply (no healthy upstream, reset): no pod answered
+	}
 	h.Set(UpstreamHostHeader, served)
+	f.meta(AccessBackend, served)
 	f.success = f.status >= 200 && f.status < 300
 	if !f.success {
 		f.conf.metrics.Count("upstream_errors", 1)
@@ -329,6 +370,9 @@ func snippet(b []byte) string {
 
 func (f *filter) firstToken(d *engine.Decision) {
 	f.firstData = time.Now()
+	ttft := f.firstData.Sub(f.start)
+	f.conf.metrics.Observe(HistTTFT, uint64(ttft.Milliseconds()))
+	f.meta(AccessTTFT, ttft.Milliseconds())
 	f.conf.engine.FirstToken(d)
 }
 
@@ -388,10 +432,39 @@ func (f *filter) OnLog(reqH api.RequestHeaderMap, _ api.RequestTrailerMap, respH
 	} else if reqH != nil {
 		attrs = append(attrs, "path", reqH.Path())
 	}
-	if t := f.replied(); t != "" {
+	if t := f.replied(); t != "" && t != answered {
 		attrs = append(attrs, "error", t)
 	}
-	f.log.Info("completed", attrs...)
+	outcome := f.outcome(d, status)
+	attrs = append(attrs, "outcome", outcome)
+	f.conf.access.Info("completed", attrs...)
+	labels := RequestLabels{Outcome: outcome}
+	if d != nil {
+		labels = RequestLabels{Model: d.Model, Cluster: d.Cluster, Scene: d.SceneName, Policy: d.Policy, Outcome: outcome}
+		f.conf.metrics.Observe(HistDuration, uint64(dur.Milliseconds()))
+	}
+	f.conf.metrics.Request(labels)
+}
+
+// outcome classifies a finished request (label outcome of RequestsFamily).
+func (f *filter) outcome(d *engine.Decision, status int) string {
+	t := f.replied()
+	switch {
+	case d == nil && t == answered:
+		return OutcomeAnswered
+	case d == nil && t != "":
+		return OutcomeRejected
+	case status == 0:
+		return OutcomeCancelled
+	case d == nil:
+		return OutcomeUnrouted
+	case t != "" || f.hostReply:
+		return OutcomeFailed
+	case f.success:
+		return OutcomeSuccess
+	default:
+		return OutcomeUpstreamError
+	}
 }
 
 // finish reports the end of a started request exactly once (OnLog, or

@@ -174,6 +174,8 @@ func TestNoBodyPassesThrough(t *testing.T) {
 	conf, m := newTestConfig(t, baseConfig(""))
 	s := newStream(t, conf)
 	h := reqHeaders()
+	h.SetMethod("GET") // a POST without a body is refused (models_test.go)
+	h.SetPath("/health")
 	if st := s.phase(false, func() api.StatusType { return s.f.DecodeHeaders(h, true) }); st != api.Continue {
 		t.Fatalf("DecodeHeaders(endStream) = %v, want Continue", st)
 	}
@@ -584,7 +586,11 @@ func TestMergePrefersChildAndLendsMetrics(t *testing.T) {
 
 func TestEnvoyMetricsBridge(t *testing.T) {
 	cb := &fakeConfigCallbacks{counters: map[string]*fakeMetric{}, gauges: map[string]*fakeMetric{}}
-	m := newEnvoyMetrics(cb)
+	cfg, err := config.Parse([]byte(baseConfig("")))
+	if err != nil {
+		t.Fatal(err)
+	}
+	m := newEnvoyMetrics(cb, cfg, nil)
 	m.Count("routed", 3)
 	m.Count("in_flight", 1)
 	m.Count("in_flight", -1)
@@ -601,7 +607,13 @@ func TestEnvoyMetricsBridge(t *testing.T) {
 			t.Fatalf("%s not defined; have %v", want, names)
 		}
 	}
-	if newEnvoyMetrics(nil) != nil {
+	// The labelled request counter exists for each rule's labels.
+	m.Request(RequestLabels{Model: "qwen", Cluster: "pool", Policy: "round_robin", Outcome: OutcomeSuccess})
+	name := "llm_filter_requests_total;model=qwen;cluster=pool;scene=none;policy=round_robin;outcome=success"
+	if c := cb.counters[name]; c == nil || c.v != 1 {
+		t.Fatalf("%s not counted; have %v", name, names)
+	}
+	if newEnvoyMetrics(nil, cfg, nil) != nil {
 		t.Fatal("route-level parse has no callbacks")
 	}
 }

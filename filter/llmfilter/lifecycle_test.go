@@ -115,7 +115,7 @@ func TestMetricsAfterDestroyAreNeverTouched(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	conf, err := NewParser(ParserOptions{}).Build(cfg, newEnvoyMetrics(cb))
+	conf, err := NewParser(ParserOptions{}).Build(cfg, newEnvoyMetrics(cb, cfg, nil))
 	if err != nil {
 		t.Fatal(err)
 	}

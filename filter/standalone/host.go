@@ -73,12 +73,18 @@ type Options struct {
 	// (say GET /v1/models); nil or "" means 503. It is the route cluster's
 	// load balancer: Envoy uses it too when a non-strict override names a
 	// host outside the cluster.
-	Fallback func(*http.Request) string
+	// cluster is the request's routed cluster (see ClusterHeader).
+	Fallback func(r *http.Request, cluster string) string
 	// Member, if set, tells whether "ip:port" is a healthy member of the
 	// request's cluster. As in Envoy, an override that is not is ignored
 	// (non-strict: Fallback picks) or fails with 503 no_healthy_upstream
 	// (strict). nil: every host is a member.
-	Member func(r *http.Request, host string) bool
+	Member func(cluster, host string) bool
+	// ClusterHeader, if set, names the request header whose value (as the
+	// filter left it) is the request's cluster: Envoy's route
+	// cluster_header. "" when absent; Fallback and Member decide what an
+	// unknown cluster means.
+	ClusterHeader string
 	// Observe, if set, is told about every finished stream (metrics).
 	Observe func(Outcome)
 	Logger  *slog.Logger
@@ -295,7 +301,12 @@ func (h *Host) forward(ctx context.Context, s *stream, f api.StreamFilter, rw *r
 	s.mu.Lock()
 	target, strict := s.override, s.strict
 	s.mu.Unlock()
-	if target != "" && h.opts.Member != nil && !h.opts.Member(r, target) {
+	cluster := ""
+	if h.opts.ClusterHeader != "" {
+		// Read now, like Envoy's router computing a cleared route.
+		cluster, _ = hdr.Get(h.opts.ClusterHeader)
+	}
+	if target != "" && h.opts.Member != nil && !h.opts.Member(cluster, target) {
 		if strict {
 			return h.localReply(ctx, s, f, rw, &localReply{code: http.StatusServiceUnavailable, details: "no_healthy_upstream",
 				body:    jsonError(http.StatusServiceUnavailable, "no_healthy_upstream", "the override host is not a healthy member of the cluster", traceID),
@@ -304,7 +315,7 @@ func (h *Host) forward(ctx context.Context, s *stream, f api.StreamFilter, rw *r
 		target = ""
 	}
 	if target == "" && h.opts.Fallback != nil {
-		if fb := h.opts.Fallback(r); fb != "" {
+		if fb := h.opts.Fallback(r, cluster); fb != "" {
 			if norm, err := normalizeAddress(fb); err == nil {
 				target = norm
 			}

@@ -246,7 +246,7 @@ func TestBufferedRequestIsPinnedRewrittenAndTraced(t *testing.T) {
 func TestClientRequestIDIsKept(t *testing.T) {
 	var got seen
 	var h *harness
-	h = newHarness(t, echoBackend(&got), Options{Fallback: func(*http.Request) string { return h.backendAddr() }}, nil)
+	h = newHarness(t, echoBackend(&got), Options{Fallback: func(*http.Request, string) string { return h.backendAddr() }}, nil)
 	req, _ := http.NewRequest("GET", h.gw.URL+"/v1/models", nil)
 	req.Header.Set("X-Request-Id", "abc-123")
 	resp, err := http.DefaultClient.Do(req)
@@ -821,7 +821,7 @@ func TestBackendResetMidBody(t *testing.T) {
 func TestFallbackForUnpinnedRequests(t *testing.T) {
 	var got seen
 	var h *harness
-	h = newHarness(t, echoBackend(&got), Options{Fallback: func(r *http.Request) string {
+	h = newHarness(t, echoBackend(&got), Options{Fallback: func(r *http.Request, _ string) string {
 		if r.URL.Path == "/bad" {
 			return "not-an-address"
 		}
@@ -853,8 +853,8 @@ func TestOverrideOutsideTheClusterFollowsEnvoy(t *testing.T) {
 	var got seen
 	var h *harness
 	opts := Options{
-		Fallback: func(*http.Request) string { return h.backendAddr() },
-		Member:   func(_ *http.Request, host string) bool { return host == h.backendAddr() },
+		Fallback: func(*http.Request, string) string { return h.backendAddr() },
+		Member:   func(_, host string) bool { return host == h.backendAddr() },
 	}
 	async := true
 	h = newHarness(t, echoBackend(&got), opts, func(f *testFilter) {

@@ -1,5 +1,5 @@
 // Package transcode is the seam between what clients send and what the
-// backends speak (seed 002 §3 steps 2, 3 and 9).
+// backends speak (docs/envoy-filter.md steps 2, 3 and 9).
 //
 // A Transcoder, registered under a protocol name, parses a client request
 // body into a Request (model, prompt, stream, label selector, canonical
@@ -91,7 +91,7 @@ type ResponseTranscoder interface {
 	// "data: [DONE]" event.
 	Flush() ([]byte, error)
 	// Body translates a whole (non-streamed) body. An error means the
-	// backend's answer cannot be translated: answer 503 (seed 002 §5.3).
+	// backend's answer cannot be translated: answer 503 (docs/envoy-filter.md).
 	Body(b []byte) ([]byte, error)
 }
 
@@ -106,7 +106,7 @@ type Transcoder interface {
 }
 
 // Error is a request the transcoder refuses, with its HTTP status and the
-// seed 002 §8.2 error type.
+// error type (docs/envoy-filter.md).
 type Error struct {
 	Status  int
 	Type    string
@@ -115,7 +115,7 @@ type Error struct {
 
 func (e *Error) Error() string { return e.Message }
 
-// Error types of seed 002 §8.2 by status.
+// Error types by status (docs/envoy-filter.md).
 const (
 	TypeBadRequest      = "bad_request"
 	TypeNotFound        = "not_found"

@@ -14,6 +14,7 @@ const (
 	PathCacheSave       = "/v1/cache/save"
 	PathCacheEvict      = "/v1/cache/evict"
 	PathRouteQuery      = "/v1/route/query"
+	PathPodSignals      = "/v1/pods/signals" // POST: a pod reports itself; GET ?cluster=C: fresh reports
 	PathHealthz         = "/healthz"
 	PathReadyz          = "/readyz"
 	PathMetrics         = "/metrics"
@@ -89,11 +90,44 @@ type RouteQuery struct {
 	Hashes  []string `json:"hashes"`
 }
 
-// RouteAnswer carries load and cache locations of one cluster together.
+// RouteAnswer carries load, cache locations and the pods' fresh signals of
+// one cluster together. Signals is omitted when no pod has reported lately.
 type RouteAnswer struct {
-	Load  LoadStats       `json:"load"`
-	Cache []CacheLocation `json:"cache"`
+	Load    LoadStats             `json:"load"`
+	Cache   []CacheLocation       `json:"cache"`
+	Signals map[string]PodSignals `json:"signals,omitempty"`
 }
+
+// PodSignals is what a pod says about itself: its own queue, running set
+// and KV cache, which the gateway cannot see from its leases (requests of
+// other gateways, preemptions, how full the cache really is).
+type PodSignals struct {
+	Waiting       int64   `json:"waiting"`        // requests queued, not yet running
+	Running       int64   `json:"running"`        // requests running
+	KVCacheUtil   float64 `json:"kv_cache_util"`  // used / total KV cells or blocks, 0..1
+	PrefillTokens int64   `json:"prefill_tokens"` // prompt tokens still to prefill
+	// AgeMS is how long ago the metadata center received the report (in
+	// answers only; ignored in reports).
+	AgeMS int64 `json:"age_ms,omitempty"`
+}
+
+// PodReport is the body of POST /v1/pods/signals.
+type PodReport struct {
+	Cluster       string  `json:"cluster"`
+	Host          string  `json:"host"`
+	Waiting       int64   `json:"waiting"`
+	Running       int64   `json:"running"`
+	KVCacheUtil   float64 `json:"kv_cache_util"`
+	PrefillTokens int64   `json:"prefill_tokens"`
+}
+
+// Signals returns the report's signals.
+func (r PodReport) Signals() PodSignals {
+	return PodSignals{Waiting: r.Waiting, Running: r.Running, KVCacheUtil: r.KVCacheUtil, PrefillTokens: r.PrefillTokens}
+}
+
+// MaxPodSignals bounds the pods one cluster keeps signals for.
+const MaxPodSignals = 4096
 
 // Error is the body of every error answer, in the seed's format (002 §8.2).
 type Error struct {

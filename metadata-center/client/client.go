@@ -1,7 +1,9 @@
-// Package mcclient talks to the metadata center (DESIGN §6) for the filter:
-// the synchronous route query (load and cache locations in one round trip,
-// bounded by the query timeout) and the four lifecycle updates, which callers
-// run through a Dispatcher so they never hold up a request.
+// Package client is the one Go client of the metadata center's HTTP API
+// (docs/metadata-center.md), used by the gateway's filter and by the workers.
+// Gateways make the synchronous route query (load and cache locations in one
+// round trip, bounded by the query timeout) and send the lifecycle updates
+// through a Dispatcher so they never hold up a request; workers send their
+// eviction reports.
 package client
 
 import (
@@ -196,6 +198,13 @@ func (c *Client) EvictCache(ctx context.Context, r api.CacheEvict) error {
 	ctx, cancel := context.WithTimeout(ctx, c.updateTimeout)
 	defer cancel()
 	return c.do(ctx, "cache evict", http.MethodPost, api.PathCacheEvict, r, nil)
+}
+
+// ReportSignals is POST /v1/pods/signals: a pod's report about itself.
+func (c *Client) ReportSignals(ctx context.Context, r api.PodReport) error {
+	ctx, cancel := context.WithTimeout(ctx, c.updateTimeout)
+	defer cancel()
+	return c.do(ctx, "pod signals", http.MethodPost, api.PathPodSignals, r, nil)
 }
 
 func (c *Client) do(ctx context.Context, op, method, path string, in, out any) error {

@@ -41,7 +41,13 @@ func BenchmarkRouteQueryNoSharedPrefix(b *testing.B) {
 	benchRoute(b, sc, false)
 }
 
-func benchRoute(b *testing.B, sc routeload.Scenario, withHTTP bool) {
+// BenchmarkRouteQueryWithSignals is BenchmarkRouteQuery's store part with
+// every host's fresh pod signals in the answer too.
+func BenchmarkRouteQueryWithSignals(b *testing.B) {
+	benchRoute(b, routeload.Default(), false, true)
+}
+
+func benchRoute(b *testing.B, sc routeload.Scenario, withHTTP bool, withSignals ...bool) {
 	stores := []struct {
 		name string
 		mk   func(b *testing.B) store.Store
@@ -62,6 +68,35 @@ func benchRoute(b *testing.B, sc routeload.Scenario, withHTTP bool) {
 			st := s.mk(b)
 			if err := sc.Populate(context.Background(), st); err != nil {
 				b.Fatal(err)
+			}
+			if len(withSignals) > 0 && withSignals[0] {
+				// Reports older than the max age are left out: keep them
+				// fresh while the benchmark runs.
+				report := func() {
+					for h := range sc.Hosts {
+						if err := st.ReportSignals(context.Background(), sc.Cluster, sc.Host(h), api.PodSignals{Waiting: int64(h % 3), Running: int64(h % 8), KVCacheUtil: float64(h%10) / 10}); err != nil {
+							b.Fatal(err)
+						}
+					}
+				}
+				report()
+				stop := make(chan struct{})
+				go func() {
+					t := time.NewTicker(200 * time.Millisecond)
+					defer t.Stop()
+					for {
+						select {
+						case <-t.C:
+							report()
+						case <-stop:
+							return
+						}
+					}
+				}()
+				b.Cleanup(func() { close(stop) })
+				if ans, err := st.Route(context.Background(), sc.Cluster, sc.Hashes(0)); err != nil || len(ans.Signals) != sc.Hosts {
+					b.Fatalf("signals in the route answer: %d of %d, %v", len(ans.Signals), sc.Hosts, err)
+				}
 			}
 			queries := make([][]prefix.Hash, sc.Prompts)
 			for p := range queries {

@@ -81,7 +81,53 @@ func appendRoute(b []byte, a api.RouteAnswer) []byte {
 	} else {
 		b = appendLocations(b, a.Cache)
 	}
+	if len(a.Signals) > 0 {
+		b = append(b, `,"signals":`...)
+		b = appendSignals(b, a.Signals)
+	}
 	return append(b, '}')
+}
+
+// appendSignals writes host -> signals with sorted keys, as encoding/json
+// would.
+func appendSignals(b []byte, m map[string]api.PodSignals) []byte {
+	keys := make([]string, 0, len(m))
+	for k := range m {
+		keys = append(keys, k)
+	}
+	slices.Sort(keys)
+	b = append(b, '{')
+	for i, k := range keys {
+		if i > 0 {
+			b = append(b, ',')
+		}
+		sig := m[k]
+		b = appendString(b, k)
+		b = append(b, `:{"waiting":`...)
+		b = strconv.AppendInt(b, sig.Waiting, 10)
+		b = append(b, `,"running":`...)
+		b = strconv.AppendInt(b, sig.Running, 10)
+		b = append(b, `,"kv_cache_util":`...)
+		b = appendFloat(b, sig.KVCacheUtil)
+		b = append(b, `,"prefill_tokens":`...)
+		b = strconv.AppendInt(b, sig.PrefillTokens, 10)
+		if sig.AgeMS != 0 {
+			b = append(b, `,"age_ms":`...)
+			b = strconv.AppendInt(b, sig.AgeMS, 10)
+		}
+		b = append(b, '}')
+	}
+	return append(b, '}')
+}
+
+// appendFloat writes f as encoding/json does for the values a utilization
+// takes; anything else goes through encoding/json.
+func appendFloat(b []byte, f float64) []byte {
+	if f == 0 || (f >= 1e-6 && f < 1e21) {
+		return strconv.AppendFloat(b, f, 'f', -1, 64)
+	}
+	q, _ := json.Marshal(f)
+	return append(b, q...)
 }
 
 // parseQuery is the fast path for {"cluster":"...","hashes":["...",...]}

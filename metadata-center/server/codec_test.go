@@ -31,6 +31,14 @@ func TestEncodeMatchesEncodingJSON(t *testing.T) {
 				a.Cache = append(a.Cache, api.CacheLocation{Host: hosts[r.IntN(len(hosts))], Length: r.IntN(5000)})
 			}
 		}
+		if i%3 == 0 {
+			a.Signals = map[string]api.PodSignals{}
+			utils := []float64{0, 1, 0.5, 1e-7, 0.123456789, r.Float64(), 3e-6}
+			for n := r.IntN(6); n > 0; n-- {
+				a.Signals[hosts[r.IntN(len(hosts))]] = api.PodSignals{Waiting: r.Int64N(100), Running: r.Int64N(300),
+					KVCacheUtil: utils[r.IntN(len(utils))], PrefillTokens: r.Int64N(1 << 20), AgeMS: r.Int64N(3)}
+			}
+		}
 		want, err := json.Marshal(a)
 		if err != nil {
 			t.Fatal(err)

@@ -14,6 +14,8 @@ type metrics struct {
 	requests    *prometheus.CounterVec
 	latency     *prometheus.HistogramVec
 	storeErrors *prometheus.CounterVec
+	// signalReports counts pods' reports accepted (pushed and scraped).
+	signalReports prometheus.Counter
 	// chunkMismatch counts eviction reports refused because the worker
 	// hashes with another chunk size than the cluster's gateways.
 	chunkMismatch prometheus.Counter
@@ -47,8 +49,11 @@ func newMetrics(reg *prometheus.Registry, st store.Store, timeout time.Duration)
 			Help: "Updates applied through POST /v1/batch, by op.",
 		}, []string{"op"}),
 	}
-	reg.MustRegister(m.batchOps)
-	reg.MustRegister(m.requests, m.latency, m.storeErrors, m.chunkMismatch, newGauges(st, timeout, m.storeErrors))
+	m.signalReports = prometheus.NewCounter(prometheus.CounterOpts{
+		Namespace: "llmf", Subsystem: "metadata_center", Name: "pod_signal_reports_total",
+		Help: "Pods' reports about themselves accepted through POST /v1/pods/signals.",
+	})
+	reg.MustRegister(m.requests, m.latency, m.storeErrors, m.chunkMismatch, m.signalReports, m.batchOps, newGauges(st, timeout, m.storeErrors))
 	return m
 }
 

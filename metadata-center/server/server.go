@@ -1,4 +1,4 @@
-// Package server is the metadata center's HTTP API v1 (DESIGN §6) on gin:
+// Package server is the metadata center's HTTP API v1 (docs/architecture.md) on gin:
 // it validates and canonicalises every request, maps it onto a store.Store,
 // and answers errors in the seed's format
 // {"error":{"code":N,"type":"...","message":"..."}}.
@@ -97,6 +97,8 @@ func New(st store.Store, opts Options) *Server {
 	e.POST(api.PathCacheEvict, s.cacheEvict)
 	e.POST(api.PathRouteQuery, s.routeQuery)
 	e.POST(api.PathBatch, s.batch)
+	e.POST(api.PathPodSignals, s.reportSignals)
+	e.GET(api.PathPodSignals, s.podSignals)
 	e.GET(api.PathHealthz, s.healthz)
 	e.GET(api.PathReadyz, s.readyz)
 	prom := promhttp.HandlerFor(opts.Registry, promhttp.HandlerOpts{})
@@ -384,7 +386,49 @@ func (s *Server) routeQuery(c *gin.Context) {
 		s.storeFailed(c, "route query", err)
 		return
 	}
-	s.raw(c, appendRoute(make([]byte, 0, 64+64*len(ans.Load)+48*len(ans.Cache)), ans))
+	s.raw(c, appendRoute(make([]byte, 0, 64+64*len(ans.Load)+48*len(ans.Cache)+96*len(ans.Signals)), ans))
+}
+
+// reportSignals is a pod's report about itself (our worker pushes it; the
+// scrapers of podsignals write third-party pods' through the store).
+func (s *Server) reportSignals(c *gin.Context) {
+	var req api.PodReport
+	if !s.decode(c, &req) {
+		return
+	}
+	cluster, host, err := validClusterHost(req.Cluster, req.Host)
+	if err == nil {
+		err = validSignals(req.Signals())
+	}
+	if err != nil {
+		s.badRequest(c, err)
+		return
+	}
+	ctx, cancel := s.storeCtx(c)
+	defer cancel()
+	if err := s.st.ReportSignals(ctx, cluster, host, req.Signals()); err != nil {
+		s.storeFailed(c, "report signals", err)
+		return
+	}
+	s.metrics.signalReports.Inc()
+	s.ok(c, struct{}{})
+}
+
+// podSignals answers the cluster's fresh reports (operators, debugging).
+func (s *Server) podSignals(c *gin.Context) {
+	cluster, err := validCluster(c.Query("cluster"))
+	if err != nil {
+		s.badRequest(c, err)
+		return
+	}
+	ctx, cancel := s.storeCtx(c)
+	defer cancel()
+	sig, err := s.st.Signals(ctx, cluster)
+	if err != nil {
+		s.storeFailed(c, "signals", err)
+		return
+	}
+	s.raw(c, appendSignals(make([]byte, 0, 8+96*len(sig)), sig))
 }
 
 func (s *Server) cacheSave(c *gin.Context) {

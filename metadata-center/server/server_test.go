@@ -134,6 +134,72 @@ func hexes(from, n int) []string {
 
 const cl = "outbound|8000||qwen.llm.svc.cluster.local"
 
+// Pods report themselves; the route query answers their fresh reports with
+// load and cache in the same round trip, on both stores (Redis: a real
+// redis-server); bad reports get 400 in the error format.
+func TestPodSignals(t *testing.T) {
+	srv := redistest.Shared(t)
+	stores := map[string]func(t *testing.T) store.Store{
+		"memory": func(t *testing.T) store.Store {
+			return memstore.New(memstore.Options{SignalMaxAge: 300 * time.Millisecond})
+		},
+		"redis": func(t *testing.T) store.Store {
+			st, err := redisstore.New(redisstore.Options{Addr: srv.Addr, KeyPrefix: srv.Prefix + "-podsignals", SignalMaxAge: 300 * time.Millisecond})
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() { _ = st.Close() })
+			return st
+		},
+	}
+	for name, mk := range stores {
+		t.Run(name, func(t *testing.T) {
+			c := serve(t, mk(t), server.Options{})
+			const a, b = "10.0.0.1:8000", "10.0.0.2:8000"
+			c.ok("POST", api.PathPodSignals, api.PodReport{Cluster: cl, Host: a, Waiting: 2, Running: 4, KVCacheUtil: 0.9, PrefillTokens: 700}, nil)
+			c.ok("POST", api.PathPodSignals, map[string]any{"cluster": cl, "host": "10.0.0.2:08000", "waiting": 0, "running": 1, "kv_cache_util": 0.25}, nil)
+			c.ok("POST", api.PathLoadStats, api.AddRequest{Cluster: cl, Host: a, RequestID: "r", PromptLength: 5}, nil)
+			c.ok("POST", api.PathCacheSave, api.CacheSave{Cluster: cl, Host: b, Hashes: hexes(0, 2)}, nil)
+			var ans api.RouteAnswer
+			c.ok("POST", api.PathRouteQuery, api.RouteQuery{Cluster: cl, Hashes: hexes(0, 2)}, &ans)
+			if len(ans.Signals) != 2 || ans.Signals[a].Waiting != 2 || ans.Signals[a].KVCacheUtil != 0.9 || ans.Signals[a].PrefillTokens != 700 ||
+				ans.Signals[b].Running != 1 || ans.Signals[b].KVCacheUtil != 0.25 || ans.Signals[a].AgeMS > 300 {
+				t.Fatalf("route signals %+v", ans.Signals)
+			}
+			if ans.Load[a].TotalReqs != 1 || len(ans.Cache) != 1 || ans.Cache[0].Host != b {
+				t.Fatalf("route load/cache beside signals: %+v", ans)
+			}
+			var got map[string]api.PodSignals
+			c.ok("GET", api.PathPodSignals+"?cluster="+cl, nil, &got)
+			if len(got) != 2 || got[b].KVCacheUtil != 0.25 {
+				t.Fatalf("GET signals %+v", got)
+			}
+			// Stale reports are not answered.
+			time.Sleep(350 * time.Millisecond)
+			ans = api.RouteAnswer{}
+			c.ok("POST", api.PathRouteQuery, api.RouteQuery{Cluster: cl, Hashes: hexes(0, 2)}, &ans)
+			if ans.Signals != nil {
+				t.Fatalf("stale signals answered: %+v", ans.Signals)
+			}
+			for _, bad := range []struct {
+				body any
+				msg  string
+			}{
+				{map[string]any{"cluster": cl, "host": a, "waiting": -1}, "waiting must be >= 0"},
+				{map[string]any{"cluster": cl, "host": a, "running": -2}, "running must be >= 0"},
+				{map[string]any{"cluster": cl, "host": a, "prefill_tokens": -2}, "prefill_tokens must be >= 0"},
+				{map[string]any{"cluster": cl, "host": a, "kv_cache_util": 1.5}, "kv_cache_util must be within 0..1"},
+				{map[string]any{"cluster": cl, "host": "pod-a", "waiting": 1}, "host"},
+				{map[string]any{"host": a}, "cluster"},
+				{`{"cluster":"c","host":"10.0.0.1:1","waiting":"x"}`, `field "waiting"`},
+			} {
+				c.fails("POST", api.PathPodSignals, bad.body, 400, "bad_request", bad.msg)
+			}
+			c.fails("GET", api.PathPodSignals, nil, 400, "bad_request", "cluster")
+		})
+	}
+}
+
 // TestAPI drives every endpoint through the real handler on a real
 // listener, against both stores.
 func TestAPI(t *testing.T) {

@@ -118,3 +118,18 @@ func validQuery(cluster string, hashes []string) (string, []prefix.Hash, error) 
 	hs, err := validHashes(hashes)
 	return c, hs, err
 }
+
+// validSignals refuses counts below zero and a utilization outside 0..1.
+func validSignals(sig api.PodSignals) error {
+	switch {
+	case sig.Waiting < 0:
+		return fmt.Errorf("waiting must be >= 0, got %d", sig.Waiting)
+	case sig.Running < 0:
+		return fmt.Errorf("running must be >= 0, got %d", sig.Running)
+	case sig.PrefillTokens < 0:
+		return fmt.Errorf("prefill_tokens must be >= 0, got %d", sig.PrefillTokens)
+	case !(sig.KVCacheUtil >= 0 && sig.KVCacheUtil <= 1):
+		return fmt.Errorf("kv_cache_util must be within 0..1, got %g", sig.KVCacheUtil)
+	}
+	return nil
+}

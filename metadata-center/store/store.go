@@ -13,6 +13,7 @@ import (
 	"errors"
 	"slices"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/api"
@@ -24,10 +25,13 @@ import (
 // Implementations wrap it, so test with errors.Is.
 var ErrUnavailable = errors.New("store unavailable")
 
-// Defaults shared by both implementations (DESIGN §6, issue 2).
+// Defaults shared by both implementations (docs/architecture.md, issue 2).
 const (
 	DefaultLeaseTTL = 10 * time.Minute
 	DefaultCacheTTL = 30 * time.Minute
+	// DefaultSignalMaxAge is how old a pod's report may be and still be
+	// answered: ten of our workers' 100 ms pushes, four default scrapes.
+	DefaultSignalMaxAge = time.Second
 )
 
 // Stats are the gauges /metrics exports.
@@ -64,8 +68,17 @@ type Store interface {
 	// EvictHost forgets every prefix of host in the cluster (pod restart).
 	EvictHost(ctx context.Context, cluster, host string) error
 
-	// Route answers LoadStats and QueryCache together, in one round trip
-	// to the backing store.
+	// ReportSignals records a pod's report about itself, stamped with the
+	// store's clock (the pod's clock is not trusted). It replaces the
+	// host's previous report.
+	ReportSignals(ctx context.Context, cluster, host string, sig api.PodSignals) error
+	// Signals returns the cluster's reports younger than the signal max
+	// age, with AgeMS set; older ones are left out, never answered.
+	Signals(ctx context.Context, cluster string) (map[string]api.PodSignals, error)
+
+	// Route answers LoadStats, QueryCache and Signals together, in one
+	// round trip to the backing store. Signals is nil when no report is
+	// fresh.
 	Route(ctx context.Context, cluster string, hashes []prefix.Hash) (api.RouteAnswer, error)
 
 	// Stats reports the gauges for /metrics.
@@ -85,4 +98,85 @@ func SortLocations(locs []api.CacheLocation) {
 		}
 		return strings.Compare(a.Host, b.Host)
 	})
+}
+
+// SignalsBook keeps the pods' reports for stores that hold them in
+// process: per cluster, host -> report and when it arrived. It is bounded
+// by api.MaxPodSignals per cluster (stale reports go first, then the
+// oldest). Safe for concurrent use.
+type SignalsBook struct {
+	maxAge int64 // nanoseconds
+	mu     sync.RWMutex
+	m      map[string]map[string]stamped
+}
+
+type stamped struct {
+	sig api.PodSignals
+	at  int64 // unix nanoseconds
+}
+
+// NewSignalsBook returns an empty book; maxAge <= 0 means
+// DefaultSignalMaxAge.
+func NewSignalsBook(maxAge time.Duration) *SignalsBook {
+	if maxAge <= 0 {
+		maxAge = DefaultSignalMaxAge
+	}
+	return &SignalsBook{maxAge: int64(maxAge), m: map[string]map[string]stamped{}}
+}
+
+// Report records sig for host at now (unix nanoseconds).
+func (b *SignalsBook) Report(cluster, host string, sig api.PodSignals, now int64) {
+	sig.AgeMS = 0
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	hosts := b.m[cluster]
+	if hosts == nil {
+		hosts = map[string]stamped{}
+		b.m[cluster] = hosts
+	}
+	if _, ok := hosts[host]; !ok && len(hosts) >= api.MaxPodSignals {
+		oldest, at := "", now
+		for h, st := range hosts {
+			if now-st.at > b.maxAge {
+				delete(hosts, h)
+			} else if st.at < at {
+				oldest, at = h, st.at
+			}
+		}
+		if len(hosts) >= api.MaxPodSignals {
+			delete(hosts, oldest)
+		}
+	}
+	hosts[host] = stamped{sig: sig, at: now}
+}
+
+// Fresh returns the cluster's reports no older than the max age at now,
+// AgeMS set; nil when there are none.
+func (b *SignalsBook) Fresh(cluster string, now int64) map[string]api.PodSignals {
+	b.mu.RLock()
+	defer b.mu.RUnlock()
+	var out map[string]api.PodSignals
+	for h, st := range b.m[cluster] {
+		age := now - st.at
+		if age > b.maxAge {
+			continue
+		}
+		if out == nil {
+			out = make(map[string]api.PodSignals, len(b.m[cluster]))
+		}
+		sig := st.sig
+		sig.AgeMS = max(0, age) / int64(time.Millisecond)
+		out[h] = sig
+	}
+	return out
+}
+
+// Forget drops a host's report (pod restart or removal).
+func (b *SignalsBook) Forget(cluster, host string) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	delete(b.m[cluster], host)
+	if len(b.m[cluster]) == 0 {
+		delete(b.m, cluster)
+	}
 }

@@ -37,6 +37,11 @@ type SamplingParams struct {
 	TopP        float32 // 1 = off
 	Seed        uint32
 	SeedSet     bool // false: a random seed
+	// FrequencyPenalty and PresencePenalty are OpenAI's ([-2, 2], 0 off),
+	// applied by llama.cpp's penalty sampler over the tokens generated so
+	// far (not the prompt's, as vLLM does).
+	FrequencyPenalty float32
+	PresencePenalty  float32
 }
 
 // Sampler picks next tokens for one sequence; it carries the RNG state.
@@ -76,10 +81,12 @@ type Engine interface {
 	// others). ErrKVFull leaves the KV cache as it was.
 	Step(spans []Span) ([]int, error)
 
-	// CopyPrefix shares src's cells at positions [0,n) into dst, which must
-	// hold no cells. llama.cpp's unified cache tags the same cells with
-	// both seq ids: no compute, no copy.
-	CopyPrefix(src, dst, n int)
+	// Copy shares src's cells at positions [from, to) into dst, which must
+	// hold exactly positions [0, from) of the same tokens (from = 0: no
+	// cells). llama.cpp's unified cache tags the same cells with both seq
+	// ids: no compute, no copy. A request following another's prefill
+	// takes its cells chunk by chunk this way.
+	Copy(src, dst, from, to int)
 	// Remove drops seq's cells at positions >= from.
 	Remove(seq, from int)
 

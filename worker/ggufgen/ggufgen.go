@@ -76,7 +76,7 @@ func Tiny() Preset {
 	}
 }
 
-// Bench is the benchmark model (DESIGN §3's 8 layers, 512 wide): big enough
+// Bench is the benchmark model (8 layers, 512 wide): big enough
 // that prefill dominates and cache reuse shows, small enough for 2 cores.
 func Bench() Preset {
 	return Preset{

@@ -3,10 +3,10 @@
 // Every sequence with cells in the KV cache is an Entry: a running request's
 // sequence (InUse, never evicted) or the cells a finished request left behind
 // under its seq id, kept so that a later request sharing a token prefix skips
-// that part of prefill (seed 004; llama-server keeps idle slots the same way).
+// that part of prefill (multi-turn reuse; llama-server keeps idle slots the same way).
 // The manager finds the entry with the longest common token prefix, picks
 // idle entries to evict by last use, redundant copies of a shared prefix
-// first (seed 000: LRU, by items or bytes past threshold x limit), and keeps
+// first (LRU, by items or bytes past threshold x limit), and keeps
 // per-hash reference counts of the prompt hashes each entry was routed under,
 // so that evicting an entry reports to the metadata center only the hashes no
 // remaining entry still holds.
@@ -16,8 +16,11 @@
 // Bytes are an upper bound of the physical use. The engine's own KV-full
 // signal covers the physical limit.
 //
-// A Manager is owned by one goroutine (the scheduler loop) and is not safe
-// for concurrent use.
+// The Manager is the books only. Owner (owner.go) is the one type that
+// changes them, together with the seq-id pool and the engine's cells, one
+// whole transition at a time; the scheduler talks to the Owner and reads
+// the Manager. Both are owned by one goroutine (the scheduler loop) and are
+// not safe for concurrent use.
 package kvcache
 
 import (
@@ -35,6 +38,10 @@ type Entry struct {
 	Tokens []int
 	Hashes []prefix.Hash // prompt prefix hashes the router knows this entry by
 	InUse  bool          // held by a PROCESSING request: never evicted
+
+	planned []int  // a running request's whole prompt: what it will write
+	leader  string // the running entry this one waits for (Owner.Follow)
+	shareTo int    // how many of the leader's cells it will share
 
 	lastUse uint64
 }

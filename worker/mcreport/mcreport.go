@@ -59,6 +59,7 @@ type Reporter struct {
 
 	sent    *prometheus.CounterVec
 	dropped prometheus.Counter
+	signals *prometheus.CounterVec
 }
 
 // New validates cfg.
@@ -85,10 +86,11 @@ func New(cfg Config) (*Reporter, error) {
 			Help: "POST /v1/cache/evict calls by result (ok, error, rejected)."}, []string{"result"}),
 		dropped: prometheus.NewCounter(prometheus.CounterOpts{Name: "llmf_worker_evict_hashes_dropped_total",
 			Help: "Evicted hashes not reported because the pending set was full."}),
+		signals: newSignalCounter(),
 	}
 	r.idle = sync.NewCond(&r.mu)
 	if cfg.Registerer != nil {
-		cfg.Registerer.MustRegister(r.sent, r.dropped)
+		cfg.Registerer.MustRegister(r.sent, r.dropped, r.signals)
 	}
 	return r, nil
 }
@@ -108,6 +110,22 @@ func (r *Reporter) Evict(hs []prefix.Hash) {
 	case r.kick <- struct{}{}:
 	default:
 	}
+}
+
+// Cached withdraws pending reports of hashes a KV entry holds again: a
+// prefix cached again supersedes its eviction, which would otherwise delete
+// the index entry the gateway saved when it routed the new request here. A
+// report already on the wire cannot be withdrawn; if it fails it is not
+// retried for these hashes.
+func (r *Reporter) Cached(hs []prefix.Hash) {
+	r.mu.Lock()
+	for _, h := range hs {
+		delete(r.pending, h)
+	}
+	if len(r.pending) == 0 {
+		r.idle.Broadcast()
+	}
+	r.mu.Unlock()
 }
 
 // Pending counts hashes not sent yet.

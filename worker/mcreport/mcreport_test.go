@@ -246,3 +246,96 @@ func counterValue(t *testing.T, c prometheus.Counter) float64 {
 	}
 	return m.GetCounter().GetValue()
 }
+
+// A prefix the worker caches again while its eviction report waits for a
+// metadata center that is down supersedes the report: after the outage the
+// index entry the gateway saved meanwhile survives, while a prefix that
+// stayed evicted is removed.
+func TestCachedAgainSupersedesAPendingEviction(t *testing.T) {
+	real := httptest.NewServer(server.New(memstore.New(memstore.Options{}), server.Options{
+		Logger: slog.New(slog.NewTextHandler(io.Discard, nil)), Registry: prometheus.NewRegistry()}).Handler())
+	t.Cleanup(real.Close)
+	var down sync.Mutex // held while the worker cannot reach the center
+	refused := make(chan struct{}, 100)
+	gate := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if !down.TryLock() {
+			select {
+			case refused <- struct{}{}:
+			default:
+			}
+			http.Error(w, "unavailable", http.StatusServiceUnavailable)
+			return
+		}
+		down.Unlock()
+		req, _ := http.NewRequestWithContext(r.Context(), r.Method, real.URL+r.URL.Path, r.Body)
+		req.Header = r.Header.Clone()
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			http.Error(w, err.Error(), http.StatusBadGateway)
+			return
+		}
+		defer resp.Body.Close()
+		w.WriteHeader(resp.StatusCode)
+		io.Copy(w, resp.Body)
+	}))
+	t.Cleanup(gate.Close)
+	const cluster, host = "outbound|8000||tiny", "10.0.0.7:9001"
+	mc, err := client.New(client.Options{Address: real.URL})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+	r, err := New(Config{URL: gate.URL, Cluster: cluster, Host: host, ChunkSize: 512,
+		MaxBackoff: 20 * time.Millisecond, Registerer: prometheus.NewRegistry()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	rctx, cancel := context.WithCancel(ctx)
+	t.Cleanup(cancel)
+	go r.Run(rctx)
+	fctx, fcancel := context.WithTimeout(ctx, 5*time.Second)
+	defer fcancel()
+	r.Evict([]prefix.Hash{1}) // flushed only after the start-up evict-all
+	if err := r.Flush(fctx); err != nil {
+		t.Fatal(err)
+	}
+
+	held := func(h prefix.Hash) int {
+		locs, err := mc.Route(ctx, cluster, prefix.Wire([]prefix.Hash{h}))
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, l := range locs.Cache {
+			if l.Host == host {
+				return l.Length
+			}
+		}
+		return 0
+	}
+	down.Lock()
+	r.Evict([]prefix.Hash{21, 22}) // the worker dropped both prefixes
+	// Wait until that report has been refused: one still on its way when
+	// the center comes back could not be withdrawn. The retry comes after
+	// the reporter's first backoff (100 ms) and takes the pending set anew.
+	select {
+	case <-refused:
+	case <-fctx.Done():
+		t.Fatal("the eviction report never reached the gate")
+	}
+	// The gateway routes both prompts here again and saves them; the worker
+	// caches 21 again (the request bound an entry), 22 not yet.
+	if err := mc.SaveCache(ctx, api.CacheSave{Cluster: cluster, Host: host, Hashes: prefix.Wire([]prefix.Hash{21, 22}), ChunkSize: 512}); err != nil {
+		t.Fatal(err)
+	}
+	r.Cached([]prefix.Hash{21})
+	if r.Pending() != 1 {
+		t.Fatalf("%d reports pending, want only 22's", r.Pending())
+	}
+	down.Unlock()
+	if err := r.Flush(fctx); err != nil {
+		t.Fatal(err)
+	}
+	if held(21) != 1 || held(22) != 0 {
+		t.Fatalf("after the outage the index holds 21: %d, 22: %d; want 1 and 0", held(21), held(22))
+	}
+}

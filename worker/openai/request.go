@@ -25,6 +25,7 @@ const (
 // Limits on request shape; beyond them a request is refused with 400.
 const (
 	MaxStopSequences = 16
+	MaxStopTokenIDs  = 64
 	MaxStopLength    = 256
 	MaxTemperature   = 2
 )
@@ -178,9 +179,10 @@ type common struct {
 	FrequencyPenalty    *float64       `json:"frequency_penalty,omitempty"`
 	PresencePenalty     *float64       `json:"presence_penalty,omitempty"`
 	// vLLM / llama-server extensions benchmarks rely on for fixed-length output.
-	IgnoreEOS bool   `json:"ignore_eos,omitempty"`
-	MinTokens *int   `json:"min_tokens,omitempty"`
-	User      string `json:"user,omitempty"`
+	IgnoreEOS    bool   `json:"ignore_eos,omitempty"`
+	MinTokens    *int   `json:"min_tokens,omitempty"`
+	StopTokenIDs []int  `json:"stop_token_ids,omitempty"`
+	User         string `json:"user,omitempty"`
 	// LoRA names the adapter to serve the request with (the gateway routes
 	// on it too: docs/configuration.md).
 	LoRA string `json:"lora,omitempty"`
@@ -254,7 +256,11 @@ type Params struct {
 	// MinTokens: end-of-generation tokens and stop sequences do not end the
 	// output before this many tokens (vLLM's semantics).
 	MinTokens int
-	// FrequencyPenalty and PresencePenalty are OpenAI's, in [-2, 2]; 0 is off.
+	// StopTokenIDs end the output like end-of-generation (vLLM's
+	// stop_token_ids); the worker checks them against its vocabulary.
+	StopTokenIDs []int
+	// FrequencyPenalty and PresencePenalty are OpenAI's, in [-2, 2]; 0 is
+	// off. The worker applies them with llama.cpp's penalty sampler.
 	FrequencyPenalty float64
 	PresencePenalty  float64
 	Stream           bool
@@ -338,6 +344,15 @@ func (c *common) params() (Params, *Error) {
 		}
 		p.MinTokens = *c.MinTokens
 	}
+	if len(c.StopTokenIDs) > MaxStopTokenIDs {
+		return p, BadRequest("stop_token_ids", "at most %d stop token ids are allowed, got %d", MaxStopTokenIDs, len(c.StopTokenIDs))
+	}
+	for i, id := range c.StopTokenIDs {
+		if id < 0 {
+			return p, BadRequest("stop_token_ids", "stop_token_ids[%d] is negative (%d)", i, id)
+		}
+	}
+	p.StopTokenIDs = c.StopTokenIDs
 	if len(c.Stop.Values) > MaxStopSequences {
 		return p, BadRequest("stop", "at most %d stop sequences are allowed, got %d", MaxStopSequences, len(c.Stop.Values))
 	}
@@ -454,7 +469,7 @@ func (c *common) fields() []field {
 		{"max_tokens", &c.MaxTokens}, {"max_completion_tokens", &c.MaxCompletionTokens},
 		{"temperature", &c.Temperature}, {"top_p", &c.TopP}, {"seed", &c.Seed},
 		{"stop", &c.Stop}, {"n", &c.N}, {"ignore_eos", &c.IgnoreEOS},
-		{"min_tokens", &c.MinTokens}, {"user", &c.User}, {"lora", &c.LoRA},
+		{"min_tokens", &c.MinTokens}, {"user", &c.User}, {"stop_token_ids", &c.StopTokenIDs}, {"lora", &c.LoRA},
 		{"frequency_penalty", &c.FrequencyPenalty}, {"presence_penalty", &c.PresencePenalty},
 		{"logprobs", &c.unsupported.Logprobs}, {"top_logprobs", &c.unsupported.TopLogprobs},
 		{"tools", &c.unsupported.Tools}, {"response_format", &c.unsupported.ResponseFormat},

@@ -62,6 +62,8 @@ func TestParseChatValidationErrors(t *testing.T) {
 		{"ignore_eos not bool", `{"model":"m",` + msgs + `,"ignore_eos":1}`, "ignore_eos", "expected a boolean"},
 		{"frequency_penalty high", `{"model":"m",` + msgs + `,"frequency_penalty":2.5}`, "frequency_penalty", "between -2 and 2"},
 		{"presence_penalty low", `{"model":"m",` + msgs + `,"presence_penalty":-3}`, "presence_penalty", "between -2 and 2"},
+		{"stop_token_ids negative", `{"model":"m",` + msgs + `,"stop_token_ids":[5,-1]}`, "stop_token_ids", "negative"},
+		{"stop_token_ids not ints", `{"model":"m",` + msgs + `,"stop_token_ids":["a"]}`, "stop_token_ids", ""},
 		{"logprobs", `{"model":"m",` + msgs + `,"logprobs":true}`, "logprobs", "not supported"},
 		{"top_logprobs", `{"model":"m",` + msgs + `,"top_logprobs":3}`, "top_logprobs", "not supported"},
 		{"tools", `{"model":"m",` + msgs + `,"tools":[{"type":"function","function":{"name":"f"}}]}`, "tools", "function calling"},
@@ -100,6 +102,7 @@ func TestParseChatAccepts(t *testing.T) {
 		"max_completion_tokens": 64, "temperature": 0, "top_p": 0.5, "seed": -3,
 		"stop": ["\n\n", "END"], "ignore_eos": true, "min_tokens": 8, "n": 1,
 		"frequency_penalty": 0.1, "presence_penalty": -0.5, "logprobs": false, "top_logprobs": 0,
+		"stop_token_ids": [7, 9],
 		"tools": [], "response_format": {"type": "text"}, "parallel_tool_calls": false
 	}`
 	req, p, err := ParseChat([]byte(body))
@@ -107,7 +110,8 @@ func TestParseChatAccepts(t *testing.T) {
 		t.Fatal(err)
 	}
 	want := Params{Model: "qwen", MaxTokens: 64, Temperature: 0, TopP: 0.5, Stop: []string{"\n\n", "END"},
-		IgnoreEOS: true, MinTokens: 8, Stream: true, IncludeUsage: true, FrequencyPenalty: 0.1, PresencePenalty: -0.5}
+		IgnoreEOS: true, MinTokens: 8, Stream: true, IncludeUsage: true, FrequencyPenalty: 0.1, PresencePenalty: -0.5,
+		StopTokenIDs: []int{7, 9}}
 	if p.Seed == nil || *p.Seed != -3 {
 		t.Errorf("seed %v", p.Seed)
 	}

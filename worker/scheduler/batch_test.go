@@ -56,3 +56,42 @@ func TestBatchDecodesFirstThenShortestPrefill(t *testing.T) {
 		t.Fatalf("batch has %d tokens, want the full n_batch 512", total)
 	}
 }
+
+// With more sequences ready than --max-batch-size, a step takes at most
+// that many, those that waited longest first, so every sequence gets a turn
+// and decoders cannot shut a new prompt out.
+func TestBatchSizeLimitsSequencesPerStepAndRotates(t *testing.T) {
+	eng, err := sim.New(sim.Config{NSeqMax: 8, NCtx: 8192, NBatch: 512})
+	if err != nil {
+		t.Fatal(err)
+	}
+	s, err := New(eng, Config{MaxBatch: 2})
+	if err != nil {
+		t.Fatal(err)
+	}
+	mk := func(seq, total, past int) *task {
+		sm, err := eng.NewSampler(engine.SamplingParams{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return &task{state: Processing, seq: seq, toks: make([]int, total), past: past, sampler: sm}
+	}
+	d1, d2, d3 := mk(0, 100, 99), mk(1, 100, 99), mk(2, 100, 99)
+	p := mk(3, 300, 0)
+	s.set = []*task{d1, d2, d3, p}
+	served := map[*task]int{}
+	for step := range 2 {
+		spans, tasks := s.batch()
+		if len(spans) > 2 {
+			t.Fatalf("step %d has %d sequences, the limit is 2", step, len(spans))
+		}
+		for _, tk := range tasks {
+			served[tk]++
+		}
+	}
+	for i, tk := range []*task{d1, d2, d3, p} {
+		if served[tk] != 1 {
+			t.Fatalf("sequence %d served %d times in two steps of two; want every one once", i, served[tk])
+		}
+	}
+}

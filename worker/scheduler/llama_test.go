@@ -224,6 +224,10 @@ func benchEngines() map[string]engineMaker {
 // BenchmarkTTFT measures time to first token for a new question after a
 // ~2k-token conversation: cold (no cache: the history is prefilled) and warm
 // (the history's cells are reused and only the question is prefilled).
+//
+// shared-prefix-concurrent: four users send one ~2k-token system prompt
+// plus their own question 50 ms apart, on an empty cache; the mean TTFT
+// of the four, with following a prefill in flight on and off.
 func BenchmarkTTFT(b *testing.B) {
 	for _, name := range []string{"llama", "sim"} {
 		mk := benchEngines()[name]
@@ -233,7 +237,45 @@ func BenchmarkTTFT(b *testing.B) {
 				benchTTFT(b, eng, startSched(b, eng, Config{}), warm)
 			})
 		}
+		for _, follow := range []bool{true, false} {
+			b.Run(fmt.Sprintf("%s/shared-prefix-concurrent/follow=%v", name, follow), func(b *testing.B) {
+				eng := mk(b, 8)
+				benchSharedConcurrent(b, eng, startSched(b, eng, Config{NoFollow: !follow}))
+			})
+		}
 	}
+}
+
+// benchSharedConcurrent: every iteration four users share a new ~2k-token
+// system prompt (so nothing is cached from the last one) and arrive 50 ms
+// apart.
+func benchSharedConcurrent(b *testing.B, eng engine.Engine, s *Scheduler) {
+	const users = 4
+	var ttft time.Duration
+	var cached int
+	b.ResetTimer()
+	for i := range b.N {
+		sys := tokenize(b, eng, history(2000, fmt.Sprint("system prompt ", i)))
+		var wg sync.WaitGroup
+		res := make([]*Result, users)
+		for u := range users {
+			q := tokenize(b, eng, fmt.Sprintf("<|im_start|>user\nuser %d question %d?<|im_end|>\n<|im_start|>assistant\n", u, i))
+			p := append(slices.Clone(sys), q[1:]...)
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				_, res[u] = collect(b, s, &Request{ID: fmt.Sprint("s", i, "-", u), Prompt: p, MaxTokens: 1})
+			}()
+			time.Sleep(50 * time.Millisecond)
+		}
+		wg.Wait()
+		for _, r := range res {
+			ttft += r.TTFT
+			cached += r.CachedTokens
+		}
+	}
+	b.ReportMetric(float64(ttft.Microseconds())/1000/float64(users*b.N), "ms/ttft")
+	b.ReportMetric(float64(cached)/float64(users*b.N), "cached-tokens")
 }
 
 // BenchmarkTTFTCrowded is BenchmarkTTFT on a KV cache that already holds
@@ -334,4 +376,156 @@ func counterValue(c prometheus.Counter) float64 {
 		return -1
 	}
 	return m.GetCounter().GetValue()
+}
+
+// coldRuns computes each prompt's greedy output alone on a fresh engine:
+// nothing cached, nothing shared.
+func coldRuns(t *testing.T, path string, prompts [][]int, maxTokens int) [][]int {
+	t.Helper()
+	out := make([][]int, len(prompts))
+	for i, p := range prompts {
+		eng := openLlama(t, path, 8192, 8)
+		s := startSched(t, eng, Config{})
+		out[i], _ = collect(t, s, &Request{ID: fmt.Sprint("cold", i), Prompt: p, MaxTokens: maxTokens, IgnoreEOS: true})
+	}
+	return out
+}
+
+// drain waits for every handle's tokens and result.
+func drain(hs []*Handle) ([][]int, []*Result) {
+	outs := make([][]int, len(hs))
+	results := make([]*Result, len(hs))
+	for i, h := range hs {
+		for results[i] == nil {
+			toks, res := h.Take()
+			outs[i] = append(outs[i], toks...)
+			if results[i] = res; res == nil {
+				<-h.Ready()
+			}
+		}
+	}
+	return outs, results
+}
+
+// sharedPrompts are n users' questions after one system prompt of about
+// sysLen tokens.
+func sharedPrompts(tb testing.TB, eng engine.Engine, n, sysLen int) (sys []int, prompts [][]int) {
+	sys = tokenize(tb, eng, history(sysLen, "shared system prompt"))
+	for i := range n {
+		q := tokenize(tb, eng, fmt.Sprintf("<|im_start|>user\nuser %d asks question %d?<|im_end|>\n<|im_start|>assistant\n", i, i*13))
+		prompts = append(prompts, append(slices.Clone(sys), q[1:]...))
+	}
+	return sys, prompts
+}
+
+func TestLlamaConcurrentSharedPrefixIsComputedOnce(t *testing.T) {
+	path := testmodel.Path(t)
+	eng := openLlama(t, path, 8192, 8)
+	sys, prompts := sharedPrompts(t, eng, 4, 1800) // four 512-token chunks
+	m := NewMetrics(nil)
+	s := startSched(t, eng, Config{Metrics: m})
+	hs := make([]*Handle, len(prompts))
+	for i, p := range prompts {
+		h, err := s.Submit(context.Background(), &Request{ID: fmt.Sprint("u", i), Prompt: p, MaxTokens: 12, IgnoreEOS: true})
+		if err != nil {
+			t.Fatal(err)
+		}
+		hs[i] = h
+	}
+	outs, results := drain(hs)
+	// After the run: two llama.cpp contexts decoding at once in one
+	// process disturb each other's results.
+	ref := coldRuns(t, path, prompts, 12)
+	computed := 0
+	for i, res := range results {
+		if res.State != Completed || !slices.Equal(outs[i], ref[i]) {
+			t.Fatalf("user %d: %+v\n got %v\nwant %v (cold)", i, res, outs[i], ref[i])
+		}
+		if i > 0 && res.CachedTokens < len(sys)-1 {
+			t.Errorf("user %d reused %d tokens; the %d-token system prompt was being written by user 0", i, res.CachedTokens, len(sys))
+		}
+		computed += res.PromptTokens - res.CachedTokens
+	}
+	// The system prompt once, plus each user's own question.
+	if max := len(prompts[0]) + 3*(len(prompts[0])-len(sys)+1); computed > max {
+		t.Fatalf("%d prompt tokens computed, at most %d when the shared part is computed once", computed, max)
+	}
+	if err := s.Inspect(context.Background(), func(v View) {
+		if err := v.Owner.Check(); err != nil {
+			t.Error(err)
+		}
+	}); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func TestLlamaCancelledLeaderKeepsTheFollowersWork(t *testing.T) {
+	path := testmodel.Path(t)
+	eng := openLlama(t, path, 8192, 8)
+	sys, prompts := sharedPrompts(t, eng, 4, 3500) // seven chunks: time to cancel mid-way
+	s := startSched(t, eng, Config{})
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	leader, err := s.Submit(ctx, &Request{ID: "leader", Prompt: prompts[0], MaxTokens: 12, IgnoreEOS: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	hs := []*Handle{}
+	for i, p := range prompts[1:] {
+		h, err := s.Submit(context.Background(), &Request{ID: fmt.Sprint("f", i+1), Prompt: p, MaxTokens: 12, IgnoreEOS: true})
+		if err != nil {
+			t.Fatal(err)
+		}
+		hs = append(hs, h)
+	}
+	// Cancel the leader once it has written its first chunk and the
+	// followers hold seq ids (follow it), between steps.
+	written := 0
+	for ready := false; !ready; {
+		if err := s.Inspect(context.Background(), func(v View) {
+			if e, ok := v.KV.Get("leader"); ok {
+				written = len(e.Tokens)
+			}
+			ready = written >= 512
+			for i := range hs {
+				ready = ready && v.States[fmt.Sprint("f", i+1)] == Processing
+			}
+		}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	cancel()
+	if written >= len(sys)-1 {
+		t.Fatalf("the leader wrote %d of %d shared tokens before it could be cancelled: nothing left to test", written, len(sys))
+	}
+	if res, _ := leader.Wait(context.Background()); res.State != Cancelled {
+		t.Fatalf("leader: %+v", res)
+	}
+	outs, results := drain(hs)
+	ref := coldRuns(t, path, prompts[1:], 12)
+	computed := 0
+	for i, res := range results {
+		if res.State != Completed || !slices.Equal(outs[i], ref[i]) {
+			t.Fatalf("follower %d: %+v\n got %v\nwant %v (cold)", i+1, res, outs[i], ref[i])
+		}
+		if res.CachedTokens < written {
+			t.Errorf("follower %d reused %d tokens; the leader had written %d before it went", i+1, res.CachedTokens, written)
+		}
+		computed += res.PromptTokens - res.CachedTokens
+	}
+	// What the leader had not written yet is computed once, by one of them.
+	q := len(prompts[1]) - len(sys) + 1
+	if max := len(sys) - written + 3*q; computed > max {
+		t.Fatalf("followers computed %d prompt tokens, at most %d when the rest of the shared part is computed once", computed, max)
+	}
+	if err := s.Inspect(context.Background(), func(v View) {
+		if err := v.Owner.Check(); err != nil {
+			t.Error(err)
+		}
+		if v.Pool.InUse() != v.KV.Len() || v.KV.Idle() != 3 {
+			t.Errorf("%d ids, %d entries, %d idle after the run", v.Pool.InUse(), v.KV.Len(), v.KV.Idle())
+		}
+	}); err != nil {
+		t.Fatal(err)
+	}
 }

@@ -11,7 +11,7 @@ import (
 	"github.com/istio-llm-filter/istio-llm-filter/worker/engine"
 )
 
-// State is where a request is in its life (seed 000's state machine, with
+// State is where a request is in its life (the state machine of docs/worker.md, with
 // QUEUED for the RequestQueue in front of the running set and CANCELLED for
 // a client that went away).
 type State int
@@ -58,7 +58,10 @@ var (
 	ErrTooLong   = errors.New("prompt is longer than the context")            // 400
 	ErrNoFit     = errors.New("request does not fit in the KV cache")         // 500
 	ErrBadInput  = errors.New("invalid request")                              // 400
-	errPreempted = errors.New("preempted: KV cache full, will be recomputed") // internal
+	ErrMaxTokens = errors.New("max_tokens is more than this worker can give") // 400
+	// ErrStopTokenID is an ErrBadInput naming stop_token_ids.
+	ErrStopTokenID = fmt.Errorf("%w: stop_token_ids", ErrBadInput)
+	errPreempted   = errors.New("preempted: KV cache full, will be recomputed") // internal
 )
 
 // Request is what the HTTP layer submits: an already tokenized prompt.
@@ -68,9 +71,13 @@ type Request struct {
 	Hashes    []prefix.Hash // the router's prefix hashes of this prompt (eviction reports)
 	Sampling  engine.SamplingParams
 	Sampler   engine.Sampler // optional; made from Sampling when nil
-	MaxTokens int            // 0: until the context is full
+	MaxTokens int            // 0: Config.MaxOutputTokens (and never past the context)
 	MinTokens int            // end-of-generation does not stop before this many tokens
 	IgnoreEOS bool           // end-of-generation never stops (vLLM's ignore_eos)
+	// StopTokenIDs end generation like end-of-generation does (vLLM's
+	// stop_token_ids): the token is not emitted; min_tokens applies,
+	// ignore_eos does not.
+	StopTokenIDs []int
 }
 
 // Finish reasons of a completed request, as OpenAI names them.
@@ -88,6 +95,7 @@ type Result struct {
 	CachedTokens     int // prompt tokens served from the KV cache
 	CompletionTokens int
 	TTFT             time.Duration // submit to first token (0 if none)
+	QueueWait        time.Duration // submit to admission into the running set (or to the end, if never admitted)
 }
 
 // Handle is the submitter's view of a running request. The loop appends

@@ -1,19 +1,21 @@
-// Package scheduler is the worker's request pipeline (seeds 000/001, DESIGN
-// §7): a bounded RequestQueue in front of a running set, a seq-id pool bound
-// to request ids, the KV-cache manager, and one goroutine that owns the
-// engine and runs continuous batching.
+// Package scheduler is the worker's request pipeline (docs/worker.md): a
+// bounded RequestQueue in front of a running set, the KV owner (seq ids
+// bound to request ids, cells, cache entries: worker/kvcache), and one
+// goroutine that owns the engine and runs continuous batching.
 //
 // Every step the loop puts one decode token of each generating sequence and
 // prefill chunks of the others into a single batch of at most n_batch
 // tokens, like llama-server and Ollama's runner. A request that gets a seq id
-// first adopts the idle KV entry sharing the longest token prefix with its
-// prompt, so only the rest is prefilled; a finished request leaves its cells
-// behind as such an entry. Every exit path (COMPLETED, TIMEOUT, FAILED,
+// first adopts the KV entry sharing the longest token prefix with its
+// prompt, or follows a running request still writing a longer one, so only
+// the rest is prefilled; a finished request leaves its cells behind as such
+// an entry. Every exit path (COMPLETED, TIMEOUT, FAILED,
 // CANCELLED) ends the work at once and releases the seq id, either back to
 // the pool or, on completion, to the cache entry that now holds the cells.
 package scheduler
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -30,16 +32,28 @@ import (
 
 // Config are the scheduler's knobs; zero values take the seed's defaults.
 type Config struct {
-	MaxQueue        int           // RequestQueue length; default 256
-	MaxRunning      int           // running set size (maxConcurrentRequests); default 8
+	MaxQueue   int // RequestQueue length; default 256
+	MaxRunning int // running set size (maxConcurrentRequests); default 8
+	// MaxBatch is the most sequences one step evaluates (maxBatchSize);
+	// default 4, at most MaxRunning.
+	MaxBatch int
+	// MaxOutputTokens caps a request without max_tokens and refuses one
+	// asking for more (maxOutContextLength); default 2048.
+	MaxOutputTokens int
 	RequestTimeout  time.Duration // from entering the running set; default 60 s
 	CleanupInterval time.Duration // KV threshold check period; default 1 s
 	KV              kvcache.Limits
 	// OnEvict receives prompt hashes no KV entry holds any more. It is
 	// called from the loop and must not block (worker/mcreport queues).
 	OnEvict func([]prefix.Hash)
-	Metrics *Metrics
-	Logger  *slog.Logger
+	// OnCached receives the hashes of every request that binds a KV entry:
+	// a pending eviction report of any of them is stale. Same rules.
+	OnCached func([]prefix.Hash)
+	// NoFollow: a request shares only prefix cells already written, never
+	// waits for a running request's prefill (benchmarks compare the two).
+	NoFollow bool
+	Metrics  *Metrics
+	Logger   *slog.Logger
 }
 
 func (c *Config) defaults() {
@@ -48,6 +62,12 @@ func (c *Config) defaults() {
 	}
 	if c.MaxRunning <= 0 {
 		c.MaxRunning = 8
+	}
+	if c.MaxBatch <= 0 {
+		c.MaxBatch = min(4, c.MaxRunning)
+	}
+	if c.MaxOutputTokens <= 0 {
+		c.MaxOutputTokens = 2048
 	}
 	if c.RequestTimeout <= 0 {
 		c.RequestTimeout = 60 * time.Second
@@ -71,8 +91,7 @@ type Scheduler struct {
 	cfg  Config
 	eng  engine.Engine
 	info engine.Info
-	pool *seqpool.Pool
-	kv   *kvcache.Manager
+	kv   *kvcache.Owner // seq ids, cells, entries and reports, kept together
 	m    *Metrics
 	log  *slog.Logger
 	wake chan struct{}
@@ -82,11 +101,16 @@ type Scheduler struct {
 	queue   []*task
 	closed  bool
 	running int // published for Stats
+	// published for Stats (the pod's signals to the router): prompt tokens
+	// of the running set still to prefill, and KV cells in use.
+	setPrefill, kvUsed int
 
 	// loop-owned
 	set      []*task // the running set, in admission order
 	releases uint64  // terminal transitions so far; preempted tasks wait for one
 	prefill  []*task // scratch: prefill candidates of one step
+	ready    []*task // scratch: sequences with work in one step
+	steps    uint64  // batches built so far
 }
 
 type task struct {
@@ -105,35 +129,58 @@ type task struct {
 	admitted  time.Time
 	firstAt   time.Time
 	waitRel   uint64 // preempted: do not take a seq id before releases passes this
+	following bool   // waits for a running request to write the prefix it shares
+	maxTokens int    // the request's max_tokens, or Config.MaxOutputTokens
+	lastStep  uint64 // the step that last evaluated a span of it
 	spanLen   int    // tokens of this task in the current batch
 }
 
 // New builds a scheduler over eng. The pool size is the engine's n_seq_max.
 func New(eng engine.Engine, cfg Config) (*Scheduler, error) {
 	cfg.defaults()
-	info := eng.Info()
-	pool, err := seqpool.New(info.NSeqMax)
-	if err != nil {
-		return nil, err
+	if cfg.MaxBatch > cfg.MaxRunning {
+		return nil, fmt.Errorf("scheduler: the batch size (%d sequences) must not exceed the running set (%d requests)", cfg.MaxBatch, cfg.MaxRunning)
 	}
+	info := eng.Info()
 	if cfg.KV.BytesPerToken == 0 {
 		cfg.KV.BytesPerToken = info.BytesPerToken
 	}
-	kv, err := kvcache.New(cfg.KV)
+	m := cfg.Metrics
+	kv, err := kvcache.NewOwner(kvcache.OwnerConfig{
+		Limits: cfg.KV, NSeqMax: info.NSeqMax, Cells: eng,
+		Reports:  reports{evicted: cfg.OnEvict, cached: cfg.OnCached},
+		OnEvict:  func(cause string) { m.evictions.WithLabelValues(cause).Inc() },
+		NoFollow: cfg.NoFollow,
+	})
 	if err != nil {
 		return nil, err
 	}
 	return &Scheduler{
-		cfg: cfg, eng: eng, info: info, pool: pool, kv: kv, m: cfg.Metrics, log: cfg.Logger,
+		cfg: cfg, eng: eng, info: info, kv: kv, m: m, log: cfg.Logger,
 		wake: make(chan struct{}, 1), ctl: make(chan func()),
 	}, nil
+}
+
+// reports adapts the Config callbacks to kvcache.Reports.
+type reports struct{ evicted, cached func([]prefix.Hash) }
+
+func (r reports) Evicted(hs []prefix.Hash) {
+	if r.evicted != nil {
+		r.evicted(hs)
+	}
+}
+
+func (r reports) Cached(hs []prefix.Hash) {
+	if r.cached != nil {
+		r.cached(hs)
+	}
 }
 
 // Info is the engine's description.
 func (s *Scheduler) Info() engine.Info { return s.info }
 
 // Pool exposes the seq-id pool (read-only use: metrics, tests).
-func (s *Scheduler) Pool() *seqpool.Pool { return s.pool }
+func (s *Scheduler) Pool() *seqpool.Pool { return s.kv.Pool() }
 
 func (s *Scheduler) signal() {
 	select {
@@ -156,11 +203,30 @@ func (s *Scheduler) Submit(ctx context.Context, r *Request) (*Handle, error) {
 		return nil, fmt.Errorf("%w: %d prompt tokens, context holds %d", ErrTooLong, len(r.Prompt), s.info.NCtx)
 	case r.MaxTokens < 0 || r.MinTokens < 0:
 		return nil, fmt.Errorf("%w: negative max_tokens or min_tokens", ErrBadInput)
+	case r.MaxTokens > s.cfg.MaxOutputTokens:
+		return nil, fmt.Errorf("%w: max_tokens is %d; this worker generates at most %d tokens per request",
+			ErrMaxTokens, r.MaxTokens, s.cfg.MaxOutputTokens)
+	case r.MaxTokens > 0 && len(r.Prompt)+r.MaxTokens > s.info.NCtx:
+		// As OpenAI answers: refuse what cannot be given, rather than run
+		// until the context is full and cut the answer short.
+		return nil, fmt.Errorf("%w: this worker's context holds %d tokens, and the request asks for %d (%d in the prompt, %d in the completion)",
+			ErrMaxTokens, s.info.NCtx, len(r.Prompt)+r.MaxTokens, len(r.Prompt), r.MaxTokens)
+	case r.MinTokens > max(r.MaxTokens, s.cfg.MaxOutputTokens):
+		return nil, fmt.Errorf("%w: min_tokens %d exceeds the output cap", ErrBadInput, r.MinTokens)
 	}
 	for _, t := range r.Prompt {
 		if t < 0 || t >= s.info.NVocab {
 			return nil, fmt.Errorf("%w: token %d outside the vocabulary", ErrBadInput, t)
 		}
+	}
+	for _, t := range r.StopTokenIDs {
+		if t < 0 || t >= s.info.NVocab {
+			return nil, fmt.Errorf("%w: token id %d is outside the vocabulary of %d", ErrStopTokenID, t, s.info.NVocab)
+		}
+	}
+	maxTokens := r.MaxTokens
+	if maxTokens == 0 {
+		maxTokens = s.cfg.MaxOutputTokens
 	}
 	sm := r.Sampler
 	if sm == nil {
@@ -170,7 +236,7 @@ func (s *Scheduler) Submit(ctx context.Context, r *Request) (*Handle, error) {
 		}
 	}
 	t := &task{
-		req: r, h: newHandle(r.ID, s.signal), ctx: ctx, sampler: sm, seq: -1,
+		req: r, h: newHandle(r.ID, s.signal), ctx: ctx, sampler: sm, seq: -1, maxTokens: maxTokens,
 		toks: slices.Clip(slices.Clone(r.Prompt)), submitted: time.Now(),
 	}
 	// Registered before the task is visible to the loop, which calls it.
@@ -195,17 +261,33 @@ func (s *Scheduler) Submit(ctx context.Context, r *Request) (*Handle, error) {
 	return t.h, nil
 }
 
-// Stats is a snapshot for health answers.
+// Stats is a snapshot for health answers and the pod's signals.
 type Stats struct {
 	Queued, Running int
+	// PrefillTokens are prompt tokens not yet evaluated, queued or in the
+	// running set (cache hits of queued requests are not known yet and
+	// count in full).
+	PrefillTokens int
+	// KVCellsUsed are the context's cells in use (engines that count them;
+	// otherwise the KV-cache manager's tokens, which count a shared prefix
+	// once per entry), of KVCells.
+	KVCellsUsed, KVCells int
 }
 
-// Stats returns queue and running-set sizes.
+// Stats returns queue and running-set sizes, as of the last step for the
+// running set.
 func (s *Scheduler) Stats() Stats {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	return Stats{Queued: len(s.queue), Running: s.running}
+	st := Stats{Queued: len(s.queue), Running: s.running, PrefillTokens: s.setPrefill, KVCellsUsed: s.kvUsed, KVCells: s.info.NCtx}
+	for _, t := range s.queue {
+		st.PrefillTokens += len(t.toks)
+	}
+	return st
 }
+
+// cellCounter is implemented by engines that know their used KV cells.
+type cellCounter interface{ UsedCells() int }
 
 // Run is the loop; it owns the engine until ctx ends, then fails whatever is
 // left with ErrShutdown and returns.
@@ -223,8 +305,9 @@ func (s *Scheduler) Run(ctx context.Context) {
 		s.admit(now)
 		s.expire(now)
 		s.assign()
+		s.follow()
 		if !now.Before(nextCleanup) {
-			s.evictOverThreshold("threshold")
+			s.kv.EvictOverThreshold("threshold")
 			nextCleanup = now.Add(s.cfg.CleanupInterval)
 		}
 		s.publish()
@@ -309,105 +392,48 @@ func (s *Scheduler) assign() {
 	}
 }
 
-// bind takes a seq id for t, reusing the entry with the longest common token
-// prefix: an idle entry that is wholly a prefix of the prompt is taken over
-// in place; otherwise the shared cells are copied into a fresh id. It returns
-// false when every id is held by running requests.
+// bind takes a seq id for t through the KV owner, which adopts the longest
+// cached prefix (docs/worker.md, "Seq ids and the KV cache") and may make t
+// follow a running request that is still writing a longer shared prefix.
+// It returns false when every id is held by running requests.
 func (s *Scheduler) bind(t *task) bool {
-	id := t.req.ID
-	if _, dup := s.kv.Get(id); dup {
-		s.finish(t, Result{State: Failed, Err: fmt.Errorf("%w: request id %q is already in use", ErrBadInput, id)})
+	b, err := s.kv.Bind(t.req.ID, t.toks, t.req.Hashes)
+	switch {
+	case errors.Is(err, kvcache.ErrNoSeq):
+		return false
+	case errors.Is(err, kvcache.ErrInUse):
+		s.finish(t, Result{State: Failed, Err: fmt.Errorf("%w: request id %q is already in use", ErrBadInput, t.req.ID)})
+		return true
+	case err != nil:
+		s.finish(t, Result{State: Failed, Err: err})
 		return true
 	}
-	e, n := s.kv.Match(t.toks)
-	reuse := min(n, len(t.toks)-1) // the last token is always evaluated: its logits pick the next one
-	newEntry := func(seq int) {
-		// Cannot fail: the id was checked above and the loop is the only writer.
-		s.kv.Add(&kvcache.Entry{ID: id, Seq: seq, Tokens: slices.Clone(t.toks[:reuse]), Hashes: t.req.Hashes, InUse: true})
-	}
-	switch {
-	case e != nil && reuse > 0 && !e.InUse && (n == len(e.Tokens) || (s.pool.Free() == 0 && s.kv.Idle() == 1)):
-		// The entry is wholly a prefix of this prompt (a conversation's
-		// next turn), or it is the only thing that could make room (no
-		// free id, and e is the one idle entry): take its seq id over and
-		// drop its divergent tail.
-		seq := e.Seq
-		s.eng.Remove(seq, reuse)
-		if _, err := s.pool.Transfer(e.ID, id); err != nil {
-			panic(err)
-		}
-		newEntry(seq)
-		_, freed := s.kv.Remove(e.ID)
-		s.report(freed)
-		t.seq = seq
-	case e != nil && reuse > 0:
-		// Share the prefix cells into a fresh id; the entry stays for others
-		// (a running one keeps writing past them).
-		seq, ok := s.acquire(id, e.ID)
-		if !ok {
-			return false
-		}
-		s.eng.CopyPrefix(e.Seq, seq, reuse)
-		s.kv.Touch(e.ID)
-		newEntry(seq)
-		t.seq = seq
-	default:
-		reuse = 0
-		seq, ok := s.acquire(id)
-		if !ok {
-			return false
-		}
-		newEntry(seq)
-		t.seq = seq
-	}
-	t.past = reuse
-	if t.waitRel == 0 { // a recomputed request keeps the cached count of its first admission
-		t.cached = reuse
-		t.h.setCached(reuse)
-	}
+	t.seq = b.Seq
+	t.past = b.Reused
+	t.following = b.Leader != ""
 	t.state = Processing
+	s.setCached(t)
 	return true
 }
 
-// acquire takes a free id or frees the least recently used idle entry's.
-func (s *Scheduler) acquire(owner string, keep ...string) (int, bool) {
-	for {
-		seq, err := s.pool.Acquire(owner)
-		if err == nil {
-			s.eng.Remove(seq, 0)
-			return seq, true
-		}
-		if !errors.Is(err, seqpool.ErrExhausted) {
-			panic(err)
-		}
-		v := s.kv.Victim(keep...)
-		if v == nil {
-			return -1, false
-		}
-		s.evict(v, "seq_ids")
+// setCached records how much of t's prompt it did not compute: what it
+// adopted, plus, for a follower, what it took from its leader.
+func (s *Scheduler) setCached(t *task) {
+	if t.waitRel == 0 { // a recomputed request keeps the count of its first admission
+		t.cached = min(t.past, len(t.req.Prompt))
+		t.h.setCached(t.cached)
 	}
 }
 
-func (s *Scheduler) evict(e *kvcache.Entry, cause string) {
-	s.eng.Remove(e.Seq, 0)
-	s.pool.Release(e.ID)
-	_, freed := s.kv.Remove(e.ID)
-	s.report(freed)
-	s.m.evictions.WithLabelValues(cause).Inc()
-}
-
-func (s *Scheduler) evictOverThreshold(cause string) {
-	for _, ev := range s.kv.EvictOverThreshold() {
-		s.eng.Remove(ev.Entry.Seq, 0)
-		s.pool.Release(ev.Entry.ID)
-		s.report(ev.Freed)
-		s.m.evictions.WithLabelValues(cause).Inc()
-	}
-}
-
-func (s *Scheduler) report(hs []prefix.Hash) {
-	if len(hs) > 0 && s.cfg.OnEvict != nil {
-		s.cfg.OnEvict(hs)
+// follow catches followers up with their leaders' prefill; one whose
+// leader finished its part (or left) goes on by itself.
+func (s *Scheduler) follow() {
+	for _, t := range s.set {
+		if t.state != Processing || !t.following {
+			continue
+		}
+		t.past, t.following = s.kv.Follow(t.req.ID)
+		s.setCached(t)
 	}
 }
 
@@ -418,16 +444,43 @@ func (s *Scheduler) report(hs []prefix.Hash) {
 // step instead of waiting for a cold prompt's 512-token chunks to go first.
 // Long prompts still take whatever budget is left in every step, so they are
 // not starved unless short prefills alone fill every step.
+//
+// At most MaxBatch sequences take part. When more are ready, those that
+// waited longest since their last step go first (then decode before
+// prefill, shorter prefill first): every sequence gets a turn within
+// ceil(ready/MaxBatch) steps, and decoders cannot lock new prompts out.
 func (s *Scheduler) batch() ([]engine.Span, []*task) {
 	var spans []engine.Span
 	var tasks []*task
 	budget := s.info.NBatch
-	s.prefill = s.prefill[:0]
+	s.steps++
+	s.ready = s.ready[:0]
 	for _, t := range s.set {
 		t.spanLen = 0
-		if t.state != Processing {
-			continue
+		if t.state == Processing && !t.following && len(t.toks) > t.past {
+			s.ready = append(s.ready, t)
 		}
+	}
+	if len(s.ready) > s.cfg.MaxBatch {
+		slices.SortStableFunc(s.ready, func(a, b *task) int {
+			if a.lastStep != b.lastStep {
+				return cmp.Compare(a.lastStep, b.lastStep)
+			}
+			return cmp.Compare(len(a.toks)-a.past, len(b.toks)-b.past)
+		})
+		for _, t := range s.ready[s.cfg.MaxBatch:] {
+			t.spanLen = -1 // not in this step
+		}
+		// Back to admission order for the rules below.
+		s.ready = s.ready[:0]
+		for _, t := range s.set {
+			if t.spanLen == 0 && t.state == Processing && !t.following && len(t.toks) > t.past {
+				s.ready = append(s.ready, t)
+			}
+		}
+	}
+	s.prefill = s.prefill[:0]
+	for _, t := range s.ready {
 		switch left := len(t.toks) - t.past; {
 		case left == 1 && budget > 0:
 			spans = append(spans, engine.Span{Seq: t.seq, Pos: t.past, Tokens: t.toks[t.past:], Sampler: t.sampler})
@@ -457,6 +510,13 @@ func (s *Scheduler) batch() ([]engine.Span, []*task) {
 		budget -= k
 	}
 	clear(s.prefill) // do not pin finished tasks
+	clear(s.ready)
+	for _, t := range s.set {
+		t.spanLen = max(t.spanLen, 0)
+	}
+	for _, t := range tasks {
+		t.lastStep = s.steps
+	}
 	return spans, tasks
 }
 
@@ -481,8 +541,7 @@ func (s *Scheduler) step(spans []engine.Span, tasks []*task) {
 			}
 			return
 		}
-		if v := s.kv.Victim(); v != nil {
-			s.evict(v, "kv_full")
+		if s.kv.EvictOne("kv_full") {
 			continue
 		}
 		// Nothing idle to evict: preempt the newest request holding cells.
@@ -553,8 +612,8 @@ func (s *Scheduler) apply(spans []engine.Span, tasks []*task, out []int) {
 			s.m.promptTokens.WithLabelValues("cached").Add(float64(t.cached))
 			s.m.promptTokens.WithLabelValues("computed").Add(float64(len(t.req.Prompt) - t.cached))
 		}
-		eog := s.eng.IsEOG(tok)
-		if eog && !t.req.IgnoreEOS && t.nGen >= t.req.MinTokens {
+		eog := s.eng.IsEOG(tok) && !t.req.IgnoreEOS
+		if (eog || slices.Contains(t.req.StopTokenIDs, tok)) && t.nGen >= t.req.MinTokens {
 			s.finish(t, Result{State: Completed, Finish: FinishStop})
 			continue
 		}
@@ -563,15 +622,13 @@ func (s *Scheduler) apply(spans []engine.Span, tasks []*task, out []int) {
 		s.m.generated.Inc()
 		t.h.emit(tok)
 		switch {
-		case t.req.MaxTokens > 0 && t.nGen >= t.req.MaxTokens:
+		case t.nGen >= t.maxTokens:
 			s.finish(t, Result{State: Completed, Finish: FinishLength})
 		case len(t.toks) >= s.info.NCtx:
 			s.finish(t, Result{State: Completed, Finish: FinishLength})
 		}
 	}
-	if s.kv.OverThreshold() {
-		s.evictOverThreshold("threshold")
-	}
+	s.kv.EvictOverThreshold("threshold")
 }
 
 // finish ends a running request. COMPLETED keeps its cells as an idle cache
@@ -579,15 +636,16 @@ func (s *Scheduler) apply(spans []engine.Span, tasks []*task, out []int) {
 // and returns the id to the pool.
 func (s *Scheduler) finish(t *task, r Result) {
 	if t.state == Processing && r.State == Completed {
-		s.kv.SetInUse(t.req.ID, false)
+		s.kv.Finish(t.req.ID)
+		t.seq = -1
 	} else {
 		s.release(t)
 	}
 	s.set = slices.DeleteFunc(s.set, func(x *task) bool { return x == t })
 	s.releases++
 	s.end(t, r)
-	if r.State == Completed && s.kv.OverThreshold() {
-		s.evictOverThreshold("threshold")
+	if r.State == Completed {
+		s.kv.EvictOverThreshold("threshold")
 	}
 }
 
@@ -596,11 +654,9 @@ func (s *Scheduler) release(t *task) {
 	if t.seq < 0 {
 		return
 	}
-	s.eng.Remove(t.seq, 0)
-	s.pool.Release(t.req.ID)
-	_, freed := s.kv.Remove(t.req.ID)
-	s.report(freed)
+	s.kv.Release(t.req.ID)
 	t.seq = -1
+	t.following = false
 }
 
 // end publishes the result; callable for queued and running tasks.
@@ -611,6 +667,11 @@ func (s *Scheduler) end(t *task, r Result) {
 	r.CompletionTokens = t.nGen
 	if !t.firstAt.IsZero() {
 		r.TTFT = t.firstAt.Sub(t.submitted)
+	}
+	if t.admitted.IsZero() {
+		r.QueueWait = time.Since(t.submitted)
+	} else {
+		r.QueueWait = t.admitted.Sub(t.submitted)
 	}
 	if t.stopCtx != nil {
 		t.stopCtx()
@@ -635,25 +696,34 @@ func (s *Scheduler) shutdown() {
 }
 
 func (s *Scheduler) publish() {
-	pending, processing := 0, 0
+	pending, processing, prefill := 0, 0, 0
 	for _, t := range s.set {
 		if t.state == Pending {
 			pending++
 		} else {
 			processing++
 		}
+		if t.nGen == 0 {
+			prefill += max(0, len(t.toks)-t.past)
+		}
+	}
+	used := int(s.kv.Books().Items())
+	if cc, ok := s.eng.(cellCounter); ok {
+		used = cc.UsedCells()
 	}
 	s.mu.Lock()
 	s.running = len(s.set)
+	s.setPrefill, s.kvUsed = prefill, used
 	s.mu.Unlock()
 	s.m.running.WithLabelValues("PENDING").Set(float64(pending))
 	s.m.running.WithLabelValues("PROCESSING").Set(float64(processing))
-	idle := s.kv.Idle()
-	s.m.seqInUse.WithLabelValues("request").Set(float64(s.pool.InUse() - idle))
+	books := s.kv.Books()
+	idle := books.Idle()
+	s.m.seqInUse.WithLabelValues("request").Set(float64(s.kv.Pool().InUse() - idle))
 	s.m.seqInUse.WithLabelValues("cache").Set(float64(idle))
-	s.m.kvItems.Set(float64(s.kv.Items()))
-	s.m.kvBytes.Set(float64(s.kv.Bytes()))
-	s.m.kvEntries.WithLabelValues("in_use").Set(float64(s.kv.Len() - idle))
+	s.m.kvItems.Set(float64(books.Items()))
+	s.m.kvBytes.Set(float64(books.Bytes()))
+	s.m.kvEntries.WithLabelValues("in_use").Set(float64(books.Len() - idle))
 	s.m.kvEntries.WithLabelValues("idle").Set(float64(idle))
 }
 
@@ -663,6 +733,7 @@ type View struct {
 	KV     *kvcache.Manager
 	Pool   *seqpool.Pool
 	States map[string]State // running set: request id -> PENDING / PROCESSING
+	Owner  *kvcache.Owner   // Check() verifies the seq-id/entry invariant
 }
 
 // Inspect runs fn on the loop goroutine between two steps, so that what it
@@ -674,7 +745,7 @@ func (s *Scheduler) Inspect(ctx context.Context, fn func(View)) error {
 		for _, t := range s.set {
 			st[t.req.ID] = t.state
 		}
-		fn(View{KV: s.kv, Pool: s.pool, States: st})
+		fn(View{KV: s.kv.Books(), Pool: s.kv.Pool(), States: st, Owner: s.kv})
 		close(done)
 	}
 	select {

@@ -246,11 +246,15 @@ func TestBadRequestsAreRefusedAtSubmit(t *testing.T) {
 		req  *Request
 		want error
 	}{
-		"too long":  {&Request{ID: "l", Prompt: long}, ErrTooLong},
-		"empty":     {&Request{ID: "e"}, ErrBadInput},
-		"no id":     {&Request{Prompt: long[:3]}, ErrBadInput},
-		"negative":  {&Request{ID: "n", Prompt: long[:3], MaxTokens: -1}, ErrBadInput},
-		"bad token": {&Request{ID: "b", Prompt: []int{1, 99999}}, ErrBadInput},
+		"too long":       {&Request{ID: "l", Prompt: long}, ErrTooLong},
+		"empty":          {&Request{ID: "e"}, ErrBadInput},
+		"no id":          {&Request{Prompt: long[:3]}, ErrBadInput},
+		"negative":       {&Request{ID: "n", Prompt: long[:3], MaxTokens: -1}, ErrBadInput},
+		"bad token":      {&Request{ID: "b", Prompt: []int{1, 99999}}, ErrBadInput},
+		"bad stop token": {&Request{ID: "s", Prompt: long[:3], StopTokenIDs: []int{99999}}, ErrBadInput},
+		// 60 prompt tokens + 10 in a 64-token context: refused, not cut short.
+		"context cannot hold max_tokens": {&Request{ID: "c", Prompt: long[:60], MaxTokens: 10}, ErrMaxTokens},
+		"more than --max-output-tokens":  {&Request{ID: "m", Prompt: long[:3], MaxTokens: 2049}, ErrMaxTokens},
 	}
 	for name, c := range cases {
 		if _, err := r.s.Submit(context.Background(), c.req); !errors.Is(err, c.want) {
@@ -476,8 +480,10 @@ func TestAPromptFillingTheContextGetsOneToken(t *testing.T) {
 		p[i] = 3 + 'a'
 	}
 	// 100 prompt tokens fill the context: the first token comes from the
-	// prompt's logits and then the context is exhausted.
-	out, res := run(t, r, context.Background(), &Request{ID: "full", Prompt: p, MaxTokens: 10})
+	// prompt's logits and then the context is exhausted. (Asking for
+	// max_tokens the context cannot hold is refused; without max_tokens
+	// the output cap yields to the context.)
+	out, res := run(t, r, context.Background(), &Request{ID: "full", Prompt: p})
 	if res.State != Completed || res.Finish != FinishLength || len(out) != 1 {
 		t.Fatalf("%+v", res)
 	}
@@ -578,5 +584,44 @@ func TestDuplicateIDFails(t *testing.T) {
 	}
 	if res, _ := h1.Wait(context.Background()); res.State != Completed || res.CompletionTokens != 50 {
 		t.Fatalf("the original was disturbed: %+v", res)
+	}
+}
+
+func TestMaxOutputTokensCapsARequestWithoutMaxTokens(t *testing.T) {
+	r := newRig(t, sim.Config{}, Config{MaxOutputTokens: 7}, true)
+	out, res := run(t, r, context.Background(), &Request{ID: "a", Prompt: prompt(r.eng, "tell me a long story"), IgnoreEOS: true})
+	if res.State != Completed || res.Finish != FinishLength || len(out) != 7 {
+		t.Fatalf("%+v after %d tokens; want finish length at the 7-token cap", res, len(out))
+	}
+	if _, err := r.s.Submit(context.Background(), &Request{ID: "b", Prompt: prompt(r.eng, "x"), MaxTokens: 8}); !errors.Is(err, ErrMaxTokens) {
+		t.Fatalf("max_tokens 8 over a cap of 7: %v", err)
+	}
+}
+
+func TestStopTokenIDsEndGeneration(t *testing.T) {
+	r := newRig(t, sim.Config{}, Config{}, true)
+	p := prompt(r.eng, "count for me")
+	free, _ := run(t, r, context.Background(), &Request{ID: "free", Prompt: p, MaxTokens: 12, IgnoreEOS: true})
+	stopAt := 5
+	stop := free[stopAt]
+	first := slices.Index(free, stop)
+	out, res := run(t, r, context.Background(), &Request{ID: "stopped", Prompt: p, MaxTokens: 12, IgnoreEOS: true, StopTokenIDs: []int{stop}})
+	if res.State != Completed || res.Finish != FinishStop || !slices.Equal(out, free[:first]) {
+		t.Fatalf("stop token %d: %+v, %v; want the %d tokens before it (of %v)", stop, res, out, first, free)
+	}
+	// min_tokens holds it back like end-of-generation.
+	out, _ = run(t, r, context.Background(), &Request{ID: "min", Prompt: p, MaxTokens: 12, IgnoreEOS: true, MinTokens: 12, StopTokenIDs: []int{stop}})
+	if !slices.Equal(out, free) {
+		t.Fatalf("with min_tokens 12: %v, want %v", out, free)
+	}
+}
+
+func TestBatchSizeMustFitTheRunningSet(t *testing.T) {
+	eng, err := sim.New(sim.Config{NSeqMax: 4})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := New(eng, Config{MaxRunning: 2, MaxBatch: 3}); err == nil {
+		t.Fatal("a batch of 3 sequences over a running set of 2 was accepted")
 	}
 }

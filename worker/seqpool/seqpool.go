@@ -3,7 +3,7 @@
 //
 // llama.cpp only accepts seq ids in [0, n_seq_max), while requests are named
 // by strings; reusing an id while its previous owner still has cells under it
-// corrupts both sequences (seed 001). The pool makes ownership explicit: an
+// corrupts both sequences. The pool makes ownership explicit: an
 // id is free, or held by exactly one owner (a running request, or the KV-cache
 // entry a finished request left behind), and it only becomes free again when
 // that owner releases it.

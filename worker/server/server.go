@@ -223,6 +223,10 @@ func (s *Server) submitError(j *job, err error) *openai.Error {
 			param = "messages"
 		}
 		return openai.BadRequest(param, "the prompt is %d tokens; this worker's context holds %d", len(j.prompt), s.info.NCtx)
+	case errors.Is(err, scheduler.ErrMaxTokens):
+		return openai.BadRequest("max_tokens", "%v", err)
+	case errors.Is(err, scheduler.ErrStopTokenID):
+		return openai.BadRequest("stop_token_ids", "%v", err)
 	case errors.Is(err, scheduler.ErrBadInput):
 		return openai.BadRequest("", "%v", err)
 	case errors.Is(err, scheduler.ErrShutdown):
@@ -300,7 +304,9 @@ func (s *Server) generate(w http.ResponseWriter, r *http.Request, j *job) {
 	p := j.params
 	req := &scheduler.Request{
 		ID: j.id, Prompt: j.prompt, Hashes: j.hashes, MaxTokens: p.MaxTokens, MinTokens: p.MinTokens, IgnoreEOS: p.IgnoreEOS,
-		Sampling: engine.SamplingParams{Temperature: float32(p.Temperature), TopP: float32(p.TopP)},
+		StopTokenIDs: p.StopTokenIDs,
+		Sampling: engine.SamplingParams{Temperature: float32(p.Temperature), TopP: float32(p.TopP),
+			FrequencyPenalty: float32(p.FrequencyPenalty), PresencePenalty: float32(p.PresencePenalty)},
 	}
 	if p.Seed != nil {
 		req.Sampling.Seed, req.Sampling.SeedSet = uint32(*p.Seed), true
@@ -309,9 +315,15 @@ func (s *Server) generate(w http.ResponseWriter, r *http.Request, j *job) {
 		openai.WriteError(w, openai.BadRequest("prompt", "the prompt is empty"))
 		return
 	}
+	start := time.Now()
+	status := http.StatusOK
+	var res *scheduler.Result
+	defer func() { s.access(w, j, status, res, time.Since(start)) }()
 	h, err := s.sched.Submit(r.Context(), req)
 	if err != nil {
-		openai.WriteError(w, s.submitError(j, err))
+		e := s.submitError(j, err)
+		status = e.Status
+		openai.WriteError(w, e)
 		return
 	}
 	var out sink
@@ -330,7 +342,8 @@ func (s *Server) generate(w http.ResponseWriter, r *http.Request, j *job) {
 		case <-r.Context().Done():
 			return
 		}
-		toks, res := h.Take()
+		var toks []int
+		toks, res = h.Take()
 		text, stopped := o.push(toks)
 		if stopped {
 			h.Stop()
@@ -343,13 +356,16 @@ func (s *Server) generate(w http.ResponseWriter, r *http.Request, j *job) {
 		}
 		if res.State != scheduler.Completed {
 			if res.State == scheduler.Cancelled {
+				status = statusClientClosed
 				return
 			}
 			if text != "" {
 				out.text(text)
 			}
 			s.log.Info("request failed", "id", j.id, "trace_id", w.Header().Get(openai.TraceHeader), "state", res.State.String(), "err", res.Err)
-			out.fail(s.resultError(res))
+			e := s.resultError(res)
+			status = e.Status
+			out.fail(e)
 			return
 		}
 		text += o.flush()
@@ -364,6 +380,24 @@ func (s *Server) generate(w http.ResponseWriter, r *http.Request, j *job) {
 		out.finish(reason, openai.NewUsage(res.PromptTokens, n, res.CachedTokens))
 		return
 	}
+}
+
+// statusClientClosed is nginx's 499: the client left before the answer.
+const statusClientClosed = 499
+
+// access writes the request's access line: what a request cost the worker
+// (prompt, cached and generated tokens, time queued, time to first token),
+// under the gateway's trace id. res is nil when the request never ran.
+func (s *Server) access(w http.ResponseWriter, j *job, status int, res *scheduler.Result, took time.Duration) {
+	if res == nil && status == http.StatusOK {
+		status = statusClientClosed // left while queued, before any result
+	}
+	attrs := []any{"id", j.id, "trace_id", w.Header().Get(openai.TraceHeader), "model", j.model, "status", status, "duration_ms", took.Milliseconds()}
+	if res != nil {
+		attrs = append(attrs, "state", res.State.String(), "prompt_tokens", res.PromptTokens, "cached_tokens", res.CachedTokens,
+			"completion_tokens", res.CompletionTokens, "queue_wait_ms", res.QueueWait.Milliseconds(), "ttft_ms", res.TTFT.Milliseconds())
+	}
+	s.log.Info("access", attrs...)
 }
 
 type chatStream struct{ s *openai.ChatStream }

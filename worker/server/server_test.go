@@ -7,6 +7,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
+	"log/slog"
 	"net/http"
 	"net/http/httptest"
 	"slices"
@@ -14,6 +15,7 @@ import (
 	"sync"
 	"testing"
 	"time"
+	"unicode"
 
 	"github.com/prometheus/client_golang/prometheus"
 
@@ -39,6 +41,7 @@ type opts struct {
 	nCtx, nSeq int
 	sched      scheduler.Config
 	mc         *mcreport.Reporter
+	logger     *slog.Logger
 }
 
 func startWorker(t *testing.T, o opts) *worker {
@@ -65,7 +68,7 @@ func startWorker(t *testing.T, o opts) *worker {
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan struct{})
 	go func() { sched.Run(ctx); close(done) }()
-	srv := httptest.NewServer(New(sched, eng, Config{Registry: reg, RequestTimeout: o.sched.RequestTimeout, ModelName: "tiny"}))
+	srv := httptest.NewServer(New(sched, eng, Config{Registry: reg, RequestTimeout: o.sched.RequestTimeout, ModelName: "tiny", Logger: o.logger}))
 	t.Cleanup(func() {
 		srv.CloseClientConnections()
 		cancel()
@@ -326,12 +329,14 @@ func TestBadInputGets400InTheSeedFormat(t *testing.T) {
 	cases := map[string]struct {
 		path, body string
 	}{
-		"malformed JSON":      {"/v1/chat/completions", `{"model": "tiny", "messages": [`},
-		"missing messages":    {"/v1/chat/completions", `{"model": "tiny"}`},
-		"negative max_tokens": {"/v1/chat/completions", `{"model": "tiny", "messages": [{"role":"user","content":"hi"}], "max_tokens": -5}`},
-		"prompt too long":     {"/v1/chat/completions", fmt.Sprintf(`{"model": "tiny", "messages": [{"role":"user","content":%q}]}`, longText(2000, "x"))},
-		"completion too long": {"/v1/completions", fmt.Sprintf(`{"model": "tiny", "prompt": %q}`, longText(2000, "x"))},
-		"missing prompt":      {"/v1/completions", `{"model": "tiny"}`},
+		"malformed JSON":                    {"/v1/chat/completions", `{"model": "tiny", "messages": [`},
+		"missing messages":                  {"/v1/chat/completions", `{"model": "tiny"}`},
+		"negative max_tokens":               {"/v1/chat/completions", `{"model": "tiny", "messages": [{"role":"user","content":"hi"}], "max_tokens": -5}`},
+		"prompt too long":                   {"/v1/chat/completions", fmt.Sprintf(`{"model": "tiny", "messages": [{"role":"user","content":%q}]}`, longText(2000, "x"))},
+		"completion too long":               {"/v1/completions", fmt.Sprintf(`{"model": "tiny", "prompt": %q}`, longText(2000, "x"))},
+		"missing prompt":                    {"/v1/completions", `{"model": "tiny"}`},
+		"max_tokens past the context":       {"/v1/chat/completions", `{"model": "tiny", "messages": [{"role":"user","content":"hi"}], "max_tokens": 1000000000000}`},
+		"stop token outside the vocabulary": {"/v1/chat/completions", `{"model": "tiny", "messages": [{"role":"user","content":"hi"}], "stop_token_ids": [1000000]}`},
 	}
 	for name, c := range cases {
 		resp, out := post(t, w.url, c.path, c.body)
@@ -344,6 +349,12 @@ func TestBadInputGets400InTheSeedFormat(t *testing.T) {
 	if !strings.Contains(string(out), "context holds 512") {
 		t.Errorf("too-long message should name the context size: %d %s", resp.StatusCode, out)
 	}
+	// What the context cannot hold is refused as OpenAI does, naming the
+	// parameter, instead of running until the context is full.
+	resp, out = post(t, w.url, "/v1/chat/completions", `{"model": "tiny", "messages": [{"role":"user","content":"hi"}], "max_tokens": 500}`)
+	if resp.StatusCode != 400 || !strings.Contains(string(out), "context holds 512 tokens") || !strings.Contains(string(out), "500 in the completion") {
+		t.Errorf("max_tokens 500 in a 512-token context: %d %s", resp.StatusCode, out)
+	}
 	w.inspect(t, func(v scheduler.View) {
 		if v.Pool.InUse() != 0 {
 			t.Fatalf("refused requests hold %d seq ids", v.Pool.InUse())
@@ -352,7 +363,7 @@ func TestBadInputGets400InTheSeedFormat(t *testing.T) {
 }
 
 func TestOverloadGets429WithRetryAfter(t *testing.T) {
-	w := startWorker(t, opts{sched: scheduler.Config{MaxRunning: 1, MaxQueue: 1}})
+	w := startWorker(t, opts{sched: scheduler.Config{MaxRunning: 1, MaxQueue: 1, MaxOutputTokens: 4000}})
 	b, _ := json.Marshal(map[string]any{"model": "tiny", "messages": msgs("user", "go"), "max_tokens": 3000, "ignore_eos": true})
 	ctx, cancel := context.WithCancel(context.Background())
 	var wg sync.WaitGroup
@@ -412,7 +423,7 @@ func waitIdle(t *testing.T, w *worker) {
 }
 
 func TestTimeoutGets408AndFreesTheSeqID(t *testing.T) {
-	w := startWorker(t, opts{sched: scheduler.Config{RequestTimeout: 300 * time.Millisecond}})
+	w := startWorker(t, opts{sched: scheduler.Config{RequestTimeout: 300 * time.Millisecond, MaxOutputTokens: 4000}})
 	resp, out := post(t, w.url, "/v1/chat/completions", map[string]any{"model": "tiny", "messages": msgs("user", "go"), "max_tokens": 4000, "ignore_eos": true})
 	var e errBody
 	json.Unmarshal(out, &e)
@@ -427,7 +438,7 @@ func TestTimeoutGets408AndFreesTheSeqID(t *testing.T) {
 }
 
 func TestVanishedClientFreesItsSeqID(t *testing.T) {
-	w := startWorker(t, opts{})
+	w := startWorker(t, opts{sched: scheduler.Config{MaxOutputTokens: 4000}})
 	b, _ := json.Marshal(map[string]any{"model": "tiny", "messages": msgs("user", "stream forever"), "max_tokens": 4000, "ignore_eos": true, "stream": true})
 	ctx, cancel := context.WithCancel(context.Background())
 	req, _ := http.NewRequestWithContext(ctx, "POST", w.url+"/v1/chat/completions", bytes.NewReader(b))
@@ -663,4 +674,27 @@ func TestConcurrentClientsUnderRace(t *testing.T) {
 	}
 	wg.Wait()
 	waitIdle(t, w)
+}
+
+// stop_token_ids end the answer with finish_reason "stop" before the token;
+// the penalties reach the sampler (the output changes).
+func TestStopTokenIDsAndPenaltiesOverHTTP(t *testing.T) {
+	w := startWorker(t, opts{})
+	m := msgs("user", "tell me a story about a fox")
+	free := chat(t, w, m, nil).Choices[0].Message.Content
+	// The generated model's vocabulary is bytes (token 3+b): stop at the
+	// first ASCII letter of the free answer.
+	i := strings.IndexFunc(free, func(r rune) bool { return r < 128 && unicode.IsLetter(r) })
+	if i < 0 {
+		t.Skipf("the greedy answer %q has no ASCII letter to stop at", free)
+	}
+	stop := 3 + int(free[i])
+	stopped := chat(t, w, m, map[string]any{"stop_token_ids": []int{stop}})
+	if c := stopped.Choices[0]; c.FinishReason != "stop" || c.Message.Content != free[:i] {
+		t.Fatalf("stop_token_ids [%d] (%q): %q (%s), want %q (stop)", stop, free[i], c.Message.Content, c.FinishReason, free[:i])
+	}
+	pen := chat(t, w, m, map[string]any{"presence_penalty": 2, "frequency_penalty": 2})
+	if pen.Choices[0].Message.Content == free {
+		t.Fatalf("penalties 2/2 left the greedy answer unchanged: %q", pen.Choices[0].Message.Content)
+	}
 }

@@ -46,13 +46,14 @@ func run(ctx context.Context, args []string) error {
 		model       = fs.String("model", "", "GGUF model (required for llama; gives sim its context size)")
 		modelName   = fs.String("model-name", "tiny", "model name clients send")
 		workerArgs  = fs.String("worker-args", "", "extra worker flags, space-separated")
-		policies    = fs.String("policies", "cache_aware,round_robin,random,least_request,prefix_only", "policies to compare")
+		policies    = fs.String("policies", "cache_aware,epp,sglang,round_robin,random,least_request,prefix_only", "policies to compare (epp and sglang stand for llm-d's endpoint picker and SGLang's router)")
 		workloads   = fs.String("workloads", strings.Join(workload.Kinds, ","), "workloads to run")
 		concurrency = fs.Int("concurrency", 0, "sessions in flight at once (0: Poisson arrivals at --rate)")
 		rate        = fs.Float64("rate", 2, "Poisson session arrival rate per second (when --concurrency is 0)")
 		maxTokens   = fs.Int("max-tokens", 16, "output tokens per request (fixed with ignore_eos)")
 		seed        = fs.Uint64("seed", 1, "workload and arrival seed")
 		workerCPUs  = fs.Float64("worker-cpus", 0, "CPU quota per worker via cgroups (e.g. 0.6), so that each pod has its own compute as on real accelerators (0: workers share the machine)")
+		kvCells     = fs.Int("kv-cells", 0, "sim: KV cells per worker (its --n-ctx), small enough that caches fill and evict as on a busy GPU (0: the worker's default)")
 		lbRule      = fs.String("lb-rule", "", `extra lb_mapping_rule keys for every policy, YAML flow style, e.g. "cache_ratio_weight: 4, prefill_load_weight: 1"`)
 		gateways    = fs.Int("gateways", 1, "standalone gateways; clients round-robin requests over them")
 		mcs         = fs.Int("metadata-centers", 1, "metadata-center replicas (more than one needs --store redis or redis-cluster)")
@@ -61,11 +62,11 @@ func run(ctx context.Context, args []string) error {
 		spec        workload.Spec
 	)
 	// Sizes default to 0: each workload's own defaults (workload.Spec.Defaults).
-	fs.IntVar(&spec.Systems, "systems", 0, "shared-prefix: system prompts (default 2)")
-	fs.IntVar(&spec.Users, "users", 0, "shared-prefix: users per system prompt (default 4)")
+	fs.IntVar(&spec.Systems, "systems", 0, "shared-prefix / kv-pressure: system prompts (default 2 / 12)")
+	fs.IntVar(&spec.Users, "users", 0, "shared-prefix / kv-pressure: users per system prompt (default 4 / 3)")
 	fs.IntVar(&spec.Questions, "questions", 0, "shared-prefix: questions per user (default 32)")
 	fs.IntVar(&spec.Sessions, "sessions", 0, "multi-turn: conversations (default 32)")
-	fs.IntVar(&spec.Turns, "turns", 0, "multi-turn: turns per conversation (default 12)")
+	fs.IntVar(&spec.Turns, "turns", 0, "multi-turn / kv-pressure: turns per conversation (default 12 / 8)")
 	fs.IntVar(&spec.Requests, "requests", 0, "no-sharing / hot-prompt: requests (default 128)")
 	fs.IntVar(&spec.SystemBytes, "system-bytes", 0, "system prompt bytes (= tokens on byte-level vocabularies); default 2048 shared-prefix, else 1024")
 	fs.IntVar(&spec.UserBytes, "user-bytes", 0, "user history (shared-prefix, default 1024) / turn (multi-turn, default 256) bytes")
@@ -80,6 +81,10 @@ func run(ctx context.Context, args []string) error {
 		return fmt.Errorf("--engine llama needs --model")
 	}
 	spec.Seed = *seed
+	wargs := strings.Fields(*workerArgs)
+	if *kvCells > 0 {
+		wargs = append(wargs, "--n-ctx", fmt.Sprint(*kvCells))
+	}
 	run := report.Run{
 		Title:   fmt.Sprintf("Routing policies on %d %s workers", *workers, *engine),
 		Started: time.Now().UTC().Format(time.RFC3339),
@@ -87,7 +92,7 @@ func run(ctx context.Context, args []string) error {
 		Settings: map[string]string{
 			"engine": *engine, "workers": fmt.Sprint(*workers), "max_tokens": fmt.Sprint(*maxTokens),
 			"concurrency": fmt.Sprint(*concurrency), "rate": fmt.Sprint(*rate), "seed": fmt.Sprint(*seed),
-			"worker_args": *workerArgs, "model": *model, "lb_rule": *lbRule, "worker_cpus": fmt.Sprint(*workerCPUs),
+			"worker_args": *workerArgs, "kv_cells": fmt.Sprint(*kvCells), "model": *model, "lb_rule": *lbRule, "worker_cpus": fmt.Sprint(*workerCPUs),
 			"gateways": fmt.Sprint(*gateways), "metadata_centers": fmt.Sprint(*mcs), "store": *store,
 		},
 	}
@@ -108,7 +113,7 @@ func run(ctx context.Context, args []string) error {
 			label := fmt.Sprintf("[%d/%d] %s × %s", step, steps, wl, p)
 			f, err := fleet.Start(ctx, fleet.Spec{
 				BinDir: *bin, LogDir: filepath.Join(*out, "logs", wl, p), Engine: *engine, Workers: *workers,
-				Model: *model, ModelName: *modelName, Policy: p, LBRule: *lbRule, WorkerCPUs: *workerCPUs, WorkerArgs: strings.Fields(*workerArgs),
+				Model: *model, ModelName: *modelName, Policy: p, LBRule: *lbRule, WorkerCPUs: *workerCPUs, WorkerArgs: wargs,
 				Gateways: *gateways, MetadataCenters: *mcs, Store: *store,
 			})
 			if err != nil {

@@ -5,7 +5,7 @@
 //	go run ./filter/cmd/gateway --config gateway.yaml
 //
 // The file holds `listen:` and the filter's document under `filter:`
-// (DESIGN §9), plus optional `log_level` (debug|info|warn|error) and
+// (docs/configuration.md), plus optional `log_level` (debug|info|warn|error) and
 // `default_cluster` (a static cluster for requests the filter does not route).
 // /metrics (Prometheus) and /healthz are answered by the gateway itself.
 package main
@@ -128,6 +128,7 @@ func run(ctx context.Context, args []string, logOut io.Writer, ready chan<- net.
 	if err != nil {
 		return err
 	}
+	pm.Declare(cfg)
 	requests := prometheus.NewCounterVec(prometheus.CounterOpts{
 		Name: "llm_gateway_requests_total", Help: "Requests by status code and whether the gateway answered itself.",
 	}, []string{"code", "local"})
@@ -141,37 +142,20 @@ func run(ctx context.Context, args []string, logOut io.Writer, ready chan<- net.
 	// failed, as Envoy's outlier detection would, so a dead worker stops
 	// being chosen until it answers again.
 	outlier := endpoints.NewOutlier(endpoints.OutlierOptions{})
-	parser := llmfilter.NewParser(llmfilter.ParserOptions{Registry: endpoints.NewRegistry(logger), Outlier: outlier, Logger: logger})
+	parser := llmfilter.NewParser(llmfilter.ParserOptions{Registry: endpoints.NewRegistry(logger), Outlier: outlier, Logger: logger, Registerer: reg})
 	conf, err := parser.Build(cfg, pm)
 	if err != nil {
 		return err
 	}
 	defer conf.Close()
 
-	var fallback func(*http.Request) string
-	if fc.DefaultCluster != "" {
-		pods := cfg.Endpoints.Static[fc.DefaultCluster]
-		var next atomic.Uint64
-		fallback = func(*http.Request) string {
-			if len(pods) == 0 {
-				return ""
-			}
-			return pods[(next.Add(1)-1)%uint64(len(pods))]
-		}
-	}
-	// The pods the gateway knows form its clusters: like Envoy it sends a
-	// request only to a member, whatever host the filter names.
-	var member func(*http.Request, string) bool
-	if len(cfg.Endpoints.Static) > 0 {
-		members := map[string]bool{}
-		for _, pods := range cfg.Endpoints.Static {
-			for _, p := range pods {
-				members[p] = true
-			}
-		}
-		member = func(_ *http.Request, host string) bool { return members[host] }
-	}
+	// The static lists are the gateway's clusters. The filter names the
+	// routed cluster in x-llm-cluster, as Envoy's route reads it
+	// (cluster_header): the request goes only to a member of that cluster,
+	// and a request the filter did not route goes to default_cluster.
+	fallback, member := staticClusters(cfg.Endpoints.Static, fc.DefaultCluster)
 	host, err := standalone.New(standalone.Options{
+		ClusterHeader:  llmfilter.ClusterHeader,
 		Fallback:       fallback,
 		Member:         member,
 		Factory:        llmfilter.Factory,
@@ -221,4 +205,42 @@ func run(ctx context.Context, args []string, logOut io.Writer, ready chan<- net.
 		return err
 	}
 	return nil
+}
+
+// staticClusters is the route and the clusters of the standalone gateway:
+// fallback picks a pod of the request's cluster (default_cluster when the
+// filter named none) round robin, like a cluster's load balancer, and member
+// tells whether a pod belongs to the cluster. An unknown cluster has no
+// members, so its requests get 503 like Envoy's cluster_not_found. member
+// is nil without static lists (every host is then a member).
+func staticClusters(static map[string][]string, def string) (func(*http.Request, string) string, func(string, string) bool) {
+	if len(static) == 0 {
+		return nil, nil
+	}
+	members := map[string]map[string]bool{}
+	next := map[string]*atomic.Uint64{}
+	for c, pods := range static {
+		members[c] = map[string]bool{}
+		for _, p := range pods {
+			members[c][p] = true
+		}
+		next[c] = new(atomic.Uint64)
+	}
+	fallback := func(_ *http.Request, cluster string) string {
+		if cluster == "" {
+			cluster = def
+		}
+		pods := static[cluster]
+		if len(pods) == 0 {
+			return ""
+		}
+		return pods[(next[cluster].Add(1)-1)%uint64(len(pods))]
+	}
+	member := func(cluster, host string) bool {
+		if cluster == "" {
+			cluster = def
+		}
+		return members[cluster][host]
+	}
+	return fallback, member
 }

@@ -77,19 +77,20 @@ filter:
 		t.Fatalf("refused request answered %d %s", resp.StatusCode, body)
 	}
 
-	// No body, nothing to decide: the default cluster serves it.
+	// The gateway lists the models of its rules itself.
 	resp, err = http.Get(base + "/v1/models")
 	if err != nil {
 		t.Fatal(err)
 	}
 	resp.Body.Close()
 	if resp.StatusCode != 200 {
-		t.Fatalf("GET /v1/models via default_cluster: %d", resp.StatusCode)
+		t.Fatalf("GET /v1/models: %d", resp.StatusCode)
 	}
 
 	// A request is counted when its handler returns, which can be just
 	// after the client has read the whole answer: poll briefly.
-	wants := []string{`llm_filter_events_total{event="routed"} 1`, `llm_filter_events_total{event="requests"} 3`, `llm_gateway_requests_total{code="200",local="false"} 2`}
+	wants := []string{`llm_filter_events_total{event="routed"} 1`, `llm_filter_events_total{event="requests"} 3`, `llm_gateway_requests_total{code="200",local="false"} 1`, `llm_gateway_requests_total{code="200",local="true"} 1`,
+		`llm_filter_balancer_stage_seconds_count{stage="round_robin"} 1`}
 	var missing []string
 	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(10 * time.Millisecond) {
 		resp, err = http.Get(base + "/metrics")

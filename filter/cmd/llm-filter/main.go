@@ -4,6 +4,7 @@ package main
 
 import (
 	"log/slog"
+	"os"
 
 	"github.com/envoyproxy/envoy/contrib/golang/common/go/api"
 	envoyhttp "github.com/envoyproxy/envoy/contrib/golang/filters/http/source/go/pkg/http"
@@ -22,6 +23,11 @@ func init() {
 		Registry:     endpoints.NewRegistry(logger),
 		DefaultAdmin: true,
 		Logger:       logger,
+		Histograms:   defineHistogram,
+		// One JSON line per request on stdout, next to Envoy's own access
+		// log: Istio runs the proxy at log level warning, which drops
+		// info lines of Envoy's log, and a request is not a warning.
+		AccessLog: slog.New(slog.NewJSONHandler(os.Stdout, nil)),
 	})
 	envoyhttp.RegisterHttpFilterFactoryAndConfigParser(llmfilter.Name, llmfilter.Factory, parser)
 }

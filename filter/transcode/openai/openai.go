@@ -1,5 +1,5 @@
 // Package openai parses OpenAI chat/completions and completions requests
-// (seed 002 §3 step 3) and passes them through to OpenAI-speaking backends,
+// (docs/envoy-filter.md) and passes them through to OpenAI-speaking backends,
 // translating only for Triton backends.
 //
 // Beyond the OpenAI schema it reads two optional body fields that steer

@@ -27,6 +27,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
 
+	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/podsignals"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/server"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/store"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/store/memstore"
@@ -62,6 +63,9 @@ type config struct {
 	maxEntries                              int
 	maxBodyBytes                            int64
 	storeTimeout, shutdownTimeout, touchInt time.Duration
+	signalMaxAge                            time.Duration
+	scrapeConfig                            string
+	scrapeInterval, scrapeTimeout           time.Duration
 }
 
 func parse(args []string, stderr io.Writer) (config, error) {
@@ -81,6 +85,10 @@ func parse(args []string, stderr io.Writer) (config, error) {
 	fs.DurationVar(&c.leaseTTL, "lease-ttl", store.DefaultLeaseTTL, "lifetime of a request lease that is never deleted (dead gateway)")
 	fs.DurationVar(&c.cacheTTL, "cache-ttl", store.DefaultCacheTTL, "lifetime of a cache index entry since its last save or hit")
 	fs.DurationVar(&c.touchInt, "cache-touch-interval", time.Second, "hits refresh an entry's TTL at most this often")
+	fs.DurationVar(&c.signalMaxAge, "signal-max-age", store.DefaultSignalMaxAge, "pods' reports (pushed or scraped) older than this are not answered")
+	fs.StringVar(&c.scrapeConfig, "scrape-config", "", "the gateway's (or filter's) config file: pods of rules with backend vllm, sglang or llamacpp listed under endpoints.static get their /metrics scraped for pod signals (empty: no scraping)")
+	fs.DurationVar(&c.scrapeInterval, "scrape-interval", podsignals.DefaultInterval, "how often third-party pods' /metrics are scraped")
+	fs.DurationVar(&c.scrapeTimeout, "scrape-timeout", 0, "bound on one scrape (0: the interval)")
 	fs.IntVar(&c.maxEntries, "max-entries", memstore.DefaultMaxEntries, "LRU cap on cache index entries (--store memory)")
 	fs.Int64Var(&c.maxBodyBytes, "max-body-bytes", server.DefaultMaxBodyBytes, "largest request body accepted")
 	fs.DurationVar(&c.storeTimeout, "store-timeout", server.DefaultStoreTimeout, "bound on each store call; past it the call answers 503")
@@ -108,12 +116,13 @@ func newStore(c config) (store.Store, error) {
 	if c.storeKind == "redis" {
 		return redisstore.New(redisstore.Options{
 			Addr: c.redisAddr, Cluster: c.redisCluster, Password: c.redisPassword, DB: c.redisDB, KeyPrefix: c.redisPrefix,
-			LeaseTTL: c.leaseTTL, CacheTTL: c.cacheTTL, TouchInterval: c.touchInt,
+			LeaseTTL: c.leaseTTL, CacheTTL: c.cacheTTL, TouchInterval: c.touchInt, SignalMaxAge: c.signalMaxAge,
 			DialTimeout: c.redisDialTimeout, IOTimeout: c.redisIOTimeout,
 		})
 	}
 	return memstore.New(memstore.Options{
 		LeaseTTL: c.leaseTTL, CacheTTL: c.cacheTTL, TouchInterval: c.touchInt, MaxEntries: c.maxEntries,
+		SignalMaxAge: c.signalMaxAge,
 	}), nil
 }
 
@@ -143,6 +152,27 @@ func run(ctx context.Context, args []string, stderr io.Writer, onListen func(net
 		AuthToken: c.authToken, Logger: log, Registry: reg,
 		MaxBodyBytes: c.maxBodyBytes, StoreTimeout: c.storeTimeout,
 	})
+
+	if c.scrapeConfig != "" {
+		doc, err := os.ReadFile(c.scrapeConfig)
+		if err != nil {
+			return fmt.Errorf("--scrape-config: %w", err)
+		}
+		targets, err := podsignals.TargetsFromFilterConfig(doc)
+		if err != nil {
+			return fmt.Errorf("--scrape-config %s: %w", c.scrapeConfig, err)
+		}
+		sc, err := podsignals.New(podsignals.Options{Store: st, Targets: podsignals.StaticTargets(targets),
+			Interval: c.scrapeInterval, Timeout: c.scrapeTimeout, Logger: log, Registerer: reg})
+		if err != nil {
+			return err
+		}
+		scrapeCtx, stopScrape := context.WithCancel(ctx)
+		scraped := make(chan struct{})
+		go func() { sc.Run(scrapeCtx); close(scraped) }()
+		defer func() { stopScrape(); <-scraped }()
+		log.Info("scraping pods' /metrics for their signals", "pods", len(targets), "interval", c.scrapeInterval.String())
+	}
 
 	ln, err := net.Listen("tcp", c.listen)
 	if err != nil {

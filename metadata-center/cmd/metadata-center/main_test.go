@@ -4,11 +4,14 @@ import (
 	"bufio"
 	"context"
 	"encoding/json"
+	"fmt"
 	"io"
 	"net"
 	"net/http"
+	"net/http/httptest"
 	"os"
 	"os/exec"
+	"path/filepath"
 	"strings"
 	"syscall"
 	"testing"
@@ -188,5 +191,64 @@ func TestSIGTERM(t *testing.T) {
 	}
 	if !stopped {
 		t.Fatal(`no "stopped" log line`)
+	}
+}
+
+// With --scrape-config the command scrapes the vLLM pods of the gateway's
+// rules and answers their signals; a config it cannot use stops it.
+func TestScrapeConfig(t *testing.T) {
+	pod := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		io.WriteString(w, "vllm:num_requests_running{model_name=\"q\"} 6\nvllm:num_requests_waiting{model_name=\"q\"} 2\nvllm:kv_cache_usage_perc{model_name=\"q\"} 0.5\n")
+	}))
+	defer pod.Close()
+	host := strings.TrimPrefix(pod.URL, "http://")
+	dir := t.TempDir()
+	cfg := filepath.Join(dir, "gateway.yaml")
+	doc := fmt.Sprintf("listen: 127.0.0.1:0\nfilter:\n  model_mapping_rule: {q: [{cluster: pool, backend: vllm}]}\n  endpoints: {static: {pool: [%s]}}\n", host)
+	if err := os.WriteFile(cfg, []byte(doc), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	addrs := make(chan net.Addr, 1)
+	done := make(chan error, 1)
+	go func() {
+		done <- run(ctx, []string{"--listen", "127.0.0.1:0", "--scrape-config", cfg, "--scrape-interval", "20ms"}, io.Discard, func(a net.Addr) { addrs <- a })
+	}()
+	var base string
+	select {
+	case a := <-addrs:
+		base = "http://" + a.String()
+	case err := <-done:
+		t.Fatalf("run: %v", err)
+	}
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		resp, err := http.Get(base + api.PathPodSignals + "?cluster=pool")
+		if err != nil {
+			t.Fatal(err)
+		}
+		var sig map[string]api.PodSignals
+		err = json.NewDecoder(resp.Body).Decode(&sig)
+		resp.Body.Close()
+		if err == nil && sig[host].Running == 6 && sig[host].Waiting == 2 && sig[host].KVCacheUtil == 0.5 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("signals %v %v", sig, err)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	cancel()
+	if err := <-done; err != nil {
+		t.Fatalf("run returned %v", err)
+	}
+	if err := os.WriteFile(cfg, []byte("filter: {model_mapping_rule: {}}"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if err := run(context.Background(), []string{"--listen", "127.0.0.1:0", "--scrape-config", cfg}, io.Discard, nil); err == nil || !strings.Contains(err.Error(), "--scrape-config") {
+		t.Fatalf("an unusable scrape config: %v", err)
+	}
+	if err := run(context.Background(), []string{"--listen", "127.0.0.1:0", "--scrape-config", filepath.Join(dir, "missing")}, io.Discard, nil); err == nil {
+		t.Fatal("a missing scrape config was accepted")
 	}
 }

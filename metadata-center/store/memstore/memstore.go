@@ -35,6 +35,7 @@ type Options struct {
 	CacheTTL      time.Duration    // default store.DefaultCacheTTL
 	MaxEntries    int              // LRU cap on (cluster, host, hash) entries; default DefaultMaxEntries
 	TouchInterval time.Duration    // default DefaultTouchInterval; negative refreshes on every hit
+	SignalMaxAge  time.Duration    // default store.DefaultSignalMaxAge
 	Now           func() time.Time // default time.Now; tests inject a fake clock
 }
 
@@ -48,6 +49,8 @@ type Store struct {
 	clusters map[string]*cluster
 	leases   list.List // *lease, earliest expiry at the front
 	lru      list.List // *entry, most recently saved or hit at the front
+
+	signals *store.SignalsBook
 }
 
 // Hosts are interned per cluster as small ids, and each hash keeps its
@@ -119,6 +122,7 @@ func New(o Options) *Store {
 		maxEntries: o.MaxEntries,
 		now:        o.Now,
 		clusters:   make(map[string]*cluster),
+		signals:    store.NewSignalsBook(o.SignalMaxAge),
 	}
 }
 
@@ -493,7 +497,18 @@ func (s *Store) Route(_ context.Context, clusterName string, hashes []prefix.Has
 	locs, stale := s.queryLocked(clusterName, hashes, now)
 	s.mu.RUnlock()
 	s.touchEntries(stale, now)
-	return api.RouteAnswer{Load: load, Cache: locs}, nil
+	return api.RouteAnswer{Load: load, Cache: locs, Signals: s.signals.Fresh(clusterName, now)}, nil
+}
+
+// ReportSignals implements store.Store.
+func (s *Store) ReportSignals(_ context.Context, clusterName, host string, sig api.PodSignals) error {
+	s.signals.Report(clusterName, host, sig, s.nanos())
+	return nil
+}
+
+// Signals implements store.Store.
+func (s *Store) Signals(_ context.Context, clusterName string) (map[string]api.PodSignals, error) {
+	return s.signals.Fresh(clusterName, s.nanos()), nil
 }
 
 // Stats implements store.Store.

@@ -66,6 +66,7 @@ type Options struct {
 	LeaseTTL      time.Duration // default store.DefaultLeaseTTL
 	CacheTTL      time.Duration // default store.DefaultCacheTTL
 	TouchInterval time.Duration // hits refresh an entry's TTL at most this often; default 1s, negative: always
+	SignalMaxAge  time.Duration // pods' reports older than this are not answered; default store.DefaultSignalMaxAge
 
 	DialTimeout time.Duration // default 250ms
 	IOTimeout   time.Duration // read and write timeout; default 500ms
@@ -81,6 +82,7 @@ type Store struct {
 	sc                        scripts
 	prefix                    string
 	leaseTTL, cacheTTL, touch int64 // milliseconds
+	signalMaxAge              int64 // milliseconds
 	now                       func() time.Time
 
 	regMu      sync.Mutex
@@ -113,6 +115,9 @@ func New(o Options) (*Store, error) {
 	if o.TouchInterval < 0 {
 		o.TouchInterval = 0
 	}
+	if o.SignalMaxAge <= 0 {
+		o.SignalMaxAge = store.DefaultSignalMaxAge
+	}
 	if o.DialTimeout <= 0 {
 		o.DialTimeout = DefaultDialTimeout
 	}
@@ -123,13 +128,14 @@ func New(o Options) (*Store, error) {
 		o.Now = time.Now
 	}
 	st := &Store{
-		sc:         newScripts(),
-		prefix:     o.KeyPrefix,
-		leaseTTL:   o.LeaseTTL.Milliseconds(),
-		cacheTTL:   o.CacheTTL.Milliseconds(),
-		touch:      o.TouchInterval.Milliseconds(),
-		now:        o.Now,
-		registered: make(map[string]time.Time),
+		sc:           newScripts(),
+		prefix:       o.KeyPrefix,
+		leaseTTL:     o.LeaseTTL.Milliseconds(),
+		cacheTTL:     o.CacheTTL.Milliseconds(),
+		touch:        o.TouchInterval.Milliseconds(),
+		signalMaxAge: o.SignalMaxAge.Milliseconds(),
+		now:          o.Now,
+		registered:   make(map[string]time.Time),
 	}
 	if o.Cluster {
 		seeds, err := seedList(o.Addr)
@@ -175,6 +181,7 @@ func (k keys) leases() []string {
 func (k keys) hash(h prefix.Hash) string { return k.base + ":p:" + h.String() }
 func (k keys) host(host string) string   { return k.base + ":e:" + host }
 func (k keys) hosts() string             { return k.base + ":hosts" }
+func (k keys) signals() string           { return k.base + ":sig" }
 
 func (s *Store) registry() string { return "{" + s.prefix + "}:clusters" }
 
@@ -392,12 +399,12 @@ func (s *Store) QueryCache(ctx context.Context, cluster string, hashes []prefix.
 // Route implements store.Store.
 func (s *Store) Route(ctx context.Context, cluster string, hashes []prefix.Hash) (api.RouteAnswer, error) {
 	k := s.keys(cluster)
-	ks, args := s.queryArgs(k, k.leases(), hashes)
+	ks, args := s.queryArgs(k, append(k.leases(), k.signals()), hashes)
 	res, err := s.sc.route.Run(ctx, s.rdb, ks, args...).Slice()
 	if err != nil {
 		return api.RouteAnswer{}, s.wrap("route query", err)
 	}
-	if len(res) != 5 {
+	if len(res) != 6 {
 		return api.RouteAnswer{}, fmt.Errorf("redis route query: unexpected reply %v", res)
 	}
 	load, err := parseLoad(res[0], res[1])
@@ -408,7 +415,98 @@ func (s *Store) Route(ctx context.Context, cluster string, hashes []prefix.Hash)
 	if err != nil {
 		return api.RouteAnswer{}, err
 	}
-	return api.RouteAnswer{Load: load, Cache: locs}, nil
+	sig, err := s.parseSignals(res[5], args[0].(int64))
+	if err != nil {
+		return api.RouteAnswer{}, err
+	}
+	return api.RouteAnswer{Load: load, Cache: locs, Signals: sig}, nil
+}
+
+// ReportSignals implements store.Store. The report is stamped with this
+// replica's clock; the hash expires when no pod of the cluster has
+// reported for a minute (or ten max ages).
+func (s *Store) ReportSignals(ctx context.Context, cluster, host string, sig api.PodSignals) error {
+	now := s.ms()
+	rep := strconv.FormatInt(sig.Waiting, 10) + " " + strconv.FormatInt(sig.Running, 10) + " " +
+		strconv.FormatFloat(sig.KVCacheUtil, 'g', -1, 64) + " " + strconv.FormatInt(sig.PrefillTokens, 10) + " " +
+		strconv.FormatInt(now, 10)
+	keyTTL := max(60_000, 10*s.signalMaxAge)
+	err := s.sc.signals.Run(ctx, s.rdb, []string{s.keys(cluster).signals()}, host, rep, keyTTL, now-s.signalMaxAge, api.MaxPodSignals).Err()
+	return s.wrap("report signals", err)
+}
+
+// Signals implements store.Store.
+func (s *Store) Signals(ctx context.Context, cluster string) (map[string]api.PodSignals, error) {
+	now := s.ms()
+	m, err := s.rdb.HGetAll(ctx, s.keys(cluster).signals()).Result()
+	if err != nil {
+		return nil, s.wrap("signals", err)
+	}
+	var out map[string]api.PodSignals
+	for host, rep := range m {
+		sig, ok, err := s.fresh(rep, now)
+		if err != nil {
+			return nil, err
+		}
+		if ok {
+			if out == nil {
+				out = map[string]api.PodSignals{}
+			}
+			out[host] = sig
+		}
+	}
+	return out, nil
+}
+
+// parseSignals reads the route script's "host\treport\t..." and keeps the
+// fresh reports.
+func (s *Store) parseSignals(v any, now int64) (map[string]api.PodSignals, error) {
+	str, ok := v.(string)
+	if !ok {
+		return nil, fmt.Errorf("redis route query: unexpected signals %T", v)
+	}
+	var out map[string]api.PodSignals
+	for str != "" {
+		var host, rep string
+		host, str, _ = strings.Cut(str, "\t")
+		rep, str, _ = strings.Cut(str, "\t")
+		sig, ok, err := s.fresh(rep, now)
+		if err != nil {
+			return nil, err
+		}
+		if ok {
+			if out == nil {
+				out = map[string]api.PodSignals{}
+			}
+			out[host] = sig
+		}
+	}
+	return out, nil
+}
+
+// fresh parses one stored report and says whether it is young enough.
+func (s *Store) fresh(rep string, now int64) (api.PodSignals, bool, error) {
+	f := strings.Fields(rep)
+	if len(f) != 5 {
+		return api.PodSignals{}, false, fmt.Errorf("redis signals: malformed report %q", rep)
+	}
+	var sig api.PodSignals
+	var at int64
+	var errs [5]error
+	sig.Waiting, errs[0] = strconv.ParseInt(f[0], 10, 64)
+	sig.Running, errs[1] = strconv.ParseInt(f[1], 10, 64)
+	sig.KVCacheUtil, errs[2] = strconv.ParseFloat(f[2], 64)
+	sig.PrefillTokens, errs[3] = strconv.ParseInt(f[3], 10, 64)
+	at, errs[4] = strconv.ParseInt(f[4], 10, 64)
+	if err := errors.Join(errs[:]...); err != nil {
+		return api.PodSignals{}, false, fmt.Errorf("redis signals: malformed report %q: %w", rep, err)
+	}
+	age := now - at
+	if age > s.signalMaxAge {
+		return api.PodSignals{}, false, nil
+	}
+	sig.AgeMS = max(0, age)
+	return sig, true, nil
 }
 
 // SaveCache implements store.Store.

@@ -246,13 +246,32 @@ const querySrc = queryLib + `
 return {query(1, ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5])}
 `
 
-// KEYS: lx lp lr lq p-keys. ARGV: now expiry ttl staleBefore base.
-// Reply: {lr "host\tn\t...", lq likewise, cache group, group length, cache rest}.
+// KEYS: lx lp lr lq sig p-keys. ARGV: now expiry ttl staleBefore base.
+// Reply: {lr "host\tn\t...", lq likewise, cache group, group length, cache
+// rest, sig "host\treport\t..."}; the caller drops stale reports.
 const routeSrc = leaseLib + queryLib + `
 local lx, lp, lr, lq = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 sweep(lx, lp, lr, lq, ARGV[1])
-local g, gl, r = query(5, ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5])
-return {table.concat(redis.call('HGETALL', lr), '\t'), table.concat(redis.call('HGETALL', lq), '\t'), g, gl, r}
+local g, gl, r = query(6, ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5])
+return {table.concat(redis.call('HGETALL', lr), '\t'), table.concat(redis.call('HGETALL', lq), '\t'), g, gl, r,
+  table.concat(redis.call('HGETALL', KEYS[5]), '\t')}
+`
+
+// KEYS: sig. ARGV: host report keyTTL staleBefore max. A report is
+// "waiting running kvUtil prefillTokens unixMillis". Past max hosts, the
+// stale reports are dropped.
+const signalsSrc = `
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+redis.call('PEXPIRE', KEYS[1], ARGV[3])
+if redis.call('HLEN', KEYS[1]) > tonumber(ARGV[5]) then
+  local all = redis.call('HGETALL', KEYS[1])
+  local before = tonumber(ARGV[4])
+  for i = 1, #all, 2 do
+    local at = tonumber(string.match(all[i + 1], '(%d+)$'))
+    if not at or at < before then redis.call('HDEL', KEYS[1], all[i]) end
+  end
+end
+return 1
 `
 
 // KEYS: lx lp lr lq. ARGV: now. Reply: {lr "host\tn\t...", lq likewise}.
@@ -363,7 +382,7 @@ return {leases, entries}
 // scripts are the compiled forms, one set per Store (go-redis keeps each
 // script's SHA1 for EVALSHA).
 type scripts struct {
-	add, firstToken, del, query, route, load, save, evict, evictHost, stats *redis.Script
+	add, firstToken, del, query, route, load, save, evict, evictHost, stats, signals *redis.Script
 }
 
 func newScripts() scripts {
@@ -373,6 +392,7 @@ func newScripts() scripts {
 		del:        redis.NewScript(deleteSrc),
 		query:      redis.NewScript(querySrc),
 		route:      redis.NewScript(routeSrc),
+		signals:    redis.NewScript(signalsSrc),
 		load:       redis.NewScript(loadSrc),
 		save:       redis.NewScript(saveSrc),
 		evict:      redis.NewScript(evictSrc),

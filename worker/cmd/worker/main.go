@@ -1,5 +1,5 @@
 // Command worker is the llama.cpp-backed OpenAI server whose KV cache the
-// router exploits (DESIGN §7, §9).
+// router exploits (docs/worker.md).
 //
 //	go run ./worker/cmd/worker --model var/models/tiny.gguf --listen 127.0.0.1:9001
 //	go run ./worker/cmd/worker --engine sim --listen 127.0.0.1:9002   # no compute: fleet benchmarks
@@ -29,7 +29,9 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
 
+	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/api"
 	"github.com/istio-llm-filter/istio-llm-filter/prefix"
+	"github.com/istio-llm-filter/istio-llm-filter/worker/cpus"
 	"github.com/istio-llm-filter/istio-llm-filter/worker/engine"
 	"github.com/istio-llm-filter/istio-llm-filter/worker/engine/llama"
 	"github.com/istio-llm-filter/istio-llm-filter/worker/engine/sim"
@@ -53,6 +55,7 @@ func main() {
 type options struct {
 	model, listen, engine, modelName, advertise, cluster, mcURL, mcToken, kvType, logLevel string
 	nSeqMax, maxRunning, maxQueue, nCtx, nBatch, threads, hashChunk                        int
+	maxBatch, maxOutput                                                                    int
 	kvMaxMB, kvMaxItems                                                                    int64
 	kvThreshold                                                                            float64
 	timeout, cleanup                                                                       time.Duration
@@ -71,11 +74,13 @@ func parse(args []string, stderr io.Writer) (*options, error) {
 	fs.StringVar(&o.engine, "engine", "llama", "compute engine: llama (llama.cpp) or sim (calibrated cost model, no compute)")
 	fs.IntVar(&o.nSeqMax, "n-seq-max", 16, "llama.cpp sequence ids (1-256): running requests plus idle KV-cache entries")
 	fs.IntVar(&o.maxRunning, "max-concurrent-requests", 8, "running-set size (requests decoding together)")
+	fs.IntVar(&o.maxBatch, "max-batch-size", 4, "most sequences one decode step evaluates; at most --max-concurrent-requests (unset: capped by it)")
+	fs.IntVar(&o.maxOutput, "max-output-tokens", 2048, "generated tokens of a request without max_tokens; a larger max_tokens is refused with 400")
 	fs.IntVar(&o.maxQueue, "max-queue", 256, "request queue length; beyond it requests get 429")
 	fs.DurationVar(&o.timeout, "request-timeout", 60*time.Second, "time a request may spend in the running set before 408")
 	fs.IntVar(&o.nCtx, "n-ctx", 0, "KV cells shared by all sequences (0: the model's training context; sim without a model: 16384)")
 	fs.IntVar(&o.nBatch, "n-batch", 512, "most tokens per decode step")
-	fs.IntVar(&o.threads, "threads", 0, "llama.cpp threads (0: half the CPUs, at least 1)")
+	fs.IntVar(&o.threads, "threads", 0, "llama.cpp threads (0: the CPUs this process may use: its affinity, capped by its cgroup CPU quota rounded down, at least 1)")
 	fs.StringVar(&o.kvType, "kv-cache-type", "f16", "KV cache type: f16, q8_0 or q4_0")
 	fs.BoolVar(&o.flashAttn, "flash-attention", true, "use llama.cpp's fused attention kernel, which skips other sequences' cells (2× faster prefill on a crowded KV cache)")
 	fs.Int64Var(&o.kvMaxMB, "kv-max-memory-mb", 1024, "KV-cache memory limit in MiB; idle entries are evicted past threshold x limit")
@@ -113,6 +118,11 @@ func parse(args []string, stderr io.Writer) (*options, error) {
 	if fs.NArg() > 0 {
 		return nil, fmt.Errorf("unexpected arguments %q", fs.Args())
 	}
+	batchSet := false
+	fs.Visit(func(f *flag.Flag) { batchSet = batchSet || f.Name == "max-batch-size" })
+	if !batchSet {
+		o.maxBatch = min(o.maxBatch, max(o.maxRunning, 1))
+	}
 	switch {
 	case o.engine != "llama" && o.engine != "sim":
 		return nil, fmt.Errorf("--engine must be llama or sim, got %q", o.engine)
@@ -120,8 +130,10 @@ func parse(args []string, stderr io.Writer) (*options, error) {
 		return nil, errors.New("--model is required with --engine llama")
 	case o.nSeqMax < 1 || o.nSeqMax > seqpool.MaxSeq:
 		return nil, fmt.Errorf("--n-seq-max must be within 1..%d, got %d", seqpool.MaxSeq, o.nSeqMax)
-	case o.maxRunning < 1 || o.maxQueue < 1:
-		return nil, errors.New("--max-concurrent-requests and --max-queue must be at least 1")
+	case o.maxRunning < 1 || o.maxQueue < 1 || o.maxBatch < 1 || o.maxOutput < 1:
+		return nil, errors.New("--max-concurrent-requests, --max-queue, --max-batch-size and --max-output-tokens must be at least 1")
+	case o.maxBatch > o.maxRunning:
+		return nil, fmt.Errorf("--max-batch-size (%d) must not exceed --max-concurrent-requests (%d): a step only holds running requests", o.maxBatch, o.maxRunning)
 	case o.timeout <= 0 || o.cleanup <= 0:
 		return nil, errors.New("--request-timeout and --kv-cleanup-interval must be positive")
 	case o.nCtx < 0 || o.nBatch < 1 || o.threads < 0 || o.kvMaxMB < 0 || o.kvMaxItems < 0 || o.hashChunk < 1:
@@ -180,12 +192,14 @@ func run(ctx context.Context, args []string, stderr io.Writer, ready func(addr s
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	cfg := scheduler.Config{
 		MaxQueue: o.maxQueue, MaxRunning: o.maxRunning, RequestTimeout: o.timeout, CleanupInterval: o.cleanup,
+		MaxBatch: o.maxBatch, MaxOutputTokens: o.maxOutput,
 		KV:      kvcache.Limits{MaxItems: o.kvMaxItems, MaxBytes: o.kvMaxMB << 20, Threshold: o.kvThreshold},
 		Metrics: scheduler.NewMetrics(reg), Logger: log,
 	}
 	runCtx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	var reporterDone chan struct{}
+	var reporter *mcreport.Reporter
 	if o.mcURL != "" {
 		rep, err := mcreport.New(mcreport.Config{URL: o.mcURL, Cluster: o.cluster, Host: o.advertise, AuthToken: o.mcToken, ChunkSize: o.hashChunk,
 			Logger: log, Registerer: reg})
@@ -193,12 +207,19 @@ func run(ctx context.Context, args []string, stderr io.Writer, ready func(addr s
 			return err
 		}
 		cfg.OnEvict = rep.Evict
-		reporterDone = make(chan struct{})
-		go func() { rep.Run(runCtx); close(reporterDone) }()
+		cfg.OnCached = rep.Cached
+		reporter = rep
 	}
 	sched, err := scheduler.New(eng, cfg)
 	if err != nil {
 		return err
+	}
+	if reporter != nil {
+		reporterDone = make(chan struct{})
+		go func() { reporter.Run(runCtx); close(reporterDone) }()
+		signalsDone := make(chan struct{})
+		go func() { reporter.RunSignals(runCtx, schedulerSignals(sched), 0, 0); close(signalsDone) }()
+		defer func() { <-signalsDone }()
 	}
 	schedDone := make(chan struct{})
 	go func() { sched.Run(runCtx); close(schedDone) }()
@@ -256,6 +277,12 @@ func openEngine(o *options, log *slog.Logger) (engine.Engine, openai.Template, e
 		tmpl = t
 	}
 	if o.engine == "llama" {
+		if o.threads == 0 {
+			l := cpus.Detect()
+			o.threads = l.Threads()
+			log.Info("llama.cpp threads from the CPUs this process may use", "threads", o.threads,
+				"affinity_cpus", l.Affinity, "cgroup_quota_cpus", l.Quota, "quota_file", l.Source)
+		}
 		eng, err := llama.Open(llama.Config{ModelPath: o.model, Name: o.modelName, NCtx: o.nCtx, NBatch: o.nBatch,
 			NSeqMax: o.nSeqMax, Threads: o.threads, KVCacheType: o.kvType, FlashAttention: o.flashAttn, LoRA: o.lora})
 		return eng, tmpl, err
@@ -278,6 +305,18 @@ func openEngine(o *options, log *slog.Logger) (engine.Engine, openai.Template, e
 	}
 	eng, err := sim.New(cfg)
 	return eng, tmpl, err
+}
+
+// schedulerSignals reads the pod's signals from the scheduler's stats.
+func schedulerSignals(s *scheduler.Scheduler) mcreport.SignalSource {
+	return mcreport.SignalSourceFunc(func() api.PodSignals {
+		st := s.Stats()
+		sig := api.PodSignals{Waiting: int64(st.Queued), Running: int64(st.Running), PrefillTokens: int64(st.PrefillTokens)}
+		if st.KVCells > 0 {
+			sig.KVCacheUtil = min(1, float64(st.KVCellsUsed)/float64(st.KVCells))
+		}
+		return sig
+	})
 }
 
 // parseLoRA reads --lora name=path[:scale].

@@ -29,6 +29,9 @@ func TestFlagValidation(t *testing.T) {
 		{"--engine", "sim", "--metadata-center", "http://mc:8080", "--cluster", "c", "--listen", ":9001"}, // no advertise
 		{"--engine", "sim", "--metadata-center", "http://mc:8080", "--cluster", "c", "--advertise-host", "nohost"},
 		{"--engine", "sim", "extra"},
+		{"--engine", "sim", "--max-batch-size", "9"}, // more than the 8 running
+		{"--engine", "sim", "--max-batch-size", "0"},
+		{"--engine", "sim", "--max-output-tokens", "0"},
 	}
 	for _, args := range bad {
 		if _, err := parse(args, io.Discard); err == nil {
@@ -36,8 +39,13 @@ func TestFlagValidation(t *testing.T) {
 		}
 	}
 	o, err := parse([]string{"--engine", "sim", "--metadata-center", "http://mc:8080", "--cluster", "c", "--listen", "10.1.2.3:9001"}, io.Discard)
-	if err != nil || o.advertise != "10.1.2.3:9001" || o.nSeqMax != 16 || o.maxRunning != 8 || o.maxQueue != 256 || o.timeout != 60*time.Second {
+	if err != nil || o.advertise != "10.1.2.3:9001" || o.nSeqMax != 16 || o.maxRunning != 8 || o.maxQueue != 256 || o.timeout != 60*time.Second ||
+		o.maxBatch != 4 || o.maxOutput != 2048 || o.threads != 0 {
 		t.Fatalf("defaults: %+v %v", o, err)
+	}
+	// An unset batch size follows a smaller running set.
+	if o, err := parse([]string{"--engine", "sim", "--max-concurrent-requests", "2"}, io.Discard); err != nil || o.maxBatch != 2 {
+		t.Fatalf("--max-concurrent-requests 2: batch %d, %v", o.maxBatch, err)
 	}
 }
 
@@ -46,7 +54,12 @@ type center struct {
 	body []api.CacheEvict
 }
 
+// ServeHTTP keeps only the eviction reports; the worker also pushes its
+// pod signals to the same center.
 func (c *center) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	if r.URL.Path != api.PathCacheEvict {
+		return
+	}
 	var b api.CacheEvict
 	json.NewDecoder(r.Body).Decode(&b)
 	c.mu.Lock()

@@ -12,12 +12,12 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
-	"runtime"
 	"strings"
 
 	"github.com/ollama/ollama/fs/ggml"
 	ll "github.com/ollama/ollama/llama"
 
+	"github.com/istio-llm-filter/istio-llm-filter/worker/cpus"
 	"github.com/istio-llm-filter/istio-llm-filter/worker/engine"
 )
 
@@ -28,7 +28,7 @@ type Config struct {
 	NCtx      int    // KV cells; 0 = the model's training context
 	NBatch    int    // most tokens per Step; 0 = 512
 	NSeqMax   int    // seq ids; 1..256
-	Threads   int    // 0 = half the CPUs, at least 1 (see Open)
+	Threads   int    // 0 = the CPUs this process may use (worker/cpus)
 	// KVCacheType is "f16" (default), "q8_0" or "q4_0".
 	KVCacheType string
 	// FlashAttention selects llama.cpp's fused attention kernel.
@@ -110,12 +110,11 @@ func Open(cfg Config) (*Engine, error) {
 		cfg.NBatch = 512
 	}
 	if cfg.Threads <= 0 {
-		// Half the logical CPUs, like llama.cpp's physical-core default on
-		// SMT machines. ggml's threads meet at a barrier after every op, and
-		// on oversubscribed cores (several workers per node, other pods, CI)
-		// a descheduled thread stalls them all: here two threads on two busy
-		// cores ran 2-40x slower than one.
-		cfg.Threads = max(1, runtime.NumCPU()/2)
+		// The CPUs the affinity and the cgroup quota really give this
+		// process, not the node's: ggml's threads meet at a barrier after
+		// every op, and a thread the kernel throttles or deschedules stalls
+		// them all.
+		cfg.Threads = cpus.Threads()
 	}
 	if cfg.Name == "" {
 		cfg.Name = strings.TrimSuffix(filepath.Base(cfg.ModelPath), filepath.Ext(cfg.ModelPath))
@@ -194,9 +193,11 @@ func (e *Engine) Piece(tok int) string { return e.model.TokenToPiece(tok) }
 // IsEOG implements engine.Engine.
 func (e *Engine) IsEOG(tok int) bool { return e.model.TokenIsEog(tok) }
 
-// NewSampler implements engine.Engine. Only temperature, top_p and seed are
-// set; top_k, min_p, typical_p and penalties stay neutral, as OpenAI defines
-// its API.
+// NewSampler implements engine.Engine. Temperature, top_p, seed and the
+// frequency/presence penalties are set; top_k, min_p, typical_p and the
+// repetition penalty stay neutral, as OpenAI defines its API. The penalty
+// window is the whole context: only generated tokens enter it (Step
+// accepts each sampled token; prompt tokens are never accepted).
 func (e *Engine) NewSampler(p engine.SamplingParams) (engine.Sampler, error) {
 	seed := uint32(0xFFFFFFFF) // LLAMA_DEFAULT_SEED: llama.cpp draws a random one
 	if p.SeedSet {
@@ -206,15 +207,21 @@ func (e *Engine) NewSampler(p engine.SamplingParams) (engine.Sampler, error) {
 	if topP <= 0 || topP > 1 {
 		topP = 1
 	}
+	lastN := 0 // no penalty: llama.cpp skips the sampler's bookkeeping
+	if p.FrequencyPenalty != 0 || p.PresencePenalty != 0 {
+		lastN = e.info.NCtx
+	}
 	sc, err := ll.NewSamplingContext(e.model, ll.SamplingParams{
-		TopK:          0,
-		TopP:          topP,
-		MinP:          0,
-		TypicalP:      1,
-		Temp:          p.Temperature,
-		RepeatLastN:   0,
-		PenaltyRepeat: 1,
-		Seed:          seed,
+		TopK:           0,
+		TopP:           topP,
+		MinP:           0,
+		TypicalP:       1,
+		Temp:           p.Temperature,
+		RepeatLastN:    lastN,
+		PenaltyRepeat:  1,
+		PenaltyFreq:    p.FrequencyPenalty,
+		PenaltyPresent: p.PresencePenalty,
+		Seed:           seed,
 	})
 	if err != nil {
 		return nil, err
@@ -273,10 +280,10 @@ func (e *Engine) Step(spans []engine.Span) ([]int, error) {
 	return out, nil
 }
 
-// CopyPrefix implements engine.Engine.
-func (e *Engine) CopyPrefix(src, dst, n int) {
-	if n > 0 {
-		e.lc.KvCacheSeqCp(src, dst, 0, n)
+// Copy implements engine.Engine.
+func (e *Engine) Copy(src, dst, from, to int) {
+	if to > from && src != dst {
+		e.lc.KvCacheSeqCp(src, dst, from, to)
 	}
 }
 

@@ -27,7 +27,13 @@ func open(t *testing.T, nCtx, nSeq int) *Engine {
 // already be there) and then decodes n tokens greedily.
 func greedy(t *testing.T, e *Engine, seq int, prompt []int, from, n int) []int {
 	t.Helper()
-	s, err := e.NewSampler(engine.SamplingParams{Temperature: 0})
+	return sample(t, e, seq, prompt, from, n, engine.SamplingParams{Temperature: 0})
+}
+
+// sample is greedy with other sampling parameters.
+func sample(t *testing.T, e *Engine, seq int, prompt []int, from, n int, p engine.SamplingParams) []int {
+	t.Helper()
+	s, err := e.NewSampler(p)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -91,7 +97,7 @@ func TestSharedPrefixGivesTheSameGreedyOutput(t *testing.T) {
 	// seq 1 shares all but the last prompt token of seq 0's cells and
 	// evaluates only that token.
 	e.Remove(0, len(prompt)) // keep exactly the prompt's cells
-	e.CopyPrefix(0, 1, len(prompt)-1)
+	e.Copy(0, 1, 0, len(prompt)-1)
 	reused := greedy(t, e, 1, prompt, len(prompt)-1, 16)
 	if !slices.Equal(full, reused) {
 		t.Fatalf("greedy output differs with a shared prefix:\nfull   %v\nreused %v", full, reused)
@@ -99,7 +105,9 @@ func TestSharedPrefixGivesTheSameGreedyOutput(t *testing.T) {
 	// Removing seq 0 entirely must not disturb seq 1's shared cells.
 	e.Remove(0, 0)
 	e.Remove(1, len(prompt))
-	e.CopyPrefix(1, 2, len(prompt)-1)
+	// In two ranges, as a follower takes a prefill still being written.
+	e.Copy(1, 2, 0, 7)
+	e.Copy(1, 2, 7, len(prompt)-1)
 	again := greedy(t, e, 2, prompt, len(prompt)-1, 16)
 	if !slices.Equal(full, again) {
 		t.Fatalf("output changed after the source sequence was removed: %v vs %v", full, again)
@@ -196,4 +204,53 @@ func BenchmarkStep(b *testing.B) {
 			b.ReportMetric(float64(b.Elapsed().Microseconds())/1000/float64(b.N), "ms/step")
 		})
 	}
+}
+
+// The penalties work through llama.cpp's penalty sampler on the generated
+// tokens: the random-weights model repeats itself greedily, and a presence
+// penalty makes it use more distinct tokens, a frequency penalty makes its
+// most repeated token rarer.
+func TestPenaltiesChangeGreedyOutput(t *testing.T) {
+	e := open(t, 4096, 1)
+	prompt, _ := e.Tokenize("once upon a time", true)
+	const n = 48
+	run := func(p engine.SamplingParams) []int {
+		e.Remove(0, 0)
+		return sample(t, e, 0, prompt, 0, n, p)
+	}
+	plain := run(engine.SamplingParams{})
+	if again := run(engine.SamplingParams{}); !slices.Equal(plain, again) {
+		t.Fatalf("greedy is not reproducible: %v vs %v", plain, again)
+	}
+	presence := run(engine.SamplingParams{PresencePenalty: 2})
+	frequency := run(engine.SamplingParams{FrequencyPenalty: 2})
+	if distinct(presence) <= distinct(plain) {
+		t.Fatalf("presence penalty 2: %d distinct tokens, without %d\n%v\n%v", distinct(presence), distinct(plain), presence, plain)
+	}
+	if mostRepeated(frequency) >= mostRepeated(plain) {
+		t.Fatalf("frequency penalty 2: a token repeats %d times, without %d\n%v\n%v", mostRepeated(frequency), mostRepeated(plain), frequency, plain)
+	}
+	// The prompt is not penalised: the first token comes from the prompt's
+	// logits alone.
+	if presence[0] != plain[0] || frequency[0] != plain[0] {
+		t.Fatalf("first tokens %d %d %d: the penalties must only count generated tokens", plain[0], presence[0], frequency[0])
+	}
+}
+
+func distinct(toks []int) int {
+	seen := map[int]bool{}
+	for _, t := range toks {
+		seen[t] = true
+	}
+	return len(seen)
+}
+
+func mostRepeated(toks []int) int {
+	n := map[int]int{}
+	m := 0
+	for _, t := range toks {
+		n[t]++
+		m = max(m, n[t])
+	}
+	return m
 }

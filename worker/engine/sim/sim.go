@@ -275,14 +275,18 @@ func (e *Engine) Step(spans []engine.Span) ([]int, error) {
 	return out, nil
 }
 
-// CopyPrefix implements engine.Engine.
-func (e *Engine) CopyPrefix(src, dst, n int) {
-	if src == dst || n <= 0 {
+// Copy implements engine.Engine.
+func (e *Engine) Copy(src, dst, from, to int) {
+	if src == dst || to <= from {
 		return
 	}
-	e.Remove(dst, 0)
-	n = min(n, len(e.seqs[src]))
-	for _, c := range e.seqs[src][:n] {
+	from = max(from, 0)
+	e.Remove(dst, from)
+	to = min(to, len(e.seqs[src]))
+	if from >= to {
+		return
+	}
+	for _, c := range e.seqs[src][from:to] {
 		e.refs[c]++
 		e.seqs[dst] = append(e.seqs[dst], c)
 	}

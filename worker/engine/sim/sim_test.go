@@ -38,7 +38,8 @@ func TestCellsAreSharedAndFreedLikeAUnifiedCache(t *testing.T) {
 	if _, err := e.Step([]engine.Span{{Seq: 0, Pos: 0, Tokens: prompt}}); err != nil {
 		t.Fatal(err)
 	}
-	e.CopyPrefix(0, 1, 50)
+	e.Copy(0, 1, 0, 30)
+	e.Copy(0, 1, 30, 50) // a follower taking a prefill in two pieces
 	if e.UsedCells() != 60 || e.SeqLen(1) != 50 {
 		t.Fatalf("used %d seq1 %d: a shared prefix must not take new cells", e.UsedCells(), e.SeqLen(1))
 	}

@@ -1,4 +1,4 @@
-package fleet
+package cpulimit
 
 import (
 	"os/exec"
@@ -11,12 +11,12 @@ func TestLimitCPUThrottlesABusyProcess(t *testing.T) {
 	if err := busy.Start(); err != nil {
 		t.Fatal(err)
 	}
-	l, err := limitCPU(busy.Process.Pid, 0.05)
+	l, err := Apply(busy.Process.Pid, 0.05)
 	defer func() {
 		busy.Process.Kill()
 		busy.Wait()
 		if l != nil {
-			l.remove() // only once the process is gone: a cgroup must be empty
+			l.Remove() // only once the process is gone: a cgroup must be empty
 		}
 	}()
 	if err != nil {
@@ -26,7 +26,7 @@ func TestLimitCPUThrottlesABusyProcess(t *testing.T) {
 	// within a few 100 ms periods.
 	deadline := time.Now().Add(5 * time.Second)
 	for {
-		n, err := l.throttled()
+		n, err := l.Throttled()
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -41,7 +41,7 @@ func TestLimitCPUThrottlesABusyProcess(t *testing.T) {
 }
 
 func TestLimitCPURefusesTinyQuota(t *testing.T) {
-	if _, err := limitCPU(1, 0.001); err == nil {
+	if _, err := Apply(1, 0.001); err == nil {
 		t.Fatal("a 0.001 CPU quota was accepted")
 	}
 }

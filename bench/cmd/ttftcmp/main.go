@@ -1,0 +1,296 @@
+// Command ttftcmp measures time to first token of OpenAI-compatible servers
+// side by side: this project's worker and, say, Ollama serving the same
+// GGUF. Servers take turns (never two at once, so they do not compete for
+// the CPU), every round uses prompts no server has seen, and the answer is
+// a table of mean TTFT per scenario and server with the ratio to the first
+// server. scripts/bench-ollama.sh starts the servers and runs it;
+// docs/benchmarks.md has the figures.
+//
+// Scenarios:
+//
+//	cold      one request, a fresh ~cold-tokens prompt
+//	shared    users requests 50 ms apart: one fresh ~system-tokens system
+//	          prompt, each user's own question
+//	distinct  users requests 50 ms apart, each a different ~system-tokens
+//	          prompt
+//
+// Prompt sizes are in bytes of ASCII text, which is tokens on the generated
+// models' byte-level vocabulary.
+package main
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"net/http"
+	"os"
+	"slices"
+	"strings"
+	"sync"
+	"time"
+)
+
+type target struct{ name, url, model string }
+
+type targets []target
+
+func (t *targets) String() string { return fmt.Sprint(*t) }
+
+func (t *targets) Set(v string) error {
+	f := strings.SplitN(v, "=", 3)
+	if len(f) != 3 || f[0] == "" || !strings.HasPrefix(f[1], "http") || f[2] == "" {
+		return fmt.Errorf("want name=http://host:port=model, got %q", v)
+	}
+	*t = append(*t, target{f[0], strings.TrimRight(f[1], "/"), f[2]})
+	return nil
+}
+
+type config struct {
+	targets      targets
+	scenarios    []string
+	rounds       int
+	users        int
+	gap          time.Duration
+	systemTokens int
+	coldTokens   int
+	maxTokens    int
+	timeout      time.Duration
+}
+
+func main() {
+	var c config
+	var scen string
+	flag.Var(&c.targets, "target", "name=base URL=model, repeatable; the first is the reference of the ratios")
+	flag.StringVar(&scen, "scenarios", "cold,shared,distinct", "comma-separated: cold, shared, distinct")
+	flag.IntVar(&c.rounds, "rounds", 3, "rounds per scenario and server")
+	flag.IntVar(&c.users, "users", 4, "users of the shared and distinct scenarios")
+	flag.DurationVar(&c.gap, "gap", 50*time.Millisecond, "time between the users' requests")
+	flag.IntVar(&c.systemTokens, "system-tokens", 2000, "size of the (shared or distinct) system prompt")
+	flag.IntVar(&c.coldTokens, "cold-tokens", 2600, "size of the cold prompt")
+	flag.IntVar(&c.maxTokens, "max-tokens", 8, "tokens to generate per request")
+	flag.DurationVar(&c.timeout, "timeout", 10*time.Minute, "per request")
+	flag.Parse()
+	c.scenarios = strings.Split(scen, ",")
+	if len(c.targets) == 0 || c.rounds < 1 || c.users < 1 {
+		fmt.Fprintln(os.Stderr, "ttftcmp: at least one --target, --rounds and --users at least 1")
+		os.Exit(2)
+	}
+	if err := run(context.Background(), c, os.Stdout); err != nil {
+		fmt.Fprintln(os.Stderr, "ttftcmp:", err)
+		os.Exit(1)
+	}
+}
+
+func run(ctx context.Context, c config, out io.Writer) error {
+	cl := &http.Client{}
+	for _, t := range c.targets { // loads the model (Ollama loads on first use)
+		if _, err := ttft(ctx, cl, t, c.timeout, []msg{{"user", "warm up " + t.name}}, 2); err != nil {
+			return fmt.Errorf("%s: warm-up: %w", t.name, err)
+		}
+	}
+	means := map[string]map[string][]time.Duration{}
+	for _, sc := range c.scenarios {
+		means[sc] = map[string][]time.Duration{}
+		for r := range c.rounds {
+			for _, t := range c.targets {
+				salt := fmt.Sprintf("%s round %d on %s at %d", sc, r, t.name, time.Now().UnixNano())
+				convs, err := prompts(c, sc, salt)
+				if err != nil {
+					return err
+				}
+				ds, err := users(ctx, cl, t, c, convs)
+				if err != nil {
+					return fmt.Errorf("%s %s round %d: %w", t.name, sc, r, err)
+				}
+				fmt.Fprintf(os.Stderr, "%-8s %-10s round %d: TTFT %v\n", sc, t.name, r, round(ds))
+				means[sc][t.name] = append(means[sc][t.name], ds...)
+			}
+		}
+	}
+	fmt.Fprintf(out, "mean TTFT (median in brackets), ratio to %s:\n\n", c.targets[0].name)
+	fmt.Fprintf(out, "| scenario | %s |\n|---|%s\n", names(c.targets, " | "), strings.Repeat("---|", len(c.targets)))
+	for _, sc := range c.scenarios {
+		ref := mean(means[sc][c.targets[0].name])
+		row := []string{}
+		for i, t := range c.targets {
+			ds := means[sc][t.name]
+			m := mean(ds)
+			cell := fmt.Sprintf("%.2f s [%.2f]", m.Seconds(), median(ds).Seconds())
+			if i > 0 && ref > 0 {
+				cell += fmt.Sprintf(" (%.2f×)", float64(m)/float64(ref))
+			}
+			row = append(row, cell)
+		}
+		fmt.Fprintf(out, "| %s | %s |\n", sc, strings.Join(row, " | "))
+	}
+	return nil
+}
+
+func names(ts []target, sep string) string {
+	var s []string
+	for _, t := range ts {
+		s = append(s, t.name)
+	}
+	return strings.Join(s, sep)
+}
+
+func round(ds []time.Duration) []time.Duration {
+	out := make([]time.Duration, len(ds))
+	for i, d := range ds {
+		out[i] = d.Round(time.Millisecond)
+	}
+	return out
+}
+
+func mean(ds []time.Duration) time.Duration {
+	if len(ds) == 0 {
+		return 0
+	}
+	var s time.Duration
+	for _, d := range ds {
+		s += d
+	}
+	return s / time.Duration(len(ds))
+}
+
+func median(ds []time.Duration) time.Duration {
+	if len(ds) == 0 {
+		return 0
+	}
+	s := slices.Clone(ds)
+	slices.Sort(s)
+	if len(s)%2 == 1 {
+		return s[len(s)/2]
+	}
+	return (s[len(s)/2-1] + s[len(s)/2]) / 2
+}
+
+type msg struct {
+	Role    string `json:"role"`
+	Content string `json:"content"`
+}
+
+// filler is n bytes of plain text that starts with salt, so no server has
+// any of it cached.
+func filler(salt string, n int) string {
+	words := []string{"the", "router", "keeps", "every", "prefix", "of", "a", "long", "document", "in", "cache", "and",
+		"sends", "each", "question", "to", "pod", "that", "holds", "it", "already", "so", "prefill", "is", "short"}
+	var b strings.Builder
+	b.WriteString(salt + ": ")
+	for i := 0; b.Len() < n; i++ {
+		b.WriteString(words[(i*7+len(salt))%len(words)])
+		if i%11 == 10 {
+			b.WriteString(".\n")
+		} else {
+			b.WriteByte(' ')
+		}
+	}
+	return b.String()[:n]
+}
+
+func prompts(c config, sc, salt string) ([][]msg, error) {
+	switch sc {
+	case "cold":
+		return [][]msg{{{"user", filler(salt, c.coldTokens)}}}, nil
+	case "shared":
+		sys := filler(salt, c.systemTokens)
+		var out [][]msg
+		for u := range c.users {
+			out = append(out, []msg{{"system", sys}, {"user", fmt.Sprintf("User %d asks: what does line %d say?", u, u*7)}})
+		}
+		return out, nil
+	case "distinct":
+		var out [][]msg
+		for u := range c.users {
+			out = append(out, []msg{{"system", filler(fmt.Sprintf("user %d %s", u, salt), c.systemTokens)},
+				{"user", fmt.Sprintf("User %d asks: what does line %d say?", u, u*7)}})
+		}
+		return out, nil
+	}
+	return nil, fmt.Errorf("unknown scenario %q", sc)
+}
+
+// users sends the conversations gap apart and returns their TTFTs.
+func users(ctx context.Context, cl *http.Client, t target, c config, convs [][]msg) ([]time.Duration, error) {
+	ds := make([]time.Duration, len(convs))
+	errs := make([]error, len(convs))
+	var wg sync.WaitGroup
+	for i, m := range convs {
+		if i > 0 {
+			time.Sleep(c.gap)
+		}
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			ds[i], errs[i] = ttft(ctx, cl, t, c.timeout, m, c.maxTokens)
+		}()
+	}
+	wg.Wait()
+	return ds, errors.Join(errs...)
+}
+
+// ttft streams one greedy chat completion and returns the time to the first
+// chunk carrying text — or, when the first token ends the answer (a
+// random-weights model may pick end-of-generation at once), to the chunk
+// with the finish reason; the stream is read to its end.
+func ttft(ctx context.Context, cl *http.Client, t target, timeout time.Duration, m []msg, maxTokens int) (time.Duration, error) {
+	body, _ := json.Marshal(map[string]any{"model": t.model, "messages": m, "stream": true, "max_tokens": maxTokens, "temperature": 0})
+	ctx, cancel := context.WithTimeout(ctx, timeout)
+	defer cancel()
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, t.url+"/v1/chat/completions", bytes.NewReader(body))
+	if err != nil {
+		return 0, err
+	}
+	req.Header.Set("Content-Type", "application/json")
+	t0 := time.Now()
+	resp, err := cl.Do(req)
+	if err != nil {
+		return 0, err
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		b, _ := io.ReadAll(io.LimitReader(resp.Body, 512))
+		return 0, fmt.Errorf("status %d: %s", resp.StatusCode, bytes.TrimSpace(b))
+	}
+	var first time.Duration
+	sc := bufio.NewScanner(resp.Body)
+	sc.Buffer(make([]byte, 64<<10), 4<<20)
+	for sc.Scan() {
+		data, ok := bytes.CutPrefix(sc.Bytes(), []byte("data:"))
+		if !ok {
+			continue
+		}
+		data = bytes.TrimSpace(data)
+		if string(data) == "[DONE]" {
+			break
+		}
+		var ch struct {
+			Choices []struct {
+				Delta struct {
+					Content string `json:"content"`
+				} `json:"delta"`
+				FinishReason *string `json:"finish_reason"`
+			} `json:"choices"`
+		}
+		if err := json.Unmarshal(data, &ch); err != nil {
+			return 0, fmt.Errorf("bad chunk %q: %w", data, err)
+		}
+		for _, c := range ch.Choices {
+			if (c.Delta.Content != "" || c.FinishReason != nil) && first == 0 {
+				first = time.Since(t0)
+			}
+		}
+	}
+	if err := sc.Err(); err != nil {
+		return 0, err
+	}
+	if first == 0 {
+		return 0, errors.New("no text arrived")
+	}
+	return first, nil
+}

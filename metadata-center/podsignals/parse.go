@@ -1,0 +1,158 @@
+// Package podsignals gathers what third-party pods say about themselves for
+// the metadata center: it scrapes their Prometheus /metrics (vLLM, SGLang,
+// llama.cpp's llama-server) at an interval and records waiting and running
+// requests and KV-cache utilization through the store's ReportSignals, where
+// the route query finds them. Our own workers push the same signals instead
+// (worker/mcreport), so they are not scraped.
+//
+// A pod that cannot be scraped is simply not reported: its last report ages
+// past the store's freshness bound and stops being answered, so a dead pod
+// never keeps looking idle.
+package podsignals
+
+import (
+	"bufio"
+	"fmt"
+	"io"
+	"math"
+	"strconv"
+	"strings"
+
+	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/api"
+)
+
+// Backend names, as in the filter's model_mapping_rule.*.backend.
+const (
+	BackendVLLM     = "vllm"
+	BackendSGLang   = "sglang"
+	BackendLlamaCpp = "llamacpp"
+)
+
+// metricNames says where a backend keeps each signal. A signal may have
+// several names (renamed across releases): the first one present wins.
+type metricNames struct {
+	waiting, running, kvUtil []string
+}
+
+var backends = map[string]metricNames{
+	BackendVLLM: {
+		waiting: []string{"vllm:num_requests_waiting"},
+		running: []string{"vllm:num_requests_running"},
+		// kv_cache_usage_perc since vLLM 0.10 (V1), gpu_cache_usage_perc
+		// before; both are fractions 0..1 despite the name.
+		kvUtil: []string{"vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"},
+	},
+	BackendSGLang: {
+		waiting: []string{"sglang:num_queue_reqs"},
+		running: []string{"sglang:num_running_reqs"},
+		kvUtil:  []string{"sglang:token_usage"},
+	},
+	BackendLlamaCpp: {
+		waiting: []string{"llamacpp:requests_deferred"},
+		running: []string{"llamacpp:requests_processing"},
+		kvUtil:  []string{"llamacpp:kv_cache_usage_ratio"},
+	},
+}
+
+// Scrapable reports whether backend's /metrics can be read.
+func Scrapable(backend string) bool {
+	_, ok := backends[backend]
+	return ok
+}
+
+// Parse reads a Prometheus text exposition of backend and returns its
+// signals. Series of one metric with different labels (vLLM labels by
+// model) are summed; utilization takes their maximum. The running count is
+// required: a body without it is not the backend's /metrics.
+func Parse(backend string, r io.Reader) (api.PodSignals, error) {
+	names, ok := backends[backend]
+	if !ok {
+		return api.PodSignals{}, fmt.Errorf("podsignals: backend %q has no known /metrics (want %s, %s or %s)", backend, BackendVLLM, BackendSGLang, BackendLlamaCpp)
+	}
+	want := map[string]bool{}
+	for _, l := range [][]string{names.waiting, names.running, names.kvUtil} {
+		for _, n := range l {
+			want[n] = true
+		}
+	}
+	sum, peak := map[string]float64{}, map[string]float64{}
+	sc := bufio.NewScanner(r)
+	sc.Buffer(make([]byte, 64<<10), 1<<20)
+	for sc.Scan() {
+		line := strings.TrimSpace(sc.Text())
+		if line == "" || line[0] == '#' {
+			continue
+		}
+		name, value, err := sample(line)
+		if err != nil {
+			return api.PodSignals{}, fmt.Errorf("podsignals: %w", err)
+		}
+		if !want[name] || math.IsNaN(value) {
+			continue
+		}
+		if _, seen := peak[name]; !seen || value > peak[name] {
+			peak[name] = value
+		}
+		sum[name] += value
+	}
+	if err := sc.Err(); err != nil {
+		return api.PodSignals{}, fmt.Errorf("podsignals: reading /metrics: %w", err)
+	}
+	first := func(ns []string, m map[string]float64) (float64, bool) {
+		for _, n := range ns {
+			if v, ok := m[n]; ok {
+				return v, true
+			}
+		}
+		return 0, false
+	}
+	running, ok := first(names.running, sum)
+	if !ok {
+		return api.PodSignals{}, fmt.Errorf("podsignals: no %s in the %s /metrics answer", names.running[0], backend)
+	}
+	waiting, _ := first(names.waiting, sum)
+	util, _ := first(names.kvUtil, peak)
+	return api.PodSignals{
+		Waiting:     int64(math.Max(0, math.Round(waiting))),
+		Running:     int64(math.Max(0, math.Round(running))),
+		KVCacheUtil: math.Min(1, math.Max(0, util)),
+	}, nil
+}
+
+// sample splits "name{labels} value [timestamp]".
+func sample(line string) (string, float64, error) {
+	i := strings.IndexAny(line, "{ \t")
+	if i <= 0 {
+		return "", 0, fmt.Errorf("malformed sample %q", line)
+	}
+	name, rest := line[:i], line[i:]
+	if rest[0] == '{' {
+		end, quoted := -1, false
+		for j := 1; j < len(rest); j++ {
+			switch c := rest[j]; {
+			case c == '\\' && quoted:
+				j++
+			case c == '"':
+				quoted = !quoted
+			case c == '}' && !quoted:
+				end = j
+			}
+			if end >= 0 {
+				break
+			}
+		}
+		if end < 0 {
+			return "", 0, fmt.Errorf("unterminated labels in %q", line)
+		}
+		rest = rest[end+1:]
+	}
+	f := strings.Fields(rest)
+	if len(f) < 1 || len(f) > 2 {
+		return "", 0, fmt.Errorf("malformed sample %q", line)
+	}
+	v, err := strconv.ParseFloat(f[0], 64)
+	if err != nil {
+		return "", 0, fmt.Errorf("sample %q: %w", line, err)
+	}
+	return name, v, nil
+}

@@ -1,0 +1,411 @@
+package kvcache
+
+import (
+	"errors"
+	"fmt"
+	"slices"
+	"strings"
+
+	"github.com/istio-llm-filter/istio-llm-filter/prefix"
+	"github.com/istio-llm-filter/istio-llm-filter/worker/seqpool"
+)
+
+// Cells is the part of the compute engine whose state the Owner keeps in
+// step with its books: llama.cpp's unified KV cache, where a cell is tagged
+// with the seq ids that use it.
+type Cells interface {
+	// Copy shares src's cells at positions [from, to) into dst, which holds
+	// exactly positions [0, from) of the same tokens. No compute, no copy.
+	Copy(src, dst, from, to int)
+	// Remove drops seq's cells at positions >= from.
+	Remove(seq, from int)
+}
+
+// Reports receives what the router's cache index must learn. Both are
+// called from the owner's goroutine and must not block.
+type Reports interface {
+	// Evicted: no entry holds these prompt hashes any more.
+	Evicted(hs []prefix.Hash)
+	// Cached: an entry holds these hashes again, superseding any eviction
+	// of them not sent yet (otherwise a late report, retried after an
+	// outage, would delete the index entry the gateway just saved).
+	Cached(hs []prefix.Hash)
+}
+
+// Errors of Bind.
+var (
+	ErrNoSeq = errors.New("kvcache: every seq id is held by a running request")
+	ErrInUse = errors.New("kvcache: request id is already in use")
+)
+
+// OwnerConfig builds an Owner.
+type OwnerConfig struct {
+	Limits  Limits
+	NSeqMax int
+	Cells   Cells
+	Reports Reports // optional
+	// OnEvict counts an entry evicted to make room ("seq_ids", "kv_full",
+	// "threshold"); optional.
+	OnEvict func(cause string)
+	// NoFollow turns following off: a request shares only cells already
+	// written (benchmarks compare the two).
+	NoFollow bool
+}
+
+// Owner is the one owner of the KV state: seq ids (seqpool), the cells
+// under them (Cells), the books of entries (Manager) and what the router is
+// told. Each method performs one transition whole — bind a request
+// (adopting a cached prefix by taking an entry over or copying its cells,
+// or following a prefix still being written), catch a follower up, record
+// written tokens, finish, release, evict — so that the invariant "a seq id
+// is free, or held by exactly one entry whose Tokens are exactly its cells"
+// is kept in one place, as Ollama's runner keeps it in its InputCache.
+//
+// Like the Manager it is owned by one goroutine.
+type Owner struct {
+	books   *Manager
+	pool    *seqpool.Pool
+	cells   Cells
+	reports Reports
+	onEvict func(string)
+	follow  bool
+}
+
+// NewOwner validates cfg.
+func NewOwner(cfg OwnerConfig) (*Owner, error) {
+	if cfg.Cells == nil {
+		return nil, errors.New("kvcache: owner without cells")
+	}
+	books, err := New(cfg.Limits)
+	if err != nil {
+		return nil, err
+	}
+	pool, err := seqpool.New(cfg.NSeqMax)
+	if err != nil {
+		return nil, err
+	}
+	return &Owner{books: books, pool: pool, cells: cfg.Cells, reports: cfg.Reports, onEvict: cfg.OnEvict, follow: !cfg.NoFollow}, nil
+}
+
+// Books are the entries, for reading (metrics, inspection, tests).
+func (o *Owner) Books() *Manager { return o.books }
+
+// Pool is the seq-id pool, for reading.
+func (o *Owner) Pool() *seqpool.Pool { return o.pool }
+
+// Bound is how a request was bound.
+type Bound struct {
+	Seq    int
+	Reused int    // prompt tokens whose cells it holds already
+	From   string // entry the cells came from ("" for none)
+	// Leader is a running request whose prompt shares more with this one
+	// than any cells written so far: the bound request waits for it to
+	// write them (Follow) instead of computing them again.
+	Leader string
+	// ShareTo is how far the leader's cells will be shared.
+	ShareTo int
+}
+
+// Bind gives request id a seq id for a prompt of toks and records it as a
+// running entry holding whatever it could adopt:
+//   - the entry with the longest common token prefix n (idle or running:
+//     written cells never change) lends min(n, len(toks)-1) cells — the last
+//     prompt token is always evaluated, its logits pick the first output;
+//   - an idle entry that is wholly a prefix of toks (a conversation's next
+//     turn), or the only thing that could make room, is taken over: same
+//     seq id, its divergent tail removed, the old entry gone;
+//   - otherwise its cells are shared into a fresh seq id and it stays;
+//   - a running request still prefilling a longer common prefix becomes
+//     the leader: the new request follows it (see Follow).
+//
+// Idle entries are evicted when no seq id is free; ErrNoSeq means every id
+// is held by a running request and the caller waits.
+func (o *Owner) Bind(id string, toks []int, hashes []prefix.Hash) (Bound, error) {
+	if len(toks) == 0 {
+		return Bound{}, errors.New("kvcache: empty prompt")
+	}
+	if _, dup := o.books.Get(id); dup {
+		return Bound{}, fmt.Errorf("%w: %q", ErrInUse, id)
+	}
+	last := len(toks) - 1
+	e, n := o.books.Match(toks)
+	reuse := min(n, last)
+	var b Bound
+	switch {
+	case e != nil && reuse > 0 && !e.InUse && (n == len(e.Tokens) || (o.pool.Free() == 0 && o.books.Idle() == 1)):
+		b.Seq = e.Seq
+		o.cells.Remove(e.Seq, reuse)
+		if _, err := o.pool.Transfer(e.ID, id); err != nil {
+			return Bound{}, err
+		}
+		// The new entry first: hashes both hold are never reported.
+		o.add(id, e.Seq, toks[:reuse], hashes)
+		_, freed := o.books.Remove(e.ID)
+		o.evicted(freed)
+	case e != nil && reuse > 0:
+		seq, err := o.acquire(id, e.ID)
+		if err != nil {
+			return Bound{}, err
+		}
+		b.Seq = seq
+		o.cells.Copy(e.Seq, seq, 0, reuse)
+		o.books.Touch(e.ID)
+		o.add(id, seq, toks[:reuse], hashes)
+	default:
+		reuse = 0
+		seq, err := o.acquire(id)
+		if err != nil {
+			return Bound{}, err
+		}
+		b.Seq = seq
+		o.add(id, seq, nil, hashes)
+	}
+	if reuse > 0 {
+		b.From = e.ID
+	}
+	me, _ := o.books.Get(id)
+	me.planned = slices.Clone(toks)
+	o.lead(me)
+	b.Reused, _ = o.Follow(id)
+	b.Leader, b.ShareTo = me.leader, me.shareTo
+	return b, nil
+}
+
+func (o *Owner) add(id string, seq int, toks []int, hashes []prefix.Hash) {
+	// Cannot fail: the id was checked by Bind and the owner is the only writer.
+	_ = o.books.Add(&Entry{ID: id, Seq: seq, Tokens: slices.Clone(toks), Hashes: hashes, InUse: true})
+	if len(hashes) > 0 && o.reports != nil {
+		o.reports.Cached(hashes)
+	}
+}
+
+// lead makes f follow the running entry, itself no follower, whose planned
+// prompt shares the longest prefix with f's beyond what f holds — if any.
+func (o *Owner) lead(f *Entry) {
+	f.leader, f.shareTo = "", 0
+	if !o.follow {
+		return
+	}
+	limit := len(f.planned) - 1
+	best, bestN := (*Entry)(nil), len(f.Tokens)
+	for _, e := range o.books.entries {
+		if e == f || !e.InUse || e.leader != "" || len(e.planned) <= len(e.Tokens) {
+			continue // only a prefill in progress will write more
+		}
+		n := min(commonPrefix(e.planned, f.planned), limit)
+		if n < bestN || n == 0 {
+			continue
+		}
+		// Ties: the one furthest ahead, then the id, so the choice does
+		// not depend on map order.
+		if best == nil || n > bestN || len(e.Tokens) > len(best.Tokens) ||
+			(len(e.Tokens) == len(best.Tokens) && e.ID < best.ID) {
+			best, bestN = e, n
+		}
+	}
+	if best != nil && bestN > len(f.Tokens) {
+		f.leader, f.shareTo = best.ID, bestN
+	}
+}
+
+// Follow catches request id up with its leader: the cells the leader wrote
+// since are shared into id's sequence. It returns how many cells id holds
+// and whether it still waits for more (the caller gives it no prefill work
+// meanwhile). A follower whose leader is gone, or no longer ahead, stops
+// following and computes the rest itself.
+func (o *Owner) Follow(id string) (held int, waiting bool) {
+	f, ok := o.books.Get(id)
+	if !ok {
+		return 0, false
+	}
+	if f.leader == "" {
+		return len(f.Tokens), false
+	}
+	l, ok := o.books.Get(f.leader)
+	if !ok {
+		f.leader, f.shareTo = "", 0
+		return len(f.Tokens), false
+	}
+	have := len(f.Tokens)
+	if upto := min(len(l.Tokens), f.shareTo); upto > have {
+		o.cells.Copy(l.Seq, f.Seq, have, upto)
+		o.books.Append(id, l.Tokens[have:upto]...)
+		o.books.Touch(l.ID)
+	}
+	if len(f.Tokens) >= f.shareTo || !l.InUse {
+		f.leader, f.shareTo = "", 0
+		return len(f.Tokens), false
+	}
+	return len(f.Tokens), true
+}
+
+// Followers counts the entries following id.
+func (o *Owner) Followers(id string) int {
+	n := 0
+	for _, e := range o.books.entries {
+		if e.leader == id {
+			n++
+		}
+	}
+	return n
+}
+
+// abdicate is the first half of a leader leaving: each follower takes
+// every cell the leader wrote that it shares and stops following. The
+// caller then changes the leader's entry and calls relead.
+func (o *Owner) abdicate(id string) []*Entry {
+	var fs []*Entry
+	for _, e := range o.books.entries {
+		if e.leader == id {
+			fs = append(fs, e)
+		}
+	}
+	for _, f := range fs {
+		o.Follow(f.ID)
+		f.leader, f.shareTo = "", 0
+	}
+	return fs
+}
+
+// relead finds the former followers new leaders: the one that will share
+// the most looks first, finds none among them and computes the rest
+// itself; the others then follow it. So a cancelled or preempted leader
+// loses nobody's work, and the shared prefix is still computed once.
+func (o *Owner) relead(fs []*Entry) {
+	slices.SortFunc(fs, func(a, b *Entry) int {
+		if c := len(b.planned) - len(a.planned); c != 0 {
+			return c
+		}
+		return strings.Compare(a.ID, b.ID)
+	})
+	// Those not placed yet can lead nobody (lead skips followers).
+	for _, f := range fs {
+		f.leader = unplaced
+	}
+	for _, f := range fs {
+		if _, ok := o.books.Get(f.ID); ok {
+			o.lead(f)
+		} else {
+			f.leader = ""
+		}
+	}
+}
+
+// unplaced marks a former follower relead has not placed yet.
+const unplaced = "\x00unplaced"
+
+// Append records tokens whose cells id just wrote after its last one.
+func (o *Owner) Append(id string, toks ...int) { o.books.Append(id, toks...) }
+
+// Finish turns id's running entry into an idle cache entry: its cells stay
+// under its seq id for later requests. Its followers take what they share.
+func (o *Owner) Finish(id string) {
+	fs := o.abdicate(id)
+	if e, ok := o.books.Get(id); ok {
+		e.planned = nil
+	}
+	o.books.SetInUse(id, false)
+	o.relead(fs)
+}
+
+// Release drops id's cells and frees its seq id (a request that failed,
+// timed out, was cancelled or preempted). Its followers first take what
+// they share.
+func (o *Owner) Release(id string) {
+	if _, ok := o.books.Get(id); !ok {
+		return
+	}
+	fs := o.abdicate(id)
+	o.drop(id)
+	o.relead(fs)
+}
+
+func (o *Owner) drop(id string) {
+	e, _ := o.books.Get(id)
+	o.cells.Remove(e.Seq, 0)
+	o.pool.Release(id)
+	_, freed := o.books.Remove(id)
+	o.evicted(freed)
+}
+
+func (o *Owner) evicted(hs []prefix.Hash) {
+	if len(hs) > 0 && o.reports != nil {
+		o.reports.Evicted(hs)
+	}
+}
+
+// acquire takes a free seq id for owner, evicting idle entries (other than
+// keep) while none is free.
+func (o *Owner) acquire(owner string, keep ...string) (int, error) {
+	for {
+		seq, err := o.pool.Acquire(owner)
+		if err == nil {
+			o.cells.Remove(seq, 0)
+			return seq, nil
+		}
+		if !errors.Is(err, seqpool.ErrExhausted) {
+			return -1, err
+		}
+		if !o.evictOne("seq_ids", keep...) {
+			return -1, ErrNoSeq
+		}
+	}
+}
+
+// EvictOne evicts the next idle entry (Manager.Victim's choice); false when
+// there is none.
+func (o *Owner) EvictOne(cause string) bool { return o.evictOne(cause) }
+
+func (o *Owner) evictOne(cause string, keep ...string) bool {
+	v := o.books.Victim(keep...)
+	if v == nil {
+		return false
+	}
+	fs := o.abdicate(v.ID)
+	o.drop(v.ID)
+	o.relead(fs)
+	if o.onEvict != nil {
+		o.onEvict(cause)
+	}
+	return true
+}
+
+// EvictOverThreshold evicts idle entries in Victim order until usage is
+// back under the threshold or nothing idle is left.
+func (o *Owner) EvictOverThreshold(cause string) {
+	for o.books.OverThreshold() && o.evictOne(cause) {
+	}
+}
+
+// Holds reports whether id has an entry (and so a seq id).
+func (o *Owner) Holds(id string) bool {
+	_, ok := o.books.Get(id)
+	return ok
+}
+
+// Check verifies the invariant between pool and books: every held seq id
+// belongs to exactly one entry of the same id and seq, and followers
+// follow running entries. Tests call it after every transition.
+func (o *Owner) Check() error {
+	if o.pool.InUse() != o.books.Len() {
+		return fmt.Errorf("kvcache: %d seq ids held, %d entries", o.pool.InUse(), o.books.Len())
+	}
+	seen := map[int]string{}
+	for _, e := range o.books.entries {
+		seq, ok := o.pool.Lookup(e.ID)
+		if !ok || seq != e.Seq {
+			return fmt.Errorf("kvcache: entry %q on seq %d, pool says %d (%v)", e.ID, e.Seq, seq, ok)
+		}
+		if other, dup := seen[seq]; dup {
+			return fmt.Errorf("kvcache: seq %d held by %q and %q", seq, other, e.ID)
+		}
+		seen[seq] = e.ID
+		if e.leader != "" {
+			l, ok := o.books.Get(e.leader)
+			if !ok || !l.InUse || l.leader != "" {
+				return fmt.Errorf("kvcache: %q follows %q, which is not a running leader", e.ID, e.leader)
+			}
+		}
+	}
+	return nil
+}

@@ -1,0 +1,88 @@
+package mcreport
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"io"
+	"log/slog"
+	"net/http"
+	"net/http/httptest"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/api"
+	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/server"
+	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/store/memstore"
+)
+
+// The worker's signals reach a real metadata center and its route answer:
+// a change is pushed within a poll, and a steady pod is re-reported often
+// enough never to go stale.
+func TestRunSignalsReachesTheRouteAnswer(t *testing.T) {
+	ts := httptest.NewServer(server.New(memstore.New(memstore.Options{SignalMaxAge: 250 * time.Millisecond}),
+		server.Options{Logger: slog.New(slog.NewTextHandler(io.Discard, nil))}).Handler())
+	defer ts.Close()
+	r, err := New(Config{URL: ts.URL, Cluster: "c", Host: "10.0.0.7:9000", Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var waiting atomic.Int64
+	src := SignalSourceFunc(func() api.PodSignals {
+		return api.PodSignals{Waiting: waiting.Load(), Running: 3, KVCacheUtil: 0.5, PrefillTokens: 100 * waiting.Load()}
+	})
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { r.RunSignals(ctx, src, 5*time.Millisecond, 50*time.Millisecond); close(done) }()
+	defer func() { cancel(); <-done }()
+
+	route := func() api.PodSignals {
+		resp, err := http.Post(ts.URL+api.PathRouteQuery, "application/json", jsonBody(t, api.RouteQuery{Cluster: "c", Hashes: []string{}}))
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer resp.Body.Close()
+		var ans api.RouteAnswer
+		if err := json.NewDecoder(resp.Body).Decode(&ans); err != nil {
+			t.Fatal(err)
+		}
+		return ans.Signals["10.0.0.7:9000"]
+	}
+	waitFor := func(what string, ok func(api.PodSignals) bool) {
+		t.Helper()
+		deadline := time.Now().Add(5 * time.Second)
+		for {
+			s := route()
+			if ok(s) {
+				return
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("%s: last answer %+v", what, s)
+			}
+			time.Sleep(5 * time.Millisecond)
+		}
+	}
+	waitFor("first report", func(s api.PodSignals) bool { return s.Running == 3 && s.KVCacheUtil == 0.5 })
+	waiting.Store(4)
+	waitFor("a change", func(s api.PodSignals) bool { return s.Waiting == 4 && s.PrefillTokens == 400 })
+	// Unchanged for 4 max ages: still answered, and young.
+	for range 10 {
+		time.Sleep(100 * time.Millisecond)
+		if s := route(); s.Waiting != 4 || s.AgeMS > 200 {
+			t.Fatalf("steady pod: %+v (want it re-reported every 50 ms)", s)
+		}
+	}
+	if got := counterValue(t, r.signals.WithLabelValues("ok")); got < 10 {
+		t.Fatalf("ok reports counted: %v", got)
+	}
+}
+
+func jsonBody(t *testing.T, v any) io.Reader {
+	t.Helper()
+	b, err := json.Marshal(v)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return bytes.NewReader(b)
+}
