@@ -204,3 +204,56 @@ func TestCacheAwareBreaksTiesByRecentShare(t *testing.T) {
 		t.Fatalf("chose %s, want d (b is busier; d has the smallest share of the rest)", hosts[i].Address)
 	}
 }
+
+// With herd_wait, herd control only moves a prefix off an overused holder
+// when waiting there costs more than copying the prefix elsewhere: the
+// prefill queued on the holder plus the request's uncached part, against
+// a cold prefill (plus its queue) on the cheapest other pod.
+func TestHerdWaitKeepsAPrefixOnItsHolderUntilWaitingCostsMoreThanACopy(t *testing.T) {
+	const prompt = 1100
+	// One request of the prompt is before its first token on the holder
+	// (the metadata center's pending prompt bytes); the pods report their
+	// queued prefill tokens themselves (signals < 0: no fresh report).
+	choose := func(rule config.LBRule, holderQueued, idleQueued int64) string {
+		hosts := []Host{
+			{Address: "holder", Reqs: 1, Prompt: prompt, CacheRatio: 1, Share: 0.6},
+			{Address: "idle1"}, {Address: "idle2"}, {Address: "idle3"},
+		}
+		if holderQueued >= 0 {
+			hosts[0].Signals, hosts[0].PrefillQueued = true, holderQueued
+			for i := 1; i < len(hosts); i++ {
+				hosts[i].Signals, hosts[i].PrefillQueued = true, idleQueued
+			}
+		}
+		s := &State{Cluster: "c", Hosts: hosts, Rule: rule, PromptLength: prompt, IntN: func(int) int { return 0 }}
+		return hosts[cacheAware(s)].Address
+	}
+	gated := herdRule
+	gated.HerdWait = 1
+	// The pending request is a cache hit: ~60 tokens of prefill left on
+	// the holder, against 1100 cold ones anywhere else.
+	if got := choose(herdRule, 60, 0); got == "holder" {
+		t.Fatalf("herd control on shares alone should move the request off the holder, chose %s", got)
+	}
+	if got := choose(gated, 60, 0); got != "holder" {
+		t.Fatalf("herd_wait 1: 60 tokens queued on the holder cost less than a 1100-token copy, chose %s", got)
+	}
+	// The holder's queue grew past a copy's cost: replicate.
+	if got := choose(gated, 1500, 0); got == "holder" {
+		t.Fatalf("herd_wait 1: 1500 tokens queued on the holder cost more than a 1100-token copy, chose the holder")
+	}
+	// ... unless the other pods are busy too: a copy there would wait.
+	if got := choose(gated, 1500, 800); got != "holder" {
+		t.Fatalf("herd_wait 1: a copy would wait 800+1100 tokens, the holder 1500; chose %s", got)
+	}
+	// herd_wait 2 tolerates twice a copy's cost on the holder.
+	gated.HerdWait = 2
+	if got := choose(gated, 1500, 0); got != "holder" {
+		t.Fatalf("herd_wait 2: 1500 ≤ 2×1100, chose %s", got)
+	}
+	// Without fresh reports the gate reads the metadata center's pending
+	// prompt bytes: 1100 on the holder, at most 2×1100.
+	if got := choose(gated, -1, 0); got != "holder" {
+		t.Fatalf("herd_wait 2 without signals: 1100 pending bytes ≤ 2×1100, chose %s", got)
+	}
+}

@@ -97,9 +97,10 @@ func (p *Profile) readsSignals(r config.LBRule) bool {
 	return false
 }
 
-func (PrefixScorer) ReadsSignals() bool       { return false }
+// Herd control with herd_wait reads the pods' queued prefill.
+func (p PrefixScorer) ReadsSignals() bool     { return p.Herd }
 func (SeedLoad) ReadsSignals() bool           { return false }
-func (PrefillScorer) ReadsSignals() bool      { return false }
+func (p PrefillScorer) ReadsSignals() bool    { return p.Own }
 func (LeastRequestScorer) ReadsSignals() bool { return false }
 func (RecentShareScorer) ReadsSignals() bool  { return false }
 func (QueueScorer) ReadsSignals() bool        { return true }
@@ -280,21 +281,88 @@ func (p PrefixScorer) Score(s *State, out []float64) {
 		}
 		return
 	}
-	minReqs := s.Hosts[0].Reqs
+	g := newHerdGate(s)
 	for i := range s.Hosts {
-		minReqs = min(minReqs, s.Hosts[i].Reqs)
-	}
-	for i := range s.Hosts {
-		out[i] = herdRatio(&s.Hosts[i], s.Rule.HerdShare/float64(len(s.Hosts)), minReqs)
+		out[i] = g.ratio(s, i)
 	}
 }
 
-// herdRatio is a host's cache ratio under herd control.
-func herdRatio(h *Host, shareLimit float64, minReqs int64) float64 {
-	if shareLimit > 0 && h.Share > shareLimit && h.Reqs > minReqs {
-		return 0
+// herdGate is herd control for one decision: which pods lose their cache
+// credit.
+type herdGate struct {
+	shareLimit float64 // 0: herd control off
+	minReqs    int64
+	// With herd_wait: the two lowest costs (prefill before this request's
+	// first token) and the index of the lowest, so that every pod can be
+	// compared with the cheapest other one in O(1).
+	wait         float64
+	best, second float64
+	bestI        int
+	promptLength float64
+}
+
+// newHerdGate prepares herd control under s.Rule (off when herd_share is 0).
+func newHerdGate(s *State) herdGate {
+	var g herdGate
+	if s.Rule.HerdShare <= 0 || len(s.Hosts) == 0 {
+		return g
 	}
-	return h.CacheRatio
+	g.shareLimit = s.Rule.HerdShare / float64(len(s.Hosts))
+	g.minReqs = s.Hosts[0].Reqs
+	for i := range s.Hosts {
+		g.minReqs = min(g.minReqs, s.Hosts[i].Reqs)
+	}
+	if s.Rule.HerdWait <= 0 {
+		return g
+	}
+	g.wait, g.promptLength = s.Rule.HerdWait, float64(s.PromptLength)
+	g.best, g.second, g.bestI = math.Inf(1), math.Inf(1), -1
+	for i := range s.Hosts {
+		c := g.cost(&s.Hosts[i])
+		switch {
+		case c < g.best:
+			g.second, g.best, g.bestI = g.best, c, i
+		case c < g.second:
+			g.second = c
+		}
+	}
+	return g
+}
+
+// cost is the prefill that stands before the request's first token on h:
+// what the pod reports it has still to prefill (its running requests'
+// remaining prompt tokens, cache hits already taken off, and its queue),
+// else the prompt bytes the metadata center counts before first token;
+// plus the part of this prompt h does not hold. Tokens and bytes are mixed:
+// equal on byte-level vocabularies, and with a BPE vocabulary the pod's
+// queue reads ~4× short, which only makes herd control wait longer.
+func (g *herdGate) cost(h *Host) float64 {
+	queued := float64(h.Prompt)
+	if h.Signals {
+		queued = float64(h.PrefillQueued)
+	}
+	return queued + g.promptLength*(1-h.CacheRatio)
+}
+
+// ratio is host i's cache ratio under herd control: 0 for a pod that took
+// more than herd_share/n of the recent decisions and is busier than the
+// idlest — with herd_wait, only if waiting there also costs more than
+// herd_wait times a copy of the prefix on the cheapest other pod.
+func (g *herdGate) ratio(s *State, i int) float64 {
+	h := &s.Hosts[i]
+	if g.shareLimit <= 0 || h.Share <= g.shareLimit || h.Reqs <= g.minReqs {
+		return h.CacheRatio
+	}
+	if g.wait > 0 {
+		other := g.best
+		if i == g.bestI {
+			other = g.second
+		}
+		if g.cost(h) <= g.wait*other {
+			return h.CacheRatio
+		}
+	}
+	return 0
 }
 
 // SeedLoad is the seed's request-load term as a score: 1 − (reqs−min)/delta,
@@ -343,29 +411,28 @@ func (p PrefillScorer) Name() string {
 
 func (p PrefillScorer) Score(s *State, out []float64) {
 	promptLen := int64(0)
-	var minReqs int64
-	var shareLimit float64
+	var g herdGate
 	if p.Own {
 		maxPending := int64(0)
-		minReqs = s.Hosts[0].Reqs
 		for i := range s.Hosts {
 			maxPending = max(maxPending, s.Hosts[i].Prompt)
-			minReqs = min(minReqs, s.Hosts[i].Reqs)
 		}
 		// With no pod prefilling, the request's own prefill would only
 		// count the cache term a second time and pile a hot prompt onto its
 		// holders: off, as in the seed.
 		if maxPending > 0 {
 			promptLen = s.PromptLength
-		}
-		if s.Rule.HerdShare > 0 {
-			shareLimit = s.Rule.HerdShare / float64(len(s.Hosts))
+			g = newHerdGate(s)
 		}
 	}
 	maxPrompt := 0.0
 	for i := range s.Hosts {
 		h := &s.Hosts[i]
-		v := float64(h.Prompt) + float64(promptLen)*(1-herdRatio(h, shareLimit, minReqs))
+		ratio := h.CacheRatio
+		if promptLen > 0 {
+			ratio = g.ratio(s, i)
+		}
+		v := float64(h.Prompt) + float64(promptLen)*(1-ratio)
 		out[i] = v
 		maxPrompt = max(maxPrompt, v)
 	}

@@ -460,7 +460,7 @@ func headerKey(h map[string]string) string {
 	return b.String()
 }
 
-var lbKeys = []string{"policy", "cache_ratio_weight", "request_load_weight", "prefill_load_weight", "candidate_percent", "herd_share",
+var lbKeys = []string{"policy", "cache_ratio_weight", "request_load_weight", "prefill_load_weight", "candidate_percent", "herd_share", "herd_wait",
 	"scorers", "filters", "picker"}
 
 // validName is the shape of policy, scorer, filter and picker names.
@@ -529,6 +529,11 @@ func (d *decoder) lbRule(path string, v any, base LBRule) LBRule {
 		// Below 1 every pod that took its fair share would lose its cache.
 		d.fail(join(path, "herd_share"), "must be 0 (off) or in 1..100, got %g", r.HerdShare)
 	}
+	r.HerdWait = d.float(path, m, "herd_wait", base.HerdWait, 0, 100)
+	if r.HerdWait > 0 && r.HerdWait < 0.1 {
+		// Below 0.1 it is herd control on shares alone with extra steps.
+		d.fail(join(path, "herd_wait"), "must be 0 (off) or in 0.1..100, got %g", r.HerdWait)
+	}
 	return r
 }
 
@@ -540,6 +545,7 @@ func (d *decoder) lbMapping(v any) LBMapping {
 		PrefillLoadWeight: DefaultPrefillLoadW,
 		CandidatePercent:  DefaultCandidatePercent,
 		HerdShare:         DefaultHerdShare,
+		HerdWait:          DefaultHerdWait,
 	}
 	out := LBMapping{Default: def}
 	if v == nil {
