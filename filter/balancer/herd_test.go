@@ -257,3 +257,34 @@ func TestHerdWaitKeepsAPrefixOnItsHolderUntilWaitingCostsMoreThanACopy(t *testin
 		t.Fatalf("herd_wait 2 without signals: 1100 pending bytes ≤ 2×1100, chose %s", got)
 	}
 }
+
+// The cold start of shared-prefix: a request whose document (2/3 of its
+// prompt) is being prefilled for another user's cold prompt on one pod.
+// The seed's weights send it there for the document's cache credit, where
+// it waits for that whole prefill and then does its own third; with
+// cache_wait 1 the credit goes, since a cold prefill on an idle pod is
+// done sooner.
+func TestCacheWaitSendsAFollowerAwayFromAPodStillPrefillingAColdPrompt(t *testing.T) {
+	const prompt = 3200
+	choose := func(rule config.LBRule, queued int64) string {
+		hosts := []Host{
+			{Address: "prefilling", Reqs: 1, Prompt: prompt, CacheRatio: 2.0 / 3, Signals: true, PrefillQueued: queued},
+			{Address: "idle1", Signals: true}, {Address: "idle2", Signals: true}, {Address: "idle3", Signals: true},
+		}
+		s := &State{Cluster: "c", Hosts: hosts, Rule: rule, PromptLength: prompt, IntN: func(int) int { return 0 }}
+		return hosts[cacheAware(s)].Address
+	}
+	gated := herdRule
+	gated.CacheWait = 1
+	if got := choose(herdRule, prompt); got != "prefilling" {
+		t.Fatalf("without cache_wait the document's credit should win, chose %s", got)
+	}
+	// 3200 queued + 1067 of its own > 3200 cold on an idle pod.
+	if got := choose(gated, prompt); got == "prefilling" {
+		t.Fatalf("cache_wait 1: 4267 tokens before the first token on the prefilling pod against 3200 on an idle one, chose it")
+	}
+	// Nearly done there: 1000 + 1067 < 3200, the document is worth waiting for.
+	if got := choose(gated, 1000); got != "prefilling" {
+		t.Fatalf("cache_wait 1: 2067 tokens on the prefilling pod against 3200 elsewhere, chose %s", got)
+	}
+}

@@ -275,7 +275,7 @@ func (p PrefixScorer) Name() string {
 }
 
 func (p PrefixScorer) Score(s *State, out []float64) {
-	if !p.Herd || s.Rule.HerdShare <= 0 {
+	if !p.Herd {
 		for i := range s.Hosts {
 			out[i] = s.Hosts[i].CacheRatio
 		}
@@ -290,32 +290,37 @@ func (p PrefixScorer) Score(s *State, out []float64) {
 // herdGate is herd control for one decision: which pods lose their cache
 // credit.
 type herdGate struct {
-	shareLimit float64 // 0: herd control off
+	shareLimit float64 // 0: herd control on shares off
 	minReqs    int64
-	// With herd_wait: the two lowest costs (prefill before this request's
-	// first token) and the index of the lowest, so that every pod can be
-	// compared with the cheapest other one in O(1).
-	wait         float64
-	best, second float64
-	bestI        int
-	promptLength float64
+	// herd_wait and cache_wait (0: off), and for them the two lowest costs
+	// (prefill before this request's first token) and the index of the
+	// lowest, so that every pod is compared with the cheapest other one in
+	// O(1).
+	herdWait, cacheWait float64
+	best, second        float64
+	bestI               int
+	promptLength        float64
 }
 
-// newHerdGate prepares herd control under s.Rule (off when herd_share is 0).
+// newHerdGate prepares herd control under s.Rule.
 func newHerdGate(s *State) herdGate {
 	var g herdGate
-	if s.Rule.HerdShare <= 0 || len(s.Hosts) == 0 {
+	if len(s.Hosts) == 0 {
 		return g
 	}
-	g.shareLimit = s.Rule.HerdShare / float64(len(s.Hosts))
-	g.minReqs = s.Hosts[0].Reqs
-	for i := range s.Hosts {
-		g.minReqs = min(g.minReqs, s.Hosts[i].Reqs)
+	if s.Rule.HerdShare > 0 {
+		g.shareLimit = s.Rule.HerdShare / float64(len(s.Hosts))
+		g.minReqs = s.Hosts[0].Reqs
+		for i := range s.Hosts {
+			g.minReqs = min(g.minReqs, s.Hosts[i].Reqs)
+		}
+		g.herdWait = s.Rule.HerdWait
 	}
-	if s.Rule.HerdWait <= 0 {
+	g.cacheWait = s.Rule.CacheWait
+	if g.herdWait <= 0 && g.cacheWait <= 0 {
 		return g
 	}
-	g.wait, g.promptLength = s.Rule.HerdWait, float64(s.PromptLength)
+	g.promptLength = float64(s.PromptLength)
 	g.best, g.second, g.bestI = math.Inf(1), math.Inf(1), -1
 	for i := range s.Hosts {
 		c := g.cost(&s.Hosts[i])
@@ -334,8 +339,8 @@ func newHerdGate(s *State) herdGate {
 // remaining prompt tokens, cache hits already taken off, and its queue),
 // else the prompt bytes the metadata center counts before first token;
 // plus the part of this prompt h does not hold. Tokens and bytes are mixed:
-// equal on byte-level vocabularies, and with a BPE vocabulary the pod's
-// queue reads ~4× short, which only makes herd control wait longer.
+// equal on byte-level vocabularies; with a BPE vocabulary the pod's queue
+// reads ~4× short, which only makes the gates keep a prefix longer.
 func (g *herdGate) cost(h *Host) float64 {
 	queued := float64(h.Prompt)
 	if h.Signals {
@@ -344,23 +349,34 @@ func (g *herdGate) cost(h *Host) float64 {
 	return queued + g.promptLength*(1-h.CacheRatio)
 }
 
-// ratio is host i's cache ratio under herd control: 0 for a pod that took
-// more than herd_share/n of the recent decisions and is busier than the
-// idlest — with herd_wait, only if waiting there also costs more than
-// herd_wait times a copy of the prefix on the cheapest other pod.
+// other is the lowest cost among the pods other than i.
+func (g *herdGate) other(i int) float64 {
+	if i == g.bestI {
+		return g.second
+	}
+	return g.best
+}
+
+// ratio is host i's cache ratio under herd control. With cache_wait a pod
+// whose cost exceeds cache_wait times the cheapest other pod's gets no cache
+// credit: the request would wait longer there than a cold prefill takes
+// elsewhere. Herd control on shares takes it from a pod that took more than
+// herd_share/n of the recent decisions and is busier than the idlest — with
+// herd_wait, only if waiting there also costs more than herd_wait times a
+// copy of the prefix on the cheapest other pod.
 func (g *herdGate) ratio(s *State, i int) float64 {
 	h := &s.Hosts[i]
+	if h.CacheRatio == 0 {
+		return 0
+	}
+	if g.cacheWait > 0 && g.cost(h) > g.cacheWait*g.other(i) {
+		return 0
+	}
 	if g.shareLimit <= 0 || h.Share <= g.shareLimit || h.Reqs <= g.minReqs {
 		return h.CacheRatio
 	}
-	if g.wait > 0 {
-		other := g.best
-		if i == g.bestI {
-			other = g.second
-		}
-		if g.cost(h) <= g.wait*other {
-			return h.CacheRatio
-		}
+	if g.herdWait > 0 && g.cost(h) <= g.herdWait*g.other(i) {
+		return h.CacheRatio
 	}
 	return 0
 }

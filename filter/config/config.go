@@ -29,6 +29,7 @@ const (
 	DefaultCandidatePercent = 10
 	DefaultHerdShare        = 2.0
 	DefaultHerdWait         = 0.0
+	DefaultCacheWait        = 0.0
 	DefaultAdminRefresh     = time.Second
 	DefaultQueueSize        = 4096
 	DefaultWorkers          = 4
@@ -210,6 +211,12 @@ type LBRule struct {
 	// waiting on the holder costs more than making a replica. Every
 	// replica is one cold prefill: a miss.
 	HerdWait float64
+	// CacheWait (key `cache_wait`, 0 or 1..100; 0 off) takes the cache
+	// credit from any pod where the prefill standing before this request
+	// exceeds CacheWait times that on the cheapest other pod: a pod still
+	// prefilling someone's cold prompt that shares only part of this one
+	// makes the request wait longer than a cold prefill elsewhere.
+	CacheWait float64
 }
 
 // Endpoints is key `endpoints`: where the pods of a cluster come from. Both
