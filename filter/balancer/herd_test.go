@@ -288,3 +288,30 @@ func TestCacheWaitSendsAFollowerAwayFromAPodStillPrefillingAColdPrompt(t *testin
 		t.Fatalf("cache_wait 1: 2067 tokens on the prefilling pod against 3200 elsewhere, chose %s", got)
 	}
 }
+
+// The metadata center counts a request's whole prompt until its first
+// token, cache hit or not; the pod's own report counts what it has still to
+// prefill. A holder serving a cached request of the same prompt looks as
+// busy as a cold copy to own_prefill, and nearly idle to reported_prefill.
+func TestReportedPrefillReadsThePodsOwnQueue(t *testing.T) {
+	hosts := []Host{
+		{Address: "holder", Reqs: 1, Prompt: 3200, CacheRatio: 1, Signals: true, PrefillQueued: 64},
+		{Address: "idle", Signals: true},
+	}
+	s := &State{Cluster: "c", Hosts: hosts, Rule: herdRule, PromptLength: 3200, IntN: func(int) int { return 0 }}
+	own, rep := make([]float64, 2), make([]float64, 2)
+	PrefillScorer{Own: true}.Score(s, own)
+	PrefillScorer{Own: true, Reported: true}.Score(s, rep)
+	if !near(own[0], own[1]) {
+		t.Fatalf("own_prefill %v: 3200 pending bytes on the holder against a 3200-byte cold prefill should tie", own)
+	}
+	if want := 1 - 64.0/3200; !near(rep[0], want) || rep[1] != 0 {
+		t.Fatalf("reported_prefill %v, want [%g 0]", rep, want)
+	}
+	// Without a fresh report the metadata center's figure stands.
+	hosts[0].Signals = false
+	PrefillScorer{Own: true, Reported: true}.Score(s, rep)
+	if !near(rep[0], own[0]) || !near(rep[1], own[1]) {
+		t.Fatalf("reported_prefill without signals %v, want own_prefill's %v", rep, own)
+	}
+}

@@ -244,15 +244,17 @@ func lowIsBest(hosts []Host, out []float64, key func(*Host) float64) {
 
 // Built-in scorer names (lb rule key `scorers`).
 const (
-	ScorerPrefix       = "prefix"        // cached share of the prompt
-	ScorerPrefixHerd   = "prefix_herd"   // ... with herd control (herd_share)
-	ScorerSeedLoad     = "seed_load"     // the seed's request term, W2·delta/5 past delta 5
-	ScorerSeedPrefill  = "seed_prefill"  // the seed's prefill term: others' queued prompt
-	ScorerOwnPrefill   = "own_prefill"   // ... plus the request's own uncached prefill
-	ScorerLeastRequest = "least_request" // live requests, min–max normalised
-	ScorerQueue        = "queue"         // the pod's own waiting requests (pod signals)
-	ScorerKVCache      = "kv_cache"      // the pod's free KV cache (pod signals)
-	ScorerRecentShare  = "recent_share"  // fewest recent decisions (tie-break)
+	ScorerPrefix      = "prefix"       // cached share of the prompt
+	ScorerPrefixHerd  = "prefix_herd"  // ... with herd control (herd_share)
+	ScorerSeedLoad    = "seed_load"    // the seed's request term, W2·delta/5 past delta 5
+	ScorerSeedPrefill = "seed_prefill" // the seed's prefill term: others' queued prompt
+	ScorerOwnPrefill  = "own_prefill"  // ... plus the request's own uncached prefill
+	// ... with the pod's own report of its pending prefill (pod signals)
+	ScorerReportedPrefill = "reported_prefill"
+	ScorerLeastRequest    = "least_request" // live requests, min–max normalised
+	ScorerQueue           = "queue"         // the pod's own waiting requests (pod signals)
+	ScorerKVCache         = "kv_cache"      // the pod's free KV cache (pod signals)
+	ScorerRecentShare     = "recent_share"  // fewest recent decisions (tie-break)
 )
 
 // Built-in picker and filter names (lb rule keys `picker`, `filters`).
@@ -415,23 +417,38 @@ func (SeedLoad) WeightScale(s *State) float64 {
 // With Own, while any pod has prefill pending, a pod's prompt also counts the
 // request's own uncached prefill there, L·(1−ratio) (ratio under herd
 // control when the rule has herd_share): the prefill that stands before the
-// request's first token on that pod.
-type PrefillScorer struct{ Own bool }
+// request's first token on that pod. With Reported (and Own), a pod's
+// pending prefill is what it reports itself while the report is fresh
+// (tokens still to prefill, its running requests' cache hits taken off)
+// instead of the metadata center's prompt bytes before first token, which
+// count a cached request in full and a half-done prefill whole.
+type PrefillScorer struct{ Own, Reported bool }
 
 func (p PrefillScorer) Name() string {
-	if p.Own {
+	switch {
+	case p.Own && p.Reported:
+		return ScorerReportedPrefill
+	case p.Own:
 		return ScorerOwnPrefill
 	}
 	return ScorerSeedPrefill
+}
+
+// pending is h's prefill before a new request's first token.
+func (p PrefillScorer) pending(h *Host) float64 {
+	if p.Reported && h.Signals {
+		return float64(h.PrefillQueued)
+	}
+	return float64(h.Prompt)
 }
 
 func (p PrefillScorer) Score(s *State, out []float64) {
 	promptLen := int64(0)
 	var g herdGate
 	if p.Own {
-		maxPending := int64(0)
+		maxPending := 0.0
 		for i := range s.Hosts {
-			maxPending = max(maxPending, s.Hosts[i].Prompt)
+			maxPending = max(maxPending, p.pending(&s.Hosts[i]))
 		}
 		// With no pod prefilling, the request's own prefill would only
 		// count the cache term a second time and pile a hot prompt onto its
@@ -448,7 +465,7 @@ func (p PrefillScorer) Score(s *State, out []float64) {
 		if promptLen > 0 {
 			ratio = g.ratio(s, i)
 		}
-		v := float64(h.Prompt) + float64(promptLen)*(1-ratio)
+		v := p.pending(h) + float64(promptLen)*(1-ratio)
 		out[i] = v
 		maxPrompt = max(maxPrompt, v)
 	}
@@ -608,7 +625,7 @@ func builtinProfiles() []*Profile {
 // builtinScorers returns every built-in scorer by name.
 func builtinScorers() map[string]Scorer {
 	m := map[string]Scorer{}
-	for _, s := range []Scorer{PrefixScorer{}, PrefixScorer{Herd: true}, SeedLoad{}, PrefillScorer{}, PrefillScorer{Own: true},
+	for _, s := range []Scorer{PrefixScorer{}, PrefixScorer{Herd: true}, SeedLoad{}, PrefillScorer{}, PrefillScorer{Own: true}, PrefillScorer{Own: true, Reported: true},
 		LeastRequestScorer{}, QueueScorer{}, KVCacheScorer{}, RecentShareScorer{}} {
 		m[s.Name()] = s
 	}
