@@ -28,7 +28,7 @@ const (
 	DefaultPrefillLoadW     = 3.0
 	DefaultCandidatePercent = 10
 	DefaultHerdShare        = 2.0
-	DefaultHerdWait         = 0.0
+	DefaultHerdWait         = 1.0
 	DefaultCacheWait        = 0.0
 	DefaultAdminRefresh     = time.Second
 	DefaultQueueSize        = 4096

@@ -74,7 +74,7 @@ func TestDefaults(t *testing.T) {
 	if r := cfg.ModelMappingRule["m"][0]; r.Backend != "vllm" {
 		t.Fatalf("backend default: %q", r.Backend)
 	}
-	want := LBRule{Policy: "cache_aware", CacheRatioWeight: 2, RequestLoadWeight: 1, PrefillLoadWeight: 3, CandidatePercent: 10, HerdShare: 2}
+	want := LBRule{Policy: "cache_aware", CacheRatioWeight: 2, RequestLoadWeight: 1, PrefillLoadWeight: 3, CandidatePercent: 10, HerdShare: 2, HerdWait: 1}
 	if !reflect.DeepEqual(cfg.LBMappingRule.For("anything"), want) {
 		t.Fatalf("lb default: %+v", cfg.LBMappingRule.For("anything"))
 	}
