@@ -203,7 +203,7 @@ type LBRule struct {
 	// hot prefix on its pod until that pod has ~10 more requests than the
 	// idlest; this lets a prefix everyone wants spread to more pods early.
 	HerdShare float64
-	// HerdWait (key `herd_wait`, 0 or 0.1..100; 0: herd control acts on
+	// HerdWait (key `herd_wait`, default 1, 0 or 0.1..100; 0: herd control acts on
 	// shares alone) gates herd control by cost: a pod herd control would
 	// stop keeps its cache credit unless the prefill standing before this
 	// request there (its queued prefill plus the request's uncached part)
