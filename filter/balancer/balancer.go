@@ -17,7 +17,9 @@
 //     constant W2'+W3), uniform pick among the top candidate_percent.
 //   - cache_aware (the default): the seed plus herd control (a pod that took
 //     more than herd_share times its fair share of recent decisions and is
-//     busier than the idlest gets no cache credit), the request's own
+//     busier than the idlest gets no cache credit, unless waiting there
+//     costs at most herd_wait times a copy of the prefix on the cheapest
+//     other pod), the request's own
 //     uncached prefill in the prompt term while any pod prefills, and ties
 //     ordered by recent share. docs/configuration.md says why each is there.
 //   - epp: llm-d's endpoint picker's default profile, a baseline: prefix ×3,
