@@ -41,6 +41,11 @@ type Config struct {
 	// asking for more (maxOutContextLength); default 2048.
 	MaxOutputTokens int
 	RequestTimeout  time.Duration // from entering the running set; default 60 s
+	// QueueTimeout bounds the wait in the RequestQueue: a request still
+	// queued after it ends TIMEOUT (408) without ever running, so a client
+	// behind a stalled pod hears so while it can still go elsewhere.
+	// Default DefaultQueueTimeout; negative: no bound.
+	QueueTimeout    time.Duration
 	CleanupInterval time.Duration // KV threshold check period; default 1 s
 	KV              kvcache.Limits
 	// OnEvict receives prompt hashes no KV entry holds any more. It is
@@ -75,6 +80,9 @@ func (c *Config) defaults() {
 	if c.CleanupInterval <= 0 {
 		c.CleanupInterval = time.Second
 	}
+	if c.QueueTimeout == 0 {
+		c.QueueTimeout = DefaultQueueTimeout
+	}
 	if c.KV.Threshold == 0 {
 		c.KV.Threshold = 0.8
 	}
@@ -85,6 +93,11 @@ func (c *Config) defaults() {
 		c.Logger = slog.Default()
 	}
 }
+
+// DefaultQueueTimeout is half the default request timeout: a request
+// queued that long behind a full running set would most likely time out
+// anyway, and the gateway can still retry it on another pod.
+const DefaultQueueTimeout = 30 * time.Second
 
 // Scheduler owns the engine once Run starts.
 type Scheduler struct {
@@ -317,6 +330,9 @@ func (s *Scheduler) Run(ctx context.Context) {
 			for _, t := range s.set {
 				wait = min(wait, time.Until(t.admitted.Add(s.cfg.RequestTimeout)))
 			}
+			if d, ok := s.queueDeadline(); ok {
+				wait = min(wait, time.Until(d))
+			}
 			timer.Reset(max(wait, time.Millisecond))
 			select {
 			case <-s.wake:
@@ -353,12 +369,33 @@ func (s *Scheduler) admit(now time.Time) {
 			s.set = append(s.set, t)
 			continue
 		}
+		if s.cfg.QueueTimeout > 0 && now.Sub(t.submitted) > s.cfg.QueueTimeout {
+			// Never ran: it holds no seq id and no cells, only its slot.
+			s.end(t, Result{State: Timeout, Err: fmt.Errorf("%w after %v in the queue", ErrQueueTimeout, s.cfg.QueueTimeout)})
+			continue
+		}
 		kept = append(kept, t)
 	}
 	clear(s.queue[len(kept):])
 	s.queue = kept
 	s.running = len(s.set)
 	s.m.queueDepth.Set(float64(len(s.queue)))
+}
+
+// queueDeadline is when the oldest queued request's wait runs out.
+func (s *Scheduler) queueDeadline() (time.Time, bool) {
+	if s.cfg.QueueTimeout <= 0 {
+		return time.Time{}, false
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	var first time.Time
+	for _, t := range s.queue {
+		if first.IsZero() || t.submitted.Before(first) {
+			first = t.submitted
+		}
+	}
+	return first.Add(s.cfg.QueueTimeout), !first.IsZero()
 }
 
 // expire ends running requests whose client left, whose time is up, or whose
