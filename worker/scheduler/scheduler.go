@@ -51,6 +51,9 @@ type Config struct {
 	// OnEvict receives prompt hashes no KV entry holds any more. It is
 	// called from the loop and must not block (worker/mcreport queues).
 	OnEvict func([]prefix.Hash)
+	// OnEvictAt, when set, replaces OnEvict and also gets the time the
+	// entries were evicted (worker/mcreport sends it along). Same rules.
+	OnEvictAt func([]prefix.Hash, time.Time)
 	// OnCached receives the hashes of every request that binds a KV entry:
 	// a pending eviction report of any of them is stale. Same rules.
 	OnCached func([]prefix.Hash)
@@ -161,7 +164,7 @@ func New(eng engine.Engine, cfg Config) (*Scheduler, error) {
 	m := cfg.Metrics
 	kv, err := kvcache.NewOwner(kvcache.OwnerConfig{
 		Limits: cfg.KV, NSeqMax: info.NSeqMax, Cells: eng,
-		Reports:  reports{evicted: cfg.OnEvict, cached: cfg.OnCached},
+		Reports:  reports{evicted: cfg.OnEvict, evictedAt: cfg.OnEvictAt, cached: cfg.OnCached},
 		OnEvict:  func(cause string) { m.evictions.WithLabelValues(cause).Inc() },
 		NoFollow: cfg.NoFollow,
 	})
@@ -175,10 +178,18 @@ func New(eng engine.Engine, cfg Config) (*Scheduler, error) {
 }
 
 // reports adapts the Config callbacks to kvcache.Reports.
-type reports struct{ evicted, cached func([]prefix.Hash) }
+type reports struct {
+	evicted, cached func([]prefix.Hash)
+	evictedAt       func([]prefix.Hash, time.Time)
+}
 
-func (r reports) Evicted(hs []prefix.Hash) {
-	if r.evicted != nil {
+func (r reports) Evicted(hs []prefix.Hash) { r.EvictedAt(hs, time.Now()) }
+
+func (r reports) EvictedAt(hs []prefix.Hash, at time.Time) {
+	switch {
+	case r.evictedAt != nil:
+		r.evictedAt(hs, at)
+	case r.evicted != nil:
 		r.evicted(hs)
 	}
 }

@@ -210,7 +210,7 @@ func run(ctx context.Context, args []string, stderr io.Writer, ready func(addr s
 		if err != nil {
 			return err
 		}
-		cfg.OnEvict = rep.Evict
+		cfg.OnEvictAt = rep.EvictAt
 		cfg.OnCached = rep.Cached
 		reporter = rep
 	}
