@@ -400,9 +400,22 @@ func (s *Store) QueryCache(ctx context.Context, cluster string, hashes []prefix.
 func (s *Store) Route(ctx context.Context, cluster string, hashes []prefix.Hash) (api.RouteAnswer, error) {
 	k := s.keys(cluster)
 	ks, args := s.queryArgs(k, append(k.leases(), k.signals()), hashes)
-	res, err := s.sc.route.Run(ctx, s.rdb, ks, args...).Slice()
+	// The registrations are read in the script's pipeline: same slot, one
+	// round trip.
+	rc, pc, err := s.routePipe(ctx, k, ks, args, false)
+	if err != nil && redis.HasErrorPrefix(rc.Err(), "NOSCRIPT") {
+		rc, pc, err = s.routePipe(ctx, k, ks, args, true)
+	}
 	if err != nil {
 		return api.RouteAnswer{}, s.wrap("route query", err)
+	}
+	res, err := rc.Slice()
+	if err != nil {
+		return api.RouteAnswer{}, s.wrap("route query", err)
+	}
+	pods, err := podLabels(pc.Val(), args[0].(int64))
+	if err != nil {
+		return api.RouteAnswer{}, err
 	}
 	if len(res) != 6 {
 		return api.RouteAnswer{}, fmt.Errorf("redis route query: unexpected reply %v", res)
@@ -419,7 +432,22 @@ func (s *Store) Route(ctx context.Context, cluster string, hashes []prefix.Hash)
 	if err != nil {
 		return api.RouteAnswer{}, err
 	}
-	return api.RouteAnswer{Load: load, Cache: locs, Signals: sig}, nil
+	return api.RouteAnswer{Load: load, Cache: locs, Signals: sig, Pods: pods}, nil
+}
+
+// routePipe sends the route script (EVALSHA, or EVAL after a script-cache
+// flush) and the registrations' HGETALL in one pipeline.
+func (s *Store) routePipe(ctx context.Context, k keys, ks []string, args []any, eval bool) (*redis.Cmd, *redis.MapStringStringCmd, error) {
+	pipe := s.rdb.Pipeline()
+	var rc *redis.Cmd
+	if eval {
+		rc = s.sc.route.Eval(ctx, pipe, ks, args...)
+	} else {
+		rc = s.sc.route.EvalSha(ctx, pipe, ks, args...)
+	}
+	pc := pipe.HGetAll(ctx, k.pods())
+	_, err := pipe.Exec(ctx)
+	return rc, pc, err
 }
 
 // ReportSignals implements store.Store. The report is stamped with this
