@@ -36,7 +36,7 @@ func TestPodRegistrations(t *testing.T) {
 			reg := &api.PodRegistration{Models: []string{"tiny"}, Labels: map[string]string{"pool": "gold"}, Adapters: []string{"sql"}, TTLMS: 60_000}
 			c.ok("POST", api.PathPodSignals, api.PodReport{Cluster: cl, Host: "10.0.0.1:08000", Running: 1, Register: reg}, nil)
 			c.ok("POST", api.PathPodSignals, api.PodReport{Cluster: cl, Host: b, Running: 2}, nil) // never registers
-			c.ok("POST", api.PathPodSignals, api.PodReport{Cluster: cl, Host: a, Running: 3}, nil)  // keeps a's registration
+			c.ok("POST", api.PathPodSignals, api.PodReport{Cluster: cl, Host: a, Running: 3}, nil) // keeps a's registration
 			c.ok("POST", api.PathLoadStats, api.AddRequest{Cluster: cl, Host: b, RequestID: "r", PromptLength: 5}, nil)
 			var ans api.RouteAnswer
 			c.ok("POST", api.PathRouteQuery, api.RouteQuery{Cluster: cl, Hashes: hexes(0, 2)}, &ans)
