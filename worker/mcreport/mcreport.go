@@ -45,6 +45,14 @@ type Config struct {
 	MaxBackoff time.Duration // default 5 s
 	Logger     *slog.Logger
 	Registerer prometheus.Registerer
+	// Registration, when set, is what RunSignals registers this pod as
+	// (labels, models, LoRA adapters): sent with the first signal report
+	// and then every RegisterEvery, so the metadata center's TTL
+	// (Registration.TTLMS) never lapses while the pod lives.
+	Registration *api.PodRegistration
+	// RegisterEvery is the registration refresh period; default
+	// DefaultRegisterEvery.
+	RegisterEvery time.Duration
 }
 
 // Reporter queues and sends eviction reports.

@@ -63,6 +63,9 @@ type options struct {
 	simCost                                                                                sim.Cost
 	lora                                                                                   []llama.LoRA
 	simBytesPerToken                                                                       int64
+	labelFlags                                                                             labelFlags
+	labelsFile                                                                             string
+	podLabels                                                                              map[string]string
 }
 
 func parse(args []string, stderr io.Writer) (*options, error) {
@@ -106,6 +109,9 @@ func parse(args []string, stderr io.Writer) (*options, error) {
 		o.lora = append(o.lora, a)
 		return nil
 	})
+	o.labelFlags = labelFlags{}
+	fs.Var(o.labelFlags, "label", "a label of this pod, key=value (repeatable); registered with the metadata center for the router's label selectors")
+	fs.StringVar(&o.labelsFile, "labels-file", "", "more labels, one key=\"value\" per line (the Kubernetes downward API's labels file); env "+LabelsEnv+"=k=v,... and --label override it")
 	def := sim.BenchCost()
 	fs.DurationVar(&o.simCost.StepOverhead, "sim-step-overhead", def.StepOverhead, "sim: cost of every decode step")
 	fs.DurationVar(&o.simCost.PerToken, "sim-per-token", def.PerToken, "sim: cost per evaluated token")
@@ -140,6 +146,10 @@ func parse(args []string, stderr io.Writer) (*options, error) {
 		return nil, errors.New("--n-ctx, --n-batch, --threads, --kv-max-memory-mb, --kv-max-items and --prompt-hash-chunk-size must not be negative (n-batch and chunk size at least 1)")
 	case o.kvThreshold <= 0 || o.kvThreshold > 1:
 		return nil, fmt.Errorf("--kv-eviction-threshold must be within (0, 1], got %g", o.kvThreshold)
+	}
+	var err error
+	if o.podLabels, err = o.labels(os.Getenv); err != nil {
+		return nil, err
 	}
 	if o.mcURL != "" {
 		if o.cluster == "" {
@@ -198,11 +208,16 @@ func run(ctx context.Context, args []string, stderr io.Writer, ready func(addr s
 	}
 	runCtx, cancel := context.WithCancel(ctx)
 	defer cancel()
+	if o.mcURL == "" && (len(o.podLabels) > 0 || len(o.lora) > 0) {
+		log.Warn("labels and LoRA adapters are registered with the metadata center only: without --metadata-center the router's selectors do not see them",
+			"labels", o.podLabels, "adapters", o.adapterNames())
+	}
 	var reporterDone chan struct{}
 	var reporter *mcreport.Reporter
 	if o.mcURL != "" {
 		rep, err := mcreport.New(mcreport.Config{URL: o.mcURL, Cluster: o.cluster, Host: o.advertise, AuthToken: o.mcToken, ChunkSize: o.hashChunk,
-			Logger: log, Registerer: reg})
+			Logger: log, Registerer: reg,
+			Registration: &api.PodRegistration{Models: []string{info.Name}, Labels: o.podLabels, Adapters: o.adapterNames()}})
 		if err != nil {
 			return err
 		}
