@@ -1,8 +1,10 @@
 package e2e
 
 import (
+	"encoding/json"
 	"fmt"
 	"net"
+	"net/http"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -130,6 +132,44 @@ endpoints:
 			if a.status != 404 || a.errTyp != "not_found" {
 				t.Fatalf("a label no pod registered: %+v, want 404 not_found", a)
 			}
+
+			// The model list: the configured models, then the adapters
+			// registered pods serve, with their base model as parent.
+			var list struct {
+				Object string
+				Data   []struct{ ID, Object, Parent string }
+			}
+			if code := getJSON(t, g.url+"/v1/models", &list); code != 200 || list.Object != "list" {
+				t.Fatalf("GET /v1/models: %d %+v", code, list)
+			}
+			got := fmt.Sprint(list.Data)
+			if want := "[{tiny model } {tiny-bronze model } {support model tiny}]"; got != want {
+				t.Fatalf("GET /v1/models data %s, want %s", got, want)
+			}
+			var one struct{ ID, Object, Parent string }
+			if code := getJSON(t, g.url+"/v1/models/support", &one); code != 200 || one.ID != "support" || one.Parent != "tiny" {
+				t.Fatalf("GET /v1/models/support: %d %+v", code, one)
+			}
+			var e struct {
+				Error   struct{ Type string }
+				TraceID string `json:"trace_id"`
+			}
+			if code := getJSON(t, g.url+"/v1/models/legal", &e); code != 404 || e.Error.Type != "not_found" || e.TraceID == "" {
+				t.Fatalf("GET /v1/models/legal: %d %+v, want 404 not_found with a trace id", code, e)
+			}
 		})
 	}
+}
+
+func getJSON(t *testing.T, url string, out any) int {
+	t.Helper()
+	resp, err := http.Get(url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	if err := json.NewDecoder(resp.Body).Decode(out); err != nil {
+		t.Fatalf("GET %s: %d, body not JSON: %v", url, resp.StatusCode, err)
+	}
+	return resp.StatusCode
 }
