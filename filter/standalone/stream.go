@@ -57,7 +57,9 @@ type stream struct {
 	respCode       int
 	details        string
 	upstream       string
-	upstreamFailed bool // the backend could not be reached (passive health)
+	upstreamFailed bool   // the backend could not be reached (passive health)
+	trailersPhase  bool   // EncodeTrailers is running: AddData appends to the body
+	added          []byte // what AddData appended in that phase
 	events         chan event
 
 	dyn   map[string]map[string]any
@@ -223,10 +225,18 @@ func (e encoderCallbacks) SendLocalReply(code int, body string, h map[string][]s
 	e.s.sendLocalReply(code, body, h, g, det)
 }
 
-// addData is accepted and ignored with a warning: no filter of this project
-// injects bodies, and a silent half-implementation would be worse.
+// addData appends to the response body during EncodeTrailers, where the
+// filter adds a transcoded stream's tail (Envoy's addEncodedData). Elsewhere
+// it is accepted and ignored with a warning: no filter of this project
+// injects bodies there, and a silent half-implementation would be worse.
 func (s *stream) addData(data []byte) {
-	s.log.Warn("AddData/InjectData is not supported by the standalone host; data dropped", "bytes", len(data))
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.trailersPhase && s.inGo {
+		s.added = append(s.added, data...)
+		return
+	}
+	s.log.Warn("AddData/InjectData is supported by the standalone host only in EncodeTrailers; data dropped", "bytes", len(data))
 }
 
 func (d decoderCallbacks) SetUpstreamOverrideHost(host string, strict bool) error {
