@@ -5,9 +5,11 @@ import (
 	"fmt"
 	"net"
 	"net/http"
+	"net/http/httptest"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -97,8 +99,43 @@ endpoints:
 		t.Fatal(err)
 	}
 
-	for _, g := range []struct{ name, url string }{{"standalone", "http://" + gw}, {"envoy", h.URL()}} {
+	// In the mesh the filter reads the pods from Envoy's admin /clusters,
+	// which carries no labels at all.
+	admin := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.URL.Path != "/clusters" || r.URL.Query().Get("format") != "json" {
+			http.NotFound(w, r)
+			return
+		}
+		type sock struct {
+			Address   string `json:"address"`
+			PortValue int    `json:"port_value"`
+		}
+		type hs struct {
+			Address      map[string]sock   `json:"address"`
+			HealthStatus map[string]string `json:"health_status"`
+		}
+		var hosts []hs
+		for _, a := range []string{base, adapted} {
+			ip, port, _ := net.SplitHostPort(a)
+			p, _ := strconv.Atoi(port)
+			hosts = append(hosts, hs{Address: map[string]sock{"socket_address": {ip, p}}, HealthStatus: map[string]string{"eds_health_status": "HEALTHY"}})
+		}
+		_ = json.NewEncoder(w).Encode(map[string]any{"cluster_statuses": []any{map[string]any{"name": cluster, "host_statuses": hosts}}})
+	}))
+	t.Cleanup(admin.Close)
+	adminDoc := strings.Replace(doc, fmt.Sprintf("  static:\n    %s: [%s, %s]\n", cluster, base, adapted),
+		fmt.Sprintf("  envoy_admin: {address: %q, refresh: 100ms}\n", admin.URL), 1)
+	if adminDoc == doc {
+		t.Fatal("the envoy_admin config was not made")
+	}
+
+	for _, g := range []struct{ name, url, push string }{{"standalone", "http://" + gw, ""}, {"envoy", h.URL(), ""}, {"envoy_admin", h.URL(), adminDoc}} {
 		t.Run(g.name, func(t *testing.T) {
+			if g.push != "" {
+				if _, err := h.PushConfig([]byte(g.push)); err != nil {
+					t.Fatal(err)
+				}
+			}
 			// The workers register with their first signal report; the
 			// first request may come before that.
 			for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(100 * time.Millisecond) {
