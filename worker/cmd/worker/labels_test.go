@@ -1,12 +1,20 @@
 package main
 
 import (
+	"context"
 	"io"
+	"log/slog"
+	"net/http/httptest"
 	"os"
 	"path/filepath"
 	"reflect"
 	"strings"
 	"testing"
+	"time"
+
+	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/client"
+	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/server"
+	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/store/memstore"
 )
 
 // Labels come from the downward API file, the env and --label, each
@@ -57,5 +65,33 @@ func TestLabels(t *testing.T) {
 	o, _ = parse([]string{"--engine", "sim"}, io.Discard)
 	if _, err := o.labels(func(string) string { return "novalue" }); err == nil || !strings.Contains(err.Error(), LabelsEnv) {
 		t.Errorf("a bad %s: %v", LabelsEnv, err)
+	}
+}
+
+// A worker started with --label and a real metadata center registers its
+// labels and model, under the port it really listens on when --listen
+// asked for port 0.
+func TestRegistersWithTheMetadataCenter(t *testing.T) {
+	mc := httptest.NewServer(server.New(memstore.New(memstore.Options{}), server.Options{Logger: slog.New(slog.NewTextHandler(io.Discard, nil))}).Handler())
+	defer mc.Close()
+	url := start(t, "--engine", "sim", "--sim-step-overhead", "1ms", "--metadata-center", mc.URL, "--cluster", "pool",
+		"--model-name", "tiny", "--label", "pool=gold", "--label", "gpu=l4")
+	host := strings.TrimPrefix(url, "http://")
+	mcc, err := client.New(client.Options{Address: mc.URL})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(20 * time.Millisecond) {
+		pods, err := mcc.Pods(context.Background(), "pool")
+		if err != nil {
+			t.Fatal(err)
+		}
+		p, ok := pods[host]
+		if ok && reflect.DeepEqual(p.Labels, map[string]string{"pool": "gold", "gpu": "l4"}) && reflect.DeepEqual(p.Models, []string{"tiny"}) {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("registrations %+v, want %s with its labels and model", pods, host)
+		}
 	}
 }

@@ -65,6 +65,7 @@ type options struct {
 	simBytesPerToken                                                                       int64
 	labelFlags                                                                             labelFlags
 	labelsFile                                                                             string
+	advertiseListen                                                                        bool // advertise is --listen, whose port may be 0
 	podLabels                                                                              map[string]string
 }
 
@@ -164,6 +165,7 @@ func parse(args []string, stderr io.Writer) (*options, error) {
 				return nil, fmt.Errorf("--advertise-host is required with --metadata-center when --listen %q names no IP", o.listen)
 			}
 			o.advertise = o.listen
+			o.advertiseListen = true
 		}
 		if _, _, err := net.SplitHostPort(o.advertise); err != nil {
 			return nil, fmt.Errorf("--advertise-host %q: want ip:port", o.advertise)
@@ -216,6 +218,16 @@ func run(ctx context.Context, args []string, stderr io.Writer, ready func(addr s
 		log.Warn("labels and LoRA adapters are registered with the metadata center only: without --metadata-center the router's selectors do not see them",
 			"labels", o.podLabels, "adapters", o.adapterNames())
 	}
+	// Listen before the reporter starts: with --listen ip:0 the pod is
+	// known to the router under the port it really got.
+	ln, err := net.Listen("tcp", o.listen)
+	if err != nil {
+		return err
+	}
+	defer ln.Close()
+	if _, port, _ := net.SplitHostPort(o.advertise); o.advertiseListen && port == "0" {
+		o.advertise = ln.Addr().String()
+	}
 	var reporterDone chan struct{}
 	var reporter *mcreport.Reporter
 	if o.mcURL != "" {
@@ -254,10 +266,6 @@ func run(ctx context.Context, args []string, stderr io.Writer, ready func(addr s
 		ModelName: o.modelName, StrictModel: o.strictModel, Adapters: o.adapterNames(), Template: tmpl, HashChunkSize: o.hashChunk,
 		RequestTimeout: o.timeout, Registry: reg, Logger: log,
 	})
-	ln, err := net.Listen("tcp", o.listen)
-	if err != nil {
-		return err
-	}
 	hs := &http.Server{Handler: srv, ReadHeaderTimeout: 10 * time.Second}
 	log.Info("worker ready", "addr", ln.Addr().String(), "engine", o.engine, "model", info.Name, "n_ctx", info.NCtx,
 		"n_seq_max", info.NSeqMax, "n_batch", info.NBatch, "template", string(tmpl.Family), "kv_bytes_per_token", info.BytesPerToken)
