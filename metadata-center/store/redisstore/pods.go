@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"strconv"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/redis/go-redis/v9"
@@ -62,7 +63,7 @@ func (s *Store) Pods(ctx context.Context, cluster string) (map[string]api.PodReg
 	var out map[string]api.PodRegistration
 	now := s.ms()
 	for host, v := range m {
-		reg, left, err := parseRegistration(v, now)
+		reg, left, err := s.parseRegistration(v, now)
 		if err != nil {
 			return nil, err
 		}
@@ -78,11 +79,42 @@ func (s *Store) Pods(ctx context.Context, cluster string) (map[string]api.PodReg
 	return out, nil
 }
 
+// regCache keeps registrations already decoded, keyed by their JSON: the
+// route query reads every pod's registration each time, and a pod's JSON
+// only changes when it restarts (refreshes change the expiry in front of
+// it), so decoding them all per query would cost more than the query.
+type regCache struct {
+	mu sync.Mutex
+	m  map[string]api.PodRegistration
+}
+
+// maxRegCache bounds the cache; past it, it starts over.
+const maxRegCache = 16384
+
+func (c *regCache) decode(js string) (api.PodRegistration, error) {
+	c.mu.Lock()
+	reg, ok := c.m[js]
+	c.mu.Unlock()
+	if ok {
+		return reg, nil
+	}
+	if err := json.Unmarshal([]byte(js), &reg); err != nil {
+		return api.PodRegistration{}, err
+	}
+	c.mu.Lock()
+	if c.m == nil || len(c.m) >= maxRegCache {
+		c.m = map[string]api.PodRegistration{}
+	}
+	c.m[js] = reg
+	c.mu.Unlock()
+	return reg, nil
+}
+
 // podLabels keeps the live registrations of an HGETALL for the route answer.
-func podLabels(m map[string]string, now int64) (map[string]api.PodLabels, error) {
+func (s *Store) podLabels(m map[string]string, now int64) (map[string]api.PodLabels, error) {
 	var out map[string]api.PodLabels
 	for host, v := range m {
-		reg, left, err := parseRegistration(v, now)
+		reg, left, err := s.parseRegistration(v, now)
 		if err != nil {
 			return nil, err
 		}
@@ -97,8 +129,10 @@ func podLabels(m map[string]string, now int64) (map[string]api.PodLabels, error)
 	return out, nil
 }
 
-// parseRegistration reads one stored value and the milliseconds it has left.
-func parseRegistration(v string, now int64) (api.PodRegistration, int64, error) {
+// parseRegistration reads one stored value and the milliseconds it has
+// left. The returned registration's maps and slices are shared with the
+// cache: callers only read them.
+func (s *Store) parseRegistration(v string, now int64) (api.PodRegistration, int64, error) {
 	exp, js, ok := strings.Cut(v, " ")
 	e, err := strconv.ParseInt(exp, 10, 64)
 	if !ok || err != nil {
@@ -107,8 +141,8 @@ func parseRegistration(v string, now int64) (api.PodRegistration, int64, error) 
 	if e <= now {
 		return api.PodRegistration{}, 0, nil
 	}
-	var reg api.PodRegistration
-	if err := json.Unmarshal([]byte(js), &reg); err != nil {
+	reg, err := s.regs.decode(js)
+	if err != nil {
 		return api.PodRegistration{}, 0, fmt.Errorf("redis pods: malformed registration %q: %w", v, err)
 	}
 	return reg, e - now, nil

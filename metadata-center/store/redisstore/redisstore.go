@@ -87,6 +87,8 @@ type Store struct {
 
 	regMu      sync.Mutex
 	registered map[string]time.Time // cluster -> last registration by this process
+
+	regs regCache // decoded pod registrations (pods.go)
 }
 
 var _ store.Store = (*Store)(nil)
@@ -417,7 +419,7 @@ func (s *Store) Route(ctx context.Context, cluster string, hashes []prefix.Hash)
 	if err != nil {
 		return api.RouteAnswer{}, s.wrap("route query", err)
 	}
-	pods, err := podLabels(pc.Val(), args[0].(int64))
+	pods, err := s.podLabels(pc.Val(), args[0].(int64))
 	if err != nil {
 		return api.RouteAnswer{}, err
 	}
