@@ -572,13 +572,18 @@ func (e *Engine) Started(d *Decision) {
 	f := e.bal.Tracker().Begin(d.Cluster, d.Host, d.PrefillLength)
 	d.flight = f
 	d.mark(stStarted) // publishes d.flight to the other lifecycle calls
-	e.dispatch("add_request", d, func(ctx context.Context) error {
-		return e.updater.AddRequest(ctx, api.AddRequest{Cluster: d.Cluster, Host: d.Host, RequestID: d.RequestID, PromptLength: int64(d.PrefillLength)})
-	}, func(err error) {
+	acked := func(err error) {
 		if err == nil {
 			f.Acked()
 		}
-	})
+	}
+	if e.batch != nil && e.placesPrefix(d) {
+		e.startedUrgent(d, acked)
+		return
+	}
+	e.dispatch("add_request", d, func(ctx context.Context) error {
+		return e.updater.AddRequest(ctx, api.AddRequest{Cluster: d.Cluster, Host: d.Host, RequestID: d.RequestID, PromptLength: int64(d.PrefillLength)})
+	}, acked)
 	// Record the prefix on its pod now, not only when the answer starts
 	// (Saved, the seed's step): a cold prompt prefills for seconds, and every
 	// request of the same prefix arriving meanwhile would be routed blind and
