@@ -33,21 +33,27 @@ func (e *Engine) newBatcher(bs client.BatchSender) *client.Batcher {
 	})
 }
 
-// batchOp is the update a lifecycle step names (see dispatch's callers).
-func (e *Engine) batchOp(name string, d *Decision) api.BatchOp {
-	op := api.BatchOp{Cluster: d.Cluster, Host: d.Host, RequestID: d.RequestID}
+// batchOp is the update a lifecycle step names (see dispatch's callers),
+// for host: the chosen pod, or the one that really served (Served).
+func (e *Engine) batchOp(name string, d *Decision, host string) api.BatchOp {
+	op := api.BatchOp{Cluster: d.Cluster, Host: host, RequestID: d.RequestID}
 	switch name {
 	case "add_request":
 		op.Op, op.PromptLength = api.OpAddRequest, int64(d.PrefillLength)
+		if host != d.Host {
+			op.PromptLength = int64(d.PromptLength) // the real pod holds none of it that we know of
+		}
 	case "first_token":
 		op.Op = api.OpFirstToken
 	case "delete_request":
 		op.Op = api.OpDone
 	case "save_cache":
-		op = api.BatchOp{Op: api.OpCacheSave, Cluster: d.Cluster, Host: d.Host, Hashes: d.Hashes, ChunkSize: e.hasher.ChunkSize}
+		op = api.BatchOp{Op: api.OpCacheSave, Cluster: d.Cluster, Host: host, Hashes: d.Hashes, ChunkSize: e.hasher.ChunkSize, SaveID: d.RequestID}
 		if len(op.Hashes) > api.MaxHashes {
 			op.Hashes = op.Hashes[:api.MaxHashes]
 		}
+	case "retract_cache":
+		op = api.BatchOp{Op: api.OpCacheRetract, Cluster: d.Cluster, Host: host, Hashes: d.retractable(host), SaveID: d.RequestID}
 	}
 	return op
 }
@@ -72,6 +78,6 @@ func (e *Engine) placesPrefix(d *Decision) bool {
 // startedUrgent queues a prefix-placing decision's lease and routing-time
 // save together, past the batch window (placesPrefix).
 func (e *Engine) startedUrgent(d *Decision, acked func(error)) {
-	e.batch.AddUrgent(client.Update{Op: e.batchOp("add_request", d), Done: acked},
-		client.Update{Op: e.batchOp("save_cache", d)})
+	e.batch.AddUrgent(client.Update{Op: e.batchOp("add_request", d, d.Host), Done: acked},
+		client.Update{Op: e.batchOp("save_cache", d, d.Host)})
 }

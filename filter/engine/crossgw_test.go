@@ -32,10 +32,10 @@ func eightPods(t testing.TB) endpoints.Source {
 	return s
 }
 
-// centers starts n metadata centers on one store: the embedded store
+// sharedCenters starts n metadata centers on one store: the embedded store
 // (n must be 1) or one real redis-server shared by all of them, as
 // replicas are deployed.
-func centers(t *testing.T, kind string, n int) []string {
+func sharedCenters(t *testing.T, kind string, n int) []string {
 	t.Helper()
 	var st store.Store
 	switch kind {
@@ -89,7 +89,7 @@ func TestColdPlacementReachesOtherGateways(t *testing.T) {
 		mcs   int
 	}{{"memory", 1}, {"redis", 2}} {
 		t.Run(fmt.Sprintf("%s/%d_centers", tc.store, tc.mcs), func(t *testing.T) {
-			gws := gateways(t, centers(t, tc.store, tc.mcs), 3, time.Hour)
+			gws := gateways(t, sharedCenters(t, tc.store, tc.mcs), 3, time.Hour)
 			system := strings.Repeat("A long shared document that every user of this tenant asks about. ", 16)
 			var ds []*Decision
 			route := func(e *Engine, q string) *Decision {
@@ -157,7 +157,7 @@ func TestHotPrefixSpreadsAcrossGatewaysAsOnOne(t *testing.T) {
 		slices.Sort(counts)
 		return counts
 	}
-	one := spread(t, gateways(t, centers(t, "memory", 1), 1, time.Millisecond))
+	one := spread(t, gateways(t, sharedCenters(t, "memory", 1), 1, time.Millisecond))
 	t.Logf("one gateway: requests per pod %v", one)
 	if len(one) < 2 {
 		t.Fatalf("one gateway kept %d in-flight requests of a hot prompt on one pod", requests)
@@ -167,7 +167,7 @@ func TestHotPrefixSpreadsAcrossGatewaysAsOnOne(t *testing.T) {
 		mcs   int
 	}{{"memory", 1}, {"redis", 2}} {
 		t.Run(fmt.Sprintf("%s/%d_centers", tc.store, tc.mcs), func(t *testing.T) {
-			three := spread(t, gateways(t, centers(t, tc.store, tc.mcs), 3, time.Millisecond))
+			three := spread(t, gateways(t, sharedCenters(t, tc.store, tc.mcs), 3, time.Millisecond))
 			t.Logf("three gateways: requests per pod %v", three)
 			if !slices.Equal(one, three) {
 				t.Fatalf("requests per pod: %v with one gateway, %v with three", one, three)
