@@ -582,6 +582,15 @@ func (e *Engine) Started(d *Decision) {
 	f := e.bal.Tracker().Begin(d.Cluster, d.Host, d.PrefillLength)
 	d.flight = f
 	d.mark(stStarted) // publishes d.flight to the other lifecycle calls
+	if e.batch != nil && e.placesPrefix(d) {
+		d.mark(stEarlySave)
+		e.startedUrgent(d, func(err error) {
+			if err == nil {
+				f.Acked()
+			}
+		})
+		return
+	}
 	e.addRequest(d, d.Host, f)
 	// Record the prefix on its pod now, not only when the answer starts
 	// (Saved, the seed's step): a cold prompt prefills for seconds, and every
