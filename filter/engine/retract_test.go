@@ -62,6 +62,9 @@ func TestFailureBeforeTheFirstTokenRetractsTheRoutingTimeSave(t *testing.T) {
 
 func testRetract(t *testing.T, e *Engine, mc *client.Client, m *counts) {
 	ctx := context.Background()
+	// The canary rule's cluster has one pod: where a request goes is
+	// certain, and the index is what is tested.
+	const cluster = "canary"
 	held := func(host string, hashes []string) int {
 		t.Helper()
 		ans, err := mc.Route(ctx, cluster, hashes)
@@ -85,7 +88,7 @@ func testRetract(t *testing.T, e *Engine, mc *client.Client, m *counts) {
 	}
 	decide := func(system, user string) *Decision {
 		t.Helper()
-		d, err := e.Decide(ctx, chatPath(), chatBody(system, user))
+		d, err := e.Decide(ctx, hdr{":path": "/v1/chat/completions", "x-env": "canary"}, chatBody(system, user))
 		if err != nil {
 			t.Fatal(err)
 		}
