@@ -186,6 +186,10 @@ func testRetract(t *testing.T, e *Engine, mc *client.Client, m *counts) {
 	if n := held(d7.Host, d7.Hashes); n != len(d7.Hashes) {
 		t.Fatalf("d7 succeeded, yet %d of %d blocks are held", n, len(d7.Hashes))
 	}
+	// d1, d3, d4 and d6 withdrew saves; d2 and d7 succeeded, d5 saved nothing.
+	if n := m.get("retractions"); n != 4 {
+		t.Fatalf("retractions counted %d, want 4", n)
+	}
 	if n := m.get("async_errors"); n != 0 {
 		t.Fatalf("%d updates failed", n)
 	}
