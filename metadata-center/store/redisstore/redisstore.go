@@ -88,7 +88,8 @@ type Store struct {
 	regMu      sync.Mutex
 	registered map[string]time.Time // cluster -> last registration by this process
 
-	regs regCache // decoded pod registrations (pods.go)
+	regs   regCache // decoded pod registrations (pods.go)
+	routes routePipe
 }
 
 var _ store.Store = (*Store)(nil)
@@ -408,18 +409,11 @@ func (s *Store) Route(ctx context.Context, cluster string, hashes []prefix.Hash)
 	ks, args := s.queryArgs(k, append(k.leases(), k.signals()), hashes)
 	// The registrations are read in the script's pipeline: same slot, one
 	// round trip.
-	rc, pc, err := s.routePipe(ctx, k, ks, args, false)
-	if err != nil && redis.HasErrorPrefix(rc.Err(), "NOSCRIPT") {
-		rc, pc, err = s.routePipe(ctx, k, ks, args, true)
-	}
+	res, podVals, err := s.route(ctx, ks, args, k.pods())
 	if err != nil {
 		return api.RouteAnswer{}, s.wrap("route query", err)
 	}
-	res, err := rc.Slice()
-	if err != nil {
-		return api.RouteAnswer{}, s.wrap("route query", err)
-	}
-	pods, err := s.podLabels(pc.Val(), args[0].(int64))
+	pods, err := s.podLabels(podVals, args[0].(int64))
 	if err != nil {
 		return api.RouteAnswer{}, err
 	}
@@ -439,21 +433,6 @@ func (s *Store) Route(ctx context.Context, cluster string, hashes []prefix.Hash)
 		return api.RouteAnswer{}, err
 	}
 	return api.RouteAnswer{Load: load, Cache: locs, Signals: sig, Pods: pods}, nil
-}
-
-// routePipe sends the route script (EVALSHA, or EVAL after a script-cache
-// flush) and the registrations' HGETALL in one pipeline.
-func (s *Store) routePipe(ctx context.Context, k keys, ks []string, args []any, eval bool) (*redis.Cmd, *redis.MapStringStringCmd, error) {
-	pipe := s.rdb.Pipeline()
-	var rc *redis.Cmd
-	if eval {
-		rc = s.sc.route.Eval(ctx, pipe, ks, args...)
-	} else {
-		rc = s.sc.route.EvalSha(ctx, pipe, ks, args...)
-	}
-	pc := pipe.HGetAll(ctx, k.pods())
-	_, err := pipe.Exec(ctx)
-	return rc, pc, err
 }
 
 // ReportSignals implements store.Store. The report is stamped with this
