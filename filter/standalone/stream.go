@@ -1,12 +1,15 @@
 package standalone
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
 	"log/slog"
 	"net/http"
+	"runtime"
 	"runtime/debug"
+	"strconv"
 	"strings"
 	"sync"
 	"time"
@@ -48,9 +51,10 @@ type stream struct {
 	log   *slog.Logger
 
 	mu             sync.Mutex
-	inGo           bool // a phase is waiting on the filter (sync call or Running)
-	async          bool // the phase returned Running: calls come from goroutines
-	encoding       bool // current phase is an encode phase
+	inGo           bool   // a phase is waiting on the filter (sync call or Running)
+	async          bool   // the phase returned Running: calls come from goroutines
+	phaseG         uint64 // the goroutine that runs phases: Envoy's worker thread
+	encoding       bool   // current phase is an encode phase
 	destroyed      bool
 	override       string
 	strict         bool
@@ -93,7 +97,7 @@ func newStream(h *Host, r *http.Request) *stream {
 // when the client went away while waiting.
 func (s *stream) call(ctx context.Context, encoding bool, fn func() api.StatusType) (st api.StatusType, reply *localReply, ok bool) {
 	s.mu.Lock()
-	s.inGo, s.encoding, s.async = true, encoding, false
+	s.inGo, s.encoding, s.async, s.phaseG = true, encoding, false, goid()
 	s.mu.Unlock()
 	st = s.protect(fn)
 	if st == api.Running {
@@ -258,9 +262,22 @@ func (d decoderCallbacks) SetUpstreamOverrideHost(host string, strict bool) erro
 	// Envoy posts an override made from a goroutine to the worker thread
 	// and applies it with strict=false (golang_filter.cc
 	// setUpstreamOverrideHost); only a phase's own synchronous call keeps
-	// strict.
-	s.override, s.strict = norm, strict && !s.async
+	// strict. Envoy tells the two apart by thread, not by time: a goroutine
+	// may call before its phase has returned Running.
+	s.override, s.strict = norm, strict && !s.async && goid() == s.phaseG
 	return nil
+}
+
+// goid is the calling goroutine's id, the standalone host's stand-in for
+// Envoy's "am I on the worker thread" check (golang_filter.cc isThreadSafe).
+func goid() uint64 {
+	var buf [32]byte
+	b := bytes.TrimPrefix(buf[:runtime.Stack(buf[:], false)], []byte("goroutine "))
+	if i := bytes.IndexByte(b, ' '); i > 0 {
+		b = b[:i]
+	}
+	id, _ := strconv.ParseUint(string(b), 10, 64)
+	return id
 }
 
 // --- StreamFilterCallbacks ---
