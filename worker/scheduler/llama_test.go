@@ -158,8 +158,13 @@ func TestLlamaConcurrentBatchesMatchSoloRuns(t *testing.T) {
 func TestLlamaKVFullEvictsInsteadOfCrashing(t *testing.T) {
 	path := testmodel.Path(t)
 	// 1024 cells: each request needs ~600, so every new one must evict the
-	// previous entry, found through llama_decode's KV-full answer.
-	eng := openLlama(t, path, 1024, 4)
+	// previous entry, found through llama_decode's KV-full answer — when
+	// idle entries stay in the KV cache.
+	eng, err := llama.Open(llama.Config{ModelPath: path, NCtx: 1024, NSeqMax: 4, Threads: 1, NoPark: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { eng.Close() })
 	m := NewMetrics(nil)
 	s := startSched(t, eng, Config{Metrics: m})
 	for i := range 4 {
@@ -171,6 +176,38 @@ func TestLlamaKVFullEvictsInsteadOfCrashing(t *testing.T) {
 	}
 	if n := counterValue(m.evictions.WithLabelValues("kv_full")); n < 3 {
 		t.Fatalf("%v evictions on KV full, want one per request after the first", n)
+	}
+}
+
+// With idle entries parked in host memory (the default), the same four
+// requests never fill the 1024 cells, and all four stay cached: a repeat
+// of the first is served from its parked cells with the cold run's output.
+func TestLlamaParkedEntriesLeaveTheKVCacheFree(t *testing.T) {
+	path := testmodel.Path(t)
+	eng := openLlama(t, path, 1024, 5)
+	m := NewMetrics(nil)
+	s := startSched(t, eng, Config{Metrics: m})
+	var first []int
+	var prompt0 []int
+	for i := range 4 {
+		p := tokenize(t, eng, history(580, fmt.Sprint("salt", i)))
+		out, res := collect(t, s, &Request{ID: fmt.Sprint("k", i), Prompt: p, MaxTokens: 8, IgnoreEOS: true})
+		if res.State != Completed || len(out) != 8 {
+			t.Fatalf("request %d: %+v", i, res)
+		}
+		if i == 0 {
+			first, prompt0 = out, p
+		}
+	}
+	if n := counterValue(m.evictions.WithLabelValues("kv_full")); n != 0 {
+		t.Fatalf("%v evictions on KV full with idle entries parked, want 0", n)
+	}
+	if eng.ParkedBytes() == 0 {
+		t.Fatal("nothing parked after four completed requests")
+	}
+	out, res := collect(t, s, &Request{ID: "again", Prompt: prompt0, MaxTokens: 8, IgnoreEOS: true})
+	if res.State != Completed || res.CachedTokens != len(prompt0)-1 || !slices.Equal(out, first) {
+		t.Fatalf("repeat of the first prompt: %+v (cached %d of %d)\n got %v\nwant %v", res, res.CachedTokens, len(prompt0), out, first)
 	}
 }
 

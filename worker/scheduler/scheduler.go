@@ -521,7 +521,8 @@ func (s *Scheduler) batch() ([]engine.Span, []*task) {
 }
 
 // step runs the batch, making room when the KV cache is full: first by
-// evicting idle entries, then by preempting the newest request in the batch
+// evicting idle entries that hold cells in it (parked ones hold none), then
+// by preempting the newest request in the batch
 // (it returns to PENDING and recomputes later), and a request alone in a
 // batch that still does not fit fails.
 func (s *Scheduler) step(spans []engine.Span, tasks []*task) {
@@ -541,7 +542,7 @@ func (s *Scheduler) step(spans []engine.Span, tasks []*task) {
 			}
 			return
 		}
-		if s.kv.EvictOne("kv_full") {
+		if s.kv.EvictForRoom("kv_full") {
 			continue
 		}
 		// Nothing idle to evict: preempt the newest request holding cells.

@@ -1,0 +1,82 @@
+package llama
+
+import (
+	"errors"
+	"slices"
+	"strings"
+	"testing"
+
+	"github.com/istio-llm-filter/istio-llm-filter/worker/engine"
+)
+
+// Parked cells come back bit for bit: every way a cached entry is used
+// again (taken over, its prefix copied into a fresh sequence, cut, copied
+// from the middle) gives the greedy output of a cold run.
+func TestParkedSequenceGivesTheSameGreedyOutput(t *testing.T) {
+	e := open(t, 4096, 4)
+	prompt, _ := e.Tokenize(strings.Repeat("the quick brown fox jumps over the lazy dog. ", 30), true)
+	full := greedy(t, e, 0, prompt, 0, 16)
+	e.Remove(0, 0)
+
+	greedy(t, e, 0, prompt, 0, 16)
+	e.Remove(0, len(prompt)) // an entry holding exactly the prompt
+	e.Park(0)
+	if !e.Parked(0) || e.ParkedBytes() == 0 {
+		t.Fatalf("seq 0 not parked (parked %v, %d bytes)", e.Parked(0), e.ParkedBytes())
+	}
+
+	// Adopted by copy: seq 1 starts from seq 0's state cut to len-1 cells.
+	e.Copy(0, 1, 0, len(prompt)-1)
+	if got := greedy(t, e, 1, prompt, len(prompt)-1, 16); !slices.Equal(full, got) {
+		t.Fatalf("copied from a parked sequence:\ncold %v\ngot  %v", full, got)
+	}
+	if !e.Parked(0) {
+		t.Fatal("the copy's source left host memory")
+	}
+	// In two ranges from a parked source: the second one restores it.
+	e.Copy(0, 2, 0, 7)
+	e.Copy(0, 2, 7, len(prompt)-1)
+	if got := greedy(t, e, 2, prompt, len(prompt)-1, 16); !slices.Equal(full, got) {
+		t.Fatalf("copied in two ranges from a parked sequence:\ncold %v\ngot  %v", full, got)
+	}
+	// Taken over: the same seq id, its tail cut while parked.
+	e.Remove(0, len(prompt)-1)
+	if got := greedy(t, e, 0, prompt, len(prompt)-1, 16); !slices.Equal(full, got) {
+		t.Fatalf("a parked sequence taken over:\ncold %v\ngot  %v", full, got)
+	}
+	if e.Parked(0) {
+		t.Fatal("seq 0 computed but still parked")
+	}
+	e.Remove(0, 0)
+	e.Remove(1, 0)
+	e.Remove(2, 0)
+	if e.ParkedBytes() != 0 {
+		t.Fatalf("%d bytes still parked after every sequence was removed", e.ParkedBytes())
+	}
+}
+
+// A parked sequence frees its cells; bringing it back into a full cache is
+// ErrKVFull (it stays parked), and works once there is room again.
+func TestParkingFreesCellsAndRestoringNeedsRoom(t *testing.T) {
+	e := open(t, 256, 2)
+	toks := make([]int, 200)
+	for i := range toks {
+		toks[i] = 3 + 'a' + i%26
+	}
+	want := greedy(t, e, 0, toks, 0, 4)
+	e.Remove(0, len(toks))
+	e.Park(0)
+	if _, err := e.Step([]engine.Span{{Seq: 1, Pos: 0, Tokens: toks}}); err != nil {
+		t.Fatalf("200 cells after parking the other 200 of 256: %v", err)
+	}
+	s, _ := e.NewSampler(engine.SamplingParams{})
+	_, err := e.Step([]engine.Span{{Seq: 0, Pos: len(toks) - 1, Tokens: toks[len(toks)-1:], Sampler: s}})
+	if !errors.Is(err, engine.ErrKVFull) || !e.Parked(0) {
+		t.Fatalf("restoring 200 cells into 56 free ones: err %v, parked %v; want ErrKVFull and still parked", err, e.Parked(0))
+	}
+	e.Remove(1, 0)
+	e.Remove(0, len(toks)-1)
+	if got := greedy(t, e, 0, toks, len(toks)-1, 4); !slices.Equal(want, got) {
+		t.Fatalf("after making room: %v, want %v", got, want)
+	}
+}
