@@ -16,7 +16,8 @@
 # own), OLLAMA_PARALLEL (space-separated OLLAMA_NUM_PARALLEL values, one
 # Ollama server each; default "1 4": Ollama's default and one slot per
 # user), BEFORE (a commit of this repository to compare with as well),
-# WORKER_ARGS (extra flags for the worker).
+# WORKER_ARGS (extra flags for the worker), BEFORE_ARGS (for the older one;
+# e.g. a longer --request-timeout for both on a loaded machine).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export CGO_CFLAGS="-O3 -march=native" CGO_CXXFLAGS="-O3 -march=native"
@@ -54,7 +55,8 @@ pids+=($!)
 wait_up http://127.0.0.1:9181/healthz
 targets+=(--target worker=http://127.0.0.1:9181=bench)
 if [ -n "${BEFORE:-}" ]; then
-	bin/worker-before --model "$model" --listen 127.0.0.1:9182 --model-name bench >var/bench-ollama-before.log 2>&1 &
+	# shellcheck disable=SC2086
+	bin/worker-before --model "$model" --listen 127.0.0.1:9182 --model-name bench ${BEFORE_ARGS:-} >var/bench-ollama-before.log 2>&1 &
 	pids+=($!)
 	wait_up http://127.0.0.1:9182/healthz
 	targets+=(--target "before=http://127.0.0.1:9182=bench")
