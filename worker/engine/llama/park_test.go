@@ -2,11 +2,15 @@ package llama
 
 import (
 	"errors"
+	"fmt"
+	"os"
 	"slices"
+	"strconv"
 	"strings"
 	"testing"
 
 	"github.com/istio-llm-filter/istio-llm-filter/worker/engine"
+	"github.com/istio-llm-filter/istio-llm-filter/worker/testmodel"
 )
 
 // Parked cells come back bit for bit: every way a cached entry is used
@@ -78,5 +82,64 @@ func TestParkingFreesCellsAndRestoringNeedsRoom(t *testing.T) {
 	e.Remove(0, len(toks)-1)
 	if got := greedy(t, e, 0, toks, len(toks)-1, 4); !slices.Equal(want, got) {
 		t.Fatalf("after making room: %v, want %v", got, want)
+	}
+}
+
+// BenchmarkPrefill is one cold 2,600-token prompt prefilled in 512-token
+// steps into a 16k-cell, 16-sequence context (the worker's defaults on the
+// bench preset), per kernel, with the cache empty or holding two other
+// 2,600-token sequences — in the cache or parked. It is the profile behind
+// the worker's defaults (docs/worker.md "A crowded KV cache"). Point
+// LLMF_BENCH_MODEL at the bench preset; LLMF_THREADS sets the threads.
+func BenchmarkPrefill(b *testing.B) {
+	path := os.Getenv("LLMF_BENCH_MODEL")
+	if path == "" {
+		path = testmodel.Path(b)
+	}
+	threads, _ := strconv.Atoi(os.Getenv("LLMF_THREADS"))
+	const n, others = 2600, 2
+	toks := func(salt int) []int {
+		out := make([]int, n)
+		for i := range out {
+			out[i] = 3 + 'a' + (i*7+salt*13+i/26)%26
+		}
+		return out
+	}
+	prefill := func(b *testing.B, e *Engine, seq int, t []int) {
+		for p := 0; p < len(t); p += 512 {
+			if _, err := e.Step([]engine.Span{{Seq: seq, Pos: p, Tokens: t[p:min(p+512, len(t))]}}); err != nil {
+				b.Fatal(err)
+			}
+		}
+	}
+	for _, fa := range []bool{false, true} {
+		for _, crowd := range []string{"empty", "crowded", "parked"} {
+			if fa && crowd == "parked" {
+				continue
+			}
+			b.Run(fmt.Sprintf("flash=%v/%s", fa, crowd), func(b *testing.B) {
+				e, err := Open(Config{ModelPath: path, NCtx: 16384, NSeqMax: 16, Threads: threads, FlashAttention: fa})
+				if err != nil {
+					b.Fatal(err)
+				}
+				defer e.Close()
+				if crowd != "empty" {
+					for s := 1; s <= others; s++ {
+						prefill(b, e, s, toks(s))
+						if crowd == "parked" {
+							e.Park(s)
+						}
+					}
+				}
+				b.ResetTimer()
+				for i := range b.N {
+					prefill(b, e, 0, toks(100+i))
+					b.StopTimer()
+					e.Remove(0, 0)
+					b.StartTimer()
+				}
+				b.ReportMetric(float64(b.Elapsed().Microseconds())/1000/float64(b.N), "ms/prefill")
+			})
+		}
 	}
 }
