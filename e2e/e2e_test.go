@@ -226,10 +226,10 @@ func conversationSticks(t *testing.T, cl openai.Client, stream bool, seed uint64
 	}
 }
 
-func TestKilledWorkerIsAvoided(t *testing.T) {
-	f := startFleet(t)
-	cl := client(f, 0)
-	c := newConversation(false, 3)
+// askThenKill asks the conversation's first question and kills the worker
+// that answered it.
+func askThenKill(t *testing.T, f *fleet.Fleet, cl openai.Client, c *conversation) turn {
+	t.Helper()
 	first, err := c.ask(t, cl, "Which worker am I on?")
 	if err != nil {
 		t.Fatal(err)
@@ -244,6 +244,14 @@ func TestKilledWorkerIsAvoided(t *testing.T) {
 		t.Fatalf("upstream %s is not one of the fleet's workers %v", first.worker, f.Workers)
 	}
 	f.KillWorker(dead)
+	return first
+}
+
+func TestKilledWorkerIsAvoided(t *testing.T) {
+	f := startFleet(t)
+	cl := client(f, 0)
+	c := newConversation(false, 3)
+	first := askThenKill(t, f, cl, c)
 
 	// The router still believes the dead pod holds the conversation: the next
 	// request may be sent there once, fail fast with 503, and eject it.

@@ -101,20 +101,7 @@ func TestKilledWorkerIsAvoidedThroughEnvoy(t *testing.T) {
 	f := startFleet(t)
 	cl := clientAt(startEnvoy(t, f), 0)
 	c := newConversation(false, 6)
-	first, err := c.ask(t, cl, "Which worker am I on?")
-	if err != nil {
-		t.Fatal(err)
-	}
-	dead := -1
-	for i, w := range f.Workers {
-		if w == first.worker {
-			dead = i
-		}
-	}
-	if dead < 0 {
-		t.Fatalf("upstream %s is not one of the fleet's workers %v", first.worker, f.Workers)
-	}
-	f.KillWorker(dead)
+	first := askThenKill(t, f, cl, c)
 	for i := 0; i < 3; i++ {
 		tr, err := c.ask(t, cl, fmt.Sprintf("Are you still there? (%d)", i))
 		if err != nil {

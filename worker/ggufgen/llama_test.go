@@ -191,26 +191,8 @@ func assertFinite(t *testing.T, what string, xs []float32) {
 // that llama.cpp's pick is their argmax.
 func greedy(t *testing.T, m *llama.Model, lc *llama.Context, outW []float32, prompt []int, n int, minGap *float64) []int {
 	t.Helper()
-	lc.KvCacheClear()
-	sc, err := llama.NewSamplingContext(m, llama.SamplingParams{Temp: 0, Seed: 1})
-	if err != nil {
-		t.Fatal(err)
-	}
-	batch, err := llama.NewBatch(len(prompt), 1, 0)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer batch.Free()
-	for i, tok := range prompt {
-		batch.Add(tok, nil, i, i == len(prompt)-1, 0)
-	}
-	if err := lc.Decode(batch); err != nil {
-		t.Fatal(err)
-	}
-	idx := len(prompt) - 1
 	embed := m.NEmbd()
-	var out []int
-	for step := range n {
+	return decodeGreedy(t, m, lc, prompt, n, func(step, idx, tok int) {
 		hidden := lc.GetEmbeddingsIth(idx)
 		assertFinite(t, "hidden state", hidden)
 		logits := make([]float64, ggufgen.VocabSize)
@@ -221,23 +203,13 @@ func greedy(t *testing.T, m *llama.Model, lc *llama.Context, outW []float32, pro
 			}
 		}
 		assertFinite(t, "logits", toF32(logits))
-		tok := sc.Sample(lc, idx)
-		sc.Accept(tok, false)
 		best, second := topTwo(logits)
 		*minGap = min(*minGap, logits[best]-logits[second])
 		// Only a near tie may legitimately differ between float32 in C and float64 here.
 		if tok != best && logits[best]-logits[second] > 1e-3 {
 			t.Fatalf("step %d: llama.cpp picked %d (logit %.4f), argmax is %d (logit %.4f)", step, tok, logits[tok], best, logits[best])
 		}
-		out = append(out, tok)
-		batch.Clear()
-		batch.Add(tok, nil, len(prompt)+step, true, 0)
-		if err := lc.Decode(batch); err != nil {
-			t.Fatal(err)
-		}
-		idx = 0
-	}
-	return out
+	})
 }
 
 func toF32(xs []float64) []float32 {

@@ -11,8 +11,9 @@ import (
 	"github.com/istio-llm-filter/istio-llm-filter/worker/ggufgen"
 )
 
-// decodeGreedy prefills prompt and samples n tokens greedily.
-func decodeGreedy(t *testing.T, m *llama.Model, lc *llama.Context, prompt []int, n int) []int {
+// decodeGreedy prefills prompt and samples n tokens greedily; check, if
+// set, sees every step before the next decode overwrites its outputs.
+func decodeGreedy(t *testing.T, m *llama.Model, lc *llama.Context, prompt []int, n int, check func(step, idx, tok int)) []int {
 	t.Helper()
 	lc.KvCacheClear()
 	sc, err := llama.NewSamplingContext(m, llama.SamplingParams{Temp: 0, Seed: 1})
@@ -35,6 +36,9 @@ func decodeGreedy(t *testing.T, m *llama.Model, lc *llama.Context, prompt []int,
 	for step := range n {
 		tok := sc.Sample(lc, idx)
 		sc.Accept(tok, false)
+		if check != nil {
+			check(step, idx, tok)
+		}
 		out = append(out, tok)
 		batch.Clear()
 		batch.Add(tok, nil, len(prompt)+step, true, 0)
@@ -60,18 +64,18 @@ func TestLoRAAdapterChangesOutput(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	base := decodeGreedy(t, m, newContext(t, m, 512, 512), prompt, 24)
+	base := decodeGreedy(t, m, newContext(t, m, 512, 512), prompt, 24, nil)
 
 	withLoRA := newContext(t, m, 512, 512)
 	if err := m.ApplyLoraFromFile(withLoRA, adapter, 1, 1); err != nil {
 		t.Fatalf("llama.cpp refused the generated adapter: %v", err)
 	}
-	adapted := decodeGreedy(t, m, withLoRA, prompt, 24)
+	adapted := decodeGreedy(t, m, withLoRA, prompt, 24, nil)
 	if slices.Equal(base, adapted) {
 		t.Fatalf("the adapter did not change the greedy output: %q", detokenize(m, base))
 	}
 	// Deterministic: the same adapter gives the same output again.
-	if again := decodeGreedy(t, m, withLoRA, prompt, 24); !slices.Equal(again, adapted) {
+	if again := decodeGreedy(t, m, withLoRA, prompt, 24, nil); !slices.Equal(again, adapted) {
 		t.Fatalf("adapted output not reproducible: %v vs %v", again, adapted)
 	}
 
