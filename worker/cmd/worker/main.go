@@ -202,6 +202,12 @@ func run(ctx context.Context, args []string, stderr io.Writer, ready func(addr s
 
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	if p, ok := eng.(interface{ ParkedBytes() int64 }); ok {
+		reg.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+			Name: "llmf_worker_kv_parked_bytes",
+			Help: "Host memory holding idle KV-cache entries' cells parked out of llama.cpp's KV cache (--kv-park-idle).",
+		}, func() float64 { return float64(p.ParkedBytes()) }))
+	}
 	cfg := scheduler.Config{
 		MaxQueue: o.maxQueue, MaxRunning: o.maxRunning, RequestTimeout: o.timeout, CleanupInterval: o.cleanup,
 		QueueTimeout: queueTimeout(o.queueTimeout),

@@ -7,6 +7,7 @@ import (
 	"io"
 	"net/http"
 	"net/http/httptest"
+	"strconv"
 	"strings"
 	"sync"
 	"testing"
@@ -128,6 +129,27 @@ func TestRunsTheLlamaEngineOnTheGeneratedModel(t *testing.T) {
 	resp.Body.Close()
 	if !strings.Contains(string(b), `"object":"list"`) {
 		t.Fatalf("models: %s", b)
+	}
+	// The finished conversation is parked in host memory (--kv-park-idle).
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(20 * time.Millisecond) {
+		resp, err := http.Get(url + "/metrics")
+		if err != nil {
+			t.Fatal(err)
+		}
+		b, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		var parked float64
+		for _, l := range strings.Split(string(b), "\n") {
+			if v, ok := strings.CutPrefix(l, "llmf_worker_kv_parked_bytes "); ok {
+				parked, _ = strconv.ParseFloat(v, 64)
+			}
+		}
+		if parked > 0 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("llmf_worker_kv_parked_bytes %v after a completed request, want > 0", parked)
+		}
 	}
 }
 

@@ -13,6 +13,7 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+	"sync/atomic"
 
 	"github.com/ollama/ollama/fs/ggml"
 	ll "github.com/ollama/ollama/llama"
@@ -61,7 +62,7 @@ type Engine struct {
 	raw         rawCtx
 	parked      map[int]*parked
 	lost        map[int]bool
-	parkedBytes int64
+	parkedBytes atomic.Int64
 }
 
 type sampler struct{ sc *ll.SamplingContext }

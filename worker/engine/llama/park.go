@@ -92,7 +92,7 @@ func (e *Engine) Park(seq int) {
 	}
 	e.lc.KvCacheSeqRm(seq, 0, -1)
 	e.parked[seq] = &parked{state: buf[:got], n: n, full: n}
-	e.parkedBytes += int64(got)
+	e.parkedBytes.Add(int64(got))
 }
 
 // Parked reports whether seq's cells are in host memory, not in the KV
@@ -100,12 +100,12 @@ func (e *Engine) Park(seq int) {
 func (e *Engine) Parked(seq int) bool { return e.parked[seq] != nil }
 
 // ParkedBytes is the host memory parked sequences take (shared states
-// counted once per sequence).
-func (e *Engine) ParkedBytes() int64 { return e.parkedBytes }
+// counted once per sequence). Safe for concurrent use (metrics read it).
+func (e *Engine) ParkedBytes() int64 { return e.parkedBytes.Load() }
 
 func (e *Engine) forget(seq int) {
 	if p := e.parked[seq]; p != nil {
-		e.parkedBytes -= int64(len(p.state))
+		e.parkedBytes.Add(-int64(len(p.state)))
 		delete(e.parked, seq)
 	}
 }
@@ -149,7 +149,7 @@ func (e *Engine) copyParked(src, dst, from, to int) {
 		// dst holds nothing yet: it is src's state cut to [0, to).
 		e.forget(dst)
 		e.parked[dst] = &parked{state: p.state, n: min(to, p.n), full: p.full}
-		e.parkedBytes += int64(len(p.state))
+		e.parkedBytes.Add(int64(len(p.state)))
 		return
 	}
 	// Rare (a parked sequence shared from the middle, or into a parked
@@ -167,7 +167,7 @@ func (e *Engine) copyParked(src, dst, from, to int) {
 		// src goes back to host memory: its state bytes did not change.
 		e.lc.KvCacheSeqRm(src, 0, -1)
 		e.parked[src] = p
-		e.parkedBytes += int64(len(p.state))
+		e.parkedBytes.Add(int64(len(p.state)))
 		return
 	}
 	e.lc.KvCacheSeqCp(src, dst, from, to)
