@@ -60,8 +60,16 @@ type Config struct {
 	// NoFollow: a request shares only prefix cells already written, never
 	// waits for a running request's prefill (benchmarks compare the two).
 	NoFollow bool
-	Metrics  *Metrics
-	Logger   *slog.Logger
+	// FinishFirst > 0: while a generating request has at most this many
+	// tokens left before its max_tokens, no prompt with a full step
+	// (n_batch tokens) or more still to prefill is given prefill work: the
+	// finishing request's cells would crowd that prefill's attention in
+	// llama.cpp's unified cache (and a finished one is parked), while its
+	// last decode-only steps are short. Shorter prefills (cache hits,
+	// followers' tails) still run beside it. 0: off.
+	FinishFirst int
+	Metrics     *Metrics
+	Logger      *slog.Logger
 }
 
 func (c *Config) defaults() {
@@ -528,6 +536,12 @@ func (s *Scheduler) batch() ([]engine.Span, []*task) {
 		}
 	}
 	s.prefill = s.prefill[:0]
+	finishing := false
+	for _, t := range s.ready {
+		if s.cfg.FinishFirst > 0 && len(t.toks)-t.past == 1 && t.nGen > 0 && t.maxTokens-t.nGen <= s.cfg.FinishFirst {
+			finishing = true
+		}
+	}
 	for _, t := range s.ready {
 		switch left := len(t.toks) - t.past; {
 		case left == 1 && budget > 0:
@@ -535,7 +549,7 @@ func (s *Scheduler) batch() ([]engine.Span, []*task) {
 			tasks = append(tasks, t)
 			t.spanLen = 1
 			budget--
-		case left >= 2:
+		case left >= 2 && !(finishing && left >= s.info.NBatch):
 			s.prefill = append(s.prefill, t)
 		}
 	}

@@ -55,7 +55,7 @@ func main() {
 type options struct {
 	model, listen, engine, modelName, advertise, cluster, mcURL, mcToken, kvType, logLevel string
 	nSeqMax, maxRunning, maxQueue, nCtx, nBatch, threads, hashChunk                        int
-	maxBatch, maxOutput                                                                    int
+	maxBatch, maxOutput, finishFirst                                                       int
 	kvMaxMB, kvMaxItems                                                                    int64
 	kvThreshold                                                                            float64
 	timeout, cleanup, queueTimeout                                                         time.Duration
@@ -76,6 +76,7 @@ func parse(args []string, stderr io.Writer) (*options, error) {
 	fs.IntVar(&o.maxRunning, "max-concurrent-requests", 8, "running-set size (requests decoding together)")
 	fs.IntVar(&o.maxBatch, "max-batch-size", 4, "most sequences one decode step evaluates; at most --max-concurrent-requests (unset: capped by it)")
 	fs.IntVar(&o.maxOutput, "max-output-tokens", 2048, "generated tokens of a request without max_tokens; a larger max_tokens is refused with 400")
+	fs.IntVar(&o.finishFirst, "finish-first-tokens", 16, "while a request has at most this many tokens left before its max_tokens, long prompts wait with their prefill until it ends (its KV cells would crowd their attention); 0: off")
 	fs.IntVar(&o.maxQueue, "max-queue", 256, "request queue length; beyond it requests get 429")
 	fs.DurationVar(&o.timeout, "request-timeout", 60*time.Second, "time a request may spend in the running set before 408")
 	fs.DurationVar(&o.queueTimeout, "queue-timeout", scheduler.DefaultQueueTimeout, "longest wait in the request queue before 408 (0: no bound)")
@@ -148,6 +149,8 @@ func parse(args []string, stderr io.Writer) (*options, error) {
 		return nil, errors.New("--request-timeout and --kv-cleanup-interval must be positive")
 	case o.queueTimeout < 0:
 		return nil, fmt.Errorf("--queue-timeout must not be negative (0: no bound), got %v", o.queueTimeout)
+	case o.finishFirst < 0:
+		return nil, errors.New("--finish-first-tokens must not be negative")
 	case o.nCtx < 0 || o.nBatch < 1 || o.threads < 0 || o.kvMaxMB < 0 || o.kvMaxItems < 0 || o.hashChunk < 1:
 		return nil, errors.New("--n-ctx, --n-batch, --threads, --kv-max-memory-mb, --kv-max-items and --prompt-hash-chunk-size must not be negative (n-batch and chunk size at least 1)")
 	case o.kvThreshold <= 0 || o.kvThreshold > 1:
@@ -211,7 +214,7 @@ func run(ctx context.Context, args []string, stderr io.Writer, ready func(addr s
 	cfg := scheduler.Config{
 		MaxQueue: o.maxQueue, MaxRunning: o.maxRunning, RequestTimeout: o.timeout, CleanupInterval: o.cleanup,
 		QueueTimeout: queueTimeout(o.queueTimeout),
-		MaxBatch:     o.maxBatch, MaxOutputTokens: o.maxOutput,
+		MaxBatch:     o.maxBatch, MaxOutputTokens: o.maxOutput, FinishFirst: o.finishFirst,
 		KV:      kvcache.Limits{MaxItems: o.kvMaxItems, MaxBytes: o.kvMaxMB << 20, Threshold: o.kvThreshold},
 		Metrics: scheduler.NewMetrics(reg), Logger: log,
 	}
