@@ -319,10 +319,8 @@ func Filter(eps []endpoints.Endpoint, selectors ...map[string]string) []endpoint
 next:
 	for _, e := range eps {
 		for _, s := range selectors {
-			for k, v := range s {
-				if got, ok := e.Labels[k]; !ok || got != v {
-					continue next
-				}
+			if !e.Matches(s) {
+				continue next
 			}
 		}
 		out = append(out, e)

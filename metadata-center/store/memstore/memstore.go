@@ -22,7 +22,8 @@ import (
 )
 
 // DefaultMaxEntries bounds the index when Options.MaxEntries is 0. An entry
-// costs about 220 bytes (measured), so the default keeps the index near 220 MiB.
+// costs about 270 bytes (BenchmarkEntryBytes), so the default keeps the index
+// near 270 MiB.
 const DefaultMaxEntries = 1 << 20
 
 // DefaultTouchInterval is how stale an entry's TTL refresh may be before a
@@ -51,6 +52,7 @@ type Store struct {
 	lru      list.List // *entry, most recently saved or hit at the front
 
 	signals *store.SignalsBook
+	pods    *store.RegistryBook
 }
 
 // Hosts are interned per cluster as small ids, and each hash keeps its
@@ -125,6 +127,7 @@ func New(o Options) *Store {
 		now:        o.Now,
 		clusters:   make(map[string]*cluster),
 		signals:    store.NewSignalsBook(o.SignalMaxAge),
+		pods:       store.NewRegistryBook(),
 	}
 }
 
@@ -542,7 +545,19 @@ func (s *Store) Route(_ context.Context, clusterName string, hashes []prefix.Has
 	locs, stale := s.queryLocked(clusterName, hashes, now)
 	s.mu.RUnlock()
 	s.touchEntries(stale, now)
-	return api.RouteAnswer{Load: load, Cache: locs, Signals: s.signals.Fresh(clusterName, now)}, nil
+	return api.RouteAnswer{Load: load, Cache: locs, Signals: s.signals.Fresh(clusterName, now),
+		Pods: s.pods.Labels(clusterName, now)}, nil
+}
+
+// Register implements store.Registrar.
+func (s *Store) Register(_ context.Context, clusterName, host string, reg api.PodRegistration, ttl time.Duration) error {
+	s.pods.Register(clusterName, host, reg, ttl, s.nanos())
+	return nil
+}
+
+// Pods implements store.Registrar.
+func (s *Store) Pods(_ context.Context, clusterName string) (map[string]api.PodRegistration, error) {
+	return s.pods.Live(clusterName, s.nanos()), nil
 }
 
 // ReportSignals implements store.Store.

@@ -23,6 +23,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -58,11 +59,15 @@ type options struct {
 	maxBatch, maxOutput, finishFirst                                                       int
 	kvMaxMB, kvMaxItems                                                                    int64
 	kvThreshold                                                                            float64
-	timeout, cleanup, queueTimeout                                                         time.Duration
+	timeout, cleanup, queueTimeout, readyWait                                              time.Duration
 	strictModel, flashAttn, parkIdle                                                       bool
 	simCost                                                                                sim.Cost
 	lora                                                                                   []llama.LoRA
 	simBytesPerToken                                                                       int64
+	labelFlags                                                                             labelFlags
+	labelsFile                                                                             string
+	advertiseListen                                                                        bool // advertise is --listen, whose port may be 0
+	podLabels                                                                              map[string]string
 }
 
 func parse(args []string, stderr io.Writer) (*options, error) {
@@ -92,6 +97,7 @@ func parse(args []string, stderr io.Writer) (*options, error) {
 	fs.DurationVar(&o.cleanup, "kv-cleanup-interval", time.Second, "period of the KV-cache threshold check")
 	fs.StringVar(&o.mcURL, "metadata-center", "", "metadata center URL for eviction reports (empty: no reports)")
 	fs.StringVar(&o.mcToken, "metadata-center-token", "", "bearer token for the metadata center")
+	fs.DurationVar(&o.readyWait, "ready-wait", 10*time.Second, "with --metadata-center: longest time /readyz waits for the metadata center to acknowledge the start-up index reset before it reports ready anyway (0: no bound)")
 	fs.StringVar(&o.cluster, "cluster", "", "Envoy cluster name the router knows this worker under (with --metadata-center)")
 	fs.StringVar(&o.advertise, "advertise-host", "", "this worker's ip:port as the router addresses it (default: --listen when it names an IP)")
 	fs.StringVar(&o.modelName, "model-name", "", "model id served (default: the model file name, or \"sim\")")
@@ -109,6 +115,9 @@ func parse(args []string, stderr io.Writer) (*options, error) {
 		o.lora = append(o.lora, a)
 		return nil
 	})
+	o.labelFlags = labelFlags{}
+	fs.Var(o.labelFlags, "label", "a label of this pod, key=value (repeatable); registered with the metadata center for the router's label selectors")
+	fs.StringVar(&o.labelsFile, "labels-file", "", "more labels, one key=\"value\" per line (the Kubernetes downward API's labels file); env "+LabelsEnv+"=k=v,... and --label override it")
 	def := sim.BenchCost()
 	fs.DurationVar(&o.simCost.StepOverhead, "sim-step-overhead", def.StepOverhead, "sim: cost of every decode step")
 	fs.DurationVar(&o.simCost.PerToken, "sim-per-token", def.PerToken, "sim: cost per evaluated token")
@@ -147,6 +156,8 @@ func parse(args []string, stderr io.Writer) (*options, error) {
 		return nil, fmt.Errorf("--kv-cache-type %s needs --flash-attention (llama.cpp quantizes the V cache only with it)", o.kvType)
 	case o.timeout <= 0 || o.cleanup <= 0:
 		return nil, errors.New("--request-timeout and --kv-cleanup-interval must be positive")
+	case o.readyWait < 0:
+		return nil, fmt.Errorf("--ready-wait must not be negative (0: no bound), got %v", o.readyWait)
 	case o.queueTimeout < 0:
 		return nil, fmt.Errorf("--queue-timeout must not be negative (0: no bound), got %v", o.queueTimeout)
 	case o.finishFirst < 0:
@@ -155,6 +166,10 @@ func parse(args []string, stderr io.Writer) (*options, error) {
 		return nil, errors.New("--n-ctx, --n-batch, --threads, --kv-max-memory-mb, --kv-max-items and --prompt-hash-chunk-size must not be negative (n-batch and chunk size at least 1)")
 	case o.kvThreshold <= 0 || o.kvThreshold > 1:
 		return nil, fmt.Errorf("--kv-eviction-threshold must be within (0, 1], got %g", o.kvThreshold)
+	}
+	var err error
+	if o.podLabels, err = o.labels(os.Getenv); err != nil {
+		return nil, err
 	}
 	if o.mcURL != "" {
 		if o.cluster == "" {
@@ -166,6 +181,7 @@ func parse(args []string, stderr io.Writer) (*options, error) {
 				return nil, fmt.Errorf("--advertise-host is required with --metadata-center when --listen %q names no IP", o.listen)
 			}
 			o.advertise = o.listen
+			o.advertiseListen = true
 		}
 		if _, _, err := net.SplitHostPort(o.advertise); err != nil {
 			return nil, fmt.Errorf("--advertise-host %q: want ip:port", o.advertise)
@@ -220,11 +236,26 @@ func run(ctx context.Context, args []string, stderr io.Writer, ready func(addr s
 	}
 	runCtx, cancel := context.WithCancel(ctx)
 	defer cancel()
+	if o.mcURL == "" && (len(o.podLabels) > 0 || len(o.lora) > 0) {
+		log.Warn("labels and LoRA adapters are registered with the metadata center only: without --metadata-center the router's selectors do not see them",
+			"labels", o.podLabels, "adapters", o.adapterNames())
+	}
+	// Listen before the reporter starts: with --listen ip:0 the pod is
+	// known to the router under the port it really got.
+	ln, err := net.Listen("tcp", o.listen)
+	if err != nil {
+		return err
+	}
+	defer ln.Close()
+	if _, port, _ := net.SplitHostPort(o.advertise); o.advertiseListen && port == "0" {
+		o.advertise = ln.Addr().String()
+	}
 	var reporterDone chan struct{}
 	var reporter *mcreport.Reporter
 	if o.mcURL != "" {
 		rep, err := mcreport.New(mcreport.Config{URL: o.mcURL, Cluster: o.cluster, Host: o.advertise, AuthToken: o.mcToken, ChunkSize: o.hashChunk,
-			Logger: log, Registerer: reg})
+			Logger: log, Registerer: reg,
+			Registration: &api.PodRegistration{Models: []string{info.Name}, Labels: o.podLabels, Adapters: o.adapterNames()}})
 		if err != nil {
 			return err
 		}
@@ -255,12 +286,8 @@ func run(ctx context.Context, args []string, stderr io.Writer, ready func(addr s
 
 	srv := server.New(sched, eng, server.Config{
 		ModelName: o.modelName, StrictModel: o.strictModel, Adapters: o.adapterNames(), Template: tmpl, HashChunkSize: o.hashChunk,
-		RequestTimeout: o.timeout, Registry: reg, Logger: log,
+		RequestTimeout: o.timeout, Registry: reg, Logger: log, Ready: readiness(reporter, o.readyWait, log),
 	})
-	ln, err := net.Listen("tcp", o.listen)
-	if err != nil {
-		return err
-	}
 	hs := &http.Server{Handler: srv, ReadHeaderTimeout: 10 * time.Second}
 	log.Info("worker ready", "addr", ln.Addr().String(), "engine", o.engine, "model", info.Name, "n_ctx", info.NCtx,
 		"n_seq_max", info.NSeqMax, "n_batch", info.NBatch, "template", string(tmpl.Family), "kv_bytes_per_token", info.BytesPerToken)
@@ -327,6 +354,37 @@ func openEngine(o *options, log *slog.Logger) (engine.Engine, openai.Template, e
 	}
 	eng, err := sim.New(cfg)
 	return eng, tmpl, err
+}
+
+// readiness gates /readyz on the metadata center's acknowledgement of the
+// start-up evict-all (docs/worker.md, "Readiness"): until then the index
+// may still hold what an earlier process on this address cached, and the
+// router must not be sent here on the strength of it. Past wait the worker
+// reports ready anyway: a metadata center that is down is down for the
+// gateways too (they route without it), and the evict-all, stamped with
+// this process's start, still removes exactly the earlier process's
+// entries whenever it lands.
+func readiness(rep *mcreport.Reporter, wait time.Duration, log *slog.Logger) func() error {
+	if rep == nil {
+		return nil
+	}
+	start := time.Now()
+	var warned atomic.Bool
+	return func() error {
+		select {
+		case <-rep.Cleared():
+			return nil
+		default:
+		}
+		if wait > 0 && time.Since(start) >= wait {
+			if !warned.Swap(true) {
+				log.Warn("ready without the metadata center's acknowledgement of the start-up index reset",
+					"waited", wait.String())
+			}
+			return nil
+		}
+		return errors.New("waiting for the metadata center to acknowledge the start-up index reset of this host")
+	}
 }
 
 // queueTimeout maps the flag (0: no bound) to scheduler.Config's (negative: no bound).
