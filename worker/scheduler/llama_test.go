@@ -205,6 +205,10 @@ func TestLlamaParkedEntriesLeaveTheKVCacheFree(t *testing.T) {
 	if eng.ParkedBytes() == 0 {
 		t.Fatal("nothing parked after four completed requests")
 	}
+	// The router hears of the cells really in use: none, all are parked.
+	if st := s.Stats(); st.KVCellsUsed != 0 {
+		t.Fatalf("KV cells in use with only parked entries: %d, want 0", st.KVCellsUsed)
+	}
 	out, res := collect(t, s, &Request{ID: "again", Prompt: prompt0, MaxTokens: 8, IgnoreEOS: true})
 	if res.State != Completed || res.CachedTokens != len(prompt0)-1 || !slices.Equal(out, first) {
 		t.Fatalf("repeat of the first prompt: %+v (cached %d of %d)\n got %v\nwant %v", res, res.CachedTokens, len(prompt0), out, first)

@@ -321,6 +321,10 @@ func (s *Scheduler) Stats() Stats {
 // cellCounter is implemented by engines that know their used KV cells.
 type cellCounter interface{ UsedCells() int }
 
+// parkedCounter is implemented by engines that park idle sequences' cells
+// outside the KV cache (worker/engine/llama).
+type parkedCounter interface{ ParkedTokens() int }
+
 // Run is the loop; it owns the engine until ctx ends, then fails whatever is
 // left with ErrShutdown and returns.
 func (s *Scheduler) Run(ctx context.Context) {
@@ -773,6 +777,8 @@ func (s *Scheduler) publish() {
 	used := int(s.kv.Books().Items())
 	if cc, ok := s.eng.(cellCounter); ok {
 		used = cc.UsedCells()
+	} else if pc, ok := s.eng.(parkedCounter); ok {
+		used = max(0, used-pc.ParkedTokens()) // parked cells are in host memory
 	}
 	s.mu.Lock()
 	s.running = len(s.set)

@@ -103,6 +103,17 @@ func (e *Engine) Parked(seq int) bool { return e.parked[seq] != nil }
 // counted once per sequence). Safe for concurrent use (metrics read it).
 func (e *Engine) ParkedBytes() int64 { return e.parkedBytes.Load() }
 
+// ParkedTokens is how many cells the parked sequences would take in the
+// KV cache (a state shared by several counted once per sequence). Loop
+// goroutine only.
+func (e *Engine) ParkedTokens() int {
+	n := 0
+	for _, p := range e.parked {
+		n += p.n
+	}
+	return n
+}
+
 func (e *Engine) forget(seq int) {
 	if p := e.parked[seq]; p != nil {
 		e.parkedBytes.Add(-int64(len(p.state)))

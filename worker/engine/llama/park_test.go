@@ -27,8 +27,8 @@ func TestParkedSequenceGivesTheSameGreedyOutput(t *testing.T) {
 	greedy(t, e, 0, prompt, 0, 16)
 	e.Remove(0, len(prompt)) // an entry holding exactly the prompt
 	e.Park(0)
-	if !e.Parked(0) || e.ParkedBytes() == 0 {
-		t.Fatalf("seq 0 not parked (parked %v, %d bytes)", e.Parked(0), e.ParkedBytes())
+	if !e.Parked(0) || e.ParkedBytes() == 0 || e.ParkedTokens() != len(prompt) {
+		t.Fatalf("seq 0 not parked (parked %v, %d bytes, %d tokens)", e.Parked(0), e.ParkedBytes(), e.ParkedTokens())
 	}
 
 	// Adopted by copy: seq 1 starts from seq 0's state cut to len-1 cells.
