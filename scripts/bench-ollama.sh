@@ -8,7 +8,10 @@
 # dependencies this module does not), and optionally this worker as of an
 # older commit (BEFORE=<commit>, built from `git archive` in var/). The
 # servers run at the same time but bench/cmd/ttftcmp sends to one at a
-# time, so they never compete for the CPU.
+# time, so they never compete for the CPU, and it reports each server's CPU
+# seconds per round beside the TTFTs (with THREADS=1 and WORKER_ARGS /
+# BEFORE_ARGS="--threads 1" those are the work done, whatever else loads
+# the machine).
 #
 #   scripts/bench-ollama.sh [ttftcmp flags, e.g. --rounds 2 --scenarios shared]
 #
@@ -16,7 +19,8 @@
 # own), OLLAMA_PARALLEL (space-separated OLLAMA_NUM_PARALLEL values, one
 # Ollama server each; default "1 4": Ollama's default and one slot per
 # user), BEFORE (a commit of this repository to compare with as well),
-# WORKER_ARGS (extra flags for the worker).
+# WORKER_ARGS (extra flags for the worker), BEFORE_ARGS (for the older one;
+# e.g. a longer --request-timeout for both on a loaded machine).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export CGO_CFLAGS="-O3 -march=native" CGO_CXXFLAGS="-O3 -march=native"
@@ -52,12 +56,13 @@ targets=()
 bin/worker --model "$model" --listen 127.0.0.1:9181 --model-name bench ${WORKER_ARGS:-} >var/bench-ollama-worker.log 2>&1 &
 pids+=($!)
 wait_up http://127.0.0.1:9181/healthz
-targets+=(--target worker=http://127.0.0.1:9181=bench)
+targets+=(--target worker=http://127.0.0.1:9181=bench --pid "worker=${pids[-1]}")
 if [ -n "${BEFORE:-}" ]; then
-	bin/worker-before --model "$model" --listen 127.0.0.1:9182 --model-name bench >var/bench-ollama-before.log 2>&1 &
+	# shellcheck disable=SC2086
+	bin/worker-before --model "$model" --listen 127.0.0.1:9182 --model-name bench ${BEFORE_ARGS:-} >var/bench-ollama-before.log 2>&1 &
 	pids+=($!)
 	wait_up http://127.0.0.1:9182/healthz
-	targets+=(--target "before=http://127.0.0.1:9182=bench")
+	targets+=(--target "before=http://127.0.0.1:9182=bench" --pid "before=${pids[-1]}")
 fi
 
 cat >var/Modelfile <<EOF
@@ -73,7 +78,7 @@ for p in $parallel; do
 	pids+=($!)
 	wait_up "http://$host/api/version"
 	OLLAMA_HOST=$host bin/ollama create bench -f var/Modelfile >/dev/null 2>&1
-	targets+=(--target "ollama-p$p=http://$host=bench")
+	targets+=(--target "ollama-p$p=http://$host=bench" --pid "ollama-p$p=${pids[-1]}")
 	port=$((port + 1))
 done
 

@@ -22,6 +22,19 @@ type Cells interface {
 	Remove(seq, from int)
 }
 
+// Parker is implemented by Cells that can move an idle sequence's cells out
+// of the compute cache (llama.cpp: into host memory, where they no longer
+// slow down every other sequence's attention) and bring them back by
+// themselves when the sequence is used again.
+type Parker interface {
+	// Park moves seq's cells out; the next Step, Copy or Remove that
+	// touches seq sees them as before.
+	Park(seq int)
+	// Parked reports whether seq's cells are out: evicting its entry
+	// frees no room in the compute cache.
+	Parked(seq int) bool
+}
+
 // Reports receives what the router's cache index must learn. Both are
 // called from the owner's goroutine and must not block.
 type Reports interface {
@@ -317,6 +330,12 @@ func (o *Owner) Finish(id string) {
 	}
 	o.books.SetInUse(id, false)
 	o.relead(fs)
+	// After relead: the followers have taken what they share.
+	if e, ok := o.books.Get(id); ok {
+		if p, ok := o.cells.(Parker); ok {
+			p.Park(e.Seq)
+		}
+	}
 }
 
 // Release drops id's cells and frees its seq id (a request that failed,
@@ -384,6 +403,24 @@ func (o *Owner) evictOne(cause string, keep ...string) bool {
 		o.onEvict(cause)
 	}
 	return true
+}
+
+// EvictForRoom evicts the next idle entry whose cells are in the compute
+// cache (all idle entries when the cells cannot be parked): evicting a
+// parked one would free no cells for a batch that did not fit. False when
+// there is none.
+func (o *Owner) EvictForRoom(cause string) bool {
+	p, ok := o.cells.(Parker)
+	if !ok {
+		return o.evictOne(cause)
+	}
+	var keep []string
+	for _, e := range o.books.entries {
+		if !e.InUse && p.Parked(e.Seq) {
+			keep = append(keep, e.ID)
+		}
+	}
+	return o.evictOne(cause, keep...)
 }
 
 // EvictOverThreshold evicts idle entries in Victim order until usage is

@@ -277,6 +277,67 @@ func TestNoFollowSharesOnlyWrittenCells(t *testing.T) {
 	}
 }
 
+// parking is the simulated engine plus a record of what the owner parked,
+// as the llama engine parks a finished entry's cells in host memory.
+type parking struct {
+	*sim.Engine
+	parked map[int]bool
+}
+
+func (p *parking) Park(seq int)        { p.parked[seq] = true }
+func (p *parking) Parked(seq int) bool { return p.parked[seq] }
+func (p *parking) Remove(seq, from int) {
+	if from == 0 {
+		delete(p.parked, seq)
+	}
+	p.Engine.Remove(seq, from)
+}
+
+// A finished entry is parked once its followers took what they share, and
+// making room in a full KV cache evicts only entries whose cells are in it.
+func TestFinishParksAndRoomIsMadeFromUnparkedEntries(t *testing.T) {
+	eng, err := sim.New(sim.Config{NSeqMax: 4, NCtx: 8192, Sleep: func(time.Duration) {}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	cells := &parking{Engine: eng, parked: map[int]bool{}}
+	f := &fixture{t: t, eng: eng, rep: &recorder{}}
+	f.o, err = NewOwner(OwnerConfig{Limits: Limits{Threshold: 0.8}, NSeqMax: 4, Cells: cells, Reports: f.rep,
+		OnEvict: func(c string) { f.cause = append(f.cause, c) }})
+	if err != nil {
+		t.Fatal(err)
+	}
+	a, b := prompt(600, 10, 1), prompt(600, 10, 2)
+	f.bind("a", a)
+	f.write("a", a, 0, 512)
+	if got := f.bind("b", b); got.Leader != "a" {
+		t.Fatalf("b should follow a: %+v", got)
+	}
+	f.write("a", a, 512, len(a))
+	f.o.Finish("a")
+	f.check()
+	if !cells.Parked(f.mustSeq("a")) || cells.Parked(f.mustSeq("b")) {
+		t.Fatalf("parked %v: want a's seq %d only", cells.parked, f.mustSeq("a"))
+	}
+	if e, _ := f.o.Books().Get("b"); len(e.Tokens) != 600 {
+		t.Fatalf("follower b holds %d tokens after its leader finished, want the 600 shared", len(e.Tokens))
+	}
+	// An idle entry whose cells are in the cache goes first; a parked one
+	// would free nothing.
+	c := vt(50, 9000)
+	f.bind("c", c)
+	f.write("c", c, 0, len(c))
+	f.o.Finish("c")
+	delete(cells.parked, f.mustSeq("c"))
+	if !f.o.EvictForRoom("kv_full") || f.o.Holds("c") || !f.o.Holds("a") {
+		t.Fatalf("EvictForRoom: a held %v, c held %v; want c evicted, a kept", f.o.Holds("a"), f.o.Holds("c"))
+	}
+	if f.o.EvictForRoom("kv_full") || !f.o.Holds("a") {
+		t.Fatal("EvictForRoom evicted a parked entry")
+	}
+	f.check()
+}
+
 // timedRecorder also wants the time of each eviction.
 type timedRecorder struct {
 	recorder

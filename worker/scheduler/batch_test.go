@@ -95,3 +95,49 @@ func TestBatchSizeLimitsSequencesPerStepAndRotates(t *testing.T) {
 		}
 	}
 }
+
+// With FinishFirst, a request within its last tokens decodes without a
+// long prefill beside it (whose attention its cells would crowd), while a
+// short prefill still runs; once it ends, or with more tokens left, the
+// long prefill goes on.
+func TestFinishFirstHoldsLongPrefillsNextToAFinishingRequest(t *testing.T) {
+	eng, err := sim.New(sim.Config{NSeqMax: 8, NCtx: 8192, NBatch: 512})
+	if err != nil {
+		t.Fatal(err)
+	}
+	s, err := New(eng, Config{FinishFirst: 16})
+	if err != nil {
+		t.Fatal(err)
+	}
+	mk := func(seq, total, past, nGen, maxTokens int) *task {
+		sm, err := eng.NewSampler(engine.SamplingParams{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return &task{state: Processing, seq: seq, toks: make([]int, total), past: past, sampler: sm, nGen: nGen, maxTokens: maxTokens}
+	}
+	finishing := mk(0, 2010, 2009, 3, 8) // 5 tokens left
+	long := mk(1, 2000, 0, 0, 8)         // a cold 2k prompt
+	short := mk(2, 1400, 1380, 0, 8)     // a cache hit: 20 left
+	s.set = []*task{finishing, long, short}
+	served := func() map[*task]int {
+		spans, tasks := s.batch()
+		got := map[*task]int{}
+		for i, tk := range tasks {
+			got[tk] = len(spans[i].Tokens)
+		}
+		return got
+	}
+	if got := served(); got[finishing] != 1 || got[short] != 20 || got[long] != 0 {
+		t.Fatalf("next to a finishing request: finishing %d, short %d, long %d; want 1, 20, 0", got[finishing], got[short], got[long])
+	}
+	finishing.maxTokens = 2048 // far from its end: no reason to hold
+	if got := served(); got[long] == 0 {
+		t.Fatal("a long prefill was held next to a request with 2045 tokens left")
+	}
+	finishing.maxTokens = 8
+	s.set = []*task{long}
+	if got := served(); got[long] != 512 {
+		t.Fatalf("alone, the long prompt gets %d tokens, want the full step", got[long])
+	}
+}

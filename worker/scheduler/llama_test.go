@@ -158,8 +158,13 @@ func TestLlamaConcurrentBatchesMatchSoloRuns(t *testing.T) {
 func TestLlamaKVFullEvictsInsteadOfCrashing(t *testing.T) {
 	path := testmodel.Path(t)
 	// 1024 cells: each request needs ~600, so every new one must evict the
-	// previous entry, found through llama_decode's KV-full answer.
-	eng := openLlama(t, path, 1024, 4)
+	// previous entry, found through llama_decode's KV-full answer — when
+	// idle entries stay in the KV cache.
+	eng, err := llama.Open(llama.Config{ModelPath: path, NCtx: 1024, NSeqMax: 4, Threads: 1, NoPark: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { eng.Close() })
 	m := NewMetrics(nil)
 	s := startSched(t, eng, Config{Metrics: m})
 	for i := range 4 {
@@ -171,6 +176,42 @@ func TestLlamaKVFullEvictsInsteadOfCrashing(t *testing.T) {
 	}
 	if n := counterValue(m.evictions.WithLabelValues("kv_full")); n < 3 {
 		t.Fatalf("%v evictions on KV full, want one per request after the first", n)
+	}
+}
+
+// With idle entries parked in host memory (the default), the same four
+// requests never fill the 1024 cells, and all four stay cached: a repeat
+// of the first is served from its parked cells with the cold run's output.
+func TestLlamaParkedEntriesLeaveTheKVCacheFree(t *testing.T) {
+	path := testmodel.Path(t)
+	eng := openLlama(t, path, 1024, 5)
+	m := NewMetrics(nil)
+	s := startSched(t, eng, Config{Metrics: m})
+	var first []int
+	var prompt0 []int
+	for i := range 4 {
+		p := tokenize(t, eng, history(580, fmt.Sprint("salt", i)))
+		out, res := collect(t, s, &Request{ID: fmt.Sprint("k", i), Prompt: p, MaxTokens: 8, IgnoreEOS: true})
+		if res.State != Completed || len(out) != 8 {
+			t.Fatalf("request %d: %+v", i, res)
+		}
+		if i == 0 {
+			first, prompt0 = out, p
+		}
+	}
+	if n := counterValue(m.evictions.WithLabelValues("kv_full")); n != 0 {
+		t.Fatalf("%v evictions on KV full with idle entries parked, want 0", n)
+	}
+	if eng.ParkedBytes() == 0 {
+		t.Fatal("nothing parked after four completed requests")
+	}
+	// The router hears of the cells really in use: none, all are parked.
+	if st := s.Stats(); st.KVCellsUsed != 0 {
+		t.Fatalf("KV cells in use with only parked entries: %d, want 0", st.KVCellsUsed)
+	}
+	out, res := collect(t, s, &Request{ID: "again", Prompt: prompt0, MaxTokens: 8, IgnoreEOS: true})
+	if res.State != Completed || res.CachedTokens != len(prompt0)-1 || !slices.Equal(out, first) {
+		t.Fatalf("repeat of the first prompt: %+v (cached %d of %d)\n got %v\nwant %v", res, res.CachedTokens, len(prompt0), out, first)
 	}
 }
 
@@ -200,17 +241,25 @@ func benchModel(b *testing.B) string {
 
 type engineMaker func(b *testing.B, nSeq int) engine.Engine
 
+// benchEngines: llama is the worker's default (plain attention kernel, idle
+// entries parked); llama-flash the default before parking (flash
+// attention, idle entries in the KV cache).
 func benchEngines() map[string]engineMaker {
-	return map[string]engineMaker{
-		"llama": func(b *testing.B, nSeq int) engine.Engine {
+	llamaMaker := func(fa, noPark bool) engineMaker {
+		return func(b *testing.B, nSeq int) engine.Engine {
 			threads, _ := strconv.Atoi(os.Getenv("LLMF_THREADS"))
-			e, err := llama.Open(llama.Config{ModelPath: benchModel(b), NCtx: 8192, NSeqMax: nSeq, Threads: threads})
+			e, err := llama.Open(llama.Config{ModelPath: benchModel(b), NCtx: 8192, NSeqMax: nSeq, Threads: threads,
+				FlashAttention: fa, NoPark: noPark})
 			if err != nil {
 				b.Fatal(err)
 			}
 			b.Cleanup(func() { e.Close() })
 			return e
-		},
+		}
+	}
+	return map[string]engineMaker{
+		"llama":       llamaMaker(false, false),
+		"llama-flash": llamaMaker(true, true),
 		"sim": func(b *testing.B, nSeq int) engine.Engine {
 			e, err := sim.New(sim.Config{NCtx: 8192, NSeqMax: nSeq, Cost: sim.BenchCost()})
 			if err != nil {
@@ -228,8 +277,12 @@ func benchEngines() map[string]engineMaker {
 // shared-prefix-concurrent: four users send one ~2k-token system prompt
 // plus their own question 50 ms apart, on an empty cache; the mean TTFT
 // of the four, with following a prefill in flight on and off.
+//
+// distinct-concurrent: the same, each user with a different ~2k-token
+// system prompt (nothing to share: the prefill policy and the kernel's
+// cost over the others' cells decide).
 func BenchmarkTTFT(b *testing.B) {
-	for _, name := range []string{"llama", "sim"} {
+	for _, name := range []string{"llama", "llama-flash", "sim"} {
 		mk := benchEngines()[name]
 		for _, warm := range []bool{false, true} {
 			b.Run(name+"/"+ttftMode(warm), func(b *testing.B) {
@@ -240,16 +293,20 @@ func BenchmarkTTFT(b *testing.B) {
 		for _, follow := range []bool{true, false} {
 			b.Run(fmt.Sprintf("%s/shared-prefix-concurrent/follow=%v", name, follow), func(b *testing.B) {
 				eng := mk(b, 8)
-				benchSharedConcurrent(b, eng, startSched(b, eng, Config{NoFollow: !follow}))
+				benchConcurrent(b, eng, startSched(b, eng, Config{NoFollow: !follow}), false)
 			})
 		}
+		b.Run(name+"/distinct-concurrent", func(b *testing.B) {
+			eng := mk(b, 8)
+			benchConcurrent(b, eng, startSched(b, eng, Config{}), true)
+		})
 	}
 }
 
-// benchSharedConcurrent: every iteration four users share a new ~2k-token
-// system prompt (so nothing is cached from the last one) and arrive 50 ms
-// apart.
-func benchSharedConcurrent(b *testing.B, eng engine.Engine, s *Scheduler) {
+// benchConcurrent: every iteration four users share a new ~2k-token system
+// prompt (so nothing is cached from the last one), or each has its own
+// (distinct), and arrive 50 ms apart.
+func benchConcurrent(b *testing.B, eng engine.Engine, s *Scheduler, distinct bool) {
 	const users = 4
 	var ttft time.Duration
 	var cached int
@@ -259,6 +316,9 @@ func benchSharedConcurrent(b *testing.B, eng engine.Engine, s *Scheduler) {
 		var wg sync.WaitGroup
 		res := make([]*Result, users)
 		for u := range users {
+			if distinct {
+				sys = tokenize(b, eng, history(2000, fmt.Sprint("system prompt ", i, " of user ", u)))
+			}
 			q := tokenize(b, eng, fmt.Sprintf("<|im_start|>user\nuser %d question %d?<|im_end|>\n<|im_start|>assistant\n", u, i))
 			p := append(slices.Clone(sys), q[1:]...)
 			wg.Add(1)
@@ -281,21 +341,31 @@ func benchSharedConcurrent(b *testing.B, eng engine.Engine, s *Scheduler) {
 // BenchmarkTTFTCrowded is BenchmarkTTFT on a KV cache that already holds
 // other conversations (idle entries, as on a busy pod). llama.cpp's unified
 // cache attends over every used cell up to the highest one and masks out
-// other sequences' cells, so with the default kernel a token's attention
-// cost grows with everything the pod keeps cached, not with its own
-// context; the CPU flash-attention kernel skips masked cells.
+// other sequences' cells, so with the plain kernel a token's attention
+// cost grows with everything the pod keeps in the cache, not with its own
+// context; the CPU flash-attention kernel skips masked cells but is slower
+// per real cell. Variants: park (the default: plain kernel, idle entries
+// parked in host memory), flash (flash attention, idle entries in the
+// cache: the earlier default), plain (plain kernel, idle entries in the
+// cache).
 func BenchmarkTTFTCrowded(b *testing.B) {
-	for _, fa := range []bool{false, true} {
+	variants := []struct {
+		name       string
+		fa, noPark bool
+	}{{"park", false, false}, {"flash", true, true}, {"plain", false, true}}
+	for _, v := range variants {
 		for _, warm := range []bool{false, true} {
-			b.Run(fmt.Sprintf("flash=%v/%s", fa, ttftMode(warm)), func(b *testing.B) {
+			b.Run(fmt.Sprintf("%s/%s", v.name, ttftMode(warm)), func(b *testing.B) {
 				threads, _ := strconv.Atoi(os.Getenv("LLMF_THREADS"))
-				eng, err := llama.Open(llama.Config{ModelPath: benchModel(b), NCtx: 16384, NSeqMax: 8, Threads: threads, FlashAttention: fa})
+				eng, err := llama.Open(llama.Config{ModelPath: benchModel(b), NCtx: 16384, NSeqMax: 8, Threads: threads,
+					FlashAttention: v.fa, NoPark: v.noPark})
 				if err != nil {
 					b.Fatal(err)
 				}
 				b.Cleanup(func() { eng.Close() })
 				s := startSched(b, eng, Config{})
-				// Four other conversations fill ~10k of the 16k cells.
+				// Four other conversations: ~10k of the 16k cells, or
+				// host memory when parked.
 				for i := range 4 {
 					collect(b, s, &Request{ID: fmt.Sprint("other", i), Prompt: tokenize(b, eng, history(2600, fmt.Sprint("other", i))), MaxTokens: 1})
 				}

@@ -60,8 +60,16 @@ type Config struct {
 	// NoFollow: a request shares only prefix cells already written, never
 	// waits for a running request's prefill (benchmarks compare the two).
 	NoFollow bool
-	Metrics  *Metrics
-	Logger   *slog.Logger
+	// FinishFirst > 0: while a generating request has at most this many
+	// tokens left before its max_tokens, no prompt with a full step
+	// (n_batch tokens) or more still to prefill is given prefill work: the
+	// finishing request's cells would crowd that prefill's attention in
+	// llama.cpp's unified cache (and a finished one is parked), while its
+	// last decode-only steps are short. Shorter prefills (cache hits,
+	// followers' tails) still run beside it. 0: off.
+	FinishFirst int
+	Metrics     *Metrics
+	Logger      *slog.Logger
 }
 
 func (c *Config) defaults() {
@@ -313,6 +321,10 @@ func (s *Scheduler) Stats() Stats {
 // cellCounter is implemented by engines that know their used KV cells.
 type cellCounter interface{ UsedCells() int }
 
+// parkedCounter is implemented by engines that park idle sequences' cells
+// outside the KV cache (worker/engine/llama).
+type parkedCounter interface{ ParkedTokens() int }
+
 // Run is the loop; it owns the engine until ctx ends, then fails whatever is
 // left with ErrShutdown and returns.
 func (s *Scheduler) Run(ctx context.Context) {
@@ -528,6 +540,12 @@ func (s *Scheduler) batch() ([]engine.Span, []*task) {
 		}
 	}
 	s.prefill = s.prefill[:0]
+	finishing := false
+	for _, t := range s.ready {
+		if s.cfg.FinishFirst > 0 && len(t.toks)-t.past == 1 && t.nGen > 0 && t.maxTokens-t.nGen <= s.cfg.FinishFirst {
+			finishing = true
+		}
+	}
 	for _, t := range s.ready {
 		switch left := len(t.toks) - t.past; {
 		case left == 1 && budget > 0:
@@ -535,7 +553,7 @@ func (s *Scheduler) batch() ([]engine.Span, []*task) {
 			tasks = append(tasks, t)
 			t.spanLen = 1
 			budget--
-		case left >= 2:
+		case left >= 2 && !(finishing && left >= s.info.NBatch):
 			s.prefill = append(s.prefill, t)
 		}
 	}
@@ -569,7 +587,8 @@ func (s *Scheduler) batch() ([]engine.Span, []*task) {
 }
 
 // step runs the batch, making room when the KV cache is full: first by
-// evicting idle entries, then by preempting the newest request in the batch
+// evicting idle entries that hold cells in it (parked ones hold none), then
+// by preempting the newest request in the batch
 // (it returns to PENDING and recomputes later), and a request alone in a
 // batch that still does not fit fails.
 func (s *Scheduler) step(spans []engine.Span, tasks []*task) {
@@ -589,7 +608,7 @@ func (s *Scheduler) step(spans []engine.Span, tasks []*task) {
 			}
 			return
 		}
-		if s.kv.EvictOne("kv_full") {
+		if s.kv.EvictForRoom("kv_full") {
 			continue
 		}
 		// Nothing idle to evict: preempt the newest request holding cells.
@@ -758,6 +777,8 @@ func (s *Scheduler) publish() {
 	used := int(s.kv.Books().Items())
 	if cc, ok := s.eng.(cellCounter); ok {
 		used = cc.UsedCells()
+	} else if pc, ok := s.eng.(parkedCounter); ok {
+		used = max(0, used-pc.ParkedTokens()) // parked cells are in host memory
 	}
 	s.mu.Lock()
 	s.running = len(s.set)

@@ -16,6 +16,11 @@
 //
 // Prompt sizes are in bytes of ASCII text, which is tokens on the generated
 // models' byte-level vocabulary.
+//
+// With --pid name=PID (Linux) it also reports the CPU time the server's
+// process tree (Ollama's runner is a child of `ollama serve`) spent on each
+// round: on a machine shared with other work, wall-clock TTFT moves with the
+// load, while the CPU seconds of single-threaded servers stay the work done.
 package main
 
 import (
@@ -30,6 +35,7 @@ import (
 	"net/http"
 	"os"
 	"slices"
+	"strconv"
 	"strings"
 	"sync"
 	"time"
@@ -50,8 +56,23 @@ func (t *targets) Set(v string) error {
 	return nil
 }
 
+type pids map[string]int
+
+func (p pids) String() string { return fmt.Sprint(map[string]int(p)) }
+
+func (p pids) Set(v string) error {
+	name, id, ok := strings.Cut(v, "=")
+	n, err := strconv.Atoi(id)
+	if !ok || name == "" || err != nil || n <= 0 {
+		return fmt.Errorf("want name=PID, got %q", v)
+	}
+	p[name] = n
+	return nil
+}
+
 type config struct {
 	targets      targets
+	pids         pids
 	scenarios    []string
 	rounds       int
 	users        int
@@ -63,9 +84,10 @@ type config struct {
 }
 
 func main() {
-	var c config
+	c := config{pids: pids{}}
 	var scen string
 	flag.Var(&c.targets, "target", "name=base URL=model, repeatable; the first is the reference of the ratios")
+	flag.Var(c.pids, "pid", "name=PID of a target's server process, repeatable: report its process tree's CPU time per round")
 	flag.StringVar(&scen, "scenarios", "cold,shared,distinct", "comma-separated: cold, shared, distinct")
 	flag.IntVar(&c.rounds, "rounds", 3, "rounds per scenario and server")
 	flag.IntVar(&c.users, "users", 4, "users of the shared and distinct scenarios")
@@ -94,8 +116,10 @@ func run(ctx context.Context, c config, out io.Writer) error {
 		}
 	}
 	means := map[string]map[string][]time.Duration{}
+	cpu := map[string]map[string][]time.Duration{}
 	for _, sc := range c.scenarios {
 		means[sc] = map[string][]time.Duration{}
+		cpu[sc] = map[string][]time.Duration{}
 		for r := range c.rounds {
 			for _, t := range c.targets {
 				salt := fmt.Sprintf("%s round %d on %s at %d", sc, r, t.name, time.Now().UnixNano())
@@ -103,15 +127,47 @@ func run(ctx context.Context, c config, out io.Writer) error {
 				if err != nil {
 					return err
 				}
+				pid := c.pids[t.name]
+				before := treeCPU(pid)
 				ds, err := users(ctx, cl, t, c, convs)
 				if err != nil {
 					return fmt.Errorf("%s %s round %d: %w", t.name, sc, r, err)
 				}
-				fmt.Fprintf(os.Stderr, "%-8s %-10s round %d: TTFT %v\n", sc, t.name, r, round(ds))
+				line := fmt.Sprintf("%-8s %-10s round %d: TTFT %v", sc, t.name, r, round(ds))
+				if pid > 0 {
+					used := treeCPU(pid) - before
+					cpu[sc][t.name] = append(cpu[sc][t.name], used)
+					line += fmt.Sprintf(", CPU %.2f s", used.Seconds())
+				}
+				fmt.Fprintln(os.Stderr, line)
 				means[sc][t.name] = append(means[sc][t.name], ds...)
 			}
 		}
 	}
+	defer func() {
+		if len(c.pids) == 0 {
+			return
+		}
+		fmt.Fprintf(out, "\nCPU seconds of the server per round (mean), ratio to %s:\n\n", c.targets[0].name)
+		fmt.Fprintf(out, "| scenario | %s |\n|---|%s\n", names(c.targets, " | "), strings.Repeat("---|", len(c.targets)))
+		for _, sc := range c.scenarios {
+			ref := mean(cpu[sc][c.targets[0].name])
+			row := []string{}
+			for i, t := range c.targets {
+				ds := cpu[sc][t.name]
+				if len(ds) == 0 {
+					row = append(row, "")
+					continue
+				}
+				cell := fmt.Sprintf("%.2f s", mean(ds).Seconds())
+				if i > 0 && ref > 0 {
+					cell += fmt.Sprintf(" (%.2f×)", float64(mean(ds))/float64(ref))
+				}
+				row = append(row, cell)
+			}
+			fmt.Fprintf(out, "| %s | %s |\n", sc, strings.Join(row, " | "))
+		}
+	}()
 	fmt.Fprintf(out, "mean TTFT (median in brackets), ratio to %s:\n\n", c.targets[0].name)
 	fmt.Fprintf(out, "| scenario | %s |\n|---|%s\n", names(c.targets, " | "), strings.Repeat("---|", len(c.targets)))
 	for _, sc := range c.scenarios {
@@ -129,6 +185,57 @@ func run(ctx context.Context, c config, out io.Writer) error {
 		fmt.Fprintf(out, "| %s | %s |\n", sc, strings.Join(row, " | "))
 	}
 	return nil
+}
+
+// treeCPU is the user+system CPU time of pid and all its descendants, from
+// /proc (0 when pid is 0 or /proc cannot be read).
+func treeCPU(pid int) time.Duration {
+	if pid <= 0 {
+		return 0
+	}
+	ents, err := os.ReadDir("/proc")
+	if err != nil {
+		return 0
+	}
+	type proc struct{ ppid, ticks int }
+	procs := map[int]proc{}
+	for _, e := range ents {
+		id, err := strconv.Atoi(e.Name())
+		if err != nil {
+			continue
+		}
+		b, err := os.ReadFile("/proc/" + e.Name() + "/stat")
+		if err != nil {
+			continue
+		}
+		// Fields after the command name, which is in parentheses and may
+		// hold spaces: state ppid ... utime(14) stime(15).
+		i := bytes.LastIndexByte(b, ')')
+		if i < 0 {
+			continue
+		}
+		f := strings.Fields(string(b[i+1:]))
+		if len(f) < 13 {
+			continue
+		}
+		ppid, _ := strconv.Atoi(f[1])
+		ut, _ := strconv.Atoi(f[11])
+		st, _ := strconv.Atoi(f[12])
+		procs[id] = proc{ppid, ut + st}
+	}
+	total := 0
+	var walk func(int)
+	walk = func(p int) {
+		total += procs[p].ticks
+		for c, pr := range procs {
+			if pr.ppid == p {
+				walk(c)
+			}
+		}
+	}
+	walk(pid)
+	// USER_HZ is 100 on every Linux the project runs on.
+	return time.Duration(total) * 10 * time.Millisecond
 }
 
 func names(ts []target, sep string) string {

@@ -56,11 +56,11 @@ func main() {
 type options struct {
 	model, listen, engine, modelName, advertise, cluster, mcURL, mcToken, kvType, logLevel string
 	nSeqMax, maxRunning, maxQueue, nCtx, nBatch, threads, hashChunk                        int
-	maxBatch, maxOutput                                                                    int
+	maxBatch, maxOutput, finishFirst                                                       int
 	kvMaxMB, kvMaxItems                                                                    int64
 	kvThreshold                                                                            float64
 	timeout, cleanup, queueTimeout, readyWait                                              time.Duration
-	strictModel, flashAttn                                                                 bool
+	strictModel, flashAttn, parkIdle                                                       bool
 	simCost                                                                                sim.Cost
 	lora                                                                                   []llama.LoRA
 	simBytesPerToken                                                                       int64
@@ -81,6 +81,7 @@ func parse(args []string, stderr io.Writer) (*options, error) {
 	fs.IntVar(&o.maxRunning, "max-concurrent-requests", 8, "running-set size (requests decoding together)")
 	fs.IntVar(&o.maxBatch, "max-batch-size", 4, "most sequences one decode step evaluates; at most --max-concurrent-requests (unset: capped by it)")
 	fs.IntVar(&o.maxOutput, "max-output-tokens", 2048, "generated tokens of a request without max_tokens; a larger max_tokens is refused with 400")
+	fs.IntVar(&o.finishFirst, "finish-first-tokens", 16, "while a request has at most this many tokens left before its max_tokens, long prompts wait with their prefill until it ends (its KV cells would crowd their attention); 0: off")
 	fs.IntVar(&o.maxQueue, "max-queue", 256, "request queue length; beyond it requests get 429")
 	fs.DurationVar(&o.timeout, "request-timeout", 60*time.Second, "time a request may spend in the running set before 408")
 	fs.DurationVar(&o.queueTimeout, "queue-timeout", scheduler.DefaultQueueTimeout, "longest wait in the request queue before 408 (0: no bound)")
@@ -88,7 +89,8 @@ func parse(args []string, stderr io.Writer) (*options, error) {
 	fs.IntVar(&o.nBatch, "n-batch", 512, "most tokens per decode step")
 	fs.IntVar(&o.threads, "threads", 0, "llama.cpp threads (0: the CPUs this process may use: its affinity, capped by its cgroup CPU quota rounded down, at least 1)")
 	fs.StringVar(&o.kvType, "kv-cache-type", "f16", "KV cache type: f16, q8_0 or q4_0")
-	fs.BoolVar(&o.flashAttn, "flash-attention", true, "use llama.cpp's fused attention kernel, which skips other sequences' cells (2× faster prefill on a crowded KV cache)")
+	fs.BoolVar(&o.flashAttn, "flash-attention", false, "use llama.cpp's fused attention kernel: it skips other sequences' cells (faster on a crowded KV cache, e.g. with --kv-park-idle=false) but prefills ~1.6x slower on an uncrowded one; on by default with a quantized --kv-cache-type, which needs it")
+	fs.BoolVar(&o.parkIdle, "kv-park-idle", true, "keep finished conversations' KV cells in host memory instead of the KV cache, so they do not slow down other sequences' attention (restored, bit for bit, when reused)")
 	fs.Int64Var(&o.kvMaxMB, "kv-max-memory-mb", 1024, "KV-cache memory limit in MiB; idle entries are evicted past threshold x limit")
 	fs.Int64Var(&o.kvMaxItems, "kv-max-items", 4*1024*1024, "KV-cache item (token) limit")
 	fs.Float64Var(&o.kvThreshold, "kv-eviction-threshold", 0.8, "fraction of a limit at which LRU eviction starts")
@@ -128,8 +130,14 @@ func parse(args []string, stderr io.Writer) (*options, error) {
 	if fs.NArg() > 0 {
 		return nil, fmt.Errorf("unexpected arguments %q", fs.Args())
 	}
-	batchSet := false
-	fs.Visit(func(f *flag.Flag) { batchSet = batchSet || f.Name == "max-batch-size" })
+	batchSet, faSet := false, false
+	fs.Visit(func(f *flag.Flag) {
+		batchSet = batchSet || f.Name == "max-batch-size"
+		faSet = faSet || f.Name == "flash-attention"
+	})
+	if quantizedKV := o.kvType != "f16" && o.kvType != ""; quantizedKV && !faSet {
+		o.flashAttn = true // llama.cpp quantizes the V cache only under flash attention
+	}
 	if !batchSet {
 		o.maxBatch = min(o.maxBatch, max(o.maxRunning, 1))
 	}
@@ -144,12 +152,16 @@ func parse(args []string, stderr io.Writer) (*options, error) {
 		return nil, errors.New("--max-concurrent-requests, --max-queue, --max-batch-size and --max-output-tokens must be at least 1")
 	case o.maxBatch > o.maxRunning:
 		return nil, fmt.Errorf("--max-batch-size (%d) must not exceed --max-concurrent-requests (%d): a step only holds running requests", o.maxBatch, o.maxRunning)
+	case o.kvType != "f16" && o.kvType != "" && !o.flashAttn:
+		return nil, fmt.Errorf("--kv-cache-type %s needs --flash-attention (llama.cpp quantizes the V cache only with it)", o.kvType)
 	case o.timeout <= 0 || o.cleanup <= 0:
 		return nil, errors.New("--request-timeout and --kv-cleanup-interval must be positive")
 	case o.readyWait < 0:
 		return nil, fmt.Errorf("--ready-wait must not be negative (0: no bound), got %v", o.readyWait)
 	case o.queueTimeout < 0:
 		return nil, fmt.Errorf("--queue-timeout must not be negative (0: no bound), got %v", o.queueTimeout)
+	case o.finishFirst < 0:
+		return nil, errors.New("--finish-first-tokens must not be negative")
 	case o.nCtx < 0 || o.nBatch < 1 || o.threads < 0 || o.kvMaxMB < 0 || o.kvMaxItems < 0 || o.hashChunk < 1:
 		return nil, errors.New("--n-ctx, --n-batch, --threads, --kv-max-memory-mb, --kv-max-items and --prompt-hash-chunk-size must not be negative (n-batch and chunk size at least 1)")
 	case o.kvThreshold <= 0 || o.kvThreshold > 1:
@@ -209,10 +221,16 @@ func run(ctx context.Context, args []string, stderr io.Writer, ready func(addr s
 
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	if p, ok := eng.(interface{ ParkedBytes() int64 }); ok {
+		reg.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+			Name: "llmf_worker_kv_parked_bytes",
+			Help: "Host memory holding idle KV-cache entries' cells parked out of llama.cpp's KV cache (--kv-park-idle).",
+		}, func() float64 { return float64(p.ParkedBytes()) }))
+	}
 	cfg := scheduler.Config{
 		MaxQueue: o.maxQueue, MaxRunning: o.maxRunning, RequestTimeout: o.timeout, CleanupInterval: o.cleanup,
 		QueueTimeout: queueTimeout(o.queueTimeout),
-		MaxBatch:     o.maxBatch, MaxOutputTokens: o.maxOutput,
+		MaxBatch:     o.maxBatch, MaxOutputTokens: o.maxOutput, FinishFirst: o.finishFirst,
 		KV:      kvcache.Limits{MaxItems: o.kvMaxItems, MaxBytes: o.kvMaxMB << 20, Threshold: o.kvThreshold},
 		Metrics: scheduler.NewMetrics(reg), Logger: log,
 	}
@@ -315,7 +333,7 @@ func openEngine(o *options, log *slog.Logger) (engine.Engine, openai.Template, e
 				"affinity_cpus", l.Affinity, "cgroup_quota_cpus", l.Quota, "quota_file", l.Source)
 		}
 		eng, err := llama.Open(llama.Config{ModelPath: o.model, Name: o.modelName, NCtx: o.nCtx, NBatch: o.nBatch,
-			NSeqMax: o.nSeqMax, Threads: o.threads, KVCacheType: o.kvType, FlashAttention: o.flashAttn, LoRA: o.lora})
+			NSeqMax: o.nSeqMax, Threads: o.threads, KVCacheType: o.kvType, FlashAttention: o.flashAttn, NoPark: !o.parkIdle, LoRA: o.lora})
 		return eng, tmpl, err
 	}
 	cfg := sim.Config{Name: o.modelName, NCtx: o.nCtx, NBatch: o.nBatch, NSeqMax: o.nSeqMax, Cost: o.simCost, BytesPerToken: o.simBytesPerToken}

@@ -7,6 +7,7 @@ import (
 	"io"
 	"net/http"
 	"net/http/httptest"
+	"strconv"
 	"strings"
 	"sync"
 	"testing"
@@ -32,6 +33,8 @@ func TestFlagValidation(t *testing.T) {
 		{"--engine", "sim", "--max-batch-size", "9"}, // more than the 8 running
 		{"--engine", "sim", "--max-batch-size", "0"},
 		{"--engine", "sim", "--max-output-tokens", "0"},
+		{"--engine", "sim", "--kv-cache-type", "q8_0", "--flash-attention=false"}, // llama.cpp needs FA for a quantized V
+		{"--engine", "sim", "--finish-first-tokens", "-1"},
 	}
 	for _, args := range bad {
 		if _, err := parse(args, io.Discard); err == nil {
@@ -40,8 +43,12 @@ func TestFlagValidation(t *testing.T) {
 	}
 	o, err := parse([]string{"--engine", "sim", "--metadata-center", "http://mc:8080", "--cluster", "c", "--listen", "10.1.2.3:9001"}, io.Discard)
 	if err != nil || o.advertise != "10.1.2.3:9001" || o.nSeqMax != 16 || o.maxRunning != 8 || o.maxQueue != 256 || o.timeout != 60*time.Second ||
-		o.maxBatch != 4 || o.maxOutput != 2048 || o.threads != 0 {
+		o.maxBatch != 4 || o.maxOutput != 2048 || o.threads != 0 || o.flashAttn || !o.parkIdle || o.finishFirst != 16 {
 		t.Fatalf("defaults: %+v %v", o, err)
+	}
+	// A quantized KV cache turns flash attention on unless told otherwise.
+	if o, err := parse([]string{"--engine", "sim", "--kv-cache-type", "q4_0"}, io.Discard); err != nil || !o.flashAttn {
+		t.Fatalf("--kv-cache-type q4_0: flash attention %v, %v", o.flashAttn, err)
 	}
 	// An unset batch size follows a smaller running set.
 	if o, err := parse([]string{"--engine", "sim", "--max-concurrent-requests", "2"}, io.Discard); err != nil || o.maxBatch != 2 {
@@ -123,6 +130,27 @@ func TestRunsTheLlamaEngineOnTheGeneratedModel(t *testing.T) {
 	resp.Body.Close()
 	if !strings.Contains(string(b), `"object":"list"`) {
 		t.Fatalf("models: %s", b)
+	}
+	// The finished conversation is parked in host memory (--kv-park-idle).
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(20 * time.Millisecond) {
+		resp, err := http.Get(url + "/metrics")
+		if err != nil {
+			t.Fatal(err)
+		}
+		b, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		var parked float64
+		for _, l := range strings.Split(string(b), "\n") {
+			if v, ok := strings.CutPrefix(l, "llmf_worker_kv_parked_bytes "); ok {
+				parked, _ = strconv.ParseFloat(v, 64)
+			}
+		}
+		if parked > 0 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("llmf_worker_kv_parked_bytes %v after a completed request, want > 0", parked)
+		}
 	}
 }
 

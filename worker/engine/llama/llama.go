@@ -13,6 +13,7 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+	"sync/atomic"
 
 	"github.com/ollama/ollama/fs/ggml"
 	ll "github.com/ollama/ollama/llama"
@@ -31,8 +32,12 @@ type Config struct {
 	Threads   int    // 0 = the CPUs this process may use (worker/cpus)
 	// KVCacheType is "f16" (default), "q8_0" or "q4_0".
 	KVCacheType string
-	// FlashAttention selects llama.cpp's fused attention kernel.
+	// FlashAttention selects llama.cpp's fused attention kernel: slower
+	// than the plain one on an uncrowded cache, faster on a crowded one.
 	FlashAttention bool
+	// NoPark keeps idle sequences' cells in the KV cache instead of
+	// parking them in host memory (park.go).
+	NoPark bool
 	// LoRA adapters applied to the whole context: every sequence this
 	// engine computes runs with them (an adapter pod serves one adapter set).
 	LoRA []LoRA
@@ -52,6 +57,12 @@ type Engine struct {
 	lc    *ll.Context
 	batch *ll.Batch
 	vocab int
+
+	// Parking (park.go); raw is nil when it is off.
+	raw         rawCtx
+	parked      map[int]*parked
+	lost        map[int]bool
+	parkedBytes atomic.Int64
 }
 
 type sampler struct{ sc *ll.SamplingContext }
@@ -161,6 +172,12 @@ func Open(cfg Config) (*Engine, error) {
 		return nil, err
 	}
 	e := &Engine{model: model, lc: lc, batch: batch, vocab: model.NumVocab()}
+	if !cfg.NoPark {
+		if err := e.initPark(cfg.NCtx, cfg.NSeqMax); err != nil {
+			e.Close()
+			return nil, err
+		}
+	}
 	e.info = engine.Info{
 		Name:          cfg.Name,
 		NCtx:          cfg.NCtx,
@@ -241,12 +258,19 @@ func (e *Engine) Step(spans []engine.Span) ([]int, error) {
 	if n > e.info.NBatch {
 		return nil, fmt.Errorf("llama: batch of %d tokens exceeds n_batch %d", n, e.info.NBatch)
 	}
-	e.batch.Clear()
-	last := make([]int, len(spans))
-	for i, s := range spans {
+	for _, s := range spans {
 		if s.Seq < 0 || s.Seq >= e.info.NSeqMax {
 			return nil, fmt.Errorf("llama: seq id %d outside 0..%d", s.Seq, e.info.NSeqMax-1)
 		}
+		if e.raw != nil {
+			if err := e.restore(s.Seq); err != nil {
+				return nil, err
+			}
+		}
+	}
+	e.batch.Clear()
+	last := make([]int, len(spans))
+	for i, s := range spans {
 		for j, t := range s.Tokens {
 			// llama_decode throws (and aborts the process through cgo)
 			// on an out-of-vocabulary token.
@@ -282,13 +306,23 @@ func (e *Engine) Step(spans []engine.Span) ([]int, error) {
 
 // Copy implements engine.Engine.
 func (e *Engine) Copy(src, dst, from, to int) {
-	if to > from && src != dst {
-		e.lc.KvCacheSeqCp(src, dst, from, to)
+	if to <= from || src == dst {
+		return
 	}
+	if e.raw != nil && (e.parked[src] != nil || e.parked[dst] != nil || e.lost[dst]) {
+		e.copyParked(src, dst, from, to)
+		return
+	}
+	e.lc.KvCacheSeqCp(src, dst, from, to)
 }
 
 // Remove implements engine.Engine.
-func (e *Engine) Remove(seq, from int) { e.lc.KvCacheSeqRm(seq, from, -1) }
+func (e *Engine) Remove(seq, from int) {
+	if e.raw != nil && e.removeParked(seq, from) {
+		return
+	}
+	e.lc.KvCacheSeqRm(seq, from, -1)
+}
 
 // Close frees the batch and the model. The context itself has no free
 // function in the bindings; it goes with the process.

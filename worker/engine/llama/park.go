@@ -1,0 +1,203 @@
+package llama
+
+/*
+#include <stddef.h>
+#include <stdint.h>
+
+// llama.cpp's state API, which the ollama binding does not wrap; the symbols
+// are in the binary through that package's cgo objects.
+struct llama_context;
+size_t   llama_state_seq_get_size(struct llama_context * ctx, int32_t seq_id);
+size_t   llama_state_seq_get_data(struct llama_context * ctx, uint8_t * dst, size_t size, int32_t seq_id);
+size_t   llama_state_seq_set_data(struct llama_context * ctx, const uint8_t * src, size_t size, int32_t dest_seq_id);
+int32_t  llama_kv_self_seq_pos_max(struct llama_context * ctx, int32_t seq_id);
+void     llama_kv_self_defrag(struct llama_context * ctx);
+void     llama_kv_self_update(struct llama_context * ctx);
+uint32_t llama_n_ctx(const struct llama_context * ctx);
+uint32_t llama_n_seq_max(const struct llama_context * ctx);
+*/
+import "C"
+
+import (
+	"fmt"
+	"unsafe"
+
+	ll "github.com/ollama/ollama/llama"
+
+	"github.com/istio-llm-filter/istio-llm-filter/worker/engine"
+)
+
+// Parking moves an idle sequence's cells out of llama.cpp's unified KV cache
+// into host memory (llama_state_seq_get_data) and back when it is used
+// again (llama_state_seq_set_data). Why: llama.cpp attends over every used
+// cell of the unified cache up to the highest one and masks out the other
+// sequences' cells, so cached conversations slow every prefill down — the
+// plain kernel pays for each masked cell like for a real one, and the flash
+// attention kernel, which skips them, is itself ~1.6× slower than the plain
+// one on this CPU (docs/worker.md "A crowded KV cache"). With idle entries
+// parked, only running sequences share the cache and the plain kernel runs
+// uncrowded. The bytes are the same K and V values, so output is unchanged.
+//
+// A parked sequence is restored lazily: Step restores the sequences of its
+// spans, Copy from a parked sequence into an empty one only records that the
+// destination will be restored from the same bytes (cut to its length), and
+// Remove cuts or drops the record. So taking a parked entry over or adopting
+// its prefix costs one restore, when the new request first computes.
+
+// parked is a sequence held in host memory: its cells are positions [0, n)
+// of state, which holds positions [0, full).
+type parked struct {
+	state []byte
+	n     int
+	full  int
+}
+
+type rawCtx = *C.struct_llama_context
+
+// rawContext is the llama_context pointer of the binding's Context, its first
+// field (ollama v0.11.4 llama/llama.go: `type Context struct { c
+// *C.struct_llama_context; numThreads int }`). Open checks it against the
+// context's n_ctx and n_seq_max before trusting it.
+func rawContext(lc *ll.Context) rawCtx {
+	return *(**C.struct_llama_context)(unsafe.Pointer(lc))
+}
+
+// initPark enables parking if the context pointer checks out.
+func (e *Engine) initPark(nCtx, nSeq int) error {
+	raw := rawContext(e.lc)
+	if raw == nil || int(C.llama_n_ctx(raw)) != nCtx || int(C.llama_n_seq_max(raw)) != nSeq {
+		return fmt.Errorf("llama: cannot park idle sequences: the binding's context is not the expected llama_context (ollama/llama changed?)")
+	}
+	e.raw = raw
+	e.parked = map[int]*parked{}
+	e.lost = map[int]bool{}
+	return nil
+}
+
+// Park implements kvcache.Parker: seq's cells leave the KV cache for host
+// memory. Without parking (Config.NoPark) it does nothing.
+func (e *Engine) Park(seq int) {
+	if e.raw == nil || e.parked[seq] != nil {
+		return
+	}
+	n := int(C.llama_kv_self_seq_pos_max(e.raw, C.int32_t(seq))) + 1
+	if n <= 0 {
+		return
+	}
+	size := C.llama_state_seq_get_size(e.raw, C.int32_t(seq))
+	buf := make([]byte, int(size))
+	got := C.llama_state_seq_get_data(e.raw, (*C.uint8_t)(unsafe.Pointer(&buf[0])), size, C.int32_t(seq))
+	if got == 0 {
+		return // llama.cpp logged why; the cells simply stay in the cache
+	}
+	e.lc.KvCacheSeqRm(seq, 0, -1)
+	e.parked[seq] = &parked{state: buf[:got], n: n, full: n}
+	e.parkedBytes.Add(int64(got))
+}
+
+// Parked reports whether seq's cells are in host memory, not in the KV
+// cache (evicting it frees no cells).
+func (e *Engine) Parked(seq int) bool { return e.parked[seq] != nil }
+
+// ParkedBytes is the host memory parked sequences take (shared states
+// counted once per sequence). Safe for concurrent use (metrics read it).
+func (e *Engine) ParkedBytes() int64 { return e.parkedBytes.Load() }
+
+// ParkedTokens is how many cells the parked sequences would take in the
+// KV cache (a state shared by several counted once per sequence). Loop
+// goroutine only.
+func (e *Engine) ParkedTokens() int {
+	n := 0
+	for _, p := range e.parked {
+		n += p.n
+	}
+	return n
+}
+
+func (e *Engine) forget(seq int) {
+	if p := e.parked[seq]; p != nil {
+		e.parkedBytes.Add(-int64(len(p.state)))
+		delete(e.parked, seq)
+	}
+}
+
+// restore brings a parked seq back into the KV cache; ErrKVFull when there
+// is no contiguous room even after a defragmentation (it stays parked).
+func (e *Engine) restore(seq int) error {
+	if e.lost[seq] {
+		return fmt.Errorf("%w: seq %d lost cells it shared while the cache was full", engine.ErrKVFull, seq)
+	}
+	p := e.parked[seq]
+	if p == nil {
+		return nil
+	}
+	set := func() bool {
+		return C.llama_state_seq_set_data(e.raw, (*C.uint8_t)(unsafe.Pointer(&p.state[0])), C.size_t(len(p.state)), C.int32_t(seq)) != 0
+	}
+	if !set() {
+		// set_data needs one contiguous run of free cells; decode
+		// defragments by itself, this path does not.
+		C.llama_kv_self_defrag(e.raw)
+		C.llama_kv_self_update(e.raw)
+		if !set() {
+			return fmt.Errorf("%w: restoring seq %d (%d cells)", engine.ErrKVFull, seq, p.full)
+		}
+	}
+	if p.n < p.full {
+		e.lc.KvCacheSeqRm(seq, p.n, -1)
+	}
+	e.forget(seq)
+	return nil
+}
+
+// copyParked handles Copy when src or dst is parked (or dst lost cells).
+func (e *Engine) copyParked(src, dst, from, to int) {
+	if e.lost[dst] {
+		return
+	}
+	p := e.parked[src]
+	if p != nil && from == 0 && e.parked[dst] == nil {
+		// dst holds nothing yet: it is src's state cut to [0, to).
+		e.forget(dst)
+		e.parked[dst] = &parked{state: p.state, n: min(to, p.n), full: p.full}
+		e.parkedBytes.Add(int64(len(p.state)))
+		return
+	}
+	// Rare (a parked sequence shared from the middle, or into a parked
+	// one): both must be in the cache for llama.cpp to tag the cells.
+	if err := e.restore(dst); err != nil {
+		e.lost[dst] = true
+		return
+	}
+	if p != nil {
+		if err := e.restore(src); err != nil {
+			e.lost[dst] = true
+			return
+		}
+		e.lc.KvCacheSeqCp(src, dst, from, to)
+		// src goes back to host memory: its state bytes did not change.
+		e.lc.KvCacheSeqRm(src, 0, -1)
+		e.parked[src] = p
+		e.parkedBytes.Add(int64(len(p.state)))
+		return
+	}
+	e.lc.KvCacheSeqCp(src, dst, from, to)
+}
+
+// removeParked handles Remove of a parked or lost seq; false if seq is
+// neither.
+func (e *Engine) removeParked(seq, from int) bool {
+	if from <= 0 {
+		delete(e.lost, seq)
+	}
+	p := e.parked[seq]
+	if p == nil {
+		return false
+	}
+	if from <= 0 {
+		e.forget(seq)
+	} else if from < p.n {
+		e.parked[seq] = &parked{state: p.state, n: from, full: p.full}
+	}
+	return true
+}

@@ -1,0 +1,160 @@
+package llama
+
+import (
+	"errors"
+	"fmt"
+	"os"
+	"slices"
+	"strconv"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/istio-llm-filter/istio-llm-filter/worker/engine"
+	"github.com/istio-llm-filter/istio-llm-filter/worker/testmodel"
+)
+
+// Parked cells come back bit for bit: every way a cached entry is used
+// again (taken over, its prefix copied into a fresh sequence, cut, copied
+// from the middle) gives the greedy output of a cold run.
+func TestParkedSequenceGivesTheSameGreedyOutput(t *testing.T) {
+	e := open(t, 4096, 4)
+	prompt, _ := e.Tokenize(strings.Repeat("the quick brown fox jumps over the lazy dog. ", 30), true)
+	full := greedy(t, e, 0, prompt, 0, 16)
+	e.Remove(0, 0)
+
+	greedy(t, e, 0, prompt, 0, 16)
+	e.Remove(0, len(prompt)) // an entry holding exactly the prompt
+	e.Park(0)
+	if !e.Parked(0) || e.ParkedBytes() == 0 || e.ParkedTokens() != len(prompt) {
+		t.Fatalf("seq 0 not parked (parked %v, %d bytes, %d tokens)", e.Parked(0), e.ParkedBytes(), e.ParkedTokens())
+	}
+
+	// Adopted by copy: seq 1 starts from seq 0's state cut to len-1 cells.
+	e.Copy(0, 1, 0, len(prompt)-1)
+	if got := greedy(t, e, 1, prompt, len(prompt)-1, 16); !slices.Equal(full, got) {
+		t.Fatalf("copied from a parked sequence:\ncold %v\ngot  %v", full, got)
+	}
+	if !e.Parked(0) {
+		t.Fatal("the copy's source left host memory")
+	}
+	// In two ranges from a parked source: the second one restores it.
+	e.Copy(0, 2, 0, 7)
+	e.Copy(0, 2, 7, len(prompt)-1)
+	if got := greedy(t, e, 2, prompt, len(prompt)-1, 16); !slices.Equal(full, got) {
+		t.Fatalf("copied in two ranges from a parked sequence:\ncold %v\ngot  %v", full, got)
+	}
+	// Taken over: the same seq id, its tail cut while parked.
+	e.Remove(0, len(prompt)-1)
+	if got := greedy(t, e, 0, prompt, len(prompt)-1, 16); !slices.Equal(full, got) {
+		t.Fatalf("a parked sequence taken over:\ncold %v\ngot  %v", full, got)
+	}
+	if e.Parked(0) {
+		t.Fatal("seq 0 computed but still parked")
+	}
+	e.Remove(0, 0)
+	e.Remove(1, 0)
+	e.Remove(2, 0)
+	if e.ParkedBytes() != 0 {
+		t.Fatalf("%d bytes still parked after every sequence was removed", e.ParkedBytes())
+	}
+}
+
+// A parked sequence frees its cells; bringing it back into a full cache is
+// ErrKVFull (it stays parked), and works once there is room again.
+func TestParkingFreesCellsAndRestoringNeedsRoom(t *testing.T) {
+	e := open(t, 256, 2)
+	toks := make([]int, 200)
+	for i := range toks {
+		toks[i] = 3 + 'a' + i%26
+	}
+	want := greedy(t, e, 0, toks, 0, 4)
+	e.Remove(0, len(toks))
+	e.Park(0)
+	if _, err := e.Step([]engine.Span{{Seq: 1, Pos: 0, Tokens: toks}}); err != nil {
+		t.Fatalf("200 cells after parking the other 200 of 256: %v", err)
+	}
+	s, _ := e.NewSampler(engine.SamplingParams{})
+	_, err := e.Step([]engine.Span{{Seq: 0, Pos: len(toks) - 1, Tokens: toks[len(toks)-1:], Sampler: s}})
+	if !errors.Is(err, engine.ErrKVFull) || !e.Parked(0) {
+		t.Fatalf("restoring 200 cells into 56 free ones: err %v, parked %v; want ErrKVFull and still parked", err, e.Parked(0))
+	}
+	e.Remove(1, 0)
+	e.Remove(0, len(toks)-1)
+	if got := greedy(t, e, 0, toks, len(toks)-1, 4); !slices.Equal(want, got) {
+		t.Fatalf("after making room: %v, want %v", got, want)
+	}
+}
+
+func processCPU() time.Duration {
+	var ru syscall.Rusage
+	_ = syscall.Getrusage(syscall.RUSAGE_SELF, &ru)
+	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
+}
+
+// BenchmarkPrefill is one cold 2,600-token prompt prefilled in 512-token
+// steps into a 16k-cell, 16-sequence context (the worker's defaults on the
+// bench preset), per kernel, with the cache empty or holding two other
+// 2,600-token sequences — in the cache or parked. It is the profile behind
+// the worker's defaults (docs/worker.md "A crowded KV cache"). Point
+// LLMF_BENCH_MODEL at the bench preset; LLMF_THREADS sets the threads.
+func BenchmarkPrefill(b *testing.B) {
+	path := os.Getenv("LLMF_BENCH_MODEL")
+	if path == "" {
+		path = testmodel.Path(b)
+	}
+	threads, _ := strconv.Atoi(os.Getenv("LLMF_THREADS"))
+	const n, others = 2600, 2
+	toks := func(salt int) []int {
+		out := make([]int, n)
+		for i := range out {
+			out[i] = 3 + 'a' + (i*7+salt*13+i/26)%26
+		}
+		return out
+	}
+	prefill := func(b *testing.B, e *Engine, seq int, t []int) {
+		for p := 0; p < len(t); p += 512 {
+			if _, err := e.Step([]engine.Span{{Seq: seq, Pos: p, Tokens: t[p:min(p+512, len(t))]}}); err != nil {
+				b.Fatal(err)
+			}
+		}
+	}
+	for _, fa := range []bool{false, true} {
+		for _, crowd := range []string{"empty", "crowded", "parked"} {
+			if fa && crowd == "parked" {
+				continue
+			}
+			b.Run(fmt.Sprintf("flash=%v/%s", fa, crowd), func(b *testing.B) {
+				e, err := Open(Config{ModelPath: path, NCtx: 16384, NSeqMax: 16, Threads: threads, FlashAttention: fa})
+				if err != nil {
+					b.Fatal(err)
+				}
+				defer e.Close()
+				if crowd != "empty" {
+					for s := 1; s <= others; s++ {
+						prefill(b, e, s, toks(s))
+						if crowd == "parked" {
+							e.Park(s)
+						}
+					}
+				}
+				b.ResetTimer()
+				var cpu time.Duration
+				for i := range b.N {
+					c0 := processCPU()
+					prefill(b, e, 0, toks(100+i))
+					cpu += processCPU() - c0
+					b.StopTimer()
+					e.Remove(0, 0)
+					b.StartTimer()
+				}
+				b.ReportMetric(float64(b.Elapsed().Microseconds())/1000/float64(b.N), "ms/prefill")
+				// With one thread ggml computes on the calling thread and
+				// the process's CPU time is the work, whatever else loads
+				// the machine (with more, it includes spinning at barriers).
+				b.ReportMetric(float64(cpu.Microseconds())/1000/float64(b.N), "cpu-ms/prefill")
+			})
+		}
+	}
+}
