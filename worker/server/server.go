@@ -83,6 +83,7 @@ func New(sched *scheduler.Scheduler, eng engine.Engine, cfg Config) *Server {
 	s.mux.HandleFunc("POST /v1/completions", s.completion)
 	s.mux.HandleFunc("GET /v1/models", s.models)
 	s.mux.HandleFunc("GET /healthz", s.healthz)
+	s.mux.HandleFunc("GET "+PathDebugKVPrefixes, s.kvPrefixes)
 	if cfg.Registry != nil {
 		s.mux.Handle("GET /metrics", promhttp.HandlerFor(cfg.Registry, promhttp.HandlerOpts{Registry: cfg.Registry}))
 	}
