@@ -4,6 +4,7 @@ import (
 	"context"
 	"net/http"
 	"slices"
+	"sync"
 	"time"
 
 	"github.com/istio-llm-filter/istio-llm-filter/prefix"
@@ -23,6 +24,54 @@ type KVPrefixes struct {
 	// Prefixes are the chained prompt hashes of every entry, deduplicated
 	// and sorted: what the worker would report evicted if it dropped them.
 	Prefixes []string `json:"prefixes"`
+	// Pending are the prompt hashes of requests accepted and not answered
+	// yet (queued, or running with their prompt not all written): what the
+	// worker is about to hold, and what the router saved when it routed
+	// them here. Deduplicated and sorted; they may overlap Prefixes.
+	Pending []string `json:"pending"`
+}
+
+// pending tracks the hashes of the requests a Server has accepted and not
+// yet answered. Its own lock: handlers add and remove, the debug listing
+// reads.
+type pending struct {
+	mu sync.Mutex
+	m  map[string][]prefix.Hash
+}
+
+func (p *pending) add(id string, hs []prefix.Hash) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.m == nil {
+		p.m = map[string][]prefix.Hash{}
+	}
+	p.m[id] = hs
+}
+
+func (p *pending) remove(id string) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	delete(p.m, id)
+}
+
+func (p *pending) list() []string {
+	p.mu.Lock()
+	var hs []prefix.Hash
+	for _, h := range p.m {
+		hs = append(hs, h...)
+	}
+	p.mu.Unlock()
+	return wire(hs)
+}
+
+func wire(hs []prefix.Hash) []string {
+	slices.Sort(hs)
+	hs = slices.Compact(hs)
+	out := make([]string, len(hs))
+	for i, h := range hs {
+		out[i] = h.String()
+	}
+	return out
 }
 
 // inspectTimeout bounds the wait for the scheduler loop, which answers
@@ -50,11 +99,7 @@ func (s *Server) kvPrefixes(w http.ResponseWriter, r *http.Request) {
 			Message: "the scheduler did not answer: " + err.Error()})
 		return
 	}
-	slices.Sort(hs)
-	hs = slices.Compact(hs)
-	out.Prefixes = make([]string, len(hs))
-	for i, h := range hs {
-		out.Prefixes[i] = h.String()
-	}
+	out.Prefixes = wire(hs)
+	out.Pending = s.pending.list()
 	openai.WriteJSON(w, http.StatusOK, out)
 }

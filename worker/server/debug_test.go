@@ -1,7 +1,10 @@
 package server
 
 import (
+	"bufio"
+	"bytes"
 	"encoding/json"
+	"io"
 	"net/http"
 	"slices"
 	"testing"
@@ -91,5 +94,35 @@ func TestDebugKVPrefixesIsTheWorkersOwnView(t *testing.T) {
 	})
 	if got := kvPrefixesOf(t, w); got.Entries != 0 || len(got.Prefixes) != 0 {
 		t.Fatalf("after evicting everything: %+v", got)
+	}
+}
+
+// TestDebugKVPrefixesListsAcceptedRequestsAsPending holds a stream open on
+// a real worker and checks that its prompt's hashes — the ones the router
+// saved when it routed the request — are listed as pending while it runs,
+// and no longer once it is answered.
+func TestDebugKVPrefixesListsAcceptedRequestsAsPending(t *testing.T) {
+	w := startWorker(t, opts{})
+	m := msgs("user", longText(900, "pending"))
+	body, _ := json.Marshal(map[string]any{"model": "tiny", "messages": m, "stream": true, "max_tokens": 400, "ignore_eos": true})
+	resp, err := http.Post(w.url+"/v1/chat/completions", "application/json", bytes.NewReader(body))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	if _, err := bufio.NewReader(resp.Body).ReadString('\n'); err != nil { // the first event: accepted and running
+		t.Fatal(err)
+	}
+	want := gatewayHashes(t, m)
+	slices.Sort(want)
+	if got := kvPrefixesOf(t, w); !slices.Equal(got.Pending, want) || got.InUse != 1 {
+		t.Fatalf("while streaming: %+v, want pending %v and one entry in use", got, want)
+	}
+	if _, err := io.Copy(io.Discard, resp.Body); err != nil {
+		t.Fatal(err)
+	}
+	waitIdle(t, w)
+	if got := kvPrefixesOf(t, w); len(got.Pending) != 0 || !slices.Equal(got.Prefixes, want) {
+		t.Fatalf("after the answer: %+v, want no pending and %v held", got, want)
 	}
 }

@@ -60,6 +60,7 @@ type Server struct {
 	mux     *http.ServeMux
 	log     *slog.Logger
 	started time.Time
+	pending pending // accepted requests' hashes, for /debug/kv/prefixes
 }
 
 // New wires the routes. The scheduler must be running (or about to).
@@ -327,6 +328,8 @@ func (s *Server) generate(w http.ResponseWriter, r *http.Request, j *job) {
 		openai.WriteError(w, e)
 		return
 	}
+	s.pending.add(j.id, j.hashes)
+	defer s.pending.remove(j.id)
 	var out sink
 	switch {
 	case p.Stream && j.chat:
