@@ -92,9 +92,8 @@ func BaselineOf(rs []Record, from, to time.Duration) Baseline {
 	return b
 }
 
-// Analyze assigns each record to the window it ended in (Record.Fault) —
-// a request in flight when a fault hit is that fault's — and summarises
-// every window.
+// Analyze assigns each record to a window (windowOf, Record.Fault) and
+// summarises every window.
 func Analyze(rs []Record, ws []Window, checks []Check, base Baseline, bucket time.Duration) []FaultStats {
 	out := make([]FaultStats, len(ws))
 	for i, w := range ws {
@@ -107,7 +106,7 @@ func Analyze(rs []Record, ws []Window, checks []Check, base Baseline, bucket tim
 		var in []Record
 		for j := range rs {
 			r := &rs[j]
-			if r.End < w.Start || r.End >= w.Next {
+			if windowOf(*r, ws) != i {
 				continue
 			}
 			r.Fault = w.Name
@@ -147,6 +146,18 @@ func Analyze(rs []Record, ws []Window, checks []Check, base Baseline, bucket tim
 		out[i] = s
 	}
 	return out
+}
+
+// windowOf is the index of the earliest window r overlaps — a request in
+// flight when a fault hit is that fault's, and so is one that started in
+// its window and hung on into later ones — or -1 for the baseline.
+func windowOf(r Record, ws []Window) int {
+	for i, w := range ws {
+		if w.Start <= r.End && r.Start < w.Next {
+			return i
+		}
+	}
+	return -1
 }
 
 func failKey(r Record) string {

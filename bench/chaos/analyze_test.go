@@ -51,7 +51,7 @@ func TestRecoveryNeedsThreeGoodBucketsInARow(t *testing.T) {
 	}
 }
 
-func TestAnalyzeAssignsRequestsToTheWindowTheyEndedIn(t *testing.T) {
+func TestAnalyzeAssignsRequestsToTheEarliestWindowTheyOverlap(t *testing.T) {
 	ws := []Window{
 		{Name: "kill", Start: secs(10), End: secs(13), Next: secs(30),
 			expected: func(r Record) bool { return r.Worker == "w0" && inFlightAt(r, secs(10)) }},
@@ -62,7 +62,8 @@ func TestAnalyzeAssignsRequestsToTheWindowTheyEndedIn(t *testing.T) {
 		rec(1, 9, 10.5, Reset, 50), // in flight at the kill: expected
 		rec(2, 11, 11.5, Failed, 0),
 		rec(3, 12, 14, OK, 300),
-		rec(4, 25, 31, OK, 200), // ends in the burst's window
+		rec(4, 25, 31, OK, 200), // started in the kill's window, hung into the burst's
+		rec(8, 31, 32, OK, 100),
 		rec(5, 32, 33, Aborted, 20),
 		rec(6, 33, 34, Cut, 20),
 		rec(7, 35, 36, Unanswered, 0),
@@ -72,17 +73,20 @@ func TestAnalyzeAssignsRequestsToTheWindowTheyEndedIn(t *testing.T) {
 	checks := []Check{{IndexEntries: 10, IndexTrue: 9, Precision: 0.9}}
 	out := Analyze(rs, ws, checks, Baseline{SuccessRate: 1, TTFTP50: 100, TTFTP90: 200}, time.Second)
 	k, b := out[0], out[1]
-	if k.Sent != 3 || k.Succeeded != 1 || k.Failed["stream-reset"] != 1 || k.Failed["503"] != 1 || k.Expected != 1 || k.Unexpected != 1 || k.Retried != 1 || k.Retries["connect"] != 1 {
+	if k.Failed["stream-reset"] != 1 || k.Failed["503"] != 1 || k.Expected != 1 || k.Unexpected != 1 || k.Retried != 1 || k.Retries["connect"] != 1 {
 		t.Fatalf("kill window: %+v", k)
 	}
 	if k.Check.IndexTrue != 9 || b.Check.IndexEntries != 0 {
 		t.Fatalf("checks not matched to their windows: %+v / %+v", k.Check, b.Check)
 	}
+	if k.Sent != 4 || k.Succeeded != 2 {
+		t.Fatalf("kill window with the hung request: %+v", k)
+	}
 	if b.Sent != 4 || b.Succeeded != 1 || b.Aborted != 1 || b.Lost != 2 || b.Unexpected != 2 {
 		t.Fatalf("burst window: %+v", b)
 	}
-	if rs[0].Fault != "" || rs[1].Fault != "kill" || rs[4].Fault != "burst" {
-		t.Fatalf("faults assigned: %q %q %q", rs[0].Fault, rs[1].Fault, rs[4].Fault)
+	if rs[0].Fault != "" || rs[1].Fault != "kill" || rs[4].Fault != "kill" || rs[8].Fault != "burst" {
+		t.Fatalf("faults assigned: %q %q %q %q", rs[0].Fault, rs[1].Fault, rs[4].Fault, rs[8].Fault)
 	}
 	if base := BaselineOf(rs, 0, secs(10)); base.Requests != 1 || base.SuccessRate != 1 || base.TTFTP50 != 100 {
 		t.Fatalf("baseline %+v", base)

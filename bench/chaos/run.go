@@ -28,6 +28,7 @@ type Config struct {
 	// WorkerQueue and WorkerRunning size every worker's queue and running
 	// set small, so that a burst overflows them (429).
 	WorkerQueue, WorkerRunning int
+	WorkerArgs                 []string // more flags for every worker
 
 	Users     int // concurrent simulated users of the steady load
 	MaxTokens int
@@ -83,7 +84,10 @@ func (c *Config) defaults() {
 var FaultNames = []string{"worker-kill", "redis-restart", "redis-pause", "mc-restart", "gateway-kill", "slow-worker", "client-disconnect", "burst"}
 
 func (c Config) spec() fleet.Spec {
-	wargs := []string{"--max-queue", fmt.Sprint(c.WorkerQueue), "--max-concurrent-requests", fmt.Sprint(c.WorkerRunning), "--log-level", "warn"}
+	// The workers' own timeout (408) well inside the client's, so that a
+	// request the fleet gives up on still gets an answer.
+	wargs := append([]string{"--max-queue", fmt.Sprint(c.WorkerQueue), "--max-concurrent-requests", fmt.Sprint(c.WorkerRunning),
+		"--request-timeout", "30s", "--log-level", "warn"}, c.WorkerArgs...)
 	s := fleet.Spec{
 		BinDir: c.Bin, LogDir: filepath.Join(c.Out, "logs"), Engine: "sim", Workers: c.SimWorkers,
 		Model: c.Model, ModelName: "tiny", Policy: "cache_aware", WorkerArgs: wargs,
@@ -91,10 +95,16 @@ func (c Config) spec() fleet.Spec {
 		MCArgs: []string{"--lease-ttl", c.LeaseTTL.String(), "--log-level", "warn"},
 	}
 	if c.Llama {
-		s.Extra = []fleet.WorkerSpec{{Engine: "llama", Model: c.Model, Args: wargs, CPUs: c.LlamaCPUs}}
+		// KV cells for its 16 sequences' prompts (a few thousand tokens
+		// each), so that it evicts idle entries rather than thrash.
+		s.Extra = []fleet.WorkerSpec{{Engine: "llama", Model: c.Model, Args: append([]string{"--n-ctx", "32768"}, wargs...), CPUs: c.LlamaCPUs}}
 	}
 	return s
 }
+
+// ClientTimeout bounds one request with its retries (the workers time out
+// at 30 s).
+const ClientTimeout = 90 * time.Second
 
 // Result is everything a chaos run measured.
 type Result struct {
@@ -163,7 +173,7 @@ func RunChaos(ctx context.Context, cfg Config) (*Result, error) {
 	defer f.Stop()
 	hc := NewHTTPClient()
 	start := time.Now()
-	client := &Client{Gateways: f.Gateways, Model: "tiny", MaxRetries: 2, Timeout: 60 * time.Second, HTTP: hc}
+	client := &Client{Gateways: f.Gateways, Model: "tiny", MaxRetries: 2, Timeout: ClientTimeout, HTTP: hc}
 	load := NewLoad(client, cfg.Users, cfg.MaxTokens, cfg.Seed, start)
 	chk := Checker{MC: f.MC, Cluster: fleet.Cluster, Workers: f.Workers, HTTP: hc}
 	obs := &observer{chk: chk, load: load, out: cfg.Progress}
@@ -305,7 +315,7 @@ func (c Config) settings() map[string]string {
 		"worker_queue": fmt.Sprint(c.WorkerQueue), "worker_running": fmt.Sprint(c.WorkerRunning),
 		"users": fmt.Sprint(c.Users), "max_tokens": fmt.Sprint(c.MaxTokens), "seed": fmt.Sprint(c.Seed),
 		"lease_ttl": c.LeaseTTL.String(), "baseline": c.Baseline.String(), "settle": c.Settle.String(), "gap": c.Gap.String(),
-		"burst": fmt.Sprint(c.Burst), "gateways": "2", "store": "redis", "policy": "cache_aware",
+		"burst": fmt.Sprint(c.Burst), "worker_args": strings.Join(c.WorkerArgs, " "), "gateways": "2", "store": "redis", "policy": "cache_aware",
 	}
 }
 

@@ -49,7 +49,7 @@ func RunSoak(ctx context.Context, cfg Config) (*SoakResult, error) {
 	defer f.Stop()
 	hc := NewHTTPClient()
 	start := time.Now()
-	client := &Client{Gateways: f.Gateways, Model: "tiny", MaxRetries: 2, Timeout: 60 * time.Second, HTTP: hc}
+	client := &Client{Gateways: f.Gateways, Model: "tiny", MaxRetries: 2, Timeout: ClientTimeout, HTTP: hc}
 	load := NewLoad(client, cfg.Users, cfg.MaxTokens, cfg.Seed, start)
 	chk := Checker{MC: f.MC, Cluster: fleet.Cluster, Workers: f.Workers, HTTP: hc}
 	var targets []Target

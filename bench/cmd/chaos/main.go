@@ -36,6 +36,7 @@ func run(ctx context.Context, args []string) (int, error) {
 	var cfg chaos.Config
 	soak := fs.Bool("soak", false, "run the soak instead of the fault schedule")
 	faults := fs.String("faults", strings.Join(chaos.FaultNames, ","), "faults to inject, in order (none: load only)")
+	workerArgs := fs.String("worker-args", "", "more flags for every worker, space-separated")
 	noLlama := fs.Bool("no-llama", false, "simulated workers only (drops the slow-worker fault)")
 	fs.StringVar(&cfg.Bin, "bin", "bin", "directory with metadata-center, worker and gateway (make build)")
 	fs.StringVar(&cfg.Out, "out", "bench/out/chaos", "output directory")
@@ -57,6 +58,7 @@ func run(ctx context.Context, args []string) (int, error) {
 		return 2, err
 	}
 	cfg.Llama = !*noLlama
+	cfg.WorkerArgs = strings.Fields(*workerArgs)
 	cfg.Progress = os.Stderr
 	cfg.Faults = []string{}
 	for _, f := range strings.Split(*faults, ",") {
