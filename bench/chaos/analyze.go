@@ -69,13 +69,15 @@ type FaultStats struct {
 	RecoveryS float64 `json:"recovery_s"` // -1: not back to baseline within the window
 }
 
-// Baseline of the records started at from or later and done before to.
+// Baseline of the records started in [from, to), however they ended: a
+// request that started before the first fault and hung into it shows the
+// fleet was not healthy to begin with.
 func BaselineOf(rs []Record, from, to time.Duration) Baseline {
 	var b Baseline
 	var ttft []float64
 	ok := 0
 	for _, r := range rs {
-		if r.Start < from || r.End >= to || r.Outcome == Aborted {
+		if r.Start < from || r.Start >= to || r.Outcome == Aborted {
 			continue
 		}
 		b.Requests++

@@ -97,7 +97,11 @@ func (c Config) spec() fleet.Spec {
 	if c.Llama {
 		// KV cells for its 16 sequences' prompts (a few thousand tokens
 		// each), so that it evicts idle entries rather than thrash.
-		s.Extra = []fleet.WorkerSpec{{Engine: "llama", Model: c.Model, Args: append([]string{"--n-ctx", "32768"}, wargs...), CPUs: c.LlamaCPUs}}
+		// A short queue and running set: on a shared machine its real
+		// compute is the slowest pod, and it should shed load (429, which
+		// the client retries elsewhere) rather than time out (408).
+		largs := append(append([]string{"--n-ctx", "32768"}, wargs...), "--max-queue", "4", "--max-concurrent-requests", "2")
+		s.Extra = []fleet.WorkerSpec{{Engine: "llama", Model: c.Model, Args: largs, CPUs: c.LlamaCPUs}}
 	}
 	return s
 }
