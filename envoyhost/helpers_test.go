@@ -57,12 +57,14 @@ type recStore struct {
 	adds, deletes atomic.Int64
 	mu            sync.Mutex
 	live          map[string]string // request id -> host
+	addedOn       []string          // the host of every lease added, in order
 }
 
 func (r *recStore) AddLease(ctx context.Context, c, h, id string, p int64) error {
 	r.adds.Add(1)
 	r.mu.Lock()
 	r.live[id] = h
+	r.addedOn = append(r.addedOn, h)
 	r.mu.Unlock()
 	return r.Store.AddLease(ctx, c, h, id, p)
 }

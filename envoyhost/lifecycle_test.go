@@ -8,6 +8,7 @@ import (
 	"net/http/httptest"
 	"net/http/httputil"
 	"net/url"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -15,6 +16,9 @@ import (
 	"time"
 
 	"github.com/istio-llm-filter/istio-llm-filter/filter/llmfilter"
+	"github.com/istio-llm-filter/istio-llm-filter/filter/transcode/openai"
+	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/api"
+	"github.com/istio-llm-filter/istio-llm-filter/prefix"
 )
 
 // switchableMC is a real metadata center behind a proxy that can be told to
@@ -294,7 +298,7 @@ func TestClientGoneWhileDeciding(t *testing.T) {
 // cluster's load balancer serves the request; the filter must report the
 // host that really served it.
 func TestChosenHostNotInTheCluster(t *testing.T) {
-	_, mc := newMetadataCenter(t)
+	st, mc := newMetadataCenter(t)
 	real := newBackend(t)
 	gone := newBackend(t) // known to the filter only
 	h := startHost(t, Options{Clusters: map[string][]string{"pool": {real.addr}}})
@@ -310,6 +314,29 @@ func TestChosenHostNotInTheCluster(t *testing.T) {
 	}
 	if got := resp.Header.Get(llmfilter.UpstreamHostHeader); got != real.addr {
 		t.Fatalf("%s = %q, but %s served the request", llmfilter.UpstreamHostHeader, got, real.addr)
+	}
+	// The lease moved to the pod that served, and the prefix is recorded
+	// there, not on the chosen pod, which never saw the request.
+	waitUntil(t, "the request's leases to end", 10*time.Second, func() bool {
+		return st.deletes.Load() == 2 && len(st.liveLeases()) == 0
+	})
+	st.mu.Lock()
+	added := slices.Clone(st.addedOn)
+	st.mu.Unlock()
+	if want := []string{gone.addr, real.addr}; !slices.Equal(added, want) {
+		t.Fatalf("leases added on %v, want %v (the chosen pod, then the one that served)", added, want)
+	}
+	model, canon, err := openai.Canonical("/v1/chat/completions", []byte(chatBody("stale endpoints", false)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	hashes := prefix.Hasher{ChunkSize: prefix.DefaultChunkSize}.Sum(model, canon)
+	locs, err := st.QueryCache(context.Background(), "pool", hashes)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if want := []api.CacheLocation{{Host: real.addr, Length: len(hashes)}}; !slices.Equal(locs, want) {
+		t.Fatalf("index %v, want %v", locs, want)
 	}
 }
 

@@ -32,21 +32,27 @@ func (e *Engine) newBatcher(bs client.BatchSender) *client.Batcher {
 	})
 }
 
-// batchOp is the update a lifecycle step names (see dispatch's callers).
-func (e *Engine) batchOp(name string, d *Decision) api.BatchOp {
-	op := api.BatchOp{Cluster: d.Cluster, Host: d.Host, RequestID: d.RequestID}
+// batchOp is the update a lifecycle step names (see dispatch's callers),
+// for host: the chosen pod, or the one that really served (Served).
+func (e *Engine) batchOp(name string, d *Decision, host string) api.BatchOp {
+	op := api.BatchOp{Cluster: d.Cluster, Host: host, RequestID: d.RequestID}
 	switch name {
 	case "add_request":
 		op.Op, op.PromptLength = api.OpAddRequest, int64(d.PrefillLength)
+		if host != d.Host {
+			op.PromptLength = int64(d.PromptLength) // the real pod holds none of it that we know of
+		}
 	case "first_token":
 		op.Op = api.OpFirstToken
 	case "delete_request":
 		op.Op = api.OpDone
 	case "save_cache":
-		op = api.BatchOp{Op: api.OpCacheSave, Cluster: d.Cluster, Host: d.Host, Hashes: d.Hashes, ChunkSize: e.hasher.ChunkSize}
+		op = api.BatchOp{Op: api.OpCacheSave, Cluster: d.Cluster, Host: host, Hashes: d.Hashes, ChunkSize: e.hasher.ChunkSize, SaveID: d.RequestID}
 		if len(op.Hashes) > api.MaxHashes {
 			op.Hashes = op.Hashes[:api.MaxHashes]
 		}
+	case "retract_cache":
+		op = api.BatchOp{Op: api.OpCacheRetract, Cluster: d.Cluster, Host: host, Hashes: d.retractable(host), SaveID: d.RequestID}
 	}
 	return op
 }

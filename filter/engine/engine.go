@@ -344,6 +344,13 @@ type Decision struct {
 
 	flight *balancer.Flight
 	state  atomic.Uint32 // lifecycle bits below
+	// matched is the leading run of Hashes the index held for Host when
+	// the request was routed: what a retraction must leave alone.
+	matched int
+	// served is the pod that really answered when it is not Host (Envoy's
+	// non-strict override fell back to the cluster's load balancing); set
+	// once by Served, before the lifecycle calls that follow it.
+	served atomic.Pointer[string]
 }
 
 const (
@@ -352,6 +359,8 @@ const (
 	stFirstToken
 	stSaved
 	stDone
+	stEarlySave // Started saved the prefix at routing time
+	stServed    // Served moved the request to another pod
 )
 
 // mark sets bit and reports whether this call set it.
@@ -470,6 +479,7 @@ func (e *Engine) Decide(ctx context.Context, h Headers, body []byte) (*Decision,
 		return nil, e.reject(http.StatusInternalServerError, transcode.TypeInternal, trace, "%v", err)
 	}
 	d.Host = choice.Host.Address
+	d.matched = view.Cache[d.Host]
 	d.CacheRatio = choice.Host.CacheRatio
 	d.PrefillLength = int(math.Round(float64(d.PromptLength) * (1 - d.CacheRatio)))
 	d.Degraded = policy.NeedsMetadata() && view.Degraded
@@ -572,24 +582,62 @@ func (e *Engine) Started(d *Decision) {
 	f := e.bal.Tracker().Begin(d.Cluster, d.Host, d.PrefillLength)
 	d.flight = f
 	d.mark(stStarted) // publishes d.flight to the other lifecycle calls
-	e.dispatch("add_request", d, func(ctx context.Context) error {
-		return e.updater.AddRequest(ctx, api.AddRequest{Cluster: d.Cluster, Host: d.Host, RequestID: d.RequestID, PromptLength: int64(d.PrefillLength)})
-	}, func(err error) {
-		if err == nil {
-			f.Acked()
-		}
-	})
+	e.addRequest(d, d.Host, f)
 	// Record the prefix on its pod now, not only when the answer starts
 	// (Saved, the seed's step): a cold prompt prefills for seconds, and every
 	// request of the same prefix arriving meanwhile would be routed blind and
 	// prefill it again elsewhere. The worker shares a running request's
 	// computed cells, so followers really do reuse it. Saved confirms the
-	// entry (and refreshes its TTL) once the pod answers.
+	// entry (and refreshes its TTL) once the pod answers; if the request
+	// fails before its first token, Done withdraws this save (retract).
 	if len(d.Hashes) > 0 && d.CacheRatio < 1 {
-		e.dispatch("save_cache", d, func(ctx context.Context) error {
-			return e.updater.SaveCache(ctx, api.CacheSave{Cluster: d.Cluster, Host: d.Host, Hashes: d.Hashes, ChunkSize: e.hasher.ChunkSize})
-		}, nil)
+		d.mark(stEarlySave)
+		e.dispatch("save_cache", d, d.Host)
 	}
+}
+
+func (e *Engine) addRequest(d *Decision, host string, f *balancer.Flight) {
+	e.dispatchDone("add_request", d, host, func(err error) {
+		if err == nil {
+			f.Acked()
+		}
+	})
+}
+
+// host is the pod the request's reports name: the one that really served
+// it once Served said so, else the chosen one.
+func (d *Decision) host() string {
+	if p := d.served.Load(); p != nil {
+		return *p
+	}
+	return d.Host
+}
+
+// Served reports that the pod that really answered is host, not the one
+// chosen (Envoy's non-strict override: the chosen pod was not a healthy
+// member of the routed cluster, and the cluster's load balancer picked
+// another). The lease moves (done on the chosen pod, add on the real one),
+// the prefix saved at routing time is withdrawn from the chosen pod, and
+// the later reports (first token, save, done, a retraction) name host.
+// Only after Started and before Done; once; no-op when host is the chosen
+// pod or empty.
+func (e *Engine) Served(d *Decision, host string) {
+	if d == nil || host == "" || host == d.Host || !d.has(stStarted) || d.has(stDone) || !d.mark(stServed) {
+		return
+	}
+	chosen := d.Host
+	d.flight.End()
+	e.dispatch("delete_request", d, chosen)
+	if d.has(stEarlySave) || d.has(stSaved) {
+		e.dispatch("retract_cache", d, chosen)
+	}
+	d.served.Store(&host)
+	// The real pod holds nothing of this prompt that we know of: its whole
+	// prompt is prefill. Its answer has begun, so Saved (a 2xx) records the
+	// prefix there right after this.
+	f := e.bal.Tracker().Begin(d.Cluster, host, d.PromptLength)
+	d.flight = f
+	e.addRequest(d, host, f)
 }
 
 // FirstToken reports the end of prefill (deletePromptLength: DELETE
@@ -599,9 +647,7 @@ func (e *Engine) FirstToken(d *Decision) {
 		return
 	}
 	d.flight.FirstToken()
-	e.dispatch("first_token", d, func(ctx context.Context) error {
-		return e.updater.FirstToken(ctx, api.RequestRef{Cluster: d.Cluster, Host: d.Host, RequestID: d.RequestID})
-	}, nil)
+	e.dispatch("first_token", d, d.host())
 }
 
 // Saved reports that the host now holds the prompt's KV cache (saveKVCache:
@@ -610,34 +656,102 @@ func (e *Engine) Saved(d *Decision) {
 	if d == nil || !d.has(stStarted) || len(d.Hashes) == 0 || !d.mark(stSaved) {
 		return
 	}
-	e.dispatch("save_cache", d, func(ctx context.Context) error {
-		return e.updater.SaveCache(ctx, api.CacheSave{Cluster: d.Cluster, Host: d.Host, Hashes: d.Hashes, ChunkSize: e.hasher.ChunkSize})
-	}, nil)
+	e.dispatch("save_cache", d, d.host())
 }
 
 // Done reports the end of the request (decreaseRequest: DELETE
-// /v1/load/stats) and releases the local in-flight count. Only after Started.
+// /v1/load/stats) and releases the local in-flight count. Only after
+// Started. A request that ends before its first token (the pod answered
+// 429/5xx/408, the stream reset, no healthy upstream, the client left)
+// never built the prompt's cache on its pod: the saves this request made
+// are withdrawn first (POST /v1/cache/retract, docs/metadata-center.md),
+// for the hashes beyond what the index already held there, and only where
+// no other request saved them since.
 func (e *Engine) Done(d *Decision) {
 	if d == nil || !d.has(stStarted) || !d.mark(stDone) {
 		return
 	}
 	d.flight.End()
-	e.dispatch("delete_request", d, func(ctx context.Context) error {
-		return e.updater.DeleteRequest(ctx, api.RequestRef{Cluster: d.Cluster, Host: d.Host, RequestID: d.RequestID})
-	}, nil)
+	// Served already withdrew the chosen pod's routing-time save.
+	if !d.has(stFirstToken) && (d.has(stSaved) || d.has(stEarlySave) && !d.has(stServed)) {
+		e.dispatch("retract_cache", d, d.host())
+	}
+	e.dispatch("delete_request", d, d.host())
 }
 
-func (e *Engine) dispatch(name string, d *Decision, run func(context.Context) error, done func(error)) {
+// retractable returns the hashes a retraction on host withdraws: beyond the
+// matched run on the chosen pod, all of them on a pod Envoy picked.
+func (d *Decision) retractable(host string) []string {
+	from := 0
+	if host == d.Host {
+		from = min(d.matched, len(d.Hashes))
+	}
+	hs := d.Hashes[from:]
+	if len(hs) > api.MaxHashes {
+		hs = hs[:api.MaxHashes]
+	}
+	return hs
+}
+
+func (e *Engine) dispatch(name string, d *Decision, host string) {
+	e.dispatchDone(name, d, host, nil)
+}
+
+// dispatchDone queues the update name of d for host; the batcher and the
+// dispatcher both keep one request's updates in order.
+func (e *Engine) dispatchDone(name string, d *Decision, host string, done func(error)) {
+	if name == "retract_cache" && len(d.retractable(host)) == 0 {
+		return // the index held the whole prompt there already
+	}
 	if e.batch != nil {
-		e.batch.Add(e.batchOp(name, d), done)
+		e.batch.Add(e.batchOp(name, d, host), done)
 		return
 	}
-	if e.disp == nil {
+	if e.disp == nil || e.updater == nil {
 		return // no metadata center: local accounting only
 	}
 	trace := d.TraceID
+	run := e.updateFor(name, d, host)
 	e.disp.Dispatch(client.Task{Name: name, Key: d.RequestID, Done: done,
 		Run: func(ctx context.Context) error { return run(client.WithTraceID(ctx, trace)) }})
+}
+
+// Retracter is implemented by Updaters that can withdraw a save
+// (*client.Client); without it a failed request's save is left to the
+// worker's eviction reports and the TTL.
+type Retracter interface {
+	RetractCache(ctx context.Context, r api.CacheRetract) error
+}
+
+// updateFor is the single call of update name, for the dispatcher.
+func (e *Engine) updateFor(name string, d *Decision, host string) func(context.Context) error {
+	u := e.updater
+	switch name {
+	case "add_request":
+		r := api.AddRequest{Cluster: d.Cluster, Host: host, RequestID: d.RequestID, PromptLength: int64(d.PrefillLength)}
+		if host != d.Host {
+			r.PromptLength = int64(d.PromptLength)
+		}
+		return func(ctx context.Context) error { return u.AddRequest(ctx, r) }
+	case "first_token":
+		r := api.RequestRef{Cluster: d.Cluster, Host: host, RequestID: d.RequestID}
+		return func(ctx context.Context) error { return u.FirstToken(ctx, r) }
+	case "delete_request":
+		r := api.RequestRef{Cluster: d.Cluster, Host: host, RequestID: d.RequestID}
+		return func(ctx context.Context) error { return u.DeleteRequest(ctx, r) }
+	case "save_cache":
+		r := api.CacheSave{Cluster: d.Cluster, Host: host, Hashes: d.Hashes, ChunkSize: e.hasher.ChunkSize, SaveID: d.RequestID}
+		return func(ctx context.Context) error { return u.SaveCache(ctx, r) }
+	case "retract_cache":
+		r := api.CacheRetract{Cluster: d.Cluster, Host: host, Hashes: d.retractable(host), SaveID: d.RequestID}
+		return func(ctx context.Context) error {
+			if rt, ok := u.(Retracter); ok {
+				return rt.RetractCache(ctx, r)
+			}
+			return nil
+		}
+	}
+	return func(context.Context) error { return fmt.Errorf("engine: unknown update %q", name) }
 }
 
 // InFlight returns this engine's local count of requests routed to host

@@ -38,7 +38,11 @@ func (r *recStore) AddLease(ctx context.Context, c, h, id string, p int64) error
 }
 
 func (r *recStore) SaveCache(ctx context.Context, c, h string, hs []prefix.Hash) error {
-	err := r.Store.SaveCache(ctx, c, h, hs)
+	return r.SaveCacheAs(ctx, c, h, hs, "")
+}
+
+func (r *recStore) SaveCacheAs(ctx context.Context, c, h string, hs []prefix.Hash, id string) error {
+	err := r.Store.SaveCacheAs(ctx, c, h, hs, id)
 	r.saves.Add(1)
 	return err
 }

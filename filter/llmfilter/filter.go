@@ -257,6 +257,13 @@ func (f *filter) EncodeHeaders(h api.ResponseHeaderMap, endStream bool) (st api.
 	}
 	h.Set(UpstreamHostHeader, served)
 	f.meta(AccessBackend, served)
+	if served != d.Host && !f.hostReply {
+		// Lease, prefix and every later report follow the pod that really
+		// has the request; the chosen one never saw it.
+		f.log.Warn("the chosen pod did not serve the request (not a healthy member of the cluster in Envoy)",
+			"trace_id", f.trace(), "chosen", d.Host, "served", served, "cluster", d.Cluster)
+		f.conf.engine.Served(d, served)
+	}
 	f.success = f.status >= 200 && f.status < 300
 	if !f.success {
 		f.conf.metrics.Count("upstream_errors", 1)
@@ -272,14 +279,10 @@ func (f *filter) EncodeHeaders(h api.ResponseHeaderMap, endStream bool) (st api.
 		return api.StopAndBuffer
 	}
 	// The backend is answering, so it has (or is building) the prompt's KV
-	// cache: record it for the next requests sharing this prefix — unless
-	// Envoy sent the request elsewhere, where the chosen pod holds nothing.
-	if served == d.Host {
-		f.conf.engine.Saved(d)
-	} else {
-		f.log.Warn("the chosen pod did not serve the request (not a healthy member of the cluster in Envoy)",
-			"trace_id", f.trace(), "chosen", d.Host, "served", served, "cluster", d.Cluster)
-	}
+	// cache: record it for the next requests sharing this prefix, on the
+	// pod that really serves (Served moved the lease and the routing-time
+	// save there above, when Envoy sent the request elsewhere).
+	f.conf.engine.Saved(d)
 	if endStream {
 		f.firstToken(d)
 		return api.Continue

@@ -13,6 +13,7 @@ const (
 	PathCacheQuery      = "/v1/cache/query"
 	PathCacheSave       = "/v1/cache/save"
 	PathCacheEvict      = "/v1/cache/evict"
+	PathCacheRetract    = "/v1/cache/retract" // POST: withdraw a save (the request failed before its first token)
 	PathRouteQuery      = "/v1/route/query"
 	PathPodSignals      = "/v1/pods/signals" // POST: a pod reports itself; GET ?cluster=C: fresh reports
 	PathHealthz         = "/healthz"
@@ -64,11 +65,26 @@ type CacheLocation struct {
 // CacheSave is the body of POST /v1/cache/save. ChunkSize is the gateway's
 // prompt_hash.chunk_size (0: not said); the metadata center learns it per
 // cluster to check the workers' eviction reports against it.
+//
+// SaveID, optional, names the save so that a CacheRetract can withdraw it
+// later; the gateway uses the request's lease id.
 type CacheSave struct {
 	Cluster   string   `json:"cluster"`
 	Host      string   `json:"host"`
 	Hashes    []string `json:"hashes"`
 	ChunkSize int      `json:"chunk_size,omitempty"`
+	SaveID    string   `json:"save_id,omitempty"`
+}
+
+// CacheRetract is the body of POST /v1/cache/retract: the request that
+// saved Hashes on Host under SaveID failed before its first token, so the
+// pod never built that cache. Entries whose last save is another one (a
+// request routed there since) stay.
+type CacheRetract struct {
+	Cluster string   `json:"cluster"`
+	Host    string   `json:"host"`
+	Hashes  []string `json:"hashes"`
+	SaveID  string   `json:"save_id"`
 }
 
 // CacheEvict is the body of POST /v1/cache/evict: either the listed hashes or,
@@ -76,12 +92,18 @@ type CacheSave struct {
 // chunk size the worker hashed with (0: not said); hashes made with another
 // size than the cluster's gateways use name no indexed prefix, so such a
 // report is refused with 409 rather than silently matching nothing.
+//
+// EvictedAt, optional, is when the pod evicted (Unix milliseconds, the
+// pod's clock; with All, when it started): only entries saved at or before
+// it are removed, so a report that arrives late never removes a newer save
+// (docs/metadata-center.md, "Versions"). 0: remove whatever the save time.
 type CacheEvict struct {
 	Cluster   string   `json:"cluster"`
 	Host      string   `json:"host"`
 	Hashes    []string `json:"hashes,omitempty"`
 	All       bool     `json:"all,omitempty"`
 	ChunkSize int      `json:"chunk_size,omitempty"`
+	EvictedAt int64    `json:"evicted_at,omitempty"`
 }
 
 // RouteQuery is the body of POST /v1/route/query.
@@ -154,6 +176,8 @@ const (
 	OpFirstToken = "first_token" // DELETE /v1/load/stats/prompt
 	OpDone       = "done"        // DELETE /v1/load/stats
 	OpCacheSave  = "cache_save"  // POST /v1/cache/save
+	// OpCacheRetract is POST /v1/cache/retract.
+	OpCacheRetract = "cache_retract"
 )
 
 // BatchOp is one update of a batch; the fields are those of the single
@@ -166,6 +190,7 @@ type BatchOp struct {
 	PromptLength int64    `json:"prompt_length,omitempty"`
 	Hashes       []string `json:"hashes,omitempty"`
 	ChunkSize    int      `json:"chunk_size,omitempty"`
+	SaveID       string   `json:"save_id,omitempty"`
 }
 
 // Batch is the body of POST /v1/batch: updates applied in order (so one

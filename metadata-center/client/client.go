@@ -189,6 +189,15 @@ func (c *Client) SaveCache(ctx context.Context, r api.CacheSave) error {
 	return c.do(ctx, "cache save", http.MethodPost, api.PathCacheSave, r, nil)
 }
 
+// RetractCache is POST /v1/cache/retract: withdraw the save named
+// r.SaveID of these prefixes (its request failed before its first token).
+func (c *Client) RetractCache(ctx context.Context, r api.CacheRetract) error {
+	if len(r.Hashes) > api.MaxHashes {
+		r.Hashes = r.Hashes[:api.MaxHashes]
+	}
+	return c.do(ctx, "cache retract", http.MethodPost, api.PathCacheRetract, r, nil)
+}
+
 // EvictCache is POST /v1/cache/evict: a worker no longer holds these
 // prefixes, or (All) anything at all. At most api.MaxHashes per call.
 func (c *Client) EvictCache(ctx context.Context, r api.CacheEvict) error {

@@ -84,9 +84,20 @@ func validOp(in api.BatchOp) (store.Op, error) {
 		if err != nil {
 			return store.Op{}, err
 		}
-		return store.Op{Kind: store.OpSaveCache, Cluster: cluster, Host: host, Hashes: hashes}, nil
+		if err := validSaveID(in.SaveID, false); err != nil {
+			return store.Op{}, err
+		}
+		return store.Op{Kind: store.OpSaveCache, Cluster: cluster, Host: host, Hashes: hashes, SaveID: in.SaveID}, nil
+	case api.OpCacheRetract:
+		r, err := validRetract(api.CacheRetract{Cluster: in.Cluster, Host: in.Host, Hashes: in.Hashes, SaveID: in.SaveID})
+		if err != nil {
+			return store.Op{}, err
+		}
+		r.Kind = store.OpRetractCache
+		return r, nil
 	case "":
 		return store.Op{}, errors.New("op is required")
 	}
-	return store.Op{}, fmt.Errorf("unknown op %q (want %s, %s, %s or %s)", in.Op, api.OpAddRequest, api.OpFirstToken, api.OpDone, api.OpCacheSave)
+	return store.Op{}, fmt.Errorf("unknown op %q (want %s, %s, %s, %s or %s)", in.Op, api.OpAddRequest, api.OpFirstToken, api.OpDone,
+		api.OpCacheSave, api.OpCacheRetract)
 }

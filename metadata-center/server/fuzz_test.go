@@ -17,6 +17,7 @@ import (
 var fuzzPaths = []string{
 	api.PathLoadStats, api.PathLoadStatsPrompt, api.PathCacheQuery, api.PathCacheSave, api.PathCacheEvict,
 	api.PathRouteQuery, api.PathHealthz, api.PathReadyz, "/v1/unknown", api.PathLoadStats + "?cluster=c", api.PathBatch,
+	api.PathCacheRetract,
 }
 
 var fuzzMethods = []string{http.MethodGet, http.MethodPost, http.MethodDelete, http.MethodPut}
@@ -31,6 +32,10 @@ func FuzzAPI(f *testing.F) {
 		`{"cluster":"c","hashes":["0123456789abcdef","fedcba9876543210"]}`,
 		`{"cluster":"c","host":"10.0.0.1:80","hashes":["0123456789abcdef"],"chunk_size":512}`,
 		`{"cluster":"c","host":"10.0.0.1:80","all":true}`,
+		`{"cluster":"c","host":"10.0.0.1:80","all":true,"evicted_at":1700000000000}`,
+		`{"cluster":"c","host":"10.0.0.1:80","hashes":["0123456789abcdef"],"evicted_at":-1}`,
+		`{"cluster":"c","host":"10.0.0.1:80","hashes":["0123456789abcdef"],"save_id":"r1"}`,
+		`{"ops":[{"op":"cache_retract","cluster":"c","host":"10.0.0.1:80","hashes":["0123456789abcdef"],"save_id":"r1"}]}`,
 		`{"cluster":"c","hashes":["0123456789ABCDEF"]}`, `{"cluster":"c","hashes":null}`,
 		`[]`, `{"cluster":1}`, `{"cluster":"c"}{}`, "", `{"cluster":"\ud800","host":"[::1]:0"}`,
 	} {

@@ -95,6 +95,7 @@ func New(st store.Store, opts Options) *Server {
 	e.POST(api.PathCacheQuery, s.cacheQuery)
 	e.POST(api.PathCacheSave, s.cacheSave)
 	e.POST(api.PathCacheEvict, s.cacheEvict)
+	e.POST(api.PathCacheRetract, s.cacheRetract)
 	e.POST(api.PathRouteQuery, s.routeQuery)
 	e.POST(api.PathBatch, s.batch)
 	e.POST(api.PathPodSignals, s.reportSignals)
@@ -451,9 +452,13 @@ func (s *Server) cacheSave(c *gin.Context) {
 		s.badRequest(c, err)
 		return
 	}
+	if err := validSaveID(req.SaveID, false); err != nil {
+		s.badRequest(c, err)
+		return
+	}
 	ctx, cancel := s.storeCtx(c)
 	defer cancel()
-	if err := s.st.SaveCache(ctx, cluster, host, hashes); err != nil {
+	if err := s.st.SaveCacheAs(ctx, cluster, host, hashes, req.SaveID); err != nil {
 		s.storeFailed(c, "cache save", err)
 		return
 	}
@@ -479,10 +484,14 @@ func (s *Server) cacheEvict(c *gin.Context) {
 		s.badRequest(c, errors.New("hashes is required unless all is true"))
 		return
 	}
+	if err := validEvictedAt(req.EvictedAt, time.Now()); err != nil {
+		s.badRequest(c, err)
+		return
+	}
 	ctx, cancel := s.storeCtx(c)
 	defer cancel()
 	if req.All {
-		if err := s.st.EvictHost(ctx, cluster, host); err != nil {
+		if err := s.st.EvictHostBefore(ctx, cluster, host, req.EvictedAt); err != nil {
 			s.storeFailed(c, "cache evict", err)
 			return
 		}
@@ -500,8 +509,29 @@ func (s *Server) cacheEvict(c *gin.Context) {
 		s.fail(c, http.StatusConflict, "chunk_size_mismatch", err.Error())
 		return
 	}
-	if err := s.st.EvictCache(ctx, cluster, host, hashes); err != nil {
+	if err := s.st.EvictCacheBefore(ctx, cluster, host, hashes, req.EvictedAt); err != nil {
 		s.storeFailed(c, "cache evict", err)
+		return
+	}
+	s.ok(c, struct{}{})
+}
+
+// cacheRetract withdraws a save whose request failed before its first
+// token (docs/metadata-center.md, "Versions").
+func (s *Server) cacheRetract(c *gin.Context) {
+	var req api.CacheRetract
+	if !s.decode(c, &req) {
+		return
+	}
+	op, err := validRetract(req)
+	if err != nil {
+		s.badRequest(c, err)
+		return
+	}
+	ctx, cancel := s.storeCtx(c)
+	defer cancel()
+	if err := s.st.RetractCache(ctx, op.Cluster, op.Host, op.Hashes, op.SaveID); err != nil {
+		s.storeFailed(c, "cache retract", err)
 		return
 	}
 	s.ok(c, struct{}{})

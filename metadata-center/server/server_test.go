@@ -220,6 +220,67 @@ func TestAPI(t *testing.T) {
 	}
 }
 
+// Versions over HTTP, on both stores: a late eviction report (evicted_at
+// before the save) leaves a newer save; a retraction withdraws only its
+// own save, singly and in a batch.
+func TestVersionsHTTP(t *testing.T) {
+	stores := map[string]func(t *testing.T) store.Store{
+		"memory": func(t *testing.T) store.Store { return memstore.New(memstore.Options{}) },
+		"redis": func(t *testing.T) store.Store {
+			srv := redistest.Shared(t)
+			st, err := redisstore.New(redisstore.Options{Addr: srv.Addr, KeyPrefix: srv.Prefix + "-versions"})
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() { _ = st.Close() })
+			return st
+		},
+	}
+	for name, mk := range stores {
+		t.Run(name, func(t *testing.T) {
+			c := serve(t, mk(t), server.Options{})
+			const a, b = "10.0.0.1:8000", "10.0.0.2:8000"
+			query := func(hs []string) []api.CacheLocation {
+				var locs []api.CacheLocation
+				c.ok("POST", api.PathCacheQuery, api.CacheQuery{Cluster: cl, Hashes: hs}, &locs)
+				return locs
+			}
+			evictedAt := time.Now().UnixMilli() - 1
+			time.Sleep(5 * time.Millisecond)
+			c.ok("POST", api.PathCacheSave, api.CacheSave{Cluster: cl, Host: a, Hashes: hexes(0, 4), SaveID: "r1"}, nil)
+			// The report of an eviction that happened before that save
+			// arrives now (retried after an outage): the save stays.
+			c.ok("POST", api.PathCacheEvict, api.CacheEvict{Cluster: cl, Host: a, Hashes: hexes(0, 4), EvictedAt: evictedAt}, nil)
+			c.ok("POST", api.PathCacheEvict, api.CacheEvict{Cluster: cl, Host: a, All: true, EvictedAt: evictedAt}, nil)
+			if got, want := query(hexes(0, 4)), []api.CacheLocation{{Host: a, Length: 4}}; !reflect.DeepEqual(got, want) {
+				t.Fatalf("after late evictions: %v, want %v", got, want)
+			}
+			// An eviction after the save removes it.
+			c.ok("POST", api.PathCacheEvict, api.CacheEvict{Cluster: cl, Host: a, Hashes: hexes(3, 1), EvictedAt: time.Now().UnixMilli()}, nil)
+			if got, want := query(hexes(0, 4)), []api.CacheLocation{{Host: a, Length: 3}}; !reflect.DeepEqual(got, want) {
+				t.Fatalf("after a timely eviction: %v, want %v", got, want)
+			}
+			// r2 saves on b, r3 saves part of it again; r2 fails before its
+			// first token and retracts: only what r3 did not save again goes.
+			c.ok("POST", api.PathCacheSave, api.CacheSave{Cluster: cl, Host: b, Hashes: hexes(0, 4), SaveID: "r2"}, nil)
+			c.ok("POST", api.PathBatch, api.Batch{Ops: []api.BatchOp{
+				{Op: api.OpCacheSave, Cluster: cl, Host: b, Hashes: hexes(0, 2), SaveID: "r3"},
+				{Op: api.OpCacheRetract, Cluster: cl, Host: b, Hashes: hexes(0, 4), SaveID: "r2"},
+			}}, nil)
+			if got, want := query(hexes(0, 4)), []api.CacheLocation{{Host: a, Length: 3}, {Host: b, Length: 2}}; !reflect.DeepEqual(got, want) {
+				t.Fatalf("after the retraction: %v, want %v", got, want)
+			}
+			c.ok("POST", api.PathCacheRetract, api.CacheRetract{Cluster: cl, Host: b, Hashes: hexes(0, 4), SaveID: "r3"}, nil)
+			c.ok("POST", api.PathCacheRetract, api.CacheRetract{Cluster: cl, Host: a, Hashes: hexes(0, 4), SaveID: "r3"}, nil)
+			if got, want := query(hexes(0, 4)), []api.CacheLocation{{Host: a, Length: 3}}; !reflect.DeepEqual(got, want) {
+				t.Fatalf("after r3's retraction: %v, want %v", got, want)
+			}
+			c.fails("POST", api.PathBatch, api.Batch{Ops: []api.BatchOp{{Op: api.OpCacheRetract, Cluster: cl, Host: b, Hashes: hexes(0, 1)}}},
+				400, "bad_request", "ops[0] (cache_retract): save_id is required")
+		})
+	}
+}
+
 func testAPI(t *testing.T, c *client) {
 	const a, b = "10.0.0.1:8000", "10.0.0.2:8000"
 	if got := c.load(cl); len(got) != 0 {
@@ -360,6 +421,15 @@ func TestBadInput(t *testing.T) {
 		{"POST", api.PathCacheEvict, api.CacheEvict{Cluster: cl, Host: h, All: true, Hashes: hexes(0, 1)}, 400, "bad_request", "not both"},
 		{"POST", api.PathCacheEvict, api.CacheEvict{Cluster: cl, Host: h, Hashes: []string{"bad"}}, 400, "bad_request", "hashes[0]"},
 		{"POST", api.PathCacheEvict, api.CacheEvict{Cluster: cl, Host: "h:1", All: true}, 400, "bad_request", "not an IP address"},
+		{"POST", api.PathCacheEvict, api.CacheEvict{Cluster: cl, Host: h, All: true, EvictedAt: -5}, 400, "bad_request", "evicted_at -5 is negative"},
+		{"POST", api.PathCacheEvict, api.CacheEvict{Cluster: cl, Host: h, Hashes: hexes(0, 1), EvictedAt: time.Now().Add(48 * time.Hour).UnixMilli()},
+			400, "bad_request", "ahead of the metadata center's clock"},
+		{"POST", api.PathCacheEvict, `{"cluster":"c","host":"10.0.0.1:1","all":true,"evicted_at":"now"}`, 400, "bad_request", `field "evicted_at"`},
+		{"POST", api.PathCacheSave, api.CacheSave{Cluster: cl, Host: h, Hashes: hexes(0, 1), SaveID: strings.Repeat("s", server.MaxRequestIDLen+1)}, 400, "bad_request", "save_id is longer"},
+		{"POST", api.PathCacheRetract, api.CacheRetract{Cluster: cl, Host: h, Hashes: hexes(0, 1)}, 400, "bad_request", "save_id is required"},
+		{"POST", api.PathCacheRetract, api.CacheRetract{Cluster: cl, Host: h, SaveID: "r"}, 400, "bad_request", "hashes is required"},
+		{"POST", api.PathCacheRetract, api.CacheRetract{Cluster: cl, Host: h, SaveID: "r", Hashes: []string{"nope"}}, 400, "bad_request", "hashes[0]"},
+		{"POST", api.PathCacheRetract, api.CacheRetract{Cluster: cl, Host: "h", SaveID: "r", Hashes: hexes(0, 1)}, 400, "bad_request", "not ip:port"},
 		{"POST", api.PathRouteQuery, `{"cluster":"c","hashes":[],"pad":"` + strings.Repeat("x", 300<<10) + `"}`, 413, "payload_too_large", "larger than"},
 		{"GET", "/v1/nope", nil, 404, "not_found", "/v1/nope"},
 		{"PUT", api.PathLoadStats, nil, 405, "method_not_allowed", "PUT"},

@@ -6,9 +6,11 @@ import (
 	"net"
 	"net/netip"
 	"strconv"
+	"time"
 	"unicode/utf8"
 
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/api"
+	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/store"
 	"github.com/istio-llm-filter/istio-llm-filter/prefix"
 )
 
@@ -130,6 +132,54 @@ func validSignals(sig api.PodSignals) error {
 		return fmt.Errorf("prefill_tokens must be >= 0, got %d", sig.PrefillTokens)
 	case !(sig.KVCacheUtil >= 0 && sig.KVCacheUtil <= 1):
 		return fmt.Errorf("kv_cache_util must be within 0..1, got %g", sig.KVCacheUtil)
+	}
+	return nil
+}
+
+// validSaveID checks a save id (required for a retraction).
+func validSaveID(id string, required bool) error {
+	switch {
+	case id == "" && required:
+		return errors.New("save_id is required")
+	case len(id) > MaxRequestIDLen:
+		return fmt.Errorf("save_id is longer than %d bytes", MaxRequestIDLen)
+	case !utf8.ValidString(id):
+		return errors.New("save_id is not valid UTF-8")
+	}
+	return nil
+}
+
+// validRetract checks a retraction and returns it as a store op (Kind unset).
+func validRetract(r api.CacheRetract) (store.Op, error) {
+	cluster, host, err := validClusterHost(r.Cluster, r.Host)
+	if err != nil {
+		return store.Op{}, err
+	}
+	if len(r.Hashes) == 0 {
+		return store.Op{}, errors.New("hashes is required and must not be empty")
+	}
+	hashes, err := validHashes(r.Hashes)
+	if err != nil {
+		return store.Op{}, err
+	}
+	if err := validSaveID(r.SaveID, true); err != nil {
+		return store.Op{}, err
+	}
+	return store.Op{Cluster: cluster, Host: host, Hashes: hashes, SaveID: r.SaveID}, nil
+}
+
+// MaxEvictionLead is how far ahead of the metadata center's clock an
+// eviction time may be: more is a broken clock, not skew.
+const MaxEvictionLead = 24 * time.Hour
+
+// validEvictedAt checks an eviction time against now.
+func validEvictedAt(at int64, now time.Time) error {
+	switch {
+	case at < 0:
+		return fmt.Errorf("evicted_at %d is negative (want Unix milliseconds, or 0 for none)", at)
+	case at > now.Add(MaxEvictionLead).UnixMilli():
+		return fmt.Errorf("evicted_at %d is %v ahead of the metadata center's clock: check the pod's clock (NTP)",
+			at, time.UnixMilli(at).Sub(now).Round(time.Second))
 	}
 	return nil
 }

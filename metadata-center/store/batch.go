@@ -15,6 +15,7 @@ const (
 	OpFirstToken
 	OpDeleteLease
 	OpSaveCache
+	OpRetractCache
 )
 
 // Op is one update of a batch, with validated, canonical fields.
@@ -24,7 +25,8 @@ type Op struct {
 	Host         string
 	RequestID    string        // lease ops
 	PromptLength int64         // OpAddLease
-	Hashes       []prefix.Hash // OpSaveCache
+	Hashes       []prefix.Hash // OpSaveCache, OpRetractCache
+	SaveID       string        // OpSaveCache (may be empty), OpRetractCache
 }
 
 // Batcher is implemented by stores that apply a batch of updates in one
@@ -52,7 +54,9 @@ func Apply(ctx context.Context, st Store, ops []Op) error {
 		case OpDeleteLease:
 			err = st.DeleteLease(ctx, op.Cluster, op.Host, op.RequestID)
 		case OpSaveCache:
-			err = st.SaveCache(ctx, op.Cluster, op.Host, op.Hashes)
+			err = st.SaveCacheAs(ctx, op.Cluster, op.Host, op.Hashes, op.SaveID)
+		case OpRetractCache:
+			err = st.RetractCache(ctx, op.Cluster, op.Host, op.Hashes, op.SaveID)
 		}
 		if err != nil {
 			return err

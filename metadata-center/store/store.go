@@ -68,6 +68,26 @@ type Store interface {
 	// EvictHost forgets every prefix of host in the cluster (pod restart).
 	EvictHost(ctx context.Context, cluster, host string) error
 
+	// Versions (docs/metadata-center.md, "Versions"): every (host, prefix)
+	// entry remembers when it was last saved, on the store's clock, and
+	// the save id that save carried (empty when none), so that a late
+	// eviction or a withdrawn save removes only what it is about.
+
+	// SaveCacheAs is SaveCache naming the save (saveID, may be empty).
+	SaveCacheAs(ctx context.Context, cluster, host string, hashes []prefix.Hash, saveID string) error
+	// EvictCacheBefore forgets those of the listed prefixes of host that
+	// were last saved at or before before (Unix milliseconds, the
+	// evicting pod's clock): an entry saved after the eviction happened
+	// stays. before <= 0 forgets them all, as EvictCache.
+	EvictCacheBefore(ctx context.Context, cluster, host string, hashes []prefix.Hash, before int64) error
+	// EvictHostBefore forgets every prefix of host last saved at or
+	// before before (a pod's start epoch); before <= 0 is EvictHost.
+	EvictHostBefore(ctx context.Context, cluster, host string, before int64) error
+	// RetractCache withdraws a save: it forgets those of the listed
+	// prefixes of host whose last save is the one named saveID (not
+	// empty). An entry saved again since, by anyone, stays.
+	RetractCache(ctx context.Context, cluster, host string, hashes []prefix.Hash, saveID string) error
+
 	// ReportSignals records a pod's report about itself, stamped with the
 	// store's clock (the pod's clock is not trusted). It replaces the
 	// host's previous report.

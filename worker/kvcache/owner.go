@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"slices"
 	"strings"
+	"time"
 
 	"github.com/istio-llm-filter/istio-llm-filter/prefix"
 	"github.com/istio-llm-filter/istio-llm-filter/worker/seqpool"
@@ -30,6 +31,16 @@ type Reports interface {
 	// of them not sent yet (otherwise a late report, retried after an
 	// outage, would delete the index entry the gateway just saved).
 	Cached(hs []prefix.Hash)
+}
+
+// TimedReports is Reports that also wants to know when an eviction
+// happened: the metadata center removes only entries saved before it, so
+// a report that arrives late (retried after an outage) never removes a
+// newer save (docs/metadata-center.md, "Versions"). The Owner calls
+// EvictedAt instead of Evicted when its Reports implements it.
+type TimedReports interface {
+	Reports
+	EvictedAt(hs []prefix.Hash, at time.Time)
 }
 
 // Errors of Bind.
@@ -329,9 +340,14 @@ func (o *Owner) drop(id string) {
 }
 
 func (o *Owner) evicted(hs []prefix.Hash) {
-	if len(hs) > 0 && o.reports != nil {
-		o.reports.Evicted(hs)
+	if len(hs) == 0 || o.reports == nil {
+		return
 	}
+	if tr, ok := o.reports.(TimedReports); ok {
+		tr.EvictedAt(hs, time.Now()) // now: the cells are gone this very moment
+		return
+	}
+	o.reports.Evicted(hs)
 }
 
 // acquire takes a free seq id for owner, evicting idle entries (other than

@@ -276,3 +276,47 @@ func TestNoFollowSharesOnlyWrittenCells(t *testing.T) {
 		t.Fatalf("without following: %+v; want the 512 written cells and no leader", b)
 	}
 }
+
+// timedRecorder also wants the time of each eviction.
+type timedRecorder struct {
+	recorder
+	at []time.Time
+}
+
+func (r *timedRecorder) EvictedAt(hs []prefix.Hash, at time.Time) {
+	r.evicted = append(r.evicted, hs...)
+	r.at = append(r.at, at)
+}
+
+// Reports that implement TimedReports learn when the cells went, stamped at
+// the eviction itself: a report sent later still names the moment the pod
+// stopped holding the prefix.
+func TestEvictionsAreStampedWhenTheyHappen(t *testing.T) {
+	eng, err := sim.New(sim.Config{NSeqMax: 1, NCtx: 8192, Sleep: func(time.Duration) {}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	rep := &timedRecorder{}
+	o, err := NewOwner(OwnerConfig{Limits: Limits{Threshold: 0.8}, NSeqMax: 1, Cells: eng, Reports: rep})
+	if err != nil {
+		t.Fatal(err)
+	}
+	a := prompt(50, 5, 1)
+	if _, err := o.Bind("a", a, []prefix.Hash{11}); err != nil {
+		t.Fatal(err)
+	}
+	e, _ := o.Books().Get("a")
+	if _, err := eng.Step([]engine.Span{{Seq: e.Seq, Pos: 0, Tokens: a}}); err != nil {
+		t.Fatal(err)
+	}
+	o.Append("a", a...)
+	o.Finish("a")
+	before := time.Now()
+	if _, err := o.Bind("b", vt(10, 90000), nil); err != nil { // takes a's only seq id
+		t.Fatal(err)
+	}
+	after := time.Now()
+	if !slices.Equal(rep.evicted, []prefix.Hash{11}) || len(rep.at) != 1 || rep.at[0].Before(before) || rep.at[0].After(after) {
+		t.Fatalf("evicted %v at %v, want [11] between %v and %v", rep.evicted, rep.at, before, after)
+	}
+}

@@ -12,11 +12,13 @@
 package mcreport
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
 	"log/slog"
 	"net/http"
+	"slices"
 	"sync"
 	"time"
 
@@ -45,6 +47,11 @@ type Config struct {
 	MaxBackoff time.Duration // default 5 s
 	Logger     *slog.Logger
 	Registerer prometheus.Registerer
+	// Epoch is when this worker started (default: when New ran). The
+	// start-up evict-all carries it as evicted_at, so it removes the index
+	// entries of an earlier process on this address and keeps those the
+	// gateways saved for this one (docs/metadata-center.md, "Versions").
+	Epoch time.Time
 }
 
 // Reporter queues and sends eviction reports.
@@ -54,8 +61,10 @@ type Reporter struct {
 	log     *slog.Logger
 	kick    chan struct{}
 	mu      sync.Mutex
-	pending map[prefix.Hash]struct{}
-	idle    *sync.Cond // signalled when pending empties after a send
+	pending map[prefix.Hash]int64 // hash -> when it was evicted, Unix ms (the latest eviction)
+	epoch   time.Time             // this worker's start: the evict-all removes what was saved before it
+	cleared chan struct{}         // closed once the start-up evict-all was acknowledged
+	idle    *sync.Cond            // signalled when pending empties after a send
 
 	sent    *prometheus.CounterVec
 	dropped prometheus.Counter
@@ -80,8 +89,12 @@ func New(cfg Config) (*Reporter, error) {
 	if cfg.Logger == nil {
 		cfg.Logger = slog.Default()
 	}
+	if cfg.Epoch.IsZero() {
+		cfg.Epoch = time.Now()
+	}
 	r := &Reporter{
-		cfg: cfg, mc: mc, log: cfg.Logger, kick: make(chan struct{}, 1), pending: map[prefix.Hash]struct{}{},
+		cfg: cfg, mc: mc, log: cfg.Logger, kick: make(chan struct{}, 1), pending: map[prefix.Hash]int64{}, epoch: cfg.Epoch,
+		cleared: make(chan struct{}),
 		sent: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "llmf_worker_evict_reports_total",
 			Help: "POST /v1/cache/evict calls by result (ok, error, rejected)."}, []string{"result"}),
 		dropped: prometheus.NewCounter(prometheus.CounterOpts{Name: "llmf_worker_evict_hashes_dropped_total",
@@ -95,15 +108,24 @@ func New(cfg Config) (*Reporter, error) {
 	return r, nil
 }
 
-// Evict queues hashes; it never blocks.
-func (r *Reporter) Evict(hs []prefix.Hash) {
+// Evict queues hashes evicted now; it never blocks.
+func (r *Reporter) Evict(hs []prefix.Hash) { r.EvictAt(hs, time.Now()) }
+
+// EvictAt queues hashes evicted at at (the report says so, and the
+// metadata center keeps entries saved after it); it never blocks.
+func (r *Reporter) EvictAt(hs []prefix.Hash, at time.Time) {
+	ms := at.UnixMilli()
 	r.mu.Lock()
 	for _, h := range hs {
+		if old, ok := r.pending[h]; ok {
+			r.pending[h] = max(old, ms)
+			continue
+		}
 		if len(r.pending) >= r.cfg.MaxPending {
 			r.dropped.Inc()
 			continue
 		}
-		r.pending[h] = struct{}{}
+		r.pending[h] = ms
 	}
 	r.mu.Unlock()
 	select {
@@ -128,6 +150,11 @@ func (r *Reporter) Cached(hs []prefix.Hash) {
 	r.mu.Unlock()
 }
 
+// Cleared is closed once the metadata center acknowledged the start-up
+// evict-all: from then on the index holds nothing of an earlier process on
+// this address (the worker's readiness waits for it).
+func (r *Reporter) Cleared() <-chan struct{} { return r.cleared }
+
 // Pending counts hashes not sent yet.
 func (r *Reporter) Pending() int {
 	r.mu.Lock()
@@ -139,9 +166,10 @@ func (r *Reporter) Pending() int {
 func (r *Reporter) Run(ctx context.Context) {
 	backoff := 100 * time.Millisecond
 	for {
-		err := r.post(ctx, api.CacheEvict{Cluster: r.cfg.Cluster, Host: r.cfg.Host, All: true})
+		err := r.post(ctx, api.CacheEvict{Cluster: r.cfg.Cluster, Host: r.cfg.Host, All: true, EvictedAt: r.epoch.UnixMilli()})
 		if err == nil {
 			r.log.Info("metadata center: cleared this host's cache index", "host", r.cfg.Host, "cluster", r.cfg.Cluster)
+			close(r.cleared)
 			break
 		}
 		r.log.Warn("metadata center: start-up evict-all failed; retrying", "err", err, "in", backoff)
@@ -152,7 +180,7 @@ func (r *Reporter) Run(ctx context.Context) {
 	}
 	backoff = 100 * time.Millisecond
 	for {
-		batch := r.next()
+		batch, at := r.next()
 		if len(batch) == 0 {
 			select {
 			case <-r.kick:
@@ -161,13 +189,14 @@ func (r *Reporter) Run(ctx context.Context) {
 				return
 			}
 		}
-		err := r.post(ctx, api.CacheEvict{Cluster: r.cfg.Cluster, Host: r.cfg.Host, Hashes: prefix.Wire(batch), ChunkSize: r.cfg.ChunkSize})
+		err := r.post(ctx, api.CacheEvict{Cluster: r.cfg.Cluster, Host: r.cfg.Host, Hashes: prefix.Wire(batch), ChunkSize: r.cfg.ChunkSize,
+			EvictedAt: at})
 		switch {
 		case err == nil || client.Permanent(err):
 			if err != nil {
 				r.log.Error("metadata center refused an eviction report; dropping it", "err", err, "hashes", len(batch))
 			}
-			r.done(batch)
+			r.done(batch, at)
 			backoff = 100 * time.Millisecond
 		default:
 			r.log.Warn("metadata center: eviction report failed; retrying", "err", err, "in", backoff)
@@ -179,25 +208,37 @@ func (r *Reporter) Run(ctx context.Context) {
 	}
 }
 
-// next picks up to api.MaxHashes pending hashes without removing them, so a
-// failed send keeps them.
-func (r *Reporter) next() []prefix.Hash {
+// next picks up to api.MaxHashes pending hashes without removing them, so
+// a failed send keeps them, the earliest evictions first, and the time the
+// report carries: the latest of theirs. A later time than a hash's own
+// can only remove a save made between its eviction and that time (an index
+// miss until the gateway saves it again), never leave a stale entry.
+func (r *Reporter) next() ([]prefix.Hash, int64) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	out := make([]prefix.Hash, 0, min(len(r.pending), api.MaxHashes))
+	out := make([]prefix.Hash, 0, len(r.pending))
 	for h := range r.pending {
-		if len(out) == api.MaxHashes {
-			break
-		}
 		out = append(out, h)
 	}
-	return out
+	if len(out) > api.MaxHashes {
+		slices.SortFunc(out, func(a, b prefix.Hash) int { return cmp.Compare(r.pending[a], r.pending[b]) })
+		out = out[:api.MaxHashes]
+	}
+	var at int64
+	for _, h := range out {
+		at = max(at, r.pending[h])
+	}
+	return out, at
 }
 
-func (r *Reporter) done(batch []prefix.Hash) {
+// done forgets the hashes of a report sent with time at; one evicted again
+// after at stays pending for the next report.
+func (r *Reporter) done(batch []prefix.Hash, at int64) {
 	r.mu.Lock()
 	for _, h := range batch {
-		delete(r.pending, h)
+		if t, ok := r.pending[h]; ok && t <= at {
+			delete(r.pending, h)
+		}
 	}
 	if len(r.pending) == 0 {
 		r.idle.Broadcast()

@@ -17,10 +17,13 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	dto "github.com/prometheus/client_model/go"
 
+	"github.com/istio-llm-filter/istio-llm-filter/internal/testutil/redistest"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/api"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/client"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/server"
+	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/store"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/store/memstore"
+	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/store/redisstore"
 	"github.com/istio-llm-filter/istio-llm-filter/prefix"
 )
 
@@ -248,11 +251,31 @@ func counterValue(t *testing.T, c prometheus.Counter) float64 {
 }
 
 // A prefix the worker caches again while its eviction report waits for a
-// metadata center that is down supersedes the report: after the outage the
-// index entry the gateway saved meanwhile survives, while a prefix that
-// stayed evicted is removed.
+// metadata center that is down supersedes the report, and so does a save
+// the gateway made after the eviction (the report carries the eviction's
+// time, evicted_at): after the outage both index entries survive, while a
+// prefix saved before its eviction and not since is removed. On both stores
+// (Redis: a real redis-server).
 func TestCachedAgainSupersedesAPendingEviction(t *testing.T) {
-	real := httptest.NewServer(server.New(memstore.New(memstore.Options{}), server.Options{
+	stores := map[string]func(t *testing.T) store.Store{
+		"memory": func(t *testing.T) store.Store { return memstore.New(memstore.Options{}) },
+		"redis": func(t *testing.T) store.Store {
+			srv := redistest.Shared(t)
+			st, err := redisstore.New(redisstore.Options{Addr: srv.Addr, KeyPrefix: srv.Prefix + "-mcreport"})
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() { _ = st.Close() })
+			return st
+		},
+	}
+	for name, mk := range stores {
+		t.Run(name, func(t *testing.T) { testSupersede(t, mk(t)) })
+	}
+}
+
+func testSupersede(t *testing.T, st store.Store) {
+	real := httptest.NewServer(server.New(st, server.Options{
 		Logger: slog.New(slog.NewTextHandler(io.Discard, nil)), Registry: prometheus.NewRegistry()}).Handler())
 	t.Cleanup(real.Close)
 	var down sync.Mutex // held while the worker cannot reach the center
@@ -312,8 +335,15 @@ func TestCachedAgainSupersedesAPendingEviction(t *testing.T) {
 		}
 		return 0
 	}
+	save := func(hs ...prefix.Hash) {
+		if err := mc.SaveCache(ctx, api.CacheSave{Cluster: cluster, Host: host, Hashes: prefix.Wire(hs), ChunkSize: 512}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	save(21, 22, 23)
+	time.Sleep(3 * time.Millisecond) // the evictions come strictly after those saves
 	down.Lock()
-	r.Evict([]prefix.Hash{21, 22}) // the worker dropped both prefixes
+	r.Evict([]prefix.Hash{21, 22, 23}) // the worker dropped all three prefixes
 	// Wait until that report has been refused: one still on its way when
 	// the center comes back could not be withdrawn. The retry comes after
 	// the reporter's first backoff (100 ms) and takes the pending set anew.
@@ -322,20 +352,76 @@ func TestCachedAgainSupersedesAPendingEviction(t *testing.T) {
 	case <-fctx.Done():
 		t.Fatal("the eviction report never reached the gate")
 	}
-	// The gateway routes both prompts here again and saves them; the worker
-	// caches 21 again (the request bound an entry), 22 not yet.
-	if err := mc.SaveCache(ctx, api.CacheSave{Cluster: cluster, Host: host, Hashes: prefix.Wire([]prefix.Hash{21, 22}), ChunkSize: 512}); err != nil {
-		t.Fatal(err)
-	}
+	time.Sleep(3 * time.Millisecond)
+	// The gateway routes two of the prompts here again and saves them; the
+	// worker caches 21 again (the request bound an entry), 22 not yet.
+	save(21, 22)
 	r.Cached([]prefix.Hash{21})
-	if r.Pending() != 1 {
-		t.Fatalf("%d reports pending, want only 22's", r.Pending())
+	if r.Pending() != 2 {
+		t.Fatalf("%d reports pending, want 22's and 23's", r.Pending())
 	}
 	down.Unlock()
 	if err := r.Flush(fctx); err != nil {
 		t.Fatal(err)
 	}
-	if held(21) != 1 || held(22) != 0 {
-		t.Fatalf("after the outage the index holds 21: %d, 22: %d; want 1 and 0", held(21), held(22))
+	if held(21) != 1 || held(22) != 1 || held(23) != 0 {
+		t.Fatalf("after the outage the index holds 21: %d, 22: %d, 23: %d; want 1, 1 and 0", held(21), held(22), held(23))
+	}
+}
+
+// The start-up evict-all carries the worker's start (its epoch): entries of
+// an earlier process on the same address go, entries the gateways saved for
+// this process before the report landed stay. Cleared says when it landed.
+func TestStartUpEvictAllKeepsSavesSinceTheStart(t *testing.T) {
+	srv := httptest.NewServer(server.New(memstore.New(memstore.Options{}), server.Options{
+		Logger: slog.New(slog.NewTextHandler(io.Discard, nil)), Registry: prometheus.NewRegistry()}).Handler())
+	t.Cleanup(srv.Close)
+	const cluster, host = "outbound|8000||tiny", "10.0.0.9:9001"
+	mc, err := client.New(client.Options{Address: srv.URL})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+	save := func(hs ...prefix.Hash) {
+		if err := mc.SaveCache(ctx, api.CacheSave{Cluster: cluster, Host: host, Hashes: prefix.Wire(hs)}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	held := func(h prefix.Hash) int {
+		locs, err := mc.Route(ctx, cluster, prefix.Wire([]prefix.Hash{h}))
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, l := range locs.Cache {
+			if l.Host == host {
+				return l.Length
+			}
+		}
+		return 0
+	}
+	save(30) // the earlier process's
+	time.Sleep(3 * time.Millisecond)
+	epoch := time.Now()
+	time.Sleep(3 * time.Millisecond)
+	save(31) // routed to this process before its evict-all landed
+	r, err := New(Config{URL: srv.URL, Cluster: cluster, Host: host, Epoch: epoch, Registerer: prometheus.NewRegistry()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case <-r.Cleared():
+		t.Fatal("cleared before it ran")
+	default:
+	}
+	rctx, cancel := context.WithCancel(ctx)
+	t.Cleanup(cancel)
+	go r.Run(rctx)
+	select {
+	case <-r.Cleared():
+	case <-time.After(5 * time.Second):
+		t.Fatal("the start-up evict-all never landed")
+	}
+	if held(30) != 0 || held(31) != 1 {
+		t.Fatalf("after the evict-all the index holds 30: %d, 31: %d; want 0 and 1", held(30), held(31))
 	}
 }

@@ -51,14 +51,17 @@ func (s State) Terminal() bool { return s >= Completed }
 
 // Errors of Submit and of Result.Err; the HTTP layer maps them to codes.
 var (
-	ErrQueueFull = errors.New("request queue is full")                        // 429
-	ErrTimeout   = errors.New("request timed out")                            // 408
-	ErrCancelled = errors.New("request cancelled: the client went away")      // no answer
-	ErrShutdown  = errors.New("worker is shutting down")                      // 503
-	ErrTooLong   = errors.New("prompt is longer than the context")            // 400
-	ErrNoFit     = errors.New("request does not fit in the KV cache")         // 500
-	ErrBadInput  = errors.New("invalid request")                              // 400
-	ErrMaxTokens = errors.New("max_tokens is more than this worker can give") // 400
+	ErrQueueFull = errors.New("request queue is full") // 429
+	ErrTimeout   = errors.New("request timed out")     // 408
+	// ErrQueueTimeout is an ErrTimeout of a request that never left the
+	// queue.
+	ErrQueueTimeout = fmt.Errorf("%w waiting for the running set", ErrTimeout)
+	ErrCancelled    = errors.New("request cancelled: the client went away")      // no answer
+	ErrShutdown     = errors.New("worker is shutting down")                      // 503
+	ErrTooLong      = errors.New("prompt is longer than the context")            // 400
+	ErrNoFit        = errors.New("request does not fit in the KV cache")         // 500
+	ErrBadInput     = errors.New("invalid request")                              // 400
+	ErrMaxTokens    = errors.New("max_tokens is more than this worker can give") // 400
 	// ErrStopTokenID is an ErrBadInput naming stop_token_ids.
 	ErrStopTokenID = fmt.Errorf("%w: stop_token_ids", ErrBadInput)
 	errPreempted   = errors.New("preempted: KV cache full, will be recomputed") // internal

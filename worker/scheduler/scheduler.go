@@ -41,11 +41,19 @@ type Config struct {
 	// asking for more (maxOutContextLength); default 2048.
 	MaxOutputTokens int
 	RequestTimeout  time.Duration // from entering the running set; default 60 s
+	// QueueTimeout bounds the wait in the RequestQueue: a request still
+	// queued after it ends TIMEOUT (408) without ever running, so a client
+	// behind a stalled pod hears so while it can still go elsewhere.
+	// Default DefaultQueueTimeout; negative: no bound.
+	QueueTimeout    time.Duration
 	CleanupInterval time.Duration // KV threshold check period; default 1 s
 	KV              kvcache.Limits
 	// OnEvict receives prompt hashes no KV entry holds any more. It is
 	// called from the loop and must not block (worker/mcreport queues).
 	OnEvict func([]prefix.Hash)
+	// OnEvictAt, when set, replaces OnEvict and also gets the time the
+	// entries were evicted (worker/mcreport sends it along). Same rules.
+	OnEvictAt func([]prefix.Hash, time.Time)
 	// OnCached receives the hashes of every request that binds a KV entry:
 	// a pending eviction report of any of them is stale. Same rules.
 	OnCached func([]prefix.Hash)
@@ -75,6 +83,9 @@ func (c *Config) defaults() {
 	if c.CleanupInterval <= 0 {
 		c.CleanupInterval = time.Second
 	}
+	if c.QueueTimeout == 0 {
+		c.QueueTimeout = DefaultQueueTimeout
+	}
 	if c.KV.Threshold == 0 {
 		c.KV.Threshold = 0.8
 	}
@@ -85,6 +96,11 @@ func (c *Config) defaults() {
 		c.Logger = slog.Default()
 	}
 }
+
+// DefaultQueueTimeout is half the default request timeout: a request
+// queued that long behind a full running set would most likely time out
+// anyway, and the gateway can still retry it on another pod.
+const DefaultQueueTimeout = 30 * time.Second
 
 // Scheduler owns the engine once Run starts.
 type Scheduler struct {
@@ -148,7 +164,7 @@ func New(eng engine.Engine, cfg Config) (*Scheduler, error) {
 	m := cfg.Metrics
 	kv, err := kvcache.NewOwner(kvcache.OwnerConfig{
 		Limits: cfg.KV, NSeqMax: info.NSeqMax, Cells: eng,
-		Reports:  reports{evicted: cfg.OnEvict, cached: cfg.OnCached},
+		Reports:  reports{evicted: cfg.OnEvict, evictedAt: cfg.OnEvictAt, cached: cfg.OnCached},
 		OnEvict:  func(cause string) { m.evictions.WithLabelValues(cause).Inc() },
 		NoFollow: cfg.NoFollow,
 	})
@@ -162,10 +178,18 @@ func New(eng engine.Engine, cfg Config) (*Scheduler, error) {
 }
 
 // reports adapts the Config callbacks to kvcache.Reports.
-type reports struct{ evicted, cached func([]prefix.Hash) }
+type reports struct {
+	evicted, cached func([]prefix.Hash)
+	evictedAt       func([]prefix.Hash, time.Time)
+}
 
-func (r reports) Evicted(hs []prefix.Hash) {
-	if r.evicted != nil {
+func (r reports) Evicted(hs []prefix.Hash) { r.EvictedAt(hs, time.Now()) }
+
+func (r reports) EvictedAt(hs []prefix.Hash, at time.Time) {
+	switch {
+	case r.evictedAt != nil:
+		r.evictedAt(hs, at)
+	case r.evicted != nil:
 		r.evicted(hs)
 	}
 }
@@ -317,6 +341,9 @@ func (s *Scheduler) Run(ctx context.Context) {
 			for _, t := range s.set {
 				wait = min(wait, time.Until(t.admitted.Add(s.cfg.RequestTimeout)))
 			}
+			if d, ok := s.queueDeadline(); ok {
+				wait = min(wait, time.Until(d))
+			}
 			timer.Reset(max(wait, time.Millisecond))
 			select {
 			case <-s.wake:
@@ -353,12 +380,33 @@ func (s *Scheduler) admit(now time.Time) {
 			s.set = append(s.set, t)
 			continue
 		}
+		if s.cfg.QueueTimeout > 0 && now.Sub(t.submitted) > s.cfg.QueueTimeout {
+			// Never ran: it holds no seq id and no cells, only its slot.
+			s.end(t, Result{State: Timeout, Err: fmt.Errorf("%w after %v in the queue", ErrQueueTimeout, s.cfg.QueueTimeout)})
+			continue
+		}
 		kept = append(kept, t)
 	}
 	clear(s.queue[len(kept):])
 	s.queue = kept
 	s.running = len(s.set)
 	s.m.queueDepth.Set(float64(len(s.queue)))
+}
+
+// queueDeadline is when the oldest queued request's wait runs out.
+func (s *Scheduler) queueDeadline() (time.Time, bool) {
+	if s.cfg.QueueTimeout <= 0 {
+		return time.Time{}, false
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	var first time.Time
+	for _, t := range s.queue {
+		if first.IsZero() || t.submitted.Before(first) {
+			first = t.submitted
+		}
+	}
+	return first.Add(s.cfg.QueueTimeout), !first.IsZero()
 }
 
 // expire ends running requests whose client left, whose time is up, or whose

@@ -11,6 +11,9 @@ import (
 	"testing"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
+	dto "github.com/prometheus/client_model/go"
+
 	"github.com/istio-llm-filter/istio-llm-filter/prefix"
 	"github.com/istio-llm-filter/istio-llm-filter/worker/engine"
 	"github.com/istio-llm-filter/istio-llm-filter/worker/engine/sim"
@@ -624,4 +627,101 @@ func TestBatchSizeMustFitTheRunningSet(t *testing.T) {
 	if _, err := New(eng, Config{MaxRunning: 2, MaxBatch: 3}); err == nil {
 		t.Fatal("a batch of 3 sequences over a running set of 2 was accepted")
 	}
+}
+
+func TestQueueWaitTimesOutAndLeaksNothing(t *testing.T) {
+	reg := prometheus.NewRegistry()
+	r := newRig(t, slow(), Config{MaxRunning: 1, MaxQueue: 2, QueueTimeout: 150 * time.Millisecond, MaxOutputTokens: 4000,
+		Metrics: NewMetrics(reg)}, true)
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	long, err := r.s.Submit(ctx, &Request{ID: "long", Prompt: prompt(r.eng, "keep going"), MaxTokens: 4000, IgnoreEOS: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for r.s.Stats().Running != 1 {
+		time.Sleep(time.Millisecond)
+	}
+	var queued []*Handle
+	for i := range 2 {
+		h, err := r.s.Submit(context.Background(), &Request{ID: fmt.Sprint("q", i), Prompt: prompt(r.eng, "wait"), MaxTokens: 1})
+		if err != nil {
+			t.Fatal(err)
+		}
+		queued = append(queued, h)
+	}
+	for _, h := range queued {
+		res, err := h.Wait(context.Background())
+		if err != nil {
+			t.Fatal(err)
+		}
+		if res.State != Timeout || !errors.Is(res.Err, ErrQueueTimeout) || !errors.Is(res.Err, ErrTimeout) ||
+			res.CompletionTokens != 0 || res.QueueWait < 150*time.Millisecond {
+			t.Fatalf("%s: %+v", h.ID(), res)
+		}
+	}
+	// The slots are free again: two more fit in the queue of two.
+	if st := r.s.Stats(); st.Queued != 0 || st.Running != 1 {
+		t.Fatalf("after the queue timeouts: %+v", st)
+	}
+	for i := range 2 {
+		h, err := r.s.Submit(context.Background(), &Request{ID: fmt.Sprint("again", i), Prompt: prompt(r.eng, "wait"), MaxTokens: 1})
+		if err != nil {
+			t.Fatalf("the timed-out requests still hold their queue slots: %v", err)
+		}
+		if res, _ := h.Wait(context.Background()); res.State != Timeout {
+			t.Fatalf("%s: %+v", h.ID(), res)
+		}
+	}
+	r.inspect(t, func(v View) {
+		// Only the long request holds an id; the timed-out ones never took one.
+		if v.Pool.InUse() != 1 || len(v.States) != 1 || v.States["long"] != Processing {
+			t.Fatalf("ids %d states %v", v.Pool.InUse(), v.States)
+		}
+		if err := v.Owner.Check(); err != nil {
+			t.Fatal(err)
+		}
+	})
+	if got := metricValue(r.s.m.queueDepth); got != 0 {
+		t.Fatalf("queue depth gauge %v after every queued request timed out", got)
+	}
+	if got := metricValue(r.s.m.requests.WithLabelValues("TIMEOUT")); got != 4 {
+		t.Fatalf("TIMEOUT count %v, want 4", got)
+	}
+	cancel()
+	if res, _ := long.Wait(context.Background()); res.State != Cancelled {
+		t.Fatalf("long: %+v", res)
+	}
+	r.inspect(t, func(v View) {
+		if v.Pool.InUse() != 0 || r.eng.UsedCells() != 0 {
+			t.Fatalf("at the end: ids %d cells %d", v.Pool.InUse(), r.eng.UsedCells())
+		}
+	})
+}
+
+func TestQueueWaitUnboundedWhenNegative(t *testing.T) {
+	r := newRig(t, slow(), Config{MaxRunning: 1, QueueTimeout: -1}, true)
+	first, err := r.s.Submit(context.Background(), &Request{ID: "first", Prompt: prompt(r.eng, "a"), MaxTokens: 60, IgnoreEOS: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, res := run(t, r, context.Background(), &Request{ID: "second", Prompt: prompt(r.eng, "b"), MaxTokens: 1})
+	if res.State != Completed || res.QueueWait < 50*time.Millisecond {
+		t.Fatalf("second: %+v", res)
+	}
+	if res, _ := first.Wait(context.Background()); res.State != Completed {
+		t.Fatalf("first: %+v", res)
+	}
+}
+
+// metricValue reads a gauge or counter.
+func metricValue(c prometheus.Metric) float64 {
+	var m dto.Metric
+	if err := c.Write(&m); err != nil {
+		panic(err)
+	}
+	if m.Gauge != nil {
+		return m.Gauge.GetValue()
+	}
+	return m.Counter.GetValue()
 }

@@ -246,6 +246,10 @@ func unavailable() *openai.Error {
 func (s *Server) resultError(res *scheduler.Result) *openai.Error {
 	switch res.State {
 	case scheduler.Timeout:
+		if errors.Is(res.Err, scheduler.ErrQueueTimeout) {
+			return &openai.Error{Status: http.StatusRequestTimeout, Type: openai.TypeTimeout,
+				Message: fmt.Sprintf("request waited %s in the worker's queue without starting; retry later or elsewhere", res.QueueWait.Round(time.Millisecond))}
+		}
 		return openai.Timeout(s.cfg.RequestTimeout)
 	case scheduler.Failed:
 		if errors.Is(res.Err, scheduler.ErrShutdown) {

@@ -698,3 +698,54 @@ func TestStopTokenIDsAndPenaltiesOverHTTP(t *testing.T) {
 		t.Fatalf("penalties 2/2 left the greedy answer unchanged: %q", pen.Choices[0].Message.Content)
 	}
 }
+
+func TestQueueWaitTimeoutGets408WithTheTraceID(t *testing.T) {
+	w := startWorker(t, opts{sched: scheduler.Config{MaxRunning: 1, MaxQueue: 4, QueueTimeout: 200 * time.Millisecond, MaxOutputTokens: 4000}})
+	long, _ := json.Marshal(map[string]any{"model": "tiny", "messages": msgs("user", "go"), "max_tokens": 3000, "ignore_eos": true})
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		req, _ := http.NewRequestWithContext(ctx, "POST", w.url+"/v1/chat/completions", bytes.NewReader(long))
+		if resp, err := http.DefaultClient.Do(req); err == nil {
+			io.Copy(io.Discard, resp.Body)
+			resp.Body.Close()
+		}
+	}()
+	deadline := time.Now().Add(10 * time.Second)
+	for w.sched.Stats().Running != 1 {
+		if time.Now().After(deadline) {
+			t.Fatal("the long request never ran")
+		}
+		time.Sleep(time.Millisecond)
+	}
+	for _, stream := range []bool{false, true} {
+		b, _ := json.Marshal(map[string]any{"model": "tiny", "messages": msgs("user", "queued"), "max_tokens": 2, "stream": stream})
+		req, _ := http.NewRequest("POST", w.url+"/v1/chat/completions", bytes.NewReader(b))
+		req.Header.Set(openai.TraceHeader, "trace-queued")
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		out, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		var e struct {
+			errBody
+			TraceID string `json:"trace_id"`
+		}
+		json.Unmarshal(out, &e)
+		// Nothing was streamed before the timeout, so a stream gets the
+		// real status too, as the gateway needs to see a failure before
+		// the first token.
+		if resp.StatusCode != 408 || e.Error.Code != 408 || e.Error.Type != openai.TypeTimeout ||
+			!strings.Contains(e.Error.Message, "queue") || e.TraceID != "trace-queued" {
+			t.Fatalf("stream=%v: status %d body %s", stream, resp.StatusCode, out)
+		}
+	}
+	if m := scrape(t, w); !strings.Contains(m, `llmf_worker_requests_total{state="TIMEOUT"} 2`) || !strings.Contains(m, "llmf_worker_queue_depth 0") {
+		t.Fatalf("metrics after two queue timeouts:\n%s", m)
+	}
+	cancel()
+	<-done
+	waitIdle(t, w)
+}

@@ -92,6 +92,8 @@ type entry struct {
 	hash    prefix.Hash
 	expires int64
 	touched int64
+	saved   int64         // unix nanoseconds of the last save (hits do not count)
+	saveID  string        // the last save's id
 	el      *list.Element // nil once removed
 }
 
@@ -300,7 +302,12 @@ func (s *Store) loadLocked(clusterName string) api.LoadStats {
 }
 
 // SaveCache implements store.Store.
-func (s *Store) SaveCache(_ context.Context, clusterName, host string, hashes []prefix.Hash) error {
+func (s *Store) SaveCache(ctx context.Context, clusterName, host string, hashes []prefix.Hash) error {
+	return s.SaveCacheAs(ctx, clusterName, host, hashes, "")
+}
+
+// SaveCacheAs implements store.Store.
+func (s *Store) SaveCacheAs(_ context.Context, clusterName, host string, hashes []prefix.Hash, saveID string) error {
 	now := s.nanos()
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -310,6 +317,7 @@ func (s *Store) SaveCache(_ context.Context, clusterName, host string, hashes []
 	for _, hash := range hashes {
 		if e := h.entries[hash]; e != nil {
 			s.refresh(e, now)
+			e.saved, e.saveID = now, saveID
 			continue
 		}
 		hl := c.index[hash]
@@ -317,7 +325,7 @@ func (s *Store) SaveCache(_ context.Context, clusterName, host string, hashes []
 			hl = &holders{}
 			c.index[hash] = hl
 		}
-		e := &entry{c: c, h: h, hash: hash, expires: now + s.cacheTTL, touched: now}
+		e := &entry{c: c, h: h, hash: hash, expires: now + s.cacheTTL, touched: now, saved: now, saveID: saveID}
 		e.el = s.lru.PushFront(e)
 		i, _ := slices.BinarySearch(hl.ids, h.id)
 		hl.ids = slices.Insert(hl.ids, i, h.id)
@@ -460,7 +468,18 @@ func (s *Store) touchEntries(stale []*entry, now int64) {
 }
 
 // EvictCache implements store.Store.
-func (s *Store) EvictCache(_ context.Context, clusterName, host string, hashes []prefix.Hash) error {
+func (s *Store) EvictCache(ctx context.Context, clusterName, host string, hashes []prefix.Hash) error {
+	return s.EvictCacheBefore(ctx, clusterName, host, hashes, 0)
+}
+
+// savedBy reports whether e was last saved at or before before (unix
+// milliseconds; <= 0: always).
+func savedBy(e *entry, before int64) bool {
+	return before <= 0 || e.saved/int64(time.Millisecond) <= before
+}
+
+// EvictCacheBefore implements store.Store.
+func (s *Store) EvictCacheBefore(_ context.Context, clusterName, host string, hashes []prefix.Hash, before int64) error {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	h := s.findHost(clusterName, host)
@@ -468,7 +487,26 @@ func (s *Store) EvictCache(_ context.Context, clusterName, host string, hashes [
 		return nil
 	}
 	for _, hash := range hashes {
-		if e := h.entries[hash]; e != nil {
+		if e := h.entries[hash]; e != nil && savedBy(e, before) {
+			s.removeEntry(e)
+		}
+	}
+	return nil
+}
+
+// RetractCache implements store.Store.
+func (s *Store) RetractCache(_ context.Context, clusterName, host string, hashes []prefix.Hash, saveID string) error {
+	if saveID == "" {
+		return nil
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	h := s.findHost(clusterName, host)
+	if h == nil {
+		return nil
+	}
+	for _, hash := range hashes {
+		if e := h.entries[hash]; e != nil && e.saveID == saveID {
 			s.removeEntry(e)
 		}
 	}
@@ -476,7 +514,12 @@ func (s *Store) EvictCache(_ context.Context, clusterName, host string, hashes [
 }
 
 // EvictHost implements store.Store.
-func (s *Store) EvictHost(_ context.Context, clusterName, host string) error {
+func (s *Store) EvictHost(ctx context.Context, clusterName, host string) error {
+	return s.EvictHostBefore(ctx, clusterName, host, 0)
+}
+
+// EvictHostBefore implements store.Store.
+func (s *Store) EvictHostBefore(_ context.Context, clusterName, host string, before int64) error {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	h := s.findHost(clusterName, host)
@@ -484,7 +527,9 @@ func (s *Store) EvictHost(_ context.Context, clusterName, host string) error {
 		return nil
 	}
 	for _, e := range h.entries {
-		s.removeEntry(e)
+		if savedBy(e, before) {
+			s.removeEntry(e)
+		}
 	}
 	return nil
 }

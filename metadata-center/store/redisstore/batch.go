@@ -56,8 +56,9 @@ func (s *Store) applyPipe(ctx context.Context, ops []store.Op, reg []string, ful
 	}
 	cmds := make([]*redis.Cmd, len(ops))
 	for i, op := range ops {
-		if op.Kind == store.OpSaveCache && len(op.Hashes) == 0 {
-			continue // as SaveCache: nothing to record
+		if (op.Kind == store.OpSaveCache || op.Kind == store.OpRetractCache) && len(op.Hashes) == 0 ||
+			op.Kind == store.OpRetractCache && op.SaveID == "" {
+			continue // as SaveCache and RetractCache: nothing to do
 		}
 		sc, ks, args, err := s.opScript(op)
 		if err != nil {
@@ -103,16 +104,11 @@ func (s *Store) opScript(op store.Op) (*redis.Script, []string, []any, error) {
 	case store.OpDeleteLease:
 		return s.sc.del, k.leases(), []any{now, op.Host, member(op.Host, op.RequestID)}, nil
 	case store.OpSaveCache:
-		ks := make([]string, 0, 2+len(op.Hashes))
-		ks = append(ks, k.host(op.Host), k.hosts())
-		args := make([]any, 0, 4+len(op.Hashes))
-		args = append(args, now, now+s.cacheTTL, s.cacheTTL, op.Host)
-		for _, h := range op.Hashes {
-			hs := h.String()
-			ks = append(ks, k.base+":p:"+hs)
-			args = append(args, hs)
-		}
+		ks, args := s.saveArgs(k, op.Host, op.Hashes, op.SaveID)
 		return s.sc.save, ks, args, nil
+	case store.OpRetractCache:
+		ks, args := s.unholdArgs(k, op.Host, op.Hashes, op.SaveID)
+		return s.sc.retract, ks, args, nil
 	}
 	return nil, nil, nil, fmt.Errorf("redis batch: unknown op kind %d", op.Kind)
 }

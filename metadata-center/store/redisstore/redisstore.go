@@ -181,7 +181,11 @@ func (k keys) leases() []string {
 func (k keys) hash(h prefix.Hash) string { return k.base + ":p:" + h.String() }
 func (k keys) host(host string) string   { return k.base + ":e:" + host }
 func (k keys) hosts() string             { return k.base + ":hosts" }
-func (k keys) signals() string           { return k.base + ":sig" }
+
+// versions names the hash of host's entries' last saves: prefix ->
+// "savedMillis saveID" (docs/metadata-center.md, "Versions").
+func (k keys) versions(host string) string { return k.base + ":v:" + host }
+func (k keys) signals() string             { return k.base + ":sig" }
 
 func (s *Store) registry() string { return "{" + s.prefix + "}:clusters" }
 
@@ -511,45 +515,81 @@ func (s *Store) fresh(rep string, now int64) (api.PodSignals, bool, error) {
 
 // SaveCache implements store.Store.
 func (s *Store) SaveCache(ctx context.Context, cluster, host string, hashes []prefix.Hash) error {
+	return s.SaveCacheAs(ctx, cluster, host, hashes, "")
+}
+
+// SaveCacheAs implements store.Store.
+func (s *Store) SaveCacheAs(ctx context.Context, cluster, host string, hashes []prefix.Hash, saveID string) error {
 	if len(hashes) == 0 {
 		return nil
 	}
-	k := s.keys(cluster)
+	ks, args := s.saveArgs(s.keys(cluster), host, hashes, saveID)
+	_, err := s.run(ctx, "cache save", s.sc.save, cluster, ks, args...)
+	return err
+}
+
+// saveArgs builds the save script's KEYS and ARGV.
+func (s *Store) saveArgs(k keys, host string, hashes []prefix.Hash, saveID string) ([]string, []any) {
 	now := s.ms()
-	ks := make([]string, 0, 2+len(hashes))
-	ks = append(ks, k.host(host), k.hosts())
-	args := make([]any, 0, 4+len(hashes))
-	args = append(args, now, now+s.cacheTTL, s.cacheTTL, host)
+	ks := make([]string, 0, 3+len(hashes))
+	ks = append(ks, k.host(host), k.hosts(), k.versions(host))
+	args := make([]any, 0, 5+len(hashes))
+	args = append(args, now, now+s.cacheTTL, s.cacheTTL, host, saveID)
 	for _, h := range hashes {
 		hs := h.String()
 		ks = append(ks, k.base+":p:"+hs)
 		args = append(args, hs)
 	}
-	_, err := s.run(ctx, "cache save", s.sc.save, cluster, ks, args...)
-	return err
+	return ks, args
 }
 
 // EvictCache implements store.Store.
 func (s *Store) EvictCache(ctx context.Context, cluster, host string, hashes []prefix.Hash) error {
+	return s.EvictCacheBefore(ctx, cluster, host, hashes, 0)
+}
+
+// EvictCacheBefore implements store.Store.
+func (s *Store) EvictCacheBefore(ctx context.Context, cluster, host string, hashes []prefix.Hash, before int64) error {
 	if len(hashes) == 0 {
 		return nil
 	}
-	k := s.keys(cluster)
-	ks := make([]string, 0, 2+len(hashes))
-	ks = append(ks, k.host(host), k.hosts())
-	args := make([]any, 0, 2+len(hashes))
-	args = append(args, s.ms(), host)
+	ks, args := s.unholdArgs(s.keys(cluster), host, hashes, max(before, 0))
+	return s.wrap("cache evict", s.sc.evict.Run(ctx, s.rdb, ks, args...).Err())
+}
+
+// RetractCache implements store.Store.
+func (s *Store) RetractCache(ctx context.Context, cluster, host string, hashes []prefix.Hash, saveID string) error {
+	if len(hashes) == 0 || saveID == "" {
+		return nil
+	}
+	ks, args := s.unholdArgs(s.keys(cluster), host, hashes, saveID)
+	return s.wrap("cache retract", s.sc.retract.Run(ctx, s.rdb, ks, args...).Err())
+}
+
+// unholdArgs builds the KEYS and ARGV of the evict and retract scripts;
+// cond is the eviction time or the retracted save's id.
+func (s *Store) unholdArgs(k keys, host string, hashes []prefix.Hash, cond any) ([]string, []any) {
+	ks := make([]string, 0, 3+len(hashes))
+	ks = append(ks, k.host(host), k.hosts(), k.versions(host))
+	args := make([]any, 0, 3+len(hashes))
+	args = append(args, s.ms(), host, cond)
 	for _, h := range hashes {
 		ks = append(ks, k.hash(h))
 		args = append(args, h.String())
 	}
-	return s.wrap("cache evict", s.sc.evict.Run(ctx, s.rdb, ks, args...).Err())
+	return ks, args
 }
 
 // EvictHost implements store.Store.
 func (s *Store) EvictHost(ctx context.Context, cluster, host string) error {
+	return s.EvictHostBefore(ctx, cluster, host, 0)
+}
+
+// EvictHostBefore implements store.Store.
+func (s *Store) EvictHostBefore(ctx context.Context, cluster, host string, before int64) error {
 	k := s.keys(cluster)
-	return s.wrap("cache evict all", s.sc.evictHost.Run(ctx, s.rdb, []string{k.host(host), k.hosts()}, s.ms(), host, k.base).Err())
+	return s.wrap("cache evict all", s.sc.evictHost.Run(ctx, s.rdb, []string{k.host(host), k.hosts(), k.versions(host)},
+		s.ms(), host, k.base, max(before, 0)).Err())
 }
 
 // Stats implements store.Store. It costs one round trip per registered

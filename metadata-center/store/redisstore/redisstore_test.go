@@ -87,7 +87,7 @@ func TestKeyLayout(t *testing.T) {
 	want := map[string]bool{
 		tag + ":lx": true, tag + ":lp": true, tag + ":lr": true, tag + ":lq": true,
 		tag + ":p:0000000000000001": true, tag + ":p:0000000000000002": true, tag + ":p:0000000000000003": true,
-		tag + ":e:" + host: true, tag + ":hosts": true,
+		tag + ":e:" + host: true, tag + ":v:" + host: true, tag + ":hosts": true,
 		"{" + srv.Prefix + "}:clusters": true,
 	}
 	for _, k := range got {

@@ -281,17 +281,21 @@ sweep(lx, lp, lr, lq, ARGV[1])
 return {table.concat(redis.call('HGETALL', lr), '\t'), table.concat(redis.call('HGETALL', lq), '\t')}
 `
 
-// KEYS: e-key hosts-key p-keys. ARGV: now expiry ttl host hashes...
+// KEYS: e-key hosts-key v-key p-keys. ARGV: now expiry ttl host saveID
+// hashes...
 //
 // A host saving a prefix it already holds (every request of a shared
 // system prompt does) gets its expiry replaced in place: the leading
 // minimum stays a valid lower bound because expiries only grow, so no
 // parse is needed. A new holder, a dead record or an expiry that went
 // backwards (replicas' clocks) takes the full rewrite, which also drops
-// the dead records and makes the minimum exact again.
+// the dead records and makes the minimum exact again. The v-key records
+// each entry's last save, "now saveID", for evictions and retractions;
+// its fields of entries that expired go with them.
 const saveSrc = holdersLib + `
-local ek, hk, host, exp, ttl = KEYS[1], KEYS[2], ARGV[4], ARGV[2], ARGV[3]
+local ek, hk, vk, host, exp, ttl = KEYS[1], KEYS[2], KEYS[3], ARGV[4], ARGV[2], ARGV[3]
 local nowN, expN = tonumber(ARGV[1]), tonumber(exp)
+local version = ARGV[1] .. ' ' .. ARGV[5]
 local function hold(key)
   local s = redis.call('GET', key)
   if s then
@@ -310,20 +314,29 @@ local function hold(key)
   m[host] = expN
   redis.call('SET', key, (build(m, nowN)), 'PX', ttl)
 end
--- One ZADD per 512 hashes rather than per hash (Lua's unpack stops at a
--- few thousand values, and the API allows 4096 hashes).
-local batch = {}
-for i = 3, #KEYS do
+-- One ZADD and HSET per 512 hashes rather than per hash (Lua's unpack
+-- stops at a few thousand values, and the API allows 4096 hashes).
+local batch, vers = {}, {}
+for i = 4, #KEYS do
   hold(KEYS[i])
   batch[#batch + 1] = exp
   batch[#batch + 1] = ARGV[i + 2]
+  vers[#vers + 1] = ARGV[i + 2]
+  vers[#vers + 1] = version
   if #batch == 1024 or i == #KEYS then
     redis.call('ZADD', ek, unpack(batch))
-    batch = {}
+    redis.call('HSET', vk, unpack(vers))
+    batch, vers = {}, {}
   end
 end
-redis.call('ZREMRANGEBYSCORE', ek, '-inf', ARGV[1])
+while true do
+  local dead = redis.call('ZRANGEBYSCORE', ek, '-inf', ARGV[1], 'LIMIT', 0, 512)
+  if #dead == 0 then break end
+  redis.call('HDEL', vk, unpack(dead))
+  redis.call('ZREM', ek, unpack(dead))
+end
 redis.call('PEXPIRE', ek, ttl)
+redis.call('PEXPIRE', vk, ttl)
 redis.call('ZADD', hk, exp, host)
 redis.call('ZREMRANGEBYSCORE', hk, '-inf', ARGV[1])
 redis.call('PEXPIRE', hk, ttl)
@@ -331,7 +344,7 @@ return 1
 `
 
 // unholdLib removes one host from a prefix's holder list, deleting the
-// key when nobody is left.
+// key when nobody is left; version reads an entry's last save.
 const unholdLib = holdersLib + `
 local function unhold(key, host, nowN)
   local s = redis.call('GET', key)
@@ -345,27 +358,70 @@ local function unhold(key, host, nowN)
     redis.call('SET', key, v, 'KEEPTTL')
   end
 end
+local function version(vk, hash)
+  local v = redis.call('HGET', vk, hash)
+  if not v then return 0, '' end
+  local at, id = string.match(v, '^(%d+) ?(.*)$')
+  return tonumber(at) or 0, id or ''
+end
 `
 
-// KEYS: e-key hosts-key p-keys. ARGV: now host hashes...
+// KEYS: e-key hosts-key v-key p-keys. ARGV: now host before hashes...
+// Entries saved after before (Unix ms; 0: never) stay.
 const evictSrc = unholdLib + `
-local ek, hk, host, nowN = KEYS[1], KEYS[2], ARGV[2], tonumber(ARGV[1])
-for i = 3, #KEYS do
-  unhold(KEYS[i], host, nowN)
-  redis.call('ZREM', ek, ARGV[i])
+local ek, hk, vk, host, nowN, before = KEYS[1], KEYS[2], KEYS[3], ARGV[2], tonumber(ARGV[1]), tonumber(ARGV[3])
+for i = 4, #KEYS do
+  local h = ARGV[i]
+  local gone = before <= 0
+  if not gone then gone = version(vk, h) <= before end
+  if gone then
+    unhold(KEYS[i], host, nowN)
+    redis.call('ZREM', ek, h)
+    redis.call('HDEL', vk, h)
+  end
 end
 if redis.call('ZCARD', ek) == 0 then redis.call('ZREM', hk, host) end
 return 1
 `
 
-// KEYS: e-key hosts-key. ARGV: now host base.
+// KEYS: e-key hosts-key v-key p-keys. ARGV: now host saveID hashes...
+// Only entries whose last save carried saveID go.
+const retractSrc = unholdLib + `
+local ek, hk, vk, host, nowN, id = KEYS[1], KEYS[2], KEYS[3], ARGV[2], tonumber(ARGV[1]), ARGV[3]
+for i = 4, #KEYS do
+  local h = ARGV[i]
+  local _, by = version(vk, h)
+  if by == id then
+    unhold(KEYS[i], host, nowN)
+    redis.call('ZREM', ek, h)
+    redis.call('HDEL', vk, h)
+  end
+end
+if redis.call('ZCARD', ek) == 0 then redis.call('ZREM', hk, host) end
+return 1
+`
+
+// KEYS: e-key hosts-key v-key. ARGV: now host base before. With before
+// (Unix ms) > 0, entries saved after it stay (a pod's start epoch).
 const evictHostSrc = unholdLib + `
-local ek, hk, host, base, nowN = KEYS[1], KEYS[2], ARGV[2], ARGV[3], tonumber(ARGV[1])
+local ek, hk, vk, host, base, nowN, before = KEYS[1], KEYS[2], KEYS[3], ARGV[2], ARGV[3], tonumber(ARGV[1]), tonumber(ARGV[4])
 local hs = redis.call('ZRANGE', ek, 0, -1)
-for _, h in ipairs(hs) do unhold(base .. ':p:' .. h, host, nowN) end
-redis.call('DEL', ek)
-redis.call('ZREM', hk, host)
-return #hs
+local n = 0
+for _, h in ipairs(hs) do
+  if before <= 0 or version(vk, h) <= before then
+    unhold(base .. ':p:' .. h, host, nowN)
+    n = n + 1
+    if before > 0 then
+      redis.call('ZREM', ek, h)
+      redis.call('HDEL', vk, h)
+    end
+  end
+end
+if before <= 0 then
+  redis.call('DEL', ek, vk)
+end
+if redis.call('ZCARD', ek) == 0 then redis.call('ZREM', hk, host) end
+return n
 `
 
 // KEYS: lx hosts-key. ARGV: now base. Reply: {live leases, live entries}.
@@ -382,7 +438,7 @@ return {leases, entries}
 // scripts are the compiled forms, one set per Store (go-redis keeps each
 // script's SHA1 for EVALSHA).
 type scripts struct {
-	add, firstToken, del, query, route, load, save, evict, evictHost, stats, signals *redis.Script
+	add, firstToken, del, query, route, load, save, evict, retract, evictHost, stats, signals *redis.Script
 }
 
 func newScripts() scripts {
@@ -397,6 +453,7 @@ func newScripts() scripts {
 		save:       redis.NewScript(saveSrc),
 		evict:      redis.NewScript(evictSrc),
 		evictHost:  redis.NewScript(evictHostSrc),
+		retract:    redis.NewScript(retractSrc),
 		stats:      redis.NewScript(statsSrc),
 	}
 }

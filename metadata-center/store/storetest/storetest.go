@@ -94,6 +94,9 @@ func Run(t *testing.T, f Factory) {
 		{"Concurrent", testConcurrent},
 		{"Ping", testPing},
 		{"Batch", testBatch},
+		{"VersionsEvictBefore", testVersionsEvictBefore},
+		{"VersionsEvictHostBefore", testVersionsEvictHostBefore},
+		{"VersionsRetract", testVersionsRetract},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) { tc.fn(setup(t, f)) })
@@ -670,5 +673,118 @@ func testSignals(e *env) {
 	}
 	if s, err := e.st.Signals(e.ctx, cl); err != nil || len(s) != 0 {
 		e.t.Fatalf("stale reports answered by Signals: %+v %v", s, err)
+	}
+}
+
+// ms is the store clock's time in Unix milliseconds.
+func (e *env) ms() int64 { return e.clock.Now().UnixMilli() }
+
+// A late eviction (a report retried after an outage, say) removes only
+// entries saved at or before the time the pod evicted; a save after it,
+// even of the same prefix, stays. Query hits are not saves.
+func testVersionsEvictBefore(e *env) {
+	hs := hashes("ver", 4)
+	t0 := e.ms()
+	e.must(e.st.SaveCacheAs(e.ctx, cl, hostA, hs[:2], "r1"))
+	e.must(e.st.SaveCache(e.ctx, cl, hostB, hs))
+	e.clock.Advance(20 * time.Millisecond)
+	e.must(e.st.SaveCacheAs(e.ctx, cl, hostA, hs[2:], "r2"))
+	// The pod evicted before anything was saved: nothing goes.
+	e.must(e.st.EvictCacheBefore(e.ctx, cl, hostA, hs, t0-1))
+	e.wantCache(cl, hs, []api.CacheLocation{{Host: hostA, Length: 4}, {Host: hostB, Length: 4}})
+	// Between the two saves: the first two go, the later two stay.
+	e.must(e.st.EvictCacheBefore(e.ctx, cl, hostA, hs, t0+10))
+	e.wantCache(cl, hs, []api.CacheLocation{{Host: hostB, Length: 4}})
+	e.wantCache(cl, hs[2:], []api.CacheLocation{{Host: hostA, Length: 2}, {Host: hostB, Length: 2}})
+	// A save in the very millisecond of the eviction goes too: ties count
+	// as before, so the index errs towards a miss, never a wrong hit.
+	e.must(e.st.EvictCacheBefore(e.ctx, cl, hostA, hs[2:3], e.ms()))
+	e.wantCache(cl, hs[2:], []api.CacheLocation{{Host: hostB, Length: 2}})
+	e.wantCache(cl, hs[3:], []api.CacheLocation{{Host: hostA, Length: 1}, {Host: hostB, Length: 1}})
+	// A hit refreshes the TTL but is no save: an eviction after the save
+	// and before the hit still removes the entry.
+	e.must(e.st.SaveCacheAs(e.ctx, cl, hostC, hs[:1], "r3"))
+	evicted := e.ms()
+	e.clock.Advance(5 * time.Second)
+	e.wantCache(cl, hs[:1], []api.CacheLocation{{Host: hostB, Length: 1}, {Host: hostC, Length: 1}})
+	e.must(e.st.EvictCacheBefore(e.ctx, cl, hostC, hs[:1], evicted))
+	e.wantCache(cl, hs[:1], []api.CacheLocation{{Host: hostB, Length: 1}})
+	// No time (an old worker): removed whatever the save time.
+	e.must(e.st.EvictCacheBefore(e.ctx, cl, hostB, hs, 0))
+	e.wantCache(cl, hs, []api.CacheLocation{})
+	st, err := e.st.Stats(e.ctx)
+	e.must(err)
+	if st.IndexEntries != 1 { // hostA's hs[3]
+		e.t.Fatalf("IndexEntries = %d, want 1", st.IndexEntries)
+	}
+}
+
+// A pod's start epoch: its evict-all removes what was saved before it
+// started, and keeps what was saved since (requests it already serves).
+func testVersionsEvictHostBefore(e *env) {
+	old, fresh := hashes("old", 3), hashes("fresh", 2)
+	e.must(e.st.SaveCache(e.ctx, cl, hostA, old))
+	e.must(e.st.SaveCache(e.ctx, cl, hostB, old))
+	e.clock.Advance(10 * time.Millisecond)
+	epoch := e.ms()
+	e.clock.Advance(10 * time.Millisecond)
+	e.must(e.st.SaveCacheAs(e.ctx, cl, hostA, fresh, "after-start"))
+	e.must(e.st.EvictHostBefore(e.ctx, cl, hostA, epoch))
+	e.wantCache(cl, old, []api.CacheLocation{{Host: hostB, Length: 3}})
+	e.wantCache(cl, fresh, []api.CacheLocation{{Host: hostA, Length: 2}})
+	st, err := e.st.Stats(e.ctx)
+	e.must(err)
+	if st.IndexEntries != 3+2 {
+		e.t.Fatalf("IndexEntries = %d, want 5", st.IndexEntries)
+	}
+	// Again, late: the same result (idempotent).
+	e.must(e.st.EvictHostBefore(e.ctx, cl, hostA, epoch))
+	e.wantCache(cl, fresh, []api.CacheLocation{{Host: hostA, Length: 2}})
+	e.must(e.st.EvictHostBefore(e.ctx, cl, hostA, 0))
+	e.wantCache(cl, fresh, []api.CacheLocation{})
+	e.must(e.st.EvictHostBefore(e.ctx, cl, hostC, epoch)) // unknown host
+	// The host saves again after an evict-all.
+	e.must(e.st.SaveCacheAs(e.ctx, cl, hostA, fresh, "again"))
+	e.wantCache(cl, fresh, []api.CacheLocation{{Host: hostA, Length: 2}})
+}
+
+// A retraction withdraws exactly the entries whose last save it names:
+// an entry saved again since, by another request, stays.
+func testVersionsRetract(e *env) {
+	hs := hashes("retract", 6)
+	e.must(e.st.SaveCacheAs(e.ctx, cl, hostA, hs[:2], "earlier"))
+	e.must(e.st.SaveCacheAs(e.ctx, cl, hostA, hs, "r1"))
+	e.must(e.st.SaveCacheAs(e.ctx, cl, hostB, hs, "r1"))
+	e.must(e.st.SaveCacheAs(e.ctx, cl, hostA, hs[4:], "r2")) // another request, meanwhile
+	// r1 failed before its first token; the index held hs[:2] on hostA
+	// when it was routed, so it retracts hs[2:].
+	e.must(e.st.RetractCache(e.ctx, cl, hostA, hs[2:], "r1"))
+	e.wantCache(cl, hs, []api.CacheLocation{{Host: hostB, Length: 6}, {Host: hostA, Length: 2}})
+	e.wantCache(cl, hs[4:], []api.CacheLocation{{Host: hostA, Length: 2}, {Host: hostB, Length: 2}})
+	// Unnamed, unknown and repeated retractions change nothing.
+	e.must(e.st.RetractCache(e.ctx, cl, hostA, hs, ""))
+	e.must(e.st.RetractCache(e.ctx, cl, hostA, hs, "nobody"))
+	e.must(e.st.RetractCache(e.ctx, cl, hostA, hs[2:], "r1"))
+	e.must(e.st.RetractCache(e.ctx, cl, hostC, hs, "r1"))
+	e.must(e.st.RetractCache(e.ctx, "unknown-cluster", hostA, hs, "r1"))
+	e.wantCache(cl, hs[4:], []api.CacheLocation{{Host: hostA, Length: 2}, {Host: hostB, Length: 2}})
+	e.wantCache(cl, hs[:2], []api.CacheLocation{{Host: hostA, Length: 2}, {Host: hostB, Length: 2}})
+	// Through a batch, in order: a save and its retraction cancel out; a
+	// save another request made after it survives the retraction.
+	other := hashes("retract-batch", 3)
+	e.must(store.Apply(e.ctx, e.st, []store.Op{
+		{Kind: store.OpSaveCache, Cluster: cl, Host: hostC, Hashes: other, SaveID: "b1"},
+		{Kind: store.OpSaveCache, Cluster: cl, Host: hostB, Hashes: other, SaveID: "b1"},
+		{Kind: store.OpSaveCache, Cluster: cl, Host: hostB, Hashes: other[:1], SaveID: "b2"},
+		{Kind: store.OpRetractCache, Cluster: cl, Host: hostC, Hashes: other, SaveID: "b1"},
+		{Kind: store.OpRetractCache, Cluster: cl, Host: hostB, Hashes: other, SaveID: "b1"},
+		{Kind: store.OpRetractCache, Cluster: cl, Host: hostB, Hashes: other}, // no id: nothing
+		{Kind: store.OpRetractCache, Cluster: cl, Host: hostB, SaveID: "b2"},  // no hashes: nothing
+	}))
+	e.wantCache(cl, other, []api.CacheLocation{{Host: hostB, Length: 1}})
+	st, err := e.st.Stats(e.ctx)
+	e.must(err)
+	if st.IndexEntries != 2+2+6+1 {
+		e.t.Fatalf("IndexEntries = %d, want 11", st.IndexEntries)
 	}
 }

@@ -58,7 +58,7 @@ type options struct {
 	maxBatch, maxOutput                                                                    int
 	kvMaxMB, kvMaxItems                                                                    int64
 	kvThreshold                                                                            float64
-	timeout, cleanup                                                                       time.Duration
+	timeout, cleanup, queueTimeout                                                         time.Duration
 	strictModel, flashAttn                                                                 bool
 	simCost                                                                                sim.Cost
 	lora                                                                                   []llama.LoRA
@@ -78,6 +78,7 @@ func parse(args []string, stderr io.Writer) (*options, error) {
 	fs.IntVar(&o.maxOutput, "max-output-tokens", 2048, "generated tokens of a request without max_tokens; a larger max_tokens is refused with 400")
 	fs.IntVar(&o.maxQueue, "max-queue", 256, "request queue length; beyond it requests get 429")
 	fs.DurationVar(&o.timeout, "request-timeout", 60*time.Second, "time a request may spend in the running set before 408")
+	fs.DurationVar(&o.queueTimeout, "queue-timeout", scheduler.DefaultQueueTimeout, "longest wait in the request queue before 408 (0: no bound)")
 	fs.IntVar(&o.nCtx, "n-ctx", 0, "KV cells shared by all sequences (0: the model's training context; sim without a model: 16384)")
 	fs.IntVar(&o.nBatch, "n-batch", 512, "most tokens per decode step")
 	fs.IntVar(&o.threads, "threads", 0, "llama.cpp threads (0: the CPUs this process may use: its affinity, capped by its cgroup CPU quota rounded down, at least 1)")
@@ -136,6 +137,8 @@ func parse(args []string, stderr io.Writer) (*options, error) {
 		return nil, fmt.Errorf("--max-batch-size (%d) must not exceed --max-concurrent-requests (%d): a step only holds running requests", o.maxBatch, o.maxRunning)
 	case o.timeout <= 0 || o.cleanup <= 0:
 		return nil, errors.New("--request-timeout and --kv-cleanup-interval must be positive")
+	case o.queueTimeout < 0:
+		return nil, fmt.Errorf("--queue-timeout must not be negative (0: no bound), got %v", o.queueTimeout)
 	case o.nCtx < 0 || o.nBatch < 1 || o.threads < 0 || o.kvMaxMB < 0 || o.kvMaxItems < 0 || o.hashChunk < 1:
 		return nil, errors.New("--n-ctx, --n-batch, --threads, --kv-max-memory-mb, --kv-max-items and --prompt-hash-chunk-size must not be negative (n-batch and chunk size at least 1)")
 	case o.kvThreshold <= 0 || o.kvThreshold > 1:
@@ -192,7 +195,8 @@ func run(ctx context.Context, args []string, stderr io.Writer, ready func(addr s
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	cfg := scheduler.Config{
 		MaxQueue: o.maxQueue, MaxRunning: o.maxRunning, RequestTimeout: o.timeout, CleanupInterval: o.cleanup,
-		MaxBatch: o.maxBatch, MaxOutputTokens: o.maxOutput,
+		QueueTimeout: queueTimeout(o.queueTimeout),
+		MaxBatch:     o.maxBatch, MaxOutputTokens: o.maxOutput,
 		KV:      kvcache.Limits{MaxItems: o.kvMaxItems, MaxBytes: o.kvMaxMB << 20, Threshold: o.kvThreshold},
 		Metrics: scheduler.NewMetrics(reg), Logger: log,
 	}
@@ -206,7 +210,7 @@ func run(ctx context.Context, args []string, stderr io.Writer, ready func(addr s
 		if err != nil {
 			return err
 		}
-		cfg.OnEvict = rep.Evict
+		cfg.OnEvictAt = rep.EvictAt
 		cfg.OnCached = rep.Cached
 		reporter = rep
 	}
@@ -305,6 +309,14 @@ func openEngine(o *options, log *slog.Logger) (engine.Engine, openai.Template, e
 	}
 	eng, err := sim.New(cfg)
 	return eng, tmpl, err
+}
+
+// queueTimeout maps the flag (0: no bound) to scheduler.Config's (negative: no bound).
+func queueTimeout(d time.Duration) time.Duration {
+	if d == 0 {
+		return -1
+	}
+	return d
 }
 
 // schedulerSignals reads the pod's signals from the scheduler's stats.

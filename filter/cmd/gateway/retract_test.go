@@ -1,0 +1,193 @@
+package main
+
+import (
+	"bufio"
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/gin-gonic/gin"
+
+	"github.com/istio-llm-filter/istio-llm-filter/internal/testutil/redistest"
+	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/server"
+	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/store/redisstore"
+	"github.com/istio-llm-filter/istio-llm-filter/worker/engine/sim"
+	"github.com/istio-llm-filter/istio-llm-filter/worker/scheduler"
+	wserver "github.com/istio-llm-filter/istio-llm-filter/worker/server"
+)
+
+// simWorker is the real worker (scheduler and HTTP API) on the simulated
+// engine, with a running set of one and a queue of one, each queued
+// request timing out after queueTimeout.
+func simWorker(t *testing.T, queueTimeout time.Duration) *httptest.Server {
+	t.Helper()
+	eng, err := sim.New(sim.Config{Name: "qwen", NSeqMax: 4, NCtx: 8192, Cost: sim.Cost{StepOverhead: 2 * time.Millisecond}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	quiet := slog.New(slog.NewTextHandler(io.Discard, nil))
+	sched, err := scheduler.New(eng, scheduler.Config{MaxRunning: 1, MaxBatch: 1, MaxQueue: 1, QueueTimeout: queueTimeout,
+		MaxOutputTokens: 4000, Logger: quiet})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { sched.Run(ctx); close(done) }()
+	srv := httptest.NewServer(wserver.New(sched, eng, wserver.Config{ModelName: "qwen", Logger: quiet}))
+	t.Cleanup(func() {
+		srv.CloseClientConnections()
+		cancel()
+		<-done
+		srv.Close()
+	})
+	return srv
+}
+
+// A pod that refuses a request before its first token (408 after the queue
+// wait, 429 with a full queue) never builds the prompt's cache: through the
+// real standalone gateway, the prefix the gateway saved at routing time is
+// withdrawn from the metadata center (on a real redis-server), while the
+// prefix of the request the pod is really serving stays.
+func TestRefusedRequestsLeaveNoIndexEntries(t *testing.T) {
+	gin.SetMode(gin.ReleaseMode)
+	rs := redistest.Shared(t)
+	st, err := redisstore.New(redisstore.Options{Addr: rs.Addr, KeyPrefix: rs.Prefix + "-retract"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer st.Close()
+	mc := httptest.NewServer(server.New(st, server.Options{Logger: slog.New(slog.NewTextHandler(io.Discard, nil))}).Handler())
+	defer mc.Close()
+	pod := simWorker(t, 300*time.Millisecond)
+
+	path := writeConfig(t, fmt.Sprintf(`
+listen: 127.0.0.1:0
+log_level: error
+filter:
+  metadata_center: {address: %s, query_timeout: 1s}
+  prompt_hash: {chunk_size: 64}
+  model_mapping_rule:
+    qwen:
+      - cluster: tiny-pool
+        backend: llamacpp
+  lb_mapping_rule:
+    default: {policy: cache_aware}
+  endpoints:
+    static: {tiny-pool: [%s]}
+`, mc.URL, pod.Listener.Addr()))
+	ctx, cancel := context.WithCancel(context.Background())
+	ready := make(chan net.Addr, 1)
+	done := make(chan error, 1)
+	go func() { done <- run(ctx, []string{"--config", path}, io.Discard, ready) }()
+	defer func() {
+		cancel()
+		<-done
+	}()
+	var base string
+	select {
+	case a := <-ready:
+		base = "http://" + a.String()
+	case err := <-done:
+		t.Fatalf("gateway exited: %v", err)
+	case <-time.After(10 * time.Second):
+		t.Fatal("gateway not ready")
+	}
+	entries := func() int64 {
+		s, err := st.Stats(context.Background())
+		if err != nil {
+			t.Fatal(err)
+		}
+		return s.IndexEntries
+	}
+	waitFor := func(what string, cond func() bool) {
+		t.Helper()
+		deadline := time.Now().Add(10 * time.Second)
+		for !cond() {
+			if time.Now().After(deadline) {
+				t.Fatalf("timed out waiting for %s (index entries %d)", what, entries())
+			}
+			time.Sleep(2 * time.Millisecond)
+		}
+	}
+	body := func(user string, stream bool, maxTokens int) string {
+		b, _ := json.Marshal(map[string]any{"model": "qwen", "stream": stream, "max_tokens": maxTokens, "ignore_eos": true,
+			"messages": []any{map[string]any{"role": "user", "content": strings.Repeat(user+" ", 30)}}})
+		return string(b)
+	}
+
+	// The pod serves a long answer: its first token is out, so its prefix
+	// is true.
+	lctx, lcancel := context.WithCancel(context.Background())
+	defer lcancel()
+	req, _ := http.NewRequestWithContext(lctx, "POST", base+"/v1/chat/completions", strings.NewReader(body("the long one", true, 3000)))
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != 200 {
+		t.Fatalf("long request: %d", resp.StatusCode)
+	}
+	sc := bufio.NewScanner(resp.Body)
+	for sc.Scan() && !strings.HasPrefix(sc.Text(), "data: {") {
+	}
+	go io.Copy(io.Discard, resp.Body)
+	waitFor("the long request's prefix", func() bool { return entries() > 0 })
+	time.Sleep(50 * time.Millisecond) // its confirming save, if still on its way
+	held := entries()
+
+	// Queued behind it, a second request waits out the queue timeout: 408.
+	// Its prefix was in the index meanwhile.
+	type answer struct {
+		status int
+		body   string
+	}
+	second := make(chan answer, 1)
+	go func() {
+		resp, err := http.Post(base+"/v1/chat/completions", "application/json", strings.NewReader(body("the queued one", false, 5)))
+		if err != nil {
+			second <- answer{status: -1, body: err.Error()}
+			return
+		}
+		b, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		second <- answer{resp.StatusCode, string(b)}
+	}()
+	waitFor("the queued request's routing-time save", func() bool { return entries() > held })
+	// A third finds the queue full: 429.
+	resp3, err := http.Post(base+"/v1/chat/completions", "application/json", strings.NewReader(body("the refused one", false, 5)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	b3, _ := io.ReadAll(resp3.Body)
+	resp3.Body.Close()
+	if resp3.StatusCode != 429 {
+		t.Fatalf("third request: %d %s", resp3.StatusCode, b3)
+	}
+	a := <-second
+	var e struct {
+		Error struct {
+			Code int    `json:"code"`
+			Type string `json:"type"`
+		} `json:"error"`
+		TraceID string `json:"trace_id"`
+	}
+	if json.Unmarshal([]byte(a.body), &e); a.status != 408 || e.Error.Code != 408 || e.Error.Type != "timeout_error" || e.TraceID == "" {
+		t.Fatalf("queued request: %d %s", a.status, a.body)
+	}
+	waitFor("the refused requests' saves to be withdrawn", func() bool { return entries() == held })
+	time.Sleep(100 * time.Millisecond)
+	if n := entries(); n != held {
+		t.Fatalf("index entries %d, want the long request's %d", n, held)
+	}
+	lcancel()
+}
