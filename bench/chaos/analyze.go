@@ -39,6 +39,10 @@ type Check struct {
 	Err      string `json:"error,omitempty"`
 }
 
+// Wrong counts the index entries whose host neither holds the prefix nor
+// has a request carrying it.
+func (c Check) Wrong() int { return c.IndexEntries - c.IndexTrue - c.IndexPending }
+
 // Orphaned is Leases beyond InFlight (never negative).
 func (c Check) Orphaned() int { return max(0, c.Leases-c.InFlight) }
 

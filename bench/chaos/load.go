@@ -19,6 +19,8 @@ type Load struct {
 	Users     int
 	MaxTokens int
 	Seed      uint64
+	// StreamShare is the share of the users' requests sent streamed.
+	StreamShare float64
 
 	start    time.Time
 	mu       sync.Mutex
@@ -36,7 +38,7 @@ type flight struct {
 
 // NewLoad prepares a load; Run or the one-off senders start requests.
 func NewLoad(c *Client, users, maxTokens int, seed uint64, start time.Time) *Load {
-	return &Load{Client: c, Users: users, MaxTokens: maxTokens, Seed: seed, start: start, inflight: map[int]*flight{}}
+	return &Load{Client: c, Users: users, MaxTokens: maxTokens, Seed: seed, StreamShare: 0.5, start: start, inflight: map[int]*flight{}}
 }
 
 // Run drives the users until ctx ends and waits for their last requests.
@@ -80,7 +82,7 @@ func (l *Load) session(ctx context.Context, r *rand.Rand, s workload.Session, ki
 		history = append(history, Message{Role: "user", Content: t.User})
 		// Once sent, a request runs to its answer even when the load is being
 		// stopped: the end state is then the fleet's, not the client's.
-		rec, answer := l.Send(context.WithoutCancel(ctx), kind, Request{Messages: history, Stream: r.IntN(2) == 0, MaxTokens: l.MaxTokens}, r.IntN(len(l.Client.Gateways)))
+		rec, answer := l.Send(context.WithoutCancel(ctx), kind, Request{Messages: history, Stream: r.Float64() < l.StreamShare, MaxTokens: l.MaxTokens}, r.IntN(len(l.Client.Gateways)))
 		if rec.Outcome != OK {
 			return // a conversation cannot go on without its answer
 		}

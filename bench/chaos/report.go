@@ -1,6 +1,7 @@
 package chaos
 
 import (
+	"encoding/json"
 	"fmt"
 	"io"
 	"os"
@@ -8,6 +9,23 @@ import (
 	"sort"
 	"strings"
 )
+
+// Render rewrites a chaos run's report and plots in dir from its
+// summary.json and results.json (after a change to the report).
+func Render(dir string) (*Result, error) {
+	var res Result
+	var recs []Record
+	for name, v := range map[string]any{"summary.json": &res, "results.json": &recs} {
+		b, err := os.ReadFile(filepath.Join(dir, name))
+		if err != nil {
+			return nil, err
+		}
+		if err := json.Unmarshal(b, v); err != nil {
+			return nil, fmt.Errorf("%s: %w", name, err)
+		}
+	}
+	return &res, writeChaos(dir, &res, recs)
+}
 
 func writeChaos(out string, res *Result, recs []Record) error {
 	if err := os.MkdirAll(out, 0o755); err != nil {
@@ -65,8 +83,9 @@ func (r *Result) WriteMarkdown(w io.Writer) error {
 		"Index before the first fault: %d entries, precision %s (held only %s); leases %d with %d requests in flight.\n\n",
 		r.Baseline.Requests, 100*r.Baseline.SuccessRate, r.Baseline.TTFTP50, r.Baseline.TTFTP90,
 		r.Initial.IndexEntries, pct(r.Initial.Precision), pct(r.Initial.StrictPrecision), r.Initial.Leases, r.Initial.InFlight)
-	b.WriteString("| # | fault | sent | succeeded | failed (by status) | lost | expected / unexpected failures | retried by client | aborted by client | leases beyond in-flight @+1 s | index @+1 s: entries, precision (held only) | recovery |\n")
-	b.WriteString("|---|---|---|---|---|---|---|---|---|---|---|---|\n")
+	b.WriteString("| # | fault | sent | succeeded | failed (by status) | lost | expected / unexpected failures | retried by client | aborted by client | leases beyond in-flight @+1 s | index @+1 s: entries, precision (held only) | wrong entries (new since the last check) | recovery |\n")
+	b.WriteString("|---|---|---|---|---|---|---|---|---|---|---|---|---|\n")
+	prevWrong := r.Initial.Wrong()
 	for i, f := range r.Faults {
 		rec := "not within the window"
 		if f.RecoveryS >= 0 {
@@ -80,9 +99,11 @@ func (r *Result) WriteMarkdown(w io.Writer) error {
 		if f.Err != "" {
 			name += " ⚠ " + f.Err
 		}
-		fmt.Fprintf(&b, "| %d | %s | %d | %d | %s | %d | %d / %d | %s | %d | %d | %d, %s (%s) | %s |\n",
+		fmt.Fprintf(&b, "| %d | %s | %d | %d | %s | %d | %d / %d | %s | %d | %d | %d, %s (%s) | %d (%+d) | %s |\n",
 			i+1, name, f.Sent, f.Succeeded, joinCounts(f.Failed), f.Lost, f.Expected, f.Unexpected, retried,
-			f.Aborted, f.Check.Orphaned(), f.Check.IndexEntries, pct(f.Check.Precision), pct(f.Check.StrictPrecision), rec)
+			f.Aborted, f.Check.Orphaned(), f.Check.IndexEntries, pct(f.Check.Precision), pct(f.Check.StrictPrecision),
+			f.Check.Wrong(), f.Check.Wrong()-prevWrong, rec)
+		prevWrong = f.Check.Wrong()
 	}
 	fmt.Fprintf(&b, "\nAfter the load stopped (in-flight requests answered) and one lease TTL passed: %d live leases; index %d entries, precision %s (wrong entries by host: %v).\n\n",
 		r.Final.Leases, r.Final.IndexEntries, pct(r.Final.StrictPrecision), r.Final.FalseByHost)

@@ -31,6 +31,9 @@ type Config struct {
 	WorkerArgs                 []string // more flags for every worker
 
 	Users     int // concurrent simulated users of the steady load
+	// StreamShare of the users' requests are streamed (default 0.5;
+	// negative: none).
+	StreamShare float64
 	MaxTokens int
 	Seed      uint64
 	LeaseTTL  time.Duration // the center's --lease-ttl, short so leaks show
@@ -69,6 +72,9 @@ func (c *Config) defaults() {
 	defD(&c.Settle, time.Second)
 	defD(&c.Gap, 15*time.Second)
 	defD(&c.SampleEvery, 5*time.Second)
+	if c.StreamShare == 0 {
+		c.StreamShare = 0.5
+	}
 	if c.LlamaCPUs <= 0 {
 		c.LlamaCPUs = 1
 	}
@@ -179,6 +185,7 @@ func RunChaos(ctx context.Context, cfg Config) (*Result, error) {
 	start := time.Now()
 	client := &Client{Gateways: f.Gateways, Model: "tiny", MaxRetries: 2, Timeout: ClientTimeout, HTTP: hc}
 	load := NewLoad(client, cfg.Users, cfg.MaxTokens, cfg.Seed, start)
+	load.StreamShare = cfg.StreamShare
 	chk := Checker{MC: f.MC, Cluster: fleet.Cluster, Workers: f.Workers, HTTP: hc}
 	obs := &observer{chk: chk, load: load, out: cfg.Progress}
 
@@ -317,7 +324,7 @@ func (c Config) settings() map[string]string {
 	return map[string]string{
 		"sim_workers": fmt.Sprint(c.SimWorkers), "llama_worker": fmt.Sprint(c.Llama), "llama_cpus": fmt.Sprint(c.LlamaCPUs),
 		"worker_queue": fmt.Sprint(c.WorkerQueue), "worker_running": fmt.Sprint(c.WorkerRunning),
-		"users": fmt.Sprint(c.Users), "max_tokens": fmt.Sprint(c.MaxTokens), "seed": fmt.Sprint(c.Seed),
+		"users": fmt.Sprint(c.Users), "stream_share": fmt.Sprint(c.StreamShare), "max_tokens": fmt.Sprint(c.MaxTokens), "seed": fmt.Sprint(c.Seed),
 		"lease_ttl": c.LeaseTTL.String(), "baseline": c.Baseline.String(), "settle": c.Settle.String(), "gap": c.Gap.String(),
 		"burst": fmt.Sprint(c.Burst), "worker_args": strings.Join(c.WorkerArgs, " "), "gateways": "2", "store": "redis", "policy": "cache_aware",
 	}

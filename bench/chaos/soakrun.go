@@ -51,6 +51,7 @@ func RunSoak(ctx context.Context, cfg Config) (*SoakResult, error) {
 	start := time.Now()
 	client := &Client{Gateways: f.Gateways, Model: "tiny", MaxRetries: 2, Timeout: ClientTimeout, HTTP: hc}
 	load := NewLoad(client, cfg.Users, cfg.MaxTokens, cfg.Seed, start)
+	load.StreamShare = cfg.StreamShare
 	chk := Checker{MC: f.MC, Cluster: fleet.Cluster, Workers: f.Workers, HTTP: hc}
 	var targets []Target
 	for _, p := range f.Procs() {

@@ -34,6 +34,7 @@ func main() {
 func run(ctx context.Context, args []string) (int, error) {
 	fs := flag.NewFlagSet("chaos", flag.ContinueOnError)
 	var cfg chaos.Config
+	render := fs.String("render", "", "instead of running: rewrite the report and plots of the chaos run in this directory")
 	soak := fs.Bool("soak", false, "run the soak instead of the fault schedule")
 	faults := fs.String("faults", strings.Join(chaos.FaultNames, ","), "faults to inject, in order (none: load only)")
 	workerArgs := fs.String("worker-args", "", "more flags for every worker, space-separated")
@@ -44,6 +45,7 @@ func run(ctx context.Context, args []string) (int, error) {
 	fs.IntVar(&cfg.SimWorkers, "sim-workers", 3, "simulated workers")
 	fs.Float64Var(&cfg.LlamaCPUs, "llama-cpus", 1, "the llama worker's CPU quota (the slow-worker fault divides it by 10)")
 	fs.IntVar(&cfg.Users, "users", 6, "concurrent users of the steady load")
+	fs.Float64Var(&cfg.StreamShare, "stream-share", 0.5, "share of the users' requests sent streamed (the rest whole; negative: none)")
 	fs.IntVar(&cfg.MaxTokens, "max-tokens", 32, "output tokens per request")
 	fs.IntVar(&cfg.WorkerQueue, "worker-queue", 8, "every worker's --max-queue")
 	fs.IntVar(&cfg.WorkerRunning, "worker-running", 4, "every worker's --max-concurrent-requests")
@@ -68,6 +70,14 @@ func run(ctx context.Context, args []string) (int, error) {
 		if f = strings.TrimSpace(f); f != "" && !(f == "slow-worker" && !cfg.Llama) {
 			cfg.Faults = append(cfg.Faults, f)
 		}
+	}
+	if *render != "" {
+		res, err := chaos.Render(*render)
+		if err != nil {
+			return 2, err
+		}
+		_ = res.WriteMarkdown(os.Stdout)
+		return 0, nil
 	}
 	if *soak {
 		res, err := chaos.RunSoak(ctx, cfg)
