@@ -30,13 +30,13 @@ type Config struct {
 	WorkerQueue, WorkerRunning int
 	WorkerArgs                 []string // more flags for every worker
 
-	Users     int // concurrent simulated users of the steady load
+	Users int // concurrent simulated users of the steady load
 	// StreamShare of the users' requests are streamed (default 0.5;
 	// negative: none).
 	StreamShare float64
-	MaxTokens int
-	Seed      uint64
-	LeaseTTL  time.Duration // the center's --lease-ttl, short so leaks show
+	MaxTokens   int
+	Seed        uint64
+	LeaseTTL    time.Duration // the center's --lease-ttl, short so leaks show
 
 	Faults   []string      // names to run, in order (nil: all)
 	Baseline time.Duration // plain load before the first fault
