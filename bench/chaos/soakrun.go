@@ -48,6 +48,7 @@ func RunSoak(ctx context.Context, cfg Config) (*SoakResult, error) {
 	}
 	defer f.Stop()
 	hc := NewHTTPClient()
+	mach := machine() // its load average is the one at the start
 	start := time.Now()
 	client := &Client{Gateways: f.Gateways, Model: "tiny", MaxRetries: 2, Timeout: ClientTimeout, HTTP: hc}
 	load := NewLoad(client, cfg.Users, cfg.MaxTokens, cfg.Seed, start)
@@ -107,7 +108,7 @@ func RunSoak(ctx context.Context, cfg Config) (*SoakResult, error) {
 		return nil, ctx.Err()
 	}
 	recs := load.Records()
-	res := &SoakResult{Started: start.UTC().Format(time.RFC3339), Machine: machine(), Settings: cfg.settings(),
+	res := &SoakResult{Started: start.UTC().Format(time.RFC3339), Machine: mach, Settings: cfg.settings(),
 		Duration: time.Since(start), Requests: len(recs), Outcomes: map[string]int{}, Growth: Fit(samples)}
 	res.Settings["soak_duration"] = cfg.SoakDuration.String()
 	res.Settings["sample_every"] = cfg.SampleEvery.String()
@@ -116,6 +117,9 @@ func RunSoak(ctx context.Context, cfg Config) (*SoakResult, error) {
 	}
 	la, _ := os.ReadFile("/proc/loadavg")
 	res.LoadAvgEnd = strings.TrimSpace(string(la))
+	if err := writeJSON(filepath.Join(cfg.Out, "soak_results.json"), recs); err != nil {
+		return nil, err
+	}
 	return res, writeSoak(cfg.Out, res, samples)
 }
 
