@@ -8,29 +8,50 @@ import (
 	"os/exec"
 	"path/filepath"
 	"runtime"
+	"sync"
 	"testing"
 	"time"
 
 	"github.com/istio-llm-filter/istio-llm-filter/bench/fleet"
 )
 
-// buildBinaries builds the fleet's commands into a temporary directory
-// with the project's cgo flags (the Makefile's).
+var (
+	buildOnce sync.Once
+	binDir    string
+	buildErr  error
+	buildOut  []byte
+)
+
+// buildBinaries builds the fleet's commands once per test binary into a
+// temporary directory, with the project's cgo flags (the Makefile's).
 func buildBinaries(t *testing.T) string {
 	t.Helper()
 	if _, err := exec.LookPath("redis-server"); err != nil {
 		t.Skip("redis-server not installed (make test installs it)")
 	}
-	_, file, _, _ := runtime.Caller(0)
-	root := filepath.Join(filepath.Dir(file), "..", "..")
-	dir := t.TempDir()
-	cmd := exec.Command("go", "build", "-o", dir+"/", "./metadata-center/cmd/metadata-center", "./worker/cmd/worker", "./filter/cmd/gateway")
-	cmd.Dir = root
-	cmd.Env = append(os.Environ(), "CGO_CFLAGS=-O3 -march=native", "CGO_CXXFLAGS=-O3 -march=native")
-	if out, err := cmd.CombinedOutput(); err != nil {
-		t.Fatalf("go build: %v\n%s", err, out)
+	buildOnce.Do(func() {
+		_, file, _, _ := runtime.Caller(0)
+		root := filepath.Join(filepath.Dir(file), "..", "..")
+		if binDir, buildErr = os.MkdirTemp("", "llmf-chaos-bin-"); buildErr != nil {
+			return
+		}
+		cmd := exec.Command("go", "build", "-o", binDir+"/", "./metadata-center/cmd/metadata-center", "./worker/cmd/worker", "./filter/cmd/gateway")
+		cmd.Dir = root
+		cmd.Env = append(os.Environ(), "CGO_CFLAGS=-O3 -march=native", "CGO_CXXFLAGS=-O3 -march=native")
+		buildOut, buildErr = cmd.CombinedOutput()
+	})
+	if buildErr != nil {
+		t.Fatalf("go build: %v\n%s", buildErr, buildOut)
 	}
-	return dir
+	return binDir
+}
+
+func TestMain(m *testing.M) {
+	code := m.Run()
+	if binDir != "" {
+		os.RemoveAll(binDir)
+	}
+	os.Exit(code)
 }
 
 // TestFaultsOnARealFleet runs a short schedule — a worker killed with a
@@ -47,7 +68,7 @@ func TestFaultsOnARealFleet(t *testing.T) {
 	}
 	bin := buildBinaries(t)
 	cfg := Config{Bin: bin, Out: t.TempDir(), SimWorkers: 2, Users: 3, MaxTokens: 16,
-		LeaseTTL: 3 * time.Second, Baseline: 3 * time.Second, Gap: 4 * time.Second,
+		LeaseTTL: 3 * time.Second, Baseline: 3 * time.Second, Gap: 3 * time.Second,
 		Faults: []string{"worker-kill", "redis-pause", "gateway-kill"}}
 	res, err := RunChaos(context.Background(), cfg)
 	if err != nil {
