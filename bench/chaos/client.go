@@ -1,4 +1,4 @@
-// Package chaos is the fault-injection run and the soak of issue 16
+// Package chaos is the fault-injection run and the soak
 // (docs/operations.md, "Chaos and soak"): steady mixed load on a fleet of
 // real processes (bench/fleet) while a schedule injects faults one after
 // the other, every request's fate recorded, the router's index checked

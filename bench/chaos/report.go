@@ -107,7 +107,7 @@ func (r *Result) WriteMarkdown(w io.Writer) error {
 	}
 	fmt.Fprintf(&b, "\nAfter the load stopped (in-flight requests answered) and one lease TTL passed: %d live leases; index %d entries, precision %s (wrong entries by host: %v).\n\n",
 		r.Final.Leases, r.Final.IndexEntries, pct(r.Final.StrictPrecision), r.Final.FalseByHost)
-	b.WriteString("| aim (issue 16) | met | measured |\n|---|---|---|\n")
+	b.WriteString("| aim | met | measured |\n|---|---|---|\n")
 	for _, a := range r.Aims {
 		fmt.Fprintf(&b, "| %s | %s | %s |\n", a.Name, map[bool]string{true: "yes", false: "**no**"}[a.Met], a.Got)
 	}

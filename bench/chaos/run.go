@@ -130,7 +130,8 @@ type Result struct {
 	Duration time.Duration     `json:"duration_ns"`
 }
 
-// Aim is one of issue 16's aims, met or not.
+// Aim is one of the run's aims (docs/operations.md, "Chaos and soak"),
+// met or not.
 type Aim struct {
 	Name string `json:"name"`
 	Met  bool   `json:"met"`

@@ -1,4 +1,4 @@
-// Command chaos runs issue 16's fault schedule under load, or the soak, on a
+// Command chaos runs the fault schedule under load, or the soak, on a
 // fleet of real processes (docs/operations.md, "Chaos and soak"):
 //
 //	make chaos                      # the fault schedule, a few minutes
@@ -96,7 +96,7 @@ func run(ctx context.Context, args []string) (int, error) {
 	}
 	_ = res.WriteMarkdown(os.Stdout)
 	if !res.AimsMet() {
-		return 1, fmt.Errorf("an aim of issue 16 was missed (%s/report.md)", cfg.Out)
+		return 1, fmt.Errorf("an aim was missed (%s/report.md)", cfg.Out)
 	}
 	return 0, nil
 }
