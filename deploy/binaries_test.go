@@ -301,8 +301,18 @@ func TestManifestArgsRunTheRealBinaries(t *testing.T) {
 		commandLine(wC, wEnv, map[string]string{"listen": "127.0.0.1:0", "metadata-center": "http://" + mcAddr}, mounts), wEnv)
 	wAddr := w.await(t, "worker ready", 3*time.Minute)
 	for _, probe := range []*corev1.Probe{wC.LivenessProbe, wC.ReadinessProbe, wC.StartupProbe} {
-		if code, body := httpGet(t, "http://"+wAddr+probePath(t, probe)); code != http.StatusOK {
-			t.Fatalf("worker %s = %d %s\n%s", probe.HTTPGet.Path, code, body, w.output())
+		// Polled as the kubelet does: readiness waits for the metadata
+		// center's acknowledgement of the start-up index reset.
+		deadline := time.Now().Add(10 * time.Second)
+		for {
+			code, body := httpGet(t, "http://"+wAddr+probePath(t, probe))
+			if code == http.StatusOK {
+				break
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("worker %s = %d %s\n%s", probe.HTTPGet.Path, code, body, w.output())
+			}
+			time.Sleep(50 * time.Millisecond)
 		}
 	}
 	if code, body := httpGet(t, "http://"+wAddr+wDep.Spec.Template.Annotations["prometheus.io/path"]); code != http.StatusOK || !strings.Contains(body, "llmf_worker_") {

@@ -474,8 +474,8 @@ func checkWorkerPod(t *testing.T, d *appsv1.Deployment) {
 	t.Helper()
 	spec := d.Spec.Template.Spec
 	c := container(t, spec, "worker")
-	if c.ReadinessProbe == nil || c.ReadinessProbe.HTTPGet == nil || c.ReadinessProbe.HTTPGet.Path != "/healthz" {
-		t.Errorf("%s: readiness probe %+v, want GET /healthz", d.Name, c.ReadinessProbe)
+	if c.ReadinessProbe == nil || c.ReadinessProbe.HTTPGet == nil || c.ReadinessProbe.HTTPGet.Path != "/readyz" {
+		t.Errorf("%s: readiness probe %+v, want GET /readyz", d.Name, c.ReadinessProbe)
 	}
 	if c.LivenessProbe == nil || c.LivenessProbe.HTTPGet == nil {
 		t.Errorf("%s: no liveness probe", d.Name)

@@ -5,6 +5,7 @@ import (
 
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/api"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/client"
+	"github.com/istio-llm-filter/istio-llm-filter/prefix"
 )
 
 // newBatcher coalesces the lifecycle updates into POST /v1/batch calls
@@ -55,4 +56,28 @@ func (e *Engine) batchOp(name string, d *Decision, host string) api.BatchOp {
 		op = api.BatchOp{Op: api.OpCacheRetract, Cluster: d.Cluster, Host: host, Hashes: d.retractable(host), SaveID: d.RequestID}
 	}
 	return op
+}
+
+// placesPrefix says whether a decision's lease and routing-time save are
+// sent without waiting for the batch window: when the pod must prefill at
+// least two blocks of the prompt, the decision places a prefix (or a long
+// prefill) that every gateway's next request of that prefix should see.
+// (One block is what a follower's own question or a conversation's new
+// turn usually adds.) Other gateways learn of it only through the metadata center, and
+// the prefill takes far longer than the call, so the window is all the
+// herd a cold start would get (docs/metadata-center.md). Requests that
+// reuse what their pod holds keep the window: nobody routes on them.
+func (e *Engine) placesPrefix(d *Decision) bool {
+	block := e.hasher.ChunkSize
+	if block <= 0 {
+		block = prefix.DefaultChunkSize
+	}
+	return len(d.Hashes) > 0 && d.PrefillLength >= 2*block
+}
+
+// startedUrgent queues a prefix-placing decision's lease and routing-time
+// save together, past the batch window (placesPrefix).
+func (e *Engine) startedUrgent(d *Decision, acked func(error)) {
+	e.batch.AddUrgent(client.Update{Op: e.batchOp("add_request", d, d.Host), Done: acked},
+		client.Update{Op: e.batchOp("save_cache", d, d.Host)})
 }

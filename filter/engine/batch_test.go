@@ -123,12 +123,16 @@ func TestBatchedUpdates(t *testing.T) {
 // BenchmarkCallsPerRequest measures metadata-center calls per request
 // (route queries plus update calls, counted by the real metadata center on
 // loopback) with requests arriving at a steady rate and each holding its
-// pod for 50ms, with batching on (the default) and off.
+// pod for 50ms, with batching on (the default) and off, and with batching
+// on and every prompt new (each request's lease and save are urgent).
 //
 //	go test -run '^$' -bench CallsPerRequest -benchtime 2000x ./filter/engine/
 func BenchmarkCallsPerRequest(b *testing.B) {
 	for _, rate := range []int{200, 1000} {
-		for _, tc := range []struct{ name, extra string }{{"batched", ""}, {"unbatched", "async: {batch_window: 0s}"}} {
+		for _, tc := range []struct {
+			name, extra string
+			cold        bool
+		}{{"batched", "", false}, {"unbatched", "async: {batch_window: 0s}", false}, {"batched-cold", "", true}} {
 			b.Run(fmt.Sprintf("%s/%dreq_s", tc.name, rate), func(b *testing.B) {
 				ts := center(b)
 				e := newEngine(b, configFor(b, ts.URL, tc.extra), Options{})
@@ -145,7 +149,13 @@ func BenchmarkCallsPerRequest(b *testing.B) {
 					wg.Add(1)
 					go func() {
 						defer wg.Done()
-						lifecycle(b, e, system, fmt.Sprintf("question %d", i%50), 50*time.Millisecond)
+						sys := system
+						if tc.cold {
+							// A prompt nobody sent before: its lease and
+							// save are urgent (placesPrefix).
+							sys = fmt.Sprintf("%d %s", i, system)
+						}
+						lifecycle(b, e, sys, fmt.Sprintf("question %d", i%50), 50*time.Millisecond)
 					}()
 				}
 				wg.Wait()

@@ -19,6 +19,8 @@
 //	async_dropped           an update was dropped: queue full or engine closed
 //	async_errors            an update ran and failed
 //	rejected                Decide refused the request (any *Error)
+//	retractions             a request that failed before its first token withdrew its saves
+//	served_elsewhere        the pod that answered was not the chosen one (Served)
 package engine
 
 import (
@@ -582,6 +584,15 @@ func (e *Engine) Started(d *Decision) {
 	f := e.bal.Tracker().Begin(d.Cluster, d.Host, d.PrefillLength)
 	d.flight = f
 	d.mark(stStarted) // publishes d.flight to the other lifecycle calls
+	if e.batch != nil && e.placesPrefix(d) {
+		d.mark(stEarlySave)
+		e.startedUrgent(d, func(err error) {
+			if err == nil {
+				f.Acked()
+			}
+		})
+		return
+	}
 	e.addRequest(d, d.Host, f)
 	// Record the prefix on its pod now, not only when the answer starts
 	// (Saved, the seed's step): a cold prompt prefills for seconds, and every
@@ -626,9 +637,13 @@ func (e *Engine) Served(d *Decision, host string) {
 		return
 	}
 	chosen := d.Host
+	e.metrics.Count("served_elsewhere", 1)
 	d.flight.End()
 	e.dispatch("delete_request", d, chosen)
 	if d.has(stEarlySave) || d.has(stSaved) {
+		if len(d.retractable(chosen)) > 0 {
+			e.metrics.Count("retractions", 1)
+		}
 		e.dispatch("retract_cache", d, chosen)
 	}
 	d.served.Store(&host)
@@ -674,6 +689,9 @@ func (e *Engine) Done(d *Decision) {
 	d.flight.End()
 	// Served already withdrew the chosen pod's routing-time save.
 	if !d.has(stFirstToken) && (d.has(stSaved) || d.has(stEarlySave) && !d.has(stServed)) {
+		if len(d.retractable(d.host())) > 0 {
+			e.metrics.Count("retractions", 1)
+		}
 		e.dispatch("retract_cache", d, d.host())
 	}
 	e.dispatch("delete_request", d, d.host())

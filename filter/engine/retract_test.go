@@ -62,6 +62,9 @@ func TestFailureBeforeTheFirstTokenRetractsTheRoutingTimeSave(t *testing.T) {
 
 func testRetract(t *testing.T, e *Engine, mc *client.Client, m *counts) {
 	ctx := context.Background()
+	// The canary rule's cluster has one pod: where a request goes is
+	// certain, and the index is what is tested.
+	const cluster = "canary"
 	held := func(host string, hashes []string) int {
 		t.Helper()
 		ans, err := mc.Route(ctx, cluster, hashes)
@@ -85,7 +88,7 @@ func testRetract(t *testing.T, e *Engine, mc *client.Client, m *counts) {
 	}
 	decide := func(system, user string) *Decision {
 		t.Helper()
-		d, err := e.Decide(ctx, chatPath(), chatBody(system, user))
+		d, err := e.Decide(ctx, hdr{":path": "/v1/chat/completions", "x-env": "canary"}, chatBody(system, user))
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -182,6 +185,10 @@ func testRetract(t *testing.T, e *Engine, mc *client.Client, m *counts) {
 	eventually(t, "d7's lease to end", func() bool { return leases(d7.Host) == 0 })
 	if n := held(d7.Host, d7.Hashes); n != len(d7.Hashes) {
 		t.Fatalf("d7 succeeded, yet %d of %d blocks are held", n, len(d7.Hashes))
+	}
+	// d1, d3, d4 and d6 withdrew saves; d2 and d7 succeeded, d5 saved nothing.
+	if n := m.get("retractions"); n != 4 {
+		t.Fatalf("retractions counted %d, want 4", n)
 	}
 	if n := m.get("async_errors"); n != 0 {
 		t.Fatalf("%d updates failed", n)

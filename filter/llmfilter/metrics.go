@@ -13,10 +13,12 @@ import (
 )
 
 // Counter names: the engine's (routed, cache_hit_routes, fallbacks,
-// metadata_center_errors, async_dropped) and the filter's own.
+// metadata_center_errors, async_dropped, retractions, served_elsewhere,
+// ...) and the filter's own.
 var counterNames = []string{
 	"routed", "cache_hit_routes", "fallbacks", "metadata_center_errors", "async_dropped", "async_errors", "async_batches", "rejected",
 	"requests", "local_replies", "upstream_errors", "transcode_errors", "panics",
+	"retractions", "served_elsewhere",
 }
 
 // gaugeNames are moved by Count with ±delta.

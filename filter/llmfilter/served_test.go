@@ -111,7 +111,8 @@ endpoints:
 	if err != nil {
 		t.Fatal(err)
 	}
-	conf, err := llmfilter.NewParser(llmfilter.ParserOptions{Logger: quiet}).Build(cfg, nil)
+	m := &counts{m: map[string]int64{}}
+	conf, err := llmfilter.NewParser(llmfilter.ParserOptions{Logger: quiet}).Build(cfg, m)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -187,5 +188,8 @@ endpoints:
 	settled(2)
 	if got := index(hashes); len(got) != 0 {
 		t.Fatalf("index %v after the only pod that saw the request refused it; want nothing", got)
+	}
+	if m.get("served_elsewhere") != 2 || m.get("retractions") != 2 {
+		t.Fatalf("served_elsewhere %d, retractions %d; want 2 and 2 (the chosen pod's early saves)", m.get("served_elsewhere"), m.get("retractions"))
 	}
 }

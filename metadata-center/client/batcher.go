@@ -83,8 +83,9 @@ type BatchSender interface {
 }
 
 type pending struct {
-	op   api.BatchOp
-	done func(error)
+	op     api.BatchOp
+	done   func(error)
+	urgent bool
 }
 
 // Batcher coalesces asynchronous updates into batches: one call per window
@@ -93,6 +94,13 @@ type pending struct {
 // (one request's add, first token and done never overtake each other)
 // without any per-request bookkeeping. Add never blocks. Safe for
 // concurrent use.
+//
+// AddUrgent is for updates other gateways must see before they route
+// again (a cold request's lease and routing-time save): the batch leaves as
+// soon as a window has passed since the previous batch left, which on an
+// idle batcher is at once. Under load batches already leave once per
+// window, so urgency costs no extra calls there; it only skips the wait
+// while the batcher is idle.
 type Batcher struct {
 	send BatchSender
 	o    BatcherOptions
@@ -100,6 +108,8 @@ type Batcher struct {
 	mu     sync.Mutex
 	queue  []pending
 	first  time.Time // when the oldest queued update arrived
+	last   time.Time // when the previous batch left
+	urgent int       // queued urgent updates
 	bytes  int
 	closed bool
 	wake   chan struct{} // 1-buffered: something was queued or Close was called
@@ -148,18 +158,63 @@ func (b *Batcher) Add(op api.BatchOp, done func(error)) bool {
 		}
 		return false
 	}
+	b.push(op, done, false)
+	b.mu.Unlock()
+	b.poke()
+	return true
+}
+
+// Update is one update for AddUrgent and who learns its batch's outcome
+// (Done may be nil).
+type Update struct {
+	Op   api.BatchOp
+	Done func(error)
+}
+
+// AddUrgent queues updates whose batch should not wait out the window
+// (see Batcher): they leave one window after the previous batch, at once
+// if that is past. They are queued together, so they leave in one batch
+// (unless it fills): queued one by one, the first could leave alone and
+// hold the rest back for a window. It reports whether every one was
+// queued; each one refused was passed to OnDrop.
+func (b *Batcher) AddUrgent(us ...Update) bool {
+	b.mu.Lock()
+	if b.closed || len(b.queue)+len(us) > b.o.QueueSize {
+		b.mu.Unlock()
+		if b.o.OnDrop != nil {
+			for _, u := range us {
+				b.o.OnDrop(u.Op)
+			}
+		}
+		return false
+	}
+	for _, u := range us {
+		b.push(u.Op, u.Done, true)
+	}
+	b.mu.Unlock()
+	b.poke()
+	return true
+}
+
+// push queues one update; b.mu is held.
+func (b *Batcher) push(op api.BatchOp, done func(error), urgent bool) {
 	if len(b.queue) == 0 {
 		b.first = time.Now()
 	}
-	b.queue = append(b.queue, pending{op: op, done: done})
+	b.queue = append(b.queue, pending{op: op, done: done, urgent: urgent})
+	if urgent {
+		b.urgent++
+	}
 	b.bytes += opSize(op)
 	b.n.Add(1)
-	b.mu.Unlock()
+}
+
+// poke wakes the sender.
+func (b *Batcher) poke() {
 	select {
 	case b.wake <- struct{}{}:
 	default:
 	}
-	return true
 }
 
 // Pending returns the number of updates not yet sent.
@@ -180,13 +235,20 @@ func (b *Batcher) take() []pending {
 		var wait time.Duration
 		if n > 0 {
 			wait = b.o.Window - time.Since(b.first)
+			if b.urgent > 0 {
+				wait = min(wait, b.o.Window-time.Since(b.last))
+			}
 		}
 		if n > 0 && (closed || n >= b.o.MaxOps || b.bytes >= b.o.MaxBytes || wait <= 0) {
 			k, size := 0, 0
 			for k < n && k < b.o.MaxOps && (k == 0 || size < b.o.MaxBytes) {
 				size += opSize(b.queue[k].op)
+				if b.queue[k].urgent {
+					b.urgent--
+				}
 				k++
 			}
+			b.last = time.Now()
 			batch := make([]pending, k)
 			copy(batch, b.queue)
 			rest := copy(b.queue, b.queue[k:])
@@ -211,7 +273,7 @@ func (b *Batcher) take() []pending {
 		} else {
 			timer.Reset(wait)
 		}
-		// A wake re-checks the size limits; the window is unchanged.
+		// A wake re-checks the size limits and urgency; the window is unchanged.
 		// (Since Go 1.23 Reset never delivers a stale tick.)
 		select {
 		case <-timer.C:

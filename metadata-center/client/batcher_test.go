@@ -216,6 +216,45 @@ func TestBatcherWindowAndMaxOps(t *testing.T) {
 	}
 }
 
+// TestBatcherUrgent: an urgent update on an idle batcher leaves at once,
+// however long the window, taking the updates queued before it along in
+// order; one added less than a window after that batch waits for the window
+// (or Close) with what follows it, so urgency never sends more than one
+// batch per window.
+func TestBatcherUrgent(t *testing.T) {
+	f := &fakeSender{}
+	b := NewBatcher(f, BatcherOptions{Window: time.Hour})
+	sent := make(chan error, 1)
+	b.Add(op(0), nil)
+	b.AddUrgent(Update{Op: op(1), Done: func(err error) { sent <- err }})
+	select {
+	case err := <-sent:
+		if err != nil {
+			t.Fatal(err)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("an urgent update waited for the hour-long window")
+	}
+	b.AddUrgent(Update{Op: op(2)})
+	b.Add(op(3), nil)
+	if p := b.Pending(); p != 2 {
+		t.Fatalf("%d pending after the urgent batch, want 2 (held for the window)", p)
+	}
+	b.Close(5 * time.Second)
+	if got := f.sizes(); len(got) != 2 || got[0] != 2 || got[1] != 2 {
+		t.Fatalf("batch sizes %v, want [2 2]: the first urgent batch at once with the update before it, the second on close", got)
+	}
+	i := 0
+	for _, bt := range f.batches {
+		for _, o := range bt {
+			if o.RequestID != strconv.Itoa(i) {
+				t.Fatalf("op %d is %s", i, o.RequestID)
+			}
+			i++
+		}
+	}
+}
+
 // TestBatcherDropsWhenFullAndClosesBounded: with the sender stuck, Add
 // never blocks, refuses past the queue size and counts it; Close gives up
 // after its bound and fails what is left with context.Canceled.

@@ -29,11 +29,12 @@ func appendString(b []byte, s string) []byte {
 	return append(b, '"')
 }
 
-// appendLoad writes the map with sorted keys, as encoding/json does, so the
-// answer is deterministic.
-func appendLoad(b []byte, l api.LoadStats) []byte {
-	keys := make([]string, 0, len(l))
-	for k := range l {
+// appendObject writes m as a JSON object with sorted keys, as
+// encoding/json does, so that answers are deterministic; value writes one
+// entry's value.
+func appendObject[V any](b []byte, m map[string]V, value func([]byte, V) []byte) []byte {
+	keys := make([]string, 0, len(m))
+	for k := range m {
 		keys = append(keys, k)
 	}
 	slices.Sort(keys)
@@ -42,15 +43,21 @@ func appendLoad(b []byte, l api.LoadStats) []byte {
 		if i > 0 {
 			b = append(b, ',')
 		}
-		st := l[k]
 		b = appendString(b, k)
-		b = append(b, `:{"total_reqs":`...)
+		b = append(b, ':')
+		b = value(b, m[k])
+	}
+	return append(b, '}')
+}
+
+func appendLoad(b []byte, l api.LoadStats) []byte {
+	return appendObject(b, l, func(b []byte, st api.EndpointStats) []byte {
+		b = append(b, `{"total_reqs":`...)
 		b = strconv.AppendInt(b, st.TotalReqs, 10)
 		b = append(b, `,"prompt_length":`...)
 		b = strconv.AppendInt(b, st.PromptLength, 10)
-		b = append(b, '}')
-	}
-	return append(b, '}')
+		return append(b, '}')
+	})
 }
 
 func appendLocations(b []byte, locs []api.CacheLocation) []byte {
@@ -88,22 +95,10 @@ func appendRoute(b []byte, a api.RouteAnswer) []byte {
 	return append(b, '}')
 }
 
-// appendSignals writes host -> signals with sorted keys, as encoding/json
-// would.
+// appendSignals writes host -> signals.
 func appendSignals(b []byte, m map[string]api.PodSignals) []byte {
-	keys := make([]string, 0, len(m))
-	for k := range m {
-		keys = append(keys, k)
-	}
-	slices.Sort(keys)
-	b = append(b, '{')
-	for i, k := range keys {
-		if i > 0 {
-			b = append(b, ',')
-		}
-		sig := m[k]
-		b = appendString(b, k)
-		b = append(b, `:{"waiting":`...)
+	return appendObject(b, m, func(b []byte, sig api.PodSignals) []byte {
+		b = append(b, `{"waiting":`...)
 		b = strconv.AppendInt(b, sig.Waiting, 10)
 		b = append(b, `,"running":`...)
 		b = strconv.AppendInt(b, sig.Running, 10)
@@ -115,9 +110,8 @@ func appendSignals(b []byte, m map[string]api.PodSignals) []byte {
 			b = append(b, `,"age_ms":`...)
 			b = strconv.AppendInt(b, sig.AgeMS, 10)
 		}
-		b = append(b, '}')
-	}
-	return append(b, '}')
+		return append(b, '}')
+	})
 }
 
 // appendFloat writes f as encoding/json does for the values a utilization

@@ -292,6 +292,14 @@ func (s *Server) badRequest(c *gin.Context, err error) {
 }
 
 func (s *Server) loadStats(c *gin.Context) {
+	clusterGet(s, c, "load stats", s.st.LoadStats, func(stats api.LoadStats) []byte {
+		return appendLoad(make([]byte, 0, 8+64*len(stats)), stats)
+	})
+}
+
+// clusterGet answers a GET of one cluster's figures (?cluster=): get reads
+// them from the store, render writes the answer.
+func clusterGet[T any](s *Server, c *gin.Context, op string, get func(context.Context, string) (T, error), render func(T) []byte) {
 	cluster, err := validCluster(c.Query("cluster"))
 	if err != nil {
 		s.badRequest(c, err)
@@ -299,12 +307,12 @@ func (s *Server) loadStats(c *gin.Context) {
 	}
 	ctx, cancel := s.storeCtx(c)
 	defer cancel()
-	stats, err := s.st.LoadStats(ctx, cluster)
+	v, err := get(ctx, cluster)
 	if err != nil {
-		s.storeFailed(c, "load stats", err)
+		s.storeFailed(c, op, err)
 		return
 	}
-	s.raw(c, appendLoad(make([]byte, 0, 8+64*len(stats)), stats))
+	s.raw(c, render(v))
 }
 
 func (s *Server) addLease(c *gin.Context) {
@@ -418,19 +426,9 @@ func (s *Server) reportSignals(c *gin.Context) {
 
 // podSignals answers the cluster's fresh reports (operators, debugging).
 func (s *Server) podSignals(c *gin.Context) {
-	cluster, err := validCluster(c.Query("cluster"))
-	if err != nil {
-		s.badRequest(c, err)
-		return
-	}
-	ctx, cancel := s.storeCtx(c)
-	defer cancel()
-	sig, err := s.st.Signals(ctx, cluster)
-	if err != nil {
-		s.storeFailed(c, "signals", err)
-		return
-	}
-	s.raw(c, appendSignals(make([]byte, 0, 8+96*len(sig)), sig))
+	clusterGet(s, c, "signals", s.st.Signals, func(sig map[string]api.PodSignals) []byte {
+		return appendSignals(make([]byte, 0, 8+96*len(sig)), sig)
+	})
 }
 
 func (s *Server) cacheSave(c *gin.Context) {

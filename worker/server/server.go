@@ -1,6 +1,6 @@
 // Package server is the worker's OpenAI-compatible HTTP API over the
 // scheduler: POST /v1/chat/completions, POST /v1/completions, GET /v1/models,
-// /healthz and /metrics.
+// /healthz, /readyz and /metrics.
 //
 // A handler parses and validates the request (worker/openai), renders and
 // tokenizes the prompt, hashes it the way the router does (for eviction
@@ -46,8 +46,12 @@ type Config struct {
 	MaxBodyBytes   int64
 	RequestTimeout time.Duration // only for the 408 message
 	RetryAfter     time.Duration // advice sent with 429; default 1 s
-	Registry       *prometheus.Registry
-	Logger         *slog.Logger
+	// Ready, if set, gates GET /readyz: it returns nil once the worker may
+	// take traffic, else why not (worker/cmd/worker: the metadata center
+	// has not acknowledged the start-up index reset yet). nil: always ready.
+	Ready    func() error
+	Registry *prometheus.Registry
+	Logger   *slog.Logger
 }
 
 // Server is an http.Handler.
@@ -84,6 +88,7 @@ func New(sched *scheduler.Scheduler, eng engine.Engine, cfg Config) *Server {
 	s.mux.HandleFunc("POST /v1/completions", s.completion)
 	s.mux.HandleFunc("GET /v1/models", s.models)
 	s.mux.HandleFunc("GET /healthz", s.healthz)
+	s.mux.HandleFunc("GET /readyz", s.readyz)
 	s.mux.HandleFunc("GET "+PathDebugKVPrefixes, s.kvPrefixes)
 	if cfg.Registry != nil {
 		s.mux.Handle("GET /metrics", promhttp.HandlerFor(cfg.Registry, promhttp.HandlerOpts{Registry: cfg.Registry}))
@@ -116,6 +121,19 @@ func (s *Server) models(w http.ResponseWriter, r *http.Request) {
 func (s *Server) healthz(w http.ResponseWriter, r *http.Request) {
 	st := s.sched.Stats()
 	openai.WriteJSON(w, http.StatusOK, map[string]any{"status": "ok", "model": s.cfg.ModelName, "queued": st.Queued, "running": st.Running})
+}
+
+// readyz is the readiness probe: 200 once Config.Ready says so, else 503 in
+// the error format with the reason. /healthz stays the liveness probe.
+func (s *Server) readyz(w http.ResponseWriter, r *http.Request) {
+	if s.cfg.Ready != nil {
+		if err := s.cfg.Ready(); err != nil {
+			openai.WriteError(w, &openai.Error{Status: http.StatusServiceUnavailable, Type: openai.TypeUnavailable,
+				Message: "not ready: " + err.Error(), RetryAfter: time.Second})
+			return
+		}
+	}
+	openai.WriteJSON(w, http.StatusOK, map[string]any{"status": "ready", "model": s.cfg.ModelName})
 }
 
 // job is what both endpoints hand to generate.

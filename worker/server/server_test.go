@@ -742,8 +742,15 @@ func TestQueueWaitTimeoutGets408WithTheTraceID(t *testing.T) {
 			t.Fatalf("stream=%v: status %d body %s", stream, resp.StatusCode, out)
 		}
 	}
-	if m := scrape(t, w); !strings.Contains(m, `llmf_worker_requests_total{state="TIMEOUT"} 2`) || !strings.Contains(m, "llmf_worker_queue_depth 0") {
-		t.Fatalf("metrics after two queue timeouts:\n%s", m)
+	// The loop updates the gauge right after it answered the requests.
+	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(5 * time.Millisecond) {
+		m := scrape(t, w)
+		if strings.Contains(m, `llmf_worker_requests_total{state="TIMEOUT"} 2`) && strings.Contains(m, "llmf_worker_queue_depth 0") {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("metrics after two queue timeouts:\n%s", m)
+		}
 	}
 	cancel()
 	<-done

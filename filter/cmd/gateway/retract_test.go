@@ -185,9 +185,110 @@ filter:
 		t.Fatalf("queued request: %d %s", a.status, a.body)
 	}
 	waitFor("the refused requests' saves to be withdrawn", func() bool { return entries() == held })
+
+	// A client that gives up while its request is queued: the stream ends
+	// before the first token, and its save goes too.
+	qctx, qcancel := context.WithCancel(context.Background())
+	left := make(chan struct{})
+	go func() {
+		defer close(left)
+		req, _ := http.NewRequestWithContext(qctx, "POST", base+"/v1/chat/completions", strings.NewReader(body("the impatient one", false, 5)))
+		if resp, err := http.DefaultClient.Do(req); err == nil {
+			resp.Body.Close()
+		}
+	}()
+	waitFor("the impatient request's routing-time save", func() bool { return entries() > held })
+	qcancel()
+	<-left
+	waitFor("the impatient request's save to be withdrawn", func() bool { return entries() == held })
 	time.Sleep(100 * time.Millisecond)
 	if n := entries(); n != held {
 		t.Fatalf("index entries %d, want the long request's %d", n, held)
 	}
 	lcancel()
+}
+
+// A pod that cannot be reached (no healthy upstream: the connection is
+// refused) never sees the request: the gateway answers 503 itself and the
+// prefix it saved at routing time is withdrawn.
+func TestUnreachablePodLeavesNoIndexEntries(t *testing.T) {
+	gin.SetMode(gin.ReleaseMode)
+	rs := redistest.Shared(t)
+	st, err := redisstore.New(redisstore.Options{Addr: rs.Addr, KeyPrefix: rs.Prefix + "-unreachable"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer st.Close()
+	mc := httptest.NewServer(server.New(st, server.Options{Logger: slog.New(slog.NewTextHandler(io.Discard, nil))}).Handler())
+	defer mc.Close()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	dead := ln.Addr().String()
+	ln.Close()
+	path := writeConfig(t, fmt.Sprintf(`
+listen: 127.0.0.1:0
+log_level: error
+filter:
+  metadata_center: {address: %s, query_timeout: 1s}
+  model_mapping_rule:
+    qwen:
+      - cluster: tiny-pool
+        backend: llamacpp
+  endpoints:
+    static: {tiny-pool: [%s]}
+`, mc.URL, dead))
+	ctx, cancel := context.WithCancel(context.Background())
+	ready := make(chan net.Addr, 1)
+	done := make(chan error, 1)
+	go func() { done <- run(ctx, []string{"--config", path}, io.Discard, ready) }()
+	defer func() {
+		cancel()
+		<-done
+	}()
+	var base string
+	select {
+	case a := <-ready:
+		base = "http://" + a.String()
+	case err := <-done:
+		t.Fatalf("gateway exited: %v", err)
+	case <-time.After(10 * time.Second):
+		t.Fatal("gateway not ready")
+	}
+	resp, err := http.Post(base+"/v1/chat/completions", "application/json",
+		strings.NewReader(`{"model":"qwen","messages":[{"role":"user","content":"`+strings.Repeat("is anyone there? ", 80)+`"}]}`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	io.Copy(io.Discard, resp.Body)
+	resp.Body.Close()
+	if resp.StatusCode != 503 {
+		t.Fatalf("status %d, want the gateway's 503", resp.StatusCode)
+	}
+	// Wait for the metadata center to have applied the request's updates
+	// (save, retraction, done all come through /v1/batch).
+	applied := func(op string) bool {
+		resp, err := http.Get(mc.URL + "/metrics")
+		if err != nil {
+			t.Fatal(err)
+		}
+		b, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		return strings.Contains(string(b), `llmf_metadata_center_batch_ops_total{op="`+op+`"} 1`)
+	}
+	deadline := time.Now().Add(10 * time.Second)
+	for !applied("cache_save") || !applied("cache_retract") || !applied("done") {
+		if time.Now().After(deadline) {
+			t.Fatal("the request's save, retraction and done never reached the metadata center")
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	s, err := st.Stats(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if s.IndexEntries != 0 || s.LiveLeases != 0 {
+		t.Fatalf("after an unreachable pod: %+v, want no entries and no leases", s)
+	}
 }

@@ -11,6 +11,13 @@
 //
 //	mc-loadgen --stores memory,redis --redis-addr 127.0.0.1:6379
 //	mc-loadgen --stores redis-cluster --redis-addr 127.0.0.1:7000,127.0.0.1:7001
+//
+// Each measured run also reports CPU per query: this process's (the load
+// client and, with --stores, the metadata center it serves) and, on the
+// Redis stores, redis-server's own (INFO cpu, summed over every node of a
+// cluster), so throughput on these shared cores can be turned into what a
+// machine of one's own would do. --cpuprofile writes the measured runs'
+// Go profile.
 package main
 
 import (
@@ -24,11 +31,15 @@ import (
 	"net/http"
 	"os"
 	"os/signal"
+	"runtime/pprof"
+	"strconv"
 	"strings"
+	"sync"
 	"syscall"
 	"time"
 
 	"github.com/gin-gonic/gin"
+	"github.com/redis/go-redis/v9"
 
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/internal/routeload"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/server"
@@ -53,6 +64,10 @@ type config struct {
 	concurrency, requests, hosts, blocks        int
 	duration, warmup, progress                  time.Duration
 	populate                                    bool
+	cpuProfile                                  string
+	profile                                     *io.Writer // open cpuProfile until the first measured run takes it
+	// redisCPU reads redis-server's CPU seconds so far (nil: not a Redis store).
+	redisCPU func(context.Context) (float64, error)
 }
 
 func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
@@ -72,8 +87,18 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	fs.IntVar(&c.hosts, "hosts", 64, "hosts in the scenario")
 	fs.IntVar(&c.blocks, "blocks", 64, "hashes per prompt")
 	fs.BoolVar(&c.populate, "populate", true, "fill the index and leases before measuring")
+	fs.StringVar(&c.cpuProfile, "cpuprofile", "", "write a CPU profile of the measured runs (not populate or warm-up) to this file")
 	if err := fs.Parse(args); err != nil {
 		return err
+	}
+	if c.cpuProfile != "" {
+		f, err := os.Create(c.cpuProfile)
+		if err != nil {
+			return err
+		}
+		defer f.Close()
+		var w io.Writer = f
+		c.profile = &w
 	}
 	if c.requests <= 0 && c.duration <= 0 {
 		return errors.New("give --requests or --duration: the run must be bounded")
@@ -116,6 +141,9 @@ func serveAndMeasure(ctx context.Context, stdout io.Writer, c config, sc routelo
 			return fmt.Errorf("--stores %s: %w", kind, err)
 		}
 		st = rs
+		rc := redis.NewUniversalClient(&redis.UniversalOptions{Addrs: strings.Split(c.redisAddr, ","), IsClusterMode: kind == "redis-cluster"})
+		defer rc.Close()
+		c.redisCPU = func(ctx context.Context) (float64, error) { return redisCPU(ctx, rc) }
 	default:
 		return fmt.Errorf("--stores: unknown store %q", kind)
 	}
@@ -147,6 +175,17 @@ func measure(ctx context.Context, stdout io.Writer, c config, sc routeload.Scena
 	}
 	fmt.Fprintf(stdout, "%s: POST /v1/route/query, %d hosts, %d-block prompts, concurrency %d, bound %d requests / %v\n",
 		label, sc.Hosts, sc.Blocks, c.concurrency, c.requests, c.duration)
+	cpu0, err := cpuNow(ctx, c)
+	if err != nil {
+		return err
+	}
+	if c.profile != nil && *c.profile != nil {
+		if err := pprof.StartCPUProfile(*c.profile); err != nil {
+			return err
+		}
+		*c.profile = nil // one profile per file: the first measured run
+		defer pprof.StopCPUProfile()
+	}
 	res, err := sc.Run(ctx, cl, routeload.RunConfig{
 		Concurrency: c.concurrency, Requests: c.requests, Duration: c.duration, ProgressGap: c.progress,
 		Progress: func(done int64, el time.Duration) {
@@ -159,6 +198,17 @@ func measure(ctx context.Context, stdout io.Writer, c config, sc routeload.Scena
 	fmt.Fprintf(stdout, "%s: %d requests in %.2fs: %.0f req/s, p50 %s, p90 %s, p99 %s, max %s, errors %d\n",
 		label, res.Requests, res.Elapsed.Seconds(), res.Throughput(),
 		ms(res.Quantile(.5)), ms(res.Quantile(.9)), ms(res.Quantile(.99)), ms(res.Quantile(1)), res.Errors)
+	cpu1, err := cpuNow(ctx, c)
+	if err != nil {
+		return err
+	}
+	if n := float64(res.Requests); n > 0 {
+		line := fmt.Sprintf("%s: CPU per query: this process %.1f µs", label, (cpu1.self-cpu0.self)/n*1e6)
+		if c.redisCPU != nil {
+			line += fmt.Sprintf(", redis-server %.1f µs", (cpu1.redis-cpu0.redis)/n*1e6)
+		}
+		fmt.Fprintln(stdout, line)
+	}
 	if res.Errors > 0 {
 		return fmt.Errorf("%s: %d errors, first: %v", label, res.Errors, res.FirstErr)
 	}
@@ -166,3 +216,62 @@ func measure(ctx context.Context, stdout io.Writer, c config, sc routeload.Scena
 }
 
 func ms(d time.Duration) string { return fmt.Sprintf("%.3fms", float64(d)/float64(time.Millisecond)) }
+
+type cpuSeconds struct{ self, redis float64 }
+
+// cpuNow reads this process's user+system CPU and, for a Redis store,
+// redis-server's.
+func cpuNow(ctx context.Context, c config) (cpuSeconds, error) {
+	var ru syscall.Rusage
+	if err := syscall.Getrusage(syscall.RUSAGE_SELF, &ru); err != nil {
+		return cpuSeconds{}, err
+	}
+	out := cpuSeconds{self: tv(ru.Utime) + tv(ru.Stime)}
+	if c.redisCPU != nil {
+		r, err := c.redisCPU(ctx)
+		if err != nil {
+			return cpuSeconds{}, fmt.Errorf("redis CPU: %w", err)
+		}
+		out.redis = r
+	}
+	return out, nil
+}
+
+func tv(t syscall.Timeval) float64 { return float64(t.Sec) + float64(t.Usec)/1e6 }
+
+// redisCPU sums used_cpu_user and used_cpu_sys of INFO cpu over every node
+// (every master and replica of a cluster: replicas replay the writes).
+func redisCPU(ctx context.Context, rc redis.UniversalClient) (float64, error) {
+	if cc, ok := rc.(*redis.ClusterClient); ok {
+		var mu sync.Mutex
+		var sum float64
+		err := cc.ForEachShard(ctx, func(ctx context.Context, n *redis.Client) error {
+			v, err := nodeCPU(ctx, n)
+			mu.Lock()
+			sum += v
+			mu.Unlock()
+			return err
+		})
+		return sum, err
+	}
+	return nodeCPU(ctx, rc)
+}
+
+func nodeCPU(ctx context.Context, n redis.Cmdable) (float64, error) {
+	info, err := n.Info(ctx, "cpu").Result()
+	if err != nil {
+		return 0, err
+	}
+	var sum float64
+	for _, line := range strings.Split(info, "\n") {
+		k, v, ok := strings.Cut(strings.TrimSpace(line), ":")
+		if ok && (k == "used_cpu_user" || k == "used_cpu_sys") {
+			f, err := strconv.ParseFloat(v, 64)
+			if err != nil {
+				return 0, fmt.Errorf("INFO cpu %s: %w", k, err)
+			}
+			sum += f
+		}
+	}
+	return sum, nil
+}

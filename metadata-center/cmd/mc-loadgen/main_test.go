@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"regexp"
+	"strconv"
 	"strings"
 	"testing"
 
@@ -26,6 +27,22 @@ func TestRunBothStores(t *testing.T) {
 		re := regexp.MustCompile(store + `: 400 requests in [0-9.]+s: [0-9]+ req/s, p50 [0-9.]+ms, p90 [0-9.]+ms, p99 [0-9.]+ms, max [0-9.]+ms, errors 0`)
 		if !re.MatchString(out.String()) {
 			t.Fatalf("no %s report line in:\n%s", store, out.String())
+		}
+	}
+	// Every query costs this process something, and on Redis the server
+	// runs a script per query: neither figure can be zero.
+	for _, re := range []*regexp.Regexp{
+		regexp.MustCompile(`memory: CPU per query: this process ([0-9.]+) µs\n`),
+		regexp.MustCompile(`redis: CPU per query: this process ([0-9.]+) µs, redis-server ([0-9.]+) µs\n`),
+	} {
+		m := re.FindStringSubmatch(out.String())
+		if m == nil {
+			t.Fatalf("no line %s in:\n%s", re, out.String())
+		}
+		for _, v := range m[1:] {
+			if f, _ := strconv.ParseFloat(v, 64); f <= 0 {
+				t.Fatalf("zero CPU per query in %q", m[0])
+			}
 		}
 	}
 }

@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"reflect"
+	"runtime"
 	"testing"
 	"time"
 
@@ -147,5 +148,30 @@ func TestHostChurn(t *testing.T) {
 	}
 	if stats != (store.Stats{}) {
 		t.Fatalf("after churn: %+v", stats)
+	}
+}
+
+// BenchmarkEntryBytes measures the heap an index entry costs: 64-block
+// prompts saved on 8 hosts, each save named (versions), as gateways save.
+func BenchmarkEntryBytes(b *testing.B) {
+	const saves, blocks = 4000, 64
+	for range b.N {
+		var before, after runtime.MemStats
+		runtime.GC()
+		runtime.ReadMemStats(&before)
+		st := memstore.New(memstore.Options{})
+		for i := range saves {
+			hs := make([]prefix.Hash, blocks)
+			for j := range hs {
+				hs[j] = prefix.Hash(uint64(i)<<20 | uint64(j))
+			}
+			if err := st.SaveCacheAs(context.Background(), "c", fmt.Sprintf("10.0.0.%d:80", i%8), hs, fmt.Sprintf("req-%08d-0000-0000-0000-000000000000", i)); err != nil {
+				b.Fatal(err)
+			}
+		}
+		runtime.GC()
+		runtime.ReadMemStats(&after)
+		b.ReportMetric(float64(after.HeapAlloc-before.HeapAlloc)/(saves*blocks), "B/entry")
+		runtime.KeepAlive(st)
 	}
 }

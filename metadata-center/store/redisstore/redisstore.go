@@ -87,6 +87,8 @@ type Store struct {
 
 	regMu      sync.Mutex
 	registered map[string]time.Time // cluster -> last registration by this process
+
+	routes routePipe
 }
 
 var _ store.Store = (*Store)(nil)
@@ -404,7 +406,7 @@ func (s *Store) QueryCache(ctx context.Context, cluster string, hashes []prefix.
 func (s *Store) Route(ctx context.Context, cluster string, hashes []prefix.Hash) (api.RouteAnswer, error) {
 	k := s.keys(cluster)
 	ks, args := s.queryArgs(k, append(k.leases(), k.signals()), hashes)
-	res, err := s.sc.route.Run(ctx, s.rdb, ks, args...).Slice()
+	res, err := s.route(ctx, ks, args)
 	if err != nil {
 		return api.RouteAnswer{}, s.wrap("route query", err)
 	}

@@ -128,7 +128,10 @@ end
 // queryLib walks the levels once. While every level so far has the same
 // holders as level 0, all live and none due a refresh (a system prompt
 // every pod holds), the candidates are level 0's string itself and a level
-// costs a string comparison. When that group breaks up, it goes to the
+// costs a string comparison. A level of another length has other holders
+// (expiries are fixed-width millisecond times), so only one of the same
+// length has its host names compared: extracting them from a 64-record
+// list costs more than the rest of such a query. When that group breaks up, it goes to the
 // reply whole with the level its hosts reached, and the few that go on
 // are kept in a Lua table: a level identical to the one before changes
 // nothing; otherwise it is parsed (or, for a handful of
@@ -175,6 +178,7 @@ local function query(first, now, exp, ttl, stale, base)
       local s = vals[i + 1]
       if s ~= s0 then
         if not (s and lowest(s) > staleN) then break end
+        if #s ~= #s0 then break end
         sig = sig or hostsOf(s0)
         if hostsOf(s) ~= sig then break end
       end

@@ -23,6 +23,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -58,7 +59,7 @@ type options struct {
 	maxBatch, maxOutput                                                                    int
 	kvMaxMB, kvMaxItems                                                                    int64
 	kvThreshold                                                                            float64
-	timeout, cleanup, queueTimeout                                                         time.Duration
+	timeout, cleanup, queueTimeout, readyWait                                              time.Duration
 	strictModel, flashAttn                                                                 bool
 	simCost                                                                                sim.Cost
 	lora                                                                                   []llama.LoRA
@@ -90,6 +91,7 @@ func parse(args []string, stderr io.Writer) (*options, error) {
 	fs.DurationVar(&o.cleanup, "kv-cleanup-interval", time.Second, "period of the KV-cache threshold check")
 	fs.StringVar(&o.mcURL, "metadata-center", "", "metadata center URL for eviction reports (empty: no reports)")
 	fs.StringVar(&o.mcToken, "metadata-center-token", "", "bearer token for the metadata center")
+	fs.DurationVar(&o.readyWait, "ready-wait", 10*time.Second, "with --metadata-center: longest time /readyz waits for the metadata center to acknowledge the start-up index reset before it reports ready anyway (0: no bound)")
 	fs.StringVar(&o.cluster, "cluster", "", "Envoy cluster name the router knows this worker under (with --metadata-center)")
 	fs.StringVar(&o.advertise, "advertise-host", "", "this worker's ip:port as the router addresses it (default: --listen when it names an IP)")
 	fs.StringVar(&o.modelName, "model-name", "", "model id served (default: the model file name, or \"sim\")")
@@ -137,6 +139,8 @@ func parse(args []string, stderr io.Writer) (*options, error) {
 		return nil, fmt.Errorf("--max-batch-size (%d) must not exceed --max-concurrent-requests (%d): a step only holds running requests", o.maxBatch, o.maxRunning)
 	case o.timeout <= 0 || o.cleanup <= 0:
 		return nil, errors.New("--request-timeout and --kv-cleanup-interval must be positive")
+	case o.readyWait < 0:
+		return nil, fmt.Errorf("--ready-wait must not be negative (0: no bound), got %v", o.readyWait)
 	case o.queueTimeout < 0:
 		return nil, fmt.Errorf("--queue-timeout must not be negative (0: no bound), got %v", o.queueTimeout)
 	case o.nCtx < 0 || o.nBatch < 1 || o.threads < 0 || o.kvMaxMB < 0 || o.kvMaxItems < 0 || o.hashChunk < 1:
@@ -237,7 +241,7 @@ func run(ctx context.Context, args []string, stderr io.Writer, ready func(addr s
 
 	srv := server.New(sched, eng, server.Config{
 		ModelName: o.modelName, StrictModel: o.strictModel, Adapters: o.adapterNames(), Template: tmpl, HashChunkSize: o.hashChunk,
-		RequestTimeout: o.timeout, Registry: reg, Logger: log,
+		RequestTimeout: o.timeout, Registry: reg, Logger: log, Ready: readiness(reporter, o.readyWait, log),
 	})
 	ln, err := net.Listen("tcp", o.listen)
 	if err != nil {
@@ -309,6 +313,37 @@ func openEngine(o *options, log *slog.Logger) (engine.Engine, openai.Template, e
 	}
 	eng, err := sim.New(cfg)
 	return eng, tmpl, err
+}
+
+// readiness gates /readyz on the metadata center's acknowledgement of the
+// start-up evict-all (docs/worker.md, "Readiness"): until then the index
+// may still hold what an earlier process on this address cached, and the
+// router must not be sent here on the strength of it. Past wait the worker
+// reports ready anyway: a metadata center that is down is down for the
+// gateways too (they route without it), and the evict-all, stamped with
+// this process's start, still removes exactly the earlier process's
+// entries whenever it lands.
+func readiness(rep *mcreport.Reporter, wait time.Duration, log *slog.Logger) func() error {
+	if rep == nil {
+		return nil
+	}
+	start := time.Now()
+	var warned atomic.Bool
+	return func() error {
+		select {
+		case <-rep.Cleared():
+			return nil
+		default:
+		}
+		if wait > 0 && time.Since(start) >= wait {
+			if !warned.Swap(true) {
+				log.Warn("ready without the metadata center's acknowledgement of the start-up index reset",
+					"waited", wait.String())
+			}
+			return nil
+		}
+		return errors.New("waiting for the metadata center to acknowledge the start-up index reset of this host")
+	}
 }
 
 // queueTimeout maps the flag (0: no bound) to scheduler.Config's (negative: no bound).
