@@ -11,11 +11,14 @@ import (
 	"bufio"
 	"context"
 	"encoding/json"
+	"fmt"
 	"io"
 	"net/http"
+	"net/url"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"reflect"
 	"regexp"
 	"strings"
 	"sync"
@@ -281,8 +284,17 @@ func TestManifestArgsRunTheRealBinaries(t *testing.T) {
 	// worker serves it and reports to the metadata center.
 	wDep := must[*appsv1.Deployment](t, s, "llm", "worker-tiny")
 	spec := wDep.Spec.Template.Spec
-	models := t.TempDir()
-	mounts := map[string]string{"/models": models}
+	models, podinfo := t.TempDir(), t.TempDir()
+	mounts := map[string]string{"/models": models, "/etc/podinfo": podinfo}
+	// The downward API volume, as the kubelet writes it: the pod's labels,
+	// key="value" per line.
+	var labelsFile strings.Builder
+	for k, v := range wDep.Spec.Template.Labels {
+		fmt.Fprintf(&labelsFile, "%s=%q\n", k, v)
+	}
+	if err := os.WriteFile(filepath.Join(podinfo, "labels"), []byte(labelsFile.String()), 0o644); err != nil {
+		t.Fatal(err)
+	}
 	if len(spec.InitContainers) != 1 {
 		t.Fatalf("want one init container, got %d", len(spec.InitContainers))
 	}
@@ -357,5 +369,24 @@ func TestManifestArgsRunTheRealBinaries(t *testing.T) {
 			t.Fatalf("the worker's start-up eviction never reached the metadata center\nworker:\n%s\nmetadata center:\n%s", w.output(), mc.output())
 		}
 		time.Sleep(200 * time.Millisecond)
+	}
+
+	// The worker registered the pod's labels (from the downward API file)
+	// under the manifest's --cluster, so the router's selectors see them.
+	cluster, _ := flagValue(wC.Args, "cluster")
+	for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(200 * time.Millisecond) {
+		_, body := httpGet(t, "http://"+mcAddr+"/v1/pods?cluster="+url.QueryEscape(cluster))
+		var pods map[string]struct {
+			Labels map[string]string `json:"labels"`
+			Models []string          `json:"models"`
+		}
+		_ = json.Unmarshal([]byte(body), &pods)
+		// Under its advertised address ($(POD_IP):8000), not the test's port.
+		if p, ok := pods["127.0.0.1:8000"]; ok && reflect.DeepEqual(p.Labels, wDep.Spec.Template.Labels) && len(p.Models) == 1 && p.Models[0] == model {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the worker's registration never reached the metadata center: %s\nworker:\n%s", body, w.output())
+		}
 	}
 }

@@ -19,7 +19,8 @@ import (
 	"github.com/istio-llm-filter/istio-llm-filter/filter/llmfilter"
 )
 
-var readyAddr = regexp.MustCompile(`msg="?([a-z ]+ready|gateway listening)"?.* addr=([0-9.:]+)`)
+// Text logs (msg=... addr=...) and the metadata center's JSON ("msg":...,"addr":...).
+var readyAddr = regexp.MustCompile(`msg"?[=:]"?([a-z ]+ready|gateway listening|metadata center listening)"?.*[ ,"]addr"?[=:]"?([0-9.:]+)`)
 
 // startCmd runs a program until the test ends and returns the addr of its
 // first "... ready" / "gateway listening" log line.

@@ -6,9 +6,11 @@
 package fleet
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
+	"io/fs"
 	"net"
 	"net/http"
 	"os"
@@ -189,18 +191,37 @@ func Start(ctx context.Context, s Spec) (*Fleet, error) {
 		if i > 0 {
 			name = fmt.Sprintf("gateway-%d", i)
 		}
-		cfg := filepath.Join(s.LogDir, name+".yaml")
-		if err := os.WriteFile(cfg, []byte(gatewayConfig(gw, f.MCs[i%len(f.MCs)], s, f.Workers)), 0o644); err != nil {
-			return nil, err
-		}
-		p, err := f.spawn(s, "gateway", name, "--config", cfg)
-		if err != nil {
-			return nil, err
-		}
-		f.gateways = append(f.gateways, p)
-		f.gwArgs = append(f.gwArgs, []string{"--config", cfg})
-		if err := waitHealthy(ctx, "http://"+gw+"/healthz"); err != nil {
-			return nil, fmt.Errorf("%s: %w", name, err)
+		// freeAddr's port is free only until another process binds it: with
+		// several benches at once a gateway can lose its port and the
+		// health check then reaches another run's gateway, which would
+		// serve (and skew) both runs. A gateway that is gone after its
+		// health check is started again on a new port.
+		for attempt := 1; ; attempt++ {
+			cfg := filepath.Join(s.LogDir, name+".yaml")
+			if err := os.WriteFile(cfg, []byte(gatewayConfig(gw, f.MCs[i%len(f.MCs)], s, f.Workers)), 0o644); err != nil {
+				return nil, err
+			}
+			p, err := f.spawn(s, "gateway", name, "--config", cfg)
+			if err != nil {
+				return nil, err
+			}
+			if err := waitHealthy(ctx, "http://"+gw+"/healthz"); err != nil {
+				return nil, fmt.Errorf("%s: %w", name, err)
+			}
+			time.Sleep(200 * time.Millisecond) // a failed bind exits at once
+			if exited(p) {
+				f.terminate(p)
+				if attempt == 3 {
+					return nil, fmt.Errorf("%s: exited after its health check three times (port taken?), see %s", name, filepath.Join(s.LogDir, name+".log"))
+				}
+				if gw, err = freeAddr(); err != nil {
+					return nil, err
+				}
+				continue
+			}
+			f.gateways = append(f.gateways, p)
+			f.gwArgs = append(f.gwArgs, []string{"--config", cfg})
+			break
 		}
 		f.Gateways = append(f.Gateways, "http://"+gw)
 	}
@@ -311,6 +332,23 @@ func (f *Fleet) forget(p *exec.Cmd) {
 			return
 		}
 	}
+}
+
+// exited reports whether a started process has exited (a zombie not yet
+// reaped counts as exited). Where /proc does not exist it says false.
+func exited(p *exec.Cmd) bool {
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", p.Process.Pid))
+	if err != nil {
+		return errors.Is(err, fs.ErrNotExist) && procExists()
+	}
+	// pid (comm) state ...: comm may hold spaces and parentheses.
+	i := bytes.LastIndexByte(b, ')')
+	return i < 0 || i+2 >= len(b) || b[i+2] == 'Z' || b[i+2] == 'X'
+}
+
+func procExists() bool {
+	_, err := os.Stat("/proc/self/stat")
+	return err == nil
 }
 
 func freeAddr() (string, error) {

@@ -17,7 +17,9 @@
 //     constant W2'+W3), uniform pick among the top candidate_percent.
 //   - cache_aware (the default): the seed plus herd control (a pod that took
 //     more than herd_share times its fair share of recent decisions and is
-//     busier than the idlest gets no cache credit), the request's own
+//     busier than the idlest gets no cache credit, unless waiting there
+//     costs at most herd_wait times a copy of the prefix on the cheapest
+//     other pod), the request's own
 //     uncached prefill in the prompt term while any pod prefills, and ties
 //     ordered by recent share. docs/configuration.md says why each is there.
 //   - epp: llm-d's endpoint picker's default profile, a baseline: prefix ×3,
@@ -319,10 +321,8 @@ func Filter(eps []endpoints.Endpoint, selectors ...map[string]string) []endpoint
 next:
 	for _, e := range eps {
 		for _, s := range selectors {
-			for k, v := range s {
-				if got, ok := e.Labels[k]; !ok || got != v {
-					continue next
-				}
+			if !e.Matches(s) {
+				continue next
 			}
 		}
 		out = append(out, e)

@@ -204,3 +204,114 @@ func TestCacheAwareBreaksTiesByRecentShare(t *testing.T) {
 		t.Fatalf("chose %s, want d (b is busier; d has the smallest share of the rest)", hosts[i].Address)
 	}
 }
+
+// With herd_wait, herd control only moves a prefix off an overused holder
+// when waiting there costs more than copying the prefix elsewhere: the
+// prefill queued on the holder plus the request's uncached part, against
+// a cold prefill (plus its queue) on the cheapest other pod.
+func TestHerdWaitKeepsAPrefixOnItsHolderUntilWaitingCostsMoreThanACopy(t *testing.T) {
+	const prompt = 1100
+	// One request of the prompt is before its first token on the holder
+	// (the metadata center's pending prompt bytes); the pods report their
+	// queued prefill tokens themselves (signals < 0: no fresh report).
+	choose := func(rule config.LBRule, holderQueued, idleQueued int64) string {
+		hosts := []Host{
+			{Address: "holder", Reqs: 1, Prompt: prompt, CacheRatio: 1, Share: 0.6},
+			{Address: "idle1"}, {Address: "idle2"}, {Address: "idle3"},
+		}
+		if holderQueued >= 0 {
+			hosts[0].Signals, hosts[0].PrefillQueued = true, holderQueued
+			for i := 1; i < len(hosts); i++ {
+				hosts[i].Signals, hosts[i].PrefillQueued = true, idleQueued
+			}
+		}
+		s := &State{Cluster: "c", Hosts: hosts, Rule: rule, PromptLength: prompt, IntN: func(int) int { return 0 }}
+		return hosts[cacheAware(s)].Address
+	}
+	gated := herdRule
+	gated.HerdWait = 1
+	// The pending request is a cache hit: ~60 tokens of prefill left on
+	// the holder, against 1100 cold ones anywhere else.
+	if got := choose(herdRule, 60, 0); got == "holder" {
+		t.Fatalf("herd control on shares alone should move the request off the holder, chose %s", got)
+	}
+	if got := choose(gated, 60, 0); got != "holder" {
+		t.Fatalf("herd_wait 1: 60 tokens queued on the holder cost less than a 1100-token copy, chose %s", got)
+	}
+	// The holder's queue grew past a copy's cost: replicate.
+	if got := choose(gated, 1500, 0); got == "holder" {
+		t.Fatalf("herd_wait 1: 1500 tokens queued on the holder cost more than a 1100-token copy, chose the holder")
+	}
+	// ... unless the other pods are busy too: a copy there would wait.
+	if got := choose(gated, 1500, 800); got != "holder" {
+		t.Fatalf("herd_wait 1: a copy would wait 800+1100 tokens, the holder 1500; chose %s", got)
+	}
+	// herd_wait 2 tolerates twice a copy's cost on the holder.
+	gated.HerdWait = 2
+	if got := choose(gated, 1500, 0); got != "holder" {
+		t.Fatalf("herd_wait 2: 1500 ≤ 2×1100, chose %s", got)
+	}
+	// Without fresh reports the gate reads the metadata center's pending
+	// prompt bytes: 1100 on the holder, at most 2×1100.
+	if got := choose(gated, -1, 0); got != "holder" {
+		t.Fatalf("herd_wait 2 without signals: 1100 pending bytes ≤ 2×1100, chose %s", got)
+	}
+}
+
+// The cold start of shared-prefix: a request whose document (2/3 of its
+// prompt) is being prefilled for another user's cold prompt on one pod.
+// The seed's weights send it there for the document's cache credit, where
+// it waits for that whole prefill and then does its own third; with
+// cache_wait 1 the credit goes, since a cold prefill on an idle pod is
+// done sooner.
+func TestCacheWaitSendsAFollowerAwayFromAPodStillPrefillingAColdPrompt(t *testing.T) {
+	const prompt = 3200
+	choose := func(rule config.LBRule, queued int64) string {
+		hosts := []Host{
+			{Address: "prefilling", Reqs: 1, Prompt: prompt, CacheRatio: 2.0 / 3, Signals: true, PrefillQueued: queued},
+			{Address: "idle1", Signals: true}, {Address: "idle2", Signals: true}, {Address: "idle3", Signals: true},
+		}
+		s := &State{Cluster: "c", Hosts: hosts, Rule: rule, PromptLength: prompt, IntN: func(int) int { return 0 }}
+		return hosts[cacheAware(s)].Address
+	}
+	gated := herdRule
+	gated.CacheWait = 1
+	if got := choose(herdRule, prompt); got != "prefilling" {
+		t.Fatalf("without cache_wait the document's credit should win, chose %s", got)
+	}
+	// 3200 queued + 1067 of its own > 3200 cold on an idle pod.
+	if got := choose(gated, prompt); got == "prefilling" {
+		t.Fatalf("cache_wait 1: 4267 tokens before the first token on the prefilling pod against 3200 on an idle one, chose it")
+	}
+	// Nearly done there: 1000 + 1067 < 3200, the document is worth waiting for.
+	if got := choose(gated, 1000); got != "prefilling" {
+		t.Fatalf("cache_wait 1: 2067 tokens on the prefilling pod against 3200 elsewhere, chose %s", got)
+	}
+}
+
+// The metadata center counts a request's whole prompt until its first
+// token, cache hit or not; the pod's own report counts what it has still to
+// prefill. A holder serving a cached request of the same prompt looks as
+// busy as a cold copy to own_prefill, and nearly idle to reported_prefill.
+func TestReportedPrefillReadsThePodsOwnQueue(t *testing.T) {
+	hosts := []Host{
+		{Address: "holder", Reqs: 1, Prompt: 3200, CacheRatio: 1, Signals: true, PrefillQueued: 64},
+		{Address: "idle", Signals: true},
+	}
+	s := &State{Cluster: "c", Hosts: hosts, Rule: herdRule, PromptLength: 3200, IntN: func(int) int { return 0 }}
+	own, rep := make([]float64, 2), make([]float64, 2)
+	PrefillScorer{Own: true}.Score(s, own)
+	PrefillScorer{Own: true, Reported: true}.Score(s, rep)
+	if !near(own[0], own[1]) {
+		t.Fatalf("own_prefill %v: 3200 pending bytes on the holder against a 3200-byte cold prefill should tie", own)
+	}
+	if want := 1 - 64.0/3200; !near(rep[0], want) || rep[1] != 0 {
+		t.Fatalf("reported_prefill %v, want [%g 0]", rep, want)
+	}
+	// Without a fresh report the metadata center's figure stands.
+	hosts[0].Signals = false
+	PrefillScorer{Own: true, Reported: true}.Score(s, rep)
+	if !near(rep[0], own[0]) || !near(rep[1], own[1]) {
+		t.Fatalf("reported_prefill without signals %v, want own_prefill's %v", rep, own)
+	}
+}

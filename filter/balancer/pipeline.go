@@ -97,9 +97,10 @@ func (p *Profile) readsSignals(r config.LBRule) bool {
 	return false
 }
 
-func (PrefixScorer) ReadsSignals() bool       { return false }
+// Herd control with herd_wait reads the pods' queued prefill.
+func (p PrefixScorer) ReadsSignals() bool     { return p.Herd }
 func (SeedLoad) ReadsSignals() bool           { return false }
-func (PrefillScorer) ReadsSignals() bool      { return false }
+func (p PrefillScorer) ReadsSignals() bool    { return p.Own }
 func (LeastRequestScorer) ReadsSignals() bool { return false }
 func (RecentShareScorer) ReadsSignals() bool  { return false }
 func (QueueScorer) ReadsSignals() bool        { return true }
@@ -243,15 +244,17 @@ func lowIsBest(hosts []Host, out []float64, key func(*Host) float64) {
 
 // Built-in scorer names (lb rule key `scorers`).
 const (
-	ScorerPrefix       = "prefix"        // cached share of the prompt
-	ScorerPrefixHerd   = "prefix_herd"   // ... with herd control (herd_share)
-	ScorerSeedLoad     = "seed_load"     // the seed's request term, W2·delta/5 past delta 5
-	ScorerSeedPrefill  = "seed_prefill"  // the seed's prefill term: others' queued prompt
-	ScorerOwnPrefill   = "own_prefill"   // ... plus the request's own uncached prefill
-	ScorerLeastRequest = "least_request" // live requests, min–max normalised
-	ScorerQueue        = "queue"         // the pod's own waiting requests (pod signals)
-	ScorerKVCache      = "kv_cache"      // the pod's free KV cache (pod signals)
-	ScorerRecentShare  = "recent_share"  // fewest recent decisions (tie-break)
+	ScorerPrefix      = "prefix"       // cached share of the prompt
+	ScorerPrefixHerd  = "prefix_herd"  // ... with herd control (herd_share)
+	ScorerSeedLoad    = "seed_load"    // the seed's request term, W2·delta/5 past delta 5
+	ScorerSeedPrefill = "seed_prefill" // the seed's prefill term: others' queued prompt
+	ScorerOwnPrefill  = "own_prefill"  // ... plus the request's own uncached prefill
+	// ... with the pod's own report of its pending prefill (pod signals)
+	ScorerReportedPrefill = "reported_prefill"
+	ScorerLeastRequest    = "least_request" // live requests, min–max normalised
+	ScorerQueue           = "queue"         // the pod's own waiting requests (pod signals)
+	ScorerKVCache         = "kv_cache"      // the pod's free KV cache (pod signals)
+	ScorerRecentShare     = "recent_share"  // fewest recent decisions (tie-break)
 )
 
 // Built-in picker and filter names (lb rule keys `picker`, `filters`).
@@ -274,27 +277,110 @@ func (p PrefixScorer) Name() string {
 }
 
 func (p PrefixScorer) Score(s *State, out []float64) {
-	if !p.Herd || s.Rule.HerdShare <= 0 {
+	if !p.Herd {
 		for i := range s.Hosts {
 			out[i] = s.Hosts[i].CacheRatio
 		}
 		return
 	}
-	minReqs := s.Hosts[0].Reqs
+	g := newHerdGate(s)
 	for i := range s.Hosts {
-		minReqs = min(minReqs, s.Hosts[i].Reqs)
-	}
-	for i := range s.Hosts {
-		out[i] = herdRatio(&s.Hosts[i], s.Rule.HerdShare/float64(len(s.Hosts)), minReqs)
+		out[i] = g.ratio(s, i)
 	}
 }
 
-// herdRatio is a host's cache ratio under herd control.
-func herdRatio(h *Host, shareLimit float64, minReqs int64) float64 {
-	if shareLimit > 0 && h.Share > shareLimit && h.Reqs > minReqs {
+// herdGate is herd control for one decision: which pods lose their cache
+// credit.
+type herdGate struct {
+	shareLimit float64 // 0: herd control on shares off
+	minReqs    int64
+	// herd_wait and cache_wait (0: off), and for them the two lowest costs
+	// (prefill before this request's first token) and the index of the
+	// lowest, so that every pod is compared with the cheapest other one in
+	// O(1).
+	herdWait, cacheWait float64
+	best, second        float64
+	bestI               int
+	promptLength        float64
+}
+
+// newHerdGate prepares herd control under s.Rule.
+func newHerdGate(s *State) herdGate {
+	var g herdGate
+	if len(s.Hosts) == 0 {
+		return g
+	}
+	if s.Rule.HerdShare > 0 {
+		g.shareLimit = s.Rule.HerdShare / float64(len(s.Hosts))
+		g.minReqs = s.Hosts[0].Reqs
+		for i := range s.Hosts {
+			g.minReqs = min(g.minReqs, s.Hosts[i].Reqs)
+		}
+		g.herdWait = s.Rule.HerdWait
+	}
+	g.cacheWait = s.Rule.CacheWait
+	if g.herdWait <= 0 && g.cacheWait <= 0 {
+		return g
+	}
+	g.promptLength = float64(s.PromptLength)
+	g.best, g.second, g.bestI = math.Inf(1), math.Inf(1), -1
+	for i := range s.Hosts {
+		c := g.cost(&s.Hosts[i])
+		switch {
+		case c < g.best:
+			g.second, g.best, g.bestI = g.best, c, i
+		case c < g.second:
+			g.second = c
+		}
+	}
+	return g
+}
+
+// cost is the prefill that stands before the request's first token on h:
+// what the pod reports it has still to prefill (its running requests'
+// remaining prompt tokens, cache hits already taken off, and its queue),
+// else the prompt bytes the metadata center counts before first token;
+// plus the part of this prompt h does not hold. Tokens and bytes are mixed:
+// equal on byte-level vocabularies; with a BPE vocabulary the pod's queue
+// reads ~4× short, which only makes the gates keep a prefix longer.
+func (g *herdGate) cost(h *Host) float64 {
+	queued := float64(h.Prompt)
+	if h.Signals {
+		queued = float64(h.PrefillQueued)
+	}
+	return queued + g.promptLength*(1-h.CacheRatio)
+}
+
+// other is the lowest cost among the pods other than i.
+func (g *herdGate) other(i int) float64 {
+	if i == g.bestI {
+		return g.second
+	}
+	return g.best
+}
+
+// ratio is host i's cache ratio under herd control. With cache_wait a pod
+// whose cost exceeds cache_wait times the cheapest other pod's gets no cache
+// credit: the request would wait longer there than a cold prefill takes
+// elsewhere. Herd control on shares takes it from a pod that took more than
+// herd_share/n of the recent decisions and is busier than the idlest — with
+// herd_wait, only if waiting there also costs more than herd_wait times a
+// copy of the prefix on the cheapest other pod.
+func (g *herdGate) ratio(s *State, i int) float64 {
+	h := &s.Hosts[i]
+	if h.CacheRatio == 0 {
 		return 0
 	}
-	return h.CacheRatio
+	if g.cacheWait > 0 && g.cost(h) > g.cacheWait*g.other(i) {
+		return 0
+	}
+	if g.shareLimit <= 0 || h.Share <= g.shareLimit || h.Reqs <= g.minReqs {
+		return h.CacheRatio
+	}
+	if g.herdWait > 0 && g.cost(h) <= g.herdWait*g.other(i) {
+		return h.CacheRatio
+	}
+	return 0
 }
 
 // SeedLoad is the seed's request-load term as a score: 1 − (reqs−min)/delta,
@@ -331,41 +417,55 @@ func (SeedLoad) WeightScale(s *State) float64 {
 // With Own, while any pod has prefill pending, a pod's prompt also counts the
 // request's own uncached prefill there, L·(1−ratio) (ratio under herd
 // control when the rule has herd_share): the prefill that stands before the
-// request's first token on that pod.
-type PrefillScorer struct{ Own bool }
+// request's first token on that pod. With Reported (and Own), a pod's
+// pending prefill is what it reports itself while the report is fresh
+// (tokens still to prefill, its running requests' cache hits taken off)
+// instead of the metadata center's prompt bytes before first token, which
+// count a cached request in full and a half-done prefill whole.
+type PrefillScorer struct{ Own, Reported bool }
 
 func (p PrefillScorer) Name() string {
-	if p.Own {
+	switch {
+	case p.Own && p.Reported:
+		return ScorerReportedPrefill
+	case p.Own:
 		return ScorerOwnPrefill
 	}
 	return ScorerSeedPrefill
 }
 
+// pending is h's prefill before a new request's first token.
+func (p PrefillScorer) pending(h *Host) float64 {
+	if p.Reported && h.Signals {
+		return float64(h.PrefillQueued)
+	}
+	return float64(h.Prompt)
+}
+
 func (p PrefillScorer) Score(s *State, out []float64) {
 	promptLen := int64(0)
-	var minReqs int64
-	var shareLimit float64
+	var g herdGate
 	if p.Own {
-		maxPending := int64(0)
-		minReqs = s.Hosts[0].Reqs
+		maxPending := 0.0
 		for i := range s.Hosts {
-			maxPending = max(maxPending, s.Hosts[i].Prompt)
-			minReqs = min(minReqs, s.Hosts[i].Reqs)
+			maxPending = max(maxPending, p.pending(&s.Hosts[i]))
 		}
 		// With no pod prefilling, the request's own prefill would only
 		// count the cache term a second time and pile a hot prompt onto its
 		// holders: off, as in the seed.
 		if maxPending > 0 {
 			promptLen = s.PromptLength
-		}
-		if s.Rule.HerdShare > 0 {
-			shareLimit = s.Rule.HerdShare / float64(len(s.Hosts))
+			g = newHerdGate(s)
 		}
 	}
 	maxPrompt := 0.0
 	for i := range s.Hosts {
 		h := &s.Hosts[i]
-		v := float64(h.Prompt) + float64(promptLen)*(1-herdRatio(h, shareLimit, minReqs))
+		ratio := h.CacheRatio
+		if promptLen > 0 {
+			ratio = g.ratio(s, i)
+		}
+		v := p.pending(h) + float64(promptLen)*(1-ratio)
 		out[i] = v
 		maxPrompt = max(maxPrompt, v)
 	}
@@ -525,7 +625,7 @@ func builtinProfiles() []*Profile {
 // builtinScorers returns every built-in scorer by name.
 func builtinScorers() map[string]Scorer {
 	m := map[string]Scorer{}
-	for _, s := range []Scorer{PrefixScorer{}, PrefixScorer{Herd: true}, SeedLoad{}, PrefillScorer{}, PrefillScorer{Own: true},
+	for _, s := range []Scorer{PrefixScorer{}, PrefixScorer{Herd: true}, SeedLoad{}, PrefillScorer{}, PrefillScorer{Own: true}, PrefillScorer{Own: true, Reported: true},
 		LeastRequestScorer{}, QueueScorer{}, KVCacheScorer{}, RecentShareScorer{}} {
 		m[s.Name()] = s
 	}

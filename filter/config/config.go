@@ -28,6 +28,8 @@ const (
 	DefaultPrefillLoadW     = 3.0
 	DefaultCandidatePercent = 10
 	DefaultHerdShare        = 2.0
+	DefaultHerdWait         = 1.0
+	DefaultCacheWait        = 0.0
 	DefaultAdminRefresh     = time.Second
 	DefaultQueueSize        = 4096
 	DefaultWorkers          = 4
@@ -201,6 +203,20 @@ type LBRule struct {
 	// hot prefix on its pod until that pod has ~10 more requests than the
 	// idlest; this lets a prefix everyone wants spread to more pods early.
 	HerdShare float64
+	// HerdWait (key `herd_wait`, default 1, 0 or 0.1..100; 0: herd control acts on
+	// shares alone) gates herd control by cost: a pod herd control would
+	// stop keeps its cache credit unless the prefill standing before this
+	// request there (its queued prefill plus the request's uncached part)
+	// exceeds HerdWait times that on the cheapest other pod, i.e. unless
+	// waiting on the holder costs more than making a replica. Every
+	// replica is one cold prefill: a miss.
+	HerdWait float64
+	// CacheWait (key `cache_wait`, 0 or 1..100; 0 off) takes the cache
+	// credit from any pod where the prefill standing before this request
+	// exceeds CacheWait times that on the cheapest other pod: a pod still
+	// prefilling someone's cold prompt that shares only part of this one
+	// makes the request wait longer than a cold prefill elsewhere.
+	CacheWait float64
 }
 
 // Endpoints is key `endpoints`: where the pods of a cluster come from. Both

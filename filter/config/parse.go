@@ -460,7 +460,7 @@ func headerKey(h map[string]string) string {
 	return b.String()
 }
 
-var lbKeys = []string{"policy", "cache_ratio_weight", "request_load_weight", "prefill_load_weight", "candidate_percent", "herd_share",
+var lbKeys = []string{"policy", "cache_ratio_weight", "request_load_weight", "prefill_load_weight", "candidate_percent", "herd_share", "herd_wait", "cache_wait",
 	"scorers", "filters", "picker"}
 
 // validName is the shape of policy, scorer, filter and picker names.
@@ -529,6 +529,16 @@ func (d *decoder) lbRule(path string, v any, base LBRule) LBRule {
 		// Below 1 every pod that took its fair share would lose its cache.
 		d.fail(join(path, "herd_share"), "must be 0 (off) or in 1..100, got %g", r.HerdShare)
 	}
+	r.HerdWait = d.float(path, m, "herd_wait", base.HerdWait, 0, 100)
+	if r.HerdWait > 0 && r.HerdWait < 0.1 {
+		// Below 0.1 it is herd control on shares alone with extra steps.
+		d.fail(join(path, "herd_wait"), "must be 0 (off) or in 0.1..100, got %g", r.HerdWait)
+	}
+	r.CacheWait = d.float(path, m, "cache_wait", base.CacheWait, 0, 100)
+	if r.CacheWait > 0 && r.CacheWait < 1 {
+		// Below 1 even the cheapest pod would lose its cache credit.
+		d.fail(join(path, "cache_wait"), "must be 0 (off) or in 1..100, got %g", r.CacheWait)
+	}
 	return r
 }
 
@@ -540,6 +550,8 @@ func (d *decoder) lbMapping(v any) LBMapping {
 		PrefillLoadWeight: DefaultPrefillLoadW,
 		CandidatePercent:  DefaultCandidatePercent,
 		HerdShare:         DefaultHerdShare,
+		HerdWait:          DefaultHerdWait,
+		CacheWait:         DefaultCacheWait,
 	}
 	out := LBMapping{Default: def}
 	if v == nil {

@@ -5,10 +5,38 @@
 // the business of the implementations in this package.
 package endpoints
 
+import "slices"
+
 // Endpoint is one healthy backend pod.
 type Endpoint struct {
 	Address string            // always "ip:port"
 	Labels  map[string]string // from endpoint metadata; used by label selectors (LoRA, pools)
+	// Adapters are the LoRA adapters the pod registered with the metadata
+	// center: the selector LoRALabel=<name> matches a pod that has <name>
+	// here as well as one labelled so.
+	Adapters []string
+}
+
+// LoRALabel is the label a request's "lora" field selects on.
+const LoRALabel = "lora"
+
+// Matches reports whether the endpoint carries every label of sel.
+func (e Endpoint) Matches(sel map[string]string) bool {
+	for k, v := range sel {
+		if got, ok := e.Labels[k]; ok && got == v {
+			continue
+		}
+		if k == LoRALabel && slices.Contains(e.Adapters, v) {
+			continue
+		}
+		return false
+	}
+	return true
+}
+
+// Serves an adapter: labelled lora=<name> or registered with adapters.
+func (e Endpoint) AdapterPod() bool {
+	return e.Labels[LoRALabel] != "" || len(e.Adapters) > 0
 }
 
 // Source answers the healthy endpoints of an Envoy cluster name such as

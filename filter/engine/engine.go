@@ -457,21 +457,36 @@ func (e *Engine) Decide(ctx context.Context, h Headers, body []byte) (*Decision,
 		Stream:       req.Stream,
 	}
 
-	cands := balancer.Filter(e.src.Endpoints(rule.Cluster), rule.Selector, req.Selector)
-	cands = withoutAdapterPods(cands, rule.Selector, req.Selector)
-	if len(cands) == 0 {
-		return nil, e.reject(http.StatusNotFound, transcode.TypeNotFound, trace,
-			"no available endpoint in cluster %q%s", rule.Cluster, selectorNote(rule.Selector, req.Selector))
-	}
 	policy, err := e.bal.Policy(lb.Policy)
 	if err != nil {
 		return nil, e.reject(http.StatusInternalServerError, transcode.TypeInternal, trace, "%v", err)
 	}
+	all := e.src.Endpoints(rule.Cluster)
+	// Selectors match the labels pods registered with the metadata center
+	// (docs/envoy-filter.md, label selectors), which the route query
+	// answers: a selecting request asks even under a policy that needs no
+	// load or cache.
+	selecting := len(rule.Selector)+len(req.Selector) > 0
 	view := balancer.View{Degraded: true}
-	if policy.NeedsMetadata() {
+	queried := false
+	if len(all) > 0 && (policy.NeedsMetadata() || selecting) {
 		t0 := time.Now()
-		view = e.query(ctx, trace, rule.Cluster, d.Hashes, sc)
+		var pods map[string]api.PodLabels
+		view, pods = e.query(ctx, trace, rule.Cluster, d.Hashes, sc)
 		d.RouteQueryTook = time.Since(t0)
+		queried = true
+		all = withRegistered(all, pods)
+	}
+	cands := balancer.Filter(all, rule.Selector, req.Selector)
+	cands = withoutAdapterPods(cands, rule.Selector, req.Selector)
+	if len(cands) == 0 {
+		if selecting && queried && view.Degraded && e.router != nil {
+			return nil, e.reject(http.StatusServiceUnavailable, transcode.TypeUnavailable, trace,
+				"no available endpoint in cluster %q%s: the metadata center, which holds the pods' registered labels, did not answer",
+				rule.Cluster, selectorNote(rule.Selector, req.Selector))
+		}
+		return nil, e.reject(http.StatusNotFound, transcode.TypeNotFound, trace,
+			"no available endpoint in cluster %q%s", rule.Cluster, selectorNote(rule.Selector, req.Selector))
 	}
 	choice, err := e.bal.Choose(rule.Cluster, lb, cands, view, balancer.Request{Blocks: len(sums), PromptLength: int64(promptLen)})
 	if err != nil {
@@ -515,7 +530,7 @@ func withoutAdapterPods(eps []endpoints.Endpoint, sels ...map[string]string) []e
 	}
 	out := eps[:0]
 	for _, ep := range eps {
-		if ep.Labels[openai.LoRALabel] == "" {
+		if !ep.AdapterPod() {
 			out = append(out, ep)
 		}
 	}
@@ -548,10 +563,11 @@ func (e *Engine) fromTranscode(err error, trace string) *Error {
 	return e.reject(http.StatusBadRequest, transcode.TypeBadRequest, trace, "%v", err)
 }
 
-// query runs the route query; any failure degrades (seed §8.3).
-func (e *Engine) query(ctx context.Context, trace, cluster string, hashes []string, sc *scratch) balancer.View {
+// query runs the route query; any failure degrades (seed §8.3). It also
+// returns the registered pods' labels.
+func (e *Engine) query(ctx context.Context, trace, cluster string, hashes []string, sc *scratch) (balancer.View, map[string]api.PodLabels) {
 	if e.router == nil {
-		return balancer.View{Degraded: true}
+		return balancer.View{Degraded: true}, nil
 	}
 	ctx, cancel := context.WithTimeout(ctx, e.qto)
 	defer cancel()
@@ -559,7 +575,7 @@ func (e *Engine) query(ctx context.Context, trace, cluster string, hashes []stri
 	if err != nil {
 		e.metrics.Count("metadata_center_errors", 1)
 		e.warn("route query failed: routing without metadata", "trace_id", trace, "cluster", cluster, "err", err)
-		return balancer.View{Degraded: true}
+		return balancer.View{Degraded: true}, nil
 	}
 	v := balancer.View{Load: ans.Load, Signals: ans.Signals}
 	if len(ans.Cache) > 0 {
@@ -571,7 +587,7 @@ func (e *Engine) query(ctx context.Context, trace, cluster string, hashes []stri
 			v.Cache[c.Host] = max(v.Cache[c.Host], c.Length)
 		}
 	}
-	return v
+	return v, ans.Pods
 }
 
 // Started reports that the request went upstream (addRequest: POST

@@ -86,6 +86,14 @@ func (f *filter) DecodeHeaders(h api.RequestHeaderMap, endStream bool) (st api.S
 		h.Del(ClusterHeader)
 		f.cb.ClearRouteCache()
 	}
+	if id, ok := f.modelsQuery(h); ok {
+		ctx, cancel := context.WithCancel(context.Background())
+		f.mu.Lock()
+		f.cancel = cancel
+		f.mu.Unlock()
+		go f.listModels(ctx, cancel, id)
+		return api.Running
+	}
 	if lr := f.bodylessReply(h, endStream); lr != nil {
 		return f.reply(f.cb.DecoderFilterCallbacks(), lr)
 	}

@@ -1,6 +1,7 @@
 package llmfilter
 
 import (
+	"context"
 	"encoding/json"
 	"net/http"
 	"slices"
@@ -27,6 +28,8 @@ type modelObject struct {
 	Object  string `json:"object"`
 	Created int64  `json:"created"`
 	OwnedBy string `json:"owned_by"`
+	// Parent is the base model of a LoRA adapter (vLLM's field).
+	Parent string `json:"parent,omitempty"`
 }
 
 type modelList struct {
@@ -78,4 +81,72 @@ func (f *filter) models() []string {
 	}
 	slices.Sort(ids)
 	return ids
+}
+
+// modelsQuery says whether GET /v1/models or /v1/models/{id} must look at
+// the registered adapters, which the metadata center knows: the whole list
+// does, and an id that is no configured model may be an adapter.
+func (f *filter) modelsQuery(h api.RequestHeaderMap) (id string, ok bool) {
+	if h.Method() != http.MethodGet || f.conf.cfg.Protocol != "openai" || !f.conf.engine.ListsAdapters() {
+		return "", false
+	}
+	path, _, _ := strings.Cut(h.Path(), "?")
+	if path == "/v1/models" {
+		return "", true
+	}
+	if id, ok := strings.CutPrefix(path, "/v1/models/"); ok && id != "" {
+		_, known := f.conf.cfg.ModelMappingRule[id]
+		return id, !known
+	}
+	return "", false
+}
+
+// listModels answers a models query on a goroutine (it waits on the
+// metadata center, never on Envoy's thread): the configured models, then
+// the adapters registered pods serve. Without an answer from the metadata
+// center the list has the configured models only.
+func (f *filter) listModels(ctx context.Context, cancel context.CancelFunc, id string) {
+	defer cancel()
+	defer func() {
+		if e := recover(); e != nil {
+			f.asyncPanic(e)
+		}
+	}()
+	adapters, err := f.conf.engine.Adapters(ctx)
+	if err != nil {
+		f.log.Warn("model list: the registered adapters are not known", "trace_id", f.trace(), "err", err)
+	}
+	var lr *engine.Error
+	if id == "" {
+		list := modelList{Object: "list", Data: []modelObject{}}
+		for _, m := range f.models() {
+			list.Data = append(list.Data, modelOf(m))
+		}
+		for _, a := range adapters {
+			if _, dup := f.conf.cfg.ModelMappingRule[a.ID]; dup {
+				continue
+			}
+			o := modelOf(a.ID)
+			o.Parent = a.Parent
+			list.Data = append(list.Data, o)
+		}
+		b, _ := json.Marshal(list)
+		lr = &engine.Error{Status: http.StatusOK, Type: answered, Message: string(b)}
+	} else {
+		lr = &engine.Error{Status: http.StatusNotFound, Type: transcode.TypeNotFound, Message: "model not found: " + id, TraceID: f.trace()}
+		for _, a := range adapters {
+			if a.ID == id {
+				o := modelOf(a.ID)
+				o.Parent = a.Parent
+				b, _ := json.Marshal(o)
+				lr = &engine.Error{Status: http.StatusOK, Type: answered, Message: string(b)}
+			}
+		}
+	}
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if f.destroyed {
+		return
+	}
+	f.reply(f.cb.DecoderFilterCallbacks(), lr)
 }

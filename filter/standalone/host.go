@@ -173,7 +173,7 @@ func (h *Host) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		}
 	}()
 
-	body, reply, ok := h.decode(ctx, s, f, reqHdr, r)
+	body, trailers, reply, ok := h.decode(ctx, s, f, reqHdr, r)
 	if !ok {
 		return
 	}
@@ -181,7 +181,7 @@ func (h *Host) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		respHdr = h.localReply(ctx, s, f, rw, reply, r.Header.Get("x-request-id"))
 		return
 	}
-	respHdr = h.forward(ctx, s, f, rw, reqHdr, body, r)
+	respHdr = h.forward(ctx, s, f, rw, reqHdr, body, trailers, r)
 	if rw.broken && rw.wroteHeader && ctx.Err() == nil {
 		// The backend broke mid-body (or the filter cut it): reset the client
 		// connection so a truncated stream never looks complete.
@@ -198,36 +198,44 @@ func (h *Host) lifecycle(fn func()) {
 	fn()
 }
 
-// decode runs DecodeHeaders/DecodeData and returns the body to send upstream,
-// or the local reply that ends the request. ok is false if the client left.
-func (h *Host) decode(ctx context.Context, s *stream, f api.StreamFilter, hdr *RequestHeaders, r *http.Request) (body []byte, reply *localReply, ok bool) {
+// decode runs DecodeHeaders/DecodeData (and DecodeTrailers) and returns the
+// body and trailers to send upstream, or the local reply that ends the
+// request. ok is false if the client left.
+//
+// A request that ends with trailers is driven as Envoy drives it
+// (golang_filter.cc doData/doTrailer): no DecodeData sees endStream=true —
+// after StopAndBuffer the whole body arrives in one DecodeData(body,
+// false) — and DecodeTrailers follows once the data phase continued.
+func (h *Host) decode(ctx context.Context, s *stream, f api.StreamFilter, hdr *RequestHeaders, r *http.Request) (body []byte, trailers http.Header, reply *localReply, ok bool) {
 	endStream := r.Body == nil || r.Body == http.NoBody
 	st, reply, ok := s.call(ctx, false, func() api.StatusType { return f.DecodeHeaders(hdr, endStream) })
 	if !ok || reply != nil {
-		return nil, reply, ok
+		return nil, nil, reply, ok
 	}
 	if endStream {
 		if st == api.StopAndBuffer || st == api.StopAndBufferWatermark {
 			// Envoy's shim panics on this: waiting for data that will never come.
-			return nil, &localReply{code: 500, body: "error happened in filter\r\n", details: "filter_wait_data_without_body"}, true
+			return nil, nil, &localReply{code: 500, body: "error happened in filter\r\n", details: "filter_wait_data_without_body"}, true
 		}
-		return nil, nil, true
+		return nil, nil, nil, true
 	}
 	if st != api.Continue && st != api.StopAndBuffer && st != api.StopAndBufferWatermark {
-		return nil, &localReply{code: 500, body: fmt.Sprintf("filter returned unexpected header status %d", st), details: "filter_bad_status"}, true
+		return nil, nil, &localReply{code: 500, body: fmt.Sprintf("filter returned unexpected header status %d", st), details: "filter_bad_status"}, true
 	}
 
 	chunks, err := h.readChunks(r.Body, h.opts.MaxRequestBody)
 	if err != nil {
 		if errors.Is(err, errTooLarge) {
-			return nil, &localReply{code: http.StatusRequestEntityTooLarge, details: "request_payload_too_large",
+			return nil, nil, &localReply{code: http.StatusRequestEntityTooLarge, details: "request_payload_too_large",
 				body: jsonError(http.StatusRequestEntityTooLarge, "payload_too_large",
 					fmt.Sprintf("request body exceeds the %d-byte limit", h.opts.MaxRequestBody), r.Header.Get("x-request-id")),
 				headers: map[string][]string{"content-type": {"application/json"}}}, true
 		}
 		h.log.Debug("reading request body failed", "err", err)
-		return nil, nil, false // client reset mid-body: nothing to answer
+		return nil, nil, nil, false // client reset mid-body: nothing to answer
 	}
+	// The body was read to its end: net/http has filled the trailers in.
+	trailers = presentTrailers(r.Trailer)
 	if st == api.StopAndBuffer {
 		chunks = [][]byte{bytes.Join(chunks, nil)}
 	}
@@ -235,22 +243,22 @@ func (h *Host) decode(ctx context.Context, s *stream, f api.StreamFilter, hdr *R
 	var held []byte                    // data the filter asked to keep buffering
 	for i := 0; i < len(chunks); i++ { // chunks may be regrouped below
 		c := chunks[i]
-		end := i == len(chunks)-1
+		end := i == len(chunks)-1 && trailers == nil
 		buf := NewBuffer(append(held, c...))
 		held = nil
 		st, reply, ok := s.call(ctx, false, func() api.StatusType { return f.DecodeData(buf, end) })
 		if !ok || reply != nil {
-			return nil, reply, ok
+			return nil, nil, reply, ok
 		}
 		switch st {
 		case api.Continue:
 			out = append(out, buf.take()...)
 		case api.StopAndBuffer, api.StopAndBufferWatermark:
 			if end {
-				return nil, &localReply{code: 500, body: "filter wants more data after the end of the stream", details: "filter_bad_status"}, true
+				return nil, nil, &localReply{code: 500, body: "filter wants more data after the end of the stream", details: "filter_bad_status"}, true
 			}
 			held = buf.take()
-			if st == api.StopAndBuffer {
+			if st == api.StopAndBuffer && i+1 < len(chunks) {
 				// Everything else arrives in one final call, as in Envoy.
 				rest := bytes.Join(chunks[i+1:], nil)
 				chunks = append(chunks[:i+1], rest)
@@ -258,10 +266,40 @@ func (h *Host) decode(ctx context.Context, s *stream, f api.StreamFilter, hdr *R
 		case api.StopNoBuffer:
 			buf.take()
 		default:
-			return nil, &localReply{code: 500, body: fmt.Sprintf("filter returned unexpected data status %d", st), details: "filter_bad_status"}, true
+			return nil, nil, &localReply{code: 500, body: fmt.Sprintf("filter returned unexpected data status %d", st), details: "filter_bad_status"}, true
 		}
 	}
-	return out, nil, true
+	if trailers == nil {
+		return out, nil, nil, true
+	}
+	// Data still held when the trailers come goes on with them, as Envoy
+	// continues a buffered body when its trailers arrive.
+	out = append(out, held...)
+	tm := NewHeaderMap(trailers)
+	st, reply, ok = s.call(ctx, false, func() api.StatusType { return f.DecodeTrailers(tm) })
+	if !ok || reply != nil {
+		return nil, nil, reply, ok
+	}
+	if st != api.Continue {
+		return nil, nil, &localReply{code: 500, body: fmt.Sprintf("filter returned unexpected trailer status %d", st), details: "filter_bad_status"}, true
+	}
+	return out, tm.httpHeader(), nil, true
+}
+
+// presentTrailers keeps the trailers that arrived (net/http lists every
+// announced name, with no value when it never came); nil when none did.
+func presentTrailers(t http.Header) http.Header {
+	var out http.Header
+	for k, vs := range t {
+		if len(vs) == 0 {
+			continue
+		}
+		if out == nil {
+			out = http.Header{}
+		}
+		out[k] = vs
+	}
+	return out
 }
 
 var errTooLarge = errors.New("body too large")
@@ -296,7 +334,7 @@ func (h *Host) readChunks(r io.Reader, limit int64) ([][]byte, error) {
 
 // forward sends the request to the chosen host and runs the response through
 // the encode phases.
-func (h *Host) forward(ctx context.Context, s *stream, f api.StreamFilter, rw *responseState, hdr *RequestHeaders, body []byte, r *http.Request) *ResponseHeaders {
+func (h *Host) forward(ctx context.Context, s *stream, f api.StreamFilter, rw *responseState, hdr *RequestHeaders, body []byte, trailers http.Header, r *http.Request) *ResponseHeaders {
 	traceID, _ := hdr.Get("x-request-id")
 	s.mu.Lock()
 	target, strict := s.override, s.strict
@@ -338,6 +376,14 @@ func (h *Host) forward(ctx context.Context, s *stream, f api.StreamFilter, rw *r
 	if len(body) == 0 {
 		out.Body = http.NoBody
 	}
+	if trailers != nil {
+		// Trailers need chunked encoding, as the client sent them.
+		out.Trailer = trailers
+		out.ContentLength = -1
+		if len(body) == 0 {
+			out.Body = io.NopCloser(bytes.NewReader(nil))
+		}
+	}
 	if ip, _, err := net.SplitHostPort(r.RemoteAddr); err == nil {
 		out.Header.Add("x-forwarded-for", ip)
 	}
@@ -366,7 +412,7 @@ func (h *Host) forward(ctx context.Context, s *stream, f api.StreamFilter, rw *r
 	respHdr := NewResponseHeaders(resp.StatusCode, resp.Header)
 	noBody := r.Method == http.MethodHead || resp.StatusCode == http.StatusNoContent ||
 		resp.StatusCode == http.StatusNotModified || resp.ContentLength == 0
-	h.encode(ctx, s, f, rw, respHdr, resp.Body, noBody, traceID)
+	h.encode(ctx, s, f, rw, respHdr, resp.Body, noBody, traceID, func() http.Header { return presentTrailers(resp.Trailer) })
 	return respHdr
 }
 
@@ -388,7 +434,7 @@ func (h *Host) localReply(ctx context.Context, s *stream, f api.StreamFilter, rw
 	s.mu.Unlock()
 	rw.local = true
 	respHdr := NewResponseHeaders(lr.code, hdr)
-	h.encode(ctx, s, f, rw, respHdr, bytes.NewReader([]byte(lr.body)), lr.body == "", traceID)
+	h.encode(ctx, s, f, rw, respHdr, bytes.NewReader([]byte(lr.body)), lr.body == "", traceID, nil)
 	return respHdr
 }
 
@@ -458,8 +504,11 @@ func (rw *responseState) directReply(lr *localReply) {
 }
 
 // encode runs EncodeHeaders/EncodeData over a response and writes what the
-// filter lets through.
-func (h *Host) encode(ctx context.Context, s *stream, f api.StreamFilter, rw *responseState, hdr *ResponseHeaders, body io.Reader, noBody bool, traceID string) {
+// filter lets through. trailers (nil: none) gives the response's trailers
+// once body is read to its end; with some, the last EncodeData has
+// endStream=false and EncodeTrailers follows, in which the filter may
+// AddData the body's tail, as in Envoy.
+func (h *Host) encode(ctx context.Context, s *stream, f api.StreamFilter, rw *responseState, hdr *ResponseHeaders, body io.Reader, noBody bool, traceID string, trailers func() http.Header) {
 	st, reply, ok := s.call(ctx, true, func() api.StatusType { return f.EncodeHeaders(hdr, noBody) })
 	if !ok {
 		return
@@ -481,9 +530,13 @@ func (h *Host) encode(ctx context.Context, s *stream, f api.StreamFilter, rw *re
 	bp := h.bufs.Get().(*[]byte)
 	defer h.bufs.Put(bp)
 	buf := *bp
+	var tr http.Header
 	for {
 		n, err := body.Read(buf)
 		end := err != nil
+		if err == io.EOF && trailers != nil {
+			tr = trailers()
+		}
 		if err != nil && err != io.EOF {
 			if ctx.Err() != nil {
 				return // client gone: nothing more to do
@@ -518,7 +571,7 @@ func (h *Host) encode(ctx context.Context, s *stream, f api.StreamFilter, rw *re
 		data := NewBuffer(append(held, chunk...))
 		held = nil
 		var reply *localReply
-		st, reply, ok = s.call(ctx, true, func() api.StatusType { return f.EncodeData(data, end) })
+		st, reply, ok = s.call(ctx, true, func() api.StatusType { return f.EncodeData(data, end && tr == nil) })
 		if !ok {
 			return
 		}
@@ -530,7 +583,11 @@ func (h *Host) encode(ctx context.Context, s *stream, f api.StreamFilter, rw *re
 		case api.Continue:
 			if buffering {
 				out := data.take()
-				hdr.Set("content-length", strconv.Itoa(len(out)))
+				if tr == nil {
+					hdr.Set("content-length", strconv.Itoa(len(out)))
+				} else {
+					hdr.Del("content-length") // chunked, to carry the trailers
+				}
 				rw.writeHeader(hdr)
 				rw.write(out)
 				buffering = false
@@ -543,6 +600,10 @@ func (h *Host) encode(ctx context.Context, s *stream, f api.StreamFilter, rw *re
 		case api.StopNoBuffer:
 			data.take()
 		}
+		if end && tr != nil && !rw.broken {
+			h.encodeTrailers(ctx, s, f, rw, hdr, held, buffering, tr)
+			return
+		}
 		if end || rw.broken {
 			if buffering && !rw.wroteHeader && !rw.broken {
 				// The filter kept the data at the very end: Envoy would stall;
@@ -551,6 +612,45 @@ func (h *Host) encode(ctx context.Context, s *stream, f api.StreamFilter, rw *re
 				rw.write(held)
 			}
 			return
+		}
+	}
+}
+
+// encodeTrailers runs EncodeTrailers after the body's last EncodeData,
+// writes what the filter still held and what it added (AddData in this
+// phase appends to the body, as Envoy's addEncodedData), then the trailers.
+func (h *Host) encodeTrailers(ctx context.Context, s *stream, f api.StreamFilter, rw *responseState, hdr *ResponseHeaders, held []byte, buffering bool, tr http.Header) {
+	tm := NewHeaderMap(tr)
+	s.mu.Lock()
+	s.trailersPhase, s.added = true, nil
+	s.mu.Unlock()
+	_, reply, ok := s.call(ctx, true, func() api.StatusType { return f.EncodeTrailers(tm) })
+	s.mu.Lock()
+	added := s.added
+	s.trailersPhase, s.added = false, nil
+	s.mu.Unlock()
+	if !ok {
+		return
+	}
+	if reply != nil {
+		rw.directReply(reply)
+		return
+	}
+	if !rw.wroteHeader {
+		hdr.Del("content-length") // chunked, to carry the trailers
+		rw.writeHeader(hdr)
+	}
+	if buffering {
+		rw.write(held)
+	}
+	rw.write(added)
+	if rw.broken {
+		return
+	}
+	// Set after the body: net/http sends these as the chunked body's trailers.
+	for k, vs := range tm.httpHeader() {
+		for _, v := range vs {
+			rw.w.Header().Add(http.TrailerPrefix+k, v)
 		}
 	}
 }

@@ -117,6 +117,7 @@ type harness struct {
 	mu      sync.Mutex
 	last    *recorder
 	script  func(*testFilter)
+	factory api.StreamFilterFactory
 }
 
 func newHarness(t *testing.T, backend http.Handler, opts Options, script func(*testFilter)) *harness {
@@ -126,16 +127,12 @@ func newHarness(t *testing.T, backend http.Handler, opts Options, script func(*t
 		h.backend = httptest.NewServer(backend)
 		t.Cleanup(h.backend.Close)
 	}
-	opts.Factory = func(_ any, cb api.FilterCallbackHandler) api.StreamFilter {
-		rec := &recorder{done: make(chan struct{})}
+	h.factory = h.gwFactory()
+	opts.Factory = func(c any, cb api.FilterCallbackHandler) api.StreamFilter {
 		h.mu.Lock()
-		h.last = rec
+		fac := h.factory
 		h.mu.Unlock()
-		f := &testFilter{cb: cb, rec: rec}
-		if h.script != nil {
-			h.script(f)
-		}
-		return f
+		return fac(c, cb)
 	}
 	host, err := New(opts)
 	if err != nil {
@@ -147,6 +144,29 @@ func newHarness(t *testing.T, backend http.Handler, opts Options, script func(*t
 }
 
 func (h *harness) backendAddr() string { return h.backend.Listener.Addr().String() }
+
+// gwFactory builds the scripted, recording filter.
+func (h *harness) gwFactory() api.StreamFilterFactory {
+	return func(_ any, cb api.FilterCallbackHandler) api.StreamFilter {
+		rec := &recorder{done: make(chan struct{})}
+		h.mu.Lock()
+		h.last = rec
+		script := h.script
+		h.mu.Unlock()
+		f := &testFilter{cb: cb, rec: rec}
+		if script != nil {
+			script(f)
+		}
+		return f
+	}
+}
+
+// setFactory replaces the filter the host builds for the next streams.
+func (h *harness) setFactory(f api.StreamFilterFactory) {
+	h.mu.Lock()
+	h.factory = f
+	h.mu.Unlock()
+}
 
 func (h *harness) rec() *recorder {
 	h.mu.Lock()

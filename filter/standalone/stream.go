@@ -1,12 +1,15 @@
 package standalone
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
 	"log/slog"
 	"net/http"
+	"runtime"
 	"runtime/debug"
+	"strconv"
 	"strings"
 	"sync"
 	"time"
@@ -48,16 +51,19 @@ type stream struct {
 	log   *slog.Logger
 
 	mu             sync.Mutex
-	inGo           bool // a phase is waiting on the filter (sync call or Running)
-	async          bool // the phase returned Running: calls come from goroutines
-	encoding       bool // current phase is an encode phase
+	inGo           bool   // a phase is waiting on the filter (sync call or Running)
+	async          bool   // the phase returned Running: calls come from goroutines
+	phaseG         uint64 // the goroutine that runs phases: Envoy's worker thread
+	encoding       bool   // current phase is an encode phase
 	destroyed      bool
 	override       string
 	strict         bool
 	respCode       int
 	details        string
 	upstream       string
-	upstreamFailed bool // the backend could not be reached (passive health)
+	upstreamFailed bool   // the backend could not be reached (passive health)
+	trailersPhase  bool   // EncodeTrailers is running: AddData appends to the body
+	added          []byte // what AddData appended in that phase
 	events         chan event
 
 	dyn   map[string]map[string]any
@@ -91,7 +97,7 @@ func newStream(h *Host, r *http.Request) *stream {
 // when the client went away while waiting.
 func (s *stream) call(ctx context.Context, encoding bool, fn func() api.StatusType) (st api.StatusType, reply *localReply, ok bool) {
 	s.mu.Lock()
-	s.inGo, s.encoding, s.async = true, encoding, false
+	s.inGo, s.encoding, s.async, s.phaseG = true, encoding, false, goid()
 	s.mu.Unlock()
 	st = s.protect(fn)
 	if st == api.Running {
@@ -223,10 +229,18 @@ func (e encoderCallbacks) SendLocalReply(code int, body string, h map[string][]s
 	e.s.sendLocalReply(code, body, h, g, det)
 }
 
-// addData is accepted and ignored with a warning: no filter of this project
-// injects bodies, and a silent half-implementation would be worse.
+// addData appends to the response body during EncodeTrailers, where the
+// filter adds a transcoded stream's tail (Envoy's addEncodedData). Elsewhere
+// it is accepted and ignored with a warning: no filter of this project
+// injects bodies there, and a silent half-implementation would be worse.
 func (s *stream) addData(data []byte) {
-	s.log.Warn("AddData/InjectData is not supported by the standalone host; data dropped", "bytes", len(data))
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.trailersPhase && s.inGo {
+		s.added = append(s.added, data...)
+		return
+	}
+	s.log.Warn("AddData/InjectData is supported by the standalone host only in EncodeTrailers; data dropped", "bytes", len(data))
 }
 
 func (d decoderCallbacks) SetUpstreamOverrideHost(host string, strict bool) error {
@@ -248,9 +262,22 @@ func (d decoderCallbacks) SetUpstreamOverrideHost(host string, strict bool) erro
 	// Envoy posts an override made from a goroutine to the worker thread
 	// and applies it with strict=false (golang_filter.cc
 	// setUpstreamOverrideHost); only a phase's own synchronous call keeps
-	// strict.
-	s.override, s.strict = norm, strict && !s.async
+	// strict. Envoy tells the two apart by thread, not by time: a goroutine
+	// may call before its phase has returned Running.
+	s.override, s.strict = norm, strict && !s.async && goid() == s.phaseG
 	return nil
+}
+
+// goid is the calling goroutine's id, the standalone host's stand-in for
+// Envoy's "am I on the worker thread" check (golang_filter.cc isThreadSafe).
+func goid() uint64 {
+	var buf [32]byte
+	b := bytes.TrimPrefix(buf[:runtime.Stack(buf[:], false)], []byte("goroutine "))
+	if i := bytes.IndexByte(b, ' '); i > 0 {
+		b = b[:i]
+	}
+	id, _ := strconv.ParseUint(string(b), 10, 64)
+	return id
 }
 
 // --- StreamFilterCallbacks ---

@@ -16,6 +16,7 @@ const (
 	PathCacheRetract    = "/v1/cache/retract" // POST: withdraw a save (the request failed before its first token)
 	PathRouteQuery      = "/v1/route/query"
 	PathPodSignals      = "/v1/pods/signals" // POST: a pod reports itself; GET ?cluster=C: fresh reports
+	PathPods            = "/v1/pods"         // GET ?cluster=C: the pods' live registrations
 	PathHealthz         = "/healthz"
 	PathReadyz          = "/readyz"
 	PathMetrics         = "/metrics"
@@ -114,10 +115,22 @@ type RouteQuery struct {
 
 // RouteAnswer carries load, cache locations and the pods' fresh signals of
 // one cluster together. Signals is omitted when no pod has reported lately.
+//
+// Pods carries, per registered pod, what label selectors match on (labels
+// and LoRA adapters); it is omitted when no pod of the cluster holds a live
+// registration.
 type RouteAnswer struct {
 	Load    LoadStats             `json:"load"`
 	Cache   []CacheLocation       `json:"cache"`
 	Signals map[string]PodSignals `json:"signals,omitempty"`
+	Pods    map[string]PodLabels  `json:"pods,omitempty"`
+}
+
+// PodLabels is the part of a registration the route query answers: what
+// the filter's label selectors match.
+type PodLabels struct {
+	Labels   map[string]string `json:"labels,omitempty"`
+	Adapters []string          `json:"adapters,omitempty"`
 }
 
 // PodSignals is what a pod says about itself: its own queue, running set
@@ -141,7 +154,41 @@ type PodReport struct {
 	Running       int64   `json:"running"`
 	KVCacheUtil   float64 `json:"kv_cache_util"`
 	PrefillTokens int64   `json:"prefill_tokens"`
+	// Register, when present, (re)registers the pod: its labels, models
+	// and adapters, refreshing their TTL.
+	Register *PodRegistration `json:"register,omitempty"`
 }
+
+// PodRegistration is the static part of what a pod says about itself: what
+// it serves and how it is labelled. Our worker sends it inside a PodReport
+// at start and every few seconds (not with every signal push); the metadata
+// center keeps it until TTLMS passes without a refresh.
+type PodRegistration struct {
+	Models   []string          `json:"models,omitempty"`   // model ids served (the base model)
+	Labels   map[string]string `json:"labels,omitempty"`   // label selectors match these
+	Adapters []string          `json:"adapters,omitempty"` // LoRA adapters loaded: `lora` selects them
+	// TTLMS is how long the registration holds without a refresh (0: the
+	// metadata center's default, DefaultRegistrationTTLMS). In answers it
+	// is the time left.
+	TTLMS int64 `json:"ttl_ms,omitempty"`
+}
+
+// PodLabels returns what the route query answers of the registration.
+func (r PodRegistration) PodLabels() PodLabels {
+	return PodLabels{Labels: r.Labels, Adapters: r.Adapters}
+}
+
+// Limits of a registration; a bigger one is refused with 400.
+const (
+	DefaultRegistrationTTLMS = 30_000
+	MinRegistrationTTLMS     = 1_000
+	MaxRegistrationTTLMS     = 600_000
+	MaxPodLabels             = 64
+	MaxPodAdapters           = 64
+	MaxPodModels             = 16
+	MaxLabelKeyLen           = 253
+	MaxLabelValueLen         = 256
+)
 
 // Signals returns the report's signals.
 func (r PodReport) Signals() PodSignals {

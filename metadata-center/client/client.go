@@ -216,6 +216,18 @@ func (c *Client) ReportSignals(ctx context.Context, r api.PodReport) error {
 	return c.do(ctx, "pod signals", http.MethodPost, api.PathPodSignals, r, nil)
 }
 
+// Pods is GET /v1/pods?cluster=C: the cluster's live pod registrations
+// (labels, models, LoRA adapters), within the query timeout.
+func (c *Client) Pods(ctx context.Context, cluster string) (map[string]api.PodRegistration, error) {
+	ctx, cancel := context.WithTimeout(ctx, c.queryTimeout)
+	defer cancel()
+	var out map[string]api.PodRegistration
+	if err := c.do(ctx, "pods", http.MethodGet, api.PathPods+"?cluster="+url.QueryEscape(cluster), nil, &out); err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
 func (c *Client) do(ctx context.Context, op, method, path string, in, out any) error {
 	body, err := json.Marshal(in)
 	if err != nil {

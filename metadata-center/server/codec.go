@@ -92,6 +92,10 @@ func appendRoute(b []byte, a api.RouteAnswer) []byte {
 		b = append(b, `,"signals":`...)
 		b = appendSignals(b, a.Signals)
 	}
+	if len(a.Pods) > 0 {
+		b = append(b, `,"pods":`...)
+		b = appendPods(b, a.Pods)
+	}
 	return append(b, '}')
 }
 

@@ -18,6 +18,7 @@ var fuzzPaths = []string{
 	api.PathLoadStats, api.PathLoadStatsPrompt, api.PathCacheQuery, api.PathCacheSave, api.PathCacheEvict,
 	api.PathRouteQuery, api.PathHealthz, api.PathReadyz, "/v1/unknown", api.PathLoadStats + "?cluster=c", api.PathBatch,
 	api.PathCacheRetract,
+	api.PathPodSignals, api.PathPods + "?cluster=c", api.PathPods,
 }
 
 var fuzzMethods = []string{http.MethodGet, http.MethodPost, http.MethodDelete, http.MethodPut}
@@ -36,6 +37,8 @@ func FuzzAPI(f *testing.F) {
 		`{"cluster":"c","host":"10.0.0.1:80","hashes":["0123456789abcdef"],"evicted_at":-1}`,
 		`{"cluster":"c","host":"10.0.0.1:80","hashes":["0123456789abcdef"],"save_id":"r1"}`,
 		`{"ops":[{"op":"cache_retract","cluster":"c","host":"10.0.0.1:80","hashes":["0123456789abcdef"],"save_id":"r1"}]}`,
+		`{"cluster":"c","host":"10.0.0.1:80","running":1,"register":{"models":["m"],"labels":{"pool":"a"},"adapters":["sql"],"ttl_ms":5000}}`,
+		`{"cluster":"c","host":"10.0.0.1:80","register":{"labels":{"":"x"},"adapters":["a","a"],"ttl_ms":-1}}`,
 		`{"cluster":"c","hashes":["0123456789ABCDEF"]}`, `{"cluster":"c","hashes":null}`,
 		`[]`, `{"cluster":1}`, `{"cluster":"c"}{}`, "", `{"cluster":"\ud800","host":"[::1]:0"}`,
 	} {

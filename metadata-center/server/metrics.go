@@ -16,6 +16,8 @@ type metrics struct {
 	storeErrors *prometheus.CounterVec
 	// signalReports counts pods' reports accepted (pushed and scraped).
 	signalReports prometheus.Counter
+	// registrations counts pods' registrations accepted.
+	registrations prometheus.Counter
 	// chunkMismatch counts eviction reports refused because the worker
 	// hashes with another chunk size than the cluster's gateways.
 	chunkMismatch prometheus.Counter
@@ -53,6 +55,11 @@ func newMetrics(reg *prometheus.Registry, st store.Store, timeout time.Duration)
 		Namespace: "llmf", Subsystem: "metadata_center", Name: "pod_signal_reports_total",
 		Help: "Pods' reports about themselves accepted through POST /v1/pods/signals.",
 	})
+	m.registrations = prometheus.NewCounter(prometheus.CounterOpts{
+		Namespace: "llmf", Subsystem: "metadata_center", Name: "pod_registrations_total",
+		Help: "Pods' registrations (labels, models, LoRA adapters) accepted with POST /v1/pods/signals.",
+	})
+	reg.MustRegister(m.registrations)
 	reg.MustRegister(m.requests, m.latency, m.storeErrors, m.chunkMismatch, m.signalReports, m.batchOps, newGauges(st, timeout, m.storeErrors))
 	return m
 }

@@ -100,6 +100,7 @@ func New(st store.Store, opts Options) *Server {
 	e.POST(api.PathBatch, s.batch)
 	e.POST(api.PathPodSignals, s.reportSignals)
 	e.GET(api.PathPodSignals, s.podSignals)
+	e.GET(api.PathPods, s.pods)
 	e.GET(api.PathHealthz, s.healthz)
 	e.GET(api.PathReadyz, s.readyz)
 	e.GET(api.PathDebugCacheIndex, s.cacheIndex)
@@ -410,6 +411,10 @@ func (s *Server) reportSignals(c *gin.Context) {
 	if err == nil {
 		err = validSignals(req.Signals())
 	}
+	var ttl time.Duration
+	if err == nil && req.Register != nil {
+		ttl, err = validRegistration(req.Register)
+	}
 	if err != nil {
 		s.badRequest(c, err)
 		return
@@ -419,6 +424,13 @@ func (s *Server) reportSignals(c *gin.Context) {
 	if err := s.st.ReportSignals(ctx, cluster, host, req.Signals()); err != nil {
 		s.storeFailed(c, "report signals", err)
 		return
+	}
+	if req.Register != nil {
+		if err := s.st.Register(ctx, cluster, host, *req.Register, ttl); err != nil {
+			s.storeFailed(c, "register", err)
+			return
+		}
+		s.metrics.registrations.Inc()
 	}
 	s.metrics.signalReports.Inc()
 	s.ok(c, struct{}{})

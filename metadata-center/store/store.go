@@ -96,9 +96,12 @@ type Store interface {
 	// age, with AgeMS set; older ones are left out, never answered.
 	Signals(ctx context.Context, cluster string) (map[string]api.PodSignals, error)
 
-	// Route answers LoadStats, QueryCache and Signals together, in one
-	// round trip to the backing store. Signals is nil when no report is
-	// fresh.
+	// Registrar keeps the pods' registrations.
+	Registrar
+
+	// Route answers LoadStats, QueryCache, Signals and the registered
+	// pods' labels together, in one round trip to the backing store.
+	// Signals (Pods) is nil when no report is fresh (no pod registered).
 	Route(ctx context.Context, cluster string, hashes []prefix.Hash) (api.RouteAnswer, error)
 
 	// Stats reports the gauges for /metrics.

@@ -47,6 +47,14 @@ type Config struct {
 	MaxBackoff time.Duration // default 5 s
 	Logger     *slog.Logger
 	Registerer prometheus.Registerer
+	// Registration, when set, is what RunSignals registers this pod as
+	// (labels, models, LoRA adapters): sent with the first signal report
+	// and then every RegisterEvery, so the metadata center's TTL
+	// (Registration.TTLMS) never lapses while the pod lives.
+	Registration *api.PodRegistration
+	// RegisterEvery is the registration refresh period; default
+	// DefaultRegisterEvery.
+	RegisterEvery time.Duration
 	// Epoch is when this worker started (default: when New ran). The
 	// start-up evict-all carries it as evicted_at, so it removes the index
 	// entries of an earlier process on this address and keeps those the
@@ -166,7 +174,7 @@ func (r *Reporter) Pending() int {
 func (r *Reporter) Run(ctx context.Context) {
 	backoff := 100 * time.Millisecond
 	for {
-		err := r.post(ctx, api.CacheEvict{Cluster: r.cfg.Cluster, Host: r.cfg.Host, All: true, EvictedAt: r.epoch.UnixMilli()})
+		err := r.postTimed(ctx, api.CacheEvict{Cluster: r.cfg.Cluster, Host: r.cfg.Host, All: true, EvictedAt: r.epoch.UnixMilli()})
 		if err == nil {
 			r.log.Info("metadata center: cleared this host's cache index", "host", r.cfg.Host, "cluster", r.cfg.Cluster)
 			close(r.cleared)
@@ -189,7 +197,7 @@ func (r *Reporter) Run(ctx context.Context) {
 				return
 			}
 		}
-		err := r.post(ctx, api.CacheEvict{Cluster: r.cfg.Cluster, Host: r.cfg.Host, Hashes: prefix.Wire(batch), ChunkSize: r.cfg.ChunkSize,
+		err := r.postTimed(ctx, api.CacheEvict{Cluster: r.cfg.Cluster, Host: r.cfg.Host, Hashes: prefix.Wire(batch), ChunkSize: r.cfg.ChunkSize,
 			EvictedAt: at})
 		switch {
 		case err == nil || client.Permanent(err):
@@ -263,6 +271,22 @@ func (r *Reporter) Flush(ctx context.Context) error {
 		r.idle.Wait()
 	}
 	return nil
+}
+
+// postTimed sends a report with its eviction time. A metadata center that
+// refuses the time (400: this host's clock is far ahead of its own) gets
+// the report again without it: removing entries saved after the eviction
+// costs index misses, keeping evicted ones would leave the index wrong.
+func (r *Reporter) postTimed(ctx context.Context, body api.CacheEvict) error {
+	err := r.post(ctx, body)
+	var se *client.StatusError
+	if body.EvictedAt != 0 && errors.As(err, &se) && se.Status == http.StatusBadRequest {
+		r.log.Error("metadata center refused the eviction time (is this host's clock right?); reporting without it",
+			"err", err, "evicted_at", body.EvictedAt)
+		body.EvictedAt = 0
+		err = r.post(ctx, body)
+	}
+	return err
 }
 
 // post sends one report and counts its outcome.

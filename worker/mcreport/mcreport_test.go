@@ -425,3 +425,59 @@ func TestStartUpEvictAllKeepsSavesSinceTheStart(t *testing.T) {
 		t.Fatalf("after the evict-all the index holds 30: %d, 31: %d; want 0 and 1", held(30), held(31))
 	}
 }
+
+// A worker whose clock is far ahead of the metadata center's has its
+// eviction times refused (400); it reports again without them, so the
+// evictions still happen and readiness is not held up.
+func TestEvictionTimesFromABrokenClockAreDropped(t *testing.T) {
+	srv := httptest.NewServer(server.New(memstore.New(memstore.Options{}), server.Options{
+		Logger: slog.New(slog.NewTextHandler(io.Discard, nil)), Registry: prometheus.NewRegistry()}).Handler())
+	t.Cleanup(srv.Close)
+	const cluster, host = "outbound|8000||tiny", "10.0.0.9:9002"
+	mc, err := client.New(client.Options{Address: srv.URL})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+	if err := mc.SaveCache(ctx, api.CacheSave{Cluster: cluster, Host: host, Hashes: prefix.Wire([]prefix.Hash{40, 41})}); err != nil {
+		t.Fatal(err)
+	}
+	held := func(h prefix.Hash) bool {
+		ans, err := mc.Route(ctx, cluster, prefix.Wire([]prefix.Hash{h}))
+		if err != nil {
+			t.Fatal(err)
+		}
+		return len(ans.Cache) > 0
+	}
+	ahead := time.Now().Add(72 * time.Hour)
+	r, err := New(Config{URL: srv.URL, Cluster: cluster, Host: host, Epoch: ahead, Registerer: prometheus.NewRegistry()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	rctx, cancel := context.WithCancel(ctx)
+	t.Cleanup(cancel)
+	go r.Run(rctx)
+	select {
+	case <-r.Cleared():
+	case <-time.After(5 * time.Second):
+		t.Fatal("the start-up evict-all never landed")
+	}
+	if held(40) || held(41) {
+		t.Fatal("the evict-all with a refused time removed nothing")
+	}
+	if err := mc.SaveCache(ctx, api.CacheSave{Cluster: cluster, Host: host, Hashes: prefix.Wire([]prefix.Hash{42})}); err != nil {
+		t.Fatal(err)
+	}
+	r.EvictAt([]prefix.Hash{42}, ahead)
+	fctx, fcancel := context.WithTimeout(ctx, 5*time.Second)
+	defer fcancel()
+	if err := r.Flush(fctx); err != nil {
+		t.Fatal(err)
+	}
+	if held(42) {
+		t.Fatal("an eviction with a refused time was dropped instead of reported without it")
+	}
+	if got := counterValue(t, r.sent.WithLabelValues("rejected")); got != 2 {
+		t.Fatalf("rejected reports = %v, want the two timed ones", got)
+	}
+}

@@ -29,10 +29,18 @@ func (f SignalSourceFunc) PodSignals() api.PodSignals { return f() }
 const (
 	SignalPoll  = 10 * time.Millisecond
 	SignalEvery = 100 * time.Millisecond
+	// DefaultRegisterEvery refreshes a registration six times within the
+	// metadata center's default TTL (api.DefaultRegistrationTTLMS): the
+	// static part rides on one report in 50, not on every one, and a
+	// metadata center that lost it (restart of the embedded store) has it
+	// back within this period.
+	DefaultRegisterEvery = 5 * time.Second
 )
 
 // RunSignals pushes the pod's signals until ctx ends: on change (checked
-// every poll) and at least every `every`. poll and every <= 0 take
+// every poll) and at least every `every`; with Config.Registration, the
+// first report and one every RegisterEvery also register the pod (a
+// registration that did not land goes with the next report). poll and every <= 0 take
 // SignalPoll and SignalEvery. Failures are counted and logged at most once
 // per 10 s: a report that did not land is replaced by the next one anyway.
 func (r *Reporter) RunSignals(ctx context.Context, src SignalSource, poll, every time.Duration) {
@@ -44,19 +52,36 @@ func (r *Reporter) RunSignals(ctx context.Context, src SignalSource, poll, every
 	}
 	tick := time.NewTicker(poll)
 	defer tick.Stop()
+	regEvery := r.cfg.RegisterEvery
+	if regEvery <= 0 {
+		regEvery = DefaultRegisterEvery
+	}
 	var last api.PodSignals
-	var lastSent, lastWarn time.Time
+	var lastSent, lastWarn, lastReg time.Time
 	for {
 		cur := src.PodSignals()
-		if now := time.Now(); cur != last || now.Sub(lastSent) >= every {
+		now := time.Now()
+		var reg *api.PodRegistration
+		if r.cfg.Registration != nil && (lastReg.IsZero() || now.Sub(lastReg) >= regEvery) {
+			reg = r.cfg.Registration
+		}
+		if cur != last || now.Sub(lastSent) >= every || reg != nil {
 			err := r.mc.ReportSignals(ctx, api.PodReport{
 				Cluster: r.cfg.Cluster, Host: r.cfg.Host,
 				Waiting: cur.Waiting, Running: cur.Running, KVCacheUtil: cur.KVCacheUtil, PrefillTokens: cur.PrefillTokens,
+				Register: reg,
 			})
 			switch {
 			case err == nil:
 				r.signals.WithLabelValues("ok").Inc()
 				last, lastSent = cur, now
+				if reg != nil {
+					if lastReg.IsZero() {
+						r.log.Info("metadata center: registered this pod", "host", r.cfg.Host, "cluster", r.cfg.Cluster,
+							"labels", reg.Labels, "adapters", reg.Adapters, "models", reg.Models)
+					}
+					lastReg = now
+				}
 			case ctx.Err() != nil:
 				return
 			default:

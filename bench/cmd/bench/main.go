@@ -60,7 +60,9 @@ func run(ctx context.Context, args []string) error {
 		store       = fs.String("store", "memory", "metadata-center store: memory, redis (one redis-server) or redis-cluster (3 masters + 3 replicas), started by the bench")
 		merge       = fs.String("merge", "", "instead of running: join the outputs of earlier runs (comma-separated directories) into --out")
 		spec        workload.Spec
+		variants    = variantFlag{}
 	)
+	fs.Var(variants, "variant", `a named policy variant for --policies, "label=policy; rule keys" (repeatable), e.g. "ca-noherd=cache_aware; herd_share: 0": an A/B of a policy against itself with other lb-rule keys in one run`)
 	// Sizes default to 0: each workload's own defaults (workload.Spec.Defaults).
 	fs.IntVar(&spec.Systems, "systems", 0, "shared-prefix / kv-pressure: system prompts (default 2 / 12)")
 	fs.IntVar(&spec.Users, "users", 0, "shared-prefix / kv-pressure: users per system prompt (default 4 / 3)")
@@ -93,7 +95,7 @@ func run(ctx context.Context, args []string) error {
 			"engine": *engine, "workers": fmt.Sprint(*workers), "max_tokens": fmt.Sprint(*maxTokens),
 			"concurrency": fmt.Sprint(*concurrency), "rate": fmt.Sprint(*rate), "seed": fmt.Sprint(*seed),
 			"worker_args": *workerArgs, "kv_cells": fmt.Sprint(*kvCells), "model": *model, "lb_rule": *lbRule, "worker_cpus": fmt.Sprint(*workerCPUs),
-			"gateways": fmt.Sprint(*gateways), "metadata_centers": fmt.Sprint(*mcs), "store": *store,
+			"variants": variants.String(), "gateways": fmt.Sprint(*gateways), "metadata_centers": fmt.Sprint(*mcs), "store": *store,
 		},
 	}
 	var raw []report.Result
@@ -111,9 +113,10 @@ func run(ctx context.Context, args []string) error {
 		for _, p := range pols {
 			step++
 			label := fmt.Sprintf("[%d/%d] %s × %s", step, steps, wl, p)
+			policy, rule := variants.resolve(p, *lbRule)
 			f, err := fleet.Start(ctx, fleet.Spec{
 				BinDir: *bin, LogDir: filepath.Join(*out, "logs", wl, p), Engine: *engine, Workers: *workers,
-				Model: *model, ModelName: *modelName, Policy: p, LBRule: *lbRule, WorkerCPUs: *workerCPUs, WorkerArgs: wargs,
+				Model: *model, ModelName: *modelName, Policy: policy, LBRule: rule, WorkerCPUs: *workerCPUs, WorkerArgs: wargs,
 				Gateways: *gateways, MetadataCenters: *mcs, Store: *store,
 			})
 			if err != nil {
@@ -235,4 +238,45 @@ func split(s string) []string {
 		}
 	}
 	return out
+}
+
+// variantFlag maps a label of --policies to a policy and extra lb-rule keys.
+type variantFlag map[string][2]string
+
+func (v variantFlag) String() string {
+	parts := make([]string, 0, len(v))
+	for label, pr := range v {
+		parts = append(parts, label+"="+pr[0]+"; "+pr[1])
+	}
+	return strings.Join(parts, " | ")
+}
+
+func (v variantFlag) Set(s string) error {
+	label, def, ok := strings.Cut(s, "=")
+	label, def = strings.TrimSpace(label), strings.TrimSpace(def)
+	if !ok || label == "" || def == "" {
+		return fmt.Errorf(`want "label=policy; rule keys", got %q`, s)
+	}
+	policy, rule, _ := strings.Cut(def, ";")
+	if policy = strings.TrimSpace(policy); policy == "" {
+		return fmt.Errorf("variant %q names no policy", label)
+	}
+	v[label] = [2]string{policy, strings.TrimSpace(rule)}
+	return nil
+}
+
+// resolve returns the policy and lb-rule keys of a --policies entry: a
+// variant's own keys come after the global --lb-rule, so they win.
+func (v variantFlag) resolve(name, global string) (policy, rule string) {
+	pr, ok := v[name]
+	if !ok {
+		return name, global
+	}
+	switch {
+	case global == "":
+		return pr[0], pr[1]
+	case pr[1] == "":
+		return pr[0], global
+	}
+	return pr[0], global + ", " + pr[1]
 }

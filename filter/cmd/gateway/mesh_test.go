@@ -206,3 +206,19 @@ func checkModelsAndBodyless(t *testing.T, base string) {
 		t.Fatalf("body-less POST: %d %s", resp.StatusCode, body)
 	}
 }
+
+// With a metadata center configured the model list also asks it for the
+// registered adapters (on a goroutine); when it does not answer, the list
+// still comes, with the configured models, within the query timeout.
+func TestGatewayModelsWithTheMetadataCenterDown(t *testing.T) {
+	pool, prod := newPod(t, "pool"), newPod(t, "prod")
+	dead := httptest.NewServer(http.NotFoundHandler())
+	dead.Close()
+	cfg := strings.Replace(twoClusterConfig(pool.addr(), prod.addr()), "filter:\n",
+		fmt.Sprintf("filter:\n  metadata_center: {address: %q, query_timeout: 200ms}\n", dead.URL), 1)
+	base := startGateway(t, cfg)
+	checkModelsAndBodyless(t, base)
+	if n := pool.hits.Load() + prod.hits.Load(); n != 0 {
+		t.Fatalf("%d requests reached a pod; the gateway answers these itself", n)
+	}
+}

@@ -52,6 +52,7 @@ type Store struct {
 	lru      list.List // *entry, most recently saved or hit at the front
 
 	signals *store.SignalsBook
+	pods    *store.RegistryBook
 }
 
 // Hosts are interned per cluster as small ids, and each hash keeps its
@@ -126,6 +127,7 @@ func New(o Options) *Store {
 		now:        o.Now,
 		clusters:   make(map[string]*cluster),
 		signals:    store.NewSignalsBook(o.SignalMaxAge),
+		pods:       store.NewRegistryBook(),
 	}
 }
 
@@ -543,7 +545,19 @@ func (s *Store) Route(_ context.Context, clusterName string, hashes []prefix.Has
 	locs, stale := s.queryLocked(clusterName, hashes, now)
 	s.mu.RUnlock()
 	s.touchEntries(stale, now)
-	return api.RouteAnswer{Load: load, Cache: locs, Signals: s.signals.Fresh(clusterName, now)}, nil
+	return api.RouteAnswer{Load: load, Cache: locs, Signals: s.signals.Fresh(clusterName, now),
+		Pods: s.pods.Labels(clusterName, now)}, nil
+}
+
+// Register implements store.Registrar.
+func (s *Store) Register(_ context.Context, clusterName, host string, reg api.PodRegistration, ttl time.Duration) error {
+	s.pods.Register(clusterName, host, reg, ttl, s.nanos())
+	return nil
+}
+
+// Pods implements store.Registrar.
+func (s *Store) Pods(_ context.Context, clusterName string) (map[string]api.PodRegistration, error) {
+	return s.pods.Live(clusterName, s.nanos()), nil
 }
 
 // ReportSignals implements store.Store.

@@ -88,6 +88,7 @@ type Store struct {
 	regMu      sync.Mutex
 	registered map[string]time.Time // cluster -> last registration by this process
 
+	regs   regCache // decoded pod registrations (pods.go)
 	routes routePipe
 }
 
@@ -406,9 +407,15 @@ func (s *Store) QueryCache(ctx context.Context, cluster string, hashes []prefix.
 func (s *Store) Route(ctx context.Context, cluster string, hashes []prefix.Hash) (api.RouteAnswer, error) {
 	k := s.keys(cluster)
 	ks, args := s.queryArgs(k, append(k.leases(), k.signals()), hashes)
-	res, err := s.route(ctx, ks, args)
+	// The registrations are read in the script's pipeline: same slot, one
+	// round trip.
+	res, podVals, err := s.route(ctx, ks, args, k.pods())
 	if err != nil {
 		return api.RouteAnswer{}, s.wrap("route query", err)
+	}
+	pods, err := s.podLabels(podVals, args[0].(int64))
+	if err != nil {
+		return api.RouteAnswer{}, err
 	}
 	if len(res) != 6 {
 		return api.RouteAnswer{}, fmt.Errorf("redis route query: unexpected reply %v", res)
@@ -425,7 +432,7 @@ func (s *Store) Route(ctx context.Context, cluster string, hashes []prefix.Hash)
 	if err != nil {
 		return api.RouteAnswer{}, err
 	}
-	return api.RouteAnswer{Load: load, Cache: locs, Signals: sig}, nil
+	return api.RouteAnswer{Load: load, Cache: locs, Signals: sig, Pods: pods}, nil
 }
 
 // ReportSignals implements store.Store. The report is stamped with this

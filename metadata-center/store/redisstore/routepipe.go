@@ -28,16 +28,19 @@ type routePipe struct {
 type routeCall struct {
 	ks   []string
 	args []any
+	pods string // the cluster's registrations key, read beside the script
 	res  []any
+	regs map[string]string
 	err  error
-	done chan struct{} // closed once res and err are set
+	done chan struct{} // closed once res, regs and err are set
 }
 
-// route runs the route script for one query, pipelined with whatever
+// route runs the route script for one query and reads the cluster's pod
+// registrations (pods, same slot) in the same pipeline, with whatever
 // other queries are waiting. The caller stops waiting when ctx ends; the
 // pipeline itself is bounded by the client's read and write timeouts.
-func (s *Store) route(ctx context.Context, ks []string, args []any) ([]any, error) {
-	c := &routeCall{ks: ks, args: args, done: make(chan struct{})}
+func (s *Store) route(ctx context.Context, ks []string, args []any, pods string) ([]any, map[string]string, error) {
+	c := &routeCall{ks: ks, args: args, pods: pods, done: make(chan struct{})}
 	p := &s.routes
 	p.mu.Lock()
 	p.waiting = append(p.waiting, c)
@@ -48,9 +51,9 @@ func (s *Store) route(ctx context.Context, ks []string, args []any) ([]any, erro
 	p.mu.Unlock()
 	select {
 	case <-c.done:
-		return c.res, c.err
+		return c.res, c.regs, c.err
 	case <-ctx.Done():
-		return nil, ctx.Err()
+		return nil, nil, ctx.Err()
 	}
 }
 
@@ -76,16 +79,12 @@ func (s *Store) sendRoutes() {
 // go again with the script's source, as Script.Run would.
 func (s *Store) routeBatch(batch []*routeCall) {
 	ctx := context.Background()
-	if len(batch) == 1 {
-		c := batch[0]
-		c.res, c.err = s.sc.route.Run(ctx, s.rdb, c.ks, c.args...).Slice()
-		close(c.done)
-		return
-	}
 	cmds := make([]*redis.Cmd, len(batch))
+	regs := make([]*redis.MapStringStringCmd, len(batch))
 	pipe := s.rdb.Pipeline()
 	for i, c := range batch {
 		cmds[i] = s.sc.route.EvalSha(ctx, pipe, c.ks, c.args...)
+		regs[i] = pipe.HGetAll(ctx, c.pods)
 	}
 	_, _ = pipe.Exec(ctx)
 	var again []int
@@ -103,6 +102,9 @@ func (s *Store) routeBatch(batch []*routeCall) {
 	}
 	for i, c := range batch {
 		c.res, c.err = cmds[i].Slice()
+		if c.err == nil {
+			c.regs, c.err = regs[i].Result()
+		}
 		close(c.done)
 	}
 }

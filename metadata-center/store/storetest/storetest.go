@@ -78,6 +78,7 @@ func Run(t *testing.T, f Factory) {
 	}{
 		{"LeaseCounts", testLeaseCounts},
 		{"Signals", testSignals},
+		{"Registrations", testRegistrations},
 		{"LeaseIdempotentDelete", testLeaseIdempotentDelete},
 		{"LeaseReAdd", testLeaseReAdd},
 		{"LeaseExpiry", testLeaseExpiry},

@@ -64,6 +64,10 @@ type options struct {
 	simCost                                                                                sim.Cost
 	lora                                                                                   []llama.LoRA
 	simBytesPerToken                                                                       int64
+	labelFlags                                                                             labelFlags
+	labelsFile                                                                             string
+	advertiseListen                                                                        bool // advertise is --listen, whose port may be 0
+	podLabels                                                                              map[string]string
 }
 
 func parse(args []string, stderr io.Writer) (*options, error) {
@@ -109,6 +113,9 @@ func parse(args []string, stderr io.Writer) (*options, error) {
 		o.lora = append(o.lora, a)
 		return nil
 	})
+	o.labelFlags = labelFlags{}
+	fs.Var(o.labelFlags, "label", "a label of this pod, key=value (repeatable); registered with the metadata center for the router's label selectors")
+	fs.StringVar(&o.labelsFile, "labels-file", "", "more labels, one key=\"value\" per line (the Kubernetes downward API's labels file); env "+LabelsEnv+"=k=v,... and --label override it")
 	def := sim.BenchCost()
 	fs.DurationVar(&o.simCost.StepOverhead, "sim-step-overhead", def.StepOverhead, "sim: cost of every decode step")
 	fs.DurationVar(&o.simCost.PerToken, "sim-per-token", def.PerToken, "sim: cost per evaluated token")
@@ -148,6 +155,10 @@ func parse(args []string, stderr io.Writer) (*options, error) {
 	case o.kvThreshold <= 0 || o.kvThreshold > 1:
 		return nil, fmt.Errorf("--kv-eviction-threshold must be within (0, 1], got %g", o.kvThreshold)
 	}
+	var err error
+	if o.podLabels, err = o.labels(os.Getenv); err != nil {
+		return nil, err
+	}
 	if o.mcURL != "" {
 		if o.cluster == "" {
 			return nil, errors.New("--cluster is required with --metadata-center")
@@ -158,6 +169,7 @@ func parse(args []string, stderr io.Writer) (*options, error) {
 				return nil, fmt.Errorf("--advertise-host is required with --metadata-center when --listen %q names no IP", o.listen)
 			}
 			o.advertise = o.listen
+			o.advertiseListen = true
 		}
 		if _, _, err := net.SplitHostPort(o.advertise); err != nil {
 			return nil, fmt.Errorf("--advertise-host %q: want ip:port", o.advertise)
@@ -206,11 +218,26 @@ func run(ctx context.Context, args []string, stderr io.Writer, ready func(addr s
 	}
 	runCtx, cancel := context.WithCancel(ctx)
 	defer cancel()
+	if o.mcURL == "" && (len(o.podLabels) > 0 || len(o.lora) > 0) {
+		log.Warn("labels and LoRA adapters are registered with the metadata center only: without --metadata-center the router's selectors do not see them",
+			"labels", o.podLabels, "adapters", o.adapterNames())
+	}
+	// Listen before the reporter starts: with --listen ip:0 the pod is
+	// known to the router under the port it really got.
+	ln, err := net.Listen("tcp", o.listen)
+	if err != nil {
+		return err
+	}
+	defer ln.Close()
+	if _, port, _ := net.SplitHostPort(o.advertise); o.advertiseListen && port == "0" {
+		o.advertise = ln.Addr().String()
+	}
 	var reporterDone chan struct{}
 	var reporter *mcreport.Reporter
 	if o.mcURL != "" {
 		rep, err := mcreport.New(mcreport.Config{URL: o.mcURL, Cluster: o.cluster, Host: o.advertise, AuthToken: o.mcToken, ChunkSize: o.hashChunk,
-			Logger: log, Registerer: reg})
+			Logger: log, Registerer: reg,
+			Registration: &api.PodRegistration{Models: []string{info.Name}, Labels: o.podLabels, Adapters: o.adapterNames()}})
 		if err != nil {
 			return err
 		}
@@ -243,10 +270,6 @@ func run(ctx context.Context, args []string, stderr io.Writer, ready func(addr s
 		ModelName: o.modelName, StrictModel: o.strictModel, Adapters: o.adapterNames(), Template: tmpl, HashChunkSize: o.hashChunk,
 		RequestTimeout: o.timeout, Registry: reg, Logger: log, Ready: readiness(reporter, o.readyWait, log),
 	})
-	ln, err := net.Listen("tcp", o.listen)
-	if err != nil {
-		return err
-	}
 	hs := &http.Server{Handler: srv, ReadHeaderTimeout: 10 * time.Second}
 	log.Info("worker ready", "addr", ln.Addr().String(), "engine", o.engine, "model", info.Name, "n_ctx", info.NCtx,
 		"n_seq_max", info.NSeqMax, "n_batch", info.NBatch, "template", string(tmpl.Family), "kv_bytes_per_token", info.BytesPerToken)
