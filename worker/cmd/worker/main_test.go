@@ -35,6 +35,7 @@ func TestFlagValidation(t *testing.T) {
 		{"--engine", "sim", "--max-output-tokens", "0"},
 		{"--engine", "sim", "--kv-cache-type", "q8_0", "--flash-attention=false"}, // llama.cpp needs FA for a quantized V
 		{"--engine", "sim", "--finish-first-tokens", "-1"},
+		{"--engine", "sim", "--kv-park-max-bytes", "-2"},
 	}
 	for _, args := range bad {
 		if _, err := parse(args, io.Discard); err == nil {
@@ -43,7 +44,7 @@ func TestFlagValidation(t *testing.T) {
 	}
 	o, err := parse([]string{"--engine", "sim", "--metadata-center", "http://mc:8080", "--cluster", "c", "--listen", "10.1.2.3:9001"}, io.Discard)
 	if err != nil || o.advertise != "10.1.2.3:9001" || o.nSeqMax != 16 || o.maxRunning != 8 || o.maxQueue != 256 || o.timeout != 60*time.Second ||
-		o.maxBatch != 4 || o.maxOutput != 2048 || o.threads != 0 || o.flashAttn || !o.parkIdle || o.finishFirst != 16 {
+		o.maxBatch != 4 || o.maxOutput != 2048 || o.threads != 0 || o.flashAttn || !o.parkIdle || o.finishFirst != 16 || o.parkMaxBytes != -1 {
 		t.Fatalf("defaults: %+v %v", o, err)
 	}
 	// A quantized KV cache turns flash attention on unless told otherwise.
