@@ -70,6 +70,11 @@ type options struct {
 	podLabels                                                                              map[string]string
 }
 
+// parkBound is llama.Config.ParkMaxBytes for --kv-park-max-bytes: its -1
+// (the KV cache's size) is the engine's 0; 0 (never park) turns parking off
+// through NoPark instead.
+func (o *options) parkBound() int64 { return max(o.parkMaxBytes, 0) }
+
 func parse(args []string, stderr io.Writer) (*options, error) {
 	o := &options{}
 	fs := flag.NewFlagSet("worker", flag.ContinueOnError)
@@ -230,6 +235,12 @@ func run(ctx context.Context, args []string, stderr io.Writer, ready func(addr s
 			Help: "Host memory holding idle KV-cache entries' cells parked out of llama.cpp's KV cache (--kv-park-idle).",
 		}, func() float64 { return float64(p.ParkedBytes()) }))
 	}
+	if p, ok := eng.(interface{ ParkLimit() int64 }); ok {
+		reg.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+			Name: "llmf_worker_kv_park_limit_bytes",
+			Help: "Bound on llmf_worker_kv_parked_bytes (--kv-park-max-bytes; 0: nothing is parked).",
+		}, func() float64 { return float64(p.ParkLimit()) }))
+	}
 	cfg := scheduler.Config{
 		MaxQueue: o.maxQueue, MaxRunning: o.maxRunning, RequestTimeout: o.timeout, CleanupInterval: o.cleanup,
 		QueueTimeout: queueTimeout(o.queueTimeout),
@@ -336,7 +347,7 @@ func openEngine(o *options, log *slog.Logger) (engine.Engine, openai.Template, e
 				"affinity_cpus", l.Affinity, "cgroup_quota_cpus", l.Quota, "quota_file", l.Source)
 		}
 		eng, err := llama.Open(llama.Config{ModelPath: o.model, Name: o.modelName, NCtx: o.nCtx, NBatch: o.nBatch,
-			NSeqMax: o.nSeqMax, Threads: o.threads, KVCacheType: o.kvType, FlashAttention: o.flashAttn, NoPark: !o.parkIdle || o.parkMaxBytes == 0, ParkMaxBytes: max(o.parkMaxBytes, 0), LoRA: o.lora})
+			NSeqMax: o.nSeqMax, Threads: o.threads, KVCacheType: o.kvType, FlashAttention: o.flashAttn, NoPark: !o.parkIdle || o.parkMaxBytes == 0, ParkMaxBytes: o.parkBound(), LoRA: o.lora})
 		return eng, tmpl, err
 	}
 	cfg := sim.Config{Name: o.modelName, NCtx: o.nCtx, NBatch: o.nBatch, NSeqMax: o.nSeqMax, Cost: o.simCost, BytesPerToken: o.simBytesPerToken}

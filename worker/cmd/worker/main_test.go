@@ -14,6 +14,7 @@ import (
 	"time"
 
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/api"
+	"github.com/istio-llm-filter/istio-llm-filter/worker/engine/llama"
 	"github.com/istio-llm-filter/istio-llm-filter/worker/testmodel"
 )
 
@@ -46,6 +47,12 @@ func TestFlagValidation(t *testing.T) {
 	if err != nil || o.advertise != "10.1.2.3:9001" || o.nSeqMax != 16 || o.maxRunning != 8 || o.maxQueue != 256 || o.timeout != 60*time.Second ||
 		o.maxBatch != 4 || o.maxOutput != 2048 || o.threads != 0 || o.flashAttn || !o.parkIdle || o.finishFirst != 16 || o.parkMaxBytes != -1 {
 		t.Fatalf("defaults: %+v %v", o, err)
+	}
+	if o.parkBound() != 0 {
+		t.Fatalf("default park bound %d, want the engine's default 0", o.parkBound())
+	}
+	if o, err := parse([]string{"--engine", "sim", "--kv-park-max-bytes", "1048576"}, io.Discard); err != nil || o.parkBound() != 1<<20 {
+		t.Fatalf("--kv-park-max-bytes 1048576: %v", err)
 	}
 	// A quantized KV cache turns flash attention on unless told otherwise.
 	if o, err := parse([]string{"--engine", "sim", "--kv-cache-type", "q4_0"}, io.Discard); err != nil || !o.flashAttn {
@@ -140,13 +147,20 @@ func TestRunsTheLlamaEngineOnTheGeneratedModel(t *testing.T) {
 		}
 		b, _ := io.ReadAll(resp.Body)
 		resp.Body.Close()
-		var parked float64
+		var parked, limit float64
 		for _, l := range strings.Split(string(b), "\n") {
 			if v, ok := strings.CutPrefix(l, "llmf_worker_kv_parked_bytes "); ok {
 				parked, _ = strconv.ParseFloat(v, 64)
 			}
+			if v, ok := strings.CutPrefix(l, "llmf_worker_kv_park_limit_bytes "); ok {
+				limit, _ = strconv.ParseFloat(v, 64)
+			}
 		}
-		if parked > 0 {
+		// --kv-park-max-bytes defaults to the KV cache's size.
+		if meta, err := llama.ReadMeta(testmodel.Path(t)); err != nil || limit != float64(2048*meta.BytesPerToken) {
+			t.Fatalf("llmf_worker_kv_park_limit_bytes %v, want n_ctx 2048 × the model's KV bytes per token (%v)", limit, err)
+		}
+		if parked > 0 && parked <= limit {
 			break
 		}
 		if time.Now().After(deadline) {

@@ -97,16 +97,14 @@ func (e *Engine) Park(seq int) {
 
 // ParkBytes implements kvcache.ParkBudget: the host memory seq takes
 // parked, or would take if parked now (llama.cpp's state size of its
-// cells: K and V plus a few bytes of cell metadata per token).
+// cells: K and V plus a few bytes of cell metadata per token, and a short
+// header, which is all an empty sequence would take).
 func (e *Engine) ParkBytes(seq int) int64 {
 	if e.raw == nil {
 		return 0
 	}
 	if p := e.parked[seq]; p != nil {
 		return int64(len(p.state))
-	}
-	if C.llama_kv_self_seq_pos_max(e.raw, C.int32_t(seq)) < 0 {
-		return 0
 	}
 	return int64(C.llama_state_seq_get_size(e.raw, C.int32_t(seq)))
 }
