@@ -12,7 +12,7 @@ BIN      := bin
 MODEL    ?= var/models/tiny.gguf
 BENCH_MODEL ?= var/models/bench.gguf
 
-.PHONY: run test vet fmt-check model build filter-so envoyhost bench bench-llama clean
+.PHONY: run test vet fmt-check model build filter-so envoyhost bench bench-llama chaos soak clean
 
 ## run: the main job — metadata center, workers and the standalone gateway on a generated model
 run:
@@ -62,6 +62,15 @@ bench: build
 ## bench-llama: the same on 3 real llama.cpp workers (0.6 CPU each) with the bench-preset model (~70 min)
 bench-llama: build $(BENCH_MODEL)
 	./scripts/bench-llama.sh $(BENCH_MODEL) bench/out/llama
+
+## chaos: issue 16's fault schedule under steady load on real processes (~4 min; docs/operations.md); fails when an aim is missed
+chaos: build $(MODEL)
+	$(GO) run ./bench/cmd/chaos --model $(MODEL) --out bench/out/chaos
+
+## soak: the chaos topology under steady load for SOAK_DURATION, every process sampled; fails when something grows without bound
+SOAK_DURATION ?= 30m
+soak: build $(MODEL)
+	$(GO) run ./bench/cmd/chaos --soak --duration $(SOAK_DURATION) --model $(MODEL) --out bench/out/soak
 
 $(BENCH_MODEL):
 	@mkdir -p $(dir $@)

@@ -45,6 +45,19 @@ type Spec struct {
 	// one metadata center needs a shared store (redis or redis-cluster).
 	Gateways        int
 	MetadataCenters int
+	// MCArgs are extra metadata-center flags (e.g. a short --lease-ttl).
+	MCArgs []string
+	// Extra are workers of other kinds started after the Workers ones
+	// (a real llama.cpp worker beside simulated ones).
+	Extra []WorkerSpec
+}
+
+// WorkerSpec is one extra worker.
+type WorkerSpec struct {
+	Engine string
+	Model  string
+	Args   []string
+	CPUs   float64 // if > 0, its CPU quota (cgroups)
 }
 
 // Cluster is the Envoy-style cluster name the fleet's workers form.
@@ -65,6 +78,17 @@ type Fleet struct {
 	mc      *exec.Cmd
 	workers []*exec.Cmd
 	limits  []*cpulimit.Group
+
+	// What restarting a part on its address needs (chaos.go).
+	workerArgs [][]string
+	workerCPUs []float64
+	workerLim  []*cpulimit.Group // by worker index; nil when unlimited
+	gateways   []*exec.Cmd
+	gwArgs     [][]string
+	redis      *exec.Cmd
+	redisArgs  []string
+	RedisAddr  string // the fleet's own redis-server, when it started one
+	names      map[*exec.Cmd]string
 }
 
 // Start launches the fleet and waits until every part answers /healthz.
@@ -102,7 +126,7 @@ func Start(ctx context.Context, s Spec) (*Fleet, error) {
 		if err != nil {
 			return nil, err
 		}
-		args := []string{"--listen", mc, "--store", s.Store}
+		args := append([]string{"--listen", mc, "--store", s.Store}, s.MCArgs...)
 		if s.Store == "redis-cluster" {
 			args[3] = "redis"
 			args = append(args, "--redis-cluster")
@@ -128,29 +152,29 @@ func Start(ctx context.Context, s Spec) (*Fleet, error) {
 		}
 		f.MCs = append(f.MCs, "http://"+mc)
 	}
-	for i := 0; i < s.Workers; i++ {
+	kinds := make([]WorkerSpec, 0, s.Workers+len(s.Extra))
+	for range s.Workers {
+		kinds = append(kinds, WorkerSpec{Engine: s.Engine, Model: s.Model, Args: s.WorkerArgs, CPUs: s.WorkerCPUs})
+	}
+	kinds = append(kinds, s.Extra...)
+	for i, k := range kinds {
 		addr, err := freeAddr()
 		if err != nil {
 			return nil, err
 		}
-		args := []string{"--listen", addr, "--engine", s.Engine, "--model-name", s.ModelName,
+		args := []string{"--listen", addr, "--engine", k.Engine, "--model-name", s.ModelName,
 			"--metadata-center", f.MCs[i%len(f.MCs)], "--advertise-host", addr, "--cluster", Cluster}
-		if s.Model != "" {
-			args = append(args, "--model", s.Model)
+		if k.Model != "" {
+			args = append(args, "--model", k.Model)
 		}
-		args = append(args, s.WorkerArgs...)
-		p, err := f.spawn(s, "worker", fmt.Sprintf("worker-%d", i), args...)
-		if err != nil {
-			return nil, err
-		}
+		args = append(args, k.Args...)
 		f.Workers = append(f.Workers, addr)
-		f.workers = append(f.workers, p)
-		if s.WorkerCPUs > 0 {
-			l, err := cpulimit.Apply(p.Process.Pid, s.WorkerCPUs)
-			if err != nil {
-				return nil, err
-			}
-			f.limits = append(f.limits, l)
+		f.workerArgs = append(f.workerArgs, args)
+		f.workerCPUs = append(f.workerCPUs, k.CPUs)
+		f.workers = append(f.workers, nil)
+		f.workerLim = append(f.workerLim, nil)
+		if err := f.spawnWorker(i); err != nil {
+			return nil, err
 		}
 	}
 	for _, w := range f.Workers {
@@ -195,6 +219,8 @@ func Start(ctx context.Context, s Spec) (*Fleet, error) {
 				}
 				continue
 			}
+			f.gateways = append(f.gateways, p)
+			f.gwArgs = append(f.gwArgs, []string{"--config", cfg})
 			break
 		}
 		f.Gateways = append(f.Gateways, "http://"+gw)
@@ -242,12 +268,7 @@ func (f *Fleet) StartMC(ctx context.Context) error {
 func (f *Fleet) StopMC() { f.terminate(f.mc) }
 
 // KillWorker kills worker i outright (SIGKILL), as a crashed pod would die.
-func (f *Fleet) KillWorker(i int) {
-	p := f.workers[i]
-	_ = p.Process.Kill()
-	_ = p.Wait()
-	f.forget(p)
-}
+func (f *Fleet) KillWorker(i int) { f.kill(f.workers[i]) }
 
 func (f *Fleet) spawn(s Spec, bin, name string, args ...string) (*exec.Cmd, error) {
 	return f.spawnPath(s, filepath.Join(s.BinDir, bin), name, args...)
@@ -268,6 +289,10 @@ func (f *Fleet) spawnPath(s Spec, path, name string, args ...string) (*exec.Cmd,
 	}
 	logf.Close() // the child holds its own descriptor
 	f.procs = append(f.procs, cmd)
+	if f.names == nil {
+		f.names = map[*exec.Cmd]string{}
+	}
+	f.names[cmd] = name
 	return cmd, nil
 }
 
@@ -300,6 +325,7 @@ func (f *Fleet) terminate(p *exec.Cmd) {
 }
 
 func (f *Fleet) forget(p *exec.Cmd) {
+	delete(f.names, p)
 	for i, q := range f.procs {
 		if q == p {
 			f.procs = append(f.procs[:i], f.procs[i+1:]...)

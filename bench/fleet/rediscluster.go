@@ -43,8 +43,12 @@ func (f *Fleet) startRedis(ctx context.Context, s Spec) (string, error) {
 				"--cluster-config-file", filepath.Join(dir, "nodes.conf"), "--cluster-node-timeout", "2000",
 				"--repl-diskless-sync-delay", "0")
 		}
-		if _, err := f.spawnPath(s, "redis-server", fmt.Sprintf("redis-%d", i), args...); err != nil {
+		p, err := f.spawnPath(s, "redis-server", fmt.Sprintf("redis-%d", i), args...)
+		if err != nil {
 			return "", err
+		}
+		if n == 1 {
+			f.redis, f.redisArgs, f.RedisAddr = p, args, addr
 		}
 		addrs = append(addrs, addr)
 	}

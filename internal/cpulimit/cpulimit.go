@@ -77,3 +77,16 @@ func (l *Group) Throttled() (int, error) {
 
 // Remove deletes the cgroup; it must be empty (its process gone).
 func (l *Group) Remove() { _ = os.Remove(l.dir) }
+
+// Set changes the group's quota to cpus CPUs' worth of time (a pod slowed
+// down and back, in the chaos run).
+func (l *Group) Set(cpus float64) error {
+	quota := int(cpus * cfsPeriodUS)
+	if quota < 1000 {
+		return fmt.Errorf("cpu limit %g is below 0.01 CPU", cpus)
+	}
+	if _, err := os.Stat(filepath.Join(l.dir, "cpu.max")); err == nil {
+		return os.WriteFile(filepath.Join(l.dir, "cpu.max"), []byte(fmt.Sprintf("%d %d", quota, cfsPeriodUS)), 0o644)
+	}
+	return os.WriteFile(filepath.Join(l.dir, "cpu.cfs_quota_us"), []byte(fmt.Sprint(quota)), 0o644)
+}

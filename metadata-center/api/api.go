@@ -252,3 +252,9 @@ type Batch struct {
 type BatchAnswer struct {
 	Applied int `json:"applied"`
 }
+
+// PathDebugCacheIndex (GET ?cluster=C) lists the cache index as queries
+// see it: {"<host>": ["<hash>", ...]}, each host's hashes sorted. It walks
+// the whole cluster, so it is for operators and checks, not for routing;
+// it needs the token like every API call.
+const PathDebugCacheIndex = "/debug/cache/index"

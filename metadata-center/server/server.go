@@ -103,6 +103,7 @@ func New(st store.Store, opts Options) *Server {
 	e.GET(api.PathPods, s.pods)
 	e.GET(api.PathHealthz, s.healthz)
 	e.GET(api.PathReadyz, s.readyz)
+	e.GET(api.PathDebugCacheIndex, s.cacheIndex)
 	prom := promhttp.HandlerFor(opts.Registry, promhttp.HandlerOpts{})
 	e.GET(api.PathMetrics, gin.WrapH(prom))
 	s.engine = e

@@ -64,6 +64,7 @@ type Server struct {
 	mux     *http.ServeMux
 	log     *slog.Logger
 	started time.Time
+	pending pending // accepted requests' hashes, for /debug/kv/prefixes
 }
 
 // New wires the routes. The scheduler must be running (or about to).
@@ -88,6 +89,7 @@ func New(sched *scheduler.Scheduler, eng engine.Engine, cfg Config) *Server {
 	s.mux.HandleFunc("GET /v1/models", s.models)
 	s.mux.HandleFunc("GET /healthz", s.healthz)
 	s.mux.HandleFunc("GET /readyz", s.readyz)
+	s.mux.HandleFunc("GET "+PathDebugKVPrefixes, s.kvPrefixes)
 	if cfg.Registry != nil {
 		s.mux.Handle("GET /metrics", promhttp.HandlerFor(cfg.Registry, promhttp.HandlerOpts{Registry: cfg.Registry}))
 	}
@@ -348,6 +350,8 @@ func (s *Server) generate(w http.ResponseWriter, r *http.Request, j *job) {
 		openai.WriteError(w, e)
 		return
 	}
+	s.pending.add(j.id, j.hashes)
+	defer s.pending.remove(j.id)
 	var out sink
 	switch {
 	case p.Stream && j.chat:

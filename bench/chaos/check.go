@@ -1,0 +1,130 @@
+package chaos
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net/http"
+	"net/url"
+	"strings"
+	"time"
+
+	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/api"
+	workerserver "github.com/istio-llm-filter/istio-llm-filter/worker/server"
+)
+
+// Checker reads the metadata center's index and leases and the workers'
+// own views over HTTP.
+type Checker struct {
+	MC      string   // metadata center base URL
+	Cluster string   // the workers' cluster
+	Workers []string // ip:port
+	HTTP    *http.Client
+	// Dump, if set, is a file that receives the index, the workers' views
+	// and the wrong entries of each check (the last check's win).
+	Dump string
+}
+
+func (c Checker) get(ctx context.Context, u string, out any) error {
+	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, u, nil)
+	if err != nil {
+		return err
+	}
+	resp, err := c.HTTP.Do(req)
+	if err != nil {
+		return err
+	}
+	defer resp.Body.Close()
+	body, err := io.ReadAll(io.LimitReader(resp.Body, 64<<20))
+	if err != nil {
+		return err
+	}
+	if resp.StatusCode != http.StatusOK {
+		return fmt.Errorf("GET %s: %d %.200s", u, resp.StatusCode, body)
+	}
+	return json.Unmarshal(body, out)
+}
+
+// Index is the center's index of the cluster: host -> prefix hashes.
+func (c Checker) Index(ctx context.Context) (map[string][]string, error) {
+	var idx map[string][]string
+	err := c.get(ctx, c.MC+api.PathDebugCacheIndex+"?cluster="+url.QueryEscape(c.Cluster), &idx)
+	return idx, err
+}
+
+// Held is every worker's own view: host -> prefix hash -> Holds (its KV
+// cache holds it) or Pending (only a request it accepted and has not
+// answered yet carries it). A worker that does not answer holds nothing
+// (it is down or restarting: an index entry naming it is wrong).
+func (c Checker) Held(ctx context.Context) map[string]map[string]Holding {
+	out := map[string]map[string]Holding{}
+	for _, w := range c.Workers {
+		var kv workerserver.KVPrefixes
+		set := map[string]Holding{}
+		if err := c.get(ctx, "http://"+w+workerserver.PathDebugKVPrefixes, &kv); err == nil {
+			for _, h := range kv.Pending {
+				set[h] = Pending
+			}
+			for _, h := range kv.Prefixes {
+				set[h] = Holds
+			}
+		}
+		out[w] = set
+	}
+	return out
+}
+
+// Leases is the number of live leases the center counts for the cluster.
+func (c Checker) Leases(ctx context.Context) (int, error) {
+	var load api.LoadStats
+	if err := c.get(ctx, c.MC+api.PathLoadStats+"?cluster="+url.QueryEscape(c.Cluster), &load); err != nil {
+		return 0, err
+	}
+	n := 0
+	for _, e := range load {
+		n += int(e.TotalReqs)
+	}
+	return n, nil
+}
+
+// Check takes the index, the workers' views and the leases at one moment
+// (the workers are read right after the index, so a prefix saved in
+// between can only make the index look better, never worse), with
+// inFlight the client's requests outstanding at that moment.
+func (c Checker) Check(ctx context.Context, inFlight func() int) Check {
+	var ch Check
+	var errs []string
+	idx, err := c.Index(ctx)
+	if err != nil {
+		errs = append(errs, "index: "+err.Error())
+	}
+	held := c.Held(ctx)
+	ch.IndexEntries, ch.IndexTrue, ch.IndexPending, ch.FalseByHost = Precision(idx, held)
+	if c.Dump != "" {
+		wrong := map[string][]string{}
+		for host, hs := range idx {
+			for _, h := range hs {
+				if held[host][h] == 0 {
+					wrong[host] = append(wrong[host], h)
+				}
+			}
+		}
+		if err := writeJSON(c.Dump, map[string]any{"index": idx, "held": held, "wrong": wrong}); err != nil {
+			errs = append(errs, "dump: "+err.Error())
+		}
+	}
+	ch.Precision, ch.StrictPrecision = -1, -1
+	if ch.IndexEntries > 0 {
+		ch.Precision = float64(ch.IndexTrue+ch.IndexPending) / float64(ch.IndexEntries)
+		ch.StrictPrecision = float64(ch.IndexTrue) / float64(ch.IndexEntries)
+	}
+	ch.InFlight = inFlight()
+	if ch.Leases, err = c.Leases(ctx); err != nil {
+		errs = append(errs, "leases: "+err.Error())
+	}
+	ch.Err = strings.Join(errs, "; ")
+	return ch
+}

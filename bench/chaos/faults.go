@@ -1,0 +1,122 @@
+package chaos
+
+import (
+	"context"
+	"fmt"
+	"sync"
+	"time"
+
+	"github.com/istio-llm-filter/istio-llm-filter/bench/fleet"
+)
+
+// inFlightAt reports whether r was outstanding at t.
+func inFlightAt(r Record, t time.Duration) bool { return r.Start <= t && t <= r.End }
+
+// buildFaults turns names into the schedule's faults on fleet f.
+func buildFaults(names []string, f *fleet.Fleet, load *Load, cfg Config, start time.Time) ([]Fault, error) {
+	var out []Fault
+	llama := len(f.Workers) - 1 // the llama worker is the extra one, last
+	for _, name := range names {
+		var ft Fault
+		switch name {
+		case "worker-kill":
+			const victim = 0
+			addr := f.Workers[victim]
+			var mu sync.Mutex
+			var at time.Duration
+			ids := map[int]bool{}
+			ft = Fault{Name: name, Hold: 3 * time.Second,
+				What: fmt.Sprintf("kill -9 worker %s with a stream in flight, restart it on the same address 3 s later", addr),
+				Inject: func(ctx context.Context) error {
+					// Wait (up to 10 s) for a stream that has its first token.
+					deadline := time.Now().Add(10 * time.Second)
+					for load.StreamingOn(addr) == 0 && time.Now().Before(deadline) && ctx.Err() == nil {
+						time.Sleep(10 * time.Millisecond)
+					}
+					mu.Lock()
+					for _, id := range load.InFlightOn(addr) {
+						ids[id] = true
+					}
+					at = time.Since(start)
+					mu.Unlock()
+					f.KillWorker(victim)
+					return nil
+				},
+				Recover: func(ctx context.Context) error { return f.RestartWorker(ctx, victim) },
+				Expected: func(r Record) bool {
+					mu.Lock()
+					defer mu.Unlock()
+					// Streams known to be on it, and unstreamed requests in
+					// flight at the kill whose pod is unknown or it.
+					return ids[r.ID] || (inFlightAt(r, at) && (r.Worker == addr || r.Worker == ""))
+				},
+			}
+		case "redis-restart":
+			ft = Fault{Name: name, Hold: 3 * time.Second,
+				What:    "stop redis-server (no persistence: it comes back empty), start it again 3 s later",
+				Inject:  func(context.Context) error { return f.StopRedis() },
+				Recover: func(ctx context.Context) error { return f.StartRedis(ctx) },
+			}
+		case "redis-pause":
+			ft = Fault{Name: name, Hold: 2 * time.Second,
+				What:    "SIGSTOP redis-server for 2 s, then SIGCONT",
+				Inject:  func(context.Context) error { return f.PauseRedis() },
+				Recover: func(context.Context) error { return f.ResumeRedis() },
+			}
+		case "mc-restart":
+			ft = Fault{Name: name, Hold: 2 * time.Second,
+				What:    "stop the metadata center (SIGTERM), start it again on its address 2 s later",
+				Inject:  func(context.Context) error { f.StopMC(); return nil },
+				Recover: func(ctx context.Context) error { return f.StartMC(ctx) },
+			}
+		case "gateway-kill":
+			const victim = 1
+			var mu sync.Mutex
+			var at time.Duration
+			gw := f.Gateways[victim]
+			ft = Fault{Name: name, Hold: 3 * time.Second,
+				What: "kill -9 the second gateway, restart it on the same address 3 s later",
+				Inject: func(context.Context) error {
+					mu.Lock()
+					at = time.Since(start)
+					mu.Unlock()
+					f.KillGateway(victim)
+					return nil
+				},
+				Recover: func(ctx context.Context) error { return f.RestartGateway(ctx, victim) },
+				Expected: func(r Record) bool {
+					mu.Lock()
+					defer mu.Unlock()
+					return r.Gateway == gw && inFlightAt(r, at)
+				},
+			}
+		case "slow-worker":
+			if !cfg.Llama {
+				return nil, fmt.Errorf("fault %s needs the llama worker", name)
+			}
+			ft = Fault{Name: name, Hold: 10 * time.Second,
+				What:    fmt.Sprintf("the llama worker's CPU quota from %.2g to %.2g CPU (10× slower steps) for 10 s", cfg.LlamaCPUs, cfg.LlamaCPUs/10),
+				Inject:  func(context.Context) error { return f.SetWorkerCPUs(llama, cfg.LlamaCPUs/10) },
+				Recover: func(context.Context) error { return f.SetWorkerCPUs(llama, cfg.LlamaCPUs) },
+			}
+		case "client-disconnect":
+			ft = Fault{Name: name,
+				What:   "10 s of 4 extra clients that each stream a request and go away after its first token",
+				Inject: func(ctx context.Context) error { load.Disconnects(ctx, 10*time.Second, 4, cfg.Seed+7); return nil },
+			}
+		case "burst":
+			ft = Fault{Name: name,
+				What: fmt.Sprintf("%d requests at once over both gateways, more than the workers' queues (%d) and running sets (%d) hold",
+					cfg.Burst, cfg.WorkerQueue, cfg.WorkerRunning),
+				Inject: func(ctx context.Context) error { load.Burst(ctx, cfg.Burst, cfg.Seed+11); return nil },
+				// A 429 that outlived the client's retries is load shed by
+				// the burst itself.
+				Expected: func(r Record) bool { return r.Kind == "burst" && r.Status == 429 },
+			}
+		default:
+			return nil, fmt.Errorf("unknown fault %q (known: %v)", name, FaultNames)
+		}
+		out = append(out, ft)
+	}
+	return out, nil
+}

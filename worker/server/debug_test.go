@@ -1,0 +1,128 @@
+package server
+
+import (
+	"bufio"
+	"bytes"
+	"encoding/json"
+	"io"
+	"net/http"
+	"slices"
+	"testing"
+
+	filteropenai "github.com/istio-llm-filter/istio-llm-filter/filter/transcode/openai"
+	"github.com/istio-llm-filter/istio-llm-filter/prefix"
+	"github.com/istio-llm-filter/istio-llm-filter/worker/scheduler"
+)
+
+func kvPrefixesOf(t *testing.T, w *worker) KVPrefixes {
+	t.Helper()
+	resp, err := http.Get(w.url + PathDebugKVPrefixes)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		t.Fatalf("%s: status %d", PathDebugKVPrefixes, resp.StatusCode)
+	}
+	var out KVPrefixes
+	if err := json.NewDecoder(resp.Body).Decode(&out); err != nil {
+		t.Fatal(err)
+	}
+	return out
+}
+
+// gatewayHashes are the hashes the router indexes a chat request by.
+func gatewayHashes(t *testing.T, m []map[string]string) []string {
+	t.Helper()
+	body, _ := json.Marshal(map[string]any{"model": "tiny", "messages": m})
+	model, canon, err := filteropenai.Canonical("/v1/chat/completions", body)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return prefix.Wire(prefix.Hasher{}.Sum(model, canon))
+}
+
+func sortedUnion(sets ...[]string) []string {
+	var out []string
+	for _, s := range sets {
+		out = append(out, s...)
+	}
+	slices.Sort(out)
+	return slices.Compact(out)
+}
+
+// TestDebugKVPrefixesIsTheWorkersOwnView runs real requests on a llama.cpp
+// worker and checks the listing against the router's hashes of the same
+// requests: finished conversations are listed under exactly the gateway's
+// hashes, a next turn adds its own, and an eviction empties the listing.
+func TestDebugKVPrefixesIsTheWorkersOwnView(t *testing.T) {
+	w := startWorker(t, opts{})
+	if got := kvPrefixesOf(t, w); got.Entries != 0 || len(got.Prefixes) != 0 {
+		t.Fatalf("fresh worker lists %+v", got)
+	}
+	turn1 := msgs("system", "You are terse.", "user", longText(1300, "first"))
+	a := chat(t, w, turn1, nil)
+	other := msgs("user", longText(700, "other"))
+	chat(t, w, other, nil)
+	h1, ho := gatewayHashes(t, turn1), gatewayHashes(t, other)
+	if len(h1) < 3 {
+		t.Fatalf("turn 1 spans %d blocks; the test needs several", len(h1))
+	}
+	got := kvPrefixesOf(t, w)
+	if got.Entries != 2 || got.InUse != 0 || !slices.Equal(got.Prefixes, sortedUnion(h1, ho)) {
+		t.Fatalf("after two conversations: %+v, want 2 idle entries holding %v", got, sortedUnion(h1, ho))
+	}
+
+	turn2 := append(slices.Clone(turn1), msgs("assistant", a.Choices[0].Message.Content, "user", "and tomorrow?")...)
+	chat(t, w, turn2, nil)
+	h2 := gatewayHashes(t, turn2)
+	// Turn 2 either took turn 1's entry over (its tokens were a prefix of
+	// turn 2's) or shared its cells into a new one; the listing must say
+	// which, in the router's hashes.
+	got = kvPrefixesOf(t, w)
+	want := sortedUnion(h2, ho)
+	if got.Entries == 3 {
+		want = sortedUnion(h1, h2, ho)
+	}
+	if got.Entries < 2 || got.Entries > 3 || !slices.Equal(got.Prefixes, want) {
+		t.Fatalf("after turn 2: %+v, want %v", got, want)
+	}
+
+	w.inspect(t, func(v scheduler.View) {
+		for v.Owner.EvictOne("test") {
+		}
+	})
+	if got := kvPrefixesOf(t, w); got.Entries != 0 || len(got.Prefixes) != 0 {
+		t.Fatalf("after evicting everything: %+v", got)
+	}
+}
+
+// TestDebugKVPrefixesListsAcceptedRequestsAsPending holds a stream open on
+// a real worker and checks that its prompt's hashes — the ones the router
+// saved when it routed the request — are listed as pending while it runs,
+// and no longer once it is answered.
+func TestDebugKVPrefixesListsAcceptedRequestsAsPending(t *testing.T) {
+	w := startWorker(t, opts{})
+	m := msgs("user", longText(900, "pending"))
+	body, _ := json.Marshal(map[string]any{"model": "tiny", "messages": m, "stream": true, "max_tokens": 400, "ignore_eos": true})
+	resp, err := http.Post(w.url+"/v1/chat/completions", "application/json", bytes.NewReader(body))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	if _, err := bufio.NewReader(resp.Body).ReadString('\n'); err != nil { // the first event: accepted and running
+		t.Fatal(err)
+	}
+	want := gatewayHashes(t, m)
+	slices.Sort(want)
+	if got := kvPrefixesOf(t, w); !slices.Equal(got.Pending, want) || got.InUse != 1 {
+		t.Fatalf("while streaming: %+v, want pending %v and one entry in use", got, want)
+	}
+	if _, err := io.Copy(io.Discard, resp.Body); err != nil {
+		t.Fatal(err)
+	}
+	waitIdle(t, w)
+	if got := kvPrefixesOf(t, w); len(got.Pending) != 0 || !slices.Equal(got.Prefixes, want) {
+		t.Fatalf("after the answer: %+v, want no pending and %v held", got, want)
+	}
+}
