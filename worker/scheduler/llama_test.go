@@ -49,8 +49,16 @@ func startSched(tb testing.TB, eng engine.Engine, cfg Config) *Scheduler {
 }
 
 func openLlama(tb testing.TB, path string, nCtx, nSeq int) *llama.Engine {
+	return openLlamaParking(tb, path, nCtx, nSeq, 0)
+}
+
+// openLlamaParking opens with a park bound (0: the default, the KV cache's
+// size). Tests of what parking keeps, not of the bound, pass a bound that
+// holds all their entries: parked entries do not share a common prefix's
+// bytes, so a few long conversations exceed the KV cache's size.
+func openLlamaParking(tb testing.TB, path string, nCtx, nSeq int, parkMax int64) *llama.Engine {
 	tb.Helper()
-	e, err := llama.Open(llama.Config{ModelPath: path, NCtx: nCtx, NSeqMax: nSeq, Threads: 1})
+	e, err := llama.Open(llama.Config{ModelPath: path, NCtx: nCtx, NSeqMax: nSeq, Threads: 1, ParkMaxBytes: parkMax})
 	if err != nil {
 		tb.Fatal(err)
 	}
@@ -185,7 +193,7 @@ func TestLlamaKVFullEvictsInsteadOfCrashing(t *testing.T) {
 // of the first is served from its parked cells with the cold run's output.
 func TestLlamaParkedEntriesLeaveTheKVCacheFree(t *testing.T) {
 	path := testmodel.Path(t)
-	eng := openLlama(t, path, 1024, 5)
+	eng := openLlamaParking(t, path, 1024, 5, 1<<30) // four entries of ~580 tokens: twice n_ctx
 	m := NewMetrics(nil)
 	s := startSched(t, eng, Config{Metrics: m})
 	var first []int
@@ -601,7 +609,7 @@ func TestLlamaConcurrentSharedPrefixIsComputedOnce(t *testing.T) {
 
 func TestLlamaCancelledLeaderKeepsTheFollowersWork(t *testing.T) {
 	path := testmodel.Path(t)
-	eng := openLlama(t, path, 8192, 8)
+	eng := openLlamaParking(t, path, 8192, 8, 1<<30) // three idle ~3,600-token entries parked
 	sys, prompts := sharedPrompts(t, eng, 4, 3500) // seven chunks: time to cancel mid-way
 	s := startSched(t, eng, Config{})
 	ctx, cancel := context.WithCancel(context.Background())
