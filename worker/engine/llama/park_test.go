@@ -180,6 +180,7 @@ func TestDefaultParkBoundIsTheKVCacheSize(t *testing.T) {
 	if !e.Parked(0) || e.ParkBytes(0) != before || e.ParkedBytes() != before {
 		t.Fatalf("parked %v: %d bytes predicted, %d parked (%d in all)", e.Parked(0), before, e.ParkBytes(0), e.ParkedBytes())
 	}
+	t.Logf("%d tokens parked in %d bytes: %d of K and V (%d per token), %d of metadata", n, before, n*per, per, before-n*per)
 	if before < n*per || before > n*per+n*64+4096 {
 		t.Fatalf("%d tokens parked in %d bytes, want their K and V (%d) plus metadata", n, before, n*per)
 	}
