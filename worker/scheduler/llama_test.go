@@ -610,7 +610,7 @@ func TestLlamaConcurrentSharedPrefixIsComputedOnce(t *testing.T) {
 func TestLlamaCancelledLeaderKeepsTheFollowersWork(t *testing.T) {
 	path := testmodel.Path(t)
 	eng := openLlamaParking(t, path, 8192, 8, 1<<30) // three idle ~3,600-token entries parked
-	sys, prompts := sharedPrompts(t, eng, 4, 3500) // seven chunks: time to cancel mid-way
+	sys, prompts := sharedPrompts(t, eng, 4, 3500)   // seven chunks: time to cancel mid-way
 	s := startSched(t, eng, Config{})
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
