@@ -208,3 +208,38 @@ func TestSimEngineReportsEvictAllAtStartup(t *testing.T) {
 		t.Fatal("metrics missing generated tokens")
 	}
 }
+
+// --kv-park-max-bytes 0 never parks: the finished conversation stays cached
+// in the KV cache, no host memory holds it.
+func TestParkMaxBytesZeroNeverParks(t *testing.T) {
+	url := start(t, "--model", testmodel.Path(t), "--n-ctx", "2048", "--n-seq-max", "4", "--threads", "1", "--kv-park-max-bytes", "0")
+	chat(t, url)
+	metric := func(b []byte, name string) (float64, bool) {
+		for _, l := range strings.Split(string(b), "\n") {
+			if v, ok := strings.CutPrefix(l, name+" "); ok {
+				f, err := strconv.ParseFloat(v, 64)
+				return f, err == nil
+			}
+		}
+		return 0, false
+	}
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(20 * time.Millisecond) {
+		resp, err := http.Get(url + "/metrics")
+		if err != nil {
+			t.Fatal(err)
+		}
+		b, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		if idle, _ := metric(b, `llmf_worker_kv_cache_entries{state="idle"}`); idle == 1 {
+			parked, ok1 := metric(b, "llmf_worker_kv_parked_bytes")
+			limit, ok2 := metric(b, "llmf_worker_kv_park_limit_bytes")
+			if !ok1 || !ok2 || parked != 0 || limit != 0 {
+				t.Fatalf("with --kv-park-max-bytes 0: parked %v (%v), limit %v (%v), want 0 and 0", parked, ok1, limit, ok2)
+			}
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the finished conversation is not an idle entry")
+		}
+	}
+}
