@@ -190,3 +190,43 @@ func TestDefaultParkBoundIsTheKVCacheSize(t *testing.T) {
 		b.Close()
 	}
 }
+
+// BenchmarkParkBytes prices the park bound's check: sizing an entry of
+// 2,600 tokens (ParkBytes, which the Owner asks before every park) beside
+// parking it and restoring it. $LLMF_BENCH_MODEL as BenchmarkPrefill.
+func BenchmarkParkBytes(b *testing.B) {
+	path := os.Getenv("LLMF_BENCH_MODEL")
+	if path == "" {
+		path = testmodel.Path(b)
+	}
+	e, err := Open(Config{ModelPath: path, NCtx: 4096, NSeqMax: 2, Threads: 1})
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer e.Close()
+	const n = 2600
+	toks := make([]int, n)
+	for i := range toks {
+		toks[i] = 3 + 'a' + (i*7+i/26)%26
+	}
+	for p := 0; p < n; p += 512 {
+		if _, err := e.Step([]engine.Span{{Seq: 0, Pos: p, Tokens: toks[p:min(p+512, n)]}}); err != nil {
+			b.Fatal(err)
+		}
+	}
+	b.Run("size", func(b *testing.B) {
+		for range b.N {
+			if e.ParkBytes(0) == 0 {
+				b.Fatal("no size")
+			}
+		}
+	})
+	b.Run("park+restore", func(b *testing.B) {
+		for range b.N {
+			e.Park(0)
+			if err := e.restore(0); err != nil {
+				b.Fatal(err)
+			}
+		}
+	})
+}
