@@ -35,6 +35,20 @@ type Parker interface {
 	Parked(seq int) bool
 }
 
+// ParkBudget is implemented by Parkers whose parked host memory is bounded
+// (llama.cpp: --kv-park-max-bytes). The Owner keeps ParkedBytes within
+// ParkLimit when it parks an entry, evicting idle parked entries through
+// its normal eviction path (reports and all) first.
+type ParkBudget interface {
+	// ParkBytes is the host memory seq takes parked, or would take if
+	// parked now.
+	ParkBytes(seq int) int64
+	// ParkedBytes is the host memory all parked sequences take.
+	ParkedBytes() int64
+	// ParkLimit is the bound on ParkedBytes.
+	ParkLimit() int64
+}
+
 // Reports receives what the router's cache index must learn. Both are
 // called from the owner's goroutine and must not block.
 type Reports interface {
@@ -332,10 +346,52 @@ func (o *Owner) Finish(id string) {
 	o.relead(fs)
 	// After relead: the followers have taken what they share.
 	if e, ok := o.books.Get(id); ok {
-		if p, ok := o.cells.(Parker); ok {
-			p.Park(e.Seq)
+		o.park(e)
+	}
+}
+
+// park moves idle entry e's cells to host memory if the cells can be
+// parked and the bound allows, after evicting idle parked entries in
+// Victim order (cause "park_bytes") until e fits. An entry that cannot fit
+// — larger than the bound alone, or the bound taken by sequences that are
+// not idle entries (a running request's copy of a parked prefix, restored
+// at its first step) — stays in the KV cache, still cached: it costs
+// attention time like with --kv-park-idle=false, and KV-full eviction
+// (EvictForRoom) takes it before any parked entry when room is needed.
+// Evicting it instead would throw away a conversation the cache still
+// holds.
+func (o *Owner) park(e *Entry) {
+	p, ok := o.cells.(Parker)
+	if !ok || p.Parked(e.Seq) {
+		return
+	}
+	if b, ok := o.cells.(ParkBudget); ok {
+		need := b.ParkBytes(e.Seq)
+		limit := b.ParkLimit()
+		// What evicting every other idle parked entry could free: if even
+		// that is not enough, evict nothing.
+		var keep []string
+		var freeable int64
+		for _, x := range o.books.entries {
+			if x.InUse {
+				continue
+			}
+			if x != e && p.Parked(x.Seq) {
+				freeable += b.ParkBytes(x.Seq)
+			} else {
+				keep = append(keep, x.ID)
+			}
+		}
+		if need > limit || b.ParkedBytes()-freeable+need > limit {
+			return
+		}
+		for b.ParkedBytes()+need > limit {
+			if !o.evictOne("park_bytes", keep...) {
+				return
+			}
 		}
 	}
+	p.Park(e.Seq)
 }
 
 // Release drops id's cells and frees its seq id (a request that failed,

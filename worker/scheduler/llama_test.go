@@ -20,6 +20,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	dto "github.com/prometheus/client_model/go"
 
+	"github.com/istio-llm-filter/istio-llm-filter/prefix"
 	"github.com/istio-llm-filter/istio-llm-filter/worker/engine"
 	"github.com/istio-llm-filter/istio-llm-filter/worker/engine/llama"
 	"github.com/istio-llm-filter/istio-llm-filter/worker/engine/sim"
@@ -48,8 +49,16 @@ func startSched(tb testing.TB, eng engine.Engine, cfg Config) *Scheduler {
 }
 
 func openLlama(tb testing.TB, path string, nCtx, nSeq int) *llama.Engine {
+	return openLlamaParking(tb, path, nCtx, nSeq, 0)
+}
+
+// openLlamaParking opens with a park bound (0: the default, the KV cache's
+// size). Tests of what parking keeps, not of the bound, pass a bound that
+// holds all their entries: parked entries do not share a common prefix's
+// bytes, so a few long conversations exceed the KV cache's size.
+func openLlamaParking(tb testing.TB, path string, nCtx, nSeq int, parkMax int64) *llama.Engine {
 	tb.Helper()
-	e, err := llama.Open(llama.Config{ModelPath: path, NCtx: nCtx, NSeqMax: nSeq, Threads: 1})
+	e, err := llama.Open(llama.Config{ModelPath: path, NCtx: nCtx, NSeqMax: nSeq, Threads: 1, ParkMaxBytes: parkMax})
 	if err != nil {
 		tb.Fatal(err)
 	}
@@ -184,7 +193,7 @@ func TestLlamaKVFullEvictsInsteadOfCrashing(t *testing.T) {
 // of the first is served from its parked cells with the cold run's output.
 func TestLlamaParkedEntriesLeaveTheKVCacheFree(t *testing.T) {
 	path := testmodel.Path(t)
-	eng := openLlama(t, path, 1024, 5)
+	eng := openLlamaParking(t, path, 1024, 5, 1<<30) // four entries of ~580 tokens: twice n_ctx
 	m := NewMetrics(nil)
 	s := startSched(t, eng, Config{Metrics: m})
 	var first []int
@@ -212,6 +221,75 @@ func TestLlamaParkedEntriesLeaveTheKVCacheFree(t *testing.T) {
 	out, res := collect(t, s, &Request{ID: "again", Prompt: prompt0, MaxTokens: 8, IgnoreEOS: true})
 	if res.State != Completed || res.CachedTokens != len(prompt0)-1 || !slices.Equal(out, first) {
 		t.Fatalf("repeat of the first prompt: %+v (cached %d of %d)\n got %v\nwant %v", res, res.CachedTokens, len(prompt0), out, first)
+	}
+}
+
+// With --kv-park-max-bytes at two and a half entries, finishing requests
+// keeps the parked bytes within it: each new entry evicts the least
+// recently used one (reported to the router like any eviction, counted as
+// park_bytes), and a repeat of a still-parked conversation gets the output
+// of a cold run.
+func TestLlamaParkBoundEvictsLRUAndKeepsOutput(t *testing.T) {
+	path := testmodel.Path(t)
+	probe := openLlama(t, path, 2048, 6)
+	prompts := make([][]int, 4)
+	for i := range prompts {
+		prompts[i] = tokenize(t, probe, history(400, fmt.Sprint("salt", i)))
+	}
+	// The cold output of the last prompt, and what its entry takes parked.
+	ps := startSched(t, probe, Config{})
+	cold, res := collect(t, ps, &Request{ID: "cold", Prompt: prompts[3], MaxTokens: 8, IgnoreEOS: true})
+	if res.State != Completed || probe.ParkedBytes() == 0 {
+		t.Fatalf("cold run: %+v, %d bytes parked", res, probe.ParkedBytes())
+	}
+	limit := probe.ParkedBytes() * 5 / 2
+
+	eng, err := llama.Open(llama.Config{ModelPath: path, NCtx: 2048, NSeqMax: 6, Threads: 1, ParkMaxBytes: limit})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { eng.Close() })
+	var mu sync.Mutex
+	var evicted []prefix.Hash
+	m := NewMetrics(nil)
+	s := startSched(t, eng, Config{Metrics: m, OnEvict: func(hs []prefix.Hash) {
+		mu.Lock()
+		evicted = append(evicted, hs...)
+		mu.Unlock()
+	}})
+	for i, p := range prompts {
+		_, res := collect(t, s, &Request{ID: fmt.Sprint("p", i), Prompt: p, MaxTokens: 8, IgnoreEOS: true,
+			Hashes: []prefix.Hash{prefix.Hash(100 + i)}})
+		if res.State != Completed {
+			t.Fatalf("request %d: %+v", i, res)
+		}
+		if got := eng.ParkedBytes(); got > limit || got == 0 {
+			t.Fatalf("after request %d: %d bytes parked, bound %d", i, got, limit)
+		}
+	}
+	// Reports are sent after the loop's step; wait for the second.
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		mu.Lock()
+		got := slices.Clone(evicted)
+		mu.Unlock()
+		if len(got) >= 2 || time.Now().After(deadline) {
+			if !slices.Equal(got, []prefix.Hash{100, 101}) {
+				t.Fatalf("evictions reported %v, want the two least recently used [100 101]", got)
+			}
+			break
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	if n := counterValue(m.evictions.WithLabelValues("park_bytes")); n != 2 {
+		t.Fatalf("%v park_bytes evictions, want 2", n)
+	}
+	out, res := collect(t, s, &Request{ID: "again", Prompt: prompts[3], MaxTokens: 8, IgnoreEOS: true})
+	if res.State != Completed || res.CachedTokens != len(prompts[3])-1 || !slices.Equal(out, cold) {
+		t.Fatalf("repeat of a parked conversation: %+v (cached %d of %d)\n got %v\nwant %v", res, res.CachedTokens, len(prompts[3]), out, cold)
+	}
+	if got := eng.ParkedBytes(); got > limit {
+		t.Fatalf("%d bytes parked, bound %d", got, limit)
 	}
 }
 
@@ -531,8 +609,8 @@ func TestLlamaConcurrentSharedPrefixIsComputedOnce(t *testing.T) {
 
 func TestLlamaCancelledLeaderKeepsTheFollowersWork(t *testing.T) {
 	path := testmodel.Path(t)
-	eng := openLlama(t, path, 8192, 8)
-	sys, prompts := sharedPrompts(t, eng, 4, 3500) // seven chunks: time to cancel mid-way
+	eng := openLlamaParking(t, path, 8192, 8, 1<<30) // three idle ~3,600-token entries parked
+	sys, prompts := sharedPrompts(t, eng, 4, 3500)   // seven chunks: time to cancel mid-way
 	s := startSched(t, eng, Config{})
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()

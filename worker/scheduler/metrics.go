@@ -41,7 +41,7 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 			Buckets: prometheus.ExponentialBuckets(0.001, 2, 16)}),
 		requests: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "llmf_worker_requests_total", Help: "Finished requests by final state."}, []string{"state"}),
 		evictions: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "llmf_worker_kv_evictions_total",
-			Help: "KV-cache entries evicted, by cause: threshold, seq_ids (a new request needed an id), kv_full (llama_decode found no cells)."}, []string{"cause"}),
+			Help: "KV-cache entries evicted, by cause: threshold, seq_ids (a new request needed an id), kv_full (llama_decode found no cells), park_bytes (parking an idle entry would exceed --kv-park-max-bytes)."}, []string{"cause"}),
 		preemptions: prometheus.NewCounter(prometheus.CounterOpts{Name: "llmf_worker_preemptions_total", Help: "Running requests sent back to PENDING because the KV cache was full."}),
 		stepDuration: prometheus.NewHistogram(prometheus.HistogramOpts{Name: "llmf_worker_step_seconds", Help: "Duration of one batched decode step.",
 			Buckets: prometheus.ExponentialBuckets(0.0005, 2, 14)}),

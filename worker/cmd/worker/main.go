@@ -57,7 +57,7 @@ type options struct {
 	model, listen, engine, modelName, advertise, cluster, mcURL, mcToken, kvType, logLevel string
 	nSeqMax, maxRunning, maxQueue, nCtx, nBatch, threads, hashChunk                        int
 	maxBatch, maxOutput, finishFirst                                                       int
-	kvMaxMB, kvMaxItems                                                                    int64
+	kvMaxMB, kvMaxItems, parkMaxBytes                                                      int64
 	kvThreshold                                                                            float64
 	timeout, cleanup, queueTimeout, readyWait                                              time.Duration
 	strictModel, flashAttn, parkIdle                                                       bool
@@ -69,6 +69,11 @@ type options struct {
 	advertiseListen                                                                        bool // advertise is --listen, whose port may be 0
 	podLabels                                                                              map[string]string
 }
+
+// parkBound is llama.Config.ParkMaxBytes for --kv-park-max-bytes: its -1
+// (the KV cache's size) is the engine's 0; 0 (never park) turns parking off
+// through NoPark instead.
+func (o *options) parkBound() int64 { return max(o.parkMaxBytes, 0) }
 
 func parse(args []string, stderr io.Writer) (*options, error) {
 	o := &options{}
@@ -91,6 +96,7 @@ func parse(args []string, stderr io.Writer) (*options, error) {
 	fs.StringVar(&o.kvType, "kv-cache-type", "f16", "KV cache type: f16, q8_0 or q4_0")
 	fs.BoolVar(&o.flashAttn, "flash-attention", false, "use llama.cpp's fused attention kernel: it skips other sequences' cells (faster on a crowded KV cache, e.g. with --kv-park-idle=false) but prefills ~1.6x slower on an uncrowded one; on by default with a quantized --kv-cache-type, which needs it")
 	fs.BoolVar(&o.parkIdle, "kv-park-idle", true, "keep finished conversations' KV cells in host memory instead of the KV cache, so they do not slow down other sequences' attention (restored, bit for bit, when reused)")
+	fs.Int64Var(&o.parkMaxBytes, "kv-park-max-bytes", -1, "host memory parked idle entries may take; parking one past it first evicts the least recently used parked entries (an entry larger than it alone stays in the KV cache); -1: the KV cache's own size (n-ctx x KV bytes per token); 0: never park")
 	fs.Int64Var(&o.kvMaxMB, "kv-max-memory-mb", 1024, "KV-cache memory limit in MiB; idle entries are evicted past threshold x limit")
 	fs.Int64Var(&o.kvMaxItems, "kv-max-items", 4*1024*1024, "KV-cache item (token) limit")
 	fs.Float64Var(&o.kvThreshold, "kv-eviction-threshold", 0.8, "fraction of a limit at which LRU eviction starts")
@@ -164,6 +170,8 @@ func parse(args []string, stderr io.Writer) (*options, error) {
 		return nil, errors.New("--finish-first-tokens must not be negative")
 	case o.nCtx < 0 || o.nBatch < 1 || o.threads < 0 || o.kvMaxMB < 0 || o.kvMaxItems < 0 || o.hashChunk < 1:
 		return nil, errors.New("--n-ctx, --n-batch, --threads, --kv-max-memory-mb, --kv-max-items and --prompt-hash-chunk-size must not be negative (n-batch and chunk size at least 1)")
+	case o.parkMaxBytes < -1:
+		return nil, fmt.Errorf("--kv-park-max-bytes must be -1 (the KV cache's size), 0 (never park) or a byte count, got %d", o.parkMaxBytes)
 	case o.kvThreshold <= 0 || o.kvThreshold > 1:
 		return nil, fmt.Errorf("--kv-eviction-threshold must be within (0, 1], got %g", o.kvThreshold)
 	}
@@ -226,6 +234,12 @@ func run(ctx context.Context, args []string, stderr io.Writer, ready func(addr s
 			Name: "llmf_worker_kv_parked_bytes",
 			Help: "Host memory holding idle KV-cache entries' cells parked out of llama.cpp's KV cache (--kv-park-idle).",
 		}, func() float64 { return float64(p.ParkedBytes()) }))
+	}
+	if p, ok := eng.(interface{ ParkLimit() int64 }); ok {
+		reg.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+			Name: "llmf_worker_kv_park_limit_bytes",
+			Help: "Bound on llmf_worker_kv_parked_bytes (--kv-park-max-bytes; 0: nothing is parked).",
+		}, func() float64 { return float64(p.ParkLimit()) }))
 	}
 	cfg := scheduler.Config{
 		MaxQueue: o.maxQueue, MaxRunning: o.maxRunning, RequestTimeout: o.timeout, CleanupInterval: o.cleanup,
@@ -333,7 +347,7 @@ func openEngine(o *options, log *slog.Logger) (engine.Engine, openai.Template, e
 				"affinity_cpus", l.Affinity, "cgroup_quota_cpus", l.Quota, "quota_file", l.Source)
 		}
 		eng, err := llama.Open(llama.Config{ModelPath: o.model, Name: o.modelName, NCtx: o.nCtx, NBatch: o.nBatch,
-			NSeqMax: o.nSeqMax, Threads: o.threads, KVCacheType: o.kvType, FlashAttention: o.flashAttn, NoPark: !o.parkIdle, LoRA: o.lora})
+			NSeqMax: o.nSeqMax, Threads: o.threads, KVCacheType: o.kvType, FlashAttention: o.flashAttn, NoPark: !o.parkIdle || o.parkMaxBytes == 0, ParkMaxBytes: o.parkBound(), LoRA: o.lora})
 		return eng, tmpl, err
 	}
 	cfg := sim.Config{Name: o.modelName, NCtx: o.nCtx, NBatch: o.nBatch, NSeqMax: o.nSeqMax, Cost: o.simCost, BytesPerToken: o.simBytesPerToken}

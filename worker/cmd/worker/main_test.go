@@ -14,6 +14,7 @@ import (
 	"time"
 
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/api"
+	"github.com/istio-llm-filter/istio-llm-filter/worker/engine/llama"
 	"github.com/istio-llm-filter/istio-llm-filter/worker/testmodel"
 )
 
@@ -35,6 +36,7 @@ func TestFlagValidation(t *testing.T) {
 		{"--engine", "sim", "--max-output-tokens", "0"},
 		{"--engine", "sim", "--kv-cache-type", "q8_0", "--flash-attention=false"}, // llama.cpp needs FA for a quantized V
 		{"--engine", "sim", "--finish-first-tokens", "-1"},
+		{"--engine", "sim", "--kv-park-max-bytes", "-2"},
 	}
 	for _, args := range bad {
 		if _, err := parse(args, io.Discard); err == nil {
@@ -43,8 +45,14 @@ func TestFlagValidation(t *testing.T) {
 	}
 	o, err := parse([]string{"--engine", "sim", "--metadata-center", "http://mc:8080", "--cluster", "c", "--listen", "10.1.2.3:9001"}, io.Discard)
 	if err != nil || o.advertise != "10.1.2.3:9001" || o.nSeqMax != 16 || o.maxRunning != 8 || o.maxQueue != 256 || o.timeout != 60*time.Second ||
-		o.maxBatch != 4 || o.maxOutput != 2048 || o.threads != 0 || o.flashAttn || !o.parkIdle || o.finishFirst != 16 {
+		o.maxBatch != 4 || o.maxOutput != 2048 || o.threads != 0 || o.flashAttn || !o.parkIdle || o.finishFirst != 16 || o.parkMaxBytes != -1 {
 		t.Fatalf("defaults: %+v %v", o, err)
+	}
+	if o.parkBound() != 0 {
+		t.Fatalf("default park bound %d, want the engine's default 0", o.parkBound())
+	}
+	if o, err := parse([]string{"--engine", "sim", "--kv-park-max-bytes", "1048576"}, io.Discard); err != nil || o.parkBound() != 1<<20 {
+		t.Fatalf("--kv-park-max-bytes 1048576: %v", err)
 	}
 	// A quantized KV cache turns flash attention on unless told otherwise.
 	if o, err := parse([]string{"--engine", "sim", "--kv-cache-type", "q4_0"}, io.Discard); err != nil || !o.flashAttn {
@@ -139,13 +147,20 @@ func TestRunsTheLlamaEngineOnTheGeneratedModel(t *testing.T) {
 		}
 		b, _ := io.ReadAll(resp.Body)
 		resp.Body.Close()
-		var parked float64
+		var parked, limit float64
 		for _, l := range strings.Split(string(b), "\n") {
 			if v, ok := strings.CutPrefix(l, "llmf_worker_kv_parked_bytes "); ok {
 				parked, _ = strconv.ParseFloat(v, 64)
 			}
+			if v, ok := strings.CutPrefix(l, "llmf_worker_kv_park_limit_bytes "); ok {
+				limit, _ = strconv.ParseFloat(v, 64)
+			}
 		}
-		if parked > 0 {
+		// --kv-park-max-bytes defaults to the KV cache's size.
+		if meta, err := llama.ReadMeta(testmodel.Path(t)); err != nil || limit != float64(2048*meta.BytesPerToken) {
+			t.Fatalf("llmf_worker_kv_park_limit_bytes %v, want n_ctx 2048 × the model's KV bytes per token (%v)", limit, err)
+		}
+		if parked > 0 && parked <= limit {
 			break
 		}
 		if time.Now().After(deadline) {
@@ -191,5 +206,40 @@ func TestSimEngineReportsEvictAllAtStartup(t *testing.T) {
 	resp.Body.Close()
 	if !strings.Contains(string(b), "llmf_worker_generated_tokens_total 5") {
 		t.Fatal("metrics missing generated tokens")
+	}
+}
+
+// --kv-park-max-bytes 0 never parks: the finished conversation stays cached
+// in the KV cache, no host memory holds it.
+func TestParkMaxBytesZeroNeverParks(t *testing.T) {
+	url := start(t, "--model", testmodel.Path(t), "--n-ctx", "2048", "--n-seq-max", "4", "--threads", "1", "--kv-park-max-bytes", "0")
+	chat(t, url)
+	metric := func(b []byte, name string) (float64, bool) {
+		for _, l := range strings.Split(string(b), "\n") {
+			if v, ok := strings.CutPrefix(l, name+" "); ok {
+				f, err := strconv.ParseFloat(v, 64)
+				return f, err == nil
+			}
+		}
+		return 0, false
+	}
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(20 * time.Millisecond) {
+		resp, err := http.Get(url + "/metrics")
+		if err != nil {
+			t.Fatal(err)
+		}
+		b, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		if idle, _ := metric(b, `llmf_worker_kv_cache_entries{state="idle"}`); idle == 1 {
+			parked, ok1 := metric(b, "llmf_worker_kv_parked_bytes")
+			limit, ok2 := metric(b, "llmf_worker_kv_park_limit_bytes")
+			if !ok1 || !ok2 || parked != 0 || limit != 0 {
+				t.Fatalf("with --kv-park-max-bytes 0: parked %v (%v), limit %v (%v), want 0 and 0", parked, ok1, limit, ok2)
+			}
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the finished conversation is not an idle entry")
+		}
 	}
 }

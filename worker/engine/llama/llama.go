@@ -38,6 +38,10 @@ type Config struct {
 	// NoPark keeps idle sequences' cells in the KV cache instead of
 	// parking them in host memory (park.go).
 	NoPark bool
+	// ParkMaxBytes bounds the host memory of parked sequences (park.go);
+	// 0 = the KV cache's own size, n_ctx × bytes per token. The Owner
+	// evicts idle parked entries to stay under it (kvcache.ParkBudget).
+	ParkMaxBytes int64
 	// LoRA adapters applied to the whole context: every sequence this
 	// engine computes runs with them (an adapter pod serves one adapter set).
 	LoRA []LoRA
@@ -63,6 +67,7 @@ type Engine struct {
 	parked      map[int]*parked
 	lost        map[int]bool
 	parkedBytes atomic.Int64
+	parkLimit   int64
 }
 
 type sampler struct{ sc *ll.SamplingContext }
@@ -176,6 +181,10 @@ func Open(cfg Config) (*Engine, error) {
 		if err := e.initPark(cfg.NCtx, cfg.NSeqMax); err != nil {
 			e.Close()
 			return nil, err
+		}
+		e.parkLimit = cfg.ParkMaxBytes
+		if e.parkLimit <= 0 {
+			e.parkLimit = int64(cfg.NCtx) * bytesPerTok
 		}
 	}
 	e.info = engine.Info{

@@ -95,6 +95,24 @@ func (e *Engine) Park(seq int) {
 	e.parkedBytes.Add(int64(got))
 }
 
+// ParkBytes implements kvcache.ParkBudget: the host memory seq takes
+// parked, or would take if parked now (llama.cpp's state size of its
+// cells: K and V plus a few bytes of cell metadata per token, and a short
+// header, which is all an empty sequence would take).
+func (e *Engine) ParkBytes(seq int) int64 {
+	if e.raw == nil {
+		return 0
+	}
+	if p := e.parked[seq]; p != nil {
+		return int64(len(p.state))
+	}
+	return int64(C.llama_state_seq_get_size(e.raw, C.int32_t(seq)))
+}
+
+// ParkLimit implements kvcache.ParkBudget: the bound on ParkedBytes
+// (Config.ParkMaxBytes).
+func (e *Engine) ParkLimit() int64 { return e.parkLimit }
+
 // Parked reports whether seq's cells are in host memory, not in the KV
 // cache (evicting it frees no cells).
 func (e *Engine) Parked(seq int) bool { return e.parked[seq] != nil }

@@ -158,3 +158,75 @@ func BenchmarkPrefill(b *testing.B) {
 		}
 	}
 }
+
+// The default park bound is the KV cache's own size, n_ctx × bytes per
+// token: a parked sequence takes its tokens' K and V plus a few bytes of
+// cell metadata each, so the bound parks about n_ctx tokens. ParkBytes
+// tells the Owner an entry's size before and after parking.
+func TestDefaultParkBoundIsTheKVCacheSize(t *testing.T) {
+	e := open(t, 1024, 2)
+	per := e.Info().BytesPerToken
+	if e.ParkLimit() != 1024*per {
+		t.Fatalf("default park limit %d, want n_ctx × %d = %d", e.ParkLimit(), per, 1024*per)
+	}
+	if b := e.ParkBytes(0); b <= 0 || b >= per {
+		t.Fatalf("an empty sequence would park %d bytes, want its header alone", b)
+	}
+	prompt, _ := e.Tokenize(strings.Repeat("the quick brown fox jumps over the lazy dog. ", 8), true)
+	greedy(t, e, 0, prompt, 0, 1)
+	n := int64(len(prompt))
+	before := e.ParkBytes(0)
+	e.Park(0)
+	if !e.Parked(0) || e.ParkBytes(0) != before || e.ParkedBytes() != before {
+		t.Fatalf("parked %v: %d bytes predicted, %d parked (%d in all)", e.Parked(0), before, e.ParkBytes(0), e.ParkedBytes())
+	}
+	t.Logf("%d tokens parked in %d bytes: %d of K and V (%d per token), %d of metadata", n, before, n*per, per, before-n*per)
+	if before < n*per || before > n*per+n*64+4096 {
+		t.Fatalf("%d tokens parked in %d bytes, want their K and V (%d) plus metadata", n, before, n*per)
+	}
+	if b, err := Open(Config{ModelPath: testmodel.Path(t), NCtx: 1024, NSeqMax: 2, Threads: 1, ParkMaxBytes: 12345}); err != nil || b.ParkLimit() != 12345 {
+		t.Fatalf("configured park limit: %v", err)
+	} else {
+		b.Close()
+	}
+}
+
+// BenchmarkParkBytes prices the park bound's check: sizing an entry of
+// 2,600 tokens (ParkBytes, which the Owner asks before every park) beside
+// parking it and restoring it. $LLMF_BENCH_MODEL as BenchmarkPrefill.
+func BenchmarkParkBytes(b *testing.B) {
+	path := os.Getenv("LLMF_BENCH_MODEL")
+	if path == "" {
+		path = testmodel.Path(b)
+	}
+	e, err := Open(Config{ModelPath: path, NCtx: 4096, NSeqMax: 2, Threads: 1})
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer e.Close()
+	const n = 2600
+	toks := make([]int, n)
+	for i := range toks {
+		toks[i] = 3 + 'a' + (i*7+i/26)%26
+	}
+	for p := 0; p < n; p += 512 {
+		if _, err := e.Step([]engine.Span{{Seq: 0, Pos: p, Tokens: toks[p:min(p+512, n)]}}); err != nil {
+			b.Fatal(err)
+		}
+	}
+	b.Run("size", func(b *testing.B) {
+		for range b.N {
+			if e.ParkBytes(0) == 0 {
+				b.Fatal("no size")
+			}
+		}
+	})
+	b.Run("park+restore", func(b *testing.B) {
+		for range b.N {
+			e.Park(0)
+			if err := e.restore(0); err != nil {
+				b.Fatal(err)
+			}
+		}
+	})
+}
