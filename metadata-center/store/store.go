@@ -75,6 +75,11 @@ type Store interface {
 
 	// SaveCacheAs is SaveCache naming the save (saveID, may be empty).
 	SaveCacheAs(ctx context.Context, cluster, host string, hashes []prefix.Hash, saveID string) error
+	// RefreshCache is SaveCacheAs for the listed prefixes host still
+	// holds; the others are skipped, never inserted. A confirmation of an
+	// earlier save uses it: arriving after the pod reported an eviction,
+	// it must not bring the evicted entry back.
+	RefreshCache(ctx context.Context, cluster, host string, hashes []prefix.Hash, saveID string) error
 	// EvictCacheBefore forgets those of the listed prefixes of host that
 	// were last saved at or before before (Unix milliseconds, the
 	// evicting pod's clock): an entry saved after the eviction happened
