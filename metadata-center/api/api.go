@@ -71,10 +71,11 @@ type CacheLocation struct {
 // later; the gateway uses the request's lease id.
 //
 // RefreshOnly makes the save a confirmation: entries Host already holds get
-// their TTL and version refreshed, and hashes it does not hold are skipped,
-// never inserted. The gateway confirms this way what it saved at routing
-// time, so a confirmation that arrives after the pod reported an eviction
-// cannot bring the evicted entry back (docs/metadata-center.md, "Versions").
+// their TTL restarted and SaveID as their save id, keeping their save
+// time; hashes it does not hold are skipped, never inserted. The gateway
+// confirms this way what it saved at routing time, so a confirmation
+// cannot bring back an entry the pod evicted, whichever of the two reports
+// arrives first (docs/metadata-center.md, "Versions").
 type CacheSave struct {
 	Cluster     string   `json:"cluster"`
 	Host        string   `json:"host"`

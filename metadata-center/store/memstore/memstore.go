@@ -322,7 +322,7 @@ func (s *Store) RefreshCache(_ context.Context, clusterName, host string, hashes
 	for _, hash := range hashes {
 		if e := h.entries[hash]; e != nil {
 			s.refresh(e, now)
-			e.saved, e.saveID = now, saveID
+			e.saveID = saveID
 		}
 	}
 	return nil

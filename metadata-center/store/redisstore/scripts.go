@@ -297,7 +297,8 @@ return {table.concat(redis.call('HGETALL', lr), '\t'), table.concat(redis.call('
 // each entry's last save, "now saveID", for evictions and retractions;
 // its fields of entries that expired go with them. With refreshOnly "1"
 // a prefix whose holder list lacks a live record of host is skipped: a
-// confirmation never inserts (an eviction may have removed the entry).
+// confirmation never inserts (an eviction may have removed the entry);
+// and the ones it renews keep their save time, taking only the save id.
 // Reply: how many prefixes host now holds by this save.
 const saveSrc = holdersLib + `
 local ek, hk, vk, host, exp, ttl = KEYS[1], KEYS[2], KEYS[3], ARGV[4], ARGV[2], ARGV[3]
@@ -335,7 +336,12 @@ for i = 4, #KEYS do
     batch[#batch + 1] = exp
     batch[#batch + 1] = ARGV[i + 3]
     vers[#vers + 1] = ARGV[i + 3]
-    vers[#vers + 1] = version
+    if refresh then
+      local saved = string.match(redis.call('HGET', vk, ARGV[i + 3]) or '', '^%d+') or '0'
+      vers[#vers + 1] = saved .. ' ' .. ARGV[5]
+    else
+      vers[#vers + 1] = version
+    end
   end
   if #batch == 1024 or (i == #KEYS and #batch > 0) then
     redis.call('ZADD', ek, unpack(batch))

@@ -822,11 +822,22 @@ func testRefreshNeverInserts(e *env) {
 	if n := entries(); n != 2+4 {
 		e.t.Fatalf("IndexEntries = %d, want 6", n)
 	}
-	// The refresh is a new version: an eviction that happened between the
-	// save and the refresh leaves hostA's entries alone, not hostB's.
-	e.must(e.st.EvictCacheBefore(e.ctx, cl, hostA, hs, t0+10))
+	// The refresh is no save (as a query hit): an eviction the pod made
+	// after the save removes the entry even when its report arrives after
+	// the refresh; one made before the save leaves it.
+	e.must(e.st.EvictCacheBefore(e.ctx, cl, hostA, hs, t0-1))
+	e.wantCache(cl, hs, []api.CacheLocation{{Host: hostB, Length: 4}, {Host: hostA, Length: 2}})
+	e.must(e.st.EvictCacheBefore(e.ctx, cl, hostA, hs[1:], t0+10))
 	e.must(e.st.EvictCacheBefore(e.ctx, cl, hostB, hs[2:], t0+10))
-	e.wantCache(cl, hs, []api.CacheLocation{{Host: hostA, Length: 2}, {Host: hostB, Length: 2}})
+	e.wantCache(cl, hs, []api.CacheLocation{{Host: hostB, Length: 2}, {Host: hostA, Length: 1}})
+	// It does take the save id: a retraction of the first save's id
+	// leaves what the refresher vouched for, one of the refresher's goes.
+	e.must(e.st.RefreshCache(e.ctx, cl, hostB, hs, "r9"))
+	e.must(e.st.RetractCache(e.ctx, cl, hostB, hs, "r1"))
+	e.wantCache(cl, hs, []api.CacheLocation{{Host: hostB, Length: 2}, {Host: hostA, Length: 1}})
+	e.must(e.st.RetractCache(e.ctx, cl, hostB, hs[1:], "r9"))
+	e.must(e.st.SaveCacheAs(e.ctx, cl, hostB, hs[1:2], "r1"))
+	e.wantCache(cl, hs, []api.CacheLocation{{Host: hostB, Length: 2}, {Host: hostA, Length: 1}})
 
 	// The bug this exists for: the pod evicted hostC's tail, the report
 	// landed, and the confirmation of the save comes after it.
@@ -835,16 +846,23 @@ func testRefreshNeverInserts(e *env) {
 	e.must(e.st.EvictCacheBefore(e.ctx, cl, hostC, hs[2:], e.ms()))
 	e.clock.Advance(5 * time.Millisecond)
 	e.must(e.st.RefreshCache(e.ctx, cl, hostC, hs, "r2"))
-	e.wantCache(cl, hs, []api.CacheLocation{{Host: hostA, Length: 2}, {Host: hostB, Length: 2}, {Host: hostC, Length: 2}})
+	e.wantCache(cl, hs, []api.CacheLocation{{Host: hostB, Length: 2}, {Host: hostC, Length: 2}, {Host: hostA, Length: 1}})
 	e.wantCache(cl, hs[2:], []api.CacheLocation{})
+	// The other order: the refresh lands first, then the report of an
+	// eviction the pod made after the save: the entry goes all the same.
+	evicted := e.ms()
+	e.clock.Advance(5 * time.Millisecond)
+	e.must(e.st.RefreshCache(e.ctx, cl, hostC, hs, "r2"))
+	e.must(e.st.EvictCacheBefore(e.ctx, cl, hostC, hs[1:2], evicted))
+	e.wantCache(cl, hs, []api.CacheLocation{{Host: hostB, Length: 2}, {Host: hostA, Length: 1}, {Host: hostC, Length: 1}})
 
 	// The refresh renews the TTL: hostA refreshed near the end of its
 	// entries' life outlives hostB, saved at the same time and not
 	// refreshed. No query in between (a hit refreshes too).
 	e.clock.Advance(cacheTTL - time.Second)
-	e.must(e.st.RefreshCache(e.ctx, cl, hostA, hs[:2], "r3"))
+	e.must(e.st.RefreshCache(e.ctx, cl, hostA, hs[:1], "r3"))
 	e.clock.Advance(2 * time.Second)
-	e.wantCache(cl, hs, []api.CacheLocation{{Host: hostA, Length: 2}})
+	e.wantCache(cl, hs, []api.CacheLocation{{Host: hostA, Length: 1}})
 	// An entry that expired is gone for a refresh as well.
 	e.clock.Advance(cacheTTL + time.Second)
 	e.must(e.st.RefreshCache(e.ctx, cl, hostA, hs, "r3"))
