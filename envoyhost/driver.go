@@ -242,6 +242,16 @@ func (h *Host) call(typ uint8, payload []byte, timeout time.Duration) (frame, er
 	case f := <-ch:
 		return f, nil
 	case <-h.exited:
+		select {
+		case f := <-ch: // answered, then exited: both were ready
+			return f, nil
+		default:
+		}
+		if typ == fShutdown && h.Err() == nil {
+			// A clean exit is the shutdown's answer; its reply frame may
+			// not have been read before the exit was seen.
+			return frame{}, nil
+		}
 		return frame{}, h.deadErr(nil)
 	case <-time.After(timeout):
 		return frame{}, fmt.Errorf("envoyhost: the host's main thread did not answer in %v (hung); stderr:\n%s", timeout, h.Stderr())
