@@ -329,7 +329,14 @@ local function hold(key)
 end
 -- One ZADD and HSET per 512 hashes rather than per hash (Lua's unpack
 -- stops at a few thousand values, and the API allows 4096 hashes).
-local batch, vers, held = {}, {}, 0
+local batch, vers, held, olds = {}, {}, 0, {}
+if refresh then
+  -- The versions the refresh keeps the save time of, 512 per HMGET.
+  for i = 4, #KEYS, 512 do
+    local got = redis.call('HMGET', vk, unpack(ARGV, i + 3, math.min(i + 514, #KEYS + 3)))
+    for j = 1, #got do olds[i + j - 1] = got[j] end
+  end
+end
 for i = 4, #KEYS do
   if hold(KEYS[i]) then
     held = held + 1
@@ -337,7 +344,7 @@ for i = 4, #KEYS do
     batch[#batch + 1] = ARGV[i + 3]
     vers[#vers + 1] = ARGV[i + 3]
     if refresh then
-      local saved = string.match(redis.call('HGET', vk, ARGV[i + 3]) or '', '^%d+') or '0'
+      local saved = string.match(olds[i] or '', '^%d+') or '0'
       vers[#vers + 1] = saved .. ' ' .. ARGV[5]
     else
       vers[#vers + 1] = version

@@ -885,6 +885,20 @@ func testRefreshNeverInserts(e *env) {
 	if n := entries(); n != 2 {
 		e.t.Fatalf("IndexEntries = %d after the batch, want 2", n)
 	}
+	// Past 512 hashes (the Redis script reads versions in slices of 512),
+	// each entry keeps its own save time.
+	many := hashes("refresh-many", 1100)
+	t1 := e.ms()
+	e.must(e.st.SaveCacheAs(e.ctx, cl, hostC, many[:600], "m1"))
+	e.clock.Advance(10 * time.Millisecond)
+	e.must(e.st.SaveCacheAs(e.ctx, cl, hostC, many[600:], "m2"))
+	e.clock.Advance(10 * time.Millisecond)
+	e.must(e.st.RefreshCache(e.ctx, cl, hostC, many, "m3"))
+	e.must(e.st.EvictCacheBefore(e.ctx, cl, hostC, many, t1+5))
+	e.wantCache(cl, many, []api.CacheLocation{})
+	e.wantCache(cl, many[600:], []api.CacheLocation{{Host: hostC, Length: 500}})
+	e.must(e.st.EvictHost(e.ctx, cl, hostC))
+
 	// The refreshed entries carry the refresh's save id: retracting it
 	// withdraws them (a refresh confirms the save of the same request).
 	e.must(e.st.RefreshCache(e.ctx, cl, hostB, other, "b2"))
