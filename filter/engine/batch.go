@@ -47,8 +47,9 @@ func (e *Engine) batchOp(name string, d *Decision, host string) api.BatchOp {
 		op.Op = api.OpFirstToken
 	case "delete_request":
 		op.Op = api.OpDone
-	case "save_cache":
-		op = api.BatchOp{Op: api.OpCacheSave, Cluster: d.Cluster, Host: host, Hashes: d.Hashes, ChunkSize: e.hasher.ChunkSize, SaveID: d.RequestID}
+	case "save_cache", "refresh_cache":
+		op = api.BatchOp{Op: api.OpCacheSave, Cluster: d.Cluster, Host: host, Hashes: d.Hashes, ChunkSize: e.hasher.ChunkSize, SaveID: d.RequestID,
+			RefreshOnly: name == "refresh_cache"}
 		if len(op.Hashes) > api.MaxHashes {
 			op.Hashes = op.Hashes[:api.MaxHashes]
 		}

@@ -683,11 +683,35 @@ func (e *Engine) FirstToken(d *Decision) {
 
 // Saved reports that the host now holds the prompt's KV cache (saveKVCache:
 // POST /v1/cache/save). Only after Started.
+//
+// Where the entries are already in the index for that pod, the save is a
+// confirmation (refresh_only): it renews them and never inserts. For a
+// non-streamed answer the first token is the answer's end, the client's
+// next turn may already have made the pod truncate the prompt's tail and
+// report that eviction, and a confirmation landing after the report must
+// not write the evicted blocks back (docs/metadata-center.md, "Versions").
 func (e *Engine) Saved(d *Decision) {
 	if d == nil || !d.has(stStarted) || len(d.Hashes) == 0 || !d.mark(stSaved) {
 		return
 	}
-	e.dispatch("save_cache", d, d.host())
+	host := d.host()
+	if d.confirms(host) {
+		e.dispatch("refresh_cache", d, host)
+		return
+	}
+	e.dispatch("save_cache", d, host)
+}
+
+// confirms says whether every hash Saved would save on host was already
+// put there by this request's own routing-time save. Not on a pod Envoy
+// picked instead (Served): nothing was saved there, and the pod has just
+// built the whole prompt. Nor without a routing-time save (a short
+// prefill, or no batcher and the index held the whole prompt): the run the
+// index held may be another request's routing-time save, which that
+// request's retraction can withdraw before this save lands — a refresh
+// would then lose a prefix the pod really built, so the save inserts.
+func (d *Decision) confirms(host string) bool {
+	return host == d.Host && d.has(stEarlySave)
 }
 
 // Done reports the end of the request (decreaseRequest: DELETE
@@ -773,8 +797,9 @@ func (e *Engine) updateFor(name string, d *Decision, host string) func(context.C
 	case "delete_request":
 		r := api.RequestRef{Cluster: d.Cluster, Host: host, RequestID: d.RequestID}
 		return func(ctx context.Context) error { return u.DeleteRequest(ctx, r) }
-	case "save_cache":
-		r := api.CacheSave{Cluster: d.Cluster, Host: host, Hashes: d.Hashes, ChunkSize: e.hasher.ChunkSize, SaveID: d.RequestID}
+	case "save_cache", "refresh_cache":
+		r := api.CacheSave{Cluster: d.Cluster, Host: host, Hashes: d.Hashes, ChunkSize: e.hasher.ChunkSize, SaveID: d.RequestID,
+			RefreshOnly: name == "refresh_cache"}
 		return func(ctx context.Context) error { return u.SaveCache(ctx, r) }
 	case "retract_cache":
 		r := api.CacheRetract{Cluster: d.Cluster, Host: host, Hashes: d.retractable(host), SaveID: d.RequestID}

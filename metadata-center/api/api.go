@@ -69,12 +69,20 @@ type CacheLocation struct {
 //
 // SaveID, optional, names the save so that a CacheRetract can withdraw it
 // later; the gateway uses the request's lease id.
+//
+// RefreshOnly makes the save a confirmation: entries Host already holds get
+// their TTL restarted and SaveID as their save id, keeping their save
+// time; hashes it does not hold are skipped, never inserted. The gateway
+// confirms this way what it saved at routing time, so a confirmation
+// cannot bring back an entry the pod evicted, whichever of the two reports
+// arrives first (docs/metadata-center.md, "Versions").
 type CacheSave struct {
-	Cluster   string   `json:"cluster"`
-	Host      string   `json:"host"`
-	Hashes    []string `json:"hashes"`
-	ChunkSize int      `json:"chunk_size,omitempty"`
-	SaveID    string   `json:"save_id,omitempty"`
+	Cluster     string   `json:"cluster"`
+	Host        string   `json:"host"`
+	Hashes      []string `json:"hashes"`
+	ChunkSize   int      `json:"chunk_size,omitempty"`
+	SaveID      string   `json:"save_id,omitempty"`
+	RefreshOnly bool     `json:"refresh_only,omitempty"`
 }
 
 // CacheRetract is the body of POST /v1/cache/retract: the request that
@@ -238,6 +246,7 @@ type BatchOp struct {
 	Hashes       []string `json:"hashes,omitempty"`
 	ChunkSize    int      `json:"chunk_size,omitempty"`
 	SaveID       string   `json:"save_id,omitempty"`
+	RefreshOnly  bool     `json:"refresh_only,omitempty"` // cache_save only
 }
 
 // Batch is the body of POST /v1/batch: updates applied in order (so one

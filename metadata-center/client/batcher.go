@@ -47,7 +47,8 @@ func (c *Client) single(ctx context.Context, op api.BatchOp) error {
 	case api.OpDone:
 		return c.DeleteRequest(ctx, ref)
 	case api.OpCacheSave:
-		return c.SaveCache(ctx, api.CacheSave{Cluster: op.Cluster, Host: op.Host, Hashes: op.Hashes, ChunkSize: op.ChunkSize, SaveID: op.SaveID})
+		return c.SaveCache(ctx, api.CacheSave{Cluster: op.Cluster, Host: op.Host, Hashes: op.Hashes, ChunkSize: op.ChunkSize, SaveID: op.SaveID,
+			RefreshOnly: op.RefreshOnly})
 	case api.OpCacheRetract:
 		return c.RetractCache(ctx, api.CacheRetract{Cluster: op.Cluster, Host: op.Host, Hashes: op.Hashes, SaveID: op.SaveID})
 	}

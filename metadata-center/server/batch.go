@@ -53,6 +53,9 @@ func (s *Server) batch(c *gin.Context) {
 }
 
 func validOp(in api.BatchOp) (store.Op, error) {
+	if in.RefreshOnly && in.Op != api.OpCacheSave {
+		return store.Op{}, fmt.Errorf("refresh_only is only allowed on %s", api.OpCacheSave)
+	}
 	switch in.Op {
 	case api.OpAddRequest, api.OpFirstToken, api.OpDone:
 		ref, err := validRef(in.Cluster, in.Host, in.RequestID)
@@ -87,7 +90,8 @@ func validOp(in api.BatchOp) (store.Op, error) {
 		if err := validSaveID(in.SaveID, false); err != nil {
 			return store.Op{}, err
 		}
-		return store.Op{Kind: store.OpSaveCache, Cluster: cluster, Host: host, Hashes: hashes, SaveID: in.SaveID}, nil
+		return store.Op{Kind: store.OpSaveCache, Cluster: cluster, Host: host, Hashes: hashes, SaveID: in.SaveID,
+			RefreshOnly: in.RefreshOnly}, nil
 	case api.OpCacheRetract:
 		r, err := validRetract(api.CacheRetract{Cluster: in.Cluster, Host: in.Host, Hashes: in.Hashes, SaveID: in.SaveID})
 		if err != nil {

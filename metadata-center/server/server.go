@@ -468,7 +468,11 @@ func (s *Server) cacheSave(c *gin.Context) {
 	}
 	ctx, cancel := s.storeCtx(c)
 	defer cancel()
-	if err := s.st.SaveCacheAs(ctx, cluster, host, hashes, req.SaveID); err != nil {
+	save := s.st.SaveCacheAs
+	if req.RefreshOnly {
+		save = s.st.RefreshCache
+	}
+	if err := save(ctx, cluster, host, hashes, req.SaveID); err != nil {
 		s.storeFailed(c, "cache save", err)
 		return
 	}

@@ -277,6 +277,32 @@ func TestVersionsHTTP(t *testing.T) {
 			}
 			c.fails("POST", api.PathBatch, api.Batch{Ops: []api.BatchOp{{Op: api.OpCacheRetract, Cluster: cl, Host: b, Hashes: hexes(0, 1)}}},
 				400, "bad_request", "ops[0] (cache_retract): save_id is required")
+			// A confirmation (refresh_only) renews what a holds and never
+			// inserts: not the evicted hexes(3), nor anything on b, whether
+			// it comes alone or in a batch.
+			c.ok("POST", api.PathCacheSave, api.CacheSave{Cluster: cl, Host: a, Hashes: hexes(0, 6), SaveID: "r1", RefreshOnly: true}, nil)
+			c.ok("POST", api.PathBatch, api.Batch{Ops: []api.BatchOp{
+				{Op: api.OpCacheSave, Cluster: cl, Host: b, Hashes: hexes(0, 4), SaveID: "r4", RefreshOnly: true},
+			}}, nil)
+			if got, want := query(hexes(0, 6)), []api.CacheLocation{{Host: a, Length: 3}}; !reflect.DeepEqual(got, want) {
+				t.Fatalf("after refresh-only saves: %v, want %v", got, want)
+			}
+			// It is no save: the report of an eviction the pod made after
+			// the save and before the refresh removes the entry though it
+			// arrives after the refresh.
+			before := time.Now().UnixMilli()
+			time.Sleep(5 * time.Millisecond)
+			c.ok("POST", api.PathBatch, api.Batch{Ops: []api.BatchOp{
+				{Op: api.OpCacheSave, Cluster: cl, Host: a, Hashes: hexes(0, 3), SaveID: "r5", RefreshOnly: true},
+			}}, nil)
+			c.ok("POST", api.PathCacheEvict, api.CacheEvict{Cluster: cl, Host: a, Hashes: hexes(2, 1), EvictedAt: before}, nil)
+			if got, want := query(hexes(0, 6)), []api.CacheLocation{{Host: a, Length: 2}}; !reflect.DeepEqual(got, want) {
+				t.Fatalf("after an eviction reported after the refresh: %v, want %v", got, want)
+			}
+			c.fails("POST", api.PathBatch, api.Batch{Ops: []api.BatchOp{{Op: api.OpDone, Cluster: cl, Host: a, RequestID: "r1", RefreshOnly: true}}},
+				400, "bad_request", "ops[0] (done): refresh_only is only allowed on cache_save")
+			c.fails("POST", api.PathCacheSave, `{"cluster":"c","host":"10.0.0.1:80","hashes":["0123456789abcdef"],"refresh_only":"yes"}`,
+				400, "bad_request", "refresh_only")
 		})
 	}
 }

@@ -27,6 +27,7 @@ type Op struct {
 	PromptLength int64         // OpAddLease
 	Hashes       []prefix.Hash // OpSaveCache, OpRetractCache
 	SaveID       string        // OpSaveCache (may be empty), OpRetractCache
+	RefreshOnly  bool          // OpSaveCache: RefreshCache rather than SaveCacheAs
 }
 
 // Batcher is implemented by stores that apply a batch of updates in one
@@ -54,7 +55,11 @@ func Apply(ctx context.Context, st Store, ops []Op) error {
 		case OpDeleteLease:
 			err = st.DeleteLease(ctx, op.Cluster, op.Host, op.RequestID)
 		case OpSaveCache:
-			err = st.SaveCacheAs(ctx, op.Cluster, op.Host, op.Hashes, op.SaveID)
+			if op.RefreshOnly {
+				err = st.RefreshCache(ctx, op.Cluster, op.Host, op.Hashes, op.SaveID)
+			} else {
+				err = st.SaveCacheAs(ctx, op.Cluster, op.Host, op.Hashes, op.SaveID)
+			}
 		case OpRetractCache:
 			err = st.RetractCache(ctx, op.Cluster, op.Host, op.Hashes, op.SaveID)
 		}

@@ -75,6 +75,13 @@ type Store interface {
 
 	// SaveCacheAs is SaveCache naming the save (saveID, may be empty).
 	SaveCacheAs(ctx context.Context, cluster, host string, hashes []prefix.Hash, saveID string) error
+	// RefreshCache confirms an earlier save: of the listed prefixes, those
+	// host still holds get their TTL restarted and saveID as their save
+	// id; the others are skipped, never inserted. Their save time stays:
+	// like a query hit, a refresh is no save, so an eviction the pod made
+	// after the save removes the entry whichever of the refresh and the
+	// eviction report arrives first.
+	RefreshCache(ctx context.Context, cluster, host string, hashes []prefix.Hash, saveID string) error
 	// EvictCacheBefore forgets those of the listed prefixes of host that
 	// were last saved at or before before (Unix milliseconds, the
 	// evicting pod's clock): an entry saved after the eviction happened

@@ -309,6 +309,25 @@ func (s *Store) SaveCache(ctx context.Context, clusterName, host string, hashes 
 	return s.SaveCacheAs(ctx, clusterName, host, hashes, "")
 }
 
+// RefreshCache implements store.Store.
+func (s *Store) RefreshCache(_ context.Context, clusterName, host string, hashes []prefix.Hash, saveID string) error {
+	now := s.nanos()
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.sweepEntries(now)
+	h := s.findHost(clusterName, host)
+	if h == nil {
+		return nil
+	}
+	for _, hash := range hashes {
+		if e := h.entries[hash]; e != nil {
+			s.refresh(e, now)
+			e.saveID = saveID
+		}
+	}
+	return nil
+}
+
 // SaveCacheAs implements store.Store.
 func (s *Store) SaveCacheAs(_ context.Context, clusterName, host string, hashes []prefix.Hash, saveID string) error {
 	now := s.nanos()

@@ -532,18 +532,33 @@ func (s *Store) SaveCacheAs(ctx context.Context, cluster, host string, hashes []
 	if len(hashes) == 0 {
 		return nil
 	}
-	ks, args := s.saveArgs(s.keys(cluster), host, hashes, saveID)
+	ks, args := s.saveArgs(s.keys(cluster), host, hashes, saveID, false)
 	_, err := s.run(ctx, "cache save", s.sc.save, cluster, ks, args...)
 	return err
 }
 
+// RefreshCache implements store.Store: the save script, told to skip the
+// prefixes host does not hold, so still one round trip.
+func (s *Store) RefreshCache(ctx context.Context, cluster, host string, hashes []prefix.Hash, saveID string) error {
+	if len(hashes) == 0 {
+		return nil
+	}
+	ks, args := s.saveArgs(s.keys(cluster), host, hashes, saveID, true)
+	_, err := s.run(ctx, "cache refresh", s.sc.save, cluster, ks, args...)
+	return err
+}
+
 // saveArgs builds the save script's KEYS and ARGV.
-func (s *Store) saveArgs(k keys, host string, hashes []prefix.Hash, saveID string) ([]string, []any) {
+func (s *Store) saveArgs(k keys, host string, hashes []prefix.Hash, saveID string, refreshOnly bool) ([]string, []any) {
 	now := s.ms()
 	ks := make([]string, 0, 3+len(hashes))
 	ks = append(ks, k.host(host), k.hosts(), k.versions(host))
-	args := make([]any, 0, 5+len(hashes))
-	args = append(args, now, now+s.cacheTTL, s.cacheTTL, host, saveID)
+	args := make([]any, 0, 6+len(hashes))
+	flag := "0"
+	if refreshOnly {
+		flag = "1"
+	}
+	args = append(args, now, now+s.cacheTTL, s.cacheTTL, host, saveID, flag)
 	for _, h := range hashes {
 		hs := h.String()
 		ks = append(ks, k.base+":p:"+hs)

@@ -286,7 +286,7 @@ return {table.concat(redis.call('HGETALL', lr), '\t'), table.concat(redis.call('
 `
 
 // KEYS: e-key hosts-key v-key p-keys. ARGV: now expiry ttl host saveID
-// hashes...
+// refreshOnly hashes...
 //
 // A host saving a prefix it already holds (every request of a shared
 // system prompt does) gets its expiry replaced in place: the leading
@@ -295,13 +295,19 @@ return {table.concat(redis.call('HGETALL', lr), '\t'), table.concat(redis.call('
 // backwards (replicas' clocks) takes the full rewrite, which also drops
 // the dead records and makes the minimum exact again. The v-key records
 // each entry's last save, "now saveID", for evictions and retractions;
-// its fields of entries that expired go with them.
+// its fields of entries that expired go with them. With refreshOnly "1"
+// a prefix whose holder list lacks a live record of host is skipped: a
+// confirmation never inserts (an eviction may have removed the entry);
+// and the ones it renews keep their save time, taking only the save id.
+// Reply: how many prefixes host now holds by this save.
 const saveSrc = holdersLib + `
 local ek, hk, vk, host, exp, ttl = KEYS[1], KEYS[2], KEYS[3], ARGV[4], ARGV[2], ARGV[3]
 local nowN, expN = tonumber(ARGV[1]), tonumber(exp)
 local version = ARGV[1] .. ' ' .. ARGV[5]
+local refresh = ARGV[6] == '1'
 local function hold(key)
   local s = redis.call('GET', key)
+  if not s and refresh then return false end
   if s then
     local low = lowest(s)
     if low > nowN and expN >= low then
@@ -310,29 +316,47 @@ local function hold(key)
         local a = p + #host + 2
         local b = string.find(s, ';', a, true)
         redis.call('SET', key, string.sub(s, 1, a - 1) .. exp .. (b and string.sub(s, b) or ''), 'PX', ttl)
-        return
+        return true
       end
+      if refresh then return false end
     end
   end
   local m = parse(s)
+  if refresh and not (m[host] and m[host] > nowN) then return false end
   m[host] = expN
   redis.call('SET', key, (build(m, nowN)), 'PX', ttl)
+  return true
 end
 -- One ZADD and HSET per 512 hashes rather than per hash (Lua's unpack
 -- stops at a few thousand values, and the API allows 4096 hashes).
-local batch, vers = {}, {}
+local batch, vers, held, olds = {}, {}, 0, {}
+if refresh then
+  -- The versions the refresh keeps the save time of, 512 per HMGET.
+  for i = 4, #KEYS, 512 do
+    local got = redis.call('HMGET', vk, unpack(ARGV, i + 3, math.min(i + 514, #KEYS + 3)))
+    for j = 1, #got do olds[i + j - 1] = got[j] end
+  end
+end
 for i = 4, #KEYS do
-  hold(KEYS[i])
-  batch[#batch + 1] = exp
-  batch[#batch + 1] = ARGV[i + 2]
-  vers[#vers + 1] = ARGV[i + 2]
-  vers[#vers + 1] = version
-  if #batch == 1024 or i == #KEYS then
+  if hold(KEYS[i]) then
+    held = held + 1
+    batch[#batch + 1] = exp
+    batch[#batch + 1] = ARGV[i + 3]
+    vers[#vers + 1] = ARGV[i + 3]
+    if refresh then
+      local saved = string.match(olds[i] or '', '^%d+') or '0'
+      vers[#vers + 1] = saved .. ' ' .. ARGV[5]
+    else
+      vers[#vers + 1] = version
+    end
+  end
+  if #batch == 1024 or (i == #KEYS and #batch > 0) then
     redis.call('ZADD', ek, unpack(batch))
     redis.call('HSET', vk, unpack(vers))
     batch, vers = {}, {}
   end
 end
+if held == 0 then return 0 end
 while true do
   local dead = redis.call('ZRANGEBYSCORE', ek, '-inf', ARGV[1], 'LIMIT', 0, 512)
   if #dead == 0 then break end
@@ -344,7 +368,7 @@ redis.call('PEXPIRE', vk, ttl)
 redis.call('ZADD', hk, exp, host)
 redis.call('ZREMRANGEBYSCORE', hk, '-inf', ARGV[1])
 redis.call('PEXPIRE', hk, ttl)
-return 1
+return held
 `
 
 // unholdLib removes one host from a prefix's holder list, deleting the

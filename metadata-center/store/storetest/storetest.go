@@ -98,6 +98,7 @@ func Run(t *testing.T, f Factory) {
 		{"VersionsEvictBefore", testVersionsEvictBefore},
 		{"VersionsEvictHostBefore", testVersionsEvictHostBefore},
 		{"VersionsRetract", testVersionsRetract},
+		{"RefreshNeverInserts", testRefreshNeverInserts},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) { tc.fn(setup(t, f)) })
@@ -788,4 +789,119 @@ func testVersionsRetract(e *env) {
 	if st.IndexEntries != 2+2+6+1 {
 		e.t.Fatalf("IndexEntries = %d, want 11", st.IndexEntries)
 	}
+}
+
+// A refresh (the gateway's confirmation of a routing-time save) renews the
+// TTL and the version of the entries host still holds and never inserts
+// one: arriving after the pod reported an eviction, it must not bring the
+// evicted entry back.
+func testRefreshNeverInserts(e *env) {
+	hs := hashes("refresh", 4)
+	entries := func() int64 {
+		e.t.Helper()
+		st, err := e.st.Stats(e.ctx)
+		e.must(err)
+		return st.IndexEntries
+	}
+	// Nothing held anywhere: nothing appears, not even the host or cluster.
+	e.must(e.st.RefreshCache(e.ctx, cl, hostA, hs, "r0"))
+	e.must(e.st.RefreshCache(e.ctx, "unknown-cluster", hostA, hs, "r0"))
+	e.wantCache(cl, hs, []api.CacheLocation{})
+	if n := entries(); n != 0 {
+		e.t.Fatalf("IndexEntries = %d after refreshing nothing, want 0", n)
+	}
+
+	// hostA saved the first two; a refresh of all four keeps it at two.
+	t0 := e.ms()
+	e.must(e.st.SaveCacheAs(e.ctx, cl, hostA, hs[:2], "r1"))
+	e.must(e.st.SaveCacheAs(e.ctx, cl, hostB, hs, "r1"))
+	e.clock.Advance(20 * time.Millisecond)
+	e.must(e.st.RefreshCache(e.ctx, cl, hostA, hs, "r1"))
+	e.wantCache(cl, hs, []api.CacheLocation{{Host: hostB, Length: 4}, {Host: hostA, Length: 2}})
+	e.wantCache(cl, hs[2:], []api.CacheLocation{{Host: hostB, Length: 2}})
+	if n := entries(); n != 2+4 {
+		e.t.Fatalf("IndexEntries = %d, want 6", n)
+	}
+	// The refresh is no save (as a query hit): an eviction the pod made
+	// after the save removes the entry even when its report arrives after
+	// the refresh; one made before the save leaves it.
+	e.must(e.st.EvictCacheBefore(e.ctx, cl, hostA, hs, t0-1))
+	e.wantCache(cl, hs, []api.CacheLocation{{Host: hostB, Length: 4}, {Host: hostA, Length: 2}})
+	e.must(e.st.EvictCacheBefore(e.ctx, cl, hostA, hs[1:], t0+10))
+	e.must(e.st.EvictCacheBefore(e.ctx, cl, hostB, hs[2:], t0+10))
+	e.wantCache(cl, hs, []api.CacheLocation{{Host: hostB, Length: 2}, {Host: hostA, Length: 1}})
+	// It does take the save id: a retraction of the first save's id
+	// leaves what the refresher vouched for, one of the refresher's goes.
+	e.must(e.st.RefreshCache(e.ctx, cl, hostB, hs, "r9"))
+	e.must(e.st.RetractCache(e.ctx, cl, hostB, hs, "r1"))
+	e.wantCache(cl, hs, []api.CacheLocation{{Host: hostB, Length: 2}, {Host: hostA, Length: 1}})
+	e.must(e.st.RetractCache(e.ctx, cl, hostB, hs[1:], "r9"))
+	e.must(e.st.SaveCacheAs(e.ctx, cl, hostB, hs[1:2], "r1"))
+	e.wantCache(cl, hs, []api.CacheLocation{{Host: hostB, Length: 2}, {Host: hostA, Length: 1}})
+
+	// The bug this exists for: the pod evicted hostC's tail, the report
+	// landed, and the confirmation of the save comes after it.
+	e.must(e.st.SaveCacheAs(e.ctx, cl, hostC, hs, "r2"))
+	e.clock.Advance(5 * time.Millisecond)
+	e.must(e.st.EvictCacheBefore(e.ctx, cl, hostC, hs[2:], e.ms()))
+	e.clock.Advance(5 * time.Millisecond)
+	e.must(e.st.RefreshCache(e.ctx, cl, hostC, hs, "r2"))
+	e.wantCache(cl, hs, []api.CacheLocation{{Host: hostB, Length: 2}, {Host: hostC, Length: 2}, {Host: hostA, Length: 1}})
+	e.wantCache(cl, hs[2:], []api.CacheLocation{})
+	// The other order: the refresh lands first, then the report of an
+	// eviction the pod made after the save: the entry goes all the same.
+	evicted := e.ms()
+	e.clock.Advance(5 * time.Millisecond)
+	e.must(e.st.RefreshCache(e.ctx, cl, hostC, hs, "r2"))
+	e.must(e.st.EvictCacheBefore(e.ctx, cl, hostC, hs[1:2], evicted))
+	e.wantCache(cl, hs, []api.CacheLocation{{Host: hostB, Length: 2}, {Host: hostA, Length: 1}, {Host: hostC, Length: 1}})
+
+	// The refresh renews the TTL: hostA refreshed near the end of its
+	// entries' life outlives hostB, saved at the same time and not
+	// refreshed. No query in between (a hit refreshes too).
+	e.clock.Advance(cacheTTL - time.Second)
+	e.must(e.st.RefreshCache(e.ctx, cl, hostA, hs[:1], "r3"))
+	e.clock.Advance(2 * time.Second)
+	e.wantCache(cl, hs, []api.CacheLocation{{Host: hostA, Length: 1}})
+	// An entry that expired is gone for a refresh as well.
+	e.clock.Advance(cacheTTL + time.Second)
+	e.must(e.st.RefreshCache(e.ctx, cl, hostA, hs, "r3"))
+	e.wantCache(cl, hs, []api.CacheLocation{})
+	if n := entries(); n != 0 {
+		e.t.Fatalf("IndexEntries = %d after everything expired, want 0", n)
+	}
+
+	// Through a batch, in order: a refresh before the save inserts
+	// nothing, the one after it renews; refresh-only ops of a host that
+	// holds nothing leave it out.
+	other := hashes("refresh-batch", 3)
+	e.must(store.Apply(e.ctx, e.st, []store.Op{
+		{Kind: store.OpSaveCache, Cluster: cl, Host: hostA, Hashes: other, SaveID: "b1", RefreshOnly: true},
+		{Kind: store.OpSaveCache, Cluster: cl, Host: hostB, Hashes: other[:2], SaveID: "b1"},
+		{Kind: store.OpSaveCache, Cluster: cl, Host: hostB, Hashes: other, SaveID: "b1", RefreshOnly: true},
+		{Kind: store.OpSaveCache, Cluster: cl, Host: hostC, SaveID: "b1", RefreshOnly: true}, // no hashes: nothing
+	}))
+	e.wantCache(cl, other, []api.CacheLocation{{Host: hostB, Length: 2}})
+	if n := entries(); n != 2 {
+		e.t.Fatalf("IndexEntries = %d after the batch, want 2", n)
+	}
+	// Past 512 hashes (the Redis script reads versions in slices of 512),
+	// each entry keeps its own save time.
+	many := hashes("refresh-many", 1100)
+	t1 := e.ms()
+	e.must(e.st.SaveCacheAs(e.ctx, cl, hostC, many[:600], "m1"))
+	e.clock.Advance(10 * time.Millisecond)
+	e.must(e.st.SaveCacheAs(e.ctx, cl, hostC, many[600:], "m2"))
+	e.clock.Advance(10 * time.Millisecond)
+	e.must(e.st.RefreshCache(e.ctx, cl, hostC, many, "m3"))
+	e.must(e.st.EvictCacheBefore(e.ctx, cl, hostC, many, t1+5))
+	e.wantCache(cl, many, []api.CacheLocation{})
+	e.wantCache(cl, many[600:], []api.CacheLocation{{Host: hostC, Length: 500}})
+	e.must(e.st.EvictHost(e.ctx, cl, hostC))
+
+	// The refreshed entries carry the refresh's save id: retracting it
+	// withdraws them (a refresh confirms the save of the same request).
+	e.must(e.st.RefreshCache(e.ctx, cl, hostB, other, "b2"))
+	e.must(e.st.RetractCache(e.ctx, cl, hostB, other, "b2"))
+	e.wantCache(cl, other, []api.CacheLocation{})
 }
