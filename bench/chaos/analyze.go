@@ -73,15 +73,16 @@ type FaultStats struct {
 	RecoveryS float64 `json:"recovery_s"` // -1: not back to baseline within the window
 }
 
-// Baseline of the records started in [from, to), however they ended: a
-// request that started before the first fault and hung into it shows the
-// fleet was not healthy to begin with.
+// Baseline of the records that ran entirely within [from, to), before the
+// first fault: one still running when the fault began belongs to that
+// fault's window (windowOf), whatever the fault did to it, and a hang
+// shows there.
 func BaselineOf(rs []Record, from, to time.Duration) Baseline {
 	var b Baseline
 	var ttft []float64
 	ok := 0
 	for _, r := range rs {
-		if r.Start < from || r.Start >= to || r.Outcome == Aborted {
+		if r.Start < from || r.End > to || r.Outcome == Aborted {
 			continue
 		}
 		b.Requests++

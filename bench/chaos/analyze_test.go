@@ -88,9 +88,9 @@ func TestAnalyzeAssignsRequestsToTheEarliestWindowTheyOverlap(t *testing.T) {
 	if rs[0].Fault != "" || rs[1].Fault != "kill" || rs[4].Fault != "kill" || rs[8].Fault != "burst" {
 		t.Fatalf("faults assigned: %q %q %q %q", rs[0].Fault, rs[1].Fault, rs[4].Fault, rs[8].Fault)
 	}
-	// Started before the first fault, however they ended: 0 (ok) and 1
-	// (broken off by the kill).
-	if base := BaselineOf(rs, 0, secs(10)); base.Requests != 2 || base.SuccessRate != 0.5 || base.TTFTP50 != 100 {
+	// Ran entirely before the first fault: 0 (ok), not 1 (broken off by
+	// the kill, the kill's).
+	if base := BaselineOf(rs, 0, secs(10)); base.Requests != 1 || base.SuccessRate != 1 || base.TTFTP50 != 100 {
 		t.Fatalf("baseline %+v", base)
 	}
 }

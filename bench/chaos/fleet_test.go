@@ -68,7 +68,7 @@ func TestFaultsOnARealFleet(t *testing.T) {
 	}
 	bin := buildBinaries(t)
 	cfg := Config{Bin: bin, Out: t.TempDir(), SimWorkers: 2, Users: 3, MaxTokens: 16,
-		LeaseTTL: 3 * time.Second, Baseline: 3 * time.Second, Gap: 3 * time.Second,
+		LeaseTTL: 3 * time.Second, Baseline: 6 * time.Second, Gap: 3 * time.Second,
 		Faults: []string{"worker-kill", "redis-pause", "gateway-kill"}}
 	res, err := RunChaos(context.Background(), cfg)
 	if err != nil {
