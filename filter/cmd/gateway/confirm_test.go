@@ -110,7 +110,7 @@ func TestLateConfirmationKeepsEvictedBlocksOut(t *testing.T) {
 	pod, rep := reportingSimWorker(t, mc.URL, cluster, chunk)
 	host := pod.Listener.Addr().String()
 
-	path := writeConfig(t, fmt.Sprintf(`
+	base := startGateway(t, fmt.Sprintf(`
 listen: 127.0.0.1:0
 log_level: error
 filter:
@@ -125,23 +125,6 @@ filter:
   endpoints:
     static: {%s: [%s]}
 `, mc.URL, chunk, cluster, cluster, host))
-	ctx, cancel := context.WithCancel(context.Background())
-	ready := make(chan net.Addr, 1)
-	done := make(chan error, 1)
-	go func() { done <- run(ctx, []string{"--config", path}, io.Discard, ready) }()
-	defer func() {
-		cancel()
-		<-done
-	}()
-	var base string
-	select {
-	case a := <-ready:
-		base = "http://" + a.String()
-	case err := <-done:
-		t.Fatalf("gateway exited: %v", err)
-	case <-time.After(10 * time.Second):
-		t.Fatal("gateway not ready")
-	}
 
 	const turns = 4
 	msgs := []map[string]string{{"role": "system", "content": strings.Repeat("You are a patient guide to the rivers of Europe. ", 8)}}

@@ -1,11 +1,9 @@
 package main
 
 import (
-	"context"
 	"fmt"
 	"io"
 	"log/slog"
-	"net"
 	"net/http"
 	"net/http/httptest"
 	"regexp"
@@ -56,7 +54,7 @@ func TestRedisClusterFailoverNoClientErrors(t *testing.T) {
 	defer p1.Close()
 	defer p2.Close()
 
-	path := writeConfig(t, fmt.Sprintf(`
+	base := startGateway(t, fmt.Sprintf(`
 listen: 127.0.0.1:0
 log_level: error
 filter:
@@ -70,23 +68,6 @@ filter:
   endpoints:
     static: {tiny-pool: [%s, %s]}
 `, mc.URL, p1.Listener.Addr(), p2.Listener.Addr()))
-	ctx, cancel := context.WithCancel(context.Background())
-	ready := make(chan net.Addr, 1)
-	done := make(chan error, 1)
-	go func() { done <- run(ctx, []string{"--config", path}, io.Discard, ready) }()
-	defer func() {
-		cancel()
-		<-done
-	}()
-	var base string
-	select {
-	case a := <-ready:
-		base = "http://" + a.String()
-	case err := <-done:
-		t.Fatalf("gateway exited: %v", err)
-	case <-time.After(10 * time.Second):
-		t.Fatal("gateway not ready")
-	}
 	counter := func(event string) int64 {
 		resp, err := http.Get(base + "/metrics")
 		if err != nil {

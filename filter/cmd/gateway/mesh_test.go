@@ -36,7 +36,7 @@ func newPod(t *testing.T, name string) *pod {
 func (p *pod) addr() string { return p.srv.Listener.Addr().String() }
 
 // startGateway runs the gateway on a config and returns its base URL.
-func startGateway(t *testing.T, cfg string) string {
+func startGateway(t testing.TB, cfg string) string {
 	t.Helper()
 	path := writeConfig(t, cfg)
 	ctx, cancel := context.WithCancel(context.Background())

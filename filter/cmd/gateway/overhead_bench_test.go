@@ -1,11 +1,9 @@
 package main
 
 import (
-	"context"
 	"fmt"
 	"io"
 	"log/slog"
-	"net"
 	"net/http"
 	"net/http/httptest"
 	"slices"
@@ -48,7 +46,7 @@ func BenchmarkGatewayOverhead(b *testing.B) {
 				_, _ = io.WriteString(w, `{"object":"chat.completion","choices":[{"message":{"role":"assistant","content":"ok"}}]}`)
 			}))
 			defer pod.Close()
-			path := writeConfig(b, fmt.Sprintf(`
+			gw := startGateway(b, fmt.Sprintf(`
 listen: 127.0.0.1:0
 log_level: error
 filter:
@@ -62,21 +60,6 @@ filter:
   endpoints:
     static: {pool: [%s]}%s
 `, mc.URL, pod.Listener.Addr(), async))
-			ctx, cancel := context.WithCancel(context.Background())
-			ready := make(chan net.Addr, 1)
-			done := make(chan error, 1)
-			go func() { done <- run(ctx, []string{"--config", path}, io.Discard, ready) }()
-			defer func() {
-				cancel()
-				<-done
-			}()
-			var gw string
-			select {
-			case a := <-ready:
-				gw = "http://" + a.String()
-			case err := <-done:
-				b.Fatalf("gateway exited: %v", err)
-			}
 			body := fmt.Sprintf(`{"model":"qwen","messages":[{"role":"system","content":%q},{"role":"user","content":"hi"}]}`,
 				strings.Repeat("a", size))
 			hc := &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: 4}}

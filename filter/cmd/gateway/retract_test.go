@@ -69,7 +69,7 @@ func TestRefusedRequestsLeaveNoIndexEntries(t *testing.T) {
 	defer mc.Close()
 	pod := simWorker(t, 300*time.Millisecond)
 
-	path := writeConfig(t, fmt.Sprintf(`
+	base := startGateway(t, fmt.Sprintf(`
 listen: 127.0.0.1:0
 log_level: error
 filter:
@@ -84,23 +84,6 @@ filter:
   endpoints:
     static: {tiny-pool: [%s]}
 `, mc.URL, pod.Listener.Addr()))
-	ctx, cancel := context.WithCancel(context.Background())
-	ready := make(chan net.Addr, 1)
-	done := make(chan error, 1)
-	go func() { done <- run(ctx, []string{"--config", path}, io.Discard, ready) }()
-	defer func() {
-		cancel()
-		<-done
-	}()
-	var base string
-	select {
-	case a := <-ready:
-		base = "http://" + a.String()
-	case err := <-done:
-		t.Fatalf("gateway exited: %v", err)
-	case <-time.After(10 * time.Second):
-		t.Fatal("gateway not ready")
-	}
 	entries := func() int64 {
 		s, err := st.Stats(context.Background())
 		if err != nil {
@@ -227,7 +210,7 @@ func TestUnreachablePodLeavesNoIndexEntries(t *testing.T) {
 	}
 	dead := ln.Addr().String()
 	ln.Close()
-	path := writeConfig(t, fmt.Sprintf(`
+	base := startGateway(t, fmt.Sprintf(`
 listen: 127.0.0.1:0
 log_level: error
 filter:
@@ -239,23 +222,6 @@ filter:
   endpoints:
     static: {tiny-pool: [%s]}
 `, mc.URL, dead))
-	ctx, cancel := context.WithCancel(context.Background())
-	ready := make(chan net.Addr, 1)
-	done := make(chan error, 1)
-	go func() { done <- run(ctx, []string{"--config", path}, io.Discard, ready) }()
-	defer func() {
-		cancel()
-		<-done
-	}()
-	var base string
-	select {
-	case a := <-ready:
-		base = "http://" + a.String()
-	case err := <-done:
-		t.Fatalf("gateway exited: %v", err)
-	case <-time.After(10 * time.Second):
-		t.Fatal("gateway not ready")
-	}
 	resp, err := http.Post(base+"/v1/chat/completions", "application/json",
 		strings.NewReader(`{"model":"qwen","messages":[{"role":"user","content":"`+strings.Repeat("is anyone there? ", 80)+`"}]}`))
 	if err != nil {
