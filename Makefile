@@ -63,7 +63,7 @@ bench: build
 bench-llama: build $(BENCH_MODEL)
 	./scripts/bench-llama.sh $(BENCH_MODEL) bench/out/llama
 
-## chaos: issue 16's fault schedule under steady load on real processes (~4 min; docs/operations.md); fails when an aim is missed
+## chaos: the fault schedule of docs/operations.md under steady load on real processes (~4 min; docs/operations.md); fails when an aim is missed
 chaos: build $(MODEL)
 	$(GO) run ./bench/cmd/chaos --model $(MODEL) --out bench/out/chaos
 

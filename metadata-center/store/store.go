@@ -25,7 +25,7 @@ import (
 // Implementations wrap it, so test with errors.Is.
 var ErrUnavailable = errors.New("store unavailable")
 
-// Defaults shared by both implementations (docs/architecture.md, issue 2).
+// Defaults shared by both implementations (docs/architecture.md).
 const (
 	DefaultLeaseTTL = 10 * time.Minute
 	DefaultCacheTTL = 30 * time.Minute
