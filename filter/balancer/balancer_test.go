@@ -60,7 +60,7 @@ func TestOwnPrefillKeepsAFollowerOnThePodThatHoldsItsPrefix(t *testing.T) {
 
 func near(a, b float64) bool { return math.Abs(a-b) < 1e-9 }
 
-// TestSeedWorkedExample is seed 002 §4 step 5: pods A/B/C with
+// TestSeedWorkedExample is the base formula's worked example (docs/configuration.md): pods A/B/C with
 // reqs 8/2/5, prompt 4096/1024/2048 and 0, 2 and 1 of 3 blocks cached.
 //
 // The seed rounds the cache ratios to two decimals (0.67 and 0.33) before

@@ -12,7 +12,7 @@ import (
 	"google.golang.org/protobuf/types/known/wrapperspb"
 )
 
-// designDoc is DESIGN §9's filter document verbatim.
+// designDoc is the filter document of the design, verbatim.
 const designDoc = `
 protocol: openai
 metadata_center:

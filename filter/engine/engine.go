@@ -1,13 +1,12 @@
 // Package engine is the filter's decision engine, independent of Envoy: the
 // Envoy StreamFilter and the standalone gateway both hand it a complete
 // request and get back where to send it (docs/envoy-filter.md), then report
-// the request's lifecycle (step 10, §5, §6) so that the metadata center's
+// the request's lifecycle (docs/envoy-filter.md, "Phases") so that the metadata center's
 // load and cache figures stay true.
 //
 // Decide runs: trace id → transcoder → parse → rule match → prompt hash →
 // endpoints and label selectors → one route query to the metadata center
-// (bounded by query_timeout; on failure equal load and zero cache, seed
-// §8.3) → policy → upstream body. Lifecycle reports are queued on a
+// (bounded by query_timeout; on failure equal load and zero cache) → policy → upstream body. Lifecycle reports are queued on a
 // bounded dispatcher and never block.
 //
 // Metrics (Options.Metrics.Count) are counted under these names:
@@ -287,7 +286,7 @@ func (e *Engine) warn(msg string, args ...any) {
 // Config returns the engine's configuration (read only).
 func (e *Engine) Config() *config.Config { return e.cfg }
 
-// Error is a refused request: Status 400/404/413/..., Type per seed §8.2.
+// Error is a refused request: Status 400/404/413/..., Type as in docs/metadata-center.md, "Errors".
 type Error struct {
 	Status  int
 	Type    string
@@ -563,7 +562,7 @@ func (e *Engine) fromTranscode(err error, trace string) *Error {
 	return e.reject(http.StatusBadRequest, transcode.TypeBadRequest, trace, "%v", err)
 }
 
-// query runs the route query; any failure degrades (seed §8.3). It also
+// query runs the route query; any failure degrades. It also
 // returns the registered pods' labels.
 func (e *Engine) query(ctx context.Context, trace, cluster string, hashes []string, sc *scratch) (balancer.View, map[string]api.PodLabels) {
 	if e.router == nil {

@@ -209,7 +209,7 @@ func asEngineError(err error, traceID string) *engine.Error {
 	return &engine.Error{Status: 500, Type: "internal_error", Message: err.Error(), TraceID: traceID}
 }
 
-// reply sends a local reply in the seed's §8.2 format. Callers in a
+// reply sends a local reply in the project's error format (docs/metadata-center.md, "Errors"). Callers in a
 // goroutine hold f.mu and have checked destroyed.
 //
 // Each reply is marked in the dynamic metadata (LocalReplyMetadataKey under
@@ -279,7 +279,7 @@ func (f *filter) EncodeHeaders(h api.ResponseHeaderMap, endStream bool) (st api.
 		// servers already answer errors in OpenAI form (and a 429 or 408
 		// tells the client more than a 503), so theirs go back untouched; a
 		// translated backend's error is not something the client can read,
-		// so it becomes the seed's 503 (§8.1) once its body is in.
+		// so it becomes a 503 once its body is in.
 		if d.Response == nil || endStream {
 			return api.Continue
 		}

@@ -1,4 +1,4 @@
-// Package rules maps a request to its routing rule (seed 002 §3 step 4):
+// Package rules maps a request to its routing rule (docs/configuration.md):
 // model name first, then header conditions, most conditions first, the first
 // rule whose conditions all hold wins, and a rule without conditions is the
 // model's default.

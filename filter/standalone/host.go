@@ -655,7 +655,7 @@ func (h *Host) encodeTrailers(ctx context.Context, s *stream, f api.StreamFilter
 	}
 }
 
-// jsonError renders the seed's §8.2 error document.
+// jsonError renders the project's error document (docs/metadata-center.md, "Errors").
 func jsonError(code int, typ, msg, traceID string) string {
 	type body struct {
 		Error struct {

@@ -206,7 +206,7 @@ func (r PodReport) Signals() PodSignals {
 // MaxPodSignals bounds the pods one cluster keeps signals for.
 const MaxPodSignals = 4096
 
-// Error is the body of every error answer, in the seed's format (002 §8.2).
+// Error is the body of every error answer, in the project's error format (docs/metadata-center.md, "Errors").
 type Error struct {
 	Error   ErrorDetail `json:"error"`
 	TraceID string      `json:"trace_id,omitempty"`
