@@ -332,7 +332,7 @@ func TestManifestArgsRunTheRealBinaries(t *testing.T) {
 	}
 
 	// The model name the rules are keyed by is served; in the shared pool
-	// any other name is refused in the seed's error format, never answered.
+	// any other name is refused in the error format, never answered.
 	chat := func(model string) (int, map[string]any) {
 		t.Helper()
 		body := `{"model":"` + model + `","messages":[{"role":"user","content":"hello"}],"max_tokens":4}`

@@ -510,7 +510,7 @@ func (f *filter) OnDestroy(api.DestroyReason) {
 
 // --- panics ---
 
-// recoverPhase turns a panic in a phase into a 500 in the seed's format (Envoy
+// recoverPhase turns a panic in a phase into a 500 in the error format (Envoy
 // would answer a bare 500 too, but without the trace id).
 func (f *filter) recoverPhase(st *api.StatusType, decoding bool) {
 	e := recover()

@@ -159,7 +159,7 @@ func parseSeedError(t *testing.T, ev fakeEvent) seedError {
 	}
 	var e seedError
 	if err := json.Unmarshal([]byte(ev.body), &e); err != nil {
-		t.Fatalf("local reply %q is not the seed's JSON: %v", ev.body, err)
+		t.Fatalf("local reply %q is not the error JSON: %v", ev.body, err)
 	}
 	if ct := ev.headers["content-type"]; len(ct) != 1 || ct[0] != "application/json" {
 		t.Fatalf("local reply content-type = %v", ev.headers)
@@ -353,7 +353,7 @@ func TestTritonRequestAndResponsesAreTranscoded(t *testing.T) {
 	}
 	s.end(resp)
 
-	// Untranslatable whole body: 503 in the seed's format.
+	// Untranslatable whole body: 503 in the error format.
 	s = newStream(t, conf)
 	s.decode(reqHeaders("x-request-id", "bad-triton"), chat("tri", false, "x"))
 	resp = standalone.NewResponseHeaders(200, http.Header{"Content-Type": {"application/json"}})

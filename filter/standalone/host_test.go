@@ -364,7 +364,7 @@ func decodeErr(t *testing.T, b []byte) (code int, typ, trace string) {
 		TraceID string `json:"trace_id"`
 	}
 	if err := json.Unmarshal(b, &doc); err != nil {
-		t.Fatalf("error body %q is not the seed's JSON: %v", b, err)
+		t.Fatalf("error body %q is not the error JSON: %v", b, err)
 	}
 	return doc.Error.Code, doc.Error.Type, doc.TraceID
 }

@@ -56,7 +56,7 @@ type Options struct {
 // StatusError is a non-2xx answer.
 type StatusError struct {
 	Status int
-	Body   api.Error // zero if the answer was not in the seed's format
+	Body   api.Error // zero if the answer was not in the error format
 	Op     string
 }
 

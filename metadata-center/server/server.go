@@ -1,6 +1,6 @@
 // Package server is the metadata center's HTTP API v1 (docs/architecture.md) on gin:
 // it validates and canonicalises every request, maps it onto a store.Store,
-// and answers errors in the seed's format
+// and answers errors as
 // {"error":{"code":N,"type":"...","message":"..."}}.
 package server
 
@@ -171,7 +171,7 @@ func method(m string) string {
 	return "other"
 }
 
-// fail answers an error in the seed's format and stops the chain.
+// fail answers an error in the error format and stops the chain.
 func (s *Server) fail(c *gin.Context, code int, typ, msg string) {
 	body, _ := json.Marshal(api.Error{
 		Error:   api.ErrorDetail{Code: code, Type: typ, Message: msg},

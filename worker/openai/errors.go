@@ -26,8 +26,8 @@ const (
 	TypeUnavailable     = "service_unavailable"
 )
 
-// Error is an API error: an HTTP status and the body the seed's format
-// prescribes, {"error":{"code":N,"type":"...","message":"..."}}.
+// Error is an API error: an HTTP status and the error body
+// {"error":{"code":N,"type":"...","message":"..."}} (docs/worker.md).
 type Error struct {
 	Status  int
 	Type    string

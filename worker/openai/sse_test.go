@@ -325,7 +325,7 @@ func TestOpenAIClientErrors(t *testing.T) {
 }
 
 // TestSSEFraming checks the bytes on the wire: only "data: <json>\n\n"
-// events, ending with "data: [DONE]\n\n", and the seed's error body.
+// events, ending with "data: [DONE]\n\n", and the error body.
 func TestSSEFraming(t *testing.T) {
 	_, url := newClient(t)
 	body := `{"model":"tiny","messages":[{"role":"user","content":"hi"}],"stream":true,"stream_options":{"include_usage":true},"stop":"STOP"}`

@@ -334,7 +334,7 @@ func (r *response) event(ev []byte) ([]byte, error) {
 	}
 	text, err := decodeAnswer(data)
 	if errors.Is(err, errBackend) {
-		// The status line is long gone: report in-band, in the seed's format.
+		// The status line is long gone: report in-band, in the error format.
 		msg, _ := json.Marshal(map[string]any{"error": map[string]any{"code": 503, "type": transcode.TypeUnavailable, "message": err.Error()}})
 		return r.sse(msg), nil
 	}
