@@ -103,8 +103,20 @@ func TestFaultsOnARealFleet(t *testing.T) {
 	if res.Final.Leases != 0 || res.Final.Err != "" {
 		t.Errorf("one lease TTL after the load: %+v", res.Final)
 	}
-	if res.Initial.IndexEntries == 0 || res.Baseline.Requests == 0 || res.Baseline.SuccessRate < 0.9 {
+	// The baseline holds the requests that ran entirely before the first
+	// fault; on a loaded machine a few-second window may hold none (cold
+	// prefills take seconds), but those it holds must have succeeded.
+	if res.Initial.IndexEntries == 0 || res.Baseline.Requests > 0 && res.Baseline.SuccessRate < 0.9 {
 		t.Errorf("baseline %+v, initial check %+v", res.Baseline, res.Initial)
+	}
+	ok := 0
+	for _, r := range recs {
+		if r.Outcome == OK {
+			ok++
+		}
+	}
+	if ok < len(recs)/2 {
+		t.Errorf("%d of %d requests succeeded under three faults", ok, len(recs))
 	}
 	for _, name := range []string{"summary.json", "report.md", "chaos_ttft.svg", "chaos_errors.svg", "final_index.json"} {
 		if st, err := os.Stat(filepath.Join(cfg.Out, name)); err != nil || st.Size() == 0 {
