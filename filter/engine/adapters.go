@@ -3,6 +3,7 @@ package engine
 import (
 	"context"
 	"slices"
+	"strings"
 
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/api"
 )
@@ -79,14 +80,6 @@ func (e *Engine) Adapters(ctx context.Context) ([]Adapter, error) {
 			}
 		}
 	}
-	slices.SortFunc(out, func(a, b Adapter) int {
-		if a.ID < b.ID {
-			return -1
-		}
-		if a.ID > b.ID {
-			return 1
-		}
-		return 0
-	})
+	slices.SortFunc(out, func(a, b Adapter) int { return strings.Compare(a.ID, b.ID) })
 	return out, firstErr
 }

@@ -51,20 +51,13 @@ func (f *filter) bodylessReply(h api.RequestHeaderMap, endStream bool) *engine.E
 	path, _, _ := strings.Cut(h.Path(), "?")
 	if method == http.MethodGet && f.conf.cfg.Protocol == "openai" {
 		if path == "/v1/models" {
-			list := modelList{Object: "list", Data: []modelObject{}}
-			for _, id := range f.models() {
-				list.Data = append(list.Data, modelOf(id))
-			}
-			b, _ := json.Marshal(list)
-			return &engine.Error{Status: http.StatusOK, Type: answered, Message: string(b)}
+			return answer(f.modelList(nil))
 		}
 		if id, ok := strings.CutPrefix(path, "/v1/models/"); ok && id != "" {
 			if _, known := f.conf.cfg.ModelMappingRule[id]; !known {
-				return &engine.Error{Status: http.StatusNotFound, Type: transcode.TypeNotFound,
-					Message: "model not found: " + id, TraceID: f.trace()}
+				return f.unknownModel(id)
 			}
-			b, _ := json.Marshal(modelOf(id))
-			return &engine.Error{Status: http.StatusOK, Type: answered, Message: string(b)}
+			return answer(modelOf(id))
 		}
 	}
 	if endStream && (method == http.MethodPost || method == http.MethodPut || method == http.MethodPatch) {
@@ -74,13 +67,40 @@ func (f *filter) bodylessReply(h api.RequestHeaderMap, endStream bool) *engine.E
 	return nil
 }
 
-func (f *filter) models() []string {
+// modelList is the configured models, sorted, then the adapters that are
+// not also a configured model's name.
+func (f *filter) modelList(adapters []engine.Adapter) modelList {
 	ids := make([]string, 0, len(f.conf.cfg.ModelMappingRule))
 	for id := range f.conf.cfg.ModelMappingRule {
 		ids = append(ids, id)
 	}
 	slices.Sort(ids)
-	return ids
+	list := modelList{Object: "list", Data: make([]modelObject, 0, len(ids)+len(adapters))}
+	for _, id := range ids {
+		list.Data = append(list.Data, modelOf(id))
+	}
+	for _, a := range adapters {
+		if _, dup := f.conf.cfg.ModelMappingRule[a.ID]; !dup {
+			list.Data = append(list.Data, adapterOf(a))
+		}
+	}
+	return list
+}
+
+func adapterOf(a engine.Adapter) modelObject {
+	o := modelOf(a.ID)
+	o.Parent = a.Parent
+	return o
+}
+
+// answer is a local reply that answers with v's JSON.
+func answer(v any) *engine.Error {
+	b, _ := json.Marshal(v)
+	return &engine.Error{Status: http.StatusOK, Type: answered, Message: string(b)}
+}
+
+func (f *filter) unknownModel(id string) *engine.Error {
+	return &engine.Error{Status: http.StatusNotFound, Type: transcode.TypeNotFound, Message: "model not found: " + id, TraceID: f.trace()}
 }
 
 // modelsQuery says whether GET /v1/models or /v1/models/{id} must look at
@@ -118,29 +138,11 @@ func (f *filter) listModels(ctx context.Context, cancel context.CancelFunc, id s
 	}
 	var lr *engine.Error
 	if id == "" {
-		list := modelList{Object: "list", Data: []modelObject{}}
-		for _, m := range f.models() {
-			list.Data = append(list.Data, modelOf(m))
-		}
-		for _, a := range adapters {
-			if _, dup := f.conf.cfg.ModelMappingRule[a.ID]; dup {
-				continue
-			}
-			o := modelOf(a.ID)
-			o.Parent = a.Parent
-			list.Data = append(list.Data, o)
-		}
-		b, _ := json.Marshal(list)
-		lr = &engine.Error{Status: http.StatusOK, Type: answered, Message: string(b)}
+		lr = answer(f.modelList(adapters))
 	} else {
-		lr = &engine.Error{Status: http.StatusNotFound, Type: transcode.TypeNotFound, Message: "model not found: " + id, TraceID: f.trace()}
-		for _, a := range adapters {
-			if a.ID == id {
-				o := modelOf(a.ID)
-				o.Parent = a.Parent
-				b, _ := json.Marshal(o)
-				lr = &engine.Error{Status: http.StatusOK, Type: answered, Message: string(b)}
-			}
+		lr = f.unknownModel(id)
+		if i := slices.IndexFunc(adapters, func(a engine.Adapter) bool { return a.ID == id }); i >= 0 {
+			lr = answer(adapterOf(adapters[i]))
 		}
 	}
 	f.mu.Lock()
