@@ -177,18 +177,7 @@ func TestChunkSizeMismatchIsRefused(t *testing.T) {
 	if err := mc.SaveCache(ctx, api.CacheSave{Cluster: cluster, Host: host, Hashes: hs, ChunkSize: 512}); err != nil {
 		t.Fatal(err)
 	}
-	held := func() int {
-		locs, err := mc.Route(ctx, cluster, hs)
-		if err != nil {
-			t.Fatal(err)
-		}
-		for _, l := range locs.Cache {
-			if l.Host == host {
-				return l.Length
-			}
-		}
-		return 0
-	}
+	held := func() int { return heldLength(t, mc, cluster, host, hs) }
 
 	err = mc.EvictCache(ctx, api.CacheEvict{Cluster: cluster, Host: host, Hashes: hs[1:], ChunkSize: 256})
 	var se *client.StatusError
@@ -323,18 +312,7 @@ func testSupersede(t *testing.T, st store.Store) {
 		t.Fatal(err)
 	}
 
-	held := func(h prefix.Hash) int {
-		locs, err := mc.Route(ctx, cluster, prefix.Wire([]prefix.Hash{h}))
-		if err != nil {
-			t.Fatal(err)
-		}
-		for _, l := range locs.Cache {
-			if l.Host == host {
-				return l.Length
-			}
-		}
-		return 0
-	}
+	held := func(h prefix.Hash) int { return heldLength(t, mc, cluster, host, prefix.Wire([]prefix.Hash{h})) }
 	save := func(hs ...prefix.Hash) {
 		if err := mc.SaveCache(ctx, api.CacheSave{Cluster: cluster, Host: host, Hashes: prefix.Wire(hs), ChunkSize: 512}); err != nil {
 			t.Fatal(err)
@@ -387,18 +365,7 @@ func TestStartUpEvictAllKeepsSavesSinceTheStart(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	held := func(h prefix.Hash) int {
-		locs, err := mc.Route(ctx, cluster, prefix.Wire([]prefix.Hash{h}))
-		if err != nil {
-			t.Fatal(err)
-		}
-		for _, l := range locs.Cache {
-			if l.Host == host {
-				return l.Length
-			}
-		}
-		return 0
-	}
+	held := func(h prefix.Hash) int { return heldLength(t, mc, cluster, host, prefix.Wire([]prefix.Hash{h})) }
 	save(30) // the earlier process's
 	time.Sleep(3 * time.Millisecond)
 	epoch := time.Now()
@@ -480,4 +447,20 @@ func TestEvictionTimesFromABrokenClockAreDropped(t *testing.T) {
 	if got := counterValue(t, r.sent.WithLabelValues("rejected")); got != 2 {
 		t.Fatalf("rejected reports = %v, want the two timed ones", got)
 	}
+}
+
+// heldLength is how many of hashes the metadata center says host holds in
+// cluster (its route answer's cache length for host).
+func heldLength(t *testing.T, mc *client.Client, cluster, host string, hashes []string) int {
+	t.Helper()
+	locs, err := mc.Route(context.Background(), cluster, hashes)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, l := range locs.Cache {
+		if l.Host == host {
+			return l.Length
+		}
+	}
+	return 0
 }
