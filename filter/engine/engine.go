@@ -780,28 +780,25 @@ type Retracter interface {
 	RetractCache(ctx context.Context, r api.CacheRetract) error
 }
 
-// updateFor is the single call of update name, for the dispatcher.
+// updateFor is the single call of update name, for the dispatcher: the
+// batch op (batchOp, the one place a step's fields are chosen) as a call
+// of the Updater.
 func (e *Engine) updateFor(name string, d *Decision, host string) func(context.Context) error {
-	u := e.updater
-	switch name {
-	case "add_request":
-		r := api.AddRequest{Cluster: d.Cluster, Host: host, RequestID: d.RequestID, PromptLength: int64(d.PrefillLength)}
-		if host != d.Host {
-			r.PromptLength = int64(d.PromptLength)
-		}
+	u, op := e.updater, e.batchOp(name, d, host)
+	ref := api.RequestRef{Cluster: op.Cluster, Host: op.Host, RequestID: op.RequestID}
+	switch op.Op {
+	case api.OpAddRequest:
+		r := api.AddRequest{Cluster: op.Cluster, Host: op.Host, RequestID: op.RequestID, PromptLength: op.PromptLength}
 		return func(ctx context.Context) error { return u.AddRequest(ctx, r) }
-	case "first_token":
-		r := api.RequestRef{Cluster: d.Cluster, Host: host, RequestID: d.RequestID}
-		return func(ctx context.Context) error { return u.FirstToken(ctx, r) }
-	case "delete_request":
-		r := api.RequestRef{Cluster: d.Cluster, Host: host, RequestID: d.RequestID}
-		return func(ctx context.Context) error { return u.DeleteRequest(ctx, r) }
-	case "save_cache", "refresh_cache":
-		r := api.CacheSave{Cluster: d.Cluster, Host: host, Hashes: d.Hashes, ChunkSize: e.hasher.ChunkSize, SaveID: d.RequestID,
-			RefreshOnly: name == "refresh_cache"}
+	case api.OpFirstToken:
+		return func(ctx context.Context) error { return u.FirstToken(ctx, ref) }
+	case api.OpDone:
+		return func(ctx context.Context) error { return u.DeleteRequest(ctx, ref) }
+	case api.OpCacheSave:
+		r := api.CacheSave{Cluster: op.Cluster, Host: op.Host, Hashes: op.Hashes, ChunkSize: op.ChunkSize, SaveID: op.SaveID, RefreshOnly: op.RefreshOnly}
 		return func(ctx context.Context) error { return u.SaveCache(ctx, r) }
-	case "retract_cache":
-		r := api.CacheRetract{Cluster: d.Cluster, Host: host, Hashes: d.retractable(host), SaveID: d.RequestID}
+	case api.OpCacheRetract:
+		r := api.CacheRetract{Cluster: op.Cluster, Host: op.Host, Hashes: op.Hashes, SaveID: op.SaveID}
 		return func(ctx context.Context) error {
 			if rt, ok := u.(Retracter); ok {
 				return rt.RetractCache(ctx, r)
