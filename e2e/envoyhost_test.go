@@ -36,7 +36,9 @@ func gateways(t *testing.T, f *fleet.Fleet) []gateway {
 	return []gateway{{"standalone", f.Gateway}, {"envoy", startEnvoy(t, f)}}
 }
 
-func startEnvoy(t *testing.T, f *fleet.Fleet) string {
+// envoyArtifacts builds bin/envoyhost and bin/llm-filter.so once per test
+// binary.
+func envoyArtifacts(t *testing.T) (bin, so string) {
 	t.Helper()
 	hostOnce.Do(func() {
 		root, err := exec.Command("go", "env", "GOMOD").Output()
@@ -49,12 +51,18 @@ func startEnvoy(t *testing.T, f *fleet.Fleet) string {
 	if hostErr != nil {
 		t.Fatal(hostErr)
 	}
+	return hostBin, hostSO
+}
+
+func startEnvoy(t *testing.T, f *fleet.Fleet) string {
+	t.Helper()
+	bin, so := envoyArtifacts(t)
 	logf, err := os.Create(filepath.Join(f.LogDir, "envoyhost.log"))
 	if err != nil {
 		t.Fatal(err)
 	}
 	h, err := envoyhost.Start(envoyhost.Options{
-		HostBin: hostBin, SO: hostSO, Concurrency: 2, LogLevel: 3,
+		HostBin: bin, SO: so, Concurrency: 2, LogLevel: 3,
 		Clusters:       map[string][]string{fleet.Cluster: f.Workers},
 		DefaultCluster: fleet.Cluster,
 		Retries:        2, // Istio's default route retry policy (connect-failure, previous_hosts)

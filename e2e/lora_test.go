@@ -159,15 +159,8 @@ endpoints:
 	}
 	gw := startCmd(t, dir, "gateway", filepath.Join(bin, "gateway"), "--config", cfg)
 
-	root, err := exec.Command("go", "env", "GOMOD").Output()
-	if err != nil {
-		t.Fatal(err)
-	}
-	hostBin, so, err := envoyhost.Build(filepath.Dir(strings.TrimSpace(string(root))))
-	if err != nil {
-		t.Fatal(err)
-	}
-	h, err := envoyhost.Start(envoyhost.Options{HostBin: hostBin, SO: so, Clusters: map[string][]string{"pool": {base, adapted}}, DefaultCluster: "pool"})
+	exe, so := envoyArtifacts(t)
+	h, err := envoyhost.Start(envoyhost.Options{HostBin: exe, SO: so, Clusters: map[string][]string{"pool": {base, adapted}}, DefaultCluster: "pool"})
 	if err != nil {
 		t.Fatal(err)
 	}
