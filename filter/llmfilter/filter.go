@@ -485,8 +485,10 @@ func (f *filter) finish() *engine.Decision {
 	defer f.mu.Unlock()
 	if f.started && !f.finished {
 		f.finished = true
-		f.conf.engine.Done(f.decision)
+		// The gauge first: once Done's report reaches the metadata center,
+		// whoever reads both sees the request gone from each.
 		f.conf.metrics.Count("in_flight", -1)
+		f.conf.engine.Done(f.decision)
 	}
 	return f.decision
 }
