@@ -67,7 +67,10 @@ func TestRefusedRequestsLeaveNoIndexEntries(t *testing.T) {
 	defer st.Close()
 	mc := httptest.NewServer(server.New(st, server.Options{Logger: slog.New(slog.NewTextHandler(io.Discard, nil))}).Handler())
 	defer mc.Close()
-	pod := simWorker(t, 300*time.Millisecond)
+	// The second request's queue wait must outlast the third's arrival
+	// (429 only while the second still holds the one queue slot): 300 ms
+	// ran out first on a loaded CI machine.
+	pod := simWorker(t, 2*time.Second)
 
 	base := startGateway(t, fmt.Sprintf(`
 listen: 127.0.0.1:0
