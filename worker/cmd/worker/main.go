@@ -60,7 +60,7 @@ type options struct {
 	kvMaxMB, kvMaxItems, parkMaxBytes                                                      int64
 	kvThreshold                                                                            float64
 	timeout, cleanup, queueTimeout, readyWait                                              time.Duration
-	strictModel, flashAttn, parkIdle                                                       bool
+	strictModel, flashAttn, parkIdle, compact                                              bool
 	simCost                                                                                sim.Cost
 	lora                                                                                   []llama.LoRA
 	simBytesPerToken                                                                       int64
@@ -95,6 +95,7 @@ func parse(args []string, stderr io.Writer) (*options, error) {
 	fs.IntVar(&o.threads, "threads", 0, "llama.cpp threads (0: the CPUs this process may use: its affinity, capped by its cgroup CPU quota rounded down, at least 1)")
 	fs.StringVar(&o.kvType, "kv-cache-type", "f16", "KV cache type: f16, q8_0 or q4_0")
 	fs.BoolVar(&o.flashAttn, "flash-attention", false, "use llama.cpp's fused attention kernel: it skips other sequences' cells (faster on a crowded KV cache, e.g. with --kv-park-idle=false) but prefills ~1.6x slower on an uncrowded one; on by default with a quantized --kv-cache-type, which needs it")
+	fs.BoolVar(&o.compact, "kv-compact", true, "move KV cells down into the holes a parked, finished or cut sequence leaves, before the next step (llama.cpp attends over every cell up to the highest used one); only with --kv-park-idle")
 	fs.BoolVar(&o.parkIdle, "kv-park-idle", true, "keep finished conversations' KV cells in host memory instead of the KV cache, so they do not slow down other sequences' attention (restored, bit for bit, when reused)")
 	fs.Int64Var(&o.parkMaxBytes, "kv-park-max-bytes", -1, "host memory parked idle entries may take; parking one past it first evicts the least recently used parked entries (an entry larger than it alone stays in the KV cache); -1: the KV cache's own size (n-ctx x KV bytes per token); 0: never park")
 	fs.Int64Var(&o.kvMaxMB, "kv-max-memory-mb", 1024, "KV-cache memory limit in MiB; idle entries are evicted past threshold x limit")
@@ -347,7 +348,7 @@ func openEngine(o *options, log *slog.Logger) (engine.Engine, openai.Template, e
 				"affinity_cpus", l.Affinity, "cgroup_quota_cpus", l.Quota, "quota_file", l.Source)
 		}
 		eng, err := llama.Open(llama.Config{ModelPath: o.model, Name: o.modelName, NCtx: o.nCtx, NBatch: o.nBatch,
-			NSeqMax: o.nSeqMax, Threads: o.threads, KVCacheType: o.kvType, FlashAttention: o.flashAttn, NoPark: !o.parkIdle || o.parkMaxBytes == 0, ParkMaxBytes: o.parkBound(), LoRA: o.lora})
+			NSeqMax: o.nSeqMax, Threads: o.threads, KVCacheType: o.kvType, FlashAttention: o.flashAttn, NoPark: !o.parkIdle || o.parkMaxBytes == 0, ParkMaxBytes: o.parkBound(), NoCompact: !o.compact, LoRA: o.lora})
 		return eng, tmpl, err
 	}
 	cfg := sim.Config{Name: o.modelName, NCtx: o.nCtx, NBatch: o.nBatch, NSeqMax: o.nSeqMax, Cost: o.simCost, BytesPerToken: o.simBytesPerToken}

@@ -42,6 +42,10 @@ type Config struct {
 	// 0 = the KV cache's own size, n_ctx × bytes per token. The Owner
 	// evicts idle parked entries to stay under it (kvcache.ParkBudget).
 	ParkMaxBytes int64
+	// NoCompact leaves the holes that removed cells (a parked, finished or
+	// cut sequence) leave below other sequences' cells (park.go, compact).
+	// Only with parking: compaction uses the same raw context.
+	NoCompact bool
 	// LoRA adapters applied to the whole context: every sequence this
 	// engine computes runs with them (an adapter pod serves one adapter set).
 	LoRA []LoRA
@@ -68,6 +72,8 @@ type Engine struct {
 	lost        map[int]bool
 	parkedBytes atomic.Int64
 	parkLimit   int64
+	compact     bool // compact after removals (Config.NoCompact off)
+	holes       bool // cells were removed since the last compaction
 }
 
 type sampler struct{ sc *ll.SamplingContext }
@@ -182,6 +188,7 @@ func Open(cfg Config) (*Engine, error) {
 			e.Close()
 			return nil, err
 		}
+		e.compact = !cfg.NoCompact
 		e.parkLimit = cfg.ParkMaxBytes
 		if e.parkLimit <= 0 {
 			e.parkLimit = int64(cfg.NCtx) * bytesPerTok
@@ -277,6 +284,7 @@ func (e *Engine) Step(spans []engine.Span) ([]int, error) {
 			}
 		}
 	}
+	e.compactCells()
 	e.batch.Clear()
 	last := make([]int, len(spans))
 	for i, s := range spans {
@@ -331,6 +339,7 @@ func (e *Engine) Remove(seq, from int) {
 		return
 	}
 	e.lc.KvCacheSeqRm(seq, from, -1)
+	e.holes = true
 }
 
 // Close frees the batch and the model. The context itself has no free

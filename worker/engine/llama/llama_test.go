@@ -15,7 +15,14 @@ import (
 
 func open(t *testing.T, nCtx, nSeq int) *Engine {
 	t.Helper()
-	e, err := Open(Config{ModelPath: testmodel.Path(t), NCtx: nCtx, NSeqMax: nSeq, Threads: 1})
+	return openWith(t, Config{NCtx: nCtx, NSeqMax: nSeq})
+}
+
+// openWith opens the test model on one thread with cfg's other settings.
+func openWith(t *testing.T, cfg Config) *Engine {
+	t.Helper()
+	cfg.ModelPath, cfg.Threads = testmodel.Path(t), 1
+	e, err := Open(cfg)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -15,6 +15,33 @@ void     llama_kv_self_defrag(struct llama_context * ctx);
 void     llama_kv_self_update(struct llama_context * ctx);
 uint32_t llama_n_ctx(const struct llama_context * ctx);
 uint32_t llama_n_seq_max(const struct llama_context * ctx);
+
+// llama.cpp's debugging view of the KV cache (llama.h of the pinned
+// version), for cellExtent.
+struct llama_kv_cache_view_cell { int32_t pos; };
+struct llama_kv_cache_view {
+	int32_t n_cells, n_seq_max, token_count, used_cells, max_contiguous, max_contiguous_idx;
+	struct llama_kv_cache_view_cell * cells;
+	int32_t * cells_sequences;
+};
+struct llama_kv_cache_view llama_kv_cache_view_init(const struct llama_context * ctx, int32_t n_seq_max);
+void llama_kv_cache_view_free(struct llama_kv_cache_view * view);
+void llama_kv_cache_view_update(const struct llama_context * ctx, struct llama_kv_cache_view * view);
+
+// cell_extent reports the used cells and one past the highest used cell.
+static void cell_extent(struct llama_context * ctx, int32_t * used, int32_t * top) {
+	struct llama_kv_cache_view v = llama_kv_cache_view_init(ctx, 1);
+	llama_kv_cache_view_update(ctx, &v);
+	*used = 0;
+	*top = 0;
+	for (int32_t i = 0; i < v.n_cells; i++) {
+		if (v.cells_sequences[i] >= 0) {
+			(*used)++;
+			*top = i + 1;
+		}
+	}
+	llama_kv_cache_view_free(&v);
+}
 */
 import "C"
 
@@ -91,6 +118,7 @@ func (e *Engine) Park(seq int) {
 		return // llama.cpp logged why; the cells simply stay in the cache
 	}
 	e.lc.KvCacheSeqRm(seq, 0, -1)
+	e.holes = true
 	e.parked[seq] = &parked{state: buf[:got], n: n, full: n}
 	e.parkedBytes.Add(int64(got))
 }
@@ -163,6 +191,7 @@ func (e *Engine) restore(seq int) error {
 	}
 	if p.n < p.full {
 		e.lc.KvCacheSeqRm(seq, p.n, -1)
+		e.holes = true
 	}
 	e.forget(seq)
 	return nil
@@ -218,4 +247,34 @@ func (e *Engine) removeParked(seq, from int) bool {
 		e.parked[seq] = &parked{state: p.state, n: from, full: p.full}
 	}
 	return true
+}
+
+// compactCells asks llama.cpp to move cells down into the holes that
+// removals left, before the next decode. Why: the plain attention kernel
+// multiplies every new token against every cell up to the highest used one
+// (llama-kv-cache.cpp, find_slot: n = cell_max()), so a running sequence
+// whose cells sit above a parked or finished one's pays for the hole as if
+// it were full. llama-server defragments at 10% holes (common's
+// defrag_thold 0.1); the binding's default context parameters turn that
+// off and do not expose it, so the engine looks after every removal. A
+// defragmentation moves as many cells as there are holes below the
+// highest used cell.
+func (e *Engine) compactCells() {
+	if !e.holes || !e.compact {
+		return
+	}
+	e.holes = false
+	if used, top := e.cellExtent(); top > used {
+		C.llama_kv_self_defrag(e.raw)
+	}
+}
+
+// cellExtent is how many cells of the KV cache are used and one past the
+// highest used one — the cells every new token attends over. It copies
+// llama.cpp's view of every cell (n_ctx × 8 bytes), so it runs only after
+// removals.
+func (e *Engine) cellExtent() (used, top int) {
+	var u, t C.int32_t
+	C.cell_extent(e.raw, &u, &t)
+	return int(u), int(t)
 }

@@ -230,3 +230,45 @@ func BenchmarkParkBytes(b *testing.B) {
 		}
 	})
 }
+
+// A parked sequence below a running one leaves a hole the running one's
+// attention would pay for; the engine compacts before the next step, and
+// the running sequence's greedy output is the cold run's either way.
+func TestRemovedCellsAreCompactedBeforeTheNextStep(t *testing.T) {
+	below := make([]int, 600)
+	for i := range below {
+		below[i] = 3 + 'a' + i%26
+	}
+	prompt := make([]int, 300)
+	for i := range prompt {
+		prompt[i] = 3 + 'a' + (i*7)%26
+	}
+	cold := open(t, 4096, 4)
+	want := greedy(t, cold, 0, prompt, 0, 16)
+
+	for _, compact := range []bool{true, false} {
+		t.Run(fmt.Sprintf("compact=%v", compact), func(t *testing.T) {
+			e := openWith(t, Config{NCtx: 4096, NSeqMax: 4, NoCompact: !compact})
+			greedy(t, e, 0, below, 0, 1)
+			if _, err := e.Step([]engine.Span{{Seq: 1, Pos: 0, Tokens: prompt[:len(prompt)-1]}}); err != nil {
+				t.Fatal(err)
+			}
+			e.Park(0)
+			used, top := e.cellExtent()
+			if used != len(prompt)-1 || top <= len(below) {
+				t.Fatalf("after parking seq 0: %d cells used up to %d, want %d used above its %d", used, top, len(prompt)-1, len(below))
+			}
+			got := greedy(t, e, 1, prompt, len(prompt)-1, 16)
+			if !slices.Equal(want, got) {
+				t.Fatalf("greedy output next to a parked hole:\ncold %v\ngot  %v", want, got)
+			}
+			used, top = e.cellExtent()
+			if compact && top != used {
+				t.Fatalf("compacted: %d cells used up to %d, want packed", used, top)
+			}
+			if !compact && top <= len(below) {
+				t.Fatalf("not compacted: %d cells used up to %d, want the hole kept", used, top)
+			}
+		})
+	}
+}
