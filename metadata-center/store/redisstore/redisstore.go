@@ -406,33 +406,54 @@ func (s *Store) QueryCache(ctx context.Context, cluster string, hashes []prefix.
 // Route implements store.Store.
 func (s *Store) Route(ctx context.Context, cluster string, hashes []prefix.Hash) (api.RouteAnswer, error) {
 	k := s.keys(cluster)
-	ks, args := s.queryArgs(k, append(k.leases(), k.signals()), hashes)
-	// The registrations are read in the script's pipeline: same slot, one
-	// round trip.
-	res, podVals, err := s.route(ctx, ks, args, k.pods())
+	ks, args := s.queryArgs(k, k.leases(), hashes)
+	// The load aggregates, signals and registrations are read in the
+	// script's pipeline, after it: same slot, one round trip.
+	res, maps, err := s.route(ctx, ks, args, []string{ks[2], ks[3], k.signals(), k.pods()})
 	if err != nil {
 		return api.RouteAnswer{}, s.wrap("route query", err)
 	}
-	pods, err := s.podLabels(podVals, args[0].(int64))
-	if err != nil {
-		return api.RouteAnswer{}, err
-	}
-	if len(res) != 6 {
+	if len(res) != 3 || len(maps) != 4 {
 		return api.RouteAnswer{}, fmt.Errorf("redis route query: unexpected reply %v", res)
 	}
-	load, err := parseLoad(res[0], res[1])
+	now := args[0].(int64)
+	load, err := loadFromMaps(maps[0], maps[1])
 	if err != nil {
 		return api.RouteAnswer{}, err
 	}
-	locs, err := parseLocations(res[2], res[3], res[4])
+	locs, err := parseLocations(res[0], res[1], res[2])
 	if err != nil {
 		return api.RouteAnswer{}, err
 	}
-	sig, err := s.parseSignals(res[5], args[0].(int64))
+	sig, err := s.freshSignals(maps[2], now)
+	if err != nil {
+		return api.RouteAnswer{}, err
+	}
+	pods, err := s.podLabels(maps[3], now)
 	if err != nil {
 		return api.RouteAnswer{}, err
 	}
 	return api.RouteAnswer{Load: load, Cache: locs, Signals: sig, Pods: pods}, nil
+}
+
+// loadFromMaps joins the HGETALLs of the lr and lq aggregates. A host
+// appears in lq only while it is in lr (the lease scripts keep it so).
+func loadFromMaps(reqs, prompts map[string]string) (api.LoadStats, error) {
+	out := make(api.LoadStats, len(reqs))
+	for host, v := range reqs {
+		n, err := strconv.ParseInt(v, 10, 64)
+		if err != nil {
+			return nil, fmt.Errorf("redis load stats: malformed count %q of %s", v, host)
+		}
+		st := api.EndpointStats{TotalReqs: n}
+		if p, ok := prompts[host]; ok {
+			if st.PromptLength, err = strconv.ParseInt(p, 10, 64); err != nil {
+				return nil, fmt.Errorf("redis load stats: malformed prompt sum %q of %s", p, host)
+			}
+		}
+		out[host] = st
+	}
+	return out, nil
 }
 
 // ReportSignals implements store.Store. The report is stamped with this
@@ -455,34 +476,14 @@ func (s *Store) Signals(ctx context.Context, cluster string) (map[string]api.Pod
 	if err != nil {
 		return nil, s.wrap("signals", err)
 	}
-	var out map[string]api.PodSignals
-	for host, rep := range m {
-		sig, ok, err := s.fresh(rep, now)
-		if err != nil {
-			return nil, err
-		}
-		if ok {
-			if out == nil {
-				out = map[string]api.PodSignals{}
-			}
-			out[host] = sig
-		}
-	}
-	return out, nil
+	return s.freshSignals(m, now)
 }
 
-// parseSignals reads the route script's "host\treport\t..." and keeps the
-// fresh reports.
-func (s *Store) parseSignals(v any, now int64) (map[string]api.PodSignals, error) {
-	str, ok := v.(string)
-	if !ok {
-		return nil, fmt.Errorf("redis route query: unexpected signals %T", v)
-	}
+// freshSignals keeps the reports of an HGETALL of the signals hash that
+// are young enough (nil when none is).
+func (s *Store) freshSignals(m map[string]string, now int64) (map[string]api.PodSignals, error) {
 	var out map[string]api.PodSignals
-	for str != "" {
-		var host, rep string
-		host, str, _ = strings.Cut(str, "\t")
-		rep, str, _ = strings.Cut(str, "\t")
+	for host, rep := range m {
 		sig, ok, err := s.fresh(rep, now)
 		if err != nil {
 			return nil, err

@@ -141,7 +141,11 @@ end
 //
 // Matched records whose expiry is older than staleBefore get their TTL
 // refreshed (the level is rewritten once for all its stale candidates, so
-// identical levels stay identical). Reply: the group (level 0's holder
+// identical levels stay identical; a level byte-identical to the one
+// rewritten before it takes the same new string without another parse, and
+// each host's e: entries are renewed by one ZADD at the end, not one per
+// level: the refresh of a 64-host system prompt was the dearest thing a
+// query did, once a touch interval). Reply: the group (level 0's holder
 // list, or "" when there was none) and the length its hosts reached, then
 // "host\tlength\t..." for the hosts that went further, whose entry wins.
 // The group goes back as Redis stored it: Lua's pattern matching would
@@ -154,18 +158,28 @@ local function query(first, now, exp, ttl, stale, base)
   local nowN, staleN, expN = tonumber(now), tonumber(stale), tonumber(exp)
   local vals = redis.call('MGET', unpack(KEYS, first))
   local res, touched, group = {}, {}, 0
+  local lastSrc, lastHosts, lastOut
   local function refresh(i, hosts)
-    local m = parse(vals[i + 1])
+    local s = vals[i + 1]
+    local out = lastOut
+    if s ~= lastSrc or hosts ~= lastHosts then
+      local m = parse(s)
+      for _, h in ipairs(hosts) do m[h] = expN end
+      out = (build(m, nowN))
+      lastSrc, lastHosts, lastOut = s, hosts, out
+    end
     local key = KEYS[first + i]
     local hash = string.sub(key, #base + 4)
     for _, h in ipairs(hosts) do
-      m[h] = expN
-      local ek = base .. ':e:' .. h
-      redis.call('ZADD', ek, 'XX', exp, hash)
-      redis.call('PEXPIRE', ek, ttl)
-      touched[h] = true
+      local t = touched[h]
+      if not t then
+        t = {}
+        touched[h] = t
+      end
+      t[#t + 1] = exp
+      t[#t + 1] = hash
     end
-    redis.call('SET', key, (build(m, nowN)), 'PX', ttl)
+    redis.call('SET', key, out, 'PX', ttl)
   end
   local s0 = vals[1]
   if not s0 then return '', 0, '' end
@@ -235,9 +249,17 @@ local function query(first, now, exp, ttl, stale, base)
     res[#res + 1] = h
     res[#res + 1] = n
   end
-  for h in pairs(touched) do
-    redis.call('ZADD', base .. ':hosts', 'GT', exp, h)
-    redis.call('PEXPIRE', base .. ':hosts', ttl)
+  if next(touched) then
+    local hk = base .. ':hosts'
+    for h, t in pairs(touched) do
+      local ek = base .. ':e:' .. h
+      for j = 1, #t, 2048 do
+        redis.call('ZADD', ek, 'XX', unpack(t, j, math.min(j + 2047, #t)))
+      end
+      redis.call('PEXPIRE', ek, ttl)
+      redis.call('ZADD', hk, 'GT', exp, h)
+    end
+    redis.call('PEXPIRE', hk, ttl)
   end
   if group == 0 then return '', 0, table.concat(res, '\t') end
   return s0, group, table.concat(res, '\t')
@@ -250,15 +272,15 @@ const querySrc = queryLib + `
 return {query(1, ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5])}
 `
 
-// KEYS: lx lp lr lq sig p-keys. ARGV: now expiry ttl staleBefore base.
-// Reply: {lr "host\tn\t...", lq likewise, cache group, group length, cache
-// rest, sig "host\treport\t..."}; the caller drops stale reports.
+// KEYS: lx lp lr lq p-keys. ARGV: now expiry ttl staleBefore base.
+// Reply: {cache group, group length, cache rest}. The load aggregates, the
+// pods' signals and registrations are read by plain HGETALLs pipelined
+// after it (routepipe.go): Redis answers those from C, where handing 64
+// hosts' counts to Lua and joining them into strings cost about a third of
+// the script (docs/metadata-center.md, "One round trip per call").
 const routeSrc = leaseLib + queryLib + `
-local lx, lp, lr, lq = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
-sweep(lx, lp, lr, lq, ARGV[1])
-local g, gl, r = query(6, ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5])
-return {table.concat(redis.call('HGETALL', lr), '\t'), table.concat(redis.call('HGETALL', lq), '\t'), g, gl, r,
-  table.concat(redis.call('HGETALL', KEYS[5]), '\t')}
+sweep(KEYS[1], KEYS[2], KEYS[3], KEYS[4], ARGV[1])
+return {query(5, ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5])}
 `
 
 // KEYS: sig. ARGV: host report keyTTL staleBefore max. A report is
