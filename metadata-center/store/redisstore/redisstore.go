@@ -181,9 +181,13 @@ func (s *Store) keys(cluster string) keys { return keys{base: "{" + s.prefix + "
 func (k keys) leases() []string {
 	return []string{k.base + ":lx", k.base + ":lp", k.base + ":lr", k.base + ":lq"}
 }
-func (k keys) hash(h prefix.Hash) string { return k.base + ":p:" + h.String() }
-func (k keys) host(host string) string   { return k.base + ":e:" + host }
-func (k keys) hosts() string             { return k.base + ":hosts" }
+
+// holders is the hash of every prefix's holder list, and holderTimes
+// scores each prefix with its newest record's expiry (docs/metadata-center.md).
+func (k keys) holders() string         { return k.base + ":px" }
+func (k keys) holderTimes() string     { return k.base + ":pxt" }
+func (k keys) host(host string) string { return k.base + ":e:" + host }
+func (k keys) hosts() string           { return k.base + ":hosts" }
 
 // versions names the hash of host's entries' last saves: prefix ->
 // "savedMillis saveID" (docs/metadata-center.md, "Versions").
@@ -375,15 +379,19 @@ func parseLocations(group, groupLen, rest any) ([]api.CacheLocation, error) {
 	return out, nil
 }
 
-// queryArgs builds KEYS (after any given first) and ARGV of the query part.
+// queryArgs builds KEYS (the given first, then px and pxt) and ARGV
+// of the query part.
 func (s *Store) queryArgs(k keys, first []string, hashes []prefix.Hash) ([]string, []any) {
 	now := s.ms()
-	ks := make([]string, 0, len(first)+len(hashes))
+	ks := make([]string, 0, len(first)+2)
 	ks = append(ks, first...)
+	ks = append(ks, k.holders(), k.holderTimes())
+	args := make([]any, 0, 5+len(hashes))
+	args = append(args, now, now+s.cacheTTL, s.cacheTTL, now+s.cacheTTL-s.touch, k.base)
 	for _, h := range hashes {
-		ks = append(ks, k.hash(h))
+		args = append(args, h.String())
 	}
-	return ks, []any{now, now + s.cacheTTL, s.cacheTTL, now + s.cacheTTL - s.touch, k.base}
+	return ks, args
 }
 
 // QueryCache implements store.Store.
@@ -552,8 +560,7 @@ func (s *Store) RefreshCache(ctx context.Context, cluster, host string, hashes [
 // saveArgs builds the save script's KEYS and ARGV.
 func (s *Store) saveArgs(k keys, host string, hashes []prefix.Hash, saveID string, refreshOnly bool) ([]string, []any) {
 	now := s.ms()
-	ks := make([]string, 0, 3+len(hashes))
-	ks = append(ks, k.host(host), k.hosts(), k.versions(host))
+	ks := []string{k.host(host), k.hosts(), k.versions(host), k.holders(), k.holderTimes()}
 	args := make([]any, 0, 6+len(hashes))
 	flag := "0"
 	if refreshOnly {
@@ -561,9 +568,7 @@ func (s *Store) saveArgs(k keys, host string, hashes []prefix.Hash, saveID strin
 	}
 	args = append(args, now, now+s.cacheTTL, s.cacheTTL, host, saveID, flag)
 	for _, h := range hashes {
-		hs := h.String()
-		ks = append(ks, k.base+":p:"+hs)
-		args = append(args, hs)
+		args = append(args, h.String())
 	}
 	return ks, args
 }
@@ -594,12 +599,10 @@ func (s *Store) RetractCache(ctx context.Context, cluster, host string, hashes [
 // unholdArgs builds the KEYS and ARGV of the evict and retract scripts;
 // cond is the eviction time or the retracted save's id.
 func (s *Store) unholdArgs(k keys, host string, hashes []prefix.Hash, cond any) ([]string, []any) {
-	ks := make([]string, 0, 3+len(hashes))
-	ks = append(ks, k.host(host), k.hosts(), k.versions(host))
+	ks := []string{k.host(host), k.hosts(), k.versions(host), k.holders(), k.holderTimes()}
 	args := make([]any, 0, 3+len(hashes))
 	args = append(args, s.ms(), host, cond)
 	for _, h := range hashes {
-		ks = append(ks, k.hash(h))
 		args = append(args, h.String())
 	}
 	return ks, args
@@ -613,8 +616,9 @@ func (s *Store) EvictHost(ctx context.Context, cluster, host string) error {
 // EvictHostBefore implements store.Store.
 func (s *Store) EvictHostBefore(ctx context.Context, cluster, host string, before int64) error {
 	k := s.keys(cluster)
-	return s.wrap("cache evict all", s.sc.evictHost.Run(ctx, s.rdb, []string{k.host(host), k.hosts(), k.versions(host)},
-		s.ms(), host, k.base, max(before, 0)).Err())
+	return s.wrap("cache evict all", s.sc.evictHost.Run(ctx, s.rdb,
+		[]string{k.host(host), k.hosts(), k.versions(host), k.holders(), k.holderTimes()},
+		s.ms(), host, max(before, 0)).Err())
 }
 
 // Stats implements store.Store. It costs one round trip per registered

@@ -81,15 +81,19 @@ end
 return 1
 `
 
-// holdersLib reads and writes the holder list of one prefix: the string
-// key {P:C}:p:<hash> holds "minExpiry" followed by ";host expiry" records
-// sorted by host, dead records dropped on every full rewrite. One string
-// per prefix lets a query fetch every level with a single MGET; the
-// leading minimum (exact after a full rewrite, a lower bound after an
-// in-place save) tells, without parsing, that every record is live and
-// none is due a refresh; and two levels written by the same saves and refreshes
-// are byte-identical, which Lua (whose strings are all interned) compares
-// in O(1). The key's PEXPIRE is the TTL of its newest record.
+// holdersLib reads and writes the holder list of one prefix: the field
+// <hash> of the cluster's hash {P:C}:px holds "minExpiry" followed by
+// ";host expiry" records sorted by host, dead records dropped on every full
+// rewrite. One field per prefix in one hash lets a query fetch every level
+// with a single HMGET, whose cost per level is a field lookup rather than
+// a key's (slot check, key and expiry lookups, a 70-byte name sent and
+// copied twice); the leading minimum (exact after a full rewrite, a lower
+// bound after an in-place save) tells, without parsing, that every record
+// is live and none is due a refresh; and two levels written by the same
+// saves and refreshes are byte-identical, which Lua (whose strings are all
+// interned) compares in O(1). Redis 7.0 has no per-field TTL, so
+// {P:C}:pxt scores each prefix with its newest record's expiry, and saves
+// sweep the fields whose every record is dead (dropDead).
 const holdersLib = `
 local function parse(s)
   local m = {}
@@ -123,6 +127,13 @@ local function lookup(s, m, h)
   if p then return tonumber(string.match(s, '^%d+', p + #h + 2)) end
   return nil
 end
+local function dropDead(px, pxt, now)
+  local dead = redis.call('ZRANGEBYSCORE', pxt, '-inf', now, 'LIMIT', 0, 256)
+  if #dead > 0 then
+    redis.call('HDEL', px, unpack(dead))
+    redis.call('ZREM', pxt, unpack(dead))
+  end
+end
 `
 
 // queryLib walks the levels once. While every level so far has the same
@@ -152,13 +163,14 @@ end
 // spend more on rewriting 64 records than the whole rest of the query,
 // and the Go side splits flat strings far more cheaply than nested arrays.
 const queryLib = holdersLib + `
-local function query(first, now, exp, ttl, stale, base)
-  local n = #KEYS - first + 1
+local function query(px, pxt, first, now, exp, ttl, stale, base)
+  local n = #ARGV - first + 1
   if n <= 0 then return '', 0, '' end
   local nowN, staleN, expN = tonumber(now), tonumber(stale), tonumber(exp)
-  local vals = redis.call('MGET', unpack(KEYS, first))
+  local vals = redis.call('HMGET', px, unpack(ARGV, first))
   local res, touched, group = {}, {}, 0
   local lastSrc, lastHosts, lastOut
+  local levels = {}
   local function refresh(i, hosts)
     local s = vals[i + 1]
     local out = lastOut
@@ -168,8 +180,7 @@ local function query(first, now, exp, ttl, stale, base)
       out = (build(m, nowN))
       lastSrc, lastHosts, lastOut = s, hosts, out
     end
-    local key = KEYS[first + i]
-    local hash = string.sub(key, #base + 4)
+    local hash = ARGV[first + i]
     for _, h in ipairs(hosts) do
       local t = touched[h]
       if not t then
@@ -179,7 +190,8 @@ local function query(first, now, exp, ttl, stale, base)
       t[#t + 1] = exp
       t[#t + 1] = hash
     end
-    redis.call('SET', key, out, 'PX', ttl)
+    levels[#levels + 1] = hash
+    levels[#levels + 1] = out
   end
   local s0 = vals[1]
   if not s0 then return '', 0, '' end
@@ -249,7 +261,18 @@ local function query(first, now, exp, ttl, stale, base)
     res[#res + 1] = h
     res[#res + 1] = n
   end
-  if next(touched) then
+  if #levels > 0 then
+    local times = {}
+    for j = 1, #levels, 2 do
+      times[#times + 1] = exp
+      times[#times + 1] = levels[j]
+    end
+    for j = 1, #levels, 2048 do
+      redis.call('HSET', px, unpack(levels, j, math.min(j + 2047, #levels)))
+      redis.call('ZADD', pxt, 'GT', unpack(times, j, math.min(j + 2047, #times)))
+    end
+    redis.call('PEXPIRE', px, ttl)
+    redis.call('PEXPIRE', pxt, ttl)
     local hk = base .. ':hosts'
     for h, t in pairs(touched) do
       local ek = base .. ':e:' .. h
@@ -266,13 +289,13 @@ local function query(first, now, exp, ttl, stale, base)
 end
 `
 
-// KEYS: p-keys. ARGV: now expiry ttl staleBefore base.
+// KEYS: px pxt. ARGV: now expiry ttl staleBefore base hashes...
 // Reply: {group, group length, rest}.
 const querySrc = queryLib + `
-return {query(1, ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5])}
+return {query(KEYS[1], KEYS[2], 6, ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5])}
 `
 
-// KEYS: lx lp lr lq p-keys. ARGV: now expiry ttl staleBefore base.
+// KEYS: lx lp lr lq px pxt. ARGV: now expiry ttl staleBefore base hashes...
 // Reply: {cache group, group length, cache rest}. The load aggregates, the
 // pods' signals and registrations are read by plain HGETALLs pipelined
 // after it (routepipe.go): Redis answers those from C, where handing 64
@@ -280,7 +303,7 @@ return {query(1, ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5])}
 // the script (docs/metadata-center.md, "One round trip per call").
 const routeSrc = leaseLib + queryLib + `
 sweep(KEYS[1], KEYS[2], KEYS[3], KEYS[4], ARGV[1])
-return {query(5, ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5])}
+return {query(KEYS[5], KEYS[6], 6, ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5])}
 `
 
 // KEYS: sig. ARGV: host report keyTTL staleBefore max. A report is
@@ -307,7 +330,7 @@ sweep(lx, lp, lr, lq, ARGV[1])
 return {table.concat(redis.call('HGETALL', lr), '\t'), table.concat(redis.call('HGETALL', lq), '\t')}
 `
 
-// KEYS: e-key hosts-key v-key p-keys. ARGV: now expiry ttl host saveID
+// KEYS: e-key hosts-key v-key px pxt. ARGV: now expiry ttl host saveID
 // refreshOnly hashes...
 //
 // A host saving a prefix it already holds (every request of a shared
@@ -323,13 +346,13 @@ return {table.concat(redis.call('HGETALL', lr), '\t'), table.concat(redis.call('
 // and the ones it renews keep their save time, taking only the save id.
 // Reply: how many prefixes host now holds by this save.
 const saveSrc = holdersLib + `
-local ek, hk, vk, host, exp, ttl = KEYS[1], KEYS[2], KEYS[3], ARGV[4], ARGV[2], ARGV[3]
+local ek, hk, vk, px, pxt, host, exp, ttl = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], ARGV[4], ARGV[2], ARGV[3]
 local nowN, expN = tonumber(ARGV[1]), tonumber(exp)
 local version = ARGV[1] .. ' ' .. ARGV[5]
 local refresh = ARGV[6] == '1'
-local function hold(key)
-  local s = redis.call('GET', key)
-  if not s and refresh then return false end
+-- hold returns the prefix's new holder list, or nil to leave it alone.
+local function hold(s)
+  if not s and refresh then return nil end
   if s then
     local low = lowest(s)
     if low > nowN and expN >= low then
@@ -337,45 +360,46 @@ local function hold(key)
       if p then
         local a = p + #host + 2
         local b = string.find(s, ';', a, true)
-        redis.call('SET', key, string.sub(s, 1, a - 1) .. exp .. (b and string.sub(s, b) or ''), 'PX', ttl)
-        return true
+        return string.sub(s, 1, a - 1) .. exp .. (b and string.sub(s, b) or '')
       end
-      if refresh then return false end
+      if refresh then return nil end
     end
   end
   local m = parse(s)
-  if refresh and not (m[host] and m[host] > nowN) then return false end
+  if refresh and not (m[host] and m[host] > nowN) then return nil end
   m[host] = expN
-  redis.call('SET', key, (build(m, nowN)), 'PX', ttl)
-  return true
+  return (build(m, nowN))
 end
--- One ZADD and HSET per 512 hashes rather than per hash (Lua's unpack
--- stops at a few thousand values, and the API allows 4096 hashes).
-local batch, vers, held, olds = {}, {}, 0, {}
-if refresh then
-  -- The versions the refresh keeps the save time of, 512 per HMGET.
-  for i = 4, #KEYS, 512 do
-    local got = redis.call('HMGET', vk, unpack(ARGV, i + 3, math.min(i + 514, #KEYS + 3)))
-    for j = 1, #got do olds[i + j - 1] = got[j] end
-  end
-end
-for i = 4, #KEYS do
-  if hold(KEYS[i]) then
-    held = held + 1
-    batch[#batch + 1] = exp
-    batch[#batch + 1] = ARGV[i + 3]
-    vers[#vers + 1] = ARGV[i + 3]
-    if refresh then
-      local saved = string.match(olds[i] or '', '^%d+') or '0'
-      vers[#vers + 1] = saved .. ' ' .. ARGV[5]
-    else
-      vers[#vers + 1] = version
+-- 512 hashes per HMGET, HSET and ZADD rather than a call per hash (Lua's
+-- unpack stops at a few thousand values, and the API allows 4096 hashes).
+local held = 0
+for i = 7, #ARGV, 512 do
+  local j = math.min(i + 511, #ARGV)
+  local cur = redis.call('HMGET', px, unpack(ARGV, i, j))
+  local olds = refresh and redis.call('HMGET', vk, unpack(ARGV, i, j))
+  local lists, scores, vers = {}, {}, {}
+  for k = 1, #cur do
+    local h = ARGV[i + k - 1]
+    local v = hold(cur[k])
+    if v then
+      held = held + 1
+      lists[#lists + 1] = h
+      lists[#lists + 1] = v
+      scores[#scores + 1] = exp
+      scores[#scores + 1] = h
+      vers[#vers + 1] = h
+      if refresh then
+        vers[#vers + 1] = (string.match(olds[k] or '', '^%d+') or '0') .. ' ' .. ARGV[5]
+      else
+        vers[#vers + 1] = version
+      end
     end
   end
-  if #batch == 1024 or (i == #KEYS and #batch > 0) then
-    redis.call('ZADD', ek, unpack(batch))
+  if #lists > 0 then
+    redis.call('HSET', px, unpack(lists))
+    redis.call('ZADD', pxt, 'GT', unpack(scores))
+    redis.call('ZADD', ek, unpack(scores))
     redis.call('HSET', vk, unpack(vers))
-    batch, vers = {}, {}
   end
 end
 if held == 0 then return 0 end
@@ -385,8 +409,8 @@ while true do
   redis.call('HDEL', vk, unpack(dead))
   redis.call('ZREM', ek, unpack(dead))
 end
-redis.call('PEXPIRE', ek, ttl)
-redis.call('PEXPIRE', vk, ttl)
+dropDead(px, pxt, ARGV[1])
+for _, k in ipairs({ek, vk, px, pxt}) do redis.call('PEXPIRE', k, ttl) end
 redis.call('ZADD', hk, exp, host)
 redis.call('ZREMRANGEBYSCORE', hk, '-inf', ARGV[1])
 redis.call('PEXPIRE', hk, ttl)
@@ -394,18 +418,19 @@ return held
 `
 
 // unholdLib removes one host from a prefix's holder list, deleting the
-// key when nobody is left; version reads an entry's last save.
+// field when nobody is left; version reads an entry's last save.
 const unholdLib = holdersLib + `
-local function unhold(key, host, nowN)
-  local s = redis.call('GET', key)
+local function unhold(px, pxt, hash, host, nowN)
+  local s = redis.call('HGET', px, hash)
   if not s or not string.find(s, ';' .. host .. ' ', 1, true) then return end
   local m = parse(s)
   m[host] = nil
   local v, c = build(m, nowN)
   if c == 0 then
-    redis.call('DEL', key)
+    redis.call('HDEL', px, hash)
+    redis.call('ZREM', pxt, hash)
   else
-    redis.call('SET', key, v, 'KEEPTTL')
+    redis.call('HSET', px, hash, v)
   end
 end
 local function version(vk, hash)
@@ -416,16 +441,16 @@ local function version(vk, hash)
 end
 `
 
-// KEYS: e-key hosts-key v-key p-keys. ARGV: now host before hashes...
+// KEYS: e-key hosts-key v-key px pxt. ARGV: now host before hashes...
 // Entries saved after before (Unix ms; 0: never) stay.
 const evictSrc = unholdLib + `
-local ek, hk, vk, host, nowN, before = KEYS[1], KEYS[2], KEYS[3], ARGV[2], tonumber(ARGV[1]), tonumber(ARGV[3])
-for i = 4, #KEYS do
+local ek, hk, vk, px, pxt, host, nowN, before = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], ARGV[2], tonumber(ARGV[1]), tonumber(ARGV[3])
+for i = 4, #ARGV do
   local h = ARGV[i]
   local gone = before <= 0
   if not gone then gone = version(vk, h) <= before end
   if gone then
-    unhold(KEYS[i], host, nowN)
+    unhold(px, pxt, h, host, nowN)
     redis.call('ZREM', ek, h)
     redis.call('HDEL', vk, h)
   end
@@ -434,15 +459,15 @@ if redis.call('ZCARD', ek) == 0 then redis.call('ZREM', hk, host) end
 return 1
 `
 
-// KEYS: e-key hosts-key v-key p-keys. ARGV: now host saveID hashes...
+// KEYS: e-key hosts-key v-key px pxt. ARGV: now host saveID hashes...
 // Only entries whose last save carried saveID go.
 const retractSrc = unholdLib + `
-local ek, hk, vk, host, nowN, id = KEYS[1], KEYS[2], KEYS[3], ARGV[2], tonumber(ARGV[1]), ARGV[3]
-for i = 4, #KEYS do
+local ek, hk, vk, px, pxt, host, nowN, id = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], ARGV[2], tonumber(ARGV[1]), ARGV[3]
+for i = 4, #ARGV do
   local h = ARGV[i]
   local _, by = version(vk, h)
   if by == id then
-    unhold(KEYS[i], host, nowN)
+    unhold(px, pxt, h, host, nowN)
     redis.call('ZREM', ek, h)
     redis.call('HDEL', vk, h)
   end
@@ -451,15 +476,15 @@ if redis.call('ZCARD', ek) == 0 then redis.call('ZREM', hk, host) end
 return 1
 `
 
-// KEYS: e-key hosts-key v-key. ARGV: now host base before. With before
+// KEYS: e-key hosts-key v-key px pxt. ARGV: now host before. With before
 // (Unix ms) > 0, entries saved after it stay (a pod's start epoch).
 const evictHostSrc = unholdLib + `
-local ek, hk, vk, host, base, nowN, before = KEYS[1], KEYS[2], KEYS[3], ARGV[2], ARGV[3], tonumber(ARGV[1]), tonumber(ARGV[4])
+local ek, hk, vk, px, pxt, host, nowN, before = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], ARGV[2], tonumber(ARGV[1]), tonumber(ARGV[3])
 local hs = redis.call('ZRANGE', ek, 0, -1)
 local n = 0
 for _, h in ipairs(hs) do
   if before <= 0 or version(vk, h) <= before then
-    unhold(base .. ':p:' .. h, host, nowN)
+    unhold(px, pxt, h, host, nowN)
     n = n + 1
     if before > 0 then
       redis.call('ZREM', ek, h)
