@@ -181,10 +181,10 @@ func TestHolderLists(t *testing.T) {
 	must(err)
 	l8, err := rdb.HGet(ctx, tag+":px", "0000000000000008").Result()
 	must(err)
-	if l7 != l8 || !strings.HasPrefix(l7, "1060000;10.0.0.10:1 1060000;10.0.0.11:1 1060000;") || strings.Count(l7, ";") != 20 {
+	if l7 != l8 || !strings.HasPrefix(l7, "1060000;10.0.0.10:1 0;10.0.0.11:1 0;") || strings.Count(l7, ";") != 20 {
 		t.Fatalf("shared levels: %q and %q, want the same 20 sorted records", l7, l8)
 	}
-	if got, err := rdb.HGet(ctx, tag+":px", "0000000000000009").Result(); err != nil || got != "1060000;10.0.0.3:1 1060000" {
+	if got, err := rdb.HGet(ctx, tag+":px", "0000000000000009").Result(); err != nil || got != "1060000;10.0.0.3:1 0" {
 		t.Fatalf("level 9 = %q (%v)", got, err)
 	}
 	locs, err := st.QueryCache(ctx, "c", hs)
@@ -197,6 +197,11 @@ func TestHolderLists(t *testing.T) {
 	// shared levels stop being identical only where it is written.
 	nowMs.Add(30_000)
 	must(st.SaveCache(ctx, "c", "10.0.0.5:1", hs[:1]))
+	// In place: the leading minimum stays, host 5's offset from it grows.
+	if got, err := rdb.HGet(ctx, tag+":px", "0000000000000007").Result(); err != nil ||
+		!strings.HasPrefix(got, "1060000;") || !strings.Contains(got, ";10.0.0.5:1 30000;") {
+		t.Fatalf("level 7 after an in-place save = %q (%v)", got, err)
+	}
 	nowMs.Add(31_000)
 	locs, err = st.QueryCache(ctx, "c", hs)
 	must(err)
@@ -206,7 +211,7 @@ func TestHolderLists(t *testing.T) {
 	// That query refreshed host 5; the dead records go with the next
 	// rewrite of the level.
 	must(st.SaveCache(ctx, "c", "10.0.0.6:1", hs[:1]))
-	if got, err := rdb.HGet(ctx, tag+":px", "0000000000000007").Result(); err != nil || got != "1121000;10.0.0.5:1 1121000;10.0.0.6:1 1121000" {
+	if got, err := rdb.HGet(ctx, tag+":px", "0000000000000007").Result(); err != nil || got != "1121000;10.0.0.5:1 0;10.0.0.6:1 0" {
 		t.Fatalf("level 7 after rewrite = %q (%v)", got, err)
 	}
 	must(st.EvictHost(ctx, "c", "10.0.0.5:1"))

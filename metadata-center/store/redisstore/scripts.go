@@ -83,8 +83,10 @@ return 1
 
 // holdersLib reads and writes the holder list of one prefix: the field
 // <hash> of the cluster's hash {P:C}:px holds "minExpiry" followed by
-// ";host expiry" records sorted by host, dead records dropped on every full
-// rewrite. One field per prefix in one hash lets a query fetch every level
+// ";host offset" records sorted by host, a record's expiry being minExpiry
+// plus its offset (usually a few digits, often "0", instead of 13: every
+// byte handed to Lua costs, as its string interning hashes them all), dead
+// records dropped on every full rewrite. One field per prefix in one hash lets a query fetch every level
 // with a single HMGET, whose cost per level is a field lookup rather than
 // a key's (slot check, key and expiry lookups, a 70-byte name sent and
 // copied twice); the leading minimum (exact after a full rewrite, a lower
@@ -95,10 +97,14 @@ return 1
 // {P:C}:pxt scores each prefix with its newest record's expiry, and saves
 // sweep the fields whose every record is dead (dropDead).
 const holdersLib = `
+local function lowest(s)
+  return tonumber(string.match(s, '^%d+')) or 0
+end
 local function parse(s)
   local m = {}
   if s then
-    for h, e in string.gmatch(s, ';([^ ;]+) (%d+)') do m[h] = tonumber(e) end
+    local low = lowest(s)
+    for h, e in string.gmatch(s, ';([^ ;]+) (%d+)') do m[h] = low + tonumber(e) end
   end
   return m
 end
@@ -112,11 +118,8 @@ local function build(m, nowN)
   end
   if not low then return '', 0 end
   table.sort(hs)
-  for i, h in ipairs(hs) do hs[i] = ';' .. h .. ' ' .. string.format('%.0f', m[h]) end
+  for i, h in ipairs(hs) do hs[i] = ';' .. h .. ' ' .. string.format('%.0f', m[h] - low) end
   return string.format('%.0f', low) .. table.concat(hs), #hs
-end
-local function lowest(s)
-  return tonumber(string.match(s, '^%d+')) or 0
 end
 local function hostsOf(s)
   return (string.gsub(string.sub(s, (string.find(s, ';', 1, true))), ' %d+', ''))
@@ -124,7 +127,7 @@ end
 local function lookup(s, m, h)
   if m then return m[h] end
   local p = string.find(s, ';' .. h .. ' ', 1, true)
-  if p then return tonumber(string.match(s, '^%d+', p + #h + 2)) end
+  if p then return lowest(s) + tonumber(string.match(s, '^%d+', p + #h + 2)) end
   return nil
 end
 local function dropDead(px, pxt, now)
@@ -139,10 +142,11 @@ end
 // queryLib walks the levels once. While every level so far has the same
 // holders as level 0, all live and none due a refresh (a system prompt
 // every pod holds), the candidates are level 0's string itself and a level
-// costs a string comparison. A level of another length has other holders
-// (expiries are fixed-width millisecond times), so only one of the same
-// length has its host names compared: extracting them from a 64-record
-// list costs more than the rest of such a query. When that group breaks up, it goes to the
+// costs a string comparison. Only a level of the same length has its host
+// names compared (extracting them from a 64-record list costs more than
+// the rest of such a query); one of another length ends the group even if
+// only its offsets' widths differ, which stays exact: its hosts simply go
+// on as candidates. When that group breaks up, it goes to the
 // reply whole with the level its hosts reached, and the few that go on
 // are kept in a Lua table: a level identical to the one before changes
 // nothing; otherwise it is parsed (or, for a handful of
@@ -360,7 +364,7 @@ local function hold(s)
       if p then
         local a = p + #host + 2
         local b = string.find(s, ';', a, true)
-        return string.sub(s, 1, a - 1) .. exp .. (b and string.sub(s, b) or '')
+        return string.sub(s, 1, a - 1) .. string.format('%.0f', expN - low) .. (b and string.sub(s, b) or '')
       end
       if refresh then return nil end
     end
