@@ -175,6 +175,7 @@ func measure(ctx context.Context, stdout io.Writer, c config, sc routeload.Scena
 	}
 	fmt.Fprintf(stdout, "%s: POST /v1/route/query, %d hosts, %d-block prompts, concurrency %d, bound %d requests / %v\n",
 		label, sc.Hosts, sc.Blocks, c.concurrency, c.requests, c.duration)
+	load0 := loadAvg()
 	cpu0, err := cpuNow(ctx, c)
 	if err != nil {
 		return err
@@ -209,10 +210,28 @@ func measure(ctx context.Context, stdout io.Writer, c config, sc routeload.Scena
 		}
 		fmt.Fprintln(stdout, line)
 	}
+	// The neighbours' load, so that figures taken on shared cores can be
+	// read against it (docs/benchmarks.md quotes it with every run).
+	if load0 != "" {
+		fmt.Fprintf(stdout, "%s: load average %s -> %s\n", label, load0, loadAvg())
+	}
 	if res.Errors > 0 {
 		return fmt.Errorf("%s: %d errors, first: %v", label, res.Errors, res.FirstErr)
 	}
 	return nil
+}
+
+// loadAvg is the 1-minute load average, "" where /proc/loadavg is missing.
+func loadAvg() string {
+	b, err := os.ReadFile("/proc/loadavg")
+	if err != nil {
+		return ""
+	}
+	f := strings.Fields(string(b))
+	if len(f) == 0 {
+		return ""
+	}
+	return f[0]
 }
 
 func ms(d time.Duration) string { return fmt.Sprintf("%.3fms", float64(d)/float64(time.Millisecond)) }

@@ -20,14 +20,14 @@ var _ store.IndexLister = (*Store)(nil)
 // router sees it, not a bookkeeping set that could disagree with it.
 // Read-only; one string "host\thash\thash…" per host.
 //
-// KEYS: hosts-key. ARGV: now base.
+// KEYS: hosts-key px. ARGV: now base.
 const indexSrc = holdersLib + `
 local live, nowN, base = '(' .. ARGV[1], tonumber(ARGV[1]), ARGV[2]
 local out = {}
 for _, host in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], live, '+inf')) do
   local row = {host}
   for _, h in ipairs(redis.call('ZRANGEBYSCORE', base .. ':e:' .. host, live, '+inf')) do
-    local s = redis.call('GET', base .. ':p:' .. h)
+    local s = redis.call('HGET', KEYS[2], h)
     local e = s and lookup(s, nil, host)
     if e and e > nowN then row[#row + 1] = h end
   end
@@ -42,7 +42,7 @@ var indexScript = redis.NewScript(indexSrc)
 // one script, so it is for debugging and checks, not for the request path.
 func (s *Store) CacheIndex(ctx context.Context, cluster string) (map[string][]prefix.Hash, error) {
 	k := s.keys(cluster)
-	rows, err := indexScript.Run(ctx, s.rdb, []string{k.hosts()}, s.ms(), k.base).StringSlice()
+	rows, err := indexScript.Run(ctx, s.rdb, []string{k.hosts(), k.holders()}, s.ms(), k.base).StringSlice()
 	if err != nil {
 		return nil, s.wrap("cache index", err)
 	}

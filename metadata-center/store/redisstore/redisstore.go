@@ -181,9 +181,13 @@ func (s *Store) keys(cluster string) keys { return keys{base: "{" + s.prefix + "
 func (k keys) leases() []string {
 	return []string{k.base + ":lx", k.base + ":lp", k.base + ":lr", k.base + ":lq"}
 }
-func (k keys) hash(h prefix.Hash) string { return k.base + ":p:" + h.String() }
-func (k keys) host(host string) string   { return k.base + ":e:" + host }
-func (k keys) hosts() string             { return k.base + ":hosts" }
+
+// holders is the hash of every prefix's holder list, and holderTimes
+// scores each prefix with its newest record's expiry (docs/metadata-center.md).
+func (k keys) holders() string         { return k.base + ":px" }
+func (k keys) holderTimes() string     { return k.base + ":pxt" }
+func (k keys) host(host string) string { return k.base + ":e:" + host }
+func (k keys) hosts() string           { return k.base + ":hosts" }
 
 // versions names the hash of host's entries' last saves: prefix ->
 // "savedMillis saveID" (docs/metadata-center.md, "Versions").
@@ -375,15 +379,19 @@ func parseLocations(group, groupLen, rest any) ([]api.CacheLocation, error) {
 	return out, nil
 }
 
-// queryArgs builds KEYS (after any given first) and ARGV of the query part.
+// queryArgs builds KEYS (the given first, then px and pxt) and ARGV
+// of the query part.
 func (s *Store) queryArgs(k keys, first []string, hashes []prefix.Hash) ([]string, []any) {
 	now := s.ms()
-	ks := make([]string, 0, len(first)+len(hashes))
+	ks := make([]string, 0, len(first)+2)
 	ks = append(ks, first...)
+	ks = append(ks, k.holders(), k.holderTimes())
+	args := make([]any, 0, 5+len(hashes))
+	args = append(args, now, now+s.cacheTTL, s.cacheTTL, now+s.cacheTTL-s.touch, k.base)
 	for _, h := range hashes {
-		ks = append(ks, k.hash(h))
+		args = append(args, h.String())
 	}
-	return ks, []any{now, now + s.cacheTTL, s.cacheTTL, now + s.cacheTTL - s.touch, k.base}
+	return ks, args
 }
 
 // QueryCache implements store.Store.
@@ -406,33 +414,54 @@ func (s *Store) QueryCache(ctx context.Context, cluster string, hashes []prefix.
 // Route implements store.Store.
 func (s *Store) Route(ctx context.Context, cluster string, hashes []prefix.Hash) (api.RouteAnswer, error) {
 	k := s.keys(cluster)
-	ks, args := s.queryArgs(k, append(k.leases(), k.signals()), hashes)
-	// The registrations are read in the script's pipeline: same slot, one
-	// round trip.
-	res, podVals, err := s.route(ctx, ks, args, k.pods())
+	ks, args := s.queryArgs(k, k.leases(), hashes)
+	// The load aggregates, signals and registrations are read in the
+	// script's pipeline, after it: same slot, one round trip.
+	res, maps, err := s.route(ctx, ks, args, []string{ks[2], ks[3], k.signals(), k.pods()})
 	if err != nil {
 		return api.RouteAnswer{}, s.wrap("route query", err)
 	}
-	pods, err := s.podLabels(podVals, args[0].(int64))
-	if err != nil {
-		return api.RouteAnswer{}, err
-	}
-	if len(res) != 6 {
+	if len(res) != 3 || len(maps) != 4 {
 		return api.RouteAnswer{}, fmt.Errorf("redis route query: unexpected reply %v", res)
 	}
-	load, err := parseLoad(res[0], res[1])
+	now := args[0].(int64)
+	load, err := loadFromMaps(maps[0], maps[1])
 	if err != nil {
 		return api.RouteAnswer{}, err
 	}
-	locs, err := parseLocations(res[2], res[3], res[4])
+	locs, err := parseLocations(res[0], res[1], res[2])
 	if err != nil {
 		return api.RouteAnswer{}, err
 	}
-	sig, err := s.parseSignals(res[5], args[0].(int64))
+	sig, err := s.freshSignals(maps[2], now)
+	if err != nil {
+		return api.RouteAnswer{}, err
+	}
+	pods, err := s.podLabels(maps[3], now)
 	if err != nil {
 		return api.RouteAnswer{}, err
 	}
 	return api.RouteAnswer{Load: load, Cache: locs, Signals: sig, Pods: pods}, nil
+}
+
+// loadFromMaps joins the HGETALLs of the lr and lq aggregates. A host
+// appears in lq only while it is in lr (the lease scripts keep it so).
+func loadFromMaps(reqs, prompts map[string]string) (api.LoadStats, error) {
+	out := make(api.LoadStats, len(reqs))
+	for host, v := range reqs {
+		n, err := strconv.ParseInt(v, 10, 64)
+		if err != nil {
+			return nil, fmt.Errorf("redis load stats: malformed count %q of %s", v, host)
+		}
+		st := api.EndpointStats{TotalReqs: n}
+		if p, ok := prompts[host]; ok {
+			if st.PromptLength, err = strconv.ParseInt(p, 10, 64); err != nil {
+				return nil, fmt.Errorf("redis load stats: malformed prompt sum %q of %s", p, host)
+			}
+		}
+		out[host] = st
+	}
+	return out, nil
 }
 
 // ReportSignals implements store.Store. The report is stamped with this
@@ -455,34 +484,14 @@ func (s *Store) Signals(ctx context.Context, cluster string) (map[string]api.Pod
 	if err != nil {
 		return nil, s.wrap("signals", err)
 	}
-	var out map[string]api.PodSignals
-	for host, rep := range m {
-		sig, ok, err := s.fresh(rep, now)
-		if err != nil {
-			return nil, err
-		}
-		if ok {
-			if out == nil {
-				out = map[string]api.PodSignals{}
-			}
-			out[host] = sig
-		}
-	}
-	return out, nil
+	return s.freshSignals(m, now)
 }
 
-// parseSignals reads the route script's "host\treport\t..." and keeps the
-// fresh reports.
-func (s *Store) parseSignals(v any, now int64) (map[string]api.PodSignals, error) {
-	str, ok := v.(string)
-	if !ok {
-		return nil, fmt.Errorf("redis route query: unexpected signals %T", v)
-	}
+// freshSignals keeps the reports of an HGETALL of the signals hash that
+// are young enough (nil when none is).
+func (s *Store) freshSignals(m map[string]string, now int64) (map[string]api.PodSignals, error) {
 	var out map[string]api.PodSignals
-	for str != "" {
-		var host, rep string
-		host, str, _ = strings.Cut(str, "\t")
-		rep, str, _ = strings.Cut(str, "\t")
+	for host, rep := range m {
 		sig, ok, err := s.fresh(rep, now)
 		if err != nil {
 			return nil, err
@@ -551,8 +560,7 @@ func (s *Store) RefreshCache(ctx context.Context, cluster, host string, hashes [
 // saveArgs builds the save script's KEYS and ARGV.
 func (s *Store) saveArgs(k keys, host string, hashes []prefix.Hash, saveID string, refreshOnly bool) ([]string, []any) {
 	now := s.ms()
-	ks := make([]string, 0, 3+len(hashes))
-	ks = append(ks, k.host(host), k.hosts(), k.versions(host))
+	ks := []string{k.host(host), k.hosts(), k.versions(host), k.holders(), k.holderTimes()}
 	args := make([]any, 0, 6+len(hashes))
 	flag := "0"
 	if refreshOnly {
@@ -560,9 +568,7 @@ func (s *Store) saveArgs(k keys, host string, hashes []prefix.Hash, saveID strin
 	}
 	args = append(args, now, now+s.cacheTTL, s.cacheTTL, host, saveID, flag)
 	for _, h := range hashes {
-		hs := h.String()
-		ks = append(ks, k.base+":p:"+hs)
-		args = append(args, hs)
+		args = append(args, h.String())
 	}
 	return ks, args
 }
@@ -593,12 +599,10 @@ func (s *Store) RetractCache(ctx context.Context, cluster, host string, hashes [
 // unholdArgs builds the KEYS and ARGV of the evict and retract scripts;
 // cond is the eviction time or the retracted save's id.
 func (s *Store) unholdArgs(k keys, host string, hashes []prefix.Hash, cond any) ([]string, []any) {
-	ks := make([]string, 0, 3+len(hashes))
-	ks = append(ks, k.host(host), k.hosts(), k.versions(host))
+	ks := []string{k.host(host), k.hosts(), k.versions(host), k.holders(), k.holderTimes()}
 	args := make([]any, 0, 3+len(hashes))
 	args = append(args, s.ms(), host, cond)
 	for _, h := range hashes {
-		ks = append(ks, k.hash(h))
 		args = append(args, h.String())
 	}
 	return ks, args
@@ -612,8 +616,9 @@ func (s *Store) EvictHost(ctx context.Context, cluster, host string) error {
 // EvictHostBefore implements store.Store.
 func (s *Store) EvictHostBefore(ctx context.Context, cluster, host string, before int64) error {
 	k := s.keys(cluster)
-	return s.wrap("cache evict all", s.sc.evictHost.Run(ctx, s.rdb, []string{k.host(host), k.hosts(), k.versions(host)},
-		s.ms(), host, k.base, max(before, 0)).Err())
+	return s.wrap("cache evict all", s.sc.evictHost.Run(ctx, s.rdb,
+		[]string{k.host(host), k.hosts(), k.versions(host), k.holders(), k.holderTimes()},
+		s.ms(), host, max(before, 0)).Err())
 }
 
 // Stats implements store.Store. It costs one round trip per registered

@@ -86,7 +86,7 @@ func TestKeyLayout(t *testing.T) {
 	tag := "{" + srv.Prefix + ":" + cluster + "}"
 	want := map[string]bool{
 		tag + ":lx": true, tag + ":lp": true, tag + ":lr": true, tag + ":lq": true,
-		tag + ":p:0000000000000001": true, tag + ":p:0000000000000002": true, tag + ":p:0000000000000003": true,
+		tag + ":px": true, tag + ":pxt": true,
 		tag + ":e:" + host: true, tag + ":v:" + host: true, tag + ":hosts": true,
 		"{" + srv.Prefix + "}:clusters": true,
 	}
@@ -177,14 +177,14 @@ func TestHolderLists(t *testing.T) {
 	rdb := redis.NewClient(&redis.Options{Addr: srv.Addr})
 	defer rdb.Close()
 	tag := "{" + srv.Prefix + ":c}"
-	l7, err := rdb.Get(ctx, tag+":p:0000000000000007").Result()
+	l7, err := rdb.HGet(ctx, tag+":px", "0000000000000007").Result()
 	must(err)
-	l8, err := rdb.Get(ctx, tag+":p:0000000000000008").Result()
+	l8, err := rdb.HGet(ctx, tag+":px", "0000000000000008").Result()
 	must(err)
-	if l7 != l8 || !strings.HasPrefix(l7, "1060000;10.0.0.10:1 1060000;10.0.0.11:1 1060000;") || strings.Count(l7, ";") != 20 {
+	if l7 != l8 || !strings.HasPrefix(l7, "1060000;10.0.0.10:1 0;10.0.0.11:1 0;") || strings.Count(l7, ";") != 20 {
 		t.Fatalf("shared levels: %q and %q, want the same 20 sorted records", l7, l8)
 	}
-	if got, err := rdb.Get(ctx, tag+":p:0000000000000009").Result(); err != nil || got != "1060000;10.0.0.3:1 1060000" {
+	if got, err := rdb.HGet(ctx, tag+":px", "0000000000000009").Result(); err != nil || got != "1060000;10.0.0.3:1 0" {
 		t.Fatalf("level 9 = %q (%v)", got, err)
 	}
 	locs, err := st.QueryCache(ctx, "c", hs)
@@ -197,6 +197,11 @@ func TestHolderLists(t *testing.T) {
 	// shared levels stop being identical only where it is written.
 	nowMs.Add(30_000)
 	must(st.SaveCache(ctx, "c", "10.0.0.5:1", hs[:1]))
+	// In place: the leading minimum stays, host 5's offset from it grows.
+	if got, err := rdb.HGet(ctx, tag+":px", "0000000000000007").Result(); err != nil ||
+		!strings.HasPrefix(got, "1060000;") || !strings.Contains(got, ";10.0.0.5:1 30000;") {
+		t.Fatalf("level 7 after an in-place save = %q (%v)", got, err)
+	}
 	nowMs.Add(31_000)
 	locs, err = st.QueryCache(ctx, "c", hs)
 	must(err)
@@ -206,13 +211,57 @@ func TestHolderLists(t *testing.T) {
 	// That query refreshed host 5; the dead records go with the next
 	// rewrite of the level.
 	must(st.SaveCache(ctx, "c", "10.0.0.6:1", hs[:1]))
-	if got, err := rdb.Get(ctx, tag+":p:0000000000000007").Result(); err != nil || got != "1121000;10.0.0.5:1 1121000;10.0.0.6:1 1121000" {
+	if got, err := rdb.HGet(ctx, tag+":px", "0000000000000007").Result(); err != nil || got != "1121000;10.0.0.5:1 0;10.0.0.6:1 0" {
 		t.Fatalf("level 7 after rewrite = %q (%v)", got, err)
 	}
 	must(st.EvictHost(ctx, "c", "10.0.0.5:1"))
 	must(st.EvictCache(ctx, "c", "10.0.0.6:1", hs[:1]))
-	if n, err := rdb.Exists(ctx, tag+":p:0000000000000007").Result(); err != nil || n != 0 {
-		t.Fatalf("empty holder list left behind (%d, %v)", n, err)
+	if n, err := rdb.HExists(ctx, tag+":px", "0000000000000007").Result(); err != nil || n {
+		t.Fatalf("empty holder list left behind (%v, %v)", n, err)
+	}
+	if _, err := rdb.ZScore(ctx, tag+":pxt", "0000000000000007").Result(); err != redis.Nil {
+		t.Fatalf("holder time of an empty list left behind (%v)", err)
+	}
+}
+
+// TestDeadHolderListsSwept: Redis 7.0 has no per-field TTL, so a prefix
+// whose every record has expired is dropped from the {P:C}:px hash by the
+// cluster's next save (its {P:C}:pxt score says so) instead of waiting for
+// the whole hash to expire, which a busy cluster never lets happen.
+func TestDeadHolderListsSwept(t *testing.T) {
+	srv := redistest.Shared(t)
+	var nowMs atomic.Int64
+	nowMs.Store(1_000_000)
+	st := newStore(t, srv, redisstore.Options{CacheTTL: time.Minute,
+		Now: func() time.Time { return time.UnixMilli(nowMs.Load()) }})
+	ctx := context.Background()
+	must := func(err error) {
+		t.Helper()
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+	must(st.SaveCache(ctx, "c", "10.0.0.1:1", []prefix.Hash{1, 2, 3}))
+	nowMs.Add(30_000)
+	must(st.SaveCache(ctx, "c", "10.0.0.2:1", []prefix.Hash{2}))
+	nowMs.Add(31_000) // host 1's records are dead, host 2's live on
+	must(st.SaveCache(ctx, "c", "10.0.0.3:1", []prefix.Hash{9}))
+	rdb := redis.NewClient(&redis.Options{Addr: srv.Addr})
+	defer rdb.Close()
+	tag := "{" + srv.Prefix + ":c}"
+	for h, want := range map[string]bool{"0000000000000001": false, "0000000000000002": true,
+		"0000000000000003": false, "0000000000000009": true} {
+		got, err := rdb.HExists(ctx, tag+":px", h).Result()
+		must(err)
+		_, zerr := rdb.ZScore(ctx, tag+":pxt", h).Result()
+		if got != want || (zerr == nil) != want {
+			t.Errorf("prefix %s: holder list kept %v, time kept %v (%v); want %v", h, got, zerr == nil, zerr, want)
+		}
+	}
+	locs, err := st.QueryCache(ctx, "c", []prefix.Hash{1, 2})
+	must(err)
+	if len(locs) != 0 {
+		t.Fatalf("QueryCache after expiry = %v", locs)
 	}
 }
 

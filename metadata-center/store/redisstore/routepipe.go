@@ -26,21 +26,23 @@ type routePipe struct {
 }
 
 type routeCall struct {
-	ks   []string
-	args []any
-	pods string // the cluster's registrations key, read beside the script
-	res  []any
-	regs map[string]string
-	err  error
-	done chan struct{} // closed once res, regs and err are set
+	ks    []string
+	args  []any
+	reads []string // hashes of the cluster read after the script (same slot)
+	res   []any
+	maps  []map[string]string // one per read
+	err   error
+	done  chan struct{} // closed once res, maps and err are set
 }
 
-// route runs the route script for one query and reads the cluster's pod
-// registrations (pods, same slot) in the same pipeline, with whatever
-// other queries are waiting. The caller stops waiting when ctx ends; the
-// pipeline itself is bounded by the client's read and write timeouts.
-func (s *Store) route(ctx context.Context, ks []string, args []any, pods string) ([]any, map[string]string, error) {
-	c := &routeCall{ks: ks, args: args, pods: pods, done: make(chan struct{})}
+// route runs the route script for one query and, in the same pipeline,
+// HGETALLs each of reads (keys of the same slot, so still one round trip
+// to one node), with whatever other queries are waiting. The reads follow
+// the script, so they see its lease sweep. The caller stops waiting when
+// ctx ends; the pipeline itself is bounded by the client's read and write
+// timeouts.
+func (s *Store) route(ctx context.Context, ks []string, args []any, reads []string) ([]any, []map[string]string, error) {
+	c := &routeCall{ks: ks, args: args, reads: reads, done: make(chan struct{})}
 	p := &s.routes
 	p.mu.Lock()
 	p.waiting = append(p.waiting, c)
@@ -51,7 +53,7 @@ func (s *Store) route(ctx context.Context, ks []string, args []any, pods string)
 	p.mu.Unlock()
 	select {
 	case <-c.done:
-		return c.res, c.regs, c.err
+		return c.res, c.maps, c.err
 	case <-ctx.Done():
 		return nil, nil, ctx.Err()
 	}
@@ -76,17 +78,32 @@ func (s *Store) sendRoutes() {
 
 // routeBatch sends one pipeline and hands each query its reply. Queries
 // that meet NOSCRIPT (a flushed script cache, a freshly promoted replica)
-// go again with the script's source, as Script.Run would.
+// go again, reads included, with the script's source, as Script.Run would.
 func (s *Store) routeBatch(batch []*routeCall) {
 	ctx := context.Background()
 	cmds := make([]*redis.Cmd, len(batch))
-	regs := make([]*redis.MapStringStringCmd, len(batch))
-	pipe := s.rdb.Pipeline()
-	for i, c := range batch {
-		cmds[i] = s.sc.route.EvalSha(ctx, pipe, c.ks, c.args...)
-		regs[i] = pipe.HGetAll(ctx, c.pods)
+	reads := make([][]*redis.MapStringStringCmd, len(batch))
+	send := func(idx []int, full bool) {
+		pipe := s.rdb.Pipeline()
+		for _, i := range idx {
+			c := batch[i]
+			if full {
+				cmds[i] = s.sc.route.Eval(ctx, pipe, c.ks, c.args...)
+			} else {
+				cmds[i] = s.sc.route.EvalSha(ctx, pipe, c.ks, c.args...)
+			}
+			reads[i] = reads[i][:0]
+			for _, k := range c.reads {
+				reads[i] = append(reads[i], pipe.HGetAll(ctx, k))
+			}
+		}
+		_, _ = pipe.Exec(ctx)
 	}
-	_, _ = pipe.Exec(ctx)
+	all := make([]int, len(batch))
+	for i := range all {
+		all[i] = i
+	}
+	send(all, false)
 	var again []int
 	for i, cmd := range cmds {
 		if err := cmd.Err(); err != nil && redis.HasErrorPrefix(err, "NOSCRIPT") {
@@ -94,16 +111,17 @@ func (s *Store) routeBatch(batch []*routeCall) {
 		}
 	}
 	if len(again) > 0 {
-		pipe := s.rdb.Pipeline()
-		for _, i := range again {
-			cmds[i] = s.sc.route.Eval(ctx, pipe, batch[i].ks, batch[i].args...)
-		}
-		_, _ = pipe.Exec(ctx)
+		send(again, true)
 	}
 	for i, c := range batch {
 		c.res, c.err = cmds[i].Slice()
 		if c.err == nil {
-			c.regs, c.err = regs[i].Result()
+			c.maps = make([]map[string]string, len(reads[i]))
+			for j, r := range reads[i] {
+				if c.maps[j], c.err = r.Result(); c.err != nil {
+					break
+				}
+			}
 		}
 		close(c.done)
 	}

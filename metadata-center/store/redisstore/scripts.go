@@ -4,9 +4,10 @@ import "github.com/redis/go-redis/v9"
 
 // Every script touches only keys of one cluster, all of which share the
 // hash tag {prefix:cluster}, so each script runs on one Redis Cluster slot.
-// Keys that are known up front are passed in KEYS; EvictHost and Stats
-// derive per-hash and per-host key names from the base, which stay in the
-// same slot because they carry the same tag.
+// Keys that are known up front are passed in KEYS (prefix hashes are
+// fields of {P:C}:px, passed in ARGV); the query's refresh, EvictHost and
+// Stats derive per-host key names from the base, which stay in the same
+// slot because they carry the same tag.
 //
 // Times are milliseconds since the epoch, passed in ARGV by the caller (so
 // tests can drive a fake clock and every replica of the metadata center
@@ -81,20 +82,30 @@ end
 return 1
 `
 
-// holdersLib reads and writes the holder list of one prefix: the string
-// key {P:C}:p:<hash> holds "minExpiry" followed by ";host expiry" records
-// sorted by host, dead records dropped on every full rewrite. One string
-// per prefix lets a query fetch every level with a single MGET; the
-// leading minimum (exact after a full rewrite, a lower bound after an
-// in-place save) tells, without parsing, that every record is live and
-// none is due a refresh; and two levels written by the same saves and refreshes
-// are byte-identical, which Lua (whose strings are all interned) compares
-// in O(1). The key's PEXPIRE is the TTL of its newest record.
+// holdersLib reads and writes the holder list of one prefix: the field
+// <hash> of the cluster's hash {P:C}:px holds "minExpiry" followed by
+// ";host offset" records sorted by host, a record's expiry being minExpiry
+// plus its offset (usually a few digits, often "0", instead of 13: every
+// byte handed to Lua costs, as its string interning hashes them all), dead
+// records dropped on every full rewrite. One field per prefix in one hash lets a query fetch every level
+// with a single HMGET, whose cost per level is a field lookup rather than
+// a key's (slot check, key and expiry lookups, a 70-byte name sent and
+// copied twice); the leading minimum (exact after a full rewrite, a lower
+// bound after an in-place save) tells, without parsing, that every record
+// is live and none is due a refresh; and two levels written by the same
+// saves and refreshes are byte-identical, which Lua (whose strings are all
+// interned) compares in O(1). Redis 7.0 has no per-field TTL, so
+// {P:C}:pxt scores each prefix with its newest record's expiry, and saves
+// sweep the fields whose every record is dead (dropDead).
 const holdersLib = `
+local function lowest(s)
+  return tonumber(string.match(s, '^%d+')) or 0
+end
 local function parse(s)
   local m = {}
   if s then
-    for h, e in string.gmatch(s, ';([^ ;]+) (%d+)') do m[h] = tonumber(e) end
+    local low = lowest(s)
+    for h, e in string.gmatch(s, ';([^ ;]+) (%d+)') do m[h] = low + tonumber(e) end
   end
   return m
 end
@@ -108,11 +119,8 @@ local function build(m, nowN)
   end
   if not low then return '', 0 end
   table.sort(hs)
-  for i, h in ipairs(hs) do hs[i] = ';' .. h .. ' ' .. string.format('%.0f', m[h]) end
+  for i, h in ipairs(hs) do hs[i] = ';' .. h .. ' ' .. string.format('%.0f', m[h] - low) end
   return string.format('%.0f', low) .. table.concat(hs), #hs
-end
-local function lowest(s)
-  return tonumber(string.match(s, '^%d+')) or 0
 end
 local function hostsOf(s)
   return (string.gsub(string.sub(s, (string.find(s, ';', 1, true))), ' %d+', ''))
@@ -120,18 +128,26 @@ end
 local function lookup(s, m, h)
   if m then return m[h] end
   local p = string.find(s, ';' .. h .. ' ', 1, true)
-  if p then return tonumber(string.match(s, '^%d+', p + #h + 2)) end
+  if p then return lowest(s) + tonumber(string.match(s, '^%d+', p + #h + 2)) end
   return nil
+end
+local function dropDead(px, pxt, now)
+  local dead = redis.call('ZRANGEBYSCORE', pxt, '-inf', now, 'LIMIT', 0, 256)
+  if #dead > 0 then
+    redis.call('HDEL', px, unpack(dead))
+    redis.call('ZREM', pxt, unpack(dead))
+  end
 end
 `
 
 // queryLib walks the levels once. While every level so far has the same
 // holders as level 0, all live and none due a refresh (a system prompt
 // every pod holds), the candidates are level 0's string itself and a level
-// costs a string comparison. A level of another length has other holders
-// (expiries are fixed-width millisecond times), so only one of the same
-// length has its host names compared: extracting them from a 64-record
-// list costs more than the rest of such a query. When that group breaks up, it goes to the
+// costs a string comparison. Only a level of the same length has its host
+// names compared (extracting them from a 64-record list costs more than
+// the rest of such a query); one of another length ends the group even if
+// only its offsets' widths differ, which stays exact: its hosts simply go
+// on as candidates. When that group breaks up, it goes to the
 // reply whole with the level its hosts reached, and the few that go on
 // are kept in a Lua table: a level identical to the one before changes
 // nothing; otherwise it is parsed (or, for a handful of
@@ -141,31 +157,46 @@ end
 //
 // Matched records whose expiry is older than staleBefore get their TTL
 // refreshed (the level is rewritten once for all its stale candidates, so
-// identical levels stay identical). Reply: the group (level 0's holder
+// identical levels stay identical; a level byte-identical to the one
+// rewritten before it takes the same new string without another parse, and
+// each host's e: entries are renewed by one ZADD at the end, not one per
+// level: the refresh of a 64-host system prompt was the dearest thing a
+// query did, once a touch interval). Reply: the group (level 0's holder
 // list, or "" when there was none) and the length its hosts reached, then
 // "host\tlength\t..." for the hosts that went further, whose entry wins.
 // The group goes back as Redis stored it: Lua's pattern matching would
 // spend more on rewriting 64 records than the whole rest of the query,
 // and the Go side splits flat strings far more cheaply than nested arrays.
 const queryLib = holdersLib + `
-local function query(first, now, exp, ttl, stale, base)
-  local n = #KEYS - first + 1
+local function query(px, pxt, first, now, exp, ttl, stale, base)
+  local n = #ARGV - first + 1
   if n <= 0 then return '', 0, '' end
   local nowN, staleN, expN = tonumber(now), tonumber(stale), tonumber(exp)
-  local vals = redis.call('MGET', unpack(KEYS, first))
+  local vals = redis.call('HMGET', px, unpack(ARGV, first))
   local res, touched, group = {}, {}, 0
+  local lastSrc, lastHosts, lastOut
+  local levels = {}
   local function refresh(i, hosts)
-    local m = parse(vals[i + 1])
-    local key = KEYS[first + i]
-    local hash = string.sub(key, #base + 4)
-    for _, h in ipairs(hosts) do
-      m[h] = expN
-      local ek = base .. ':e:' .. h
-      redis.call('ZADD', ek, 'XX', exp, hash)
-      redis.call('PEXPIRE', ek, ttl)
-      touched[h] = true
+    local s = vals[i + 1]
+    local out = lastOut
+    if s ~= lastSrc or hosts ~= lastHosts then
+      local m = parse(s)
+      for _, h in ipairs(hosts) do m[h] = expN end
+      out = (build(m, nowN))
+      lastSrc, lastHosts, lastOut = s, hosts, out
     end
-    redis.call('SET', key, (build(m, nowN)), 'PX', ttl)
+    local hash = ARGV[first + i]
+    for _, h in ipairs(hosts) do
+      local t = touched[h]
+      if not t then
+        t = {}
+        touched[h] = t
+      end
+      t[#t + 1] = exp
+      t[#t + 1] = hash
+    end
+    levels[#levels + 1] = hash
+    levels[#levels + 1] = out
   end
   local s0 = vals[1]
   if not s0 then return '', 0, '' end
@@ -235,30 +266,49 @@ local function query(first, now, exp, ttl, stale, base)
     res[#res + 1] = h
     res[#res + 1] = n
   end
-  for h in pairs(touched) do
-    redis.call('ZADD', base .. ':hosts', 'GT', exp, h)
-    redis.call('PEXPIRE', base .. ':hosts', ttl)
+  if #levels > 0 then
+    local times = {}
+    for j = 1, #levels, 2 do
+      times[#times + 1] = exp
+      times[#times + 1] = levels[j]
+    end
+    for j = 1, #levels, 2048 do
+      redis.call('HSET', px, unpack(levels, j, math.min(j + 2047, #levels)))
+      redis.call('ZADD', pxt, 'GT', unpack(times, j, math.min(j + 2047, #times)))
+    end
+    redis.call('PEXPIRE', px, ttl)
+    redis.call('PEXPIRE', pxt, ttl)
+    local hk = base .. ':hosts'
+    for h, t in pairs(touched) do
+      local ek = base .. ':e:' .. h
+      for j = 1, #t, 2048 do
+        redis.call('ZADD', ek, 'XX', unpack(t, j, math.min(j + 2047, #t)))
+      end
+      redis.call('PEXPIRE', ek, ttl)
+      redis.call('ZADD', hk, 'GT', exp, h)
+    end
+    redis.call('PEXPIRE', hk, ttl)
   end
   if group == 0 then return '', 0, table.concat(res, '\t') end
   return s0, group, table.concat(res, '\t')
 end
 `
 
-// KEYS: p-keys. ARGV: now expiry ttl staleBefore base.
+// KEYS: px pxt. ARGV: now expiry ttl staleBefore base hashes...
 // Reply: {group, group length, rest}.
 const querySrc = queryLib + `
-return {query(1, ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5])}
+return {query(KEYS[1], KEYS[2], 6, ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5])}
 `
 
-// KEYS: lx lp lr lq sig p-keys. ARGV: now expiry ttl staleBefore base.
-// Reply: {lr "host\tn\t...", lq likewise, cache group, group length, cache
-// rest, sig "host\treport\t..."}; the caller drops stale reports.
+// KEYS: lx lp lr lq px pxt. ARGV: now expiry ttl staleBefore base hashes...
+// Reply: {cache group, group length, cache rest}. The load aggregates, the
+// pods' signals and registrations are read by plain HGETALLs pipelined
+// after it (routepipe.go): Redis answers those from C, where handing 64
+// hosts' counts to Lua and joining them into strings cost about a third of
+// the script (docs/metadata-center.md, "One round trip per call").
 const routeSrc = leaseLib + queryLib + `
-local lx, lp, lr, lq = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
-sweep(lx, lp, lr, lq, ARGV[1])
-local g, gl, r = query(6, ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5])
-return {table.concat(redis.call('HGETALL', lr), '\t'), table.concat(redis.call('HGETALL', lq), '\t'), g, gl, r,
-  table.concat(redis.call('HGETALL', KEYS[5]), '\t')}
+sweep(KEYS[1], KEYS[2], KEYS[3], KEYS[4], ARGV[1])
+return {query(KEYS[5], KEYS[6], 6, ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5])}
 `
 
 // KEYS: sig. ARGV: host report keyTTL staleBefore max. A report is
@@ -285,7 +335,7 @@ sweep(lx, lp, lr, lq, ARGV[1])
 return {table.concat(redis.call('HGETALL', lr), '\t'), table.concat(redis.call('HGETALL', lq), '\t')}
 `
 
-// KEYS: e-key hosts-key v-key p-keys. ARGV: now expiry ttl host saveID
+// KEYS: e-key hosts-key v-key px pxt. ARGV: now expiry ttl host saveID
 // refreshOnly hashes...
 //
 // A host saving a prefix it already holds (every request of a shared
@@ -301,13 +351,13 @@ return {table.concat(redis.call('HGETALL', lr), '\t'), table.concat(redis.call('
 // and the ones it renews keep their save time, taking only the save id.
 // Reply: how many prefixes host now holds by this save.
 const saveSrc = holdersLib + `
-local ek, hk, vk, host, exp, ttl = KEYS[1], KEYS[2], KEYS[3], ARGV[4], ARGV[2], ARGV[3]
+local ek, hk, vk, px, pxt, host, exp, ttl = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], ARGV[4], ARGV[2], ARGV[3]
 local nowN, expN = tonumber(ARGV[1]), tonumber(exp)
 local version = ARGV[1] .. ' ' .. ARGV[5]
 local refresh = ARGV[6] == '1'
-local function hold(key)
-  local s = redis.call('GET', key)
-  if not s and refresh then return false end
+-- hold returns the prefix's new holder list, or nil to leave it alone.
+local function hold(s)
+  if not s and refresh then return nil end
   if s then
     local low = lowest(s)
     if low > nowN and expN >= low then
@@ -315,45 +365,46 @@ local function hold(key)
       if p then
         local a = p + #host + 2
         local b = string.find(s, ';', a, true)
-        redis.call('SET', key, string.sub(s, 1, a - 1) .. exp .. (b and string.sub(s, b) or ''), 'PX', ttl)
-        return true
+        return string.sub(s, 1, a - 1) .. string.format('%.0f', expN - low) .. (b and string.sub(s, b) or '')
       end
-      if refresh then return false end
+      if refresh then return nil end
     end
   end
   local m = parse(s)
-  if refresh and not (m[host] and m[host] > nowN) then return false end
+  if refresh and not (m[host] and m[host] > nowN) then return nil end
   m[host] = expN
-  redis.call('SET', key, (build(m, nowN)), 'PX', ttl)
-  return true
+  return (build(m, nowN))
 end
--- One ZADD and HSET per 512 hashes rather than per hash (Lua's unpack
--- stops at a few thousand values, and the API allows 4096 hashes).
-local batch, vers, held, olds = {}, {}, 0, {}
-if refresh then
-  -- The versions the refresh keeps the save time of, 512 per HMGET.
-  for i = 4, #KEYS, 512 do
-    local got = redis.call('HMGET', vk, unpack(ARGV, i + 3, math.min(i + 514, #KEYS + 3)))
-    for j = 1, #got do olds[i + j - 1] = got[j] end
-  end
-end
-for i = 4, #KEYS do
-  if hold(KEYS[i]) then
-    held = held + 1
-    batch[#batch + 1] = exp
-    batch[#batch + 1] = ARGV[i + 3]
-    vers[#vers + 1] = ARGV[i + 3]
-    if refresh then
-      local saved = string.match(olds[i] or '', '^%d+') or '0'
-      vers[#vers + 1] = saved .. ' ' .. ARGV[5]
-    else
-      vers[#vers + 1] = version
+-- 512 hashes per HMGET, HSET and ZADD rather than a call per hash (Lua's
+-- unpack stops at a few thousand values, and the API allows 4096 hashes).
+local held = 0
+for i = 7, #ARGV, 512 do
+  local j = math.min(i + 511, #ARGV)
+  local cur = redis.call('HMGET', px, unpack(ARGV, i, j))
+  local olds = refresh and redis.call('HMGET', vk, unpack(ARGV, i, j))
+  local lists, scores, vers = {}, {}, {}
+  for k = 1, #cur do
+    local h = ARGV[i + k - 1]
+    local v = hold(cur[k])
+    if v then
+      held = held + 1
+      lists[#lists + 1] = h
+      lists[#lists + 1] = v
+      scores[#scores + 1] = exp
+      scores[#scores + 1] = h
+      vers[#vers + 1] = h
+      if refresh then
+        vers[#vers + 1] = (string.match(olds[k] or '', '^%d+') or '0') .. ' ' .. ARGV[5]
+      else
+        vers[#vers + 1] = version
+      end
     end
   end
-  if #batch == 1024 or (i == #KEYS and #batch > 0) then
-    redis.call('ZADD', ek, unpack(batch))
+  if #lists > 0 then
+    redis.call('HSET', px, unpack(lists))
+    redis.call('ZADD', pxt, 'GT', unpack(scores))
+    redis.call('ZADD', ek, unpack(scores))
     redis.call('HSET', vk, unpack(vers))
-    batch, vers = {}, {}
   end
 end
 if held == 0 then return 0 end
@@ -363,8 +414,8 @@ while true do
   redis.call('HDEL', vk, unpack(dead))
   redis.call('ZREM', ek, unpack(dead))
 end
-redis.call('PEXPIRE', ek, ttl)
-redis.call('PEXPIRE', vk, ttl)
+dropDead(px, pxt, ARGV[1])
+for _, k in ipairs({ek, vk, px, pxt}) do redis.call('PEXPIRE', k, ttl) end
 redis.call('ZADD', hk, exp, host)
 redis.call('ZREMRANGEBYSCORE', hk, '-inf', ARGV[1])
 redis.call('PEXPIRE', hk, ttl)
@@ -372,18 +423,19 @@ return held
 `
 
 // unholdLib removes one host from a prefix's holder list, deleting the
-// key when nobody is left; version reads an entry's last save.
+// field when nobody is left; version reads an entry's last save.
 const unholdLib = holdersLib + `
-local function unhold(key, host, nowN)
-  local s = redis.call('GET', key)
+local function unhold(px, pxt, hash, host, nowN)
+  local s = redis.call('HGET', px, hash)
   if not s or not string.find(s, ';' .. host .. ' ', 1, true) then return end
   local m = parse(s)
   m[host] = nil
   local v, c = build(m, nowN)
   if c == 0 then
-    redis.call('DEL', key)
+    redis.call('HDEL', px, hash)
+    redis.call('ZREM', pxt, hash)
   else
-    redis.call('SET', key, v, 'KEEPTTL')
+    redis.call('HSET', px, hash, v)
   end
 end
 local function version(vk, hash)
@@ -394,16 +446,16 @@ local function version(vk, hash)
 end
 `
 
-// KEYS: e-key hosts-key v-key p-keys. ARGV: now host before hashes...
+// KEYS: e-key hosts-key v-key px pxt. ARGV: now host before hashes...
 // Entries saved after before (Unix ms; 0: never) stay.
 const evictSrc = unholdLib + `
-local ek, hk, vk, host, nowN, before = KEYS[1], KEYS[2], KEYS[3], ARGV[2], tonumber(ARGV[1]), tonumber(ARGV[3])
-for i = 4, #KEYS do
+local ek, hk, vk, px, pxt, host, nowN, before = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], ARGV[2], tonumber(ARGV[1]), tonumber(ARGV[3])
+for i = 4, #ARGV do
   local h = ARGV[i]
   local gone = before <= 0
   if not gone then gone = version(vk, h) <= before end
   if gone then
-    unhold(KEYS[i], host, nowN)
+    unhold(px, pxt, h, host, nowN)
     redis.call('ZREM', ek, h)
     redis.call('HDEL', vk, h)
   end
@@ -412,15 +464,15 @@ if redis.call('ZCARD', ek) == 0 then redis.call('ZREM', hk, host) end
 return 1
 `
 
-// KEYS: e-key hosts-key v-key p-keys. ARGV: now host saveID hashes...
+// KEYS: e-key hosts-key v-key px pxt. ARGV: now host saveID hashes...
 // Only entries whose last save carried saveID go.
 const retractSrc = unholdLib + `
-local ek, hk, vk, host, nowN, id = KEYS[1], KEYS[2], KEYS[3], ARGV[2], tonumber(ARGV[1]), ARGV[3]
-for i = 4, #KEYS do
+local ek, hk, vk, px, pxt, host, nowN, id = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], ARGV[2], tonumber(ARGV[1]), ARGV[3]
+for i = 4, #ARGV do
   local h = ARGV[i]
   local _, by = version(vk, h)
   if by == id then
-    unhold(KEYS[i], host, nowN)
+    unhold(px, pxt, h, host, nowN)
     redis.call('ZREM', ek, h)
     redis.call('HDEL', vk, h)
   end
@@ -429,15 +481,15 @@ if redis.call('ZCARD', ek) == 0 then redis.call('ZREM', hk, host) end
 return 1
 `
 
-// KEYS: e-key hosts-key v-key. ARGV: now host base before. With before
+// KEYS: e-key hosts-key v-key px pxt. ARGV: now host before. With before
 // (Unix ms) > 0, entries saved after it stay (a pod's start epoch).
 const evictHostSrc = unholdLib + `
-local ek, hk, vk, host, base, nowN, before = KEYS[1], KEYS[2], KEYS[3], ARGV[2], ARGV[3], tonumber(ARGV[1]), tonumber(ARGV[4])
+local ek, hk, vk, px, pxt, host, nowN, before = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], ARGV[2], tonumber(ARGV[1]), tonumber(ARGV[3])
 local hs = redis.call('ZRANGE', ek, 0, -1)
 local n = 0
 for _, h in ipairs(hs) do
   if before <= 0 or version(vk, h) <= before then
-    unhold(base .. ':p:' .. h, host, nowN)
+    unhold(px, pxt, h, host, nowN)
     n = n + 1
     if before > 0 then
       redis.call('ZREM', ek, h)
