@@ -25,9 +25,13 @@ type Check struct {
 	// request it accepted carries it: the router saved it when it routed
 	// that request there), over all entries. StrictPrecision counts only
 	// the prefixes held. Both -1 when the index is empty.
-	IndexEntries    int     `json:"index_entries"`
-	IndexTrue       int     `json:"index_true"`
-	IndexPending    int     `json:"index_pending"`
+	IndexEntries int `json:"index_entries"`
+	IndexTrue    int `json:"index_true"`
+	IndexPending int `json:"index_pending"`
+	// IndexInTransit of the true entries were held only in the workers'
+	// read just before the index read: dropped while the check read
+	// (Checker.Check).
+	IndexInTransit  int     `json:"index_in_transit"`
 	Precision       float64 `json:"precision"`
 	StrictPrecision float64 `json:"strict_precision"`
 	// FalseByHost counts the wrong entries per host they name.
@@ -155,16 +159,31 @@ func Analyze(rs []Record, ws []Window, checks []Check, base Baseline, bucket tim
 	return out
 }
 
-// windowOf is the index of the earliest window r overlaps — a request in
-// flight when a fault hit is that fault's, and so is one that started in
-// its window and hung on into later ones — or -1 for the baseline.
+// windowOf is the index of r's window, or -1 for the baseline. A request
+// in flight when a fault was injected is that fault's (the first such
+// fault), unless it started while an earlier fault was still on (between
+// that fault's injection and its recovery): that one may have made it
+// hang, and keeps it. Otherwise a request is the window's it started in.
+// Under steady load every injection hits requests that started in the
+// previous window's quiet tail (the gap after its recovery): they are the
+// new fault's victims, not the previous fault's.
 func windowOf(r Record, ws []Window) int {
+	started := -1
 	for i, w := range ws {
-		if w.Start <= r.End && r.Start < w.Next {
+		if w.Start <= r.Start && r.Start < w.Next {
+			started = i
+			break
+		}
+	}
+	if started >= 0 && r.Start <= ws[started].End {
+		return started
+	}
+	for i, w := range ws {
+		if r.Start < w.Start && w.Start <= r.End {
 			return i
 		}
 	}
-	return -1
+	return started
 }
 
 func failKey(r Record) string {

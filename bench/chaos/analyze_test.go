@@ -51,7 +51,7 @@ func TestRecoveryNeedsThreeGoodBucketsInARow(t *testing.T) {
 	}
 }
 
-func TestAnalyzeAssignsRequestsToTheEarliestWindowTheyOverlap(t *testing.T) {
+func TestAnalyzeAssignsRequestsToTheFaultThatHitThem(t *testing.T) {
 	ws := []Window{
 		{Name: "kill", Start: secs(10), End: secs(13), Next: secs(30),
 			expected: func(r Record) bool { return r.Worker == "w0" && inFlightAt(r, secs(10)) }},
@@ -62,11 +62,14 @@ func TestAnalyzeAssignsRequestsToTheEarliestWindowTheyOverlap(t *testing.T) {
 		rec(1, 9, 10.5, Reset, 50), // in flight at the kill: expected
 		rec(2, 11, 11.5, Failed, 0),
 		rec(3, 12, 14, OK, 300),
-		rec(4, 25, 31, OK, 200), // started in the kill's window, hung into the burst's
+		rec(4, 12.5, 31, OK, 200), // started while the kill was on, hung into the burst's window
 		rec(8, 31, 32, OK, 100),
 		rec(5, 32, 33, Aborted, 20),
 		rec(6, 33, 34, Cut, 20),
 		rec(7, 35, 36, Unanswered, 0),
+		// Started in the kill's window after its recovery, in flight when
+		// the burst came: the burst's (it had failed before this rule).
+		rec(9, 29.5, 30.5, Reset, 0),
 	}
 	rs[1].Worker, rs[1].Status = "w0", 200
 	rs[2].Status, rs[2].Retries = 503, []string{"connect"}
@@ -82,11 +85,11 @@ func TestAnalyzeAssignsRequestsToTheEarliestWindowTheyOverlap(t *testing.T) {
 	if k.Sent != 4 || k.Succeeded != 2 {
 		t.Fatalf("kill window with the hung request: %+v", k)
 	}
-	if b.Sent != 4 || b.Succeeded != 1 || b.Aborted != 1 || b.Lost != 2 || b.Unexpected != 2 {
+	if b.Sent != 5 || b.Succeeded != 1 || b.Aborted != 1 || b.Lost != 2 || b.Unexpected != 3 || b.Failed["stream-reset"] != 1 {
 		t.Fatalf("burst window: %+v", b)
 	}
-	if rs[0].Fault != "" || rs[1].Fault != "kill" || rs[4].Fault != "kill" || rs[8].Fault != "burst" {
-		t.Fatalf("faults assigned: %q %q %q %q", rs[0].Fault, rs[1].Fault, rs[4].Fault, rs[8].Fault)
+	if rs[0].Fault != "" || rs[1].Fault != "kill" || rs[4].Fault != "kill" || rs[8].Fault != "burst" || rs[9].Fault != "burst" {
+		t.Fatalf("faults assigned: %q %q %q %q %q", rs[0].Fault, rs[1].Fault, rs[4].Fault, rs[8].Fault, rs[9].Fault)
 	}
 	// Ran entirely before the first fault: 0 (ok), not 1 (broken off by
 	// the kill, the kill's).

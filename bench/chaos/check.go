@@ -90,18 +90,47 @@ func (c Checker) Leases(ctx context.Context) (int, error) {
 	return n, nil
 }
 
-// Check takes the index, the workers' views and the leases at one moment
-// (the workers are read right after the index, so a prefix saved in
-// between can only make the index look better, never worse), with
-// inFlight the client's requests outstanding at that moment.
+// Check takes the index, the workers' views and the leases at one moment,
+// with inFlight the client's requests outstanding at that moment. The
+// index is one read, the workers' views several (one per worker, each
+// waiting for its scheduler loop, tens of milliseconds apart), so the
+// workers are read twice, right before the index and right after, and an
+// entry counts as held when either read holds it: a prefix a worker
+// dropped while the check was reading (its eviction report could not have
+// reached the index yet) is not the index's error, and one it gained in
+// between was saved for a request routed there. Entries held only in the
+// read before are counted (IndexInTransit) and listed in the dump; an
+// entry neither read holds is wrong.
 func (c Checker) Check(ctx context.Context, inFlight func() int) Check {
 	var ch Check
 	var errs []string
+	before := c.Held(ctx)
+	at := time.Now()
 	idx, err := c.Index(ctx)
 	if err != nil {
 		errs = append(errs, "index: "+err.Error())
 	}
-	held := c.Held(ctx)
+	after := c.Held(ctx)
+	held := map[string]map[string]Holding{}
+	transit := map[string][]string{}
+	for host, hs := range idx {
+		for _, h := range hs {
+			if after[host][h] == 0 && before[host][h] != 0 {
+				transit[host] = append(transit[host], h)
+				ch.IndexInTransit++
+			}
+		}
+	}
+	for host, set := range after {
+		m := make(map[string]Holding, len(set)+len(transit[host]))
+		for h, v := range set {
+			m[h] = v
+		}
+		for _, h := range transit[host] {
+			m[h] = before[host][h]
+		}
+		held[host] = m
+	}
 	ch.IndexEntries, ch.IndexTrue, ch.IndexPending, ch.FalseByHost = Precision(idx, held)
 	if c.Dump != "" {
 		wrong := map[string][]string{}
@@ -112,7 +141,8 @@ func (c Checker) Check(ctx context.Context, inFlight func() int) Check {
 				}
 			}
 		}
-		if err := writeJSON(c.Dump, map[string]any{"index": idx, "held": held, "wrong": wrong}); err != nil {
+		if err := writeJSON(c.Dump, map[string]any{"at": at.UTC().Format(time.RFC3339Nano), "index": idx, "held": after,
+			"held_before": before, "in_transit": transit, "wrong": wrong}); err != nil {
 			errs = append(errs, "dump: "+err.Error())
 		}
 	}

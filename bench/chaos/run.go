@@ -144,15 +144,22 @@ type observer struct {
 	mu     sync.Mutex
 	checks []Check
 	out    io.Writer
+	dir    string // where each check's index dump goes ("": none)
 }
 
 func (o *observer) Recovered(ctx context.Context, w *Window) {
-	c := o.chk.Check(ctx, o.load.InFlight)
+	chk := o.chk
+	o.mu.Lock()
+	if o.dir != "" {
+		chk.Dump = filepath.Join(o.dir, fmt.Sprintf("index_%d_%s.json", len(o.checks)+1, w.Name))
+	}
+	o.mu.Unlock()
+	c := chk.Check(ctx, o.load.InFlight)
 	o.mu.Lock()
 	o.checks = append(o.checks, c)
 	o.mu.Unlock()
-	fmt.Fprintf(o.out, "  %s recovered at %.1fs; +1s: index %d entries, %d held, %d pending (%s), leases %d, in flight %d %s\n",
-		w.Name, w.End.Seconds(), c.IndexEntries, c.IndexTrue, c.IndexPending, pct(c.Precision), c.Leases, c.InFlight, c.Err)
+	fmt.Fprintf(o.out, "  %s recovered at %.1fs; +1s: index %d entries, %d held (%d of them only just before), %d pending (%s), leases %d, in flight %d %s\n",
+		w.Name, w.End.Seconds(), c.IndexEntries, c.IndexTrue, c.IndexInTransit, c.IndexPending, pct(c.Precision), c.Leases, c.InFlight, c.Err)
 }
 
 func (o *observer) WindowDone(context.Context, *Window) {}
@@ -188,7 +195,7 @@ func RunChaos(ctx context.Context, cfg Config) (*Result, error) {
 	load := NewLoad(client, cfg.Users, cfg.MaxTokens, cfg.Seed, start)
 	load.StreamShare = cfg.StreamShare
 	chk := Checker{MC: f.MC, Cluster: fleet.Cluster, Workers: f.Workers, HTTP: hc}
-	obs := &observer{chk: chk, load: load, out: cfg.Progress}
+	obs := &observer{chk: chk, load: load, out: cfg.Progress, dir: cfg.Out}
 
 	faults, err := buildFaults(names, f, load, cfg, start)
 	if err != nil {
@@ -206,7 +213,11 @@ func RunChaos(ctx context.Context, cfg Config) (*Result, error) {
 		}}
 	// The steady state the faults are compared against, checked too.
 	var initial Check
-	sched.Before = func(c context.Context) { initial = chk.Check(c, load.InFlight) }
+	sched.Before = func(c context.Context) {
+		before := chk
+		before.Dump = filepath.Join(cfg.Out, "index_0_before_faults.json")
+		initial = before.Check(c, load.InFlight)
+	}
 	windows := sched.Run(ctx, start, obs)
 	stopLoad()
 	if err := <-loadDone; err != nil {

@@ -47,9 +47,12 @@ func (e *Engine) batchOp(name string, d *Decision, host string) api.BatchOp {
 		op.Op = api.OpFirstToken
 	case "delete_request":
 		op.Op = api.OpDone
-	case "save_cache", "refresh_cache":
+	case "save_cache", "refresh_cache", "place_cache":
 		op = api.BatchOp{Op: api.OpCacheSave, Cluster: d.Cluster, Host: host, Hashes: d.Hashes, ChunkSize: e.hasher.ChunkSize, SaveID: d.RequestID,
 			RefreshOnly: name == "refresh_cache"}
+		if name == "place_cache" {
+			op.Hashes = d.placed() // the routing-time save (Started)
+		}
 		if len(op.Hashes) > api.MaxHashes {
 			op.Hashes = op.Hashes[:api.MaxHashes]
 		}
@@ -80,5 +83,5 @@ func (e *Engine) placesPrefix(d *Decision) bool {
 // save together, past the batch window (placesPrefix).
 func (e *Engine) startedUrgent(d *Decision, acked func(error)) {
 	e.batch.AddUrgent(client.Update{Op: e.batchOp("add_request", d, d.Host), Done: acked},
-		client.Update{Op: e.batchOp("save_cache", d, d.Host)})
+		client.Update{Op: e.batchOp("place_cache", d, d.Host)})
 }

@@ -616,10 +616,30 @@ func (e *Engine) Started(d *Decision) {
 	// computed cells, so followers really do reuse it. Saved confirms the
 	// entry (and refreshes its TTL) once the pod answers; if the request
 	// fails before its first token, Done withdraws this save (retract).
-	if len(d.Hashes) > 0 && d.CacheRatio < 1 {
+	//
+	// The save names only the blocks the route answer did not already show
+	// on the pod (placed): those it does were vouched for by whoever saved
+	// them, and saving them again would make them this request's, so that
+	// the retraction of the request whose save they were (refused by the
+	// pod as this one may be: a burst) could no longer withdraw them, and
+	// this one's retraction leaves them too (docs/metadata-center.md,
+	// "Versions"). A fully matched prompt saves nothing; its confirmation
+	// is still one that never inserts.
+	if len(d.Hashes) > 0 {
 		d.mark(stEarlySave)
-		e.dispatch("save_cache", d, d.Host)
+		e.dispatch("place_cache", d, d.Host)
 	}
+}
+
+// placed returns the hashes a routing-time save on the chosen pod names:
+// those beyond the run the index already held there. A retraction on that
+// pod withdraws the same ones (retractable).
+func (d *Decision) placed() []string {
+	hs := d.Hashes[min(d.matched, len(d.Hashes)):]
+	if len(hs) > api.MaxHashes {
+		hs = hs[:api.MaxHashes]
+	}
+	return hs
 }
 
 func (e *Engine) addRequest(d *Decision, host string, f *balancer.Flight) {
@@ -701,14 +721,17 @@ func (e *Engine) Saved(d *Decision) {
 	e.dispatch("save_cache", d, host)
 }
 
-// confirms says whether every hash Saved would save on host was already
-// put there by this request's own routing-time save. Not on a pod Envoy
-// picked instead (Served): nothing was saved there, and the pod has just
-// built the whole prompt. Nor without a routing-time save (a short
-// prefill, or no batcher and the index held the whole prompt): the run the
-// index held may be another request's routing-time save, which that
-// request's retraction can withdraw before this save lands — a refresh
-// would then lose a prefix the pod really built, so the save inserts.
+// confirms says whether Saved on host is a confirmation that never
+// inserts: on the chosen pod, where the routing-time save put every block
+// the index did not already hold. A non-streamed answer starts at its end;
+// the client's next turn can make the pod truncate the prompt's tail and
+// report that eviction before an inserting save lands, which would write
+// the evicted block back. The price: a block the index held at routing
+// time that is withdrawn before the confirmation lands (the retraction of
+// the request whose save it was) stays out of the index though the pod
+// built it — a miss, never a wrong entry. Not on a pod Envoy picked
+// instead (Served): nothing was saved there, and the pod has just built
+// the whole prompt, so that save inserts.
 func (d *Decision) confirms(host string) bool {
 	return host == d.Host && d.has(stEarlySave)
 }
@@ -736,14 +759,14 @@ func (e *Engine) Done(d *Decision) {
 	e.dispatch("delete_request", d, d.host())
 }
 
-// retractable returns the hashes a retraction on host withdraws: beyond the
-// matched run on the chosen pod, all of them on a pod Envoy picked.
+// retractable returns the hashes a retraction on host withdraws: what the
+// routing-time save placed on the chosen pod, all of them on a pod Envoy
+// picked.
 func (d *Decision) retractable(host string) []string {
-	from := 0
 	if host == d.Host {
-		from = min(d.matched, len(d.Hashes))
+		return d.placed()
 	}
-	hs := d.Hashes[from:]
+	hs := d.Hashes
 	if len(hs) > api.MaxHashes {
 		hs = hs[:api.MaxHashes]
 	}
@@ -757,7 +780,7 @@ func (e *Engine) dispatch(name string, d *Decision, host string) {
 // dispatchDone queues the update name of d for host; the batcher and the
 // dispatcher both keep one request's updates in order.
 func (e *Engine) dispatchDone(name string, d *Decision, host string, done func(error)) {
-	if name == "retract_cache" && len(d.retractable(host)) == 0 {
+	if name == "retract_cache" && len(d.retractable(host)) == 0 || name == "place_cache" && len(d.placed()) == 0 {
 		return // the index held the whole prompt there already
 	}
 	if e.batch != nil {

@@ -186,9 +186,35 @@ func testRetract(t *testing.T, e *Engine, mc *client.Client, m *counts) {
 	if n := held(d7.Host, d7.Hashes); n != len(d7.Hashes) {
 		t.Fatalf("d7 succeeded, yet %d of %d blocks are held", n, len(d7.Hashes))
 	}
-	// d1, d3, d4 and d6 withdrew saves; d2 and d7 succeeded, d5 saved nothing.
-	if n := m.get("retractions"); n != 4 {
-		t.Fatalf("retractions counted %d, want 4", n)
+	// 6. A burst: two questions of one new user's context go to one pod,
+	// the second routed on the first one's routing-time save, and the pod
+	// refuses both. The second one's save names only what the index did
+	// not hold (its question's blocks), so the first one's retraction
+	// still withdraws the shared context: nothing of the two is left. (A
+	// save naming the whole prompt made the shared blocks the second
+	// one's, which neither retraction then withdrew: the chaos run's wrong
+	// entries after its burst.)
+	bees := strings.Repeat("You keep bees and answer in one line. ", 4)
+	profile := strings.Repeat("The user keeps twelve hives on a hill in Wales. ", 3)
+	d8 := decide(bees, profile+"When do I harvest?")
+	e.Started(d8)
+	eventually(t, "d8's save", func() bool { return held(d8.Host, d8.Hashes) == len(d8.Hashes) })
+	d9 := decide(bees, profile+"How do I calm a swarm?")
+	if d9.Host != d8.Host || d9.CacheRatio <= 0 || d9.CacheRatio >= 1 {
+		t.Fatalf("the second question went to %s (ratio %v), the first one's save is on %s", d9.Host, d9.CacheRatio, d8.Host)
+	}
+	e.Started(d9)
+	eventually(t, "d9's save", func() bool { return held(d9.Host, d9.Hashes) == len(d9.Hashes) })
+	e.Done(d9)
+	e.Done(d8)
+	eventually(t, "both leases to end", func() bool { return e.Pending() == 0 && leases(d8.Host) == 0 })
+	if n, m := held(d8.Host, d8.Hashes), held(d9.Host, d9.Hashes); n != 0 || m != 0 {
+		t.Fatalf("after both requests were refused the index still holds %d and %d of their blocks on the pod", n, m)
+	}
+	// d1, d3, d4, d6, d8 and d9 withdrew saves; d2 and d7 succeeded, d5
+	// saved nothing.
+	if n := m.get("retractions"); n != 6 {
+		t.Fatalf("retractions counted %d, want 6", n)
 	}
 	if n := m.get("async_errors"); n != 0 {
 		t.Fatalf("%d updates failed", n)

@@ -439,7 +439,7 @@ func (f *filter) OnLog(reqH api.RequestHeaderMap, _ api.RequestTrailerMap, respH
 		}
 		attrs = append(attrs, "model", d.Model, "backend", backend, "chosen", d.Host, "cluster", d.Cluster, "scene", d.SceneName,
 			"policy", d.Policy, "cache_ratio", d.CacheRatio, "degraded", d.Degraded, "stream", f.streaming,
-			"prompt_length", d.PromptLength)
+			"prompt_length", d.PromptLength, "lease_id", d.RequestID)
 	} else if reqH != nil {
 		attrs = append(attrs, "path", reqH.Path())
 	}

@@ -40,7 +40,9 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
+	"slices"
 	"strconv"
+	"strings"
 	"sync"
 	"time"
 
@@ -85,6 +87,20 @@ type Options struct {
 	// cluster_header. "" when absent; Fallback and Member decide what an
 	// unknown cluster means.
 	ClusterHeader string
+	// ConnectRetries is how many times a request whose connection to its
+	// upstream failed — nothing of it was sent: refused, unreachable, dial
+	// timeout — is sent again, each time to a host of its cluster that
+	// Fallback (the cluster's load balancer) picks among those not tried
+	// yet. This is Envoy's route retry policy `retry_on: connect-failure`
+	// with the `previous_hosts` retry host predicate (Istio adds that
+	// predicate to every retry policy); like Envoy's retries it ignores the
+	// override host, and UpstreamRemoteAddress then names the pod that
+	// really served. 0: no retry, Envoy's behaviour without a retry policy.
+	ConnectRetries int
+	// ConnectFailed, if set, is told at once about every host a connection
+	// failed to, retried or not (passive health: eject it before the
+	// stream ends).
+	ConnectFailed func(host string)
 	// Observe, if set, is told about every finished stream (metrics).
 	Observe func(Outcome)
 	Logger  *slog.Logger
@@ -364,42 +380,60 @@ func (h *Host) forward(ctx context.Context, s *stream, f api.StreamFilter, rw *r
 			body:    jsonError(http.StatusServiceUnavailable, "no_healthy_upstream", "no upstream host was selected for this request", traceID),
 			headers: map[string][]string{"content-type": {"application/json"}}}, traceID)
 	}
-	out, err := http.NewRequestWithContext(ctx, hdr.Method(), "http://"+target+hdr.Path(), bytes.NewReader(body))
-	if err != nil {
-		return h.localReply(ctx, s, f, rw, &localReply{code: http.StatusBadRequest, details: "bad_request_line",
-			body:    jsonError(http.StatusBadRequest, "bad_request", "cannot build the upstream request: "+err.Error(), traceID),
-			headers: map[string][]string{"content-type": {"application/json"}}}, traceID)
-	}
-	out.Header = hdr.httpHeader()
-	out.Host = hdr.Host()
-	out.ContentLength = int64(len(body))
-	if len(body) == 0 {
-		out.Body = http.NoBody
-	}
-	if trailers != nil {
-		// Trailers need chunked encoding, as the client sent them.
-		out.Trailer = trailers
-		out.ContentLength = -1
-		if len(body) == 0 {
-			out.Body = io.NopCloser(bytes.NewReader(nil))
-		}
-	}
+	header := hdr.httpHeader()
 	if ip, _, err := net.SplitHostPort(r.RemoteAddr); err == nil {
-		out.Header.Add("x-forwarded-for", ip)
+		header.Add("x-forwarded-for", ip)
 	}
-	if out.Header.Get("x-forwarded-proto") == "" {
-		out.Header.Set("x-forwarded-proto", hdr.Scheme())
+	if header.Get("x-forwarded-proto") == "" {
+		header.Set("x-forwarded-proto", hdr.Scheme())
 	}
-	s.mu.Lock()
-	s.upstream = target
-	s.mu.Unlock()
+	var resp *http.Response
+	tried := make([]string, 0, 1+h.opts.ConnectRetries)
+	for {
+		out, err := http.NewRequestWithContext(ctx, hdr.Method(), "http://"+target+hdr.Path(), bytes.NewReader(body))
+		if err != nil {
+			return h.localReply(ctx, s, f, rw, &localReply{code: http.StatusBadRequest, details: "bad_request_line",
+				body:    jsonError(http.StatusBadRequest, "bad_request", "cannot build the upstream request: "+err.Error(), traceID),
+				headers: map[string][]string{"content-type": {"application/json"}}}, traceID)
+		}
+		out.Header = header.Clone()
+		out.Host = hdr.Host()
+		out.ContentLength = int64(len(body))
+		if len(body) == 0 {
+			out.Body = http.NoBody
+		}
+		if trailers != nil {
+			// Trailers need chunked encoding, as the client sent them.
+			out.Trailer = trailers
+			out.ContentLength = -1
+			if len(body) == 0 {
+				out.Body = io.NopCloser(bytes.NewReader(nil))
+			}
+		}
+		s.mu.Lock()
+		s.upstream = target
+		s.mu.Unlock()
 
-	resp, err := h.transport.RoundTrip(out)
-	if err != nil {
+		resp, err = h.transport.RoundTrip(out)
+		if err == nil {
+			break
+		}
 		if ctx.Err() != nil {
 			return nil // client gone: nobody to answer
 		}
 		h.log.Warn("upstream request failed", "upstream", target, "trace_id", traceID, "err", err)
+		tried = append(tried, target)
+		connect := connectFailure(err)
+		if connect && h.opts.ConnectFailed != nil {
+			h.opts.ConnectFailed(target)
+		}
+		if connect && len(tried) <= h.opts.ConnectRetries {
+			if next := h.retryHost(r, cluster, tried); next != "" {
+				h.log.Info("retrying on another upstream after a failed connection", "failed", target, "upstream", next, "trace_id", traceID)
+				target = next
+				continue
+			}
+		}
 		s.mu.Lock()
 		s.upstreamFailed = true
 		s.mu.Unlock()
@@ -414,6 +448,45 @@ func (h *Host) forward(ctx context.Context, s *stream, f api.StreamFilter, rw *r
 		resp.StatusCode == http.StatusNotModified || resp.ContentLength == 0
 	h.encode(ctx, s, f, rw, respHdr, resp.Body, noBody, traceID, func() http.Header { return presentTrailers(resp.Trailer) })
 	return respHdr
+}
+
+// isEventStream reports whether the response is server-sent events.
+func isEventStream(hdr *ResponseHeaders) bool {
+	ct, _ := hdr.Get("content-type")
+	return strings.HasPrefix(strings.ToLower(strings.TrimSpace(ct)), "text/event-stream")
+}
+
+// connectFailure reports whether err is a failed connection: the request
+// never left (Envoy's connect-failure retry condition). A request written
+// on a reused connection that then broke is not one: the pod may have it.
+func connectFailure(err error) bool {
+	var op *net.OpError
+	return errors.As(err, &op) && op.Op == "dial"
+}
+
+// hostSelectionAttempts bounds how often a retry asks Fallback for a host
+// it has not tried (Envoy's host_selection_retry_max_attempts; Istio sets 5).
+const hostSelectionAttempts = 5
+
+// retryHost is the host of a connect-failure retry: Fallback's pick for
+// the cluster that is not one of tried (Envoy's previous_hosts predicate)
+// and is a member of the cluster; "" when none turns up.
+func (h *Host) retryHost(r *http.Request, cluster string, tried []string) string {
+	if h.opts.Fallback == nil {
+		return ""
+	}
+	for range hostSelectionAttempts {
+		fb := h.opts.Fallback(r, cluster)
+		norm, err := normalizeAddress(fb)
+		if fb == "" || err != nil {
+			return ""
+		}
+		if slices.Contains(tried, norm) || h.opts.Member != nil && !h.opts.Member(cluster, norm) {
+			continue
+		}
+		return norm
+	}
+	return ""
 }
 
 // localReply answers with the reply through the encode phases, like Envoy's
@@ -445,6 +518,16 @@ type responseState struct {
 	wroteHeader bool
 	local       bool
 	broken      bool // a write to the client failed
+	// tail is the body's last bytes written, to tell whether it ends
+	// between two server-sent events (endsEvent).
+	tail []byte
+}
+
+// endsEvent reports whether the body written so far ends between two
+// server-sent events (nothing written yet, or a blank line last), where an
+// error event can still be appended whole.
+func (rw *responseState) endsEvent() bool {
+	return len(rw.tail) == 0 || bytes.HasSuffix(rw.tail, []byte("\n\n")) || bytes.HasSuffix(rw.tail, []byte("\r\n\r\n"))
 }
 
 func (rw *responseState) writeHeader(hdr *ResponseHeaders) {
@@ -477,6 +560,8 @@ func (rw *responseState) write(p []byte) {
 		rw.broken = true
 		return
 	}
+	rw.tail = append(rw.tail, p[max(0, len(p)-4):]...)
+	rw.tail = rw.tail[max(0, len(rw.tail)-4):]
 	if f, ok := rw.w.(http.Flusher); ok {
 		f.Flush()
 	}
@@ -546,6 +631,16 @@ func (h *Host) encode(ctx context.Context, s *stream, f api.StreamFilter, rw *re
 				rw.directReply(&localReply{code: http.StatusServiceUnavailable, details: "upstream_reset_after_response_started",
 					body:    jsonError(http.StatusServiceUnavailable, "upstream_unavailable", "upstream reset while sending its body: "+err.Error(), traceID),
 					headers: map[string][]string{"content-type": {"application/json"}}})
+				return
+			}
+			if rw.status/100 == 2 && rw.endsEvent() && isEventStream(hdr) {
+				// Headers are out, but an event stream can still say so in
+				// its own terms: an error event in the project's error
+				// format and [DONE], as the worker ends a stream that fails
+				// (OpenAI streams errors this way), so an SDK raises the
+				// error instead of a bare transport failure.
+				rw.write([]byte("data: " + jsonError(http.StatusServiceUnavailable, "upstream_unavailable",
+					"upstream reset while sending its body: "+err.Error(), traceID) + "\n\ndata: [DONE]\n\n"))
 				return
 			}
 			// Headers are out: cutting the connection is the only honest signal.

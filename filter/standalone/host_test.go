@@ -910,3 +910,179 @@ func TestOverrideOutsideTheClusterFollowsEnvoy(t *testing.T) {
 		t.Fatalf("strict override outside the cluster: status %d, want 503", resp.StatusCode)
 	}
 }
+
+// deadAddr is an address nobody listens on: a pod that died.
+func deadAddr(t *testing.T) string {
+	t.Helper()
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr := l.Addr().String()
+	l.Close()
+	return addr
+}
+
+// A request whose connection to its pinned pod fails was never sent: with
+// ConnectRetries it goes to another member the cluster's load balancer
+// picks (Envoy's retry_on: connect-failure with previous_hosts), the filter
+// sees that pod as the upstream, and the failed pod is reported at once.
+func TestConnectFailureIsRetriedOnAnotherHost(t *testing.T) {
+	dead := deadAddr(t)
+	var got seen
+	var h *harness
+	var mu sync.Mutex
+	var failed []string
+	var served string
+	picks := 0
+	opts := Options{
+		ConnectRetries: 1,
+		// Round robin that would hand the dead pod out again first: the
+		// retry must skip a host it tried.
+		Fallback: func(*http.Request, string) string {
+			mu.Lock()
+			defer mu.Unlock()
+			picks++
+			if picks%2 == 1 {
+				return dead
+			}
+			return h.backendAddr()
+		},
+		ConnectFailed: func(host string) { mu.Lock(); failed = append(failed, host); mu.Unlock() },
+	}
+	h = newHarness(t, echoBackend(&got), opts, func(f *testFilter) {
+		f.decodeData = pin(dead)
+		f.encodeHeaders = func(f *testFilter, _ api.ResponseHeaderMap, _ bool) api.StatusType {
+			served, _ = f.cb.StreamInfo().UpstreamRemoteAddress()
+			return api.Continue
+		}
+	})
+	resp, err := http.Post(h.gw.URL+"/x", "application/json", strings.NewReader(`{"a":1}`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	out, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if resp.StatusCode != 200 || got.body != `{"a":1}` {
+		t.Fatalf("status %d %s; the live pod saw %q", resp.StatusCode, out, got.body)
+	}
+	h.rec()
+	mu.Lock()
+	defer mu.Unlock()
+	if served != h.backendAddr() {
+		t.Fatalf("the filter saw upstream %q, want the pod that served, %s", served, h.backendAddr())
+	}
+	if len(failed) != 1 || failed[0] != dead {
+		t.Fatalf("failed connections reported: %v, want [%s]", failed, dead)
+	}
+}
+
+// Only a failed connection is retried: a pod that took the request and
+// broke before answering may be running it, so the client gets the 503.
+// Without ConnectRetries nothing is retried (Envoy without a retry policy).
+func TestOnlyConnectFailuresAreRetried(t *testing.T) {
+	var other seen
+	otherPod := httptest.NewServer(echoBackend(&other))
+	defer otherPod.Close()
+	breaks := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		_, _ = io.ReadAll(r.Body)
+		panic(http.ErrAbortHandler) // took the request, answers nothing
+	})
+	for _, tc := range []struct {
+		name    string
+		retries int
+		backend http.Handler
+		pinDead bool
+	}{
+		{"reset after the request was sent", 1, breaks, false},
+		{"connect failure without retries", 0, nil, true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			var h *harness
+			dead := deadAddr(t)
+			opts := Options{ConnectRetries: tc.retries, Fallback: func(*http.Request, string) string { return otherPod.Listener.Addr().String() }}
+			h = newHarness(t, tc.backend, opts, func(f *testFilter) {
+				f.decodeData = func(f *testFilter, b api.BufferInstance, end bool) api.StatusType {
+					if tc.pinDead {
+						return pin(dead)(f, b, end)
+					}
+					return pin(h.backendAddr())(f, b, end)
+				}
+			})
+			resp, err := http.Post(h.gw.URL+"/x", "application/json", strings.NewReader(`{"a":1}`))
+			if err != nil {
+				t.Fatal(err)
+			}
+			out, _ := io.ReadAll(resp.Body)
+			resp.Body.Close()
+			if resp.StatusCode != 503 {
+				t.Fatalf("status %d %s, want 503", resp.StatusCode, out)
+			}
+			h.rec()
+			other.mu.Lock()
+			defer other.mu.Unlock()
+			if other.body != "" {
+				t.Fatalf("the request was sent to another pod too: %q", other.body)
+			}
+		})
+	}
+}
+
+// A server-sent-event stream whose backend dies between two events ends
+// with an error event in the project's error format and [DONE], as the
+// worker ends a stream that fails, instead of a bare broken connection;
+// one that dies inside an event is still cut (a half event cannot be
+// closed into valid JSON).
+func TestBrokenEventStreamEndsWithAnErrorEvent(t *testing.T) {
+	for _, tc := range []struct {
+		name    string
+		written string
+		event   bool
+	}{
+		{"between events", "data: {\"n\":1}\n\n", true},
+		{"inside an event", "data: {\"n\":1}\n\ndata: {\"n\"", false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			backend := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				w.Header().Set("content-type", "text/event-stream")
+				w.WriteHeader(200)
+				fmt.Fprint(w, tc.written)
+				w.(http.Flusher).Flush()
+				panic(http.ErrAbortHandler) // the pod died mid-stream
+			})
+			var h *harness
+			h = newHarness(t, backend, Options{}, func(f *testFilter) {
+				f.decodeData = func(f *testFilter, b api.BufferInstance, end bool) api.StatusType {
+					return pin(h.backendAddr())(f, b, end)
+				}
+			})
+			req, _ := http.NewRequest(http.MethodPost, h.gw.URL+"/x", strings.NewReader(`{"stream":true}`))
+			req.Header.Set("x-request-id", "trace-broken")
+			resp, err := http.DefaultClient.Do(req)
+			if err != nil {
+				t.Fatal(err)
+			}
+			body, err := io.ReadAll(resp.Body)
+			resp.Body.Close()
+			h.rec()
+			if !tc.event {
+				if err == nil {
+					t.Fatalf("a stream broken inside an event must reach the client as a transport error, got a clean %q", body)
+				}
+				return
+			}
+			if err != nil {
+				t.Fatalf("the stream must end cleanly after its error event: %v (%q)", err, body)
+			}
+			rest, ok := strings.CutPrefix(string(body), tc.written)
+			if !ok || !strings.HasSuffix(rest, "\n\ndata: [DONE]\n\n") {
+				t.Fatalf("body %q: want what the pod sent, an error event and [DONE]", body)
+			}
+			ev, _ := strings.CutPrefix(strings.TrimSuffix(rest, "\n\ndata: [DONE]\n\n"), "data: ")
+			code, typ, trace := decodeErr(t, []byte(ev))
+			if code != 503 || typ != "upstream_unavailable" || trace != "trace-broken" {
+				t.Fatalf("error event %q", ev)
+			}
+		})
+	}
+}

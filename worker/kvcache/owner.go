@@ -425,6 +425,24 @@ func (o *Owner) evicted(hs []prefix.Hash) {
 	o.reports.Evicted(hs)
 }
 
+// Unbound reports, of the prompt hashes of a request that leaves without
+// ever having been bound (cancelled or timed out in the queue), those no
+// entry holds, as evicted now. The router saved them on this pod when it
+// routed the request here; the gateway withdraws that save when the
+// request fails, but a gateway that died with the request in flight never
+// will, and nothing else would tell the index that this pod does not hold
+// them (docs/operations.md, "Chaos and soak"). The caller leaves out hashes that other requests
+// waiting here carry: their own routing-time saves stay.
+func (o *Owner) Unbound(hs []prefix.Hash) {
+	var gone []prefix.Hash
+	for _, h := range hs {
+		if o.books.Refs(h) == 0 {
+			gone = append(gone, h)
+		}
+	}
+	o.evicted(gone)
+}
+
 // acquire takes a free seq id for owner, evicting idle entries (other than
 // keep) while none is free.
 func (o *Owner) acquire(owner string, keep ...string) (int, error) {

@@ -135,6 +135,9 @@ type Scheduler struct {
 	prefill  []*task // scratch: prefill candidates of one step
 	ready    []*task // scratch: sequences with work in one step
 	steps    uint64  // batches built so far
+	// unbound are the requests that ended without ever being bound, whose
+	// hashes reportUnbound still has to look at.
+	unbound []*task
 }
 
 type task struct {
@@ -154,6 +157,7 @@ type task struct {
 	firstAt   time.Time
 	waitRel   uint64 // preempted: do not take a seq id before releases passes this
 	following bool   // waits for a running request to write the prefix it shares
+	bound     bool   // took a seq id once (its hashes are then the Owner's to report)
 	maxTokens int    // the request's max_tokens, or Config.MaxOutputTokens
 	lastStep  uint64 // the step that last evaluated a span of it
 	spanLen   int    // tokens of this task in the current batch
@@ -340,6 +344,7 @@ func (s *Scheduler) Run(ctx context.Context) {
 		now := time.Now()
 		s.admit(now)
 		s.expire(now)
+		s.reportUnbound()
 		s.assign()
 		s.follow()
 		if !now.Before(nextCleanup) {
@@ -403,6 +408,42 @@ func (s *Scheduler) admit(now time.Time) {
 	s.queue = kept
 	s.running = len(s.set)
 	s.m.queueDepth.Set(float64(len(s.queue)))
+}
+
+// reportUnbound reports the hashes of the requests that ended without
+// ever being bound (Owner.Unbound), except those that a request still
+// waiting here (queued, or admitted and not bound yet) carries.
+func (s *Scheduler) reportUnbound() {
+	if len(s.unbound) == 0 {
+		return
+	}
+	carried := map[prefix.Hash]bool{}
+	s.mu.Lock()
+	for _, t := range s.queue {
+		for _, h := range t.req.Hashes {
+			carried[h] = true
+		}
+	}
+	s.mu.Unlock()
+	for _, t := range s.set {
+		if !t.bound {
+			for _, h := range t.req.Hashes {
+				carried[h] = true
+			}
+		}
+	}
+	var hs []prefix.Hash
+	for _, t := range s.unbound {
+		for _, h := range t.req.Hashes {
+			if !carried[h] {
+				carried[h] = true // once
+				hs = append(hs, h)
+			}
+		}
+	}
+	clear(s.unbound)
+	s.unbound = s.unbound[:0]
+	s.kv.Unbound(hs)
 }
 
 // queueDeadline is when the oldest queued request's wait runs out.
@@ -469,6 +510,7 @@ func (s *Scheduler) bind(t *task) bool {
 		return true
 	}
 	t.seq = b.Seq
+	t.bound = true
 	t.past = b.Reused
 	t.following = b.Leader != ""
 	t.state = Processing
@@ -728,6 +770,9 @@ func (s *Scheduler) release(t *task) {
 
 // end publishes the result; callable for queued and running tasks.
 func (s *Scheduler) end(t *task, r Result) {
+	if !t.bound && len(t.req.Hashes) > 0 {
+		s.unbound = append(s.unbound, t)
+	}
 	t.state = r.State
 	r.PromptTokens = len(t.req.Prompt)
 	r.CachedTokens = t.cached

@@ -725,3 +725,55 @@ func metricValue(c prometheus.Metric) float64 {
 	}
 	return m.Counter.GetValue()
 }
+
+// A request that leaves without ever having run (its client gone while it
+// was queued) reports the hashes it carried that no entry holds and no
+// other waiting request carries: the router saved them on this pod when it
+// routed the request here, and a gateway that died with the request in
+// flight never withdraws that save (the chaos run's one wrong entry left
+// by its gateway kill).
+func TestARequestThatNeverRanReportsItsUnheldHashes(t *testing.T) {
+	r := newRig(t, slow(), Config{MaxRunning: 1, MaxQueue: 4, MaxOutputTokens: 4000}, true)
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	long, err := r.s.Submit(ctx, &Request{ID: "long", Prompt: prompt(r.eng, "keep going"), MaxTokens: 4000, IgnoreEOS: true,
+		Hashes: []prefix.Hash{1, 2}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for r.s.Stats().Running != 1 {
+		time.Sleep(time.Millisecond)
+	}
+	r.inspect(t, func(View) {}) // "long" is bound: its entry holds 1 and 2
+	gctx, leave := context.WithCancel(context.Background())
+	gone, err := r.s.Submit(gctx, &Request{ID: "gone", Prompt: prompt(r.eng, "wait"), MaxTokens: 1, Hashes: []prefix.Hash{1, 3, 4}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := r.s.Submit(context.Background(), &Request{ID: "stays", Prompt: prompt(r.eng, "wait too"), MaxTokens: 1,
+		Hashes: []prefix.Hash{3, 5}}); err != nil {
+		t.Fatal(err)
+	}
+	leave()
+	if res, _ := gone.Wait(context.Background()); res.State != Cancelled {
+		t.Fatalf("gone: %+v", res)
+	}
+	var got []prefix.Hash
+	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(5 * time.Millisecond) {
+		r.mu.Lock()
+		got = slices.Concat(r.evicts...)
+		r.mu.Unlock()
+		if len(got) > 0 || time.Now().After(deadline) {
+			break
+		}
+	}
+	// 1 is held by the running request's entry, 3 carried by the one still
+	// queued: only 4 is nobody's.
+	if !slices.Equal(got, []prefix.Hash{4}) {
+		t.Fatalf("reported %v, want [4]", got)
+	}
+	cancel()
+	if res, _ := long.Wait(context.Background()); res.State != Cancelled {
+		t.Fatalf("long: %+v", res)
+	}
+}

@@ -55,7 +55,12 @@ type fileConfig struct {
 	// DefaultCluster names a cluster of filter.endpoints.static whose pods
 	// take, round robin, the requests the filter does not route (no body:
 	// GET /v1/models, health checks), as the route's cluster would in Envoy.
-	DefaultCluster string          `json:"default_cluster"`
+	DefaultCluster string `json:"default_cluster"`
+	// ConnectRetries is how often a request whose connection to its pod
+	// failed (nothing was sent: the pod died, or is restarting) is sent to
+	// another pod of its cluster (standalone.Options.ConnectRetries, Envoy's
+	// retry_on: connect-failure with previous_hosts). Default 1; 0: none.
+	ConnectRetries *int            `json:"connect_retries"`
 	Filter         json.RawMessage `json:"filter"`
 }
 
@@ -83,6 +88,13 @@ func loadConfig(path string) (*fileConfig, *config.Config, error) {
 	cfg, err := config.Parse(fc.Filter)
 	if err != nil {
 		return nil, nil, fmt.Errorf("%s: filter.%w", path, err)
+	}
+	if fc.ConnectRetries == nil {
+		one := 1
+		fc.ConnectRetries = &one
+	}
+	if *fc.ConnectRetries < 0 || *fc.ConnectRetries > 8 {
+		return nil, nil, fmt.Errorf("%s: connect_retries: %d is not within 0..8", path, *fc.ConnectRetries)
 	}
 	if fc.DefaultCluster != "" {
 		if _, ok := cfg.Endpoints.Static[fc.DefaultCluster]; !ok {
@@ -153,7 +165,7 @@ func run(ctx context.Context, args []string, logOut io.Writer, ready chan<- net.
 	// routed cluster in x-llm-cluster, as Envoy's route reads it
 	// (cluster_header): the request goes only to a member of that cluster,
 	// and a request the filter did not route goes to default_cluster.
-	fallback, member := staticClusters(cfg.Endpoints.Static, fc.DefaultCluster)
+	fallback, member := staticClusters(cfg.Endpoints.Static, fc.DefaultCluster, outlier.Ejected)
 	host, err := standalone.New(standalone.Options{
 		ClusterHeader:  llmfilter.ClusterHeader,
 		Fallback:       fallback,
@@ -162,14 +174,25 @@ func run(ctx context.Context, args []string, logOut io.Writer, ready chan<- net.
 		Config:         conf,
 		MaxRequestBody: int64(cfg.MaxBodyBytes),
 		Logger:         logger,
+		ConnectRetries: *fc.ConnectRetries,
+		// Ejected at the failed connection, not at the stream's end: the
+		// requests routed meanwhile, and this one's retry, avoid the pod.
+		ConnectFailed: func(host string) {
+			if !outlier.Ejected(host) {
+				outlier.Failed(host)
+				logger.Warn("upstream ejected after a failed connection", "upstream", host)
+			}
+		},
 		Observe: func(o standalone.Outcome) {
 			requests.WithLabelValues(strconv.Itoa(o.Status), strconv.FormatBool(o.Local)).Inc()
 			duration.Observe(o.Duration.Seconds())
 			switch {
 			case o.Upstream == "":
 			case o.UpstreamFailed:
-				outlier.Failed(o.Upstream)
-				logger.Warn("upstream ejected after a failed connection", "upstream", o.Upstream)
+				if !outlier.Ejected(o.Upstream) {
+					outlier.Failed(o.Upstream)
+					logger.Warn("upstream ejected after a failed request", "upstream", o.Upstream)
+				}
 			case !o.Local:
 				outlier.Succeeded(o.Upstream)
 			}
@@ -209,11 +232,13 @@ func run(ctx context.Context, args []string, logOut io.Writer, ready chan<- net.
 
 // staticClusters is the route and the clusters of the standalone gateway:
 // fallback picks a pod of the request's cluster (default_cluster when the
-// filter named none) round robin, like a cluster's load balancer, and member
-// tells whether a pod belongs to the cluster. An unknown cluster has no
-// members, so its requests get 503 like Envoy's cluster_not_found. member
-// is nil without static lists (every host is then a member).
-func staticClusters(static map[string][]string, def string) (func(*http.Request, string) string, func(string, string) bool) {
+// filter named none) round robin, like a cluster's load balancer, skipping
+// pods ejected (outlier detection) unless all are, as Envoy's panic
+// threshold does; member tells whether a pod belongs to the cluster. An
+// unknown cluster has no members, so its requests get 503 like Envoy's
+// cluster_not_found. member is nil without static lists (every host is then
+// a member).
+func staticClusters(static map[string][]string, def string, ejected func(string) bool) (func(*http.Request, string) string, func(string, string) bool) {
 	if len(static) == 0 {
 		return nil, nil
 	}
@@ -234,7 +259,13 @@ func staticClusters(static map[string][]string, def string) (func(*http.Request,
 		if len(pods) == 0 {
 			return ""
 		}
-		return pods[(next[cluster].Add(1)-1)%uint64(len(pods))]
+		first := next[cluster].Add(1) - 1
+		for i := range uint64(len(pods)) {
+			if p := pods[(first+i)%uint64(len(pods))]; ejected == nil || !ejected(p) {
+				return p
+			}
+		}
+		return pods[first%uint64(len(pods))]
 	}
 	member := func(cluster, host string) bool {
 		if cluster == "" {

@@ -10,8 +10,11 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
+
+	"github.com/istio-llm-filter/istio-llm-filter/filter/llmfilter"
 )
 
 func writeConfig(t testing.TB, body string) string {
@@ -125,6 +128,7 @@ func TestGatewayRefusesBadConfig(t *testing.T) {
 		"bad filter value":      "filter:\n  model_mapping_rule: {qwen: [{cluster: c}]}\n  lb_mapping_rule: {default: {candidate_percent: 0}}\n",
 		"bad static address":    "filter:\n  model_mapping_rule: {qwen: [{cluster: c}]}\n  endpoints: {static: {c: [localhost:80]}}\n",
 		"unknown default":       "default_cluster: d\nfilter:\n  model_mapping_rule: {qwen: [{cluster: c}]}\n  endpoints: {static: {c: [127.0.0.1:80]}}\n",
+		"negative retries":      "connect_retries: -1\nfilter:\n  model_mapping_rule: {qwen: [{cluster: c}]}\n",
 	} {
 		t.Run(name, func(t *testing.T) {
 			err := run(context.Background(), []string{"--config", writeConfig(t, body)}, io.Discard, nil)
@@ -138,69 +142,95 @@ func TestGatewayRefusesBadConfig(t *testing.T) {
 	}
 }
 
+// A pod that died: its connection is refused. The request routed there
+// was never sent, so the gateway sends it to another pod of the cluster at
+// once (connect_retries, default 1) and ejects the dead one; with
+// connect_retries: 0 that one request gets the 503 (the Envoy behaviour
+// without a retry policy). Either way the later requests avoid the pod.
 func TestGatewayEjectsAPodWhoseConnectionFails(t *testing.T) {
-	alive := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		w.Header().Set("content-type", "application/json")
-		fmt.Fprint(w, `{"object":"chat.completion","choices":[{"message":{"content":"hi"}}]}`)
-	}))
-	defer alive.Close()
-	// A port nobody listens on: the pod died.
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	dead := l.Addr().String()
-	l.Close()
-	path := writeConfig(t, fmt.Sprintf(`
+	for _, tc := range []struct {
+		name    string
+		retries string
+		fails   int
+	}{
+		{"retried on another pod", "", 0},
+		{"no retries", "connect_retries: 0\n", 1},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			var served atomic.Int64
+			alive := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				served.Add(1)
+				w.Header().Set("content-type", "application/json")
+				fmt.Fprint(w, `{"object":"chat.completion","choices":[{"message":{"content":"hi"}}]}`)
+			}))
+			defer alive.Close()
+			// A port nobody listens on: the pod died.
+			l, err := net.Listen("tcp", "127.0.0.1:0")
+			if err != nil {
+				t.Fatal(err)
+			}
+			dead := l.Addr().String()
+			l.Close()
+			path := writeConfig(t, fmt.Sprintf(`
 listen: 127.0.0.1:0
 log_level: error
-filter:
+%sfilter:
   model_mapping_rule:
     qwen: [{cluster: pool, backend: llamacpp}]
   lb_mapping_rule:
     default: {policy: round_robin}
   endpoints:
     static: {pool: [%s, %s]}
-`, dead, alive.Listener.Addr()))
-	ctx, cancel := context.WithCancel(context.Background())
-	defer cancel()
-	ready := make(chan net.Addr, 1)
-	done := make(chan error, 1)
-	go func() { done <- run(ctx, []string{"--config", path}, io.Discard, ready) }()
-	var base string
-	select {
-	case addr := <-ready:
-		base = "http://" + addr.String()
-	case err := <-done:
-		t.Fatalf("gateway exited: %v", err)
-	}
-	post := func() (int, string) {
-		resp, err := http.Post(base+"/v1/chat/completions", "application/json",
-			strings.NewReader(`{"model":"qwen","messages":[{"role":"user","content":"hello"}]}`))
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer resp.Body.Close()
-		b, _ := io.ReadAll(resp.Body)
-		return resp.StatusCode, string(b)
-	}
-	failures := 0
-	for i := 0; i < 2; i++ { // round robin reaches the dead pod within two requests
-		if code, body := post(); code != 200 {
-			if code != http.StatusServiceUnavailable || !strings.Contains(body, "upstream_unavailable") {
-				t.Fatalf("dead pod answered %d %s", code, body)
+`, tc.retries, dead, alive.Listener.Addr()))
+			ctx, cancel := context.WithCancel(context.Background())
+			defer cancel()
+			ready := make(chan net.Addr, 1)
+			done := make(chan error, 1)
+			go func() { done <- run(ctx, []string{"--config", path}, io.Discard, ready) }()
+			var base string
+			select {
+			case addr := <-ready:
+				base = "http://" + addr.String()
+			case err := <-done:
+				t.Fatalf("gateway exited: %v", err)
 			}
-			failures++
-		}
+			post := func() (int, string, string) {
+				resp, err := http.Post(base+"/v1/chat/completions", "application/json",
+					strings.NewReader(`{"model":"qwen","messages":[{"role":"user","content":"hello"}]}`))
+				if err != nil {
+					t.Fatal(err)
+				}
+				defer resp.Body.Close()
+				b, _ := io.ReadAll(resp.Body)
+				return resp.StatusCode, string(b), resp.Header.Get(llmfilter.UpstreamHostHeader)
+			}
+			failures := 0
+			for i := 0; i < 2; i++ { // round robin reaches the dead pod within two requests
+				code, body, upstream := post()
+				if code == 200 {
+					if upstream != alive.Listener.Addr().String() {
+						t.Fatalf("answered 200 naming upstream %q, want the live pod", upstream)
+					}
+					continue
+				}
+				if code != http.StatusServiceUnavailable || !strings.Contains(body, "upstream_unavailable") {
+					t.Fatalf("dead pod answered %d %s", code, body)
+				}
+				failures++
+			}
+			if failures != tc.fails {
+				t.Fatalf("%d of the first two requests failed, want %d", failures, tc.fails)
+			}
+			for i := 0; i < 10; i++ {
+				if code, body, _ := post(); code != 200 {
+					t.Fatalf("request %d after ejection: %d %s", i, code, body)
+				}
+			}
+			if got := served.Load(); got != int64(12-tc.fails) {
+				t.Fatalf("the live pod served %d requests, want %d", got, 12-tc.fails)
+			}
+			cancel()
+			<-done
+		})
 	}
-	if failures != 1 {
-		t.Fatalf("%d of the first two requests failed, want exactly the one sent to the dead pod", failures)
-	}
-	for i := 0; i < 10; i++ {
-		if code, body := post(); code != 200 {
-			t.Fatalf("request %d after ejection: %d %s", i, code, body)
-		}
-	}
-	cancel()
-	<-done
 }
