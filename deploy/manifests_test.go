@@ -377,8 +377,10 @@ func TestRoutingChainIsConsistent(t *testing.T) {
 	routed := map[string]bool{}
 	var catchAll string
 	for _, r := range vs.Spec.Http {
-		if r.Retries == nil || r.Retries.Attempts != 0 {
-			t.Errorf("route %q: retries %+v; Envoy ignores the override host on retries, keep them off", r.Name, r.Retries)
+		// Envoy ignores the override host on retries: only a refused
+		// connection (nothing sent) may go to another pod of the cluster.
+		if r.Retries == nil || r.Retries.Attempts != 1 || r.Retries.RetryOn != "connect-failure" {
+			t.Errorf("route %q: retries %+v; want attempts 1 on connect-failure only (docs/operations.md, \"Override host, retries and strict mode\")", r.Name, r.Retries)
 		}
 		for _, dst := range r.Route {
 			routed[clusterName(dst.Destination.Host, dst.Destination.Port.GetNumber())] = true
