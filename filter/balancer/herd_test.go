@@ -315,3 +315,49 @@ func TestReportedPrefillReadsThePodsOwnQueue(t *testing.T) {
 		t.Fatalf("reported_prefill without signals %v, want own_prefill's %v", rep, own)
 	}
 }
+
+// With G gateways sharing a cluster, a gateway's window holds a G-th of the
+// cluster's decisions. It reads shares once the window stands for 2n of
+// them, G estimated from the route answers: the cluster's live requests on
+// the candidates (the metadata center's leases, every gateway's) over its
+// own. One gateway, whose view holds only its own requests, still waits
+// for 2n decisions of its own.
+func TestWindowWarmsWithTheClustersDecisions(t *testing.T) {
+	cands := []endpoints.Endpoint{{Address: "a"}, {Address: "b"}, {Address: "c"}, {Address: "d"}}
+	// decide makes one decision for a, with leases on a, and returns a's
+	// share after it.
+	decide := func(tr *Tracker, leases int64, degraded bool) float64 {
+		view := View{Load: api.LoadStats{"a": {TotalReqs: leases}}, Degraded: degraded}
+		out := make([]Host, len(cands))
+		tr.routed(tr.fill("c", cands, view, 0, out), "a", len(cands))
+		tr.fill("c", cands, view, 0, out)
+		return out[0].Share
+	}
+	for _, tc := range []struct {
+		name     string
+		flights  int   // this gateway's requests on a, acknowledged
+		leases   int64 // on a, all gateways'
+		degraded bool
+		warmAt   int // decisions
+	}{
+		{"one gateway", 1, 1, false, 8},
+		// A done report on its way leaves a lease that is no longer ours.
+		{"one gateway, a lease not yet ended", 3, 4, false, 8},
+		{"three gateways", 1, 3, false, 3},
+		{"many gateways: never under n/2 decisions", 1, 40, false, 2},
+		{"no metadata center", 1, 3, true, 8},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			tr := NewTracker()
+			for range tc.flights {
+				tr.Begin("c", "a", 0).Acked()
+			}
+			for i := 1; i <= 8; i++ {
+				share := decide(tr, tc.leases, tc.degraded)
+				if warm := share > 0; warm != (i >= tc.warmAt) {
+					t.Fatalf("after %d decisions: shares read %v, want from %d decisions on", i, warm, tc.warmAt)
+				}
+			}
+		})
+	}
+}

@@ -24,6 +24,16 @@ import (
 // choose among different pods of one cluster: one window for all would
 // restart each time the candidate count changed, and shares among 4 pods
 // would be read as shares among 8.
+//
+// Several gateways share a cluster's traffic, and each window holds only
+// this gateway's decisions: a fair sample of the cluster's when clients
+// spread over the gateways, but one that grows G times slower with G
+// gateways. What makes shares worth reading is how many of the cluster's
+// decisions the window stands for, so the window also estimates G from
+// the route answers, which count every gateway's live requests (the
+// metadata center's leases): G is the cluster's live requests on the
+// candidates over this gateway's own, summed over the window's decisions
+// (window.gateways).
 type Tracker struct {
 	mu       sync.Mutex
 	clusters map[string]map[string]*local // cluster -> host -> counts
@@ -56,10 +66,22 @@ func (t *Tracker) setHash(cands []endpoints.Endpoint) uint64 {
 // window counts the hosts of the last len(ring) routing decisions of a
 // cluster.
 type window struct {
-	ring   []string
+	ring   []decision
 	next   int // ring index of the next decision
 	filled int // decisions in the ring (< len(ring) until it wraps)
 	counts map[string]int
+	// own and all sum the decisions' live-request samples over the ring.
+	own, all int64
+}
+
+// decision is one routing decision in a window: the host chosen and the
+// live requests on the candidates when it was made, this gateway's own
+// (routed here and not done) and all of the cluster's (the metadata
+// center's leases plus this gateway's not yet acknowledged ones). Both 0
+// when the metadata center did not answer.
+type decision struct {
+	host     string
+	own, all int32
 }
 
 // windowPerHost sizes a cluster's window: long enough that shares are not
@@ -70,18 +92,46 @@ const (
 	windowMax     = 512
 )
 
-func (w *window) add(host string) {
+func (w *window) add(d decision) {
 	if w.filled == len(w.ring) {
 		old := w.ring[w.next]
-		if w.counts[old]--; w.counts[old] == 0 {
-			delete(w.counts, old)
+		if w.counts[old.host]--; w.counts[old.host] == 0 {
+			delete(w.counts, old.host)
 		}
+		w.own -= int64(old.own)
+		w.all -= int64(old.all)
 	} else {
 		w.filled++
 	}
-	w.ring[w.next] = host
-	w.counts[host]++
+	w.ring[w.next] = d
+	w.counts[d.host]++
+	w.own += int64(d.own)
+	w.all += int64(d.all)
 	w.next = (w.next + 1) % len(w.ring)
+}
+
+// gateways estimates how many gateways share the window's traffic: the
+// cluster's live requests over this gateway's own, rounded to a whole
+// number. Rounding keeps one gateway at exactly 1: its view differs from
+// its own count only by leases whose done report is still on its way. With
+// no live request of its own in the window it cannot tell, and says 1.
+func (w *window) gateways() int {
+	if w.own <= 0 || w.all <= w.own {
+		return 1
+	}
+	return int((w.all + w.own/2) / w.own)
+}
+
+// warm says whether shares are worth reading among n candidates: once the
+// window stands for 2n of the cluster's decisions (the first pods chosen
+// would otherwise look like they took everything), i.e. 2n/G of this
+// gateway's own with G gateways. Never under n/2 of its own: below that,
+// one decision alone would read as 2/n of them, herd_share's default limit.
+func (w *window) warm(n int) bool {
+	if w.filled >= 2*n {
+		return true
+	}
+	return 2*w.filled >= n && w.filled*w.gateways() >= 2*n
 }
 
 type local struct {
@@ -98,22 +148,29 @@ func NewTracker() *Tracker {
 
 // Routed records a routing decision among cands for Host.Share.
 func (t *Tracker) Routed(cluster string, cands []endpoints.Endpoint, host string) {
-	t.routed(windowKey{cluster, t.setHash(cands)}, host, len(cands))
+	t.routed(sample{key: windowKey{cluster, t.setHash(cands)}}, host, len(cands))
 }
 
-func (t *Tracker) routed(key windowKey, host string, n int) {
+// sample is what fill saw for a decision that routed records: its window
+// and the live requests on the candidates (decision.own, decision.all).
+type sample struct {
+	key      windowKey
+	own, all int32
+}
+
+func (t *Tracker) routed(s sample, host string, n int) {
 	size := min(max(windowPerHost*n, windowMin), windowMax)
 	t.mu.Lock()
 	defer t.mu.Unlock()
-	w := t.recent[key]
+	w := t.recent[s.key]
 	if w == nil || len(w.ring) != size {
 		if len(t.recent) >= maxWindows {
 			clear(t.recent)
 		}
-		w = &window{ring: make([]string, size), counts: map[string]int{}}
-		t.recent[key] = w
+		w = &window{ring: make([]decision, size), counts: map[string]int{}}
+		t.recent[s.key] = w
 	}
-	w.add(host)
+	w.add(decision{host: host, own: s.own, all: s.all})
 }
 
 // Flight is one routed request's entry in the tracker. Its methods are
@@ -231,16 +288,15 @@ func (t *Tracker) InFlight(cluster, host string) (inflight, unacked int64) {
 }
 
 // fill computes every candidate's Host from the view plus local accounting,
-// and returns the key of the candidates' decision window.
-func (t *Tracker) fill(cluster string, cands []endpoints.Endpoint, v View, blocks int, out []Host) windowKey {
-	key := windowKey{cluster, t.setHash(cands)}
+// and returns the decision's sample for routed.
+func (t *Tracker) fill(cluster string, cands []endpoints.Endpoint, v View, blocks int, out []Host) sample {
+	s := sample{key: windowKey{cluster, t.setHash(cands)}}
+	var own, all int64
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	mine := t.clusters[cluster]
-	w := t.recent[key]
-	// Shares are only read once the window holds two decisions per pod: the
-	// first pods chosen would otherwise look like they took everything.
-	if w != nil && w.filled < 2*len(cands) {
+	w := t.recent[s.key]
+	if w != nil && !w.warm(len(cands)) {
 		w = nil
 	}
 	for i, e := range cands {
@@ -259,7 +315,9 @@ func (t *Tracker) fill(cluster string, cands []endpoints.Endpoint, v View, block
 			if l != nil {
 				h.Reqs += l.unacked
 				h.Prompt += l.unackedPrefill
+				own += l.inflight
 			}
+			all += h.Reqs
 			if blocks > 0 && len(v.Cache) > 0 {
 				h.CacheRatio = min(1, float64(v.Cache[e.Address])/float64(blocks))
 			}
@@ -273,5 +331,7 @@ func (t *Tracker) fill(cluster string, cands []endpoints.Endpoint, v View, block
 		}
 		out[i] = h
 	}
-	return key
+	// Clamped only against absurd counts: the sums are int64.
+	s.own, s.all = int32(min(own, 1<<20)), int32(min(all, 1<<20))
+	return s
 }
