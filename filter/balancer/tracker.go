@@ -3,6 +3,7 @@ package balancer
 import (
 	"hash/maphash"
 	"sync"
+	"time"
 
 	"github.com/istio-llm-filter/istio-llm-filter/filter/endpoints"
 )
@@ -31,14 +32,33 @@ import (
 // gateways. What makes shares worth reading is how many of the cluster's
 // decisions the window stands for, so the window also estimates G from
 // the route answers, which count every gateway's live requests (the
-// metadata center's leases): G is the cluster's live requests on the
-// candidates over this gateway's own, summed over the window's decisions
-// (window.gateways).
+// metadata center's leases): G is the cluster's live requests over this
+// gateway's own, both averaged over the window's time (window.gateways).
 type Tracker struct {
 	mu       sync.Mutex
 	clusters map[string]map[string]*local // cluster -> host -> counts
+	live     map[string]*liveClock        // cluster -> this gateway's live requests over time
 	recent   map[windowKey]*window        // last routing decisions
 	seed     maphash.Seed                 // of setHash
+	now      func() time.Time             // the clock (tests)
+}
+
+// liveClock integrates this gateway's live requests of a cluster over
+// time: area is request-seconds since the tracker began, so the mean over
+// any span is the difference of two readings over its length.
+type liveClock struct {
+	live int64
+	area float64
+	at   time.Time // of the last change
+}
+
+// read brings area up to now.
+func (c *liveClock) read(now time.Time) float64 {
+	if !c.at.IsZero() {
+		c.area += float64(c.live) * now.Sub(c.at).Seconds()
+	}
+	c.at = now
+	return c.area
 }
 
 // windowKey names a candidate set of a cluster: set is an order-independent
@@ -70,18 +90,25 @@ type window struct {
 	next   int // ring index of the next decision
 	filled int // decisions in the ring (< len(ring) until it wraps)
 	counts map[string]int
-	// own and all sum the decisions' live-request samples over the ring.
+	// own and all sum the decisions' samples over the ring; seen counts
+	// the decisions that have one.
 	own, all int64
+	seen     int
 }
 
-// decision is one routing decision in a window: the host chosen and the
-// live requests on the candidates when it was made, this gateway's own
-// (routed here and not done) and all of the cluster's (the metadata
-// center's leases plus this gateway's not yet acknowledged ones). Both 0
-// when the metadata center did not answer.
+// decision is one routing decision in a window: the host chosen, and
+// what the live requests on the candidates were when it was made (a
+// sample): this gateway's own (routed here and not done) and all of the
+// cluster's (the metadata center's leases plus this gateway's not yet
+// acknowledged ones), with the time and this gateway's live-request
+// area then (liveClock). No sample when the metadata center did not
+// answer.
 type decision struct {
 	host     string
+	seen     bool
 	own, all int32
+	at       time.Time
+	area     float64
 }
 
 // windowPerHost sizes a cluster's window: long enough that shares are not
@@ -98,28 +125,58 @@ func (w *window) add(d decision) {
 		if w.counts[old.host]--; w.counts[old.host] == 0 {
 			delete(w.counts, old.host)
 		}
-		w.own -= int64(old.own)
-		w.all -= int64(old.all)
+		if old.seen {
+			w.own -= int64(old.own)
+			w.all -= int64(old.all)
+			w.seen--
+		}
 	} else {
 		w.filled++
 	}
 	w.ring[w.next] = d
 	w.counts[d.host]++
-	w.own += int64(d.own)
-	w.all += int64(d.all)
+	if d.seen {
+		w.own += int64(d.own)
+		w.all += int64(d.all)
+		w.seen++
+	}
 	w.next = (w.next + 1) % len(w.ring)
 }
 
-// gateways estimates how many gateways share the window's traffic: the
-// cluster's live requests over this gateway's own, rounded to a whole
-// number. Rounding keeps one gateway at exactly 1: its view differs from
-// its own count only by leases whose done report is still on its way. With
-// no live request of its own in the window it cannot tell, and says 1.
-func (w *window) gateways() int {
-	if w.own <= 0 || w.all <= w.own {
+// oldest is the window's oldest decision; the window is not empty.
+func (w *window) oldest() *decision {
+	if w.filled < len(w.ring) {
+		return &w.ring[0]
+	}
+	return &w.ring[w.next]
+}
+
+// gateways estimates how many gateways share the window's traffic, given
+// this gateway's live-request area (liveClock) at now: the cluster's live
+// requests at the window's decisions, averaged, over this gateway's own
+// averaged over the window's time, rounded. The cluster's are sampled at
+// decisions, which arrive at random moments and so see the time average,
+// but this gateway's own are not: at its own decisions its own last
+// requests are the oldest (with round robin over three gateways, a
+// request of a fleet that answers in less than three inter-arrival times
+// is never seen by its own gateway's next decision), hence the time
+// average from liveClock. If most requests live at its decisions were its
+// own, it is alone or carries the bulk of the traffic: 1, so one gateway
+// (whose view differs from its own count only by leases whose done report
+// is on its way) stays at exactly 1. Without samples or own requests it
+// cannot tell, and says 1.
+func (w *window) gateways(now time.Time, area float64) int {
+	if w.seen == 0 || 2*(w.all-w.own) <= w.all {
 		return 1
 	}
-	return int((w.all + w.own/2) / w.own)
+	o := w.oldest()
+	span := now.Sub(o.at).Seconds()
+	if span <= 0 || area <= o.area {
+		return 1
+	}
+	own := (area - o.area) / span
+	all := float64(w.all) / float64(w.seen)
+	return max(1, int(all/own+0.5))
 }
 
 // warm says whether shares are worth reading among n candidates: once the
@@ -127,11 +184,11 @@ func (w *window) gateways() int {
 // would otherwise look like they took everything), i.e. 2n/G of this
 // gateway's own with G gateways. Never under n/2 of its own: below that,
 // one decision alone would read as 2/n of them, herd_share's default limit.
-func (w *window) warm(n int) bool {
+func (w *window) warm(n int, now time.Time, area float64) bool {
 	if w.filled >= 2*n {
 		return true
 	}
-	return 2*w.filled >= n && w.filled*w.gateways() >= 2*n
+	return 2*w.filled >= n && w.filled*w.gateways(now, area) >= 2*n
 }
 
 type local struct {
@@ -143,7 +200,8 @@ type local struct {
 
 // NewTracker returns an empty tracker.
 func NewTracker() *Tracker {
-	return &Tracker{clusters: map[string]map[string]*local{}, recent: map[windowKey]*window{}, seed: maphash.MakeSeed()}
+	return &Tracker{clusters: map[string]map[string]*local{}, live: map[string]*liveClock{}, recent: map[windowKey]*window{},
+		seed: maphash.MakeSeed(), now: time.Now}
 }
 
 // Routed records a routing decision among cands for Host.Share.
@@ -152,10 +210,10 @@ func (t *Tracker) Routed(cluster string, cands []endpoints.Endpoint, host string
 }
 
 // sample is what fill saw for a decision that routed records: its window
-// and the live requests on the candidates (decision.own, decision.all).
+// and the decision's sample of live requests.
 type sample struct {
-	key      windowKey
-	own, all int32
+	key windowKey
+	d   decision
 }
 
 func (t *Tracker) routed(s sample, host string, n int) {
@@ -170,7 +228,9 @@ func (t *Tracker) routed(s sample, host string, n int) {
 		w = &window{ring: make([]decision, size), counts: map[string]int{}}
 		t.recent[s.key] = w
 	}
-	w.add(decision{host: host, own: s.own, all: s.all})
+	d := s.d
+	d.host = host
+	w.add(d)
 }
 
 // Flight is one routed request's entry in the tracker. Its methods are
@@ -201,6 +261,13 @@ func (t *Tracker) Begin(cluster, host string, promptLength int) *Flight {
 		hosts[host] = l
 	}
 	f.l = l
+	c := t.live[cluster]
+	if c == nil {
+		c = &liveClock{}
+		t.live[cluster] = c
+	}
+	c.read(t.now())
+	c.live++
 	l.inflight++
 	l.unacked++
 	l.prefill += f.prompt
@@ -256,6 +323,10 @@ func (f *Flight) End() {
 		return
 	}
 	f.ended = true
+	if c := f.t.live[f.cluster]; c != nil {
+		c.read(f.t.now())
+		c.live--
+	}
 	l := f.l
 	l.inflight--
 	if !f.filled {
@@ -296,8 +367,17 @@ func (t *Tracker) fill(cluster string, cands []endpoints.Endpoint, v View, block
 	defer t.mu.Unlock()
 	mine := t.clusters[cluster]
 	w := t.recent[s.key]
-	if w != nil && !w.warm(len(cands)) {
-		w = nil
+	// Until the window is warm its decisions carry when they were made
+	// (window.gateways); past it, time is not read.
+	if w == nil || w.filled < 2*len(cands) {
+		now, area := t.now(), 0.0
+		if c := t.live[cluster]; c != nil {
+			area = c.read(now)
+		}
+		s.d.at, s.d.area = now, area
+		if w != nil && !w.warm(len(cands), now, area) {
+			w = nil
+		}
 	}
 	for i, e := range cands {
 		h := Host{Address: e.Address}
@@ -331,7 +411,9 @@ func (t *Tracker) fill(cluster string, cands []endpoints.Endpoint, v View, block
 		}
 		out[i] = h
 	}
-	// Clamped only against absurd counts: the sums are int64.
-	s.own, s.all = int32(min(own, 1<<20)), int32(min(all, 1<<20))
+	if !v.Degraded {
+		// Clamped only against absurd counts: the sums are int64.
+		s.d.seen, s.d.own, s.d.all = true, int32(min(own, 1<<20)), int32(min(all, 1<<20))
+	}
 	return s
 }
