@@ -86,29 +86,19 @@ func (t *Tracker) setHash(cands []endpoints.Endpoint) uint64 {
 // window counts the hosts of the last len(ring) routing decisions of a
 // cluster.
 type window struct {
-	ring   []decision
+	ring   []string
 	next   int // ring index of the next decision
 	filled int // decisions in the ring (< len(ring) until it wraps)
 	counts map[string]int
-	// own and all sum the decisions' samples over the ring; seen counts
-	// the decisions that have one.
-	own, all int64
-	seen     int
-}
 
-// decision is one routing decision in a window: the host chosen, and
-// what the live requests on the candidates were when it was made (a
-// sample): this gateway's own (routed here and not done) and all of the
-// cluster's (the metadata center's leases plus this gateway's not yet
-// acknowledged ones), with the time and this gateway's live-request
-// area then (liveClock). No sample when the metadata center did not
-// answer.
-type decision struct {
-	host     string
-	seen     bool
-	own, all int32
-	at       time.Time
-	area     float64
+	// Until the window is warm (warm), what its decisions saw (sample):
+	// the sums of own and all over the seen decisions that have them, and
+	// the time and this gateway's live-request area (liveClock) of the
+	// first decision. Not kept up past warm-up, when nothing reads them.
+	own, all  int64
+	seen      int
+	since     time.Time
+	sinceArea float64
 }
 
 // windowPerHost sizes a cluster's window: long enough that shares are not
@@ -119,36 +109,18 @@ const (
 	windowMax     = 512
 )
 
-func (w *window) add(d decision) {
+func (w *window) add(host string) {
 	if w.filled == len(w.ring) {
 		old := w.ring[w.next]
-		if w.counts[old.host]--; w.counts[old.host] == 0 {
-			delete(w.counts, old.host)
-		}
-		if old.seen {
-			w.own -= int64(old.own)
-			w.all -= int64(old.all)
-			w.seen--
+		if w.counts[old]--; w.counts[old] == 0 {
+			delete(w.counts, old)
 		}
 	} else {
 		w.filled++
 	}
-	w.ring[w.next] = d
-	w.counts[d.host]++
-	if d.seen {
-		w.own += int64(d.own)
-		w.all += int64(d.all)
-		w.seen++
-	}
+	w.ring[w.next] = host
+	w.counts[host]++
 	w.next = (w.next + 1) % len(w.ring)
-}
-
-// oldest is the window's oldest decision; the window is not empty.
-func (w *window) oldest() *decision {
-	if w.filled < len(w.ring) {
-		return &w.ring[0]
-	}
-	return &w.ring[w.next]
 }
 
 // gateways estimates how many gateways share the window's traffic, given
@@ -169,12 +141,11 @@ func (w *window) gateways(now time.Time, area float64) int {
 	if w.seen == 0 || 2*(w.all-w.own) <= w.all {
 		return 1
 	}
-	o := w.oldest()
-	span := now.Sub(o.at).Seconds()
-	if span <= 0 || area <= o.area {
+	span := now.Sub(w.since).Seconds()
+	if span <= 0 || area <= w.sinceArea {
 		return 1
 	}
-	own := (area - o.area) / span
+	own := (area - w.sinceArea) / span
 	all := float64(w.all) / float64(w.seen)
 	return max(1, int(all/own+0.5))
 }
@@ -210,10 +181,17 @@ func (t *Tracker) Routed(cluster string, cands []endpoints.Endpoint, host string
 }
 
 // sample is what fill saw for a decision that routed records: its window
-// and the decision's sample of live requests.
+// and, while the window warms up, the live requests on the candidates:
+// this gateway's own (routed here and not done) and all of the cluster's
+// (the metadata center's leases plus this gateway's not yet acknowledged
+// ones), if the metadata center answered (seen); and the time and this
+// gateway's live-request area (liveClock).
 type sample struct {
-	key windowKey
-	d   decision
+	key      windowKey
+	seen     bool
+	own, all int64
+	at       time.Time
+	area     float64
 }
 
 func (t *Tracker) routed(s sample, host string, n int) {
@@ -225,12 +203,15 @@ func (t *Tracker) routed(s sample, host string, n int) {
 		if len(t.recent) >= maxWindows {
 			clear(t.recent)
 		}
-		w = &window{ring: make([]decision, size), counts: map[string]int{}}
+		w = &window{ring: make([]string, size), counts: map[string]int{}, since: s.at, sinceArea: s.area}
 		t.recent[s.key] = w
 	}
-	d := s.d
-	d.host = host
-	w.add(d)
+	if s.seen && w.filled < 2*n {
+		w.own += s.own
+		w.all += s.all
+		w.seen++
+	}
+	w.add(host)
 }
 
 // Flight is one routed request's entry in the tracker. Its methods are
@@ -368,13 +349,14 @@ func (t *Tracker) fill(cluster string, cands []endpoints.Endpoint, v View, block
 	mine := t.clusters[cluster]
 	w := t.recent[s.key]
 	// Until the window is warm its decisions carry when they were made
-	// (window.gateways); past it, time is not read.
+	// and what this gateway's live-request area was (window.gateways); past
+	// it the clock is not read.
 	if w == nil || w.filled < 2*len(cands) {
 		now, area := t.now(), 0.0
 		if c := t.live[cluster]; c != nil {
 			area = c.read(now)
 		}
-		s.d.at, s.d.area = now, area
+		s.at, s.area = now, area
 		if w != nil && !w.warm(len(cands), now, area) {
 			w = nil
 		}
@@ -411,9 +393,6 @@ func (t *Tracker) fill(cluster string, cands []endpoints.Endpoint, v View, block
 		}
 		out[i] = h
 	}
-	if !v.Degraded {
-		// Clamped only against absurd counts: the sums are int64.
-		s.d.seen, s.d.own, s.d.all = true, int32(min(own, 1<<20)), int32(min(all, 1<<20))
-	}
+	s.seen, s.own, s.all = !v.Degraded, own, all
 	return s
 }
