@@ -59,7 +59,8 @@ type Host struct {
 	CacheRatio float64 // matched leading blocks / total blocks
 	// Share is the fraction of the cluster's recent routing decisions that
 	// chose this pod, for herd control and cache_aware's tie-break; 0 until
-	// there are 2n decisions (Tracker.Routed).
+	// the window stands for 2n of the cluster's decisions (Tracker: with
+	// several gateways, fewer of this gateway's own).
 	Share float64
 
 	// The pod's own report (View.Signals); only when Signals is true: the
@@ -373,7 +374,7 @@ func (b *Balancer) Choose(cluster string, rule config.LBRule, cands []endpoints.
 		view.Signals = nil
 	}
 	hosts := slices.Grow(sc.hosts[:0], len(cands))[:len(cands)]
-	key := b.tracker.fill(cluster, cands, view, req.Blocks, hosts)
+	smp := b.tracker.fill(cluster, cands, view, req.Blocks, hosts)
 	sc.state = State{Cluster: cluster, Hosts: hosts, Rule: rule, PromptLength: req.PromptLength, IntN: b.intn,
 		floats: sc.floats, idx: sc.idx, kept: sc.kept}
 	var i int
@@ -386,7 +387,7 @@ func (b *Balancer) Choose(cluster string, rule config.LBRule, cands []endpoints.
 		b.observe(rule.Policy, false, time.Since(t0))
 	}
 	ch := Choice{Host: hosts[i], Index: i, Candidates: len(hosts)}
-	b.tracker.routed(key, ch.Host.Address, len(hosts))
+	b.tracker.routed(smp, ch.Host.Address, len(hosts))
 	clear(hosts) // do not pin endpoint addresses
 	clear(sc.state.kept[:cap(sc.state.kept)])
 	sc.hosts, sc.floats, sc.idx, sc.kept, sc.state = hosts[:0], sc.state.floats, sc.state.idx, sc.state.kept, State{}

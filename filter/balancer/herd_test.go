@@ -3,6 +3,7 @@ package balancer
 import (
 	"fmt"
 	"testing"
+	"time"
 
 	"github.com/istio-llm-filter/istio-llm-filter/filter/config"
 	"github.com/istio-llm-filter/istio-llm-filter/filter/endpoints"
@@ -313,5 +314,65 @@ func TestReportedPrefillReadsThePodsOwnQueue(t *testing.T) {
 	PrefillScorer{Own: true, Reported: true}.Score(s, rep)
 	if !near(rep[0], own[0]) || !near(rep[1], own[1]) {
 		t.Fatalf("reported_prefill without signals %v, want own_prefill's %v", rep, own)
+	}
+}
+
+// With G gateways sharing a cluster, a gateway's window holds a G-th of the
+// cluster's decisions. It reads shares once the window stands for 2n of
+// them, G estimated from the route answers: the cluster's live requests on
+// the candidates (the metadata center's leases, every gateway's) at its
+// decisions over its own live requests averaged over time. One gateway,
+// whose view holds only its own requests, still waits for 2n decisions of
+// its own.
+func TestWindowWarmsWithTheClustersDecisions(t *testing.T) {
+	cands := []endpoints.Endpoint{{Address: "a"}, {Address: "b"}, {Address: "c"}, {Address: "d"}}
+	for _, tc := range []struct {
+		name string
+		// Each decision, one a second, sees leases on a; held of them are
+		// this gateway's requests, which it keeps throughout; and one more
+		// request of its own lives for brief seconds after each decision.
+		leases, held int64
+		brief        float64
+		degraded     bool
+		warmAt       int // decisions
+	}{
+		{"one gateway", 1, 1, 0, false, 8},
+		// A done report on its way leaves a lease that is no longer ours.
+		{"one gateway, a lease not yet ended", 4, 3, 0, false, 8},
+		{"one gateway, short requests", 0, 0, 0.5, false, 8},
+		{"three gateways", 3, 1, 0, false, 3},
+		// Requests shorter than the time between this gateway's decisions:
+		// it never sees one of its own live at a decision, but the others'
+		// are (1 on average against its own 1/3).
+		{"three gateways, short requests", 1, 0, 1.0 / 3, false, 3},
+		{"many gateways: never under n/2 decisions", 40, 1, 0, false, 2},
+		{"no metadata center", 3, 1, 0, true, 8},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			tr := NewTracker()
+			now := time.Unix(1000, 0)
+			tr.now = func() time.Time { return now }
+			for range tc.held {
+				tr.Begin("c", "a", 0).Acked()
+			}
+			view := View{Load: api.LoadStats{"a": {TotalReqs: tc.leases}}, Degraded: tc.degraded}
+			out := make([]Host, len(cands))
+			for i := 0; i <= 8; i++ {
+				s := tr.fill("c", cands, view, 0, out)
+				if warm := out[0].Share > 0; warm != (i >= tc.warmAt) {
+					t.Fatalf("at decision %d: shares read %v, want from %d decisions on", i+1, warm, tc.warmAt+1)
+				}
+				tr.routed(s, "a", len(cands))
+				if tc.brief > 0 {
+					f := tr.Begin("c", "a", 0)
+					f.Acked()
+					now = now.Add(time.Duration(tc.brief * float64(time.Second)))
+					f.End()
+					now = now.Add(time.Duration((1 - tc.brief) * float64(time.Second)))
+				} else {
+					now = now.Add(time.Second)
+				}
+			}
+		})
 	}
 }

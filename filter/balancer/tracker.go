@@ -3,6 +3,7 @@ package balancer
 import (
 	"hash/maphash"
 	"sync"
+	"time"
 
 	"github.com/istio-llm-filter/istio-llm-filter/filter/endpoints"
 )
@@ -24,11 +25,40 @@ import (
 // choose among different pods of one cluster: one window for all would
 // restart each time the candidate count changed, and shares among 4 pods
 // would be read as shares among 8.
+//
+// Several gateways share a cluster's traffic, and each window holds only
+// this gateway's decisions: a fair sample of the cluster's when clients
+// spread over the gateways, but one that grows G times slower with G
+// gateways. What makes shares worth reading is how many of the cluster's
+// decisions the window stands for, so the window also estimates G from
+// the route answers, which count every gateway's live requests (the
+// metadata center's leases): G is the cluster's live requests over this
+// gateway's own, both averaged over the window's time (window.gateways).
 type Tracker struct {
 	mu       sync.Mutex
 	clusters map[string]map[string]*local // cluster -> host -> counts
+	live     map[string]*liveClock        // cluster -> this gateway's live requests over time
 	recent   map[windowKey]*window        // last routing decisions
 	seed     maphash.Seed                 // of setHash
+	now      func() time.Time             // the clock (tests)
+}
+
+// liveClock integrates this gateway's live requests of a cluster over
+// time: area is request-seconds since the tracker began, so the mean over
+// any span is the difference of two readings over its length.
+type liveClock struct {
+	live int64
+	area float64
+	at   time.Time // of the last change
+}
+
+// read brings area up to now.
+func (c *liveClock) read(now time.Time) float64 {
+	if !c.at.IsZero() {
+		c.area += float64(c.live) * now.Sub(c.at).Seconds()
+	}
+	c.at = now
+	return c.area
 }
 
 // windowKey names a candidate set of a cluster: set is an order-independent
@@ -60,6 +90,15 @@ type window struct {
 	next   int // ring index of the next decision
 	filled int // decisions in the ring (< len(ring) until it wraps)
 	counts map[string]int
+
+	// Until the window is warm (warm), what its decisions saw (sample):
+	// the sums of own and all over the seen decisions that have them, and
+	// the time and this gateway's live-request area (liveClock) of the
+	// first decision. Not kept up past warm-up, when nothing reads them.
+	own, all  int64
+	seen      int
+	since     time.Time
+	sinceArea float64
 }
 
 // windowPerHost sizes a cluster's window: long enough that shares are not
@@ -84,6 +123,45 @@ func (w *window) add(host string) {
 	w.next = (w.next + 1) % len(w.ring)
 }
 
+// gateways estimates how many gateways share the window's traffic, given
+// this gateway's live-request area (liveClock) at now: the cluster's live
+// requests at the window's decisions, averaged, over this gateway's own
+// averaged over the window's time, rounded. The cluster's are sampled at
+// decisions, which arrive at random moments and so see the time average,
+// but this gateway's own are not: at its own decisions its own last
+// requests are the oldest (with round robin over three gateways, a
+// request of a fleet that answers in less than three inter-arrival times
+// is never seen by its own gateway's next decision), hence the time
+// average from liveClock. If most requests live at its decisions were its
+// own, it is alone or carries the bulk of the traffic: 1, so one gateway
+// (whose view differs from its own count only by leases whose done report
+// is on its way) stays at exactly 1. Without samples or own requests it
+// cannot tell, and says 1.
+func (w *window) gateways(now time.Time, area float64) int {
+	if w.seen == 0 || 2*(w.all-w.own) <= w.all {
+		return 1
+	}
+	span := now.Sub(w.since).Seconds()
+	if span <= 0 || area <= w.sinceArea {
+		return 1
+	}
+	own := (area - w.sinceArea) / span
+	all := float64(w.all) / float64(w.seen)
+	return max(1, int(all/own+0.5))
+}
+
+// warm says whether shares are worth reading among n candidates: once the
+// window stands for 2n of the cluster's decisions (the first pods chosen
+// would otherwise look like they took everything), i.e. 2n/G of this
+// gateway's own with G gateways. Never under n/2 of its own: below that,
+// one decision alone would read as 2/n of them, herd_share's default limit.
+func (w *window) warm(n int, now time.Time, area float64) bool {
+	if w.filled >= 2*n {
+		return true
+	}
+	return 2*w.filled >= n && w.filled*w.gateways(now, area) >= 2*n
+}
+
 type local struct {
 	inflight       int64 // routed here and not done
 	prefill        int64 // prompt bytes of those before their first token
@@ -93,25 +171,45 @@ type local struct {
 
 // NewTracker returns an empty tracker.
 func NewTracker() *Tracker {
-	return &Tracker{clusters: map[string]map[string]*local{}, recent: map[windowKey]*window{}, seed: maphash.MakeSeed()}
+	return &Tracker{clusters: map[string]map[string]*local{}, live: map[string]*liveClock{}, recent: map[windowKey]*window{},
+		seed: maphash.MakeSeed(), now: time.Now}
 }
 
 // Routed records a routing decision among cands for Host.Share.
 func (t *Tracker) Routed(cluster string, cands []endpoints.Endpoint, host string) {
-	t.routed(windowKey{cluster, t.setHash(cands)}, host, len(cands))
+	t.routed(sample{key: windowKey{cluster, t.setHash(cands)}}, host, len(cands))
 }
 
-func (t *Tracker) routed(key windowKey, host string, n int) {
+// sample is what fill saw for a decision that routed records: its window
+// and, while the window warms up, the live requests on the candidates:
+// this gateway's own (routed here and not done) and all of the cluster's
+// (the metadata center's leases plus this gateway's not yet acknowledged
+// ones), if the metadata center answered (seen); and the time and this
+// gateway's live-request area (liveClock).
+type sample struct {
+	key      windowKey
+	seen     bool
+	own, all int64
+	at       time.Time
+	area     float64
+}
+
+func (t *Tracker) routed(s sample, host string, n int) {
 	size := min(max(windowPerHost*n, windowMin), windowMax)
 	t.mu.Lock()
 	defer t.mu.Unlock()
-	w := t.recent[key]
+	w := t.recent[s.key]
 	if w == nil || len(w.ring) != size {
 		if len(t.recent) >= maxWindows {
 			clear(t.recent)
 		}
-		w = &window{ring: make([]string, size), counts: map[string]int{}}
-		t.recent[key] = w
+		w = &window{ring: make([]string, size), counts: map[string]int{}, since: s.at, sinceArea: s.area}
+		t.recent[s.key] = w
+	}
+	if s.seen && w.filled < 2*n {
+		w.own += s.own
+		w.all += s.all
+		w.seen++
 	}
 	w.add(host)
 }
@@ -144,6 +242,13 @@ func (t *Tracker) Begin(cluster, host string, promptLength int) *Flight {
 		hosts[host] = l
 	}
 	f.l = l
+	c := t.live[cluster]
+	if c == nil {
+		c = &liveClock{}
+		t.live[cluster] = c
+	}
+	c.read(t.now())
+	c.live++
 	l.inflight++
 	l.unacked++
 	l.prefill += f.prompt
@@ -199,6 +304,10 @@ func (f *Flight) End() {
 		return
 	}
 	f.ended = true
+	if c := f.t.live[f.cluster]; c != nil {
+		c.read(f.t.now())
+		c.live--
+	}
 	l := f.l
 	l.inflight--
 	if !f.filled {
@@ -231,17 +340,26 @@ func (t *Tracker) InFlight(cluster, host string) (inflight, unacked int64) {
 }
 
 // fill computes every candidate's Host from the view plus local accounting,
-// and returns the key of the candidates' decision window.
-func (t *Tracker) fill(cluster string, cands []endpoints.Endpoint, v View, blocks int, out []Host) windowKey {
-	key := windowKey{cluster, t.setHash(cands)}
+// and returns the decision's sample for routed.
+func (t *Tracker) fill(cluster string, cands []endpoints.Endpoint, v View, blocks int, out []Host) sample {
+	s := sample{key: windowKey{cluster, t.setHash(cands)}}
+	var own, all int64
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	mine := t.clusters[cluster]
-	w := t.recent[key]
-	// Shares are only read once the window holds two decisions per pod: the
-	// first pods chosen would otherwise look like they took everything.
-	if w != nil && w.filled < 2*len(cands) {
-		w = nil
+	w := t.recent[s.key]
+	// Until the window is warm its decisions carry when they were made
+	// and what this gateway's live-request area was (window.gateways); past
+	// it the clock is not read.
+	if w == nil || w.filled < 2*len(cands) {
+		now, area := t.now(), 0.0
+		if c := t.live[cluster]; c != nil {
+			area = c.read(now)
+		}
+		s.at, s.area = now, area
+		if w != nil && !w.warm(len(cands), now, area) {
+			w = nil
+		}
 	}
 	for i, e := range cands {
 		h := Host{Address: e.Address}
@@ -259,7 +377,9 @@ func (t *Tracker) fill(cluster string, cands []endpoints.Endpoint, v View, block
 			if l != nil {
 				h.Reqs += l.unacked
 				h.Prompt += l.unackedPrefill
+				own += l.inflight
 			}
+			all += h.Reqs
 			if blocks > 0 && len(v.Cache) > 0 {
 				h.CacheRatio = min(1, float64(v.Cache[e.Address])/float64(blocks))
 			}
@@ -273,5 +393,6 @@ func (t *Tracker) fill(cluster string, cands []endpoints.Endpoint, v View, block
 		}
 		out[i] = h
 	}
-	return key
+	s.seen, s.own, s.all = !v.Degraded, own, all
+	return s
 }
