@@ -149,6 +149,17 @@ func TestUnavailable(t *testing.T) {
 	}
 }
 
+// clockedStore is a store on srv with a one-minute cache TTL whose clock
+// the test moves (starting at 1,000,000 ms).
+func clockedStore(t *testing.T, srv *redistest.Server) (*redisstore.Store, *atomic.Int64) {
+	t.Helper()
+	nowMs := new(atomic.Int64)
+	nowMs.Store(1_000_000)
+	st := newStore(t, srv, redisstore.Options{CacheTTL: time.Minute,
+		Now: func() time.Time { return time.UnixMilli(nowMs.Load()) }})
+	return st, nowMs
+}
+
 // TestHolderLists checks the per-prefix holder lists on a real server: a
 // prefix every host holds is one sorted string of records, levels written
 // by the same saves are byte-identical (the query's shortcut), and the
@@ -156,10 +167,7 @@ func TestUnavailable(t *testing.T) {
 // hole, nor one whose record expired.
 func TestHolderLists(t *testing.T) {
 	srv := redistest.Shared(t)
-	var nowMs atomic.Int64
-	nowMs.Store(1_000_000)
-	st := newStore(t, srv, redisstore.Options{CacheTTL: time.Minute,
-		Now: func() time.Time { return time.UnixMilli(nowMs.Load()) }})
+	st, nowMs := clockedStore(t, srv)
 	ctx := context.Background()
 	must := func(err error) {
 		t.Helper()
@@ -230,10 +238,7 @@ func TestHolderLists(t *testing.T) {
 // the whole hash to expire, which a busy cluster never lets happen.
 func TestDeadHolderListsSwept(t *testing.T) {
 	srv := redistest.Shared(t)
-	var nowMs atomic.Int64
-	nowMs.Store(1_000_000)
-	st := newStore(t, srv, redisstore.Options{CacheTTL: time.Minute,
-		Now: func() time.Time { return time.UnixMilli(nowMs.Load()) }})
+	st, nowMs := clockedStore(t, srv)
 	ctx := context.Background()
 	must := func(err error) {
 		t.Helper()
