@@ -57,20 +57,22 @@ func (c Checker) Index(ctx context.Context) (map[string][]string, error) {
 
 // Held is every worker's own view: host -> prefix hash -> Holds (its KV
 // cache holds it) or Pending (only a request it accepted and has not
-// answered yet carries it). A worker that does not answer holds nothing
-// (it is down or restarting: an index entry naming it is wrong).
+// answered yet carries it). A worker that does not answer is absent: it
+// holds nothing (it is down or restarting: an index entry naming it is
+// wrong).
 func (c Checker) Held(ctx context.Context) map[string]map[string]Holding {
 	out := map[string]map[string]Holding{}
 	for _, w := range c.Workers {
 		var kv workerserver.KVPrefixes
+		if err := c.get(ctx, "http://"+w+workerserver.PathDebugKVPrefixes, &kv); err != nil {
+			continue
+		}
 		set := map[string]Holding{}
-		if err := c.get(ctx, "http://"+w+workerserver.PathDebugKVPrefixes, &kv); err == nil {
-			for _, h := range kv.Pending {
-				set[h] = Pending
-			}
-			for _, h := range kv.Prefixes {
-				set[h] = Holds
-			}
+		for _, h := range kv.Pending {
+			set[h] = Pending
+		}
+		for _, h := range kv.Prefixes {
+			set[h] = Holds
 		}
 		out[w] = set
 	}
@@ -99,8 +101,9 @@ func (c Checker) Leases(ctx context.Context) (int, error) {
 // dropped while the check was reading (its eviction report could not have
 // reached the index yet) is not the index's error, and one it gained in
 // between was saved for a request routed there. Entries held only in the
-// read before are counted (IndexInTransit) and listed in the dump; an
-// entry neither read holds is wrong.
+// read before are counted (IndexInTransit) and listed in the dump, but
+// only for a worker that answered the read after too: one that stopped
+// answering holds nothing. An entry neither read holds is wrong.
 func (c Checker) Check(ctx context.Context, inFlight func() int) Check {
 	var ch Check
 	var errs []string
@@ -114,6 +117,9 @@ func (c Checker) Check(ctx context.Context, inFlight func() int) Check {
 	held := map[string]map[string]Holding{}
 	transit := map[string][]string{}
 	for host, hs := range idx {
+		if _, answered := after[host]; !answered {
+			continue // gone since the read before: what it held is not in transit
+		}
 		for _, h := range hs {
 			if after[host][h] == 0 && before[host][h] != 0 {
 				transit[host] = append(transit[host], h)
