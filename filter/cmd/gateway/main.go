@@ -166,6 +166,14 @@ func run(ctx context.Context, args []string, logOut io.Writer, ready chan<- net.
 	// (cluster_header): the request goes only to a member of that cluster,
 	// and a request the filter did not route goes to default_cluster.
 	fallback, member := staticClusters(cfg.Endpoints.Static, fc.DefaultCluster, outlier.Ejected)
+	// eject counts one failure of a pod not ejected yet (a failed
+	// connection is reported at once and again when its stream ends).
+	eject := func(host, msg string) {
+		if !outlier.Ejected(host) {
+			outlier.Failed(host)
+			logger.Warn(msg, "upstream", host)
+		}
+	}
 	host, err := standalone.New(standalone.Options{
 		ClusterHeader:  llmfilter.ClusterHeader,
 		Fallback:       fallback,
@@ -177,22 +185,14 @@ func run(ctx context.Context, args []string, logOut io.Writer, ready chan<- net.
 		ConnectRetries: *fc.ConnectRetries,
 		// Ejected at the failed connection, not at the stream's end: the
 		// requests routed meanwhile, and this one's retry, avoid the pod.
-		ConnectFailed: func(host string) {
-			if !outlier.Ejected(host) {
-				outlier.Failed(host)
-				logger.Warn("upstream ejected after a failed connection", "upstream", host)
-			}
-		},
+		ConnectFailed: func(host string) { eject(host, "upstream ejected after a failed connection") },
 		Observe: func(o standalone.Outcome) {
 			requests.WithLabelValues(strconv.Itoa(o.Status), strconv.FormatBool(o.Local)).Inc()
 			duration.Observe(o.Duration.Seconds())
 			switch {
 			case o.Upstream == "":
 			case o.UpstreamFailed:
-				if !outlier.Ejected(o.Upstream) {
-					outlier.Failed(o.Upstream)
-					logger.Warn("upstream ejected after a failed request", "upstream", o.Upstream)
-				}
+				eject(o.Upstream, "upstream ejected after a failed request")
 			case !o.Local:
 				outlier.Succeeded(o.Upstream)
 			}
