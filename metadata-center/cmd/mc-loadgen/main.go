@@ -17,7 +17,7 @@
 // Redis stores, redis-server's own (INFO cpu, summed over every node of a
 // cluster), so throughput on these shared cores can be turned into what a
 // machine of one's own would do. --cpuprofile writes the measured runs'
-// Go profile.
+// Go profile, --memprofile their allocations.
 package main
 
 import (
@@ -31,6 +31,7 @@ import (
 	"net/http"
 	"os"
 	"os/signal"
+	"runtime"
 	"runtime/pprof"
 	"strconv"
 	"strings"
@@ -64,7 +65,7 @@ type config struct {
 	concurrency, requests, hosts, blocks        int
 	duration, warmup, progress                  time.Duration
 	populate                                    bool
-	cpuProfile                                  string
+	cpuProfile, memProfile                      string
 	profile                                     *io.Writer // open cpuProfile until the first measured run takes it
 	// redisCPU reads redis-server's CPU seconds so far (nil: not a Redis store).
 	redisCPU func(context.Context) (float64, error)
@@ -88,6 +89,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	fs.IntVar(&c.blocks, "blocks", 64, "hashes per prompt")
 	fs.BoolVar(&c.populate, "populate", true, "fill the index and leases before measuring")
 	fs.StringVar(&c.cpuProfile, "cpuprofile", "", "write a CPU profile of the measured runs (not populate or warm-up) to this file")
+	fs.StringVar(&c.memProfile, "memprofile", "", "write the allocations of the whole run to this file (allocs profile, every 4 KiB sampled)")
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
@@ -99,6 +101,15 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 		defer f.Close()
 		var w io.Writer = f
 		c.profile = &w
+	}
+	if c.memProfile != "" {
+		runtime.MemProfileRate = 4096
+		defer func() {
+			if f, err := os.Create(c.memProfile); err == nil {
+				_ = pprof.Lookup("allocs").WriteTo(f, 0)
+				f.Close()
+			}
+		}()
 	}
 	if c.requests <= 0 && c.duration <= 0 {
 		return errors.New("give --requests or --duration: the run must be bounded")
