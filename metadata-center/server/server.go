@@ -14,6 +14,7 @@ import (
 	"log/slog"
 	"net/http"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/gin-gonic/gin"
@@ -211,15 +212,19 @@ func (s *Server) storeCtx(c *gin.Context) (context.Context, context.CancelFunc) 
 	return context.WithTimeout(c.Request.Context(), s.opts.StoreTimeout)
 }
 
-// readBody reads the whole body within the size limit; on failure it has
-// already answered.
-func (s *Server) readBody(c *gin.Context) ([]byte, bool) {
+// readBody reads the whole body within the size limit, into buf when it
+// is large enough; on failure it has already answered.
+func (s *Server) readBody(c *gin.Context, buf []byte) ([]byte, bool) {
 	r := http.MaxBytesReader(c.Writer, c.Request.Body, s.opts.MaxBodyBytes)
 	var body []byte
 	var err error
 	if n := c.Request.ContentLength; n > 0 && n <= s.opts.MaxBodyBytes {
 		// One allocation of the right size instead of ReadAll's doubling.
-		body = make([]byte, n)
+		if int64(cap(buf)) >= n {
+			body = buf[:n]
+		} else {
+			body = make([]byte, n)
+		}
 		_, err = io.ReadFull(r, body)
 	} else {
 		body, err = io.ReadAll(r)
@@ -251,14 +256,15 @@ func (s *Server) unmarshal(c *gin.Context, body []byte, v any) bool {
 
 // decode reads and unmarshals the body; on failure it has already answered.
 func (s *Server) decode(c *gin.Context, v any) bool {
-	body, ok := s.readBody(c)
+	body, ok := s.readBody(c, nil)
 	return ok && s.unmarshal(c, body, v)
 }
 
-// decodeQuery reads a RouteQuery/CacheQuery body, through the fast path
-// when it can.
-func (s *Server) decodeQuery(c *gin.Context) (string, []prefix.Hash, bool) {
-	body, ok := s.readBody(c)
+// decodeQuery reads a RouteQuery/CacheQuery body (into buf if it is large
+// enough), through the fast path when it can. Nothing returned refers to
+// buf.
+func (s *Server) decodeQuery(c *gin.Context, buf []byte) (string, []prefix.Hash, bool) {
+	body, ok := s.readBody(c, buf)
 	if !ok {
 		return "", nil, false
 	}
@@ -370,8 +376,24 @@ func (s *Server) leaseOp(c *gin.Context, op string, call func(ctx context.Contex
 	s.ok(c, struct{}{})
 }
 
+// queryBufs recycles the buffer a query's body is read into and its answer
+// is then written to (a route answer for 64 hosts is ≈ 6 KiB): allocating
+// and clearing both per query was a tenth of what the server allocates.
+var queryBufs = sync.Pool{New: func() any { b := make([]byte, 0, 8<<10); return &b }}
+
+// maxPooledBuf keeps the buffers of rare huge queries out of the pool.
+const maxPooledBuf = 64 << 10
+
+func putQueryBuf(b *[]byte) {
+	if cap(*b) <= maxPooledBuf {
+		queryBufs.Put(b)
+	}
+}
+
 func (s *Server) cacheQuery(c *gin.Context) {
-	cluster, hashes, ok := s.decodeQuery(c)
+	buf := queryBufs.Get().(*[]byte)
+	defer putQueryBuf(buf)
+	cluster, hashes, ok := s.decodeQuery(c, *buf)
 	if !ok {
 		return
 	}
@@ -382,11 +404,14 @@ func (s *Server) cacheQuery(c *gin.Context) {
 		s.storeFailed(c, "cache query", err)
 		return
 	}
-	s.raw(c, appendLocations(make([]byte, 0, 8+48*len(locs)), locs))
+	*buf = appendLocations((*buf)[:0], locs)
+	s.raw(c, *buf)
 }
 
 func (s *Server) routeQuery(c *gin.Context) {
-	cluster, hashes, ok := s.decodeQuery(c)
+	buf := queryBufs.Get().(*[]byte)
+	defer putQueryBuf(buf)
+	cluster, hashes, ok := s.decodeQuery(c, *buf)
 	if !ok {
 		return
 	}
@@ -397,7 +422,8 @@ func (s *Server) routeQuery(c *gin.Context) {
 		s.storeFailed(c, "route query", err)
 		return
 	}
-	s.raw(c, appendRoute(make([]byte, 0, 64+64*len(ans.Load)+48*len(ans.Cache)+96*len(ans.Signals)), ans))
+	*buf = appendRoute((*buf)[:0], ans)
+	s.raw(c, *buf)
 }
 
 // reportSignals is a pod's report about itself (our worker pushes it; the
