@@ -110,10 +110,12 @@ func (c *regCache) decode(js string) (api.PodRegistration, error) {
 	return reg, nil
 }
 
-// podLabels keeps the live registrations of an HGETALL for the route answer.
-func (s *Store) podLabels(m map[string]string, now int64) (map[string]api.PodLabels, error) {
+// podLabels keeps the live registrations of an HGETALL (host, value, ...)
+// for the route answer.
+func (s *Store) podLabels(pairs []string, now int64) (map[string]api.PodLabels, error) {
 	var out map[string]api.PodLabels
-	for host, v := range m {
+	for i := 0; i+1 < len(pairs); i += 2 {
+		host, v := pairs[i], pairs[i+1]
 		reg, left, err := s.parseRegistration(v, now)
 		if err != nil {
 			return nil, err
@@ -122,7 +124,7 @@ func (s *Store) podLabels(m map[string]string, now int64) (map[string]api.PodLab
 			continue
 		}
 		if out == nil {
-			out = make(map[string]api.PodLabels, len(m))
+			out = make(map[string]api.PodLabels, len(pairs)/2)
 		}
 		out[host] = reg.PodLabels()
 	}

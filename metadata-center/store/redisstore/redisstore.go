@@ -379,6 +379,18 @@ func parseLocations(group, groupLen, rest any) ([]api.CacheLocation, error) {
 	return out, nil
 }
 
+// appendHashArgs appends hashes to ARGV as pointers into one
+// prefix.Wire slice, which go-redis writes as it writes strings: a
+// 64-block query then costs two allocations instead of 128 (each hash's
+// string, and its boxing into an interface).
+func appendHashArgs(args []any, hashes []prefix.Hash) []any {
+	ws := prefix.Wire(hashes)
+	for i := range ws {
+		args = append(args, &ws[i])
+	}
+	return args
+}
+
 // queryArgs builds KEYS (the given first, then px and pxt) and ARGV
 // of the query part.
 func (s *Store) queryArgs(k keys, first []string, hashes []prefix.Hash) ([]string, []any) {
@@ -388,9 +400,7 @@ func (s *Store) queryArgs(k keys, first []string, hashes []prefix.Hash) ([]strin
 	ks = append(ks, k.holders(), k.holderTimes())
 	args := make([]any, 0, 5+len(hashes))
 	args = append(args, now, now+s.cacheTTL, s.cacheTTL, now+s.cacheTTL-s.touch, k.base)
-	for _, h := range hashes {
-		args = append(args, h.String())
-	}
+	args = appendHashArgs(args, hashes)
 	return ks, args
 }
 
@@ -417,15 +427,15 @@ func (s *Store) Route(ctx context.Context, cluster string, hashes []prefix.Hash)
 	ks, args := s.queryArgs(k, k.leases(), hashes)
 	// The load aggregates, signals and registrations are read in the
 	// script's pipeline, after it: same slot, one round trip.
-	res, maps, err := s.route(ctx, ks, args, []string{ks[2], ks[3], k.signals(), k.pods()})
+	res, reads, err := s.route(ctx, ks, args, []string{ks[2], ks[3], k.signals(), k.pods()})
 	if err != nil {
 		return api.RouteAnswer{}, s.wrap("route query", err)
 	}
-	if len(res) != 3 || len(maps) != 4 {
+	if len(res) != 3 || len(reads) != 4 {
 		return api.RouteAnswer{}, fmt.Errorf("redis route query: unexpected reply %v", res)
 	}
 	now := args[0].(int64)
-	load, err := loadFromMaps(maps[0], maps[1])
+	load, err := loadFromPairs(reads[0], reads[1])
 	if err != nil {
 		return api.RouteAnswer{}, err
 	}
@@ -433,31 +443,38 @@ func (s *Store) Route(ctx context.Context, cluster string, hashes []prefix.Hash)
 	if err != nil {
 		return api.RouteAnswer{}, err
 	}
-	sig, err := s.freshSignals(maps[2], now)
+	sig, err := s.freshSignals(reads[2], now)
 	if err != nil {
 		return api.RouteAnswer{}, err
 	}
-	pods, err := s.podLabels(maps[3], now)
+	pods, err := s.podLabels(reads[3], now)
 	if err != nil {
 		return api.RouteAnswer{}, err
 	}
 	return api.RouteAnswer{Load: load, Cache: locs, Signals: sig, Pods: pods}, nil
 }
 
-// loadFromMaps joins the HGETALLs of the lr and lq aggregates. A host
-// appears in lq only while it is in lr (the lease scripts keep it so).
-func loadFromMaps(reqs, prompts map[string]string) (api.LoadStats, error) {
-	out := make(api.LoadStats, len(reqs))
-	for host, v := range reqs {
-		n, err := strconv.ParseInt(v, 10, 64)
+// loadFromPairs joins the HGETALLs (field, value, ...) of the lr and lq
+// aggregates. A host appears in lq only while it is in lr (the lease
+// scripts keep it so).
+func loadFromPairs(reqs, prompts []string) (api.LoadStats, error) {
+	out := make(api.LoadStats, len(reqs)/2)
+	for i := 0; i+1 < len(reqs); i += 2 {
+		n, err := strconv.ParseInt(reqs[i+1], 10, 64)
 		if err != nil {
-			return nil, fmt.Errorf("redis load stats: malformed count %q of %s", v, host)
+			return nil, fmt.Errorf("redis load stats: malformed count %q of %s", reqs[i+1], reqs[i])
 		}
-		st := api.EndpointStats{TotalReqs: n}
-		if p, ok := prompts[host]; ok {
-			if st.PromptLength, err = strconv.ParseInt(p, 10, 64); err != nil {
-				return nil, fmt.Errorf("redis load stats: malformed prompt sum %q of %s", p, host)
-			}
+		out[reqs[i]] = api.EndpointStats{TotalReqs: n}
+	}
+	for i := 0; i+1 < len(prompts); i += 2 {
+		host := prompts[i]
+		st, ok := out[host]
+		if !ok {
+			continue
+		}
+		var err error
+		if st.PromptLength, err = strconv.ParseInt(prompts[i+1], 10, 64); err != nil {
+			return nil, fmt.Errorf("redis load stats: malformed prompt sum %q of %s", prompts[i+1], host)
 		}
 		out[host] = st
 	}
@@ -480,18 +497,19 @@ func (s *Store) ReportSignals(ctx context.Context, cluster, host string, sig api
 // Signals implements store.Store.
 func (s *Store) Signals(ctx context.Context, cluster string) (map[string]api.PodSignals, error) {
 	now := s.ms()
-	m, err := s.rdb.HGetAll(ctx, s.keys(cluster).signals()).Result()
+	pairs, err := hgetall(ctx, s.rdb, s.keys(cluster).signals()).Result()
 	if err != nil {
 		return nil, s.wrap("signals", err)
 	}
-	return s.freshSignals(m, now)
+	return s.freshSignals(pairs, now)
 }
 
-// freshSignals keeps the reports of an HGETALL of the signals hash that
-// are young enough (nil when none is).
-func (s *Store) freshSignals(m map[string]string, now int64) (map[string]api.PodSignals, error) {
+// freshSignals keeps the reports of an HGETALL (host, report, ...) of the
+// signals hash that are young enough (nil when none is).
+func (s *Store) freshSignals(pairs []string, now int64) (map[string]api.PodSignals, error) {
 	var out map[string]api.PodSignals
-	for host, rep := range m {
+	for i := 0; i+1 < len(pairs); i += 2 {
+		host, rep := pairs[i], pairs[i+1]
 		sig, ok, err := s.fresh(rep, now)
 		if err != nil {
 			return nil, err
@@ -567,9 +585,7 @@ func (s *Store) saveArgs(k keys, host string, hashes []prefix.Hash, saveID strin
 		flag = "1"
 	}
 	args = append(args, now, now+s.cacheTTL, s.cacheTTL, host, saveID, flag)
-	for _, h := range hashes {
-		args = append(args, h.String())
-	}
+	args = appendHashArgs(args, hashes)
 	return ks, args
 }
 
@@ -602,9 +618,7 @@ func (s *Store) unholdArgs(k keys, host string, hashes []prefix.Hash, cond any) 
 	ks := []string{k.host(host), k.hosts(), k.versions(host), k.holders(), k.holderTimes()}
 	args := make([]any, 0, 3+len(hashes))
 	args = append(args, s.ms(), host, cond)
-	for _, h := range hashes {
-		args = append(args, h.String())
-	}
+	args = appendHashArgs(args, hashes)
 	return ks, args
 }
 

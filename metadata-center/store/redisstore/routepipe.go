@@ -2,6 +2,8 @@ package redisstore
 
 import (
 	"context"
+	"errors"
+	"strings"
 	"sync"
 
 	"github.com/redis/go-redis/v9"
@@ -30,21 +32,40 @@ type routeCall struct {
 	args  []any
 	reads []string // hashes of the cluster read after the script (same slot)
 	res   []any
-	maps  []map[string]string // one per read
+	pairs [][]string // one per read: field, value, field, value...
 	err   error
-	done  chan struct{} // closed once res, maps and err are set
+	done  chan struct{} // closed once res, maps and err are set; nil when the caller sends itself
 }
 
 // route runs the route script for one query and, in the same pipeline,
 // HGETALLs each of reads (keys of the same slot, so still one round trip
 // to one node), with whatever other queries are waiting. The reads follow
-// the script, so they see its lease sweep. The caller stops waiting when
-// ctx ends; the pipeline itself is bounded by the client's read and write
+// the script, so they see its lease sweep. A query that finds nothing
+// waiting and a sender free sends itself, within ctx, instead of handing
+// itself to a new goroutine: at light load that is every query, and the
+// handoff (a goroutine started, woken and waited for) cost more than the
+// pipeline's own bookkeeping. A waiting caller stops waiting when ctx
+// ends; the pipeline it was in is bounded by the client's read and write
 // timeouts.
-func (s *Store) route(ctx context.Context, ks []string, args []any, reads []string) ([]any, []map[string]string, error) {
-	c := &routeCall{ks: ks, args: args, reads: reads, done: make(chan struct{})}
+func (s *Store) route(ctx context.Context, ks []string, args []any, reads []string) ([]any, [][]string, error) {
+	c := &routeCall{ks: ks, args: args, reads: reads}
 	p := &s.routes
 	p.mu.Lock()
+	if p.senders < routeSenders && len(p.waiting) == 0 {
+		p.senders++
+		p.mu.Unlock()
+		s.routeBatch(ctx, []*routeCall{c})
+		// Whatever queued meanwhile goes on without this caller.
+		p.mu.Lock()
+		if len(p.waiting) > 0 {
+			go s.sendRoutes()
+		} else {
+			p.senders--
+		}
+		p.mu.Unlock()
+		return c.res, c.pairs, c.err
+	}
+	c.done = make(chan struct{})
 	p.waiting = append(p.waiting, c)
 	if p.senders < routeSenders {
 		p.senders++
@@ -53,7 +74,7 @@ func (s *Store) route(ctx context.Context, ks []string, args []any, reads []stri
 	p.mu.Unlock()
 	select {
 	case <-c.done:
-		return c.res, c.maps, c.err
+		return c.res, c.pairs, c.err
 	case <-ctx.Done():
 		return nil, nil, ctx.Err()
 	}
@@ -72,19 +93,18 @@ func (s *Store) sendRoutes() {
 			return
 		}
 		p.mu.Unlock()
-		s.routeBatch(batch)
+		s.routeBatch(context.Background(), batch)
 	}
 }
 
 // routeBatch sends one pipeline and hands each query its reply. Queries
 // that meet NOSCRIPT (a flushed script cache, a freshly promoted replica)
-// go again, reads included, with the script's source, as Script.Run would.
-func (s *Store) routeBatch(batch []*routeCall) {
-	ctx := context.Background()
+// go again, reads included, with the script's source, as Script.Run would;
+// so do those a Redis Cluster node sent to another (see pipeliner).
+func (s *Store) routeBatch(ctx context.Context, batch []*routeCall) {
 	cmds := make([]*redis.Cmd, len(batch))
-	reads := make([][]*redis.MapStringStringCmd, len(batch))
-	send := func(idx []int, full bool) {
-		pipe := s.rdb.Pipeline()
+	reads := make([][]*redis.StringSliceCmd, len(batch))
+	send := func(pipe redis.Pipeliner, idx []int, full bool) {
 		for _, i := range idx {
 			c := batch[i]
 			if full {
@@ -94,7 +114,7 @@ func (s *Store) routeBatch(batch []*routeCall) {
 			}
 			reads[i] = reads[i][:0]
 			for _, k := range c.reads {
-				reads[i] = append(reads[i], pipe.HGetAll(ctx, k))
+				reads[i] = append(reads[i], hgetall(ctx, pipe, k))
 			}
 		}
 		_, _ = pipe.Exec(ctx)
@@ -103,26 +123,87 @@ func (s *Store) routeBatch(batch []*routeCall) {
 	for i := range all {
 		all[i] = i
 	}
-	send(all, false)
+	pipe, direct := s.pipeliner(ctx, batch)
+	send(pipe, all, false)
 	var again []int
 	for i, cmd := range cmds {
-		if err := cmd.Err(); err != nil && redis.HasErrorPrefix(err, "NOSCRIPT") {
-			again = append(again, i)
-		}
-	}
-	if len(again) > 0 {
-		send(again, true)
-	}
-	for i, c := range batch {
-		c.res, c.err = cmds[i].Slice()
-		if c.err == nil {
-			c.maps = make([]map[string]string, len(reads[i]))
-			for j, r := range reads[i] {
-				if c.maps[j], c.err = r.Result(); c.err != nil {
+		err := cmd.Err()
+		if err == nil && direct {
+			for _, r := range reads[i] {
+				if err = r.Err(); err != nil {
 					break
 				}
 			}
 		}
-		close(c.done)
+		if err != nil && (redis.HasErrorPrefix(err, "NOSCRIPT") || direct && elsewhere(err)) {
+			again = append(again, i)
+		}
 	}
+	if len(again) > 0 {
+		send(s.rdb.Pipeline(), again, true)
+	}
+	for i, c := range batch {
+		c.res, c.err = cmds[i].Slice()
+		if c.err == nil {
+			c.pairs = make([][]string, len(reads[i]))
+			for j, r := range reads[i] {
+				if c.pairs[j], c.err = r.Result(); c.err != nil {
+					break
+				}
+			}
+		}
+		if c.done != nil {
+			close(c.done)
+		}
+	}
+}
+
+// hgetall is HGETALL read as a flat list of fields and values: go-redis's
+// HGetAll builds a map of them, which for a route query's two 64-host
+// load hashes cost more than the rest of reading the replies, and every
+// caller only walks the pairs once.
+func hgetall(ctx context.Context, c interface {
+	Process(context.Context, redis.Cmder) error
+}, key string) *redis.StringSliceCmd {
+	cmd := redis.NewStringSliceCmd(ctx, "hgetall", key)
+	_ = c.Process(ctx, cmd)
+	return cmd
+}
+
+// pipeliner picks the pipeline for a batch. On a Redis Cluster whose
+// batch all lives on one master (one routing cluster is one slot), it is
+// that master's own client: the cluster client's pipeline starts a
+// goroutine per node and sorts the commands by slot on every call, which
+// is most of what a batch of one or two queries costs this side. direct
+// says so; the caller then resends through the cluster client whatever
+// that node did not run (elsewhere), which follows redirects and retries.
+func (s *Store) pipeliner(ctx context.Context, batch []*routeCall) (pipe redis.Pipeliner, direct bool) {
+	if s.cluster == nil {
+		return s.rdb.Pipeline(), false
+	}
+	var node *redis.Client
+	for _, c := range batch {
+		n, err := s.cluster.MasterForKey(ctx, c.ks[0])
+		if err != nil || node != nil && n != node {
+			return s.rdb.Pipeline(), false
+		}
+		node = n
+	}
+	return node.Pipeline(), true
+}
+
+// elsewhere tells a reply that says the command belongs to, or may now
+// run on, another node (or that the node did not answer) from the
+// script's own errors, which would fail the same anywhere.
+func elsewhere(err error) bool {
+	var rerr redis.Error
+	if !errors.As(err, &rerr) {
+		return true // network, timeout, closed pool
+	}
+	code, _, _ := strings.Cut(rerr.Error(), " ")
+	switch code {
+	case "MOVED", "ASK", "TRYAGAIN", "CLUSTERDOWN", "LOADING", "READONLY", "MASTERDOWN":
+		return true
+	}
+	return false
 }
