@@ -2,6 +2,7 @@ package redisstore_test
 
 import (
 	"context"
+	"reflect"
 	"strconv"
 	"strings"
 	"testing"
@@ -139,4 +140,92 @@ func TestClusterOneRoundTrip(t *testing.T) {
 			t.Errorf("node %d (%v) ran scripts", i, role[0])
 		}
 	}
+}
+
+// TestClusterRouteFollowsMovedSlot moves the routing cluster's slot to
+// another master behind the store's back: the route query, which goes
+// straight to the master its slot map names, meets MOVED there and must
+// still answer, through the cluster client that follows the redirect.
+func TestClusterRouteFollowsMovedSlot(t *testing.T) {
+	rc := redistest.StartCluster(t)
+	st := newClusterStore(t, rc, redisstore.Options{})
+	ctx := context.Background()
+	const cluster = "outbound|8000||moved.llm"
+	const host = "10.0.0.1:8000"
+	hs := []prefix.Hash{1, 2, 3}
+	if err := st.SaveCache(ctx, cluster, host, hs); err != nil {
+		t.Fatal(err)
+	}
+	if err := st.AddLease(ctx, cluster, host, "r", 7); err != nil {
+		t.Fatal(err)
+	}
+	want, err := st.Route(ctx, cluster, hs) // the slot map is loaded now
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(want.Cache) != 1 || want.Load[host].TotalReqs != 1 {
+		t.Fatalf("route before the move: %+v", want)
+	}
+
+	tag := "{" + rc.Prefix + ":" + cluster + "}"
+	from := rc.MasterOf(tag)
+	to := -1
+	for i := range 3 { // any other master
+		if m := rc.MasterOf(tag); i != m && isMaster(t, rc.Addrs[i]) {
+			to = i
+			break
+		}
+	}
+	if to < 0 {
+		t.Fatal("no other master")
+	}
+	src, dst := redis.NewClient(&redis.Options{Addr: rc.Addrs[from]}), redis.NewClient(&redis.Options{Addr: rc.Addrs[to]})
+	defer src.Close()
+	defer dst.Close()
+	slot, err := src.ClusterKeySlot(ctx, tag).Result()
+	if err != nil {
+		t.Fatal(err)
+	}
+	srcID, dstID := src.Do(ctx, "cluster", "myid").Val(), dst.Do(ctx, "cluster", "myid").Val()
+	must := func(err error) {
+		t.Helper()
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+	must(dst.Do(ctx, "cluster", "setslot", slot, "importing", srcID).Err())
+	must(src.Do(ctx, "cluster", "setslot", slot, "migrating", dstID).Err())
+	keys, err := src.ClusterGetKeysInSlot(ctx, int(slot), 1000).Result()
+	must(err)
+	host2, port2, _ := strings.Cut(rc.Addrs[to], ":")
+	args := []any{"migrate", host2, port2, "", 0, 5000, "keys"}
+	for _, k := range keys {
+		args = append(args, k)
+	}
+	must(src.Do(ctx, args...).Err())
+	for _, c := range []*redis.Client{dst, src} {
+		must(c.Do(ctx, "cluster", "setslot", slot, "node", dstID).Err())
+	}
+	if got := rc.MasterOf(tag); got != to {
+		t.Fatalf("slot %d served by node %d after the move, want %d", slot, got, to)
+	}
+
+	got, err := st.Route(ctx, cluster, hs)
+	if err != nil {
+		t.Fatalf("route right after the move: %v", err)
+	}
+	if !reflect.DeepEqual(got, want) {
+		t.Fatalf("route after the move = %+v, want %+v", got, want)
+	}
+}
+
+func isMaster(t *testing.T, addr string) bool {
+	t.Helper()
+	c := redis.NewClient(&redis.Options{Addr: addr})
+	defer c.Close()
+	role, err := c.Do(context.Background(), "role").Slice()
+	if err != nil {
+		t.Fatal(err)
+	}
+	return role[0] == "master"
 }
