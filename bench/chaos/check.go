@@ -59,12 +59,14 @@ func (c Checker) Index(ctx context.Context) (map[string][]string, error) {
 // long after a pod stopped holding a prefix, or refused the request that
 // the router saved it for, the index may still name it.
 const (
-	// EvictionBound: from an eviction to its report applied, while the
-	// metadata center answers. The worker's reporter (worker/mcreport)
-	// sends at once, with no batching interval and one report on the wire
-	// at a time, so an eviction waits for at most the report before it and
-	// its own; a failed send is retried after 100 ms, 200 ms, 400 ms, …;
-	// the center applies a report to its store before it answers. An entry
+	// EvictionBound: from an eviction to its report applied. The
+	// worker's reporter (worker/mcreport) sends at once, with no batching
+	// interval and one report on the wire at a time, so an eviction waits
+	// for at most the report before it and its own; a failed send is
+	// retried after 100 ms, 200 ms, 400 ms, then every 500 ms, so once the
+	// center answers again (a check comes a second after the recovery)
+	// the backlog lands within half a second and a send; the center
+	// applies a report to its store before it answers. An entry
 	// whose report the center acknowledged before the index was read is
 	// wrong however recent; one still unacknowledged after the bound is a
 	// late report, wrong too.
@@ -112,9 +114,10 @@ func (c Checker) Views(ctx context.Context) map[string]*View {
 }
 
 // Classify says what host's view v makes of an index entry for prefix h
-// read at at: Holds or Pending (true); InTransit, the pod evicted it and
-// the center had not acknowledged the report when the index was read,
-// within EvictionBound; Retracting, the pod refused a request carrying it
+// read at at: Holds (held now, or evicted after at: held when the index
+// was read) or Pending (true); InTransit, the pod evicted it before at and
+// the center had not acknowledged the report by then, within
+// EvictionBound; Retracting, the pod refused a request carrying it
 // within RetractionBound of the read; otherwise 0 (wrong), with why.
 func Classify(v *View, h string, at time.Time) (Holding, string) {
 	if v == nil {
@@ -129,6 +132,8 @@ func Classify(v *View, h string, at time.Time) (Holding, string) {
 	}
 	e, ok := v.Evicted[h]
 	switch {
+	case ok && e.At >= ms:
+		return Holds, "" // held when the index was read
 	case ok && e.Reported != 0 && e.Reported < ms:
 		return 0, fmt.Sprintf("evicted %d ms before the index read, its report acknowledged %d ms before it", ms-e.At, ms-e.Reported)
 	case ok && ms-e.At <= EvictionBound.Milliseconds():

@@ -30,6 +30,7 @@ func TestCheckForgivesOnlyWhatTheIndexCannotKnowYet(t *testing.T) {
 			{Hash: "unreported", At: ago(300 * time.Millisecond)},                                          // in transit
 			{Hash: "acked-after", At: ago(200 * time.Millisecond), Reported: now + 50},                     // in transit: acknowledged after the read began
 			{Hash: "acked-before", At: ago(200 * time.Millisecond), Reported: ago(150 * time.Millisecond)}, // wrong: the center knew
+			{Hash: "evicted-after", At: now + 30, Reported: now + 31},                                      // held: evicted after the read
 			{Hash: "late", At: ago(3 * time.Second)},                                                       // wrong: report beyond the bound
 		},
 		EvictedSince: ago(10 * time.Second),
@@ -52,7 +53,7 @@ func TestCheckForgivesOnlyWhatTheIndexCannotKnowYet(t *testing.T) {
 	t.Cleanup(down.Close)
 	addr := func(ts *httptest.Server) string { return strings.TrimPrefix(ts.URL, "http://") }
 	index := map[string][]string{
-		addr(wk):   {"held", "pending", "unreported", "acked-after", "acked-before", "late", "refused", "refused-long-ago", "never"},
+		addr(wk):   {"held", "evicted-after", "pending", "unreported", "acked-after", "acked-before", "late", "refused", "refused-long-ago", "never"},
 		addr(down): {"held"},
 	}
 	mc := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
@@ -70,12 +71,12 @@ func TestCheckForgivesOnlyWhatTheIndexCannotKnowYet(t *testing.T) {
 	c := Checker{MC: mc.URL, Cluster: "pool", Workers: []string{addr(wk), addr(down)}, HTTP: http.DefaultClient}
 	ch := c.Check(context.Background(), func() int { return 0 })
 	got := [...]int{ch.IndexEntries, ch.IndexTrue, ch.IndexPending, ch.IndexInTransit, ch.IndexRetracting, ch.FalseByHost[addr(wk)], ch.FalseByHost[addr(down)]}
-	want := [...]int{10, 1, 1, 2, 1, 4, 1}
+	want := [...]int{11, 2, 1, 2, 1, 4, 1}
 	if got != want {
 		t.Fatalf("entries, held, pending, in transit, retracting, wrong on the worker, wrong on the one down: %v, want %v", got, want)
 	}
-	if ch.Precision != 0.5 || ch.ReportLatencyMax != 250 {
-		t.Fatalf("precision %v, longest report %v ms; want 0.5 and 250", ch.Precision, ch.ReportLatencyMax)
+	if ch.Precision != 6.0/11 || ch.ReportLatencyMax != 250 {
+		t.Fatalf("precision %v, longest report %v ms; want 6/11 and 250", ch.Precision, ch.ReportLatencyMax)
 	}
 }
 

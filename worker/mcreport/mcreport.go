@@ -43,8 +43,12 @@ type Config struct {
 	// the metadata center refuses reports whose size its gateways do not use.
 	ChunkSize  int
 	Client     *http.Client
-	MaxPending int           // distinct hashes waiting; default 65536
-	MaxBackoff time.Duration // default 5 s
+	MaxPending int // distinct hashes waiting; default 65536
+	// MaxBackoff caps the wait between retries; default 500 ms, so that
+	// once the center answers again every eviction queued during its
+	// outage lands within that and a send (the index is wrong meanwhile;
+	// docs/operations.md, "Chaos and soak").
+	MaxBackoff time.Duration
 	Logger     *slog.Logger
 	Registerer prometheus.Registerer
 	// Registration, when set, is what RunSignals registers this pod as
@@ -93,7 +97,7 @@ func New(cfg Config) (*Reporter, error) {
 		cfg.MaxPending = 65536
 	}
 	if cfg.MaxBackoff <= 0 {
-		cfg.MaxBackoff = 5 * time.Second
+		cfg.MaxBackoff = 500 * time.Millisecond
 	}
 	if cfg.Logger == nil {
 		cfg.Logger = slog.Default()
