@@ -20,20 +20,26 @@ type Baseline struct {
 
 // Check is what the observer found one Settle after a fault's recovery.
 type Check struct {
-	// Index precision: entries of the metadata center's index whose host
-	// really holds the prefix (its /debug/kv/prefixes) or is about to (a
-	// request it accepted carries it: the router saved it when it routed
-	// that request there), over all entries. StrictPrecision counts only
-	// the prefixes held. Both -1 when the index is empty.
-	IndexEntries int `json:"index_entries"`
-	IndexTrue    int `json:"index_true"`
-	IndexPending int `json:"index_pending"`
-	// IndexInTransit of the true entries were held only in the workers'
-	// read just before the index read: dropped while the check read
-	// (Checker.Check).
+	// Index precision: entries of the metadata center's index that are
+	// not wrong (Classify), over all entries: their host holds the prefix
+	// (IndexTrue, its /debug/kv/prefixes), or is about to (IndexPending: a
+	// request it accepted carries it, the router saved it when it routed
+	// that request there), or dropped it so recently that the index
+	// cannot know yet (IndexInTransit: evicted, its report not applied
+	// within EvictionBound; IndexRetracting: the pod refused the request
+	// within RetractionBound). StrictPrecision counts only the prefixes
+	// held. Both -1 when the index is empty.
+	IndexEntries    int     `json:"index_entries"`
+	IndexTrue       int     `json:"index_true"`
+	IndexPending    int     `json:"index_pending"`
 	IndexInTransit  int     `json:"index_in_transit"`
+	IndexRetracting int     `json:"index_retracting"`
 	Precision       float64 `json:"precision"`
 	StrictPrecision float64 `json:"strict_precision"`
+	// ReportLatencyMax is the longest time, in ms, from an eviction to the
+	// center's acknowledgement of its report among the evictions the
+	// workers listed (the last ten seconds or so).
+	ReportLatencyMax float64 `json:"report_latency_max_ms"`
 	// FalseByHost counts the wrong entries per host they name.
 	FalseByHost map[string]int `json:"false_by_host,omitempty"`
 	// Leases the center counts beyond the requests the client has in
@@ -43,9 +49,10 @@ type Check struct {
 	Err      string `json:"error,omitempty"`
 }
 
-// Wrong counts the index entries whose host neither holds the prefix nor
-// has a request carrying it.
-func (c Check) Wrong() int { return c.IndexEntries - c.IndexTrue - c.IndexPending }
+// Wrong counts the index entries Classify finds wrong.
+func (c Check) Wrong() int {
+	return c.IndexEntries - c.IndexTrue - c.IndexPending - c.IndexInTransit - c.IndexRetracting
+}
 
 // Orphaned is Leases beyond InFlight (never negative).
 func (c Check) Orphaned() int { return max(0, c.Leases-c.InFlight) }
@@ -265,27 +272,6 @@ func quantile(sorted []float64, q float64) float64 {
 	return report.Quantile(sorted, q)
 }
 
-// Precision of an index against the workers' own views: index maps host
-// to the prefixes the router believes it holds, held host to what it
-// really holds. Hosts the router knows that are not workers hold nothing.
-func Precision(index map[string][]string, held map[string]map[string]Holding) (entries, true_, pending int, falseByHost map[string]int) {
-	falseByHost = map[string]int{}
-	for host, hs := range index {
-		for _, h := range hs {
-			entries++
-			switch held[host][h] {
-			case Holds:
-				true_++
-			case Pending:
-				pending++
-			default:
-				falseByHost[host]++
-			}
-		}
-	}
-	return entries, true_, pending, falseByHost
-}
-
 // Holding is what a worker says about one prefix.
 type Holding int
 
@@ -295,4 +281,11 @@ const (
 	// Pending: only a request the worker accepted and has not answered
 	// carries it.
 	Pending
+	// InTransit: the worker evicted it, and its report cannot have
+	// reached the index yet.
+	InTransit
+	// Retracting: the worker refused a request carrying it, and the
+	// gateway's retraction of its routing-time save cannot have reached
+	// the index yet.
+	Retracting
 )

@@ -98,15 +98,6 @@ func TestAnalyzeAssignsRequestsToTheFaultThatHitThem(t *testing.T) {
 	}
 }
 
-func TestPrecisionCountsHeldPendingAndWrong(t *testing.T) {
-	index := map[string][]string{"a": {"1", "2", "3"}, "b": {"1"}, "gone": {"9"}}
-	held := map[string]map[string]Holding{"a": {"1": Holds, "2": Pending}, "b": {"1": Holds}}
-	n, ok, pend, wrong := Precision(index, held)
-	if n != 5 || ok != 2 || pend != 1 || wrong["a"] != 1 || wrong["gone"] != 1 || wrong["b"] != 0 {
-		t.Fatalf("entries %d, held %d, pending %d, wrong %v", n, ok, pend, wrong)
-	}
-}
-
 func TestFitFlagsALeakNotNoiseOrWarmUp(t *testing.T) {
 	var ss []Sample
 	for i := range 360 { // 30 min at 5 s

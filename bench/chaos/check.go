@@ -55,28 +55,95 @@ func (c Checker) Index(ctx context.Context) (map[string][]string, error) {
 	return idx, err
 }
 
-// Held is every worker's own view: host -> prefix hash -> Holds (its KV
-// cache holds it) or Pending (only a request it accepted and has not
-// answered yet carries it). A worker that does not answer is absent: it
-// holds nothing (it is down or restarting: an index entry naming it is
-// wrong).
-func (c Checker) Held(ctx context.Context) map[string]map[string]Holding {
-	out := map[string]map[string]Holding{}
+// Bounds of the index check (docs/operations.md, "Chaos and soak"): how
+// long after a pod stopped holding a prefix, or refused the request that
+// the router saved it for, the index may still name it.
+const (
+	// EvictionBound: from an eviction to its report applied. The
+	// worker's reporter (worker/mcreport) sends at once, with no batching
+	// interval and one report on the wire at a time, so an eviction waits
+	// for at most the report before it and its own; a failed send is
+	// retried after 100 ms, 200 ms, 400 ms, then every 500 ms, so once the
+	// center answers again (a check comes a second after the recovery)
+	// the backlog lands within half a second and a send; the center
+	// applies a report to its store before it answers. An entry
+	// whose report the center acknowledged before the index was read is
+	// wrong however recent; one still unacknowledged after the bound is a
+	// late report, wrong too.
+	EvictionBound = time.Second
+	// RetractionBound: from a pod's refusal to the gateway's retraction of
+	// the routing-time save applied: the gateway withdraws it when it sees
+	// the answer, in its next batch to the center (a 5 ms window).
+	RetractionBound = time.Second
+)
+
+// View is one worker's answer to its /debug/kv/prefixes.
+type View struct {
+	Held    map[string]Holding           // Holds or Pending
+	Evicted map[string]workerserver.Gone // the latest eviction of each hash
+	Refused map[string]int64             // the latest refusal, Unix ms
+	Since   int64                        // Evicted is complete after this (Unix ms)
+}
+
+// Views reads every worker's own view. A worker that does not answer is
+// absent: it holds nothing (it is down or restarting: an index entry
+// naming it is wrong).
+func (c Checker) Views(ctx context.Context) map[string]*View {
+	out := map[string]*View{}
 	for _, w := range c.Workers {
 		var kv workerserver.KVPrefixes
 		if err := c.get(ctx, "http://"+w+workerserver.PathDebugKVPrefixes, &kv); err != nil {
 			continue
 		}
-		set := map[string]Holding{}
+		v := &View{Held: map[string]Holding{}, Evicted: map[string]workerserver.Gone{}, Refused: map[string]int64{}, Since: kv.EvictedSince}
 		for _, h := range kv.Pending {
-			set[h] = Pending
+			v.Held[h] = Pending
 		}
 		for _, h := range kv.Prefixes {
-			set[h] = Holds
+			v.Held[h] = Holds
 		}
-		out[w] = set
+		for _, g := range kv.Evicted {
+			v.Evicted[g.Hash] = g
+		}
+		for _, g := range kv.Refused {
+			v.Refused[g.Hash] = max(v.Refused[g.Hash], g.At)
+		}
+		out[w] = v
 	}
 	return out
+}
+
+// Classify says what host's view v makes of an index entry for prefix h
+// read at at: Holds (held now, or evicted after at: held when the index
+// was read) or Pending (true); InTransit, the pod evicted it before at and
+// the center had not acknowledged the report by then, within
+// EvictionBound; Retracting, the pod refused a request carrying it
+// within RetractionBound of the read; otherwise 0 (wrong), with why.
+func Classify(v *View, h string, at time.Time) (Holding, string) {
+	if v == nil {
+		return 0, "the worker did not answer"
+	}
+	if k := v.Held[h]; k != 0 {
+		return k, ""
+	}
+	ms := at.UnixMilli()
+	if t, ok := v.Refused[h]; ok && ms-t <= RetractionBound.Milliseconds() {
+		return Retracting, ""
+	}
+	e, ok := v.Evicted[h]
+	switch {
+	case ok && e.At >= ms:
+		return Holds, "" // held when the index was read
+	case ok && e.Reported != 0 && e.Reported < ms:
+		return 0, fmt.Sprintf("evicted %d ms before the index read, its report acknowledged %d ms before it", ms-e.At, ms-e.Reported)
+	case ok && ms-e.At <= EvictionBound.Milliseconds():
+		return InTransit, ""
+	case ok:
+		return 0, fmt.Sprintf("evicted %d ms before the index read, its report late", ms-e.At)
+	case ms-EvictionBound.Milliseconds() < v.Since:
+		return 0, fmt.Sprintf("not held, not evicted since %d ms before the index read; earlier evictions not listed", ms-v.Since)
+	}
+	return 0, "not held, not evicted or refused lately"
 }
 
 // Leases is the number of live leases the center counts for the cluster.
@@ -94,67 +161,58 @@ func (c Checker) Leases(ctx context.Context) (int, error) {
 
 // Check takes the index, the workers' views and the leases at one moment,
 // with inFlight the client's requests outstanding at that moment. The
-// index is one read, the workers' views several (one per worker, each
-// waiting for its scheduler loop, tens of milliseconds apart), so the
-// workers are read twice, right before the index and right after, and an
-// entry counts as held when either read holds it: a prefix a worker
-// dropped while the check was reading (its eviction report could not have
-// reached the index yet) is not the index's error, and one it gained in
-// between was saved for a request routed there. Entries held only in the
-// read before are counted (IndexInTransit) and listed in the dump, but
-// only for a worker that answered the read after too: one that stopped
-// answering holds nothing. An entry neither read holds is wrong.
+// workers are read right after the index; each lists what it holds, what
+// its accepted requests carry, and what it evicted or refused lately with
+// when (worker/server's /debug/kv/prefixes), so every index entry is
+// classified against the moment the index was read (Classify).
 func (c Checker) Check(ctx context.Context, inFlight func() int) Check {
 	var ch Check
 	var errs []string
-	before := c.Held(ctx)
 	at := time.Now()
 	idx, err := c.Index(ctx)
 	if err != nil {
 		errs = append(errs, "index: "+err.Error())
 	}
-	after := c.Held(ctx)
-	held := map[string]map[string]Holding{}
-	transit := map[string][]string{}
+	views := c.Views(ctx)
+	wrong := map[string]map[string]string{}
+	ch.FalseByHost = map[string]int{}
 	for host, hs := range idx {
-		if _, answered := after[host]; !answered {
-			continue // gone since the read before: what it held is not in transit
-		}
 		for _, h := range hs {
-			if after[host][h] == 0 && before[host][h] != 0 {
-				transit[host] = append(transit[host], h)
+			ch.IndexEntries++
+			k, why := Classify(views[host], h, at)
+			switch k {
+			case Holds:
+				ch.IndexTrue++
+			case Pending:
+				ch.IndexPending++
+			case InTransit:
 				ch.IndexInTransit++
-			}
-		}
-	}
-	for host, set := range after {
-		m := make(map[string]Holding, len(set)+len(transit[host]))
-		for h, v := range set {
-			m[h] = v
-		}
-		for _, h := range transit[host] {
-			m[h] = before[host][h]
-		}
-		held[host] = m
-	}
-	ch.IndexEntries, ch.IndexTrue, ch.IndexPending, ch.FalseByHost = Precision(idx, held)
-	if c.Dump != "" {
-		wrong := map[string][]string{}
-		for host, hs := range idx {
-			for _, h := range hs {
-				if held[host][h] == 0 {
-					wrong[host] = append(wrong[host], h)
+			case Retracting:
+				ch.IndexRetracting++
+			default:
+				ch.FalseByHost[host]++
+				if wrong[host] == nil {
+					wrong[host] = map[string]string{}
 				}
+				wrong[host][h] = why
 			}
 		}
-		if err := writeJSON(c.Dump, map[string]any{"at": at.UTC().Format(time.RFC3339Nano), "index": idx, "held": after,
-			"held_before": before, "in_transit": transit, "wrong": wrong}); err != nil {
+	}
+	for _, v := range views {
+		for _, e := range v.Evicted {
+			if e.Reported != 0 {
+				ch.ReportLatencyMax = max(ch.ReportLatencyMax, float64(e.Reported-e.At))
+			}
+		}
+	}
+	if c.Dump != "" {
+		if err := writeJSON(c.Dump, map[string]any{"at": at.UTC().Format(time.RFC3339Nano), "index": idx, "views": views, "wrong": wrong}); err != nil {
 			errs = append(errs, "dump: "+err.Error())
 		}
 	}
 	ch.Precision, ch.StrictPrecision = -1, -1
 	if ch.IndexEntries > 0 {
-		ch.Precision = float64(ch.IndexTrue+ch.IndexPending) / float64(ch.IndexEntries)
+		ch.Precision = float64(ch.IndexEntries-ch.Wrong()) / float64(ch.IndexEntries)
 		ch.StrictPrecision = float64(ch.IndexTrue) / float64(ch.IndexEntries)
 	}
 	ch.InFlight = inFlight()

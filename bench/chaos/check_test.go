@@ -6,41 +6,56 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"strings"
-	"sync/atomic"
 	"testing"
+	"time"
 
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/api"
 	workerserver "github.com/istio-llm-filter/istio-llm-filter/worker/server"
 )
 
-// A worker's entries dropped between the two reads count as in transit
-// (true) only when it answered both: one that stops answering after the
-// first read holds nothing, and the index entries naming it are wrong.
-func TestCheckForgivesOnlyWhatAnsweringWorkersDroppedDuringTheCheck(t *testing.T) {
-	worker := func(first, second []string, failSecond bool) *httptest.Server {
-		var reads atomic.Int32
-		ts := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-			if r.URL.Path != workerserver.PathDebugKVPrefixes {
-				http.NotFound(w, r)
-				return
-			}
-			held := first
-			if reads.Add(1) > 1 {
-				if failSecond {
-					http.Error(w, "gone", http.StatusServiceUnavailable)
-					return
-				}
-				held = second
-			}
-			_ = json.NewEncoder(w).Encode(workerserver.KVPrefixes{Prefixes: held})
-		}))
-		t.Cleanup(ts.Close)
-		return ts
+// An index entry whose pod neither holds nor pends the prefix is forgiven
+// only while the index cannot know better: the pod evicted it and the
+// center had not acknowledged the report when the index was read, within
+// EvictionBound, or the pod refused a request carrying it within
+// RetractionBound. Everything else is wrong: a report acknowledged before
+// the read, a late one, an old refusal, a prefix never held, a worker that
+// does not answer.
+func TestCheckForgivesOnlyWhatTheIndexCannotKnowYet(t *testing.T) {
+	now := time.Now().UnixMilli()
+	ago := func(d time.Duration) int64 { return now - d.Milliseconds() }
+	kv := workerserver.KVPrefixes{
+		Prefixes: []string{"held"},
+		Pending:  []string{"pending"},
+		Evicted: []workerserver.Gone{
+			{Hash: "unreported", At: ago(300 * time.Millisecond)},                                          // in transit
+			{Hash: "acked-after", At: ago(200 * time.Millisecond), Reported: now + 50},                     // in transit: acknowledged after the read began
+			{Hash: "acked-before", At: ago(200 * time.Millisecond), Reported: ago(150 * time.Millisecond)}, // wrong: the center knew
+			{Hash: "evicted-after", At: now + 30, Reported: now + 31},                                      // held: evicted after the read
+			{Hash: "late", At: ago(3 * time.Second)},                                                       // wrong: report beyond the bound
+		},
+		EvictedSince: ago(10 * time.Second),
+		Refused: []workerserver.Gone{
+			{Hash: "refused", At: ago(100 * time.Millisecond)},   // retracting
+			{Hash: "refused-long-ago", At: ago(3 * time.Second)}, // wrong
+		},
 	}
-	dropping := worker([]string{"a1", "a2", "a3"}, []string{"a1"}, false) // dropped a2, a3 mid-check
-	dying := worker([]string{"b1", "b2"}, nil, true)                      // stops answering mid-check
+	wk := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.URL.Path != workerserver.PathDebugKVPrefixes {
+			http.NotFound(w, r)
+			return
+		}
+		_ = json.NewEncoder(w).Encode(kv)
+	}))
+	t.Cleanup(wk.Close)
+	down := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		http.Error(w, "gone", http.StatusServiceUnavailable)
+	}))
+	t.Cleanup(down.Close)
 	addr := func(ts *httptest.Server) string { return strings.TrimPrefix(ts.URL, "http://") }
-	index := map[string][]string{addr(dropping): {"a1", "a2", "a3", "a4"}, addr(dying): {"b1", "b2"}}
+	index := map[string][]string{
+		addr(wk):   {"held", "evicted-after", "pending", "unreported", "acked-after", "acked-before", "late", "refused", "refused-long-ago", "never"},
+		addr(down): {"held"},
+	}
 	mc := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		switch r.URL.Path {
 		case api.PathDebugCacheIndex:
@@ -53,12 +68,24 @@ func TestCheckForgivesOnlyWhatAnsweringWorkersDroppedDuringTheCheck(t *testing.T
 	}))
 	t.Cleanup(mc.Close)
 
-	c := Checker{MC: mc.URL, Cluster: "pool", Workers: []string{addr(dropping), addr(dying)}, HTTP: http.DefaultClient}
+	c := Checker{MC: mc.URL, Cluster: "pool", Workers: []string{addr(wk), addr(down)}, HTTP: http.DefaultClient}
 	ch := c.Check(context.Background(), func() int { return 0 })
-	// True: a1 (held), a2 and a3 (dropped during the check). Wrong: a4
-	// (never held), b1 and b2 (their worker stopped answering).
-	if ch.IndexEntries != 6 || ch.IndexTrue != 3 || ch.IndexInTransit != 2 || ch.FalseByHost[addr(dying)] != 2 {
-		t.Fatalf("entries %d, true %d, in transit %d, wrong by host %v; want 6, 3, 2, 2 on the worker that stopped answering",
-			ch.IndexEntries, ch.IndexTrue, ch.IndexInTransit, ch.FalseByHost)
+	got := [...]int{ch.IndexEntries, ch.IndexTrue, ch.IndexPending, ch.IndexInTransit, ch.IndexRetracting, ch.FalseByHost[addr(wk)], ch.FalseByHost[addr(down)]}
+	want := [...]int{11, 2, 1, 2, 1, 4, 1}
+	if got != want {
+		t.Fatalf("entries, held, pending, in transit, retracting, wrong on the worker, wrong on the one down: %v, want %v", got, want)
+	}
+	if ch.Precision != 6.0/11 || ch.ReportLatencyMax != 250 {
+		t.Fatalf("precision %v, longest report %v ms; want 6/11 and 250", ch.Precision, ch.ReportLatencyMax)
+	}
+}
+
+// A worker whose eviction list does not reach back over the bound cannot
+// clear an entry it neither holds nor lists: wrong, and the reason says so.
+func TestClassifyWithAnIncompleteEvictionList(t *testing.T) {
+	at := time.Now()
+	v := &View{Held: map[string]Holding{}, Since: at.Add(-100 * time.Millisecond).UnixMilli()}
+	if k, why := Classify(v, "x", at); k != 0 || !strings.Contains(why, "earlier evictions not listed") {
+		t.Fatalf("%v, %q", k, why)
 	}
 }

@@ -83,7 +83,7 @@ func (r *Result) WriteMarkdown(w io.Writer) error {
 		"Index before the first fault: %d entries, precision %s (held only %s); leases %d with %d requests in flight.\n\n",
 		r.Baseline.Requests, 100*r.Baseline.SuccessRate, r.Baseline.TTFTP50, r.Baseline.TTFTP90,
 		r.Initial.IndexEntries, pct(r.Initial.Precision), pct(r.Initial.StrictPrecision), r.Initial.Leases, r.Initial.InFlight)
-	b.WriteString("| # | fault | sent | succeeded | failed (by status) | lost | expected / unexpected failures | retried by client | aborted by client | leases beyond in-flight @+1 s | index @+1 s: entries, precision (held only) | wrong entries (new since the last check) | recovery |\n")
+	b.WriteString("| # | fault | sent | succeeded | failed (by status) | lost | expected / unexpected failures | retried by client | aborted by client | leases beyond in-flight @+1 s | index @+1 s: entries, precision (held only), in transit + retracting | wrong entries (new since the last check) | recovery |\n")
 	b.WriteString("|---|---|---|---|---|---|---|---|---|---|---|---|---|\n")
 	prevWrong := r.Initial.Wrong()
 	for i, f := range r.Faults {
@@ -99,14 +99,20 @@ func (r *Result) WriteMarkdown(w io.Writer) error {
 		if f.Err != "" {
 			name += " ⚠ " + f.Err
 		}
-		fmt.Fprintf(&b, "| %d | %s | %d | %d | %s | %d | %d / %d | %s | %d | %d | %d, %s (%s) | %d (%+d) | %s |\n",
+		fmt.Fprintf(&b, "| %d | %s | %d | %d | %s | %d | %d / %d | %s | %d | %d | %d, %s (%s), %d + %d | %d (%+d) | %s |\n",
 			i+1, name, f.Sent, f.Succeeded, joinCounts(f.Failed), f.Lost, f.Expected, f.Unexpected, retried,
 			f.Aborted, f.Check.Orphaned(), f.Check.IndexEntries, pct(f.Check.Precision), pct(f.Check.StrictPrecision),
-			f.Check.Wrong(), f.Check.Wrong()-prevWrong, rec)
+			f.Check.IndexInTransit, f.Check.IndexRetracting, f.Check.Wrong(), f.Check.Wrong()-prevWrong, rec)
 		prevWrong = f.Check.Wrong()
 	}
 	fmt.Fprintf(&b, "\nAfter the load stopped (in-flight requests answered) and one lease TTL passed: %d live leases; index %d entries, precision %s (wrong entries by host: %v).\n\n",
-		r.Final.Leases, r.Final.IndexEntries, pct(r.Final.StrictPrecision), r.Final.FalseByHost)
+		r.Final.Leases, r.Final.IndexEntries, pct(r.Final.Precision), r.Final.FalseByHost)
+	maxLat := r.Initial.ReportLatencyMax
+	for _, f := range r.Faults {
+		maxLat = max(maxLat, f.Check.ReportLatencyMax)
+	}
+	fmt.Fprintf(&b, "Longest eviction-to-acknowledged report the workers listed at the checks: %.0f ms (bound %s; retraction bound %s).\n\n",
+		max(maxLat, r.Final.ReportLatencyMax), EvictionBound, RetractionBound)
 	b.WriteString("| aim | met | measured |\n|---|---|---|\n")
 	for _, a := range r.Aims {
 		fmt.Fprintf(&b, "| %s | %s | %s |\n", a.Name, map[bool]string{true: "yes", false: "**no**"}[a.Met], a.Got)

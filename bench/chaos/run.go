@@ -158,8 +158,9 @@ func (o *observer) Recovered(ctx context.Context, w *Window) {
 	o.mu.Lock()
 	o.checks = append(o.checks, c)
 	o.mu.Unlock()
-	fmt.Fprintf(o.out, "  %s recovered at %.1fs; +1s: index %d entries, %d held (%d of them only just before), %d pending (%s), leases %d, in flight %d %s\n",
-		w.Name, w.End.Seconds(), c.IndexEntries, c.IndexTrue, c.IndexInTransit, c.IndexPending, pct(c.Precision), c.Leases, c.InFlight, c.Err)
+	fmt.Fprintf(o.out, "  %s recovered at %.1fs; +1s: index %d entries, %d held, %d pending, %d in transit, %d retracting, %d wrong (%s); reports acknowledged within %.0f ms; leases %d, in flight %d %s\n",
+		w.Name, w.End.Seconds(), c.IndexEntries, c.IndexTrue, c.IndexPending, c.IndexInTransit, c.IndexRetracting, c.Wrong(), pct(c.Precision),
+		c.ReportLatencyMax, c.Leases, c.InFlight, c.Err)
 }
 
 func (o *observer) WindowDone(context.Context, *Window) {}

@@ -43,8 +43,12 @@ type Config struct {
 	// the metadata center refuses reports whose size its gateways do not use.
 	ChunkSize  int
 	Client     *http.Client
-	MaxPending int           // distinct hashes waiting; default 65536
-	MaxBackoff time.Duration // default 5 s
+	MaxPending int // distinct hashes waiting; default 65536
+	// MaxBackoff caps the wait between retries; default 500 ms, so that
+	// once the center answers again every eviction queued during its
+	// outage lands within that and a send (the index is wrong meanwhile;
+	// docs/operations.md, "Chaos and soak").
+	MaxBackoff time.Duration
 	Logger     *slog.Logger
 	Registerer prometheus.Registerer
 	// Registration, when set, is what RunSignals registers this pod as
@@ -73,6 +77,7 @@ type Reporter struct {
 	epoch   time.Time             // this worker's start: the evict-all removes what was saved before it
 	cleared chan struct{}         // closed once the start-up evict-all was acknowledged
 	idle    *sync.Cond            // signalled when pending empties after a send
+	recent  recentLog             // what was evicted lately, for the debug listing
 
 	sent    *prometheus.CounterVec
 	dropped prometheus.Counter
@@ -92,7 +97,7 @@ func New(cfg Config) (*Reporter, error) {
 		cfg.MaxPending = 65536
 	}
 	if cfg.MaxBackoff <= 0 {
-		cfg.MaxBackoff = 5 * time.Second
+		cfg.MaxBackoff = 500 * time.Millisecond
 	}
 	if cfg.Logger == nil {
 		cfg.Logger = slog.Default()
@@ -124,6 +129,7 @@ func (r *Reporter) Evict(hs []prefix.Hash) { r.EvictAt(hs, time.Now()) }
 func (r *Reporter) EvictAt(hs []prefix.Hash, at time.Time) {
 	ms := at.UnixMilli()
 	r.mu.Lock()
+	r.recent.add(hs, at)
 	for _, h := range hs {
 		if old, ok := r.pending[h]; ok {
 			r.pending[h] = max(old, ms)
@@ -243,6 +249,7 @@ func (r *Reporter) next() ([]prefix.Hash, int64) {
 // after at stays pending for the next report.
 func (r *Reporter) done(batch []prefix.Hash, at int64) {
 	r.mu.Lock()
+	r.recent.reported(batch, at, time.Now())
 	for _, h := range batch {
 		if t, ok := r.pending[h]; ok && t <= at {
 			delete(r.pending, h)
@@ -252,6 +259,85 @@ func (r *Reporter) done(batch []prefix.Hash, at int64) {
 		r.idle.Broadcast()
 	}
 	r.mu.Unlock()
+}
+
+// Eviction is a hash this worker stopped holding, when, and when the
+// metadata center acknowledged a report of it (zero: not yet; a report it
+// refused counts as acknowledged: nothing more will be sent).
+type Eviction struct {
+	Hash     prefix.Hash
+	At       time.Time
+	Reported time.Time
+}
+
+// Bounds of the recent-evictions log: a checker comparing the router's
+// index with this worker's view needs the drops of the last eviction-report
+// bound (bench/chaos, about a second); the log keeps more, in bounded memory.
+const (
+	recentFor = 10 * time.Second
+	recentMax = 16384
+)
+
+// recentLog is the evictions of the last recentFor, at most recentMax, in
+// the order they were queued. Guarded by the Reporter's mu.
+type recentLog struct {
+	evs       []Eviction
+	truncated time.Time // the latest eviction dropped for room (not age)
+}
+
+func (l *recentLog) add(hs []prefix.Hash, at time.Time) {
+	for _, h := range hs {
+		l.evs = append(l.evs, Eviction{Hash: h, At: at})
+	}
+	i := 0
+	for ; i < len(l.evs) && (len(l.evs)-i > recentMax || at.Sub(l.evs[i].At) > recentFor); i++ {
+		if len(l.evs)-i > recentMax {
+			l.truncated = l.evs[i].At
+		}
+	}
+	l.evs = l.evs[i:]
+}
+
+// reported stamps the evictions a report sent with time at covered.
+func (l *recentLog) reported(batch []prefix.Hash, at int64, now time.Time) {
+	in := make(map[prefix.Hash]bool, len(batch))
+	for _, h := range batch {
+		in[h] = true
+	}
+	for i := range l.evs {
+		if e := &l.evs[i]; e.Reported.IsZero() && in[e.Hash] && e.At.UnixMilli() <= at {
+			e.Reported = now
+		}
+	}
+}
+
+// Recent lists the evictions of the last ten seconds or so, the latest of
+// each hash, and since when the list is complete: every eviction after
+// since is in it (debug listing: docs/operations.md, "Chaos and soak").
+func (r *Reporter) Recent() (evs []Eviction, since time.Time) {
+	now := time.Now()
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	latest := make(map[prefix.Hash]int, len(r.recent.evs))
+	for _, e := range r.recent.evs {
+		if now.Sub(e.At) > recentFor {
+			continue
+		}
+		if j, ok := latest[e.Hash]; ok {
+			evs[j] = e
+			continue
+		}
+		latest[e.Hash] = len(evs)
+		evs = append(evs, e)
+	}
+	since = now.Add(-recentFor)
+	if r.epoch.After(since) {
+		since = r.epoch
+	}
+	if r.recent.truncated.After(since) {
+		since = r.recent.truncated
+	}
+	return evs, since
 }
 
 // Flush waits until nothing is pending (tests, shutdown) or ctx ends.

@@ -3,14 +3,19 @@ package server
 import (
 	"bufio"
 	"bytes"
+	"context"
 	"encoding/json"
 	"io"
 	"net/http"
+	"net/http/httptest"
 	"slices"
+	"sync"
 	"testing"
+	"time"
 
 	filteropenai "github.com/istio-llm-filter/istio-llm-filter/filter/transcode/openai"
 	"github.com/istio-llm-filter/istio-llm-filter/prefix"
+	"github.com/istio-llm-filter/istio-llm-filter/worker/mcreport"
 	"github.com/istio-llm-filter/istio-llm-filter/worker/scheduler"
 )
 
@@ -125,4 +130,103 @@ func TestDebugKVPrefixesListsAcceptedRequestsAsPending(t *testing.T) {
 	if got := kvPrefixesOf(t, w); len(got.Pending) != 0 || !slices.Equal(got.Prefixes, want) {
 		t.Fatalf("after the answer: %+v, want no pending and %v held", got, want)
 	}
+}
+
+// TestDebugKVPrefixesListsEvictionsAndRefusalsWithTheirTimes runs real
+// requests on a llama.cpp worker that reports to a metadata center: the
+// prefixes it evicts are listed with when, and with when the center
+// acknowledged their report once it did; the prompt hashes of a request
+// it refused (429) are listed with when. A checker needs both to tell an
+// index entry on its way out from a wrong one (bench/chaos, Classify).
+func TestDebugKVPrefixesListsEvictionsAndRefusalsWithTheirTimes(t *testing.T) {
+	mc := &center{hashes: map[string]bool{}}
+	mcs := httptest.NewServer(mc)
+	defer mcs.Close()
+	rep, err := mcreport.New(mcreport.Config{URL: mcs.URL, Cluster: "c", Host: "127.0.0.1:1"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	rctx, rcancel := context.WithCancel(context.Background())
+	defer rcancel()
+	go rep.Run(rctx)
+	w := startWorker(t, opts{mc: rep, sched: scheduler.Config{MaxRunning: 1, MaxQueue: 1, MaxOutputTokens: 4000}})
+
+	m := msgs("user", longText(900, "evicted"))
+	chat(t, w, m, nil)
+	want := gatewayHashes(t, m)
+	slices.Sort(want)
+	if got := kvPrefixesOf(t, w); !slices.Equal(got.Prefixes, want) || len(got.Evicted) != 0 {
+		t.Fatalf("after one conversation: %+v, want %v held and nothing evicted", got, want)
+	}
+	before := time.Now().UnixMilli()
+	w.inspect(t, func(v scheduler.View) {
+		for v.Owner.EvictOne("test") {
+		}
+	})
+	after := time.Now().UnixMilli()
+	if err := rep.Flush(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	acked := time.Now().UnixMilli()
+	got := kvPrefixesOf(t, w)
+	var evicted []string
+	for _, g := range got.Evicted {
+		evicted = append(evicted, g.Hash)
+		if g.At < before || g.At > after || g.Reported < g.At || g.Reported > acked {
+			t.Errorf("%s evicted at %d (evicting %d..%d), reported at %d (acknowledged by %d)", g.Hash, g.At, before, after, g.Reported, acked)
+		}
+		mc.mu.Lock()
+		sent := mc.hashes[g.Hash]
+		mc.mu.Unlock()
+		if !sent {
+			t.Errorf("%s listed as reported, but the center never got it", g.Hash)
+		}
+	}
+	slices.Sort(evicted)
+	if len(got.Prefixes) != 0 || !slices.Equal(evicted, want) || got.EvictedSince > before {
+		t.Fatalf("after evicting everything: %+v, want %v evicted, listed since before %d", got, want, before)
+	}
+
+	// One request running, one queued: the next is refused.
+	long, _ := json.Marshal(map[string]any{"model": "tiny", "messages": msgs("user", "go"), "max_tokens": 3000, "ignore_eos": true})
+	ctx, cancel := context.WithCancel(context.Background())
+	var wg sync.WaitGroup
+	for range 2 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			req, _ := http.NewRequestWithContext(ctx, "POST", w.url+"/v1/chat/completions", bytes.NewReader(long))
+			if resp, err := http.DefaultClient.Do(req); err == nil {
+				resp.Body.Close()
+			}
+		}()
+	}
+	deadline := time.Now().Add(10 * time.Second)
+	for s := w.sched.Stats(); s.Running != 1 || s.Queued != 1; s = w.sched.Stats() {
+		if time.Now().After(deadline) {
+			t.Fatalf("never one running and one queued: %+v", s)
+		}
+		time.Sleep(time.Millisecond)
+	}
+	refused := msgs("user", longText(500, "refused"))
+	before = time.Now().UnixMilli()
+	if resp, out := post(t, w.url, "/v1/chat/completions", map[string]any{"model": "tiny", "messages": refused}); resp.StatusCode != http.StatusTooManyRequests {
+		t.Fatalf("answered %d: %s", resp.StatusCode, out)
+	}
+	after = time.Now().UnixMilli()
+	got = kvPrefixesOf(t, w)
+	cancel()
+	wg.Wait()
+	var hs []string
+	for _, g := range got.Refused {
+		hs = append(hs, g.Hash)
+		if g.At < before || g.At > after {
+			t.Errorf("%s refused at %d, the request ran %d..%d", g.Hash, g.At, before, after)
+		}
+	}
+	slices.Sort(hs)
+	if wantR := gatewayHashes(t, refused); !slices.Equal(hs, sortedUnion(wantR)) {
+		t.Fatalf("refused %v, want %v", hs, sortedUnion(wantR))
+	}
+	waitIdle(t, w)
 }

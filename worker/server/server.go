@@ -25,6 +25,7 @@ import (
 
 	"github.com/istio-llm-filter/istio-llm-filter/prefix"
 	"github.com/istio-llm-filter/istio-llm-filter/worker/engine"
+	"github.com/istio-llm-filter/istio-llm-filter/worker/mcreport"
 	"github.com/istio-llm-filter/istio-llm-filter/worker/openai"
 	"github.com/istio-llm-filter/istio-llm-filter/worker/scheduler"
 )
@@ -49,9 +50,12 @@ type Config struct {
 	// Ready, if set, gates GET /readyz: it returns nil once the worker may
 	// take traffic, else why not (worker/cmd/worker: the metadata center
 	// has not acknowledged the start-up index reset yet). nil: always ready.
-	Ready    func() error
-	Registry *prometheus.Registry
-	Logger   *slog.Logger
+	Ready func() error
+	// Evictions, if set, lists the recent evictions and since when the
+	// list is complete (mcreport.Reporter.Recent), for /debug/kv/prefixes.
+	Evictions func() ([]mcreport.Eviction, time.Time)
+	Registry  *prometheus.Registry
+	Logger    *slog.Logger
 }
 
 // Server is an http.Handler.
@@ -345,6 +349,7 @@ func (s *Server) generate(w http.ResponseWriter, r *http.Request, j *job) {
 	defer func() { s.access(w, j, status, res, time.Since(start)) }()
 	h, err := s.sched.Submit(r.Context(), req)
 	if err != nil {
+		s.pending.refuse(j.hashes, time.Now())
 		e := s.submitError(j, err)
 		status = e.Status
 		openai.WriteError(w, e)

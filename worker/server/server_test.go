@@ -58,8 +58,10 @@ func startWorker(t *testing.T, o opts) *worker {
 	}
 	reg := prometheus.NewRegistry()
 	o.sched.Metrics = scheduler.NewMetrics(reg)
+	cfg := Config{Registry: reg, RequestTimeout: o.sched.RequestTimeout, ModelName: "tiny", Logger: o.logger}
 	if o.mc != nil {
-		o.sched.OnEvict = o.mc.Evict
+		o.sched.OnEvictAt = o.mc.EvictAt
+		cfg.Evictions = o.mc.Recent
 	}
 	sched, err := scheduler.New(eng, o.sched)
 	if err != nil {
@@ -68,7 +70,7 @@ func startWorker(t *testing.T, o opts) *worker {
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan struct{})
 	go func() { sched.Run(ctx); close(done) }()
-	srv := httptest.NewServer(New(sched, eng, Config{Registry: reg, RequestTimeout: o.sched.RequestTimeout, ModelName: "tiny", Logger: o.logger}))
+	srv := httptest.NewServer(New(sched, eng, cfg))
 	t.Cleanup(func() {
 		srv.CloseClientConnections()
 		cancel()

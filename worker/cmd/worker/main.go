@@ -299,10 +299,14 @@ func run(ctx context.Context, args []string, stderr io.Writer, ready func(addr s
 		}
 	}()
 
-	srv := server.New(sched, eng, server.Config{
+	scfg := server.Config{
 		ModelName: o.modelName, StrictModel: o.strictModel, Adapters: o.adapterNames(), Template: tmpl, HashChunkSize: o.hashChunk,
 		RequestTimeout: o.timeout, Registry: reg, Logger: log, Ready: readiness(reporter, o.readyWait, log),
-	})
+	}
+	if reporter != nil {
+		scfg.Evictions = reporter.Recent
+	}
+	srv := server.New(sched, eng, scfg)
 	hs := &http.Server{Handler: srv, ReadHeaderTimeout: 10 * time.Second}
 	log.Info("worker ready", "addr", ln.Addr().String(), "engine", o.engine, "model", info.Name, "n_ctx", info.NCtx,
 		"n_seq_max", info.NSeqMax, "n_batch", info.NBatch, "template", string(tmpl.Family), "kv_bytes_per_token", info.BytesPerToken)
