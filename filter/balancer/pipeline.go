@@ -105,6 +105,7 @@ func (LeastRequestScorer) ReadsSignals() bool { return false }
 func (RecentShareScorer) ReadsSignals() bool  { return false }
 func (QueueScorer) ReadsSignals() bool        { return true }
 func (KVCacheScorer) ReadsSignals() bool      { return true }
+func (KVFitScorer) ReadsSignals() bool        { return true }
 func (KVFull) ReadsSignals() bool             { return true }
 
 // Choose implements Policy without instrumentation (Balancer.Choose runs
@@ -254,6 +255,7 @@ const (
 	ScorerLeastRequest    = "least_request" // live requests, min–max normalised
 	ScorerQueue           = "queue"         // the pod's own waiting requests (pod signals)
 	ScorerKVCache         = "kv_cache"      // the pod's free KV cache (pod signals)
+	ScorerKVFit           = "kv_fit"        // ... weighed by the prompt share it lacks
 	ScorerRecentShare     = "recent_share"  // fewest recent decisions (tie-break)
 )
 
@@ -523,6 +525,26 @@ func (KVCacheScorer) Score(s *State, out []float64) {
 	}
 }
 
+// KVFitScorer is the pod's free KV cache weighed by the share of the
+// prompt the pod would have to store anew, 1 − utilization·(1 − cacheRatio):
+// a pod's full cache costs a request in proportion to the cells it adds
+// there (evicting someone's cached conversation, or being preempted for
+// want of room), and a pod that holds the prompt adds few. Without fresh
+// signals: 0, as kv_cache.
+type KVFitScorer struct{}
+
+func (KVFitScorer) Name() string { return ScorerKVFit }
+func (KVFitScorer) Score(s *State, out []float64) {
+	for i := range s.Hosts {
+		h := &s.Hosts[i]
+		if h.Signals {
+			out[i] = 1 - min(1, max(0, h.KVUtil))*(1-h.CacheRatio)
+		} else {
+			out[i] = 0
+		}
+	}
+}
+
 // RecentShareScorer is 1 − the pod's share of the cluster's recent
 // decisions. At a tiny weight it orders ties: pods that look alike now may
 // not be — one whose conversations are all between turns looks as idle as
@@ -626,7 +648,7 @@ func builtinProfiles() []*Profile {
 func builtinScorers() map[string]Scorer {
 	m := map[string]Scorer{}
 	for _, s := range []Scorer{PrefixScorer{}, PrefixScorer{Herd: true}, SeedLoad{}, PrefillScorer{}, PrefillScorer{Own: true}, PrefillScorer{Own: true, Reported: true},
-		LeastRequestScorer{}, QueueScorer{}, KVCacheScorer{}, RecentShareScorer{}} {
+		LeastRequestScorer{}, QueueScorer{}, KVCacheScorer{}, KVFitScorer{}, RecentShareScorer{}} {
 		m[s.Name()] = s
 	}
 	return m

@@ -333,3 +333,49 @@ func TestSignalsFilledOnlyWhenRead(t *testing.T) {
 		t.Error("signals read for a kv_cache scorer of weight 0")
 	}
 }
+
+// kv_fit: a pod's free KV cache counts in proportion to the prompt share the
+// request would store there anew. A conversation's next turn stays on the
+// pod that holds its history although that pod's cache is fuller, and a new
+// conversation goes to the pod with room; kv_cache alone moves the turn off
+// its history.
+func TestKVFitWeighsFreeCacheByWhatTheRequestAdds(t *testing.T) {
+	hosts := []Host{
+		{Address: "holder", CacheRatio: 0.8, Signals: true, KVUtil: 0.9},
+		{Address: "roomy", Signals: true, KVUtil: 0.4},
+		{Address: "silent"},
+	}
+	got := make([]float64, len(hosts))
+	KVFitScorer{}.Score(&State{Hosts: hosts}, got)
+	if want := []float64{1 - 0.9*0.2, 0.6, 0}; !near(got[0], want[0]) || !near(got[1], want[1]) || got[2] != 0 {
+		t.Fatalf("kv_fit %v, want %v", got, want)
+	}
+
+	cands := eps(2)
+	rule := herdRule
+	rule.Scorers = map[string]float64{ScorerPrefix: 1, ScorerKVFit: 3}
+	view := View{
+		Load:  api.LoadStats{},
+		Cache: map[string]int{"10.0.0.1:8000": 4},
+		Signals: map[string]api.PodSignals{
+			"10.0.0.1:8000": {Running: 3, KVCacheUtil: 0.9},
+			"10.0.0.2:8000": {Running: 1, KVCacheUtil: 0.4},
+		},
+	}
+	b := New(Options{IntN: seededIntN(1)})
+	// The next turn (4 of 5 blocks held): holder 0.8 + 3·0.82 against 0 + 3·0.6.
+	if ch, err := b.Choose("c", rule, cands, view, Request{Blocks: 5}); err != nil || ch.Host.Address != "10.0.0.1:8000" {
+		t.Fatalf("next turn went to %+v %v, want the pod holding its history", ch, err)
+	}
+	// kv_cache in its place: 0.8 + 3·0.1 against 3·0.6.
+	rule.Scorers = map[string]float64{ScorerPrefix: 1, ScorerKVCache: 3}
+	if ch, _ := b.Choose("c", rule, cands, view, Request{Blocks: 5}); ch.Host.Address != "10.0.0.2:8000" {
+		t.Fatalf("kv_cache: chose %s, want the roomy pod", ch.Host.Address)
+	}
+	// A new conversation (held nowhere) goes where there is room.
+	rule.Scorers = map[string]float64{ScorerPrefix: 1, ScorerKVFit: 3}
+	view.Cache = map[string]int{}
+	if ch, _ := b.Choose("c", rule, cands, view, Request{Blocks: 5}); ch.Host.Address != "10.0.0.2:8000" {
+		t.Fatalf("new conversation went to %s, want the roomy pod", ch.Host.Address)
+	}
+}
