@@ -47,6 +47,11 @@ type Spec struct {
 	MetadataCenters int
 	// MCArgs are extra metadata-center flags (e.g. a short --lease-ttl).
 	MCArgs []string
+	// QueryTimeout, if set, is the gateways' metadata_center.query_timeout
+	// (default 100ms). On a loaded 2-core machine route queries miss 100ms
+	// now and then, and a turn routed without metadata lands on a random
+	// pod and prefills its whole history again (docs/benchmarks.md).
+	QueryTimeout time.Duration
 	// Extra are workers of other kinds started after the Workers ones
 	// (a real llama.cpp worker beside simulated ones).
 	Extra []WorkerSpec
@@ -231,15 +236,18 @@ func Start(ctx context.Context, s Spec) (*Fleet, error) {
 }
 
 func gatewayConfig(listen, mc string, s Spec, workers []string) string {
-	extra := ""
+	extra, mcExtra := "", ""
 	if s.LBRule != "" {
 		extra = ", " + s.LBRule
+	}
+	if s.QueryTimeout > 0 {
+		mcExtra = fmt.Sprintf(", query_timeout: %q", s.QueryTimeout.String())
 	}
 	return fmt.Sprintf(`listen: %s
 log_level: warn
 filter:
   protocol: openai
-  metadata_center: {address: %s}
+  metadata_center: {address: %s%s}
   model_mapping_rule:
     %s:
       - {cluster: %q, backend: llamacpp}
@@ -248,7 +256,7 @@ filter:
   endpoints:
     static:
       %q: [%s]
-`, listen, mc, s.ModelName, Cluster, s.Policy, extra, Cluster, strings.Join(workers, ", "))
+`, listen, mc, mcExtra, s.ModelName, Cluster, s.Policy, extra, Cluster, strings.Join(workers, ", "))
 }
 
 // StartMC (re)starts the metadata center on its address, e.g. after StopMC.

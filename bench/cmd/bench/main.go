@@ -58,6 +58,7 @@ func run(ctx context.Context, args []string) error {
 		gateways    = fs.Int("gateways", 1, "standalone gateways; clients round-robin requests over them")
 		mcs         = fs.Int("metadata-centers", 1, "metadata-center replicas (more than one needs --store redis or redis-cluster)")
 		store       = fs.String("store", "memory", "metadata-center store: memory, redis (one redis-server) or redis-cluster (3 masters + 3 replicas), started by the bench")
+		queryTO     = fs.Duration("query-timeout", 0, "the gateways' metadata_center.query_timeout (0: the filter's default, 100ms)")
 		merge       = fs.String("merge", "", "instead of running: join the outputs of earlier runs (comma-separated directories) into --out")
 		spec        workload.Spec
 		variants    = variantFlag{}
@@ -96,6 +97,7 @@ func run(ctx context.Context, args []string) error {
 			"concurrency": fmt.Sprint(*concurrency), "rate": fmt.Sprint(*rate), "seed": fmt.Sprint(*seed),
 			"worker_args": *workerArgs, "kv_cells": fmt.Sprint(*kvCells), "model": *model, "lb_rule": *lbRule, "worker_cpus": fmt.Sprint(*workerCPUs),
 			"variants": variants.String(), "gateways": fmt.Sprint(*gateways), "metadata_centers": fmt.Sprint(*mcs), "store": *store,
+			"query_timeout": queryTO.String(),
 		},
 	}
 	var raw []report.Result
@@ -117,7 +119,7 @@ func run(ctx context.Context, args []string) error {
 			f, err := fleet.Start(ctx, fleet.Spec{
 				BinDir: *bin, LogDir: filepath.Join(*out, "logs", wl, p), Engine: *engine, Workers: *workers,
 				Model: *model, ModelName: *modelName, Policy: policy, LBRule: rule, WorkerCPUs: *workerCPUs, WorkerArgs: wargs,
-				Gateways: *gateways, MetadataCenters: *mcs, Store: *store,
+				Gateways: *gateways, MetadataCenters: *mcs, Store: *store, QueryTimeout: *queryTO,
 			})
 			if err != nil {
 				return fmt.Errorf("%s: %w", label, err)

@@ -1,0 +1,44 @@
+package fleet
+
+import (
+	"encoding/json"
+	"testing"
+	"time"
+
+	"sigs.k8s.io/yaml"
+
+	"github.com/istio-llm-filter/istio-llm-filter/filter/config"
+)
+
+// The gateway file the fleet writes must parse with the filter's own
+// parser, and --query-timeout must reach metadata_center.query_timeout.
+func TestGatewayConfigCarriesTheQueryTimeout(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		set  time.Duration
+		want time.Duration
+	}{
+		{"default", 0, config.DefaultQueryTimeout},
+		{"set", 1500 * time.Millisecond, 1500 * time.Millisecond},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			doc := gatewayConfig("127.0.0.1:1", "http://127.0.0.1:2", Spec{ModelName: "tiny", Policy: "cache_aware", QueryTimeout: tc.set},
+				[]string{"127.0.0.1:3", "127.0.0.1:4"})
+			j, err := yaml.YAMLToJSON([]byte(doc))
+			if err != nil {
+				t.Fatalf("not YAML: %v\n%s", err, doc)
+			}
+			var file struct{ Filter json.RawMessage }
+			if err := json.Unmarshal(j, &file); err != nil {
+				t.Fatal(err)
+			}
+			cfg, err := config.Parse(file.Filter)
+			if err != nil {
+				t.Fatalf("filter section rejected: %v\n%s", err, doc)
+			}
+			if cfg.MetadataCenter.QueryTimeout != tc.want {
+				t.Errorf("query_timeout %v, want %v\n%s", cfg.MetadataCenter.QueryTimeout, tc.want, doc)
+			}
+		})
+	}
+}
