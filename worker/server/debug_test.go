@@ -7,7 +7,6 @@ import (
 	"encoding/json"
 	"io"
 	"net/http"
-	"net/http/httptest"
 	"slices"
 	"sync"
 	"testing"
@@ -15,7 +14,6 @@ import (
 
 	filteropenai "github.com/istio-llm-filter/istio-llm-filter/filter/transcode/openai"
 	"github.com/istio-llm-filter/istio-llm-filter/prefix"
-	"github.com/istio-llm-filter/istio-llm-filter/worker/mcreport"
 	"github.com/istio-llm-filter/istio-llm-filter/worker/scheduler"
 )
 
@@ -139,16 +137,7 @@ func TestDebugKVPrefixesListsAcceptedRequestsAsPending(t *testing.T) {
 // it refused (429) are listed with when. A checker needs both to tell an
 // index entry on its way out from a wrong one (bench/chaos, Classify).
 func TestDebugKVPrefixesListsEvictionsAndRefusalsWithTheirTimes(t *testing.T) {
-	mc := &center{hashes: map[string]bool{}}
-	mcs := httptest.NewServer(mc)
-	defer mcs.Close()
-	rep, err := mcreport.New(mcreport.Config{URL: mcs.URL, Cluster: "c", Host: "127.0.0.1:1"})
-	if err != nil {
-		t.Fatal(err)
-	}
-	rctx, rcancel := context.WithCancel(context.Background())
-	defer rcancel()
-	go rep.Run(rctx)
+	mc, rep := reportingTo(t)
 	w := startWorker(t, opts{mc: rep, sched: scheduler.Config{MaxRunning: 1, MaxQueue: 1, MaxOutputTokens: 4000}})
 
 	m := msgs("user", longText(900, "evicted"))

@@ -506,16 +506,7 @@ func (c *center) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 }
 
 func TestEvictionUnderASmallMemoryLimitSparesRunningRequestsAndIsReported(t *testing.T) {
-	mc := &center{hashes: map[string]bool{}}
-	mcs := httptest.NewServer(mc)
-	defer mcs.Close()
-	rep, err := mcreport.New(mcreport.Config{URL: mcs.URL, Cluster: "c", Host: "127.0.0.1:1"})
-	if err != nil {
-		t.Fatal(err)
-	}
-	rctx, rcancel := context.WithCancel(context.Background())
-	defer rcancel()
-	go rep.Run(rctx)
+	mc, rep := reportingTo(t)
 	// The tiny model's cells take 512 bytes per token: 1 MiB holds 2048
 	// tokens and eviction starts past 1638. Each request below holds ~700.
 	w := startWorker(t, opts{nSeq: 16, mc: rep, sched: scheduler.Config{MaxRunning: 3,
@@ -757,4 +748,21 @@ func TestQueueWaitTimeoutGets408WithTheTraceID(t *testing.T) {
 	cancel()
 	<-done
 	waitIdle(t, w)
+}
+
+// reportingTo starts an eviction reporter that reports to a fake metadata
+// center, which records what it is told; both stop with the test.
+func reportingTo(t *testing.T) (*center, *mcreport.Reporter) {
+	t.Helper()
+	mc := &center{hashes: map[string]bool{}}
+	mcs := httptest.NewServer(mc)
+	t.Cleanup(mcs.Close)
+	rep, err := mcreport.New(mcreport.Config{URL: mcs.URL, Cluster: "c", Host: "127.0.0.1:1"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	rctx, rcancel := context.WithCancel(context.Background())
+	t.Cleanup(rcancel)
+	go rep.Run(rctx)
+	return mc, rep
 }
