@@ -124,7 +124,8 @@ type Scheduler struct {
 	mu      sync.Mutex
 	queue   []*task
 	closed  bool
-	running int // published for Stats
+	drain   drainRate // how fast the queue empties into the running set
+	running int       // published for Stats
 	// published for Stats (the pod's signals to the router): prompt tokens
 	// of the running set still to prefill, and KV cells in use.
 	setPrefill, kvUsed int
@@ -284,6 +285,8 @@ func (s *Scheduler) Submit(ctx context.Context, r *Request) (*Handle, error) {
 		err = ErrShutdown
 	case len(s.queue) >= s.cfg.MaxQueue:
 		err = ErrQueueFull
+	case s.overdue(len(s.queue), 0):
+		err = fmt.Errorf("%w: at the rate it empties, the queue would hold this request past its %v timeout", ErrQueueFull, s.cfg.QueueTimeout)
 	default:
 		s.queue = append(s.queue, t)
 		s.m.queueDepth.Set(float64(len(s.queue)))
@@ -395,17 +398,23 @@ func (s *Scheduler) admit(now time.Time) {
 			t.state = Pending
 			t.admitted = now
 			s.set = append(s.set, t)
+			s.drain.admitted(now)
 			continue
 		}
+		// Never ran: it holds no seq id and no cells, only its slot.
 		if s.cfg.QueueTimeout > 0 && now.Sub(t.submitted) > s.cfg.QueueTimeout {
-			// Never ran: it holds no seq id and no cells, only its slot.
 			s.end(t, Result{State: Timeout, Err: fmt.Errorf("%w after %v in the queue", ErrQueueTimeout, s.cfg.QueueTimeout)})
+			continue
+		}
+		if s.overdue(len(kept), now.Sub(t.submitted)) {
+			s.end(t, Result{State: Failed, Err: fmt.Errorf("%w: at the rate it empties, the queue would hold this request past its %v timeout", ErrQueueFull, s.cfg.QueueTimeout)})
 			continue
 		}
 		kept = append(kept, t)
 	}
 	clear(s.queue[len(kept):])
 	s.queue = kept
+	s.drain.backlog(now, len(kept) > 0)
 	s.running = len(s.set)
 	s.m.queueDepth.Set(float64(len(s.queue)))
 }
@@ -444,6 +453,52 @@ func (s *Scheduler) reportUnbound() {
 	clear(s.unbound)
 	s.unbound = s.unbound[:0]
 	s.kv.Unbound(hs)
+}
+
+// overdue tells whether a request with ahead requests before it in the
+// queue, which has waited waited already, would still be queued when its
+// QueueTimeout runs out at the rate the queue has lately emptied. Such a
+// request is refused (429) now rather than timed out (408) later: its
+// client can go elsewhere at once. Caller holds mu.
+func (s *Scheduler) overdue(ahead int, waited time.Duration) bool {
+	every, ok := s.drain.every()
+	return ok && s.cfg.QueueTimeout > 0 && waited+time.Duration(ahead+1)*every > s.cfg.QueueTimeout
+}
+
+// drainRate measures the mean time between admissions from the queue
+// while requests wait in it (so the running set is full and an admission
+// follows a request leaving it): the rate a new request's wait is
+// estimated from. Guarded by the Scheduler's mu.
+type drainRate struct {
+	waiting bool          // requests stayed queued after the last admit
+	since   time.Time     // the last admission, or when the wait began
+	mean    time.Duration // moving mean of the interval; 0: not measured
+}
+
+// admitted counts an admission at now.
+func (d *drainRate) admitted(now time.Time) {
+	if d.waiting {
+		gap := now.Sub(d.since)
+		if d.mean == 0 {
+			d.mean = gap
+		} else {
+			d.mean += (gap - d.mean) / 8
+		}
+	}
+	d.since = now
+}
+
+// backlog records whether requests stay queued after an admit at now.
+func (d *drainRate) backlog(now time.Time, waiting bool) {
+	if waiting && !d.waiting {
+		d.since = now // the interval starts when waiting does
+	}
+	d.waiting = waiting
+}
+
+// every is the measured interval, while requests wait.
+func (d *drainRate) every() (time.Duration, bool) {
+	return d.mean, d.waiting && d.mean > 0
 }
 
 // queueDeadline is when the oldest queued request's wait runs out.

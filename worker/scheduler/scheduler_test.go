@@ -777,3 +777,71 @@ func TestARequestThatNeverRanReportsItsUnheldHashes(t *testing.T) {
 		t.Fatalf("long: %+v", res)
 	}
 }
+
+// A queue that cannot start its requests within the queue timeout at the
+// rate it empties refuses the ones it would time out (429 at once, their
+// clients free to go elsewhere) instead of holding them until 408.
+func TestQueueRefusesWhatItWouldTimeOut(t *testing.T) {
+	// One running request at a time, each ≈ 40 steps of ≥ 2 ms: 40 queued
+	// requests need ≥ 3 s, twice the queue timeout.
+	r := newRig(t, slow(), Config{MaxRunning: 1, MaxQueue: 64, QueueTimeout: 1500 * time.Millisecond}, true)
+	p := prompt(r.eng, "x")
+	var hs []*Handle
+	refusedAtSubmit := 0
+	for i := range 40 {
+		h, err := r.s.Submit(context.Background(), &Request{ID: fmt.Sprint(i), Prompt: p, MaxTokens: 40, MinTokens: 40})
+		switch {
+		case errors.Is(err, ErrQueueFull):
+			refusedAtSubmit++
+		case err != nil:
+			t.Fatal(err)
+		default:
+			hs = append(hs, h)
+		}
+		time.Sleep(5 * time.Millisecond) // arrivals, not one burst
+	}
+	completed, shed, timedOut := 0, refusedAtSubmit, 0
+	for _, h := range hs {
+		res, _ := h.Wait(context.Background())
+		switch {
+		case res.State == Completed:
+			completed++
+		case res.State == Failed && errors.Is(res.Err, ErrQueueFull):
+			shed++
+		case errors.Is(res.Err, ErrQueueTimeout):
+			timedOut++
+		default:
+			t.Fatalf("%s: %+v", h.ID(), res)
+		}
+	}
+	t.Logf("completed %d, refused %d (%d at submit), timed out in the queue %d", completed, shed, refusedAtSubmit, timedOut)
+	// Without the estimate about half would time out and none be refused;
+	// an estimate can be wrong by a request or two when steps slow down.
+	if shed < 10 || timedOut > 2 || completed < 10 {
+		t.Fatalf("completed %d, refused %d, timed out %d: want most of what cannot start in time refused, not timed out", completed, shed, timedOut)
+	}
+	if _, res := run(t, r, context.Background(), &Request{ID: "later", Prompt: p, MaxTokens: 1}); res.State != Completed {
+		t.Fatalf("after draining: %+v", res)
+	}
+}
+
+func TestDrainRateMeasuresOnlyWhileRequestsWait(t *testing.T) {
+	var d drainRate
+	t0 := time.Unix(0, 0)
+	d.admitted(t0) // an idle pod admits at once: no interval
+	d.backlog(t0, false)
+	if _, ok := d.every(); ok {
+		t.Fatal("measured with nothing waiting")
+	}
+	d.backlog(t0.Add(10*time.Second), true) // a request waits from 10 s
+	d.admitted(t0.Add(10*time.Second + 200*time.Millisecond))
+	d.backlog(t0.Add(10*time.Second+200*time.Millisecond), true)
+	if every, ok := d.every(); !ok || every != 200*time.Millisecond {
+		t.Fatalf("every = %v, %v; want 200ms (not the 10 s idle before)", every, ok)
+	}
+	d.admitted(t0.Add(10*time.Second + 200*time.Millisecond)) // two at once
+	d.backlog(t0.Add(10*time.Second+200*time.Millisecond), false)
+	if _, ok := d.every(); ok {
+		t.Fatal("still measured once nothing waits")
+	}
+}

@@ -277,6 +277,9 @@ func (s *Server) resultError(res *scheduler.Result) *openai.Error {
 		if errors.Is(res.Err, scheduler.ErrShutdown) {
 			return unavailable()
 		}
+		if errors.Is(res.Err, scheduler.ErrQueueFull) {
+			return openai.TooManyRequests("the worker's queue empties too slowly to start this request within its queue timeout; retry later or elsewhere", s.cfg.RetryAfter)
+		}
 		return openai.Internal("generation failed: %v", res.Err)
 	}
 	return openai.Internal("request ended %s: %v", res.State, res.Err)
