@@ -187,24 +187,18 @@ func TestClusterRouteFollowsMovedSlot(t *testing.T) {
 		t.Fatal(err)
 	}
 	srcID, dstID := src.Do(ctx, "cluster", "myid").Val(), dst.Do(ctx, "cluster", "myid").Val()
-	must := func(err error) {
-		t.Helper()
-		if err != nil {
-			t.Fatal(err)
-		}
-	}
-	must(dst.Do(ctx, "cluster", "setslot", slot, "importing", srcID).Err())
-	must(src.Do(ctx, "cluster", "setslot", slot, "migrating", dstID).Err())
+	must(t, dst.Do(ctx, "cluster", "setslot", slot, "importing", srcID).Err())
+	must(t, src.Do(ctx, "cluster", "setslot", slot, "migrating", dstID).Err())
 	keys, err := src.ClusterGetKeysInSlot(ctx, int(slot), 1000).Result()
-	must(err)
+	must(t, err)
 	host2, port2, _ := strings.Cut(rc.Addrs[to], ":")
 	args := []any{"migrate", host2, port2, "", 0, 5000, "keys"}
 	for _, k := range keys {
 		args = append(args, k)
 	}
-	must(src.Do(ctx, args...).Err())
+	must(t, src.Do(ctx, args...).Err())
 	for _, c := range []*redis.Client{dst, src} {
-		must(c.Do(ctx, "cluster", "setslot", slot, "node", dstID).Err())
+		must(t, c.Do(ctx, "cluster", "setslot", slot, "node", dstID).Err())
 	}
 	if got := rc.MasterOf(tag); got != to {
 		t.Fatalf("slot %d served by node %d after the move, want %d", slot, got, to)

@@ -169,26 +169,20 @@ func TestHolderLists(t *testing.T) {
 	srv := redistest.Shared(t)
 	st, nowMs := clockedStore(t, srv)
 	ctx := context.Background()
-	must := func(err error) {
-		t.Helper()
-		if err != nil {
-			t.Fatal(err)
-		}
-	}
 	hs := []prefix.Hash{7, 8, 9, 10}
 	for i := 20; i >= 1; i-- {
-		must(st.SaveCache(ctx, "c", fmt.Sprintf("10.0.0.%d:1", i), hs[:2]))
+		must(t, st.SaveCache(ctx, "c", fmt.Sprintf("10.0.0.%d:1", i), hs[:2]))
 	}
-	must(st.SaveCache(ctx, "c", "10.0.0.3:1", hs))
-	must(st.SaveCache(ctx, "c", "10.0.0.4:1", hs))
-	must(st.EvictCache(ctx, "c", "10.0.0.4:1", hs[2:3]))
+	must(t, st.SaveCache(ctx, "c", "10.0.0.3:1", hs))
+	must(t, st.SaveCache(ctx, "c", "10.0.0.4:1", hs))
+	must(t, st.EvictCache(ctx, "c", "10.0.0.4:1", hs[2:3]))
 	rdb := redis.NewClient(&redis.Options{Addr: srv.Addr})
 	defer rdb.Close()
 	tag := "{" + srv.Prefix + ":c}"
 	l7, err := rdb.HGet(ctx, tag+":px", "0000000000000007").Result()
-	must(err)
+	must(t, err)
 	l8, err := rdb.HGet(ctx, tag+":px", "0000000000000008").Result()
-	must(err)
+	must(t, err)
 	if l7 != l8 || !strings.HasPrefix(l7, "1060000;10.0.0.10:1 0;10.0.0.11:1 0;") || strings.Count(l7, ";") != 20 {
 		t.Fatalf("shared levels: %q and %q, want the same 20 sorted records", l7, l8)
 	}
@@ -196,7 +190,7 @@ func TestHolderLists(t *testing.T) {
 		t.Fatalf("level 9 = %q (%v)", got, err)
 	}
 	locs, err := st.QueryCache(ctx, "c", hs)
-	must(err)
+	must(t, err)
 	if len(locs) != 20 || locs[0] != (api.CacheLocation{Host: "10.0.0.3:1", Length: 4}) ||
 		locs[1] != (api.CacheLocation{Host: "10.0.0.10:1", Length: 2}) || locs[19].Length != 2 {
 		t.Fatalf("QueryCache = %v", locs)
@@ -204,7 +198,7 @@ func TestHolderLists(t *testing.T) {
 	// Host 5 saves again later: its records outlive the others', so the
 	// shared levels stop being identical only where it is written.
 	nowMs.Add(30_000)
-	must(st.SaveCache(ctx, "c", "10.0.0.5:1", hs[:1]))
+	must(t, st.SaveCache(ctx, "c", "10.0.0.5:1", hs[:1]))
 	// In place: the leading minimum stays, host 5's offset from it grows.
 	if got, err := rdb.HGet(ctx, tag+":px", "0000000000000007").Result(); err != nil ||
 		!strings.HasPrefix(got, "1060000;") || !strings.Contains(got, ";10.0.0.5:1 30000;") {
@@ -212,18 +206,18 @@ func TestHolderLists(t *testing.T) {
 	}
 	nowMs.Add(31_000)
 	locs, err = st.QueryCache(ctx, "c", hs)
-	must(err)
+	must(t, err)
 	if want := []api.CacheLocation{{Host: "10.0.0.5:1", Length: 1}}; !reflect.DeepEqual(locs, want) {
 		t.Fatalf("after expiry: QueryCache = %v, want %v", locs, want)
 	}
 	// That query refreshed host 5; the dead records go with the next
 	// rewrite of the level.
-	must(st.SaveCache(ctx, "c", "10.0.0.6:1", hs[:1]))
+	must(t, st.SaveCache(ctx, "c", "10.0.0.6:1", hs[:1]))
 	if got, err := rdb.HGet(ctx, tag+":px", "0000000000000007").Result(); err != nil || got != "1121000;10.0.0.5:1 0;10.0.0.6:1 0" {
 		t.Fatalf("level 7 after rewrite = %q (%v)", got, err)
 	}
-	must(st.EvictHost(ctx, "c", "10.0.0.5:1"))
-	must(st.EvictCache(ctx, "c", "10.0.0.6:1", hs[:1]))
+	must(t, st.EvictHost(ctx, "c", "10.0.0.5:1"))
+	must(t, st.EvictCache(ctx, "c", "10.0.0.6:1", hs[:1]))
 	if n, err := rdb.HExists(ctx, tag+":px", "0000000000000007").Result(); err != nil || n {
 		t.Fatalf("empty holder list left behind (%v, %v)", n, err)
 	}
@@ -240,31 +234,25 @@ func TestDeadHolderListsSwept(t *testing.T) {
 	srv := redistest.Shared(t)
 	st, nowMs := clockedStore(t, srv)
 	ctx := context.Background()
-	must := func(err error) {
-		t.Helper()
-		if err != nil {
-			t.Fatal(err)
-		}
-	}
-	must(st.SaveCache(ctx, "c", "10.0.0.1:1", []prefix.Hash{1, 2, 3}))
+	must(t, st.SaveCache(ctx, "c", "10.0.0.1:1", []prefix.Hash{1, 2, 3}))
 	nowMs.Add(30_000)
-	must(st.SaveCache(ctx, "c", "10.0.0.2:1", []prefix.Hash{2}))
+	must(t, st.SaveCache(ctx, "c", "10.0.0.2:1", []prefix.Hash{2}))
 	nowMs.Add(31_000) // host 1's records are dead, host 2's live on
-	must(st.SaveCache(ctx, "c", "10.0.0.3:1", []prefix.Hash{9}))
+	must(t, st.SaveCache(ctx, "c", "10.0.0.3:1", []prefix.Hash{9}))
 	rdb := redis.NewClient(&redis.Options{Addr: srv.Addr})
 	defer rdb.Close()
 	tag := "{" + srv.Prefix + ":c}"
 	for h, want := range map[string]bool{"0000000000000001": false, "0000000000000002": true,
 		"0000000000000003": false, "0000000000000009": true} {
 		got, err := rdb.HExists(ctx, tag+":px", h).Result()
-		must(err)
+		must(t, err)
 		_, zerr := rdb.ZScore(ctx, tag+":pxt", h).Result()
 		if got != want || (zerr == nil) != want {
 			t.Errorf("prefix %s: holder list kept %v, time kept %v (%v); want %v", h, got, zerr == nil, zerr, want)
 		}
 	}
 	locs, err := st.QueryCache(ctx, "c", []prefix.Hash{1, 2})
-	must(err)
+	must(t, err)
 	if len(locs) != 0 {
 		t.Fatalf("QueryCache after expiry = %v", locs)
 	}
@@ -284,31 +272,25 @@ func TestMaxHashes(t *testing.T) {
 		hs[i] = prefix.Hash(i + 1)
 	}
 	// Narrow path: 3 hosts, one full, one half, one with a hole.
-	must := func(err error) {
-		t.Helper()
-		if err != nil {
-			t.Fatal(err)
-		}
-	}
-	must(st.SaveCache(ctx, "c", "10.0.0.1:1", hs))
-	must(st.SaveCache(ctx, "c", "10.0.0.2:1", hs[:2048]))
-	must(st.SaveCache(ctx, "c", "10.0.0.3:1", hs))
-	must(st.EvictCache(ctx, "c", "10.0.0.3:1", hs[3000:3001]))
+	must(t, st.SaveCache(ctx, "c", "10.0.0.1:1", hs))
+	must(t, st.SaveCache(ctx, "c", "10.0.0.2:1", hs[:2048]))
+	must(t, st.SaveCache(ctx, "c", "10.0.0.3:1", hs))
+	must(t, st.EvictCache(ctx, "c", "10.0.0.3:1", hs[3000:3001]))
 	want := []api.CacheLocation{{Host: "10.0.0.1:1", Length: 4096}, {Host: "10.0.0.3:1", Length: 3000}, {Host: "10.0.0.2:1", Length: 2048}}
 	got, err := st.QueryCache(ctx, "c", hs)
-	must(err)
+	must(t, err)
 	if !reflect.DeepEqual(got, want) {
 		t.Fatalf("QueryCache = %v, want %v", got, want)
 	}
 	ans, err := st.Route(ctx, "c", hs)
-	must(err)
+	must(t, err)
 	if !reflect.DeepEqual(ans.Cache, want) {
 		t.Fatalf("Route cache = %v, want %v", ans.Cache, want)
 	}
-	must(st.EvictCache(ctx, "c", "10.0.0.1:1", hs))
-	must(st.EvictHost(ctx, "c", "10.0.0.3:1"))
+	must(t, st.EvictCache(ctx, "c", "10.0.0.1:1", hs))
+	must(t, st.EvictHost(ctx, "c", "10.0.0.3:1"))
 	got, err = st.QueryCache(ctx, "c", hs)
-	must(err)
+	must(t, err)
 	if want := []api.CacheLocation{{Host: "10.0.0.2:1", Length: 2048}}; !reflect.DeepEqual(got, want) {
 		t.Fatalf("after evictions = %v", got)
 	}
@@ -349,5 +331,13 @@ func TestBatchAfterScriptFlush(t *testing.T) {
 	locs, err := st.QueryCache(ctx, c, []prefix.Hash{9, 10})
 	if err != nil || len(locs) != 1 || locs[0].Length != 2 {
 		t.Fatalf("cache after batch = %v, %v", locs, err)
+	}
+}
+
+// must fails the test at once on err.
+func must(t *testing.T, err error) {
+	t.Helper()
+	if err != nil {
+		t.Fatal(err)
 	}
 }
