@@ -286,7 +286,7 @@ func (s *Scheduler) Submit(ctx context.Context, r *Request) (*Handle, error) {
 	case len(s.queue) >= s.cfg.MaxQueue:
 		err = ErrQueueFull
 	case s.overdue(len(s.queue), 0):
-		err = fmt.Errorf("%w: at the rate it empties, the queue would hold this request past its %v timeout", ErrQueueFull, s.cfg.QueueTimeout)
+		err = s.overdueErr()
 	default:
 		s.queue = append(s.queue, t)
 		s.m.queueDepth.Set(float64(len(s.queue)))
@@ -407,7 +407,7 @@ func (s *Scheduler) admit(now time.Time) {
 			continue
 		}
 		if s.overdue(len(kept), now.Sub(t.submitted)) {
-			s.end(t, Result{State: Failed, Err: fmt.Errorf("%w: at the rate it empties, the queue would hold this request past its %v timeout", ErrQueueFull, s.cfg.QueueTimeout)})
+			s.end(t, Result{State: Failed, Err: s.overdueErr()})
 			continue
 		}
 		kept = append(kept, t)
@@ -456,13 +456,18 @@ func (s *Scheduler) reportUnbound() {
 }
 
 // overdue tells whether a request with ahead requests before it in the
-// queue, which has waited waited already, would still be queued when its
+// queue, which has already waited waited, would still be queued when its
 // QueueTimeout runs out at the rate the queue has lately emptied. Such a
 // request is refused (429) now rather than timed out (408) later: its
 // client can go elsewhere at once. Caller holds mu.
 func (s *Scheduler) overdue(ahead int, waited time.Duration) bool {
 	every, ok := s.drain.every()
 	return ok && s.cfg.QueueTimeout > 0 && waited+time.Duration(ahead+1)*every > s.cfg.QueueTimeout
+}
+
+// overdueErr is what a request overdue gets: ErrQueueFull, a 429.
+func (s *Scheduler) overdueErr() error {
+	return fmt.Errorf("%w: at the rate it empties, the queue would hold this request past its %v timeout", ErrQueueFull, s.cfg.QueueTimeout)
 }
 
 // drainRate measures the mean time between admissions from the queue
