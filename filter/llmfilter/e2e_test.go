@@ -38,11 +38,11 @@ func (r *recStore) AddLease(ctx context.Context, c, h, id string, p int64) error
 }
 
 func (r *recStore) SaveCache(ctx context.Context, c, h string, hs []prefix.Hash) error {
-	return r.SaveCacheAs(ctx, c, h, hs, "")
+	return r.SaveCacheAs(ctx, c, h, hs, "", 0)
 }
 
-func (r *recStore) SaveCacheAs(ctx context.Context, c, h string, hs []prefix.Hash, id string) error {
-	err := r.Store.SaveCacheAs(ctx, c, h, hs, id)
+func (r *recStore) SaveCacheAs(ctx context.Context, c, h string, hs []prefix.Hash, id string, at int64) error {
+	err := r.Store.SaveCacheAs(ctx, c, h, hs, id, at)
 	r.saves.Add(1)
 	return err
 }

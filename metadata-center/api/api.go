@@ -76,6 +76,13 @@ type CacheLocation struct {
 // confirms this way what it saved at routing time, so a confirmation
 // cannot bring back an entry the pod evicted, whichever of the two reports
 // arrives first (docs/metadata-center.md, "Versions").
+//
+// AgeMS, optional, is how long before the call left the save was made (the
+// gateway's routing decision; the gateway sends its saves batched and
+// asynchronously). The metadata center dates the save that much before it
+// received the call, so that a save which arrives after the pod's report
+// of a later eviction does not bring the prefix back (docs/metadata-center.md,
+// "Versions"). 0: dated on arrival.
 type CacheSave struct {
 	Cluster     string   `json:"cluster"`
 	Host        string   `json:"host"`
@@ -83,7 +90,11 @@ type CacheSave struct {
 	ChunkSize   int      `json:"chunk_size,omitempty"`
 	SaveID      string   `json:"save_id,omitempty"`
 	RefreshOnly bool     `json:"refresh_only,omitempty"`
+	AgeMS       int64    `json:"age_ms,omitempty"`
 }
+
+// MaxSaveAgeMS bounds a save's AgeMS; an older one is refused with 400.
+const MaxSaveAgeMS = 600_000
 
 // CacheRetract is the body of POST /v1/cache/retract: the request that
 // saved Hashes on Host under SaveID failed before its first token, so the
@@ -247,6 +258,7 @@ type BatchOp struct {
 	ChunkSize    int      `json:"chunk_size,omitempty"`
 	SaveID       string   `json:"save_id,omitempty"`
 	RefreshOnly  bool     `json:"refresh_only,omitempty"` // cache_save only
+	AgeMS        int64    `json:"age_ms,omitempty"`       // cache_save only (CacheSave)
 }
 
 // Batch is the body of POST /v1/batch: updates applied in order (so one

@@ -48,7 +48,7 @@ func (c *Client) single(ctx context.Context, op api.BatchOp) error {
 		return c.DeleteRequest(ctx, ref)
 	case api.OpCacheSave:
 		return c.SaveCache(ctx, api.CacheSave{Cluster: op.Cluster, Host: op.Host, Hashes: op.Hashes, ChunkSize: op.ChunkSize, SaveID: op.SaveID,
-			RefreshOnly: op.RefreshOnly})
+			RefreshOnly: op.RefreshOnly, AgeMS: op.AgeMS})
 	case api.OpCacheRetract:
 		return c.RetractCache(ctx, api.CacheRetract{Cluster: op.Cluster, Host: op.Host, Hashes: op.Hashes, SaveID: op.SaveID})
 	}
@@ -87,6 +87,7 @@ type pending struct {
 	op     api.BatchOp
 	done   func(error)
 	urgent bool
+	queued time.Time
 }
 
 // Batcher coalesces asynchronous updates into batches: one call per window
@@ -199,10 +200,11 @@ func (b *Batcher) AddUrgent(us ...Update) bool {
 
 // push queues one update; b.mu is held.
 func (b *Batcher) push(op api.BatchOp, done func(error), urgent bool) {
+	now := time.Now()
 	if len(b.queue) == 0 {
-		b.first = time.Now()
+		b.first = now
 	}
-	b.queue = append(b.queue, pending{op: op, done: done, urgent: urgent})
+	b.queue = append(b.queue, pending{op: op, done: done, urgent: urgent, queued: now})
 	if urgent {
 		b.urgent++
 	}
@@ -292,10 +294,17 @@ func (b *Batcher) run() {
 			return
 		}
 		ops = ops[:0]
-		for _, p := range batch {
-			ops = append(ops, p.op)
-		}
 		start := time.Now()
+		for _, p := range batch {
+			op := p.op
+			if op.Op == api.OpCacheSave && !op.RefreshOnly {
+				// Dated back to when it was made: under load a batch can
+				// leave late, after the pod's report of a later eviction
+				// (docs/metadata-center.md, "Versions").
+				op.AgeMS = start.Sub(p.queued).Milliseconds()
+			}
+			ops = append(ops, op)
+		}
 		err := b.ctx.Err()
 		if err == nil {
 			ctx, cancel := context.WithTimeout(b.ctx, b.o.Timeout)

@@ -53,18 +53,7 @@ func batchCalls(t *testing.T, base string) int {
 // up deleted — a done that overtook its add would leave one behind — every
 // save lands, and the updates travel in far fewer calls than one each.
 func TestBatcherLifecyclesAgainstMetadataCenter(t *testing.T) {
-	for name, mk := range map[string]func(t *testing.T) store.Store{
-		"memory": func(t *testing.T) store.Store { return memstore.New(memstore.Options{}) },
-		"redis": func(t *testing.T) store.Store {
-			srv := redistest.Shared(t)
-			st, err := redisstore.New(redisstore.Options{Addr: srv.Addr, KeyPrefix: srv.Prefix})
-			if err != nil {
-				t.Fatal(err)
-			}
-			t.Cleanup(func() { _ = st.Close() })
-			return st
-		},
-	} {
+	for name, mk := range stores() {
 		t.Run(name, func(t *testing.T) {
 			ts := centerOn(t, mk(t))
 			c := newClient(t, ts.URL, "", time.Second)
@@ -127,6 +116,64 @@ func TestBatcherLifecyclesAgainstMetadataCenter(t *testing.T) {
 			t.Logf("%d updates in %d batch calls (%.1f per call)", updates, calls, float64(updates)/float64(calls))
 			if calls != int(results.Load()) || calls == 0 || calls > updates/4 {
 				t.Fatalf("%d updates took %d calls (%d batches reported): batching did not coalesce", updates, calls, results.Load())
+			}
+		})
+	}
+}
+
+// stores makes the metadata center's two stores.
+func stores() map[string]func(t *testing.T) store.Store {
+	return map[string]func(t *testing.T) store.Store{
+		"memory": func(t *testing.T) store.Store { return memstore.New(memstore.Options{}) },
+		"redis": func(t *testing.T) store.Store {
+			srv := redistest.Shared(t)
+			st, err := redisstore.New(redisstore.Options{Addr: srv.Addr, KeyPrefix: srv.Prefix})
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() { _ = st.Close() })
+			return st
+		},
+	}
+}
+
+// TestBatcherSaveLandingAfterAnEvictionStaysOut: a routing-time save that
+// waits in the batcher while the pod serves the request and reports a
+// later eviction of part of it is dated back to when it was queued, so
+// landing last it does not bring the evicted blocks back; a save queued
+// after the eviction lands as usual.
+func TestBatcherSaveLandingAfterAnEvictionStaysOut(t *testing.T) {
+	for name, mk := range stores() {
+		t.Run(name, func(t *testing.T) {
+			ts := centerOn(t, mk(t))
+			c := newClient(t, ts.URL, "", time.Second)
+			b := NewBatcher(c, BatcherOptions{Window: 300 * time.Millisecond})
+			defer b.Close(5 * time.Second)
+			const cluster, host = "outbound|8000||qwen", "10.0.0.1:8000"
+			hs := hashes("a conversation long enough for several blocks of sixteen bytes each")
+			ctx := context.Background()
+			landed := make(chan error, 2)
+			b.Add(api.BatchOp{Op: api.OpCacheSave, Cluster: cluster, Host: host, Hashes: hs, ChunkSize: 16, SaveID: "r1"},
+				func(err error) { landed <- err })
+			time.Sleep(5 * time.Millisecond) // the pod evicts after the routing decision
+			if err := c.EvictCache(ctx, api.CacheEvict{Cluster: cluster, Host: host, Hashes: hs[2:], ChunkSize: 16,
+				EvictedAt: time.Now().UnixMilli()}); err != nil {
+				t.Fatal(err)
+			}
+			if err := <-landed; err != nil {
+				t.Fatal(err)
+			}
+			if ans, err := c.Route(ctx, cluster, hs); err != nil || len(ans.Cache) != 1 || ans.Cache[0].Length != 2 {
+				t.Fatalf("after the late save: cache %v (%v), want %s holding the 2 blocks it kept", ans.Cache, err, host)
+			}
+			time.Sleep(5 * time.Millisecond)
+			b.Add(api.BatchOp{Op: api.OpCacheSave, Cluster: cluster, Host: host, Hashes: hs, ChunkSize: 16, SaveID: "r2"},
+				func(err error) { landed <- err })
+			if err := <-landed; err != nil {
+				t.Fatal(err)
+			}
+			if ans, err := c.Route(ctx, cluster, hs); err != nil || len(ans.Cache) != 1 || ans.Cache[0].Length != len(hs) {
+				t.Fatalf("after a save made after the eviction: cache %v (%v), want %s holding all %d blocks", ans.Cache, err, host, len(hs))
 			}
 		})
 	}

@@ -3,6 +3,7 @@ package server
 import (
 	"errors"
 	"fmt"
+	"time"
 
 	"github.com/gin-gonic/gin"
 
@@ -16,6 +17,7 @@ import (
 // index) before anything is applied; then the store applies them in order,
 // in one round trip (store.Apply).
 func (s *Server) batch(c *gin.Context) {
+	received := time.Now()
 	var req api.Batch
 	if !s.decode(c, &req) {
 		return
@@ -30,7 +32,7 @@ func (s *Server) batch(c *gin.Context) {
 	}
 	ops := make([]store.Op, len(req.Ops))
 	for i, in := range req.Ops {
-		op, err := validOp(in)
+		op, err := validOp(in, received)
 		if err != nil {
 			s.badRequest(c, fmt.Errorf("ops[%d] (%s): %v", i, in.Op, err))
 			return
@@ -52,7 +54,7 @@ func (s *Server) batch(c *gin.Context) {
 	s.ok(c, api.BatchAnswer{Applied: len(ops)})
 }
 
-func validOp(in api.BatchOp) (store.Op, error) {
+func validOp(in api.BatchOp, received time.Time) (store.Op, error) {
 	if in.RefreshOnly && in.Op != api.OpCacheSave {
 		return store.Op{}, fmt.Errorf("refresh_only is only allowed on %s", api.OpCacheSave)
 	}
@@ -90,8 +92,12 @@ func validOp(in api.BatchOp) (store.Op, error) {
 		if err := validSaveID(in.SaveID, false); err != nil {
 			return store.Op{}, err
 		}
+		at, err := savedAt(in.AgeMS, received)
+		if err != nil {
+			return store.Op{}, err
+		}
 		return store.Op{Kind: store.OpSaveCache, Cluster: cluster, Host: host, Hashes: hashes, SaveID: in.SaveID,
-			RefreshOnly: in.RefreshOnly}, nil
+			RefreshOnly: in.RefreshOnly, SavedAt: at}, nil
 	case api.OpCacheRetract:
 		r, err := validRetract(api.CacheRetract{Cluster: in.Cluster, Host: in.Host, Hashes: in.Hashes, SaveID: in.SaveID})
 		if err != nil {

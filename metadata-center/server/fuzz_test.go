@@ -37,6 +37,7 @@ func FuzzAPI(f *testing.F) {
 		`{"cluster":"c","host":"10.0.0.1:80","hashes":["0123456789abcdef"],"evicted_at":-1}`,
 		`{"cluster":"c","host":"10.0.0.1:80","hashes":["0123456789abcdef"],"save_id":"r1"}`,
 		`{"cluster":"c","host":"10.0.0.1:80","hashes":["0123456789abcdef"],"save_id":"r1","refresh_only":true}`,
+		`{"cluster":"c","host":"10.0.0.1:80","hashes":["0123456789abcdef"],"save_id":"r1","age_ms":250}`,
 		`{"cluster":"c","host":"10.0.0.1:80","hashes":["0123456789abcdef"],"refresh_only":"yes"}`,
 		`{"ops":[{"op":"cache_save","cluster":"c","host":"10.0.0.1:80","hashes":["0123456789abcdef"],"refresh_only":true}]}`,
 		`{"ops":[{"op":"done","cluster":"c","host":"10.0.0.1:80","request_id":"r","refresh_only":true}]}`,

@@ -478,6 +478,7 @@ func (s *Server) podSignals(c *gin.Context) {
 }
 
 func (s *Server) cacheSave(c *gin.Context) {
+	received := time.Now()
 	var req api.CacheSave
 	if !s.decode(c, &req) {
 		return
@@ -500,13 +501,19 @@ func (s *Server) cacheSave(c *gin.Context) {
 		s.badRequest(c, err)
 		return
 	}
+	at, err := savedAt(req.AgeMS, received)
+	if err != nil {
+		s.badRequest(c, err)
+		return
+	}
 	ctx, cancel := s.storeCtx(c)
 	defer cancel()
-	save := s.st.SaveCacheAs
 	if req.RefreshOnly {
-		save = s.st.RefreshCache
+		err = s.st.RefreshCache(ctx, cluster, host, hashes, req.SaveID)
+	} else {
+		err = s.st.SaveCacheAs(ctx, cluster, host, hashes, req.SaveID, at)
 	}
-	if err := save(ctx, cluster, host, hashes, req.SaveID); err != nil {
+	if err != nil {
 		s.storeFailed(c, "cache save", err)
 		return
 	}

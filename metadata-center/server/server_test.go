@@ -299,6 +299,25 @@ func TestVersionsHTTP(t *testing.T) {
 			if got, want := query(hexes(0, 6)), []api.CacheLocation{{Host: a, Length: 2}}; !reflect.DeepEqual(got, want) {
 				t.Fatalf("after an eviction reported after the refresh: %v, want %v", got, want)
 			}
+			// A save dated by its age before an eviction already applied
+			// stays out, alone or in a batch; one made after it lands.
+			c.ok("POST", api.PathCacheEvict, api.CacheEvict{Cluster: cl, Host: b, Hashes: hexes(1, 2), EvictedAt: time.Now().UnixMilli()}, nil)
+			c.ok("POST", api.PathCacheSave, api.CacheSave{Cluster: cl, Host: b, Hashes: hexes(0, 2), SaveID: "r6", AgeMS: 2000}, nil)
+			c.ok("POST", api.PathBatch, api.Batch{Ops: []api.BatchOp{
+				{Op: api.OpCacheSave, Cluster: cl, Host: b, Hashes: hexes(0, 3), SaveID: "r7", AgeMS: 1000},
+			}}, nil)
+			if got, want := query(hexes(0, 3)), []api.CacheLocation{{Host: a, Length: 2}, {Host: b, Length: 1}}; !reflect.DeepEqual(got, want) {
+				t.Fatalf("after saves dated before an eviction: %v, want %v", got, want)
+			}
+			time.Sleep(5 * time.Millisecond)
+			c.ok("POST", api.PathCacheSave, api.CacheSave{Cluster: cl, Host: b, Hashes: hexes(0, 3), SaveID: "r8"}, nil)
+			if got, want := query(hexes(0, 3)), []api.CacheLocation{{Host: b, Length: 3}, {Host: a, Length: 2}}; !reflect.DeepEqual(got, want) {
+				t.Fatalf("after a save made since: %v, want %v", got, want)
+			}
+			c.fails("POST", api.PathCacheSave, api.CacheSave{Cluster: cl, Host: b, Hashes: hexes(0, 1), AgeMS: -1},
+				400, "bad_request", "age_ms -1 is negative")
+			c.fails("POST", api.PathBatch, api.Batch{Ops: []api.BatchOp{{Op: api.OpCacheSave, Cluster: cl, Host: b, Hashes: hexes(0, 1), AgeMS: api.MaxSaveAgeMS + 1}}},
+				400, "bad_request", "ops[0] (cache_save): age_ms 600001 exceeds 600000")
 			c.fails("POST", api.PathBatch, api.Batch{Ops: []api.BatchOp{{Op: api.OpDone, Cluster: cl, Host: a, RequestID: "r1", RefreshOnly: true}}},
 				400, "bad_request", "ops[0] (done): refresh_only is only allowed on cache_save")
 			c.fails("POST", api.PathCacheSave, `{"cluster":"c","host":"10.0.0.1:80","hashes":["0123456789abcdef"],"refresh_only":"yes"}`,

@@ -183,3 +183,18 @@ func validEvictedAt(at int64, now time.Time) error {
 	}
 	return nil
 }
+
+// savedAt dates a save that waited ageMS at the gateway before the call
+// carrying it was received (Unix ms; 0 when no age was given: the store
+// dates it on arrival).
+func savedAt(ageMS int64, received time.Time) (int64, error) {
+	switch {
+	case ageMS < 0:
+		return 0, fmt.Errorf("age_ms %d is negative", ageMS)
+	case ageMS > api.MaxSaveAgeMS:
+		return 0, fmt.Errorf("age_ms %d exceeds %d: a save that old says nothing true about the pod", ageMS, api.MaxSaveAgeMS)
+	case ageMS == 0:
+		return 0, nil
+	}
+	return received.UnixMilli() - ageMS, nil
+}

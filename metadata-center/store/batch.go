@@ -28,6 +28,7 @@ type Op struct {
 	Hashes       []prefix.Hash // OpSaveCache, OpRetractCache
 	SaveID       string        // OpSaveCache (may be empty), OpRetractCache
 	RefreshOnly  bool          // OpSaveCache: RefreshCache rather than SaveCacheAs
+	SavedAt      int64         // OpSaveCache: when the save was made (Unix ms; 0: now)
 }
 
 // Batcher is implemented by stores that apply a batch of updates in one
@@ -58,7 +59,7 @@ func Apply(ctx context.Context, st Store, ops []Op) error {
 			if op.RefreshOnly {
 				err = st.RefreshCache(ctx, op.Cluster, op.Host, op.Hashes, op.SaveID)
 			} else {
-				err = st.SaveCacheAs(ctx, op.Cluster, op.Host, op.Hashes, op.SaveID)
+				err = st.SaveCacheAs(ctx, op.Cluster, op.Host, op.Hashes, op.SaveID, op.SavedAt)
 			}
 		case OpRetractCache:
 			err = st.RetractCache(ctx, op.Cluster, op.Host, op.Hashes, op.SaveID)

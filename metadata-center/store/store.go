@@ -32,6 +32,12 @@ const (
 	// DefaultSignalMaxAge is how old a pod's report may be and still be
 	// answered: ten of our workers' 100 ms pushes, four default scrapes.
 	DefaultSignalMaxAge = time.Second
+	// EvictionMemory is how long a store remembers an eviction (and a
+	// host's evict-all) to refuse a save dated before it that arrives
+	// after it: the gateways send their routing-time saves asynchronously,
+	// batched, and under load a batch can land a second late. A save dated
+	// further back than this is checked against nothing.
+	EvictionMemory = 30 * time.Second
 )
 
 // Stats are the gauges /metrics exports.
@@ -69,12 +75,17 @@ type Store interface {
 	EvictHost(ctx context.Context, cluster, host string) error
 
 	// Versions (docs/metadata-center.md, "Versions"): every (host, prefix)
-	// entry remembers when it was last saved, on the store's clock, and
-	// the save id that save carried (empty when none), so that a late
-	// eviction or a withdrawn save removes only what it is about.
+	// entry remembers when it was last saved and the save id that save
+	// carried (empty when none), so that a late eviction or a withdrawn
+	// save removes only what it is about; and the store remembers each
+	// eviction for EvictionMemory, so that a late save does not undo it.
 
-	// SaveCacheAs is SaveCache naming the save (saveID, may be empty).
-	SaveCacheAs(ctx context.Context, cluster, host string, hashes []prefix.Hash, saveID string) error
+	// SaveCacheAs is SaveCache naming the save (saveID, may be empty) and
+	// dating it: at is when the save was made (Unix milliseconds; <= 0 or
+	// later than the store's clock: now). A prefix whose eviction from
+	// host (or host's evict-all) the store applied with a time at or after
+	// at is skipped: the pod dropped it after this save was made.
+	SaveCacheAs(ctx context.Context, cluster, host string, hashes []prefix.Hash, saveID string, at int64) error
 	// RefreshCache confirms an earlier save: of the listed prefixes, those
 	// host still holds get their TTL restarted and saveID as their save
 	// id; the others are skipped, never inserted. Their save time stays:
@@ -85,10 +96,12 @@ type Store interface {
 	// EvictCacheBefore forgets those of the listed prefixes of host that
 	// were last saved at or before before (Unix milliseconds, the
 	// evicting pod's clock): an entry saved after the eviction happened
-	// stays. before <= 0 forgets them all, as EvictCache.
+	// stays. before <= 0 forgets them all, as EvictCache. With before > 0
+	// the eviction is remembered (SaveCacheAs).
 	EvictCacheBefore(ctx context.Context, cluster, host string, hashes []prefix.Hash, before int64) error
 	// EvictHostBefore forgets every prefix of host last saved at or
-	// before before (a pod's start epoch); before <= 0 is EvictHost.
+	// before before (a pod's start epoch), and remembers it
+	// (SaveCacheAs); before <= 0 is EvictHost.
 	EvictHostBefore(ctx context.Context, cluster, host string, before int64) error
 	// RetractCache withdraws a save: it forgets those of the listed
 	// prefixes of host whose last save is the one named saveID (not

@@ -142,26 +142,27 @@ type Scheduler struct {
 }
 
 type task struct {
-	req       *Request
-	h         *Handle
-	ctx       context.Context
-	stopCtx   func() bool
-	sampler   engine.Sampler
-	state     State
-	seq       int
-	toks      []int // prompt + generated; cells hold toks[:past]
-	past      int
-	nGen      int
-	cached    int
-	submitted time.Time
-	admitted  time.Time
-	firstAt   time.Time
-	waitRel   uint64 // preempted: do not take a seq id before releases passes this
-	following bool   // waits for a running request to write the prefix it shares
-	bound     bool   // took a seq id once (its hashes are then the Owner's to report)
-	maxTokens int    // the request's max_tokens, or Config.MaxOutputTokens
-	lastStep  uint64 // the step that last evaluated a span of it
-	spanLen   int    // tokens of this task in the current batch
+	req         *Request
+	h           *Handle
+	ctx         context.Context
+	stopCtx     func() bool
+	sampler     engine.Sampler
+	state       State
+	seq         int
+	toks        []int // prompt + generated; cells hold toks[:past]
+	past        int
+	nGen        int
+	cached      int
+	submitted   time.Time
+	admitted    time.Time
+	firstAt     time.Time
+	waitRel     uint64 // preempted: do not take a seq id before releases passes this
+	preemptions int
+	following   bool   // waits for a running request to write the prefix it shares
+	bound       bool   // took a seq id once (its hashes are then the Owner's to report)
+	maxTokens   int    // the request's max_tokens, or Config.MaxOutputTokens
+	lastStep    uint64 // the step that last evaluated a span of it
+	spanLen     int    // tokens of this task in the current batch
 }
 
 // New builds a scheduler over eng. The pool size is the engine's n_seq_max.
@@ -530,6 +531,11 @@ func (s *Scheduler) expire(now time.Time) {
 		case t.ctx.Err() != nil:
 			s.finish(t, Result{State: Cancelled, Err: ErrCancelled})
 		case now.Sub(t.admitted) > s.cfg.RequestTimeout:
+			// Rare and worth an operator's look: say where the time went.
+			s.log.Warn("request timed out in the running set", "request", t.req.ID, "state", t.state,
+				"queued", t.admitted.Sub(t.submitted), "prompt_tokens", len(t.req.Prompt), "cached_tokens", t.cached,
+				"evaluated", t.past, "generated", t.nGen, "following", t.following, "preemptions", t.preemptions,
+				"running", len(s.set))
 			s.finish(t, Result{State: Timeout, Err: fmt.Errorf("%w after %v in the running set", ErrTimeout, s.cfg.RequestTimeout)})
 		case t.state == Processing && t.nGen > 0 && t.h.stopRequested():
 			s.finish(t, Result{State: Completed, Finish: FinishStop})
@@ -762,6 +768,7 @@ func (s *Scheduler) preempt(t *task) {
 	t.state = Pending
 	t.past = 0
 	t.waitRel = s.releases + 1
+	t.preemptions++
 	s.m.preemptions.Inc()
 	s.log.Warn("KV cache full: preempted a request", "request", t.req.ID, "tokens", len(t.toks))
 }

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"math/rand/v2"
 	"slices"
 	"strings"
@@ -272,10 +273,16 @@ func slow() sim.Config {
 }
 
 func TestTimeoutReleasesTheSeqID(t *testing.T) {
-	r := newRig(t, slow(), Config{RequestTimeout: 100 * time.Millisecond}, true)
+	var logs syncBuffer
+	r := newRig(t, slow(), Config{RequestTimeout: 100 * time.Millisecond, Logger: slog.New(slog.NewTextHandler(&logs, nil))}, true)
 	out, res := run(t, r, context.Background(), &Request{ID: "slow", Prompt: prompt(r.eng, "go on forever")})
 	if res.State != Timeout || !errors.Is(res.Err, ErrTimeout) || len(out) == 0 {
 		t.Fatalf("result %+v after %d tokens", res, len(out))
+	}
+	// The operator learns where the time went.
+	if l := logs.String(); !strings.Contains(l, "request timed out in the running set") || !strings.Contains(l, "request=slow") ||
+		!strings.Contains(l, fmt.Sprintf("generated=%d", len(out))) {
+		t.Fatalf("log: %s", l)
 	}
 	r.inspect(t, func(v View) {
 		if v.Pool.InUse() != 0 || v.KV.Len() != 0 || r.eng.UsedCells() != 0 {
@@ -844,4 +851,22 @@ func TestDrainRateMeasuresOnlyWhileRequestsWait(t *testing.T) {
 	if _, ok := d.every(); ok {
 		t.Fatal("still measured once nothing waits")
 	}
+}
+
+// syncBuffer is a log sink the loop goroutine writes while the test reads.
+type syncBuffer struct {
+	mu sync.Mutex
+	b  strings.Builder
+}
+
+func (b *syncBuffer) Write(p []byte) (int, error) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.b.Write(p)
+}
+
+func (b *syncBuffer) String() string {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.b.String()
 }

@@ -51,6 +51,8 @@ type Store struct {
 	leases   list.List // *lease, earliest expiry at the front
 	lru      list.List // *entry, most recently saved or hit at the front
 
+	evicted evictions
+
 	signals *store.SignalsBook
 	pods    *store.RegistryBook
 }
@@ -306,7 +308,7 @@ func (s *Store) loadLocked(clusterName string) api.LoadStats {
 
 // SaveCache implements store.Store.
 func (s *Store) SaveCache(ctx context.Context, clusterName, host string, hashes []prefix.Hash) error {
-	return s.SaveCacheAs(ctx, clusterName, host, hashes, "")
+	return s.SaveCacheAs(ctx, clusterName, host, hashes, "", 0)
 }
 
 // RefreshCache implements store.Store.
@@ -329,17 +331,27 @@ func (s *Store) RefreshCache(_ context.Context, clusterName, host string, hashes
 }
 
 // SaveCacheAs implements store.Store.
-func (s *Store) SaveCacheAs(_ context.Context, clusterName, host string, hashes []prefix.Hash, saveID string) error {
+func (s *Store) SaveCacheAs(_ context.Context, clusterName, host string, hashes []prefix.Hash, saveID string, at int64) error {
 	now := s.nanos()
+	saved := now
+	if at > 0 && at*int64(time.Millisecond) < now {
+		saved = at * int64(time.Millisecond)
+	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	s.sweepEntries(now)
+	s.evicted.prune(now - int64(store.EvictionMemory))
 	c := s.cluster(clusterName)
 	h := c.host(host)
 	for _, hash := range hashes {
+		if s.evicted.since(clusterName, host, hash)*int64(time.Millisecond) >= saved {
+			continue // the pod dropped it after this save was made
+		}
 		if e := h.entries[hash]; e != nil {
 			s.refresh(e, now)
-			e.saved, e.saveID = now, saveID
+			if saved >= e.saved { // a late save of an earlier decision is not the last save
+				e.saved, e.saveID = saved, saveID
+			}
 			continue
 		}
 		hl := c.index[hash]
@@ -347,7 +359,7 @@ func (s *Store) SaveCacheAs(_ context.Context, clusterName, host string, hashes 
 			hl = &holders{}
 			c.index[hash] = hl
 		}
-		e := &entry{c: c, h: h, hash: hash, expires: now + s.cacheTTL, touched: now, saved: now, saveID: saveID}
+		e := &entry{c: c, h: h, hash: hash, expires: now + s.cacheTTL, touched: now, saved: saved, saveID: saveID}
 		e.el = s.lru.PushFront(e)
 		i, _ := slices.BinarySearch(hl.ids, h.id)
 		hl.ids = slices.Insert(hl.ids, i, h.id)
@@ -502,8 +514,15 @@ func savedBy(e *entry, before int64) bool {
 
 // EvictCacheBefore implements store.Store.
 func (s *Store) EvictCacheBefore(_ context.Context, clusterName, host string, hashes []prefix.Hash, before int64) error {
+	now := s.nanos()
 	s.mu.Lock()
 	defer s.mu.Unlock()
+	if before > 0 {
+		s.evicted.prune(now - int64(store.EvictionMemory))
+		for _, hash := range hashes {
+			s.evicted.record(evictedKey{cluster: clusterName, host: host, hash: hash}, before, now)
+		}
+	}
 	h := s.findHost(clusterName, host)
 	if h == nil {
 		return nil
@@ -542,8 +561,13 @@ func (s *Store) EvictHost(ctx context.Context, clusterName, host string) error {
 
 // EvictHostBefore implements store.Store.
 func (s *Store) EvictHostBefore(_ context.Context, clusterName, host string, before int64) error {
+	now := s.nanos()
 	s.mu.Lock()
 	defer s.mu.Unlock()
+	if before > 0 {
+		s.evicted.prune(now - int64(store.EvictionMemory))
+		s.evicted.record(evictedKey{cluster: clusterName, host: host, all: true}, before, now)
+	}
 	h := s.findHost(clusterName, host)
 	if h == nil {
 		return nil

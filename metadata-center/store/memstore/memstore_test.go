@@ -165,7 +165,7 @@ func BenchmarkEntryBytes(b *testing.B) {
 			for j := range hs {
 				hs[j] = prefix.Hash(uint64(i)<<20 | uint64(j))
 			}
-			if err := st.SaveCacheAs(context.Background(), "c", fmt.Sprintf("10.0.0.%d:80", i%8), hs, fmt.Sprintf("req-%08d-0000-0000-0000-000000000000", i)); err != nil {
+			if err := st.SaveCacheAs(context.Background(), "c", fmt.Sprintf("10.0.0.%d:80", i%8), hs, fmt.Sprintf("req-%08d-0000-0000-0000-000000000000", i), 0); err != nil {
 				b.Fatal(err)
 			}
 		}

@@ -192,7 +192,11 @@ func (k keys) hosts() string           { return k.base + ":hosts" }
 // versions names the hash of host's entries' last saves: prefix ->
 // "savedMillis saveID" (docs/metadata-center.md, "Versions").
 func (k keys) versions(host string) string { return k.base + ":v:" + host }
-func (k keys) signals() string             { return k.base + ":sig" }
+
+// evictions names the sorted set of host's evictions of the last
+// store.EvictionMemory: prefix (or "*", everything) -> when (Unix ms).
+func (k keys) evictions(host string) string { return k.base + ":x:" + host }
+func (k keys) signals() string              { return k.base + ":sig" }
 
 func (s *Store) registry() string { return "{" + s.prefix + "}:clusters" }
 
@@ -551,15 +555,15 @@ func (s *Store) fresh(rep string, now int64) (api.PodSignals, bool, error) {
 
 // SaveCache implements store.Store.
 func (s *Store) SaveCache(ctx context.Context, cluster, host string, hashes []prefix.Hash) error {
-	return s.SaveCacheAs(ctx, cluster, host, hashes, "")
+	return s.SaveCacheAs(ctx, cluster, host, hashes, "", 0)
 }
 
 // SaveCacheAs implements store.Store.
-func (s *Store) SaveCacheAs(ctx context.Context, cluster, host string, hashes []prefix.Hash, saveID string) error {
+func (s *Store) SaveCacheAs(ctx context.Context, cluster, host string, hashes []prefix.Hash, saveID string, at int64) error {
 	if len(hashes) == 0 {
 		return nil
 	}
-	ks, args := s.saveArgs(s.keys(cluster), host, hashes, saveID, false)
+	ks, args := s.saveArgs(s.keys(cluster), host, hashes, saveID, false, at)
 	_, err := s.run(ctx, "cache save", s.sc.save, cluster, ks, args...)
 	return err
 }
@@ -570,21 +574,24 @@ func (s *Store) RefreshCache(ctx context.Context, cluster, host string, hashes [
 	if len(hashes) == 0 {
 		return nil
 	}
-	ks, args := s.saveArgs(s.keys(cluster), host, hashes, saveID, true)
+	ks, args := s.saveArgs(s.keys(cluster), host, hashes, saveID, true, 0)
 	_, err := s.run(ctx, "cache refresh", s.sc.save, cluster, ks, args...)
 	return err
 }
 
 // saveArgs builds the save script's KEYS and ARGV.
-func (s *Store) saveArgs(k keys, host string, hashes []prefix.Hash, saveID string, refreshOnly bool) ([]string, []any) {
+func (s *Store) saveArgs(k keys, host string, hashes []prefix.Hash, saveID string, refreshOnly bool, at int64) ([]string, []any) {
 	now := s.ms()
-	ks := []string{k.host(host), k.hosts(), k.versions(host), k.holders(), k.holderTimes()}
-	args := make([]any, 0, 6+len(hashes))
+	ks := []string{k.host(host), k.hosts(), k.versions(host), k.holders(), k.holderTimes(), k.evictions(host)}
+	args := make([]any, 0, 8+len(hashes))
 	flag := "0"
 	if refreshOnly {
 		flag = "1"
 	}
-	args = append(args, now, now+s.cacheTTL, s.cacheTTL, host, saveID, flag)
+	if at <= 0 || at > now {
+		at = now
+	}
+	args = append(args, now, now+s.cacheTTL, s.cacheTTL, host, saveID, flag, at, store.EvictionMemory.Milliseconds())
 	args = appendHashArgs(args, hashes)
 	return ks, args
 }
@@ -599,7 +606,7 @@ func (s *Store) EvictCacheBefore(ctx context.Context, cluster, host string, hash
 	if len(hashes) == 0 {
 		return nil
 	}
-	ks, args := s.unholdArgs(s.keys(cluster), host, hashes, max(before, 0))
+	ks, args := s.unholdArgs(s.keys(cluster), host, hashes, max(before, 0), store.EvictionMemory.Milliseconds())
 	return s.wrap("cache evict", s.sc.evict.Run(ctx, s.rdb, ks, args...).Err())
 }
 
@@ -614,10 +621,11 @@ func (s *Store) RetractCache(ctx context.Context, cluster, host string, hashes [
 
 // unholdArgs builds the KEYS and ARGV of the evict and retract scripts;
 // cond is the eviction time or the retracted save's id.
-func (s *Store) unholdArgs(k keys, host string, hashes []prefix.Hash, cond any) ([]string, []any) {
-	ks := []string{k.host(host), k.hosts(), k.versions(host), k.holders(), k.holderTimes()}
-	args := make([]any, 0, 3+len(hashes))
-	args = append(args, s.ms(), host, cond)
+func (s *Store) unholdArgs(k keys, host string, hashes []prefix.Hash, conds ...any) ([]string, []any) {
+	ks := []string{k.host(host), k.hosts(), k.versions(host), k.holders(), k.holderTimes(), k.evictions(host)}
+	args := make([]any, 0, 2+len(conds)+len(hashes))
+	args = append(args, s.ms(), host)
+	args = append(args, conds...)
 	args = appendHashArgs(args, hashes)
 	return ks, args
 }
@@ -631,8 +639,8 @@ func (s *Store) EvictHost(ctx context.Context, cluster, host string) error {
 func (s *Store) EvictHostBefore(ctx context.Context, cluster, host string, before int64) error {
 	k := s.keys(cluster)
 	return s.wrap("cache evict all", s.sc.evictHost.Run(ctx, s.rdb,
-		[]string{k.host(host), k.hosts(), k.versions(host), k.holders(), k.holderTimes()},
-		s.ms(), host, max(before, 0)).Err())
+		[]string{k.host(host), k.hosts(), k.versions(host), k.holders(), k.holderTimes(), k.evictions(host)},
+		s.ms(), host, max(before, 0), store.EvictionMemory.Milliseconds()).Err())
 }
 
 // Stats implements store.Store. It costs one round trip per registered

@@ -335,8 +335,8 @@ sweep(lx, lp, lr, lq, ARGV[1])
 return {table.concat(redis.call('HGETALL', lr), '\t'), table.concat(redis.call('HGETALL', lq), '\t')}
 `
 
-// KEYS: e-key hosts-key v-key px pxt. ARGV: now expiry ttl host saveID
-// refreshOnly hashes...
+// KEYS: e-key hosts-key v-key px pxt x-key. ARGV: now expiry ttl host
+// saveID refreshOnly savedAt memory hashes...
 //
 // A host saving a prefix it already holds (every request of a shared
 // system prompt does) gets its expiry replaced in place: the leading
@@ -349,12 +349,18 @@ return {table.concat(redis.call('HGETALL', lr), '\t'), table.concat(redis.call('
 // a prefix whose holder list lacks a live record of host is skipped: a
 // confirmation never inserts (an eviction may have removed the entry);
 // and the ones it renews keep their save time, taking only the save id.
+// A save is dated savedAt (at most now): a prefix the x-key says host
+// evicted at or after that (or a host evict-all at or after it), less than
+// memory ms ago, is skipped, and an entry whose last save is dated later
+// keeps that save.
 // Reply: how many prefixes host now holds by this save.
 const saveSrc = holdersLib + `
-local ek, hk, vk, px, pxt, host, exp, ttl = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], ARGV[4], ARGV[2], ARGV[3]
-local nowN, expN = tonumber(ARGV[1]), tonumber(exp)
-local version = ARGV[1] .. ' ' .. ARGV[5]
+local ek, hk, vk, px, pxt, xk, host, exp, ttl = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], ARGV[4], ARGV[2], ARGV[3]
+local nowN, expN, saved = tonumber(ARGV[1]), tonumber(exp), tonumber(ARGV[7])
+local version = ARGV[7] .. ' ' .. ARGV[5]
 local refresh = ARGV[6] == '1'
+local forgotten = nowN - tonumber(ARGV[8])
+local evictedAll = tonumber(redis.call('ZSCORE', xk, '*') or '0')
 -- hold returns the prefix's new holder list, or nil to leave it alone.
 local function hold(s)
   if not s and refresh then return nil end
@@ -378,14 +384,16 @@ end
 -- 512 hashes per HMGET, HSET and ZADD rather than a call per hash (Lua's
 -- unpack stops at a few thousand values, and the API allows 4096 hashes).
 local held = 0
-for i = 7, #ARGV, 512 do
+for i = 9, #ARGV, 512 do
   local j = math.min(i + 511, #ARGV)
   local cur = redis.call('HMGET', px, unpack(ARGV, i, j))
-  local olds = refresh and redis.call('HMGET', vk, unpack(ARGV, i, j))
+  local olds = redis.call('HMGET', vk, unpack(ARGV, i, j))
+  local evs = refresh or redis.call('ZMSCORE', xk, unpack(ARGV, i, j))
   local lists, scores, vers = {}, {}, {}
   for k = 1, #cur do
     local h = ARGV[i + k - 1]
-    local v = hold(cur[k])
+    local v, ev = nil, refresh or math.max(evictedAll, tonumber(evs[k] or '0'))
+    if refresh or ev < saved or ev <= forgotten then v = hold(cur[k]) end
     if v then
       held = held + 1
       lists[#lists + 1] = h
@@ -393,8 +401,11 @@ for i = 7, #ARGV, 512 do
       scores[#scores + 1] = exp
       scores[#scores + 1] = h
       vers[#vers + 1] = h
+      local oldAt = string.match(olds[k] or '', '^%d+') or '0'
       if refresh then
-        vers[#vers + 1] = (string.match(olds[k] or '', '^%d+') or '0') .. ' ' .. ARGV[5]
+        vers[#vers + 1] = oldAt .. ' ' .. ARGV[5]
+      elseif tonumber(oldAt) > saved then
+        vers[#vers + 1] = olds[k]
       else
         vers[#vers + 1] = version
       end
@@ -438,6 +449,23 @@ local function unhold(px, pxt, hash, host, nowN)
     redis.call('HSET', px, hash, v)
   end
 end
+-- remember records in the x-key that the members were evicted at before
+-- (Unix ms), keeping a later time already there, and forgets what is
+-- older than memory ms.
+local function remember(xk, before, memory, nowN, ...)
+  local members = {...}
+  for i = 1, #members, 256 do
+    local args = {}
+    for k = i, math.min(i + 255, #members) do
+      args[#args + 1] = before
+      args[#args + 1] = members[k]
+    end
+    redis.call('ZADD', xk, 'GT', unpack(args))
+  end
+  redis.call('ZREMRANGEBYSCORE', xk, '-inf', '(' .. string.format('%.0f', nowN - tonumber(memory)))
+  redis.call('PEXPIRE', xk, memory)
+end
+
 local function version(vk, hash)
   local v = redis.call('HGET', vk, hash)
   if not v then return 0, '' end
@@ -446,11 +474,16 @@ local function version(vk, hash)
 end
 `
 
-// KEYS: e-key hosts-key v-key px pxt. ARGV: now host before hashes...
-// Entries saved after before (Unix ms; 0: never) stay.
+// KEYS: e-key hosts-key v-key px pxt x-key. ARGV: now host before memory
+// hashes... Entries saved after before (Unix ms; 0: never) stay. With
+// before > 0 the x-key remembers the eviction for memory ms, so that a
+// save dated before it that arrives later is skipped (saveSrc).
 const evictSrc = unholdLib + `
-local ek, hk, vk, px, pxt, host, nowN, before = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], ARGV[2], tonumber(ARGV[1]), tonumber(ARGV[3])
-for i = 4, #ARGV do
+local ek, hk, vk, px, pxt, xk, host, nowN, before = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], ARGV[2], tonumber(ARGV[1]), tonumber(ARGV[3])
+if before > 0 then
+  remember(xk, before, ARGV[4], nowN, unpack(ARGV, 5))
+end
+for i = 5, #ARGV do
   local h = ARGV[i]
   local gone = before <= 0
   if not gone then gone = version(vk, h) <= before end
@@ -464,8 +497,8 @@ if redis.call('ZCARD', ek) == 0 then redis.call('ZREM', hk, host) end
 return 1
 `
 
-// KEYS: e-key hosts-key v-key px pxt. ARGV: now host saveID hashes...
-// Only entries whose last save carried saveID go.
+// KEYS: e-key hosts-key v-key px pxt x-key. ARGV: now host saveID
+// hashes... Only entries whose last save carried saveID go.
 const retractSrc = unholdLib + `
 local ek, hk, vk, px, pxt, host, nowN, id = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], ARGV[2], tonumber(ARGV[1]), ARGV[3]
 for i = 4, #ARGV do
@@ -481,10 +514,12 @@ if redis.call('ZCARD', ek) == 0 then redis.call('ZREM', hk, host) end
 return 1
 `
 
-// KEYS: e-key hosts-key v-key px pxt. ARGV: now host before. With before
-// (Unix ms) > 0, entries saved after it stay (a pod's start epoch).
+// KEYS: e-key hosts-key v-key px pxt x-key. ARGV: now host before memory.
+// With before (Unix ms) > 0, entries saved after it stay (a pod's start
+// epoch), and the x-key remembers it as member '*' (evictSrc).
 const evictHostSrc = unholdLib + `
-local ek, hk, vk, px, pxt, host, nowN, before = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], ARGV[2], tonumber(ARGV[1]), tonumber(ARGV[3])
+local ek, hk, vk, px, pxt, xk, host, nowN, before = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], ARGV[2], tonumber(ARGV[1]), tonumber(ARGV[3])
+if before > 0 then remember(xk, before, ARGV[4], nowN, '*') end
 local hs = redis.call('ZRANGE', ek, 0, -1)
 local n = 0
 for _, h in ipairs(hs) do

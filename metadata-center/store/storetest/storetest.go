@@ -99,6 +99,7 @@ func Run(t *testing.T, f Factory) {
 		{"VersionsEvictHostBefore", testVersionsEvictHostBefore},
 		{"VersionsRetract", testVersionsRetract},
 		{"RefreshNeverInserts", testRefreshNeverInserts},
+		{"LateSaveKeepsEvictionsOut", testLateSaveKeepsEvictionsOut},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) { tc.fn(setup(t, f)) })
@@ -687,10 +688,10 @@ func (e *env) ms() int64 { return e.clock.Now().UnixMilli() }
 func testVersionsEvictBefore(e *env) {
 	hs := hashes("ver", 4)
 	t0 := e.ms()
-	e.must(e.st.SaveCacheAs(e.ctx, cl, hostA, hs[:2], "r1"))
+	e.must(e.st.SaveCacheAs(e.ctx, cl, hostA, hs[:2], "r1", 0))
 	e.must(e.st.SaveCache(e.ctx, cl, hostB, hs))
 	e.clock.Advance(20 * time.Millisecond)
-	e.must(e.st.SaveCacheAs(e.ctx, cl, hostA, hs[2:], "r2"))
+	e.must(e.st.SaveCacheAs(e.ctx, cl, hostA, hs[2:], "r2", 0))
 	// The pod evicted before anything was saved: nothing goes.
 	e.must(e.st.EvictCacheBefore(e.ctx, cl, hostA, hs, t0-1))
 	e.wantCache(cl, hs, []api.CacheLocation{{Host: hostA, Length: 4}, {Host: hostB, Length: 4}})
@@ -705,7 +706,7 @@ func testVersionsEvictBefore(e *env) {
 	e.wantCache(cl, hs[3:], []api.CacheLocation{{Host: hostA, Length: 1}, {Host: hostB, Length: 1}})
 	// A hit refreshes the TTL but is no save: an eviction after the save
 	// and before the hit still removes the entry.
-	e.must(e.st.SaveCacheAs(e.ctx, cl, hostC, hs[:1], "r3"))
+	e.must(e.st.SaveCacheAs(e.ctx, cl, hostC, hs[:1], "r3", 0))
 	evicted := e.ms()
 	e.clock.Advance(5 * time.Second)
 	e.wantCache(cl, hs[:1], []api.CacheLocation{{Host: hostB, Length: 1}, {Host: hostC, Length: 1}})
@@ -721,6 +722,55 @@ func testVersionsEvictBefore(e *env) {
 	}
 }
 
+// A save made before an eviction but arriving after its report (a
+// gateway's routing-time save, sent batched and late under load) does not
+// bring the prefix back, nor does one made before a pod's evict-all; a
+// save made after either does. A late save does not become an entry's
+// last save over a later one. Evictions are remembered for
+// store.EvictionMemory, no longer.
+func testLateSaveKeepsEvictionsOut(e *env) {
+	hs := hashes("late", 4)
+	routed := e.ms() // a gateway routes a request for hs to hostA
+	e.clock.Advance(10 * time.Millisecond)
+	evicted := e.ms() // hostA drops hs[2:] (it served the request; the next turn truncated it)
+	e.must(e.st.EvictCacheBefore(e.ctx, cl, hostA, hs[2:], evicted))
+	e.clock.Advance(500 * time.Millisecond)
+	e.must(e.st.SaveCacheAs(e.ctx, cl, hostA, hs, "r1", routed)) // the routing-time save lands
+	e.must(e.st.SaveCacheAs(e.ctx, cl, hostB, hs, "r1", routed)) // another host's evictions do not matter
+	e.wantCache(cl, hs, []api.CacheLocation{{Host: hostB, Length: 4}, {Host: hostA, Length: 2}})
+	// A request routed there after the eviction: kept.
+	e.must(e.st.SaveCacheAs(e.ctx, cl, hostA, hs, "r2", evicted+1))
+	e.wantCache(cl, hs, []api.CacheLocation{{Host: hostA, Length: 4}, {Host: hostB, Length: 4}})
+	// r2's save stays the last one: a late save of an earlier decision
+	// neither dates the entry back (an eviction between the two keeps it)
+	// nor lets its retraction withdraw r2's entry.
+	e.must(e.st.SaveCacheAs(e.ctx, cl, hostA, hs, "r0", routed))
+	e.must(e.st.EvictCacheBefore(e.ctx, cl, hostA, hs, evicted))
+	e.must(e.st.RetractCache(e.ctx, cl, hostA, hs, "r0"))
+	e.wantCache(cl, hs, []api.CacheLocation{{Host: hostA, Length: 4}, {Host: hostB, Length: 4}})
+	// A restarted pod: saves made before its start epoch, landing after
+	// its evict-all, stay out; so do those dated in the future (clamped
+	// to now, the tie goes to the eviction).
+	fresh := hashes("late-epoch", 2)
+	before := e.ms()
+	e.clock.Advance(10 * time.Millisecond)
+	epoch := e.ms()
+	e.must(e.st.EvictHostBefore(e.ctx, cl, hostC, epoch))
+	e.must(e.st.SaveCacheAs(e.ctx, cl, hostC, fresh, "old-process", before))
+	e.must(e.st.SaveCacheAs(e.ctx, cl, hostC, fresh, "future", epoch+60_000))
+	e.wantCache(cl, fresh, []api.CacheLocation{})
+	e.clock.Advance(time.Millisecond)
+	e.must(e.st.SaveCacheAs(e.ctx, cl, hostC, fresh, "new-process", 0))
+	e.wantCache(cl, fresh, []api.CacheLocation{{Host: hostC, Length: 2}})
+	// Past the memory, an eviction no longer holds back a save dated
+	// before it.
+	gone := hashes("late-forgotten", 1)
+	e.must(e.st.EvictCacheBefore(e.ctx, cl, hostB, gone, e.ms()))
+	e.clock.Advance(store.EvictionMemory + time.Second)
+	e.must(e.st.SaveCacheAs(e.ctx, cl, hostB, gone, "much-later", e.ms()-store.EvictionMemory.Milliseconds()-2000))
+	e.wantCache(cl, gone, []api.CacheLocation{{Host: hostB, Length: 1}})
+}
+
 // A pod's start epoch: its evict-all removes what was saved before it
 // started, and keeps what was saved since (requests it already serves).
 func testVersionsEvictHostBefore(e *env) {
@@ -730,7 +780,7 @@ func testVersionsEvictHostBefore(e *env) {
 	e.clock.Advance(10 * time.Millisecond)
 	epoch := e.ms()
 	e.clock.Advance(10 * time.Millisecond)
-	e.must(e.st.SaveCacheAs(e.ctx, cl, hostA, fresh, "after-start"))
+	e.must(e.st.SaveCacheAs(e.ctx, cl, hostA, fresh, "after-start", 0))
 	e.must(e.st.EvictHostBefore(e.ctx, cl, hostA, epoch))
 	e.wantCache(cl, old, []api.CacheLocation{{Host: hostB, Length: 3}})
 	e.wantCache(cl, fresh, []api.CacheLocation{{Host: hostA, Length: 2}})
@@ -746,7 +796,7 @@ func testVersionsEvictHostBefore(e *env) {
 	e.wantCache(cl, fresh, []api.CacheLocation{})
 	e.must(e.st.EvictHostBefore(e.ctx, cl, hostC, epoch)) // unknown host
 	// The host saves again after an evict-all.
-	e.must(e.st.SaveCacheAs(e.ctx, cl, hostA, fresh, "again"))
+	e.must(e.st.SaveCacheAs(e.ctx, cl, hostA, fresh, "again", 0))
 	e.wantCache(cl, fresh, []api.CacheLocation{{Host: hostA, Length: 2}})
 }
 
@@ -754,10 +804,10 @@ func testVersionsEvictHostBefore(e *env) {
 // an entry saved again since, by another request, stays.
 func testVersionsRetract(e *env) {
 	hs := hashes("retract", 6)
-	e.must(e.st.SaveCacheAs(e.ctx, cl, hostA, hs[:2], "earlier"))
-	e.must(e.st.SaveCacheAs(e.ctx, cl, hostA, hs, "r1"))
-	e.must(e.st.SaveCacheAs(e.ctx, cl, hostB, hs, "r1"))
-	e.must(e.st.SaveCacheAs(e.ctx, cl, hostA, hs[4:], "r2")) // another request, meanwhile
+	e.must(e.st.SaveCacheAs(e.ctx, cl, hostA, hs[:2], "earlier", 0))
+	e.must(e.st.SaveCacheAs(e.ctx, cl, hostA, hs, "r1", 0))
+	e.must(e.st.SaveCacheAs(e.ctx, cl, hostB, hs, "r1", 0))
+	e.must(e.st.SaveCacheAs(e.ctx, cl, hostA, hs[4:], "r2", 0)) // another request, meanwhile
 	// r1 failed before its first token; the index held hs[:2] on hostA
 	// when it was routed, so it retracts hs[2:].
 	e.must(e.st.RetractCache(e.ctx, cl, hostA, hs[2:], "r1"))
@@ -813,8 +863,8 @@ func testRefreshNeverInserts(e *env) {
 
 	// hostA saved the first two; a refresh of all four keeps it at two.
 	t0 := e.ms()
-	e.must(e.st.SaveCacheAs(e.ctx, cl, hostA, hs[:2], "r1"))
-	e.must(e.st.SaveCacheAs(e.ctx, cl, hostB, hs, "r1"))
+	e.must(e.st.SaveCacheAs(e.ctx, cl, hostA, hs[:2], "r1", 0))
+	e.must(e.st.SaveCacheAs(e.ctx, cl, hostB, hs, "r1", 0))
 	e.clock.Advance(20 * time.Millisecond)
 	e.must(e.st.RefreshCache(e.ctx, cl, hostA, hs, "r1"))
 	e.wantCache(cl, hs, []api.CacheLocation{{Host: hostB, Length: 4}, {Host: hostA, Length: 2}})
@@ -836,12 +886,12 @@ func testRefreshNeverInserts(e *env) {
 	e.must(e.st.RetractCache(e.ctx, cl, hostB, hs, "r1"))
 	e.wantCache(cl, hs, []api.CacheLocation{{Host: hostB, Length: 2}, {Host: hostA, Length: 1}})
 	e.must(e.st.RetractCache(e.ctx, cl, hostB, hs[1:], "r9"))
-	e.must(e.st.SaveCacheAs(e.ctx, cl, hostB, hs[1:2], "r1"))
+	e.must(e.st.SaveCacheAs(e.ctx, cl, hostB, hs[1:2], "r1", 0))
 	e.wantCache(cl, hs, []api.CacheLocation{{Host: hostB, Length: 2}, {Host: hostA, Length: 1}})
 
 	// The bug this exists for: the pod evicted hostC's tail, the report
 	// landed, and the confirmation of the save comes after it.
-	e.must(e.st.SaveCacheAs(e.ctx, cl, hostC, hs, "r2"))
+	e.must(e.st.SaveCacheAs(e.ctx, cl, hostC, hs, "r2", 0))
 	e.clock.Advance(5 * time.Millisecond)
 	e.must(e.st.EvictCacheBefore(e.ctx, cl, hostC, hs[2:], e.ms()))
 	e.clock.Advance(5 * time.Millisecond)
@@ -889,9 +939,9 @@ func testRefreshNeverInserts(e *env) {
 	// each entry keeps its own save time.
 	many := hashes("refresh-many", 1100)
 	t1 := e.ms()
-	e.must(e.st.SaveCacheAs(e.ctx, cl, hostC, many[:600], "m1"))
+	e.must(e.st.SaveCacheAs(e.ctx, cl, hostC, many[:600], "m1", 0))
 	e.clock.Advance(10 * time.Millisecond)
-	e.must(e.st.SaveCacheAs(e.ctx, cl, hostC, many[600:], "m2"))
+	e.must(e.st.SaveCacheAs(e.ctx, cl, hostC, many[600:], "m2", 0))
 	e.clock.Advance(10 * time.Millisecond)
 	e.must(e.st.RefreshCache(e.ctx, cl, hostC, many, "m3"))
 	e.must(e.st.EvictCacheBefore(e.ctx, cl, hostC, many, t1+5))
