@@ -51,7 +51,7 @@ type Store struct {
 	leases   list.List // *lease, earliest expiry at the front
 	lru      list.List // *entry, most recently saved or hit at the front
 
-	evicted evictions
+	evicted evictions // for store.EvictionMemory: late saves stay out
 
 	signals *store.SignalsBook
 	pods    *store.RegistryBook
@@ -344,8 +344,8 @@ func (s *Store) SaveCacheAs(_ context.Context, clusterName, host string, hashes 
 	c := s.cluster(clusterName)
 	h := c.host(host)
 	for _, hash := range hashes {
-		if s.evicted.since(clusterName, host, hash)*int64(time.Millisecond) >= saved {
-			continue // the pod dropped it after this save was made
+		if s.evicted.since(clusterName, host, hash) >= saved/int64(time.Millisecond) {
+			continue // the pod dropped it after this save was made (ties: as savedBy)
 		}
 		if e := h.entries[hash]; e != nil {
 			s.refresh(e, now)

@@ -620,7 +620,8 @@ func (s *Store) RetractCache(ctx context.Context, cluster, host string, hashes [
 }
 
 // unholdArgs builds the KEYS and ARGV of the evict and retract scripts;
-// cond is the eviction time or the retracted save's id.
+// conds are the eviction time and store.EvictionMemory, or the retracted
+// save's id.
 func (s *Store) unholdArgs(k keys, host string, hashes []prefix.Hash, conds ...any) ([]string, []any) {
 	ks := []string{k.host(host), k.hosts(), k.versions(host), k.holders(), k.holderTimes(), k.evictions(host)}
 	args := make([]any, 0, 2+len(conds)+len(hashes))
