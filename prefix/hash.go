@@ -1,6 +1,9 @@
 package prefix
 
-import "fmt"
+import (
+	"fmt"
+	"unsafe"
+)
 
 // Hash is one chained prefix hash: it names a whole prompt prefix up to a
 // block boundary. Its wire form is exactly 16 lowercase hex digits, most
@@ -32,7 +35,8 @@ func Wire(hs []Hash) []string {
 	for _, h := range hs {
 		buf = h.appendTo(buf)
 	}
-	all := string(buf)
+	// buf is never written again: the strings may share it without a copy.
+	all := unsafe.String(unsafe.SliceData(buf), len(buf))
 	out := make([]string, len(hs))
 	for i := range out {
 		out[i] = all[16*i : 16*i+16]

@@ -20,8 +20,10 @@
 //     busier than the idlest gets no cache credit, unless waiting there
 //     costs at most herd_wait times a copy of the prefix on the cheapest
 //     other pod), the request's own
-//     uncached prefill in the prompt term while any pod prefills, and ties
-//     ordered by recent share. docs/configuration.md says why each is there.
+//     uncached prefill in the prompt term while any pod prefills, the pod's
+//     free KV cache as far as the request adds cells there (kv_fit), and
+//     ties ordered by recent share. docs/configuration.md says why each is
+//     there.
 //   - epp: llm-d's endpoint picker's default profile, a baseline: prefix ×3,
 //     queue ×2, KV-cache utilization ×2 (pod signals), max-score pick.
 //   - sglang: SGLang router's cache_aware, a baseline (SGLang).
@@ -29,6 +31,7 @@
 package balancer
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -427,13 +430,11 @@ const tieEpsilon = 1e-9
 // It does so without ordering the pods: with T the top-th largest score, the
 // pods strictly above T fill ranks 0..g-1 (each rank equally likely, so any
 // fixed order of them will do) and the pods at T share the remaining ranks.
-// It sorts a copy of the scores in buf.
+// It selects T in a copy of the scores in buf.
 func pickTopBuf(scores []float64, percent int, intn func(int) int, buf []float64) int {
 	n := len(scores)
 	top := max(1, n*percent/100)
-	sorted := append(buf[:0], scores...)
-	slices.Sort(sorted)
-	t := sorted[n-top]
+	t := nthSmallest(append(buf[:0], scores...), n-top)
 	above, at := 0, 0
 	for _, s := range scores {
 		switch {
@@ -458,6 +459,52 @@ func pickTopBuf(scores []float64, percent int, intn func(int) int, buf []float64
 		}
 	}
 	return 0 // unreachable: the group has more than r members
+}
+
+// nthSmallest returns a[k] as slices.Sort would leave it (NaN first),
+// reordering a: a quickselect, linear where sorting 256 scores was a tenth of
+// a decision.
+func nthSmallest(a []float64, k int) float64 {
+	lo, hi := 0, len(a)-1
+	for lo < hi {
+		// Median of three, so that sorted input does not go quadratic.
+		mid := lo + (hi-lo)/2
+		if cmp.Less(a[mid], a[lo]) {
+			a[mid], a[lo] = a[lo], a[mid]
+		}
+		if cmp.Less(a[hi], a[lo]) {
+			a[hi], a[lo] = a[lo], a[hi]
+		}
+		if cmp.Less(a[hi], a[mid]) {
+			a[hi], a[mid] = a[mid], a[hi]
+		}
+		p := a[mid]
+		// Hoare's partition: a[lo..j] ≤ p ≤ a[i..hi], and what lies between
+		// equals p.
+		i, j := lo, hi
+		for i <= j {
+			for cmp.Less(a[i], p) {
+				i++
+			}
+			for cmp.Less(p, a[j]) {
+				j--
+			}
+			if i <= j {
+				a[i], a[j] = a[j], a[i]
+				i++
+				j--
+			}
+		}
+		switch {
+		case k <= j:
+			hi = j
+		case k >= i:
+			lo = i
+		default:
+			return a[k]
+		}
+	}
+	return a[k]
 }
 
 // Random picks uniformly: a baseline.

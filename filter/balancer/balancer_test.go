@@ -393,3 +393,41 @@ func BenchmarkChoose(b *testing.B) {
 		})
 	}
 }
+
+// nthSmallest must find what sorting finds, whatever the order and however
+// many ties, infinities and NaNs: the picker's threshold depends on it.
+func TestNthSmallestMatchesSort(t *testing.T) {
+	r := rand.New(rand.NewPCG(7, 8))
+	special := []float64{math.NaN(), math.Inf(1), math.Inf(-1), 0, math.Copysign(0, -1), 1, 1, 2}
+	for n := 1; n <= 300; n++ {
+		a := make([]float64, n)
+		for i := range a {
+			switch r.IntN(4) {
+			case 0:
+				a[i] = special[r.IntN(len(special))]
+			case 1:
+				a[i] = float64(r.IntN(3))
+			default:
+				a[i] = r.Float64()
+			}
+		}
+		for _, order := range []string{"random", "ascending", "descending"} {
+			in := slices.Clone(a)
+			switch order {
+			case "ascending":
+				slices.Sort(in)
+			case "descending":
+				slices.Sort(in)
+				slices.Reverse(in)
+			}
+			sorted := slices.Clone(in)
+			slices.Sort(sorted)
+			for _, k := range []int{0, n / 2, n - max(1, n/10), n - 1} {
+				got, want := nthSmallest(slices.Clone(in), k), sorted[k]
+				if got != want && !(math.IsNaN(got) && math.IsNaN(want)) {
+					t.Fatalf("n=%d %s k=%d: got %v, sort has %v", n, order, k, got, want)
+				}
+			}
+		}
+	}
+}

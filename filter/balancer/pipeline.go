@@ -625,11 +625,15 @@ func builtinProfiles() []*Profile {
 				{Scorer: PrefixScorer{Herd: true}, FromRule: w1},
 				{Scorer: SeedLoad{}, FromRule: w2},
 				{Scorer: PrefillScorer{Own: true}, FromRule: w3},
-				// A pod's free KV cache, from its own report: a new
+				// A pod's free KV cache, from its own report, as far as
+				// this request would store cells there anew: a new
 				// conversation placed on a full pod evicts someone's
-				// cached one. On kv-pressure it cut TTFT p99 by 12–24%
-				// (docs/benchmarks.md).
-				{Scorer: KVCacheScorer{}, Weight: 1},
+				// cached one, while the next turn of a conversation adds
+				// little to the pod that holds its history. Free cache
+				// alone (kv_cache) cut kv-pressure's TTFT p99 by 12–24%;
+				// weighed so, multi-turn's p90 and p99 and kv-pressure's
+				// fell further (docs/benchmarks.md, session 8).
+				{Scorer: KVFitScorer{}, Weight: 1},
 				{Scorer: RecentShareScorer{}, Weight: shareTieBreak},
 			},
 			Picker:   TopPercent{},

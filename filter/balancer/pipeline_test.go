@@ -283,7 +283,7 @@ func TestStageMetricsAndScorerLogs(t *testing.T) {
 			seen[label(m, "stage")] = m.GetHistogram().GetSampleCount()
 		}
 	}
-	for _, stage := range []string{"filters", "scorer:prefix_herd", "scorer:seed_load", "scorer:own_prefill", "scorer:kv_cache", "scorer:recent_share", "picker"} {
+	for _, stage := range []string{"filters", "scorer:prefix_herd", "scorer:seed_load", "scorer:own_prefill", "scorer:kv_fit", "scorer:recent_share", "picker"} {
 		if seen[stage] != 1 {
 			t.Fatalf("stage %s observed %d times; all: %v", stage, seen[stage], seen)
 		}
@@ -377,5 +377,24 @@ func TestKVFitWeighsFreeCacheByWhatTheRequestAdds(t *testing.T) {
 	view.Cache = map[string]int{}
 	if ch, _ := b.Choose("c", rule, cands, view, Request{Blocks: 5}); ch.Host.Address != "10.0.0.2:8000" {
 		t.Fatalf("new conversation went to %s, want the roomy pod", ch.Host.Address)
+	}
+}
+
+// cache_aware weighs a pod's free KV cache by what the request would add
+// there (kv_fit): a pod holding a fifth of the prompt with its cache 90% full
+// keeps the request against a pod with 60% free (0.4 + (1 − 0.9·0.8)
+// against 0.6), where free cache alone (kv_cache: 0.4 + 0.1) would move it.
+func TestCacheAwareWeighsFreeCacheByWhatTheRequestAdds(t *testing.T) {
+	view := View{
+		Load:  api.LoadStats{},
+		Cache: map[string]int{"10.0.0.1:8000": 1},
+		Signals: map[string]api.PodSignals{
+			"10.0.0.1:8000": {Running: 1, KVCacheUtil: 0.9},
+			"10.0.0.2:8000": {Running: 1, KVCacheUtil: 0.4},
+		},
+	}
+	b := New(Options{IntN: seededIntN(1)})
+	if ch, err := b.Choose("c", herdRule, eps(2), view, Request{Blocks: 5, PromptLength: 2500}); err != nil || ch.Host.Address != "10.0.0.1:8000" {
+		t.Fatalf("chose %+v %v, want the pod holding part of the prompt", ch, err)
 	}
 }

@@ -255,6 +255,15 @@ func (p *AdminPoller) Endpoints(cluster string) []Endpoint {
 	return out
 }
 
+// AppendEndpoints implements Appender.
+func (p *AdminPoller) AppendEndpoints(dst []Endpoint, cluster string) []Endpoint {
+	m := p.snap.Load()
+	if m == nil {
+		return dst
+	}
+	return append(dst, (*m)[cluster]...)
+}
+
 // Ready reports whether at least one poll succeeded.
 func (p *AdminPoller) Ready() bool { return p.snap.Load() != nil }
 

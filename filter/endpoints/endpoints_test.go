@@ -5,6 +5,7 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"reflect"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -147,6 +148,9 @@ func TestAdminPollerAgainstAdminServer(t *testing.T) {
 	if got := addrs(p.Endpoints(qwen)); len(got) != 3 {
 		t.Fatalf("endpoints = %v", got)
 	}
+	if got, want := addrs(Append(nil, p, qwen)), addrs(p.Endpoints(qwen)); !slices.Equal(got, want) {
+		t.Fatalf("Append = %v, Endpoints = %v", got, want)
+	}
 	if got := p.Endpoints("unknown"); len(got) != 0 {
 		t.Fatalf("unknown cluster = %v", got)
 	}
@@ -173,6 +177,11 @@ func TestAdminPollerAgainstAdminServer(t *testing.T) {
 	eps[0].Address = "1.2.3.4:1"
 	if p.Endpoints(qwen)[0].Address == "1.2.3.4:1" {
 		t.Fatal("Endpoints must return a copy")
+	}
+	eps = Append(eps[:0], p, qwen)
+	eps[0].Address = "1.2.3.4:1"
+	if p.Endpoints(qwen)[0].Address == "1.2.3.4:1" {
+		t.Fatal("Append must copy")
 	}
 
 	p.Close()

@@ -59,26 +59,38 @@ type outlierView struct {
 }
 
 func (v outlierView) Endpoints(cluster string) []Endpoint {
-	return v.o.filter(v.src.Endpoints(cluster))
+	all := v.src.Endpoints(cluster)
+	return all[:v.o.keepHealthy(all)]
 }
 
-func (o *Outlier) filter(all []Endpoint) []Endpoint {
+// AppendEndpoints implements Appender.
+func (v outlierView) AppendEndpoints(dst []Endpoint, cluster string) []Endpoint {
+	start := len(dst)
+	dst = Append(dst, v.src, cluster)
+	return dst[:start+v.o.keepHealthy(dst[start:])]
+}
+
+// keepHealthy moves the hosts that are not ejected to the front of eps, in
+// their order, and returns how many there are; len(eps) when every one is
+// ejected.
+func (o *Outlier) keepHealthy(eps []Endpoint) int {
 	o.mu.Lock()
 	defer o.mu.Unlock()
 	if len(o.ejected) == 0 {
-		return all
+		return len(eps)
 	}
 	now := o.now()
-	healthy := make([]Endpoint, 0, len(all))
-	for _, e := range all {
-		if ej, ok := o.ejected[e.Address]; !ok || !now.Before(ej.until) {
-			healthy = append(healthy, e)
+	n := 0
+	for i := range eps {
+		if ej, ok := o.ejected[eps[i].Address]; !ok || !now.Before(ej.until) {
+			eps[n], eps[i] = eps[i], eps[n]
+			n++
 		}
 	}
-	if len(healthy) == 0 {
-		return all
+	if n == 0 {
+		return len(eps)
 	}
-	return healthy
+	return n
 }
 
 // Failed records that a connection to addr failed and ejects it.

@@ -1,6 +1,7 @@
 package endpoints
 
 import (
+	"slices"
 	"testing"
 	"time"
 )
@@ -65,5 +66,33 @@ func TestOutlierPanicModeReturnsAllWhenAllEjected(t *testing.T) {
 	}
 	if got := view.Endpoints("unknown"); len(got) != 0 {
 		t.Fatalf("unknown cluster: %v", got)
+	}
+}
+
+// Append gives what Endpoints gives, after what dst held, and copies into
+// dst's room rather than allocating: the gateway reuses one buffer per
+// decision (docs/benchmarks.md).
+func TestAppendMatchesEndpointsWithoutAllocating(t *testing.T) {
+	src, err := NewStatic(map[string][]string{"c": {"10.0.0.1:80", "10.0.0.2:80", "10.0.0.3:80", "10.0.0.4:80"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	o := NewOutlier(OutlierOptions{})
+	view := o.Wrap(src)
+	o.Failed("10.0.0.2:80")
+	o.Failed("10.0.0.4:80")
+	head := Endpoint{Address: "10.9.9.9:80"}
+	for name, s := range map[string]Source{"static": src, "outlier": view} {
+		got := Append([]Endpoint{head}, s, "c")
+		if want := append([]string{head.Address}, addrsOf(s.Endpoints("c"))...); !slices.Equal(addrsOf(got), want) {
+			t.Fatalf("%s: Append = %v, Endpoints after dst = %v", name, addrsOf(got), want)
+		}
+		buf := make([]Endpoint, 0, 8)
+		if n := testing.AllocsPerRun(100, func() { buf = Append(buf[:0], s, "c") }); n != 0 {
+			t.Fatalf("%s: Append allocated %v times with room in dst", name, n)
+		}
+	}
+	if got := addrsOf(view.Endpoints("c")); !slices.Equal(got, []string{"10.0.0.1:80", "10.0.0.3:80"}) {
+		t.Fatalf("outlier view = %v", got)
 	}
 }

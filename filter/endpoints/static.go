@@ -65,6 +65,14 @@ func (s *Static) Endpoints(cluster string) []Endpoint {
 	return slices.Clone(s.clusters[cluster])
 }
 
+// AppendEndpoints implements Appender.
+func (s *Static) AppendEndpoints(dst []Endpoint, cluster string) []Endpoint {
+	if s == nil {
+		return dst
+	}
+	return append(dst, s.clusters[cluster]...)
+}
+
 // Has reports whether the cluster is listed at all (even with no endpoints).
 func (s *Static) Has(cluster string) bool {
 	if s == nil {

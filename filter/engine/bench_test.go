@@ -52,60 +52,83 @@ func BenchmarkDecide(b *testing.B) {
 		size int
 	}
 	for _, v := range []variant{{"mixed", 8 << 10}, {"mixed", 128 << 10}, {"english", 8 << 10}} {
-		size := v.size
-		prompt := benchPrompt(v.text, size)
-		body, _ := json.Marshal(map[string]any{"model": "qwen", "stream": true, "messages": []any{
-			map[string]any{"role": "system", "content": prompt[:size/4]},
-			map[string]any{"role": "user", "content": prompt[size/4:]},
-		}})
+		body := benchBody(v.text, v.size)
 		for _, n := range []int{8, 64, 256} {
-			b.Run(fmt.Sprintf("text=%s/prompt=%dKiB/endpoints=%d", v.text, size>>10, n), func(b *testing.B) {
-				addrs := make([]string, n)
-				ans := api.RouteAnswer{Load: api.LoadStats{}, Signals: map[string]api.PodSignals{}}
-				for i := range addrs {
-					addrs[i] = fmt.Sprintf("10.0.%d.%d:8000", i/250, i%250+1)
-					ans.Load[addrs[i]] = api.EndpointStats{TotalReqs: int64(i % 9), PromptLength: int64(i%5) * 4096}
-					ans.Signals[addrs[i]] = api.PodSignals{Waiting: int64(i % 3), Running: int64(i % 9), KVCacheUtil: float64(i%10) / 10, AgeMS: 20}
-					if i%4 == 0 {
-						ans.Cache = append(ans.Cache, api.CacheLocation{Host: addrs[i], Length: i % 17})
-					}
-				}
-				src, err := endpoints.NewStatic(map[string][]string{"pool": addrs})
-				if err != nil {
-					b.Fatal(err)
-				}
-				cfg, err := config.Parse([]byte(`model_mapping_rule: {qwen: [{cluster: pool}]}`))
-				if err != nil {
-					b.Fatal(err)
-				}
-				e, err := New(cfg, Options{Endpoints: src, Router: memRouter{ans}, Logger: quiet()})
-				if err != nil {
-					b.Fatal(err)
-				}
-				defer e.Close()
-				h := hdr{":path": "/v1/chat/completions", "x-request-id": "bench"}
-				ctx := context.Background()
-				var wall, cpu []time.Duration
-				runtime.LockOSThread()
-				defer runtime.UnlockOSThread()
-				b.SetBytes(int64(len(body)))
-				b.ReportAllocs()
-				for b.Loop() {
-					start, startCPU := time.Now(), threadCPU()
-					if _, err := e.Decide(ctx, h, body); err != nil {
-						b.Fatal(err)
-					}
-					cpu = append(cpu, threadCPU()-startCPU)
-					wall = append(wall, time.Since(start))
-				}
-				slices.Sort(wall)
-				slices.Sort(cpu)
-				us := func(d time.Duration) float64 { return float64(d.Nanoseconds()) / 1e3 }
-				b.ReportMetric(us(wall[len(wall)/2]), "p50-µs")
-				b.ReportMetric(us(wall[len(wall)*99/100]), "p99-µs")
-				b.ReportMetric(us(cpu[len(cpu)/2]), "cpu-p50-µs")
-				b.ReportMetric(us(cpu[len(cpu)*99/100]), "cpu-p99-µs")
+			b.Run(fmt.Sprintf("text=%s/prompt=%dKiB/endpoints=%d", v.text, v.size>>10, n), func(b *testing.B) {
+				benchDecide(b, body, n, false)
 			})
 		}
 	}
+	// Pods that registered labels with the metadata center, as workers
+	// started with the downward API's labels file do: the route answer
+	// carries them for every pod (docs/envoy-filter.md, label selectors).
+	body := benchBody("mixed", 8<<10)
+	for _, n := range []int{64, 256} {
+		b.Run(fmt.Sprintf("labels=registered/text=mixed/prompt=8KiB/endpoints=%d", n), func(b *testing.B) {
+			benchDecide(b, body, n, true)
+		})
+	}
+}
+
+func benchBody(text string, size int) []byte {
+	prompt := benchPrompt(text, size)
+	body, _ := json.Marshal(map[string]any{"model": "qwen", "stream": true, "messages": []any{
+		map[string]any{"role": "system", "content": prompt[:size/4]},
+		map[string]any{"role": "user", "content": prompt[size/4:]},
+	}})
+	return body
+}
+
+func benchDecide(b *testing.B, body []byte, n int, registered bool) {
+	addrs := make([]string, n)
+	ans := api.RouteAnswer{Load: api.LoadStats{}, Signals: map[string]api.PodSignals{}}
+	if registered {
+		ans.Pods = map[string]api.PodLabels{}
+	}
+	for i := range addrs {
+		addrs[i] = fmt.Sprintf("10.0.%d.%d:8000", i/250, i%250+1)
+		ans.Load[addrs[i]] = api.EndpointStats{TotalReqs: int64(i % 9), PromptLength: int64(i%5) * 4096}
+		ans.Signals[addrs[i]] = api.PodSignals{Waiting: int64(i % 3), Running: int64(i % 9), KVCacheUtil: float64(i%10) / 10, AgeMS: 20}
+		if i%4 == 0 {
+			ans.Cache = append(ans.Cache, api.CacheLocation{Host: addrs[i], Length: i % 17})
+		}
+		if registered {
+			ans.Pods[addrs[i]] = api.PodLabels{Labels: map[string]string{"app": "worker-qwen", "pod-template-hash": "7d9c6b5f4", "version": "v1"}}
+		}
+	}
+	src, err := endpoints.NewStatic(map[string][]string{"pool": addrs})
+	if err != nil {
+		b.Fatal(err)
+	}
+	cfg, err := config.Parse([]byte(`model_mapping_rule: {qwen: [{cluster: pool}]}`))
+	if err != nil {
+		b.Fatal(err)
+	}
+	e, err := New(cfg, Options{Endpoints: src, Router: memRouter{ans}, Logger: quiet()})
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer e.Close()
+	h := hdr{":path": "/v1/chat/completions", "x-request-id": "bench"}
+	ctx := context.Background()
+	var wall, cpu []time.Duration
+	runtime.LockOSThread()
+	defer runtime.UnlockOSThread()
+	b.SetBytes(int64(len(body)))
+	b.ReportAllocs()
+	for b.Loop() {
+		start, startCPU := time.Now(), threadCPU()
+		if _, err := e.Decide(ctx, h, body); err != nil {
+			b.Fatal(err)
+		}
+		cpu = append(cpu, threadCPU()-startCPU)
+		wall = append(wall, time.Since(start))
+	}
+	slices.Sort(wall)
+	slices.Sort(cpu)
+	us := func(d time.Duration) float64 { return float64(d.Nanoseconds()) / 1e3 }
+	b.ReportMetric(us(wall[len(wall)/2]), "p50-µs")
+	b.ReportMetric(us(wall[len(wall)*99/100]), "p99-µs")
+	b.ReportMetric(us(cpu[len(cpu)/2]), "cpu-p50-µs")
+	b.ReportMetric(us(cpu[len(cpu)*99/100]), "cpu-p99-µs")
 }

@@ -132,6 +132,7 @@ type scratch struct {
 	canon []byte
 	sums  []prefix.Hash
 	cache map[string]int
+	eps   []endpoints.Endpoint // the cluster's endpoints (endpoints.Append)
 }
 
 // bufferedParser is a transcoder that decodes prompt texts into a buffer
@@ -142,6 +143,9 @@ type bufferedParser interface {
 
 // maxPooledCanonical keeps one huge prompt from pinning its buffers forever.
 const maxPooledCanonical = 1 << 20
+
+// maxPooledEndpoints does the same for a huge cluster's endpoint list.
+const maxPooledEndpoints = 4096
 
 func (e *Engine) getScratch() *scratch {
 	if sc, _ := e.scratch.Get().(*scratch); sc != nil {
@@ -163,6 +167,11 @@ func (e *Engine) putScratch(sc *scratch) {
 		sc.cache = nil // a map never shrinks: do not keep a giant one
 	}
 	clear(sc.cache)
+	clear(sc.eps) // do not pin labels of pods that may be gone
+	if cap(sc.eps) > maxPooledEndpoints {
+		sc.eps = nil
+	}
+	sc.eps = sc.eps[:0]
 	e.scratch.Put(sc)
 }
 
@@ -460,7 +469,8 @@ func (e *Engine) Decide(ctx context.Context, h Headers, body []byte) (*Decision,
 	if err != nil {
 		return nil, e.reject(http.StatusInternalServerError, transcode.TypeInternal, trace, "%v", err)
 	}
-	all := e.src.Endpoints(rule.Cluster)
+	sc.eps = endpoints.Append(sc.eps[:0], e.src, rule.Cluster)
+	all := sc.eps
 	// Selectors match the labels pods registered with the metadata center
 	// (docs/envoy-filter.md, label selectors), which the route query
 	// answers: a selecting request asks even under a policy that needs no
@@ -527,13 +537,17 @@ func withoutAdapterPods(eps []endpoints.Endpoint, sels ...map[string]string) []e
 			return eps
 		}
 	}
-	out := eps[:0]
-	for _, ep := range eps {
-		if !ep.AdapterPod() {
-			out = append(out, ep)
+	n := 0
+	for i := range eps {
+		if eps[i].AdapterPod() {
+			continue
 		}
+		if n < i { // nothing is written before the first adapter pod
+			eps[n] = eps[i]
+		}
+		n++
 	}
-	return out
+	return eps[:n]
 }
 
 func selectorNote(sels ...map[string]string) string {

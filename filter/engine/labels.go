@@ -22,7 +22,13 @@ func withRegistered(eps []endpoints.Endpoint, pods map[string]api.PodLabels) []e
 		if !ok {
 			continue
 		}
-		if len(p.Labels) > 0 {
+		switch {
+		case len(eps[i].Labels) == 0:
+			// Nothing to merge (pods discovered through Envoy carry no
+			// labels): share the answer's map, which nothing writes,
+			// rather than copy it per pod and decision.
+			eps[i].Labels = p.Labels
+		case len(p.Labels) > 0:
 			merged := make(map[string]string, len(p.Labels)+len(eps[i].Labels))
 			maps.Copy(merged, p.Labels)
 			maps.Copy(merged, eps[i].Labels)
