@@ -178,9 +178,12 @@ func (c *Client) Do(ctx context.Context, method, path string, body []byte, out a
 // client's CPU).
 type Conn struct {
 	addr, token string
-	c           net.Conn
-	br          *bufio.Reader
-	req, body   []byte
+	// Accept, when set, is sent as the Accept header.
+	Accept    string
+	c         net.Conn
+	br        *bufio.Reader
+	req, body []byte
+	mediaType []byte // the last answer's Content-Type
 }
 
 // NewConn returns a Conn to base (http://host:port); it dials lazily and
@@ -213,6 +216,7 @@ func (c *Conn) Post(path string, body []byte, out any) error {
 // PostRaw sends body to path and returns a 200 answer's body, valid until
 // the next call; any other status is an error.
 func (c *Conn) PostRaw(path string, body []byte) ([]byte, error) {
+	c.mediaType = c.mediaType[:0]
 	if c.c == nil {
 		nc, err := net.DialTimeout("tcp", c.addr, 5*time.Second)
 		if err != nil {
@@ -230,6 +234,11 @@ func (c *Conn) PostRaw(path string, body []byte) ([]byte, error) {
 		c.req = append(c.req, c.token...)
 		c.req = append(c.req, "\r\n"...)
 	}
+	if c.Accept != "" {
+		c.req = append(c.req, "Accept: "...)
+		c.req = append(c.req, c.Accept...)
+		c.req = append(c.req, "\r\n"...)
+	}
 	c.req = append(c.req, "Content-Length: "...)
 	c.req = strconv.AppendInt(c.req, int64(len(body)), 10)
 	c.req = append(c.req, "\r\n\r\n"...)
@@ -242,9 +251,12 @@ func (c *Conn) PostRaw(path string, body []byte) ([]byte, error) {
 	return raw, err
 }
 
+// MediaType is the Content-Type of the answer PostRaw returned last.
+func (c *Conn) MediaType() []byte { return c.mediaType }
+
 // exchange writes the request and reads one answer: the status line, the
-// three headers that frame it (Content-Length, Transfer-Encoding,
-// Connection) and its body. closing says the server will close the
+// headers that frame it (Content-Length, Transfer-Encoding, Connection),
+// its Content-Type and its body. closing says the server will close the
 // connection.
 func (c *Conn) exchange() (raw []byte, closing bool, err error) {
 	_ = c.c.SetDeadline(time.Now().Add(10 * time.Second))
@@ -284,6 +296,8 @@ func (c *Conn) exchange() (raw []byte, closing bool, err error) {
 				return nil, false, fmt.Errorf("unsupported Transfer-Encoding %q", v)
 			}
 			chunked = true
+		case bytes.EqualFold(k, []byte("Content-Type")):
+			c.mediaType = append(c.mediaType[:0], v...)
 		case bytes.EqualFold(k, []byte("Connection")):
 			closing = bytes.EqualFold(v, []byte("close"))
 		}
@@ -382,12 +396,21 @@ type checker struct {
 	refs []atomic.Pointer[[]byte]
 }
 
-func (k *checker) check(p int, raw []byte) error {
+func (k *checker) check(p int, raw, mediaType []byte) error {
 	if ref := k.refs[p].Load(); ref != nil && bytes.Equal(*ref, raw) {
 		return nil
 	}
 	var ans api.RouteAnswer
-	if err := json.Unmarshal(raw, &ans); err != nil {
+	if string(mediaType) == api.MediaRouteCompact {
+		var ca api.CompactRouteAnswer
+		err := json.Unmarshal(raw, &ca)
+		if err == nil {
+			ans, err = ca.Expand()
+		}
+		if err != nil {
+			return err
+		}
+	} else if err := json.Unmarshal(raw, &ans); err != nil {
 		return err
 	}
 	if err := k.s.Check(p, ans); err != nil {
@@ -405,6 +428,9 @@ type RunConfig struct {
 	Duration    time.Duration // 0: no time bound
 	Progress    func(done int64, elapsed time.Duration)
 	ProgressGap time.Duration
+	// Accept is the route queries' Accept header: api.MediaRouteCompact
+	// for the compact answer the filter's client asks for, "" for JSON.
+	Accept string
 }
 
 // Result of a load run.
@@ -474,7 +500,7 @@ func (s Scenario) Run(ctx context.Context, c *Client, cfg RunConfig) (Result, er
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			cn := &Conn{addr: u.Host, token: c.Token}
+			cn := &Conn{addr: u.Host, token: c.Token, Accept: cfg.Accept}
 			defer cn.Close()
 			lat := make([]time.Duration, 0, 1024)
 			var errs int
@@ -492,7 +518,7 @@ func (s Scenario) Run(ctx context.Context, c *Client, cfg RunConfig) (Result, er
 					break // the time bound cut this request short: not a server error
 				}
 				if err == nil {
-					err = chk.check(p, raw)
+					err = chk.check(p, raw, cn.MediaType())
 				}
 				if err != nil {
 					errs++

@@ -85,19 +85,41 @@ func TestCheckerChecksEveryAnswer(t *testing.T) {
 		t.Fatal(err)
 	}
 	good := string(raw)
-	if err := chk.check(3, raw); err != nil {
+	if err := chk.check(3, raw, nil); err != nil {
 		t.Fatalf("a right answer fails: %v", err)
 	}
-	if err := chk.check(3, []byte(good)); err != nil {
+	if err := chk.check(3, []byte(good), nil); err != nil {
 		t.Fatalf("the same answer again fails: %v", err)
 	}
 	// One host's load left out: still valid JSON, no longer the scenario.
 	i := strings.Index(good, `"10.0.0.2:8000":`)
 	j := i + strings.Index(good[i:], "},") + 2
-	if err := chk.check(3, []byte(good[:i]+good[j:])); err == nil {
+	if err := chk.check(3, []byte(good[:i]+good[j:]), nil); err == nil {
 		t.Fatal("an answer lacking a host's load passes")
 	}
-	if err := chk.check(3, []byte(`{"load":{}`)); err == nil {
+	if err := chk.check(3, []byte(`{"load":{}`), nil); err == nil {
 		t.Fatal("a truncated answer passes")
+	}
+
+	// The compact answer, checked the same way.
+	c.Accept = api.MediaRouteCompact
+	if raw, err = c.PostRaw(api.PathRouteQuery, bodies[5]); err != nil {
+		t.Fatal(err)
+	}
+	if string(c.MediaType()) != api.MediaRouteCompact {
+		t.Fatalf("answer served as %q", c.MediaType())
+	}
+	good = string(raw)
+	if err := chk.check(5, raw, c.MediaType()); err != nil {
+		t.Fatalf("a right compact answer fails: %v", err)
+	}
+	if err := chk.check(5, []byte(good), c.MediaType()); err != nil {
+		t.Fatalf("the same compact answer again fails: %v", err)
+	}
+	// The last host's load triple left out.
+	i = strings.LastIndex(good, "]")
+	j = strings.LastIndex(good[:strings.LastIndex(good[:strings.LastIndex(good[:i], ",")], ",")], ",")
+	if err := chk.check(5, []byte(good[:j]+good[i:]), c.MediaType()); err == nil {
+		t.Fatalf("a compact answer lacking a host's load passes: %s", good[:j]+good[i:])
 	}
 }
