@@ -16,6 +16,7 @@ import (
 	"net"
 	"net/http"
 	"net/url"
+	"strings"
 	"sync/atomic"
 	"time"
 
@@ -269,7 +270,7 @@ func (c *Client) do(ctx context.Context, op, method, path string, in, out any) e
 	if out == nil {
 		return nil
 	}
-	if route && resp.Header.Get("Content-Type") == api.MediaRouteCompact {
+	if mt, _, _ := strings.Cut(resp.Header.Get("Content-Type"), ";"); route && strings.TrimSpace(mt) == api.MediaRouteCompact {
 		var ca api.CompactRouteAnswer
 		err := json.Unmarshal(data, &ca)
 		if err == nil {

@@ -100,9 +100,9 @@ func appendRoute(b []byte, a api.RouteAnswer) []byte {
 }
 
 // appendCompactRoute writes a as api.CompactRouteAnswer. The cache's
-// hosts come first, in the cache's order, so its lengths need no index;
-// then the hosts that only have load, sorted, so that answers are
-// deterministic (a cache host has no other entry to sort by).
+// hosts come first, in the cache's order (itself deterministic), so its
+// lengths need no index; then the hosts that only have load, sorted, so
+// that the same answer is always the same bytes.
 func appendCompactRoute(b []byte, a api.RouteAnswer) []byte {
 	b = append(b, `{"hosts":[`...)
 	for i, l := range a.Cache {
