@@ -8,6 +8,7 @@ import (
 	"log/slog"
 	"net/http"
 	"net/http/httptest"
+	"reflect"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -239,4 +240,63 @@ func b2i(b bool) int64 {
 		return 1
 	}
 	return 0
+}
+
+// Route asks for the compact answer and reads it; against a metadata
+// center that predates it (which ignores the Accept header) it reads the
+// JSON answer. Both give the same RouteAnswer.
+func TestRouteCompactAndOlderCenter(t *testing.T) {
+	srv := server.New(memstore.New(memstore.Options{}), server.Options{Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
+	var mu sync.Mutex
+	var served []string // Content-Type of each route answer
+	record := func(older bool) http.Handler {
+		return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			if older {
+				r.Header.Del("Accept")
+			}
+			srv.Handler().ServeHTTP(w, r)
+			if r.URL.Path == api.PathRouteQuery {
+				mu.Lock()
+				served = append(served, w.Header().Get("Content-Type"))
+				mu.Unlock()
+			}
+		})
+	}
+	current, older := httptest.NewServer(record(false)), httptest.NewServer(record(true))
+	defer current.Close()
+	defer older.Close()
+	ctx := context.Background()
+	const cluster = "outbound|8000||qwen"
+	c := newClient(t, current.URL, "", time.Second)
+	long := hashes("the quick brown fox jumps over the lazy dog, twice over")
+	for i := range 5 {
+		host := fmt.Sprintf("10.0.0.%d:8000", i+1)
+		if i < 4 { // one host has a cache entry and no load
+			if err := c.AddRequest(ctx, api.AddRequest{Cluster: cluster, Host: host, RequestID: "r", PromptLength: int64(100 * i)}); err != nil {
+				t.Fatal(err)
+			}
+		}
+		if i > 1 {
+			if err := c.SaveCache(ctx, api.CacheSave{Cluster: cluster, Host: host, Hashes: long[:i-1]}); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	got, err := c.Route(ctx, cluster, long)
+	if err != nil {
+		t.Fatal(err)
+	}
+	want, err := newClient(t, older.URL, "", time.Second).Route(ctx, cluster, long)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if fmt.Sprint(served) != "["+api.MediaRouteCompact+" application/json]" {
+		t.Fatalf("answers served as %v, want compact then JSON", served)
+	}
+	if len(want.Load) != 4 || len(want.Cache) != 3 || want.Cache[0].Length != 3 {
+		t.Fatalf("JSON answer %+v: not the state saved", want)
+	}
+	if !reflect.DeepEqual(got, want) {
+		t.Fatalf("compact answer %+v, JSON answer %+v", got, want)
+	}
 }

@@ -99,6 +99,83 @@ func appendRoute(b []byte, a api.RouteAnswer) []byte {
 	return append(b, '}')
 }
 
+// appendCompactRoute writes a as api.CompactRouteAnswer. The cache's
+// hosts come first, in the cache's order (itself deterministic), so its
+// lengths need no index; then the hosts that only have load, sorted, so
+// that the same answer is always the same bytes.
+func appendCompactRoute(b []byte, a api.RouteAnswer) []byte {
+	b = append(b, `{"hosts":[`...)
+	for i, l := range a.Cache {
+		if i > 0 {
+			b = append(b, ',')
+		}
+		b = appendString(b, l.Host)
+	}
+	var only []string // hosts with load and no cache entry
+	inCache := 0
+	for _, l := range a.Cache {
+		if _, ok := a.Load[l.Host]; ok {
+			inCache++
+		}
+	}
+	if inCache < len(a.Load) {
+		cached := make(map[string]bool, len(a.Cache))
+		for _, l := range a.Cache {
+			cached[l.Host] = true
+		}
+		for h := range a.Load {
+			if !cached[h] {
+				only = append(only, h)
+			}
+		}
+		slices.Sort(only)
+	}
+	for i, h := range only {
+		if i > 0 || len(a.Cache) > 0 {
+			b = append(b, ',')
+		}
+		b = appendString(b, h)
+	}
+	b = append(b, `],"cache":[`...)
+	for i, l := range a.Cache {
+		if i > 0 {
+			b = append(b, ',')
+		}
+		b = strconv.AppendInt(b, int64(l.Length), 10)
+	}
+	b = append(b, `],"load":[`...)
+	n := 0
+	triple := func(i int, st api.EndpointStats) {
+		if n > 0 {
+			b = append(b, ',')
+		}
+		n++
+		b = strconv.AppendInt(b, int64(i), 10)
+		b = append(b, ',')
+		b = strconv.AppendInt(b, st.TotalReqs, 10)
+		b = append(b, ',')
+		b = strconv.AppendInt(b, st.PromptLength, 10)
+	}
+	for i, l := range a.Cache {
+		if st, ok := a.Load[l.Host]; ok {
+			triple(i, st)
+		}
+	}
+	for i, h := range only {
+		triple(len(a.Cache)+i, a.Load[h])
+	}
+	b = append(b, ']')
+	if len(a.Signals) > 0 {
+		b = append(b, `,"signals":`...)
+		b = appendSignals(b, a.Signals)
+	}
+	if len(a.Pods) > 0 {
+		b = append(b, `,"pods":`...)
+		b = appendPods(b, a.Pods)
+	}
+	return append(b, '}')
+}
+
 // appendSignals writes host -> signals.
 func appendSignals(b []byte, m map[string]api.PodSignals) []byte {
 	return appendObject(b, m, func(b []byte, sig api.PodSignals) []byte {

@@ -4,7 +4,9 @@ import (
 	"bytes"
 	"encoding/json"
 	"fmt"
+	"maps"
 	"math/rand/v2"
+	"reflect"
 	"slices"
 	"testing"
 
@@ -51,6 +53,68 @@ func TestEncodeMatchesEncodingJSON(t *testing.T) {
 			if got := appendLocations(nil, a.Cache); !bytes.Equal(got, want) {
 				t.Fatalf("appendLocations = %s, want %s", got, want)
 			}
+		}
+	}
+}
+
+// TestCompactRouteRoundTrip: the compact answer expands to exactly the
+// answer it encodes, whatever overlap of load and cache hosts, and is the
+// same bytes whatever the load map's iteration order.
+func TestCompactRouteRoundTrip(t *testing.T) {
+	r := rand.New(rand.NewPCG(3, 4))
+	hosts := []string{"10.0.0.1:8000", "10.0.0.2:8000", "[fd00::1]:80", "255.255.255.255:65535", `odd"host\`, "tab\there", "<b>&é", "10.0.1.9:8000"}
+	for i := 0; i < 500; i++ {
+		a := api.RouteAnswer{Load: api.LoadStats{}, Cache: []api.CacheLocation{}}
+		for n := r.IntN(len(hosts) + 1); n > 0; n-- {
+			a.Load[hosts[r.IntN(len(hosts))]] = api.EndpointStats{TotalReqs: r.Int64N(1 << 40), PromptLength: r.Int64() - 1<<62}
+		}
+		for _, k := range r.Perm(len(hosts))[:r.IntN(len(hosts)+1)] { // a host is in the cache once
+			a.Cache = append(a.Cache, api.CacheLocation{Host: hosts[k], Length: r.IntN(5000)})
+		}
+		if i%3 == 0 {
+			a.Signals = map[string]api.PodSignals{hosts[r.IntN(len(hosts))]: {Waiting: 1, Running: 2, KVCacheUtil: 0.5, PrefillTokens: 7, AgeMS: 3}}
+			a.Pods = map[string]api.PodLabels{hosts[r.IntN(len(hosts))]: {Labels: map[string]string{"pool": "gold"}, Adapters: []string{"sql"}}}
+		}
+		raw := appendCompactRoute(nil, a)
+		var ca api.CompactRouteAnswer
+		if err := json.Unmarshal(raw, &ca); err != nil {
+			t.Fatalf("%s: %v", raw, err)
+		}
+		got, err := ca.Expand()
+		if err != nil {
+			t.Fatalf("%s: %v", raw, err)
+		}
+		if !reflect.DeepEqual(got, a) {
+			t.Fatalf("%s expands to %+v, want %+v", raw, got, a)
+		}
+		for range 3 { // the same answer in another map: same bytes
+			b := a
+			b.Load = maps.Clone(a.Load)
+			if again := appendCompactRoute(nil, b); !bytes.Equal(again, raw) {
+				t.Fatalf("compact answer not deterministic: %s vs %s", again, raw)
+			}
+		}
+	}
+	if raw := appendCompactRoute(nil, api.RouteAnswer{Load: api.LoadStats{}, Cache: []api.CacheLocation{}}); string(raw) != `{"hosts":[],"cache":[],"load":[]}` {
+		t.Fatalf("empty compact answer %s", raw)
+	}
+}
+
+// Expand refuses what no server writes instead of answering a wrong load.
+func TestCompactRouteExpandRejects(t *testing.T) {
+	for _, raw := range []string{
+		`{"hosts":["a"],"cache":[1,2],"load":[]}`,
+		`{"hosts":["a"],"cache":[],"load":[0,1]}`,
+		`{"hosts":["a"],"cache":[],"load":[1,1,1]}`,
+		`{"hosts":["a"],"cache":[],"load":[-1,1,1]}`,
+		`{"hosts":["a"],"cache":[],"load":[0,1,1,0,2,2]}`,
+	} {
+		var ca api.CompactRouteAnswer
+		if err := json.Unmarshal([]byte(raw), &ca); err != nil {
+			t.Fatal(err)
+		}
+		if a, err := ca.Expand(); err == nil {
+			t.Errorf("%s expands to %+v", raw, a)
 		}
 	}
 }

@@ -42,6 +42,7 @@ import (
 	"github.com/gin-gonic/gin"
 	"github.com/redis/go-redis/v9"
 
+	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/api"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/internal/routeload"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/server"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/store"
@@ -62,6 +63,7 @@ func main() {
 
 type config struct {
 	addr, token, stores, redisAddr, redisPrefix string
+	answer, accept                              string
 	concurrency, requests, hosts, blocks        int
 	duration, warmup, progress                  time.Duration
 	populate                                    bool
@@ -85,6 +87,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	fs.DurationVar(&c.duration, "duration", 30*time.Second, "stop after this long (0: no time bound)")
 	fs.DurationVar(&c.warmup, "warmup", 2*time.Second, "unmeasured run before each measurement")
 	fs.DurationVar(&c.progress, "progress", 2*time.Second, "progress line interval (0: none)")
+	fs.StringVar(&c.answer, "answer", "compact", "route answer form to ask for: compact (what the filter's client asks for) or json")
 	fs.IntVar(&c.hosts, "hosts", 64, "hosts in the scenario")
 	fs.IntVar(&c.blocks, "blocks", 64, "hashes per prompt")
 	fs.BoolVar(&c.populate, "populate", true, "fill the index and leases before measuring")
@@ -113,6 +116,13 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	}
 	if c.requests <= 0 && c.duration <= 0 {
 		return errors.New("give --requests or --duration: the run must be bounded")
+	}
+	switch c.answer {
+	case "compact":
+		c.accept = api.MediaRouteCompact
+	case "json":
+	default:
+		return fmt.Errorf("--answer: want compact or json, got %q", c.answer)
 	}
 	sc := routeload.Default()
 	sc.Hosts, sc.Blocks = c.hosts, c.blocks
@@ -180,7 +190,7 @@ func measure(ctx context.Context, stdout io.Writer, c config, sc routeload.Scena
 		}
 	}
 	if c.warmup > 0 {
-		if _, err := sc.Run(ctx, cl, routeload.RunConfig{Concurrency: c.concurrency, Duration: c.warmup}); err != nil {
+		if _, err := sc.Run(ctx, cl, routeload.RunConfig{Concurrency: c.concurrency, Duration: c.warmup, Accept: c.accept}); err != nil {
 			return err
 		}
 	}
@@ -199,7 +209,7 @@ func measure(ctx context.Context, stdout io.Writer, c config, sc routeload.Scena
 		defer pprof.StopCPUProfile()
 	}
 	res, err := sc.Run(ctx, cl, routeload.RunConfig{
-		Concurrency: c.concurrency, Requests: c.requests, Duration: c.duration, ProgressGap: c.progress,
+		Concurrency: c.concurrency, Requests: c.requests, Duration: c.duration, ProgressGap: c.progress, Accept: c.accept,
 		Progress: func(done int64, el time.Duration) {
 			fmt.Fprintf(stdout, "  %s: %d requests in %.1fs (%.0f/s)\n", label, done, el.Seconds(), float64(done)/el.Seconds())
 		},

@@ -345,13 +345,16 @@ func parseLoad(reqs, prompts any) (api.LoadStats, error) {
 // all reached groupLen, then "host\tlength\t..." for the hosts that went
 // further, whose entry replaces their group entry.
 func parseLocations(group, groupLen, rest any) ([]api.CacheLocation, error) {
-	out := make([]api.CacheLocation, 0, 16)
+	g, ok1 := group.(string)
+	// One record per ';' of the group, one pair per two tabs of the rest:
+	// sized at once, not grown by doubling through a 64-host group.
+	r, _ := rest.(string)
+	out := make([]api.CacheLocation, 0, strings.Count(g, ";")+strings.Count(r, "\t")/2+1)
 	err := pairs(rest, func(host string, n int64) error {
 		out = append(out, api.CacheLocation{Host: host, Length: int(n)})
 		return nil
 	})
 	further := len(out)
-	g, ok1 := group.(string)
 	gl, ok2 := groupLen.(int64)
 	if err == nil && (!ok1 || !ok2) {
 		err = fmt.Errorf("unexpected group %T/%T", group, groupLen)
