@@ -88,15 +88,7 @@ func appendRoute(b []byte, a api.RouteAnswer) []byte {
 	} else {
 		b = appendLocations(b, a.Cache)
 	}
-	if len(a.Signals) > 0 {
-		b = append(b, `,"signals":`...)
-		b = appendSignals(b, a.Signals)
-	}
-	if len(a.Pods) > 0 {
-		b = append(b, `,"pods":`...)
-		b = appendPods(b, a.Pods)
-	}
-	return append(b, '}')
+	return appendRouteTail(b, a)
 }
 
 // appendCompactRoute writes a as api.CompactRouteAnswer. The cache's
@@ -165,6 +157,12 @@ func appendCompactRoute(b []byte, a api.RouteAnswer) []byte {
 		triple(len(a.Cache)+i, a.Load[h])
 	}
 	b = append(b, ']')
+	return appendRouteTail(b, a)
+}
+
+// appendRouteTail writes what both forms of a route answer end with: the
+// signals and pods (left out when empty) and the closing brace.
+func appendRouteTail(b []byte, a api.RouteAnswer) []byte {
 	if len(a.Signals) > 0 {
 		b = append(b, `,"signals":`...)
 		b = appendSignals(b, a.Signals)
