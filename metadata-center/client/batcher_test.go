@@ -16,12 +16,10 @@ import (
 	"testing"
 	"time"
 
-	"github.com/istio-llm-filter/istio-llm-filter/internal/testutil/redistest"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/api"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/server"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/store"
-	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/store/memstore"
-	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/store/redisstore"
+	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/store/storetest"
 )
 
 func centerOn(t *testing.T, st store.Store) *httptest.Server {
@@ -54,9 +52,9 @@ func batchCalls(t *testing.T, base string) int {
 // up deleted — a done that overtook its add would leave one behind — every
 // save lands, and the updates travel in far fewer calls than one each.
 func TestBatcherLifecyclesAgainstMetadataCenter(t *testing.T) {
-	for name, mk := range stores() {
-		t.Run(name, func(t *testing.T) {
-			ts := centerOn(t, mk(t))
+	for _, st := range storetest.Stores() {
+		t.Run(st.Name, func(t *testing.T) {
+			ts := centerOn(t, st.New(t))
 			c := newClient(t, ts.URL, "", time.Second)
 			var failed, results atomic.Int64
 			b := NewBatcher(c, BatcherOptions{
@@ -122,31 +120,15 @@ func TestBatcherLifecyclesAgainstMetadataCenter(t *testing.T) {
 	}
 }
 
-// stores makes the metadata center's two stores.
-func stores() map[string]func(t *testing.T) store.Store {
-	return map[string]func(t *testing.T) store.Store{
-		"memory": func(t *testing.T) store.Store { return memstore.New(memstore.Options{}) },
-		"redis": func(t *testing.T) store.Store {
-			srv := redistest.Shared(t)
-			st, err := redisstore.New(redisstore.Options{Addr: srv.Addr, KeyPrefix: srv.Prefix})
-			if err != nil {
-				t.Fatal(err)
-			}
-			t.Cleanup(func() { _ = st.Close() })
-			return st
-		},
-	}
-}
-
 // TestBatcherSaveLandingAfterAnEvictionStaysOut: a routing-time save that
 // waits in the batcher while the pod serves the request and reports a
 // later eviction of part of it is dated back to when it was queued, so
 // landing last it does not bring the evicted blocks back; a save queued
 // after the eviction lands as usual.
 func TestBatcherSaveLandingAfterAnEvictionStaysOut(t *testing.T) {
-	for name, mk := range stores() {
-		t.Run(name, func(t *testing.T) {
-			ts := centerOn(t, mk(t))
+	for _, st := range storetest.Stores() {
+		t.Run(st.Name, func(t *testing.T) {
+			ts := centerOn(t, st.New(t))
 			c := newClient(t, ts.URL, "", time.Second)
 			b := NewBatcher(c, BatcherOptions{Window: 300 * time.Millisecond})
 			defer b.Close(5 * time.Second)

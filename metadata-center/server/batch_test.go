@@ -5,32 +5,17 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/istio-llm-filter/istio-llm-filter/internal/testutil/redistest"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/api"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/server"
-	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/store"
-	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/store/memstore"
-	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/store/redisstore"
+	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/store/storetest"
 )
 
 // TestBatch drives POST /v1/batch on both stores: ordered application,
 // the single calls' semantics, all-or-nothing validation with the index of
 // the bad op, and the learned chunk size.
 func TestBatch(t *testing.T) {
-	stores := map[string]func(t *testing.T) store.Store{
-		"memory": func(t *testing.T) store.Store { return memstore.New(memstore.Options{}) },
-		"redis": func(t *testing.T) store.Store {
-			srv := redistest.Shared(t)
-			st, err := redisstore.New(redisstore.Options{Addr: srv.Addr, KeyPrefix: srv.Prefix})
-			if err != nil {
-				t.Fatal(err)
-			}
-			t.Cleanup(func() { _ = st.Close() })
-			return st
-		},
-	}
-	for name, mk := range stores {
-		t.Run(name, func(t *testing.T) { testBatch(t, serve(t, mk(t), server.Options{})) })
+	for _, st := range storetest.Stores() {
+		t.Run(st.Name, func(t *testing.T) { testBatch(t, serve(t, st.New(t), server.Options{})) })
 	}
 }
 

@@ -13,13 +13,10 @@ import (
 	"testing"
 	"time"
 
-	"github.com/istio-llm-filter/istio-llm-filter/internal/testutil/redistest"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/api"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/internal/routeload"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/server"
-	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/store"
-	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/store/memstore"
-	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/store/redisstore"
+	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/store/storetest"
 	"github.com/istio-llm-filter/istio-llm-filter/prefix"
 )
 
@@ -48,24 +45,9 @@ func BenchmarkRouteQueryWithSignals(b *testing.B) {
 }
 
 func benchRoute(b *testing.B, sc routeload.Scenario, withHTTP bool, withSignals ...bool) {
-	stores := []struct {
-		name string
-		mk   func(b *testing.B) store.Store
-	}{
-		{"memory", func(b *testing.B) store.Store { return memstore.New(memstore.Options{}) }},
-		{"redis", func(b *testing.B) store.Store {
-			srv := redistest.Shared(b)
-			st, err := redisstore.New(redisstore.Options{Addr: srv.Addr, KeyPrefix: srv.Prefix})
-			if err != nil {
-				b.Fatal(err)
-			}
-			b.Cleanup(func() { _ = st.Close() })
-			return st
-		}},
-	}
-	for _, s := range stores {
-		b.Run(s.name+"/store", func(b *testing.B) {
-			st := s.mk(b)
+	for _, s := range storetest.Stores() {
+		b.Run(s.Name+"/store", func(b *testing.B) {
+			st := s.New(b)
 			if err := sc.Populate(context.Background(), st); err != nil {
 				b.Fatal(err)
 			}
@@ -132,8 +114,8 @@ func benchRoute(b *testing.B, sc routeload.Scenario, withHTTP bool, withSignals 
 		if !withHTTP {
 			continue
 		}
-		b.Run(s.name+"/http", func(b *testing.B) {
-			st := s.mk(b)
+		b.Run(s.Name+"/http", func(b *testing.B) {
+			st := s.New(b)
 			ts := httptest.NewServer(server.New(st, server.Options{Logger: slog.New(slog.NewTextHandler(io.Discard, nil))}).Handler())
 			defer ts.Close()
 			const conc = 64

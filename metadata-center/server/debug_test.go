@@ -5,36 +5,21 @@ import (
 	"reflect"
 	"testing"
 
-	"github.com/istio-llm-filter/istio-llm-filter/internal/testutil/redistest"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/api"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/server"
-	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/store"
-	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/store/memstore"
-	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/store/redisstore"
+	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/store/storetest"
 )
 
 // TestDebugCacheIndex lists the index through the real handler after saves
 // and evictions made through the API, on both stores, and checks the
 // listing is guarded like the rest of the API.
 func TestDebugCacheIndex(t *testing.T) {
-	stores := map[string]func(t *testing.T) store.Store{
-		"memory": func(t *testing.T) store.Store { return memstore.New(memstore.Options{}) },
-		"redis": func(t *testing.T) store.Store {
-			srv := redistest.Shared(t)
-			st, err := redisstore.New(redisstore.Options{Addr: srv.Addr, KeyPrefix: srv.Prefix + "-debugindex"})
-			if err != nil {
-				t.Fatal(err)
-			}
-			t.Cleanup(func() { _ = st.Close() })
-			return st
-		},
-	}
 	const a, b = "10.0.0.1:8000", "10.0.0.2:8000"
 	h := []string{"00000000000000a1", "00000000000000a2", "00000000000000b1"}
 	path := api.PathDebugCacheIndex + "?cluster=" + url.QueryEscape(cl)
-	for name, mk := range stores {
-		t.Run(name, func(t *testing.T) {
-			c := serve(t, mk(t), server.Options{AuthToken: "s3cret"})
+	for _, st := range storetest.Stores() {
+		t.Run(st.Name, func(t *testing.T) {
+			c := serve(t, st.New(t), server.Options{AuthToken: "s3cret"})
 			index := func() map[string][]string {
 				var got map[string][]string
 				c.ok("GET", path, nil, &got)

@@ -4,12 +4,9 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/istio-llm-filter/istio-llm-filter/internal/testutil/redistest"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/api"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/server"
-	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/store"
-	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/store/memstore"
-	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/store/redisstore"
+	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/store/storetest"
 )
 
 // TestPodRegistrations: a registration riding on a signal report is
@@ -17,21 +14,9 @@ import (
 // and by GET /v1/pods (everything, with the time left); a report without
 // one leaves it alone; bad registrations get 400 in the error format.
 func TestPodRegistrations(t *testing.T) {
-	srv := redistest.Shared(t)
-	stores := map[string]func(t *testing.T) store.Store{
-		"memory": func(t *testing.T) store.Store { return memstore.New(memstore.Options{}) },
-		"redis": func(t *testing.T) store.Store {
-			st, err := redisstore.New(redisstore.Options{Addr: srv.Addr, KeyPrefix: srv.Prefix + "-podreg-" + t.Name()})
-			if err != nil {
-				t.Fatal(err)
-			}
-			t.Cleanup(func() { _ = st.Close() })
-			return st
-		},
-	}
-	for name, mk := range stores {
-		t.Run(name, func(t *testing.T) {
-			c := serve(t, mk(t), server.Options{})
+	for _, st := range storetest.Stores() {
+		t.Run(st.Name, func(t *testing.T) {
+			c := serve(t, st.New(t), server.Options{})
 			const a, b = "10.0.0.1:8000", "10.0.0.2:8000"
 			reg := &api.PodRegistration{Models: []string{"tiny"}, Labels: map[string]string{"pool": "gold"}, Adapters: []string{"sql"}, TTLMS: 60_000}
 			c.ok("POST", api.PathPodSignals, api.PodReport{Cluster: cl, Host: "10.0.0.1:08000", Running: 1, Register: reg}, nil)

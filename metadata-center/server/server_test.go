@@ -203,20 +203,8 @@ func TestPodSignals(t *testing.T) {
 // TestAPI drives every endpoint through the real handler on a real
 // listener, against both stores.
 func TestAPI(t *testing.T) {
-	stores := map[string]func(t *testing.T) store.Store{
-		"memory": func(t *testing.T) store.Store { return memstore.New(memstore.Options{}) },
-		"redis": func(t *testing.T) store.Store {
-			srv := redistest.Shared(t)
-			st, err := redisstore.New(redisstore.Options{Addr: srv.Addr, KeyPrefix: srv.Prefix})
-			if err != nil {
-				t.Fatal(err)
-			}
-			t.Cleanup(func() { _ = st.Close() })
-			return st
-		},
-	}
-	for name, mk := range stores {
-		t.Run(name, func(t *testing.T) { testAPI(t, serve(t, mk(t), server.Options{})) })
+	for _, st := range storetest.Stores() {
+		t.Run(st.Name, func(t *testing.T) { testAPI(t, serve(t, st.New(t), server.Options{})) })
 	}
 }
 
@@ -224,21 +212,9 @@ func TestAPI(t *testing.T) {
 // before the save) leaves a newer save; a retraction withdraws only its
 // own save, singly and in a batch.
 func TestVersionsHTTP(t *testing.T) {
-	stores := map[string]func(t *testing.T) store.Store{
-		"memory": func(t *testing.T) store.Store { return memstore.New(memstore.Options{}) },
-		"redis": func(t *testing.T) store.Store {
-			srv := redistest.Shared(t)
-			st, err := redisstore.New(redisstore.Options{Addr: srv.Addr, KeyPrefix: srv.Prefix + "-versions"})
-			if err != nil {
-				t.Fatal(err)
-			}
-			t.Cleanup(func() { _ = st.Close() })
-			return st
-		},
-	}
-	for name, mk := range stores {
-		t.Run(name, func(t *testing.T) {
-			c := serve(t, mk(t), server.Options{})
+	for _, st := range storetest.Stores() {
+		t.Run(st.Name, func(t *testing.T) {
+			c := serve(t, st.New(t), server.Options{})
 			const a, b = "10.0.0.1:8000", "10.0.0.2:8000"
 			query := func(hs []string) []api.CacheLocation {
 				var locs []api.CacheLocation
