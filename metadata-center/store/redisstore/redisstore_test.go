@@ -69,6 +69,7 @@ func TestKeyLayout(t *testing.T) {
 		st.AddLease(ctx, cluster, host, "r2", 10),
 		st.FirstToken(ctx, cluster, host, "r2"),
 		st.SaveCache(ctx, cluster, host, hs),
+		st.EvictCacheBefore(ctx, cluster, host, []prefix.Hash{9}, time.Now().UnixMilli()), // remembered: the x: set
 	} {
 		if err != nil {
 			t.Fatal(err)
@@ -87,7 +88,7 @@ func TestKeyLayout(t *testing.T) {
 	want := map[string]bool{
 		tag + ":lx": true, tag + ":lp": true, tag + ":lr": true, tag + ":lq": true,
 		tag + ":px": true, tag + ":pxt": true,
-		tag + ":e:" + host: true, tag + ":v:" + host: true, tag + ":hosts": true,
+		tag + ":e:" + host: true, tag + ":v:" + host: true, tag + ":x:" + host: true, tag + ":hosts": true,
 		"{" + srv.Prefix + "}:clusters": true,
 	}
 	for _, k := range got {
