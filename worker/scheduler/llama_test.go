@@ -215,8 +215,17 @@ func TestLlamaParkedEntriesLeaveTheKVCacheFree(t *testing.T) {
 		t.Fatal("nothing parked after four completed requests")
 	}
 	// The router hears of the cells really in use: none, all are parked.
-	if st := s.Stats(); st.KVCellsUsed != 0 {
-		t.Fatalf("KV cells in use with only parked entries: %d, want 0", st.KVCellsUsed)
+	// Stats are published by the loop after each step, so the last
+	// request's answer can reach us before the step that parked it is
+	// published (TestStatsReportPrefillAndKVCells waits the same way).
+	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(5 * time.Millisecond) {
+		st := s.Stats()
+		if st.KVCellsUsed == 0 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("KV cells in use with only parked entries: %d, want 0", st.KVCellsUsed)
+		}
 	}
 	out, res := collect(t, s, &Request{ID: "again", Prompt: prompt0, MaxTokens: 8, IgnoreEOS: true})
 	if res.State != Completed || res.CachedTokens != len(prompt0)-1 || !slices.Equal(out, first) {
