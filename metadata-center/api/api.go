@@ -6,7 +6,11 @@
 // the filter's chained murmur3 values in their 16-lowercase-hex wire form.
 package api
 
-import "fmt"
+import (
+	"encoding/json"
+	"fmt"
+	"strings"
+)
 
 // Paths of the v1 API.
 const (
@@ -166,6 +170,23 @@ type CompactRouteAnswer struct {
 	Load    []int64               `json:"load"`
 	Signals map[string]PodSignals `json:"signals,omitempty"`
 	Pods    map[string]PodLabels  `json:"pods,omitempty"`
+}
+
+// DecodeRouteAnswer reads a route answer in the form its Content-Type
+// names: CompactRouteAnswer for MediaRouteCompact (parameters ignored),
+// RouteAnswer's JSON otherwise.
+func DecodeRouteAnswer(contentType string, raw []byte) (RouteAnswer, error) {
+	mt, _, _ := strings.Cut(contentType, ";")
+	if strings.TrimSpace(mt) != MediaRouteCompact {
+		var a RouteAnswer
+		err := json.Unmarshal(raw, &a)
+		return a, err
+	}
+	var c CompactRouteAnswer
+	if err := json.Unmarshal(raw, &c); err != nil {
+		return RouteAnswer{}, err
+	}
+	return c.Expand()
 }
 
 // Expand returns the RouteAnswer c stands for.

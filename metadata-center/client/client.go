@@ -16,7 +16,6 @@ import (
 	"net"
 	"net/http"
 	"net/url"
-	"strings"
 	"sync/atomic"
 	"time"
 
@@ -270,18 +269,12 @@ func (c *Client) do(ctx context.Context, op, method, path string, in, out any) e
 	if out == nil {
 		return nil
 	}
-	if mt, _, _ := strings.Cut(resp.Header.Get("Content-Type"), ";"); route && strings.TrimSpace(mt) == api.MediaRouteCompact {
-		var ca api.CompactRouteAnswer
-		err := json.Unmarshal(data, &ca)
-		if err == nil {
-			*out.(*api.RouteAnswer), err = ca.Expand()
-		}
-		if err != nil {
-			return fmt.Errorf("metadata center %s: bad answer: %w", op, err)
-		}
-		return nil
+	if route {
+		*out.(*api.RouteAnswer), err = api.DecodeRouteAnswer(resp.Header.Get("Content-Type"), data)
+	} else {
+		err = json.Unmarshal(data, out)
 	}
-	if err := json.Unmarshal(data, out); err != nil {
+	if err != nil {
 		return fmt.Errorf("metadata center %s: bad answer: %w", op, err)
 	}
 	return nil

@@ -400,17 +400,8 @@ func (k *checker) check(p int, raw, mediaType []byte) error {
 	if ref := k.refs[p].Load(); ref != nil && bytes.Equal(*ref, raw) {
 		return nil
 	}
-	var ans api.RouteAnswer
-	if string(mediaType) == api.MediaRouteCompact {
-		var ca api.CompactRouteAnswer
-		err := json.Unmarshal(raw, &ca)
-		if err == nil {
-			ans, err = ca.Expand()
-		}
-		if err != nil {
-			return err
-		}
-	} else if err := json.Unmarshal(raw, &ans); err != nil {
+	ans, err := api.DecodeRouteAnswer(string(mediaType), raw)
+	if err != nil {
 		return err
 	}
 	if err := k.s.Check(p, ans); err != nil {
