@@ -59,8 +59,7 @@ type outlierView struct {
 }
 
 func (v outlierView) Endpoints(cluster string) []Endpoint {
-	all := v.src.Endpoints(cluster)
-	return all[:v.o.keepHealthy(all)]
+	return v.AppendEndpoints(nil, cluster)
 }
 
 // AppendEndpoints implements Appender.

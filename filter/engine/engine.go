@@ -30,6 +30,7 @@ import (
 	"log/slog"
 	"math"
 	"net/http"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -537,17 +538,7 @@ func withoutAdapterPods(eps []endpoints.Endpoint, sels ...map[string]string) []e
 			return eps
 		}
 	}
-	n := 0
-	for i := range eps {
-		if eps[i].AdapterPod() {
-			continue
-		}
-		if n < i { // nothing is written before the first adapter pod
-			eps[n] = eps[i]
-		}
-		n++
-	}
-	return eps[:n]
+	return slices.DeleteFunc(eps, endpoints.Endpoint.AdapterPod)
 }
 
 func selectorNote(sels ...map[string]string) string {
