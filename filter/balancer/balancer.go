@@ -391,6 +391,9 @@ func (b *Balancer) Choose(cluster string, rule config.LBRule, cands []endpoints.
 	}
 	ch := Choice{Host: hosts[i], Index: i, Candidates: len(hosts)}
 	b.tracker.routed(smp, ch.Host.Address, len(hosts))
+	// The engine's prefill for the request (Begin's), as the metadata center
+	// will count it.
+	b.tracker.reserve(cluster, ch.Host.Address, int64(math.Round(float64(req.PromptLength)*(1-ch.Host.CacheRatio))))
 	clear(hosts) // do not pin endpoint addresses
 	clear(sc.state.kept[:cap(sc.state.kept)])
 	sc.hosts, sc.floats, sc.idx, sc.kept, sc.state = hosts[:0], sc.state.floats, sc.state.idx, sc.state.kept, State{}

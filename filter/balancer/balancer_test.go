@@ -8,6 +8,7 @@ import (
 	"slices"
 	"sync"
 	"testing"
+	"time"
 
 	"github.com/istio-llm-filter/istio-llm-filter/filter/config"
 	"github.com/istio-llm-filter/istio-llm-filter/filter/endpoints"
@@ -168,6 +169,7 @@ func TestTopPercentOnly(t *testing.T) {
 	for range 3000 {
 		ch, _ := b.Choose("c", rule, cands, View{Load: load}, Request{})
 		seen[ch.Host.Address]++
+		b.Tracker().Begin("c", ch.Host.Address, 0).End() // over before the next one
 	}
 	if len(seen) != 3 || seen["10.0.0.1:8000"] == 0 || seen["10.0.0.2:8000"] == 0 || seen["10.0.0.3:8000"] == 0 {
 		t.Fatalf("picks %v", seen)
@@ -237,6 +239,58 @@ func TestBurstSpreadsWithLocalInFlight(t *testing.T) {
 				t.Fatalf("%s: burst of 40 over 4 pods: %v", policy, per)
 			}
 		}
+	}
+}
+
+// A decision counts on its pod from Choose, before the caller begins the
+// request: two decisions in that gap do not pick the same idle pod. Begin
+// takes the reservation over (the pod counts once), and a decision that is
+// never begun lapses after reserveTTL.
+func TestDecisionReservesItsPodUntilBegun(t *testing.T) {
+	now := time.Unix(1000, 0)
+	b := New(Options{IntN: seededIntN(2)})
+	tr := b.Tracker()
+	tr.now = func() time.Time { return now }
+	cands := eps(2)
+	rule := seedRule
+	rule.Policy = config.PolicyLeastRequest
+	view := View{Load: api.LoadStats{}}
+	first, err := b.Choose("c", rule, cands, view, Request{PromptLength: 1000})
+	if err != nil {
+		t.Fatal(err)
+	}
+	second, err := b.Choose("c", rule, cands, view, Request{PromptLength: 1000})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if first.Host.Address == second.Host.Address {
+		t.Fatalf("both decisions before either began took %s", first.Host.Address)
+	}
+	// The reservations count a request and its prefill on each pod; Begin
+	// replaces them rather than adding to them.
+	var hs [2]Host
+	tr.fill("c", cands, view, 0, hs[:])
+	for _, h := range hs {
+		if h.Reqs != 1 || h.Prompt != 1000 {
+			t.Fatalf("reserved: %+v", hs)
+		}
+	}
+	f := tr.Begin("c", first.Host.Address, 1000)
+	tr.fill("c", cands, view, 0, hs[:])
+	for _, h := range hs {
+		if h.Reqs != 1 || h.Prompt != 1000 {
+			t.Fatalf("one begun, one reserved: %+v", hs)
+		}
+	}
+	// The second is never begun (its client left): it lapses.
+	now = now.Add(reserveTTL + time.Millisecond)
+	tr.fill("c", cands, view, 0, hs[:])
+	if begun, lapsed := hs[first.Index], hs[second.Index]; begun.Reqs != 1 || lapsed.Reqs != 0 || lapsed.Prompt != 0 {
+		t.Fatalf("after the lapse: begun %+v, lapsed %+v", begun, lapsed)
+	}
+	f.End()
+	if len(tr.clusters) != 0 || len(tr.reserved) != 0 {
+		t.Fatalf("leftover: %v %v", tr.clusters, tr.reserved)
 	}
 }
 

@@ -2,6 +2,7 @@ package balancer
 
 import (
 	"hash/maphash"
+	"slices"
 	"sync"
 	"time"
 
@@ -17,6 +18,14 @@ import (
 // metadata center's figures; once the metadata center has it (Acked) it is
 // no longer added, so nothing is counted twice. If the metadata center cannot
 // be queried at all, the tracker's full in-flight counts stand in for it.
+//
+// A decision counts on its pod from the moment it is made, not only from
+// Begin: the caller starts the request after rebuilding its body and
+// setting the upstream (tens of microseconds, more on a busy proxy), and
+// another decision in that gap would see the pod as it was. Two requests
+// 0.2 ms apart went to the same pod while six were idle. Choose therefore
+// reserves the pod; Begin takes the reservation over, and a decision that
+// never starts (the client left, an error) lets it lapse after reserveTTL.
 //
 // It also remembers, per cluster and candidate set, where the last requests
 // went (Host.Share): cache_aware's herd control needs to know which pods have
@@ -39,6 +48,7 @@ type Tracker struct {
 	clusters map[string]map[string]*local // cluster -> host -> counts
 	live     map[string]*liveClock        // cluster -> this gateway's live requests over time
 	recent   map[windowKey]*window        // last routing decisions
+	reserved map[string][]reservation     // cluster -> decisions not yet begun, oldest first
 	seed     maphash.Seed                 // of setHash
 	now      func() time.Time             // the clock (tests)
 }
@@ -167,12 +177,26 @@ type local struct {
 	prefill        int64 // prompt bytes of those before their first token
 	unacked        int64 // of inflight, not yet counted by the metadata center
 	unackedPrefill int64 // prompt bytes of unacked ones before their first token
+	// Decisions for this pod not yet begun and their prefill (reservation).
+	reserved, reservedPrefill int64
 }
+
+// reservation is a decision between Choose and Begin.
+type reservation struct {
+	host    string
+	prefill int64
+	at      time.Time
+}
+
+// reserveTTL is how long a decision counts on its pod without Begin: far
+// past the decision-to-start gap, short enough that a decision that never
+// started weighs on one gateway's view only briefly.
+const reserveTTL = time.Second
 
 // NewTracker returns an empty tracker.
 func NewTracker() *Tracker {
 	return &Tracker{clusters: map[string]map[string]*local{}, live: map[string]*liveClock{}, recent: map[windowKey]*window{},
-		seed: maphash.MakeSeed(), now: time.Now}
+		reserved: map[string][]reservation{}, seed: maphash.MakeSeed(), now: time.Now}
 }
 
 // Routed records a routing decision among cands for Host.Share.
@@ -231,17 +255,9 @@ type Flight struct {
 func (t *Tracker) Begin(cluster, host string, promptLength int) *Flight {
 	f := &Flight{t: t, cluster: cluster, host: host, prompt: int64(promptLength)}
 	t.mu.Lock()
-	hosts := t.clusters[cluster]
-	if hosts == nil {
-		hosts = map[string]*local{}
-		t.clusters[cluster] = hosts
-	}
-	l := hosts[host]
-	if l == nil {
-		l = &local{}
-		hosts[host] = l
-	}
+	l := t.local(cluster, host)
 	f.l = l
+	t.unreserve(cluster, host, l)
 	c := t.live[cluster]
 	if c == nil {
 		c = &liveClock{}
@@ -319,13 +335,82 @@ func (f *Flight) End() {
 			l.unackedPrefill -= f.prompt
 		}
 	}
-	if l.inflight == 0 {
-		// Keeps the maps as small as the set of busy pods.
-		hosts := f.t.clusters[f.cluster]
-		delete(hosts, f.host)
-		if len(hosts) == 0 {
-			delete(f.t.clusters, f.cluster)
+	f.t.release(f.cluster, f.host, l)
+}
+
+// local returns host's entry, made if missing. Callers hold t.mu.
+func (t *Tracker) local(cluster, host string) *local {
+	hosts := t.clusters[cluster]
+	if hosts == nil {
+		hosts = map[string]*local{}
+		t.clusters[cluster] = hosts
+	}
+	l := hosts[host]
+	if l == nil {
+		l = &local{}
+		hosts[host] = l
+	}
+	return l
+}
+
+// release drops host's entry once nothing counts on it, which keeps the
+// maps as small as the set of busy pods. Callers hold t.mu.
+func (t *Tracker) release(cluster, host string, l *local) {
+	if l.inflight > 0 || l.reserved > 0 {
+		return
+	}
+	hosts := t.clusters[cluster]
+	delete(hosts, host)
+	if len(hosts) == 0 {
+		delete(t.clusters, cluster)
+	}
+}
+
+// reserve counts a decision for a request of prefill bytes on host until
+// Begin takes it over or it lapses (Tracker).
+func (t *Tracker) reserve(cluster, host string, prefill int64) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	l := t.local(cluster, host)
+	l.reserved++
+	l.reservedPrefill += prefill
+	t.reserved[cluster] = append(t.reserved[cluster], reservation{host: host, prefill: prefill, at: t.now()})
+}
+
+// unreserve takes over the oldest reservation of host, if any: the request
+// Begin records is (normally) the decision that made it. Callers hold t.mu.
+func (t *Tracker) unreserve(cluster, host string, l *local) {
+	rs := t.reserved[cluster]
+	i := slices.IndexFunc(rs, func(r reservation) bool { return r.host == host })
+	if i < 0 {
+		return
+	}
+	l.reserved--
+	l.reservedPrefill -= rs[i].prefill
+	t.reserved[cluster] = slices.Delete(rs, i, i+1)
+	if len(t.reserved[cluster]) == 0 {
+		delete(t.reserved, cluster)
+	}
+}
+
+// expire lets the cluster's reservations older than reserveTTL lapse.
+// Callers hold t.mu.
+func (t *Tracker) expire(cluster string, now time.Time) {
+	rs := t.reserved[cluster]
+	n := 0
+	for n < len(rs) && now.Sub(rs[n].at) > reserveTTL {
+		r := rs[n]
+		if l := t.clusters[cluster][r.host]; l != nil {
+			l.reserved--
+			l.reservedPrefill -= r.prefill
+			t.release(cluster, r.host, l)
 		}
+		n++
+	}
+	if n == len(rs) {
+		delete(t.reserved, cluster)
+	} else if n > 0 {
+		t.reserved[cluster] = rs[n:] // no copy: append reallocates in time
 	}
 }
 
@@ -346,6 +431,9 @@ func (t *Tracker) fill(cluster string, cands []endpoints.Endpoint, v View, block
 	var own, all int64
 	t.mu.Lock()
 	defer t.mu.Unlock()
+	if len(t.reserved[cluster]) > 0 {
+		t.expire(cluster, t.now())
+	}
 	mine := t.clusters[cluster]
 	w := t.recent[s.key]
 	// Until the window is warm its decisions carry when they were made
@@ -369,14 +457,14 @@ func (t *Tracker) fill(cluster string, cands []endpoints.Endpoint, v View, block
 		}
 		if v.Degraded {
 			if l != nil {
-				h.Reqs, h.Prompt = l.inflight, l.prefill
+				h.Reqs, h.Prompt = l.inflight+l.reserved, l.prefill+l.reservedPrefill
 			}
 		} else {
 			st := v.Load[e.Address]
 			h.Reqs, h.Prompt = st.TotalReqs, st.PromptLength
 			if l != nil {
-				h.Reqs += l.unacked
-				h.Prompt += l.unackedPrefill
+				h.Reqs += l.unacked + l.reserved
+				h.Prompt += l.unackedPrefill + l.reservedPrefill
 				own += l.inflight
 			}
 			all += h.Reqs
