@@ -21,9 +21,10 @@
 //     costs at most herd_wait times a copy of the prefix on the cheapest
 //     other pod), the request's own
 //     uncached prefill in the prompt term while any pod prefills, the pod's
-//     free KV cache as far as the request adds cells there (kv_fit), and
-//     ties ordered by recent share. docs/configuration.md says why each is
-//     there.
+//     free KV cache as far as the request adds cells there (kv_fit), for a
+//     prompt no pod holds the prefill each pod reports left
+//     (cold_progress), and ties ordered by recent share.
+//     docs/configuration.md says why each is there.
 //   - epp: llm-d's endpoint picker's default profile, a baseline: prefix ×3,
 //     queue ×2, KV-cache utilization ×2 (pod signals), max-score pick.
 //   - sglang: SGLang router's cache_aware, a baseline (SGLang).

@@ -289,7 +289,7 @@ func TestDecisionReservesItsPodUntilBegun(t *testing.T) {
 		t.Fatalf("after the lapse: begun %+v, lapsed %+v", begun, lapsed)
 	}
 	f.End()
-	if len(tr.clusters) != 0 || len(tr.reserved) != 0 {
+	if len(tr.clusters) != 0 || len(tr.reserved["c"]) != 0 {
 		t.Fatalf("leftover: %v %v", tr.clusters, tr.reserved)
 	}
 }

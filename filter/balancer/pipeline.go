@@ -106,6 +106,7 @@ func (RecentShareScorer) ReadsSignals() bool  { return false }
 func (QueueScorer) ReadsSignals() bool        { return true }
 func (KVCacheScorer) ReadsSignals() bool      { return true }
 func (KVFitScorer) ReadsSignals() bool        { return true }
+func (ColdProgressScorer) ReadsSignals() bool { return true }
 func (KVFull) ReadsSignals() bool             { return true }
 
 // Choose implements Policy without instrumentation (Balancer.Choose runs
@@ -256,6 +257,7 @@ const (
 	ScorerQueue           = "queue"         // the pod's own waiting requests (pod signals)
 	ScorerKVCache         = "kv_cache"      // the pod's free KV cache (pod signals)
 	ScorerKVFit           = "kv_fit"        // ... weighed by the prompt share it lacks
+	ScorerColdProgress    = "cold_progress" // its reported prefill left, for a prompt no pod holds
 	ScorerRecentShare     = "recent_share"  // fewest recent decisions (tie-break)
 )
 
@@ -545,6 +547,44 @@ func (KVFitScorer) Score(s *State, out []float64) {
 	}
 }
 
+// ColdProgressScorer orders pods by the prefill they report still to do,
+// 1 − queued/max, for a prompt that no candidate holds any of: the choice
+// is then load alone, and the metadata center's count (each prompt whole
+// until its first token) ties pods that each run one prefill however far
+// they have got, where the pod's own report knows which is about to
+// finish. Where some pod holds part of the prompt it rates every pod 1
+// and leaves the choice to the cache and load terms: weighing the reports
+// there too moved documents and conversations off their holders
+// (docs/benchmarks.md, session 10). Without a fresh report: 0.
+type ColdProgressScorer struct{}
+
+func (ColdProgressScorer) Name() string { return ScorerColdProgress }
+func (ColdProgressScorer) Score(s *State, out []float64) {
+	most := int64(0)
+	for i := range s.Hosts {
+		h := &s.Hosts[i]
+		if h.CacheRatio > 0 {
+			for j := range out {
+				out[j] = 1
+			}
+			return
+		}
+		if h.Signals {
+			most = max(most, h.PrefillQueued)
+		}
+	}
+	for i := range s.Hosts {
+		switch h := &s.Hosts[i]; {
+		case !h.Signals:
+			out[i] = 0
+		case most == 0:
+			out[i] = 1
+		default:
+			out[i] = 1 - float64(h.PrefillQueued)/float64(most)
+		}
+	}
+}
+
 // RecentShareScorer is 1 − the pod's share of the cluster's recent
 // decisions. At a tiny weight it orders ties: pods that look alike now may
 // not be — one whose conversations are all between turns looks as idle as
@@ -634,6 +674,10 @@ func builtinProfiles() []*Profile {
 				// weighed so, multi-turn's p90 and p99 and kv-pressure's
 				// fell further (docs/benchmarks.md, session 8).
 				{Scorer: KVFitScorer{}, Weight: 1},
+				// Among pods that each prefill someone else's prompt, the
+				// one about to finish, for a prompt nobody holds: kv_fit
+				// would take the freest cache (no-sharing's bursts).
+				{Scorer: ColdProgressScorer{}, Weight: 0.5},
 				{Scorer: RecentShareScorer{}, Weight: shareTieBreak},
 			},
 			Picker:   TopPercent{},
@@ -652,7 +696,7 @@ func builtinProfiles() []*Profile {
 func builtinScorers() map[string]Scorer {
 	m := map[string]Scorer{}
 	for _, s := range []Scorer{PrefixScorer{}, PrefixScorer{Herd: true}, SeedLoad{}, PrefillScorer{}, PrefillScorer{Own: true}, PrefillScorer{Own: true, Reported: true},
-		LeastRequestScorer{}, QueueScorer{}, KVCacheScorer{}, KVFitScorer{}, RecentShareScorer{}} {
+		LeastRequestScorer{}, QueueScorer{}, KVCacheScorer{}, KVFitScorer{}, ColdProgressScorer{}, RecentShareScorer{}} {
 		m[s.Name()] = s
 	}
 	return m

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"log/slog"
 	"math/rand/v2"
+	"slices"
 	"strings"
 	"testing"
 
@@ -98,7 +99,9 @@ func TestSeedProfileIsTheSeedFormula(t *testing.T) {
 
 // cache_aware as a profile is what cache_aware computed before: the
 // reference Scores with herd control and the request's own prefill, plus
-// constants, minus the share tie-break.
+// constants, minus the share tie-break. Without pod reports (kv_fit 0) the
+// cold_progress term is a constant too: 0.5 where some pod holds part of the
+// prompt, else 0.
 func TestCacheAwareProfileMatchesItsFormula(t *testing.T) {
 	ca := profile(t, config.PolicyCacheAware)
 	r := rand.New(rand.NewPCG(3, 4))
@@ -111,8 +114,12 @@ func TestCacheAwareProfileMatchesItsFormula(t *testing.T) {
 			w2 *= delta / 5
 		}
 		got, want := totals(ca, s), Scores(hosts, herdRule, 2048, nil)
+		cold := 0.0
+		if slices.ContainsFunc(hosts, func(h Host) bool { return h.CacheRatio > 0 }) {
+			cold = 0.5
+		}
 		for i := range got {
-			w := want[i] + w2 + herdRule.PrefillLoadWeight + shareTieBreak*(1-hosts[i].Share)
+			w := want[i] + w2 + herdRule.PrefillLoadWeight + cold + shareTieBreak*(1-hosts[i].Share)
 			if !near(got[i], w) {
 				t.Fatalf("trial %d host %d: profile %v, formula %v", trial, i, got[i], w)
 			}
@@ -396,5 +403,49 @@ func TestCacheAwareWeighsFreeCacheByWhatTheRequestAdds(t *testing.T) {
 	b := New(Options{IntN: seededIntN(1)})
 	if ch, err := b.Choose("c", herdRule, eps(2), view, Request{Blocks: 5, PromptLength: 2500}); err != nil || ch.Host.Address != "10.0.0.1:8000" {
 		t.Fatalf("chose %+v %v, want the pod holding part of the prompt", ch, err)
+	}
+}
+
+// When every pod runs one cold prefill of someone else's prompt, the
+// metadata center sees them alike (one request, its whole prompt before the
+// first token) and their reported caches differ by a few points of finished
+// requests' entries. For a prompt nobody holds, cache_aware queues behind the
+// pod whose own report says its prefill is nearly done, where kv_fit alone
+// would take the freest cache; once a pod holds part of the prompt,
+// cold_progress leaves the choice to the cache and load terms.
+func TestCacheAwareQueuesBehindTheShortestReportedPrefill(t *testing.T) {
+	load, sig := api.LoadStats{}, map[string]api.PodSignals{}
+	for i, s := range []struct {
+		util    float64
+		prefill int64
+	}{{0.93, 1149}, {0.96, 300}, {0.90, 1149}} {
+		h := fmt.Sprintf("10.0.0.%d:8000", i+1)
+		load[h] = api.EndpointStats{TotalReqs: 1, PromptLength: 1149}
+		sig[h] = api.PodSignals{Running: 1, KVCacheUtil: s.util, PrefillTokens: s.prefill}
+	}
+	view := View{Load: load, Cache: map[string]int{}, Signals: sig}
+	for seed := range uint64(20) {
+		ch, err := New(Options{IntN: seededIntN(seed)}).Choose("c", herdRule, eps(3), view, Request{Blocks: 9, PromptLength: 1149})
+		if err != nil || ch.Host.Address != "10.0.0.2:8000" {
+			t.Fatalf("draw seed %d: chose %+v %v, want the pod 300 tokens from its first token", seed, ch, err)
+		}
+	}
+	hosts := []Host{
+		{Signals: true, KVUtil: 0.93, PrefillQueued: 1149}, {Signals: true, KVUtil: 0.96, PrefillQueued: 300},
+		{Signals: true, KVUtil: 0.90, PrefillQueued: 1149}, {PrefillQueued: 0},
+	}
+	fit, progress := make([]float64, 4), make([]float64, 4)
+	KVFitScorer{}.Score(&State{Hosts: hosts}, fit)
+	if !(fit[2] > fit[0] && fit[0] > fit[1]) {
+		t.Fatalf("kv_fit %v: want the 90%%-full pod first", fit)
+	}
+	ColdProgressScorer{}.Score(&State{Hosts: hosts}, progress)
+	if want := []float64{0, 1 - 300.0/1149, 0, 0}; !slices.EqualFunc(progress, want, near) {
+		t.Fatalf("cold_progress %v, want %v (no report: 0)", progress, want)
+	}
+	hosts[0].CacheRatio = 0.2
+	ColdProgressScorer{}.Score(&State{Hosts: hosts}, progress)
+	if !slices.Equal(progress, []float64{1, 1, 1, 1}) {
+		t.Fatalf("cold_progress with the prompt partly held: %v, want all 1", progress)
 	}
 }

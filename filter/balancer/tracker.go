@@ -48,7 +48,7 @@ type Tracker struct {
 	clusters map[string]map[string]*local // cluster -> host -> counts
 	live     map[string]*liveClock        // cluster -> this gateway's live requests over time
 	recent   map[windowKey]*window        // last routing decisions
-	reserved map[string][]reservation     // cluster -> decisions not yet begun, oldest first
+	reserved map[string][]reservation     // cluster -> decisions not yet begun, oldest first (kept when empty)
 	seed     maphash.Seed                 // of setHash
 	now      func() time.Time             // the clock (tests)
 }
@@ -387,10 +387,7 @@ func (t *Tracker) unreserve(cluster, host string, l *local) {
 	}
 	l.reserved--
 	l.reservedPrefill -= rs[i].prefill
-	t.reserved[cluster] = slices.Delete(rs, i, i+1)
-	if len(t.reserved[cluster]) == 0 {
-		delete(t.reserved, cluster)
-	}
+	t.reserved[cluster] = slices.Delete(rs, i, i+1) // emptied, kept for the next decision
 }
 
 // expire lets the cluster's reservations older than reserveTTL lapse.
@@ -407,9 +404,7 @@ func (t *Tracker) expire(cluster string, now time.Time) {
 		}
 		n++
 	}
-	if n == len(rs) {
-		delete(t.reserved, cluster)
-	} else if n > 0 {
+	if n > 0 {
 		t.reserved[cluster] = rs[n:] // no copy: append reallocates in time
 	}
 }
