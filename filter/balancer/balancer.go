@@ -340,6 +340,10 @@ type Choice struct {
 	Host       Host
 	Index      int // into the candidates
 	Candidates int
+	// Prefill is what the request adds to the pod's prefill,
+	// PromptLength·(1−Host.CacheRatio) rounded: the tracker reserves it,
+	// and the caller's Begin and the metadata center count it.
+	Prefill int64
 }
 
 // Request is what a policy knows of the request being routed.
@@ -390,11 +394,10 @@ func (b *Balancer) Choose(cluster string, rule config.LBRule, cands []endpoints.
 		i = p.Choose(&sc.state)
 		b.observe(rule.Policy, false, time.Since(t0))
 	}
-	ch := Choice{Host: hosts[i], Index: i, Candidates: len(hosts)}
+	ch := Choice{Host: hosts[i], Index: i, Candidates: len(hosts),
+		Prefill: int64(math.Round(float64(req.PromptLength) * (1 - hosts[i].CacheRatio)))}
 	b.tracker.routed(smp, ch.Host.Address, len(hosts))
-	// The engine's prefill for the request (Begin's), as the metadata center
-	// will count it.
-	b.tracker.reserve(cluster, ch.Host.Address, int64(math.Round(float64(req.PromptLength)*(1-ch.Host.CacheRatio))))
+	b.tracker.reserve(cluster, ch.Host.Address, ch.Prefill)
 	clear(hosts) // do not pin endpoint addresses
 	clear(sc.state.kept[:cap(sc.state.kept)])
 	sc.hosts, sc.floats, sc.idx, sc.kept, sc.state = hosts[:0], sc.state.floats, sc.state.idx, sc.state.kept, State{}

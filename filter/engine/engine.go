@@ -28,7 +28,6 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	"math"
 	"net/http"
 	"slices"
 	"sync"
@@ -508,7 +507,7 @@ func (e *Engine) Decide(ctx context.Context, h Headers, body []byte) (*Decision,
 	d.Host = choice.Host.Address
 	d.matched = view.Cache[d.Host]
 	d.CacheRatio = choice.Host.CacheRatio
-	d.PrefillLength = int(math.Round(float64(d.PromptLength) * (1 - d.CacheRatio)))
+	d.PrefillLength = int(choice.Prefill)
 	d.Degraded = policy.NeedsMetadata() && view.Degraded
 	d.Candidates = choice.Candidates
 
