@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"hash/crc32"
 	"math/rand/v2"
 	"runtime"
 	"slices"
@@ -124,12 +125,44 @@ func benchDecide(b *testing.B, body []byte, n int, registered bool) {
 		}
 		cpu = append(cpu, threadCPU()-startCPU)
 		wall = append(wall, time.Since(start))
-		// The request starts and ends, untimed: its reservation is taken
-		// over and nothing of it is left for the next decision to count.
-		b.StopTimer()
+		// The request starts and ends outside the decision's own timing:
+		// its reservation is taken over and nothing of it is left for the
+		// next decision to count. (Not b.StopTimer: with ReportAllocs it
+		// reads the memory stats, stopping the world at every decision.)
 		e.bal.Tracker().Begin(d.Cluster, d.Host, d.PrefillLength).End()
-		b.StartTimer()
 	}
+	reportLatencies(b, wall, cpu)
+}
+
+// BenchmarkTimingFloor times, as benchDecide times a decision, a fixed
+// computation about as long that allocates nothing and calls nothing but
+// the CRC instruction: what it adds to its p50 at p99 is the machine's own
+// share of a decision's tail (timer interrupts, the hypervisor), read
+// side by side with BenchmarkDecide in one run (docs/benchmarks.md).
+func BenchmarkTimingFloor(b *testing.B) {
+	buf := make([]byte, 64<<10)
+	for i := range buf {
+		buf[i] = byte(i * 7)
+	}
+	var wall, cpu []time.Duration
+	var sum uint32
+	runtime.LockOSThread()
+	defer runtime.UnlockOSThread()
+	for b.Loop() {
+		start, startCPU := time.Now(), threadCPU()
+		for range 10 {
+			sum += crc32.ChecksumIEEE(buf)
+		}
+		cpu = append(cpu, threadCPU()-startCPU)
+		wall = append(wall, time.Since(start))
+	}
+	if sum == 1 {
+		b.Log("keeps the sum alive")
+	}
+	reportLatencies(b, wall, cpu)
+}
+
+func reportLatencies(b *testing.B, wall, cpu []time.Duration) {
 	slices.Sort(wall)
 	slices.Sort(cpu)
 	us := func(d time.Duration) float64 { return float64(d.Nanoseconds()) / 1e3 }

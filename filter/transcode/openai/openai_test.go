@@ -2,8 +2,11 @@ package openai
 
 import (
 	"bytes"
+	"encoding/binary"
 	"encoding/json"
 	"errors"
+	"math/bits"
+	"math/rand/v2"
 	"strings"
 	"testing"
 
@@ -274,6 +277,27 @@ func TestSWAR(t *testing.T) {
 			if got, want := unqWordSpecial(x), unqByteSpecial(byte(v)); got != want {
 				t.Fatalf("unqWordSpecial byte %#x at %d = %v", v, pos, got)
 			}
+		}
+	}
+	// strSpecialMask must name the first special byte whatever follows it
+	// (the bits above it may be wrong): words of plain and special bytes.
+	pick := []byte{'a', 'z', ' ', '~', 0x20, 0x21, 0x5b, 0x5d, '"', '\\', 0x00, 0x1f, 0x7f, 0x80, 0xc3, 0xff}
+	rng := rand.New(rand.NewPCG(1, 2))
+	for range 200000 {
+		var w [8]byte
+		for i := range w {
+			w[i] = pick[rng.IntN(len(pick))]
+		}
+		first := -1
+		for i, c := range w {
+			if strByteSpecial(c) {
+				first = i
+				break
+			}
+		}
+		m := strSpecialMask(binary.LittleEndian.Uint64(w[:]))
+		if got := bits.TrailingZeros64(m) >> 3; first < 0 && m != 0 || first >= 0 && got != first {
+			t.Fatalf("strSpecialMask(%q) = %#x, first special byte at %d", w, m, first)
 		}
 	}
 	for _, s := range []string{"", "abc", "abcdefgh", "abcdefghijklmnop\"x", "0123456789abcdef0123\\", "é", strings.Repeat("x", 37) + "\x01"} {

@@ -1,7 +1,9 @@
 package openai
 
 import (
+	"encoding/binary"
 	"fmt"
+	"math/bits"
 	"strconv"
 	"unicode/utf16"
 	"unicode/utf8"
@@ -170,11 +172,31 @@ func (s *scanner) decodeString(out []byte) ([]byte, error) {
 	s.i++
 	b := s.b
 	for s.i < len(b) {
-		i := s.i + strPlainRun(b[s.i:])
-		out = append(out, b[s.i:i]...)
-		s.i = i
-		if i >= len(b) {
-			break
+		i := s.i
+		if n := len(out); i+8 <= len(b) && n+8 <= cap(out) {
+			// Copy a word ahead into out's spare capacity and keep its
+			// plain bytes: scanning and copying in one step, where a run
+			// scan and then a copy cost a memmove call per run, and runs
+			// in real prompts are a few words long between escapes and
+			// non-ASCII letters.
+			w := binary.LittleEndian.Uint64(b[i:])
+			binary.LittleEndian.PutUint64(out[n:n+8], w)
+			k := 8
+			if m := strSpecialMask(w); m != 0 {
+				k = bits.TrailingZeros64(m) >> 3
+			}
+			out, s.i = out[:n+k], i+k
+			if k == 8 {
+				continue
+			}
+			i += k
+		} else {
+			i += strPlainRun(b[i:])
+			out = append(out, b[s.i:i]...)
+			s.i = i
+			if i >= len(b) {
+				break
+			}
 		}
 		switch c := b[i]; {
 		case c == '"':

@@ -62,6 +62,16 @@ func strWordSpecial(w uint64) bool {
 	return w&msb != 0 || hasLess(w, 0x20) || hasByte(w, '"') || hasByte(w, '\\')
 }
 
+// strSpecialMask is strWordSpecial as a mask whose lowest set bit is the
+// high bit of the first special byte (little-endian): a borrow in the
+// zero-byte tests only runs upward from a byte that qualifies, so the bits
+// above the first may be wrong but the first is exact.
+func strSpecialMask(w uint64) uint64 {
+	q := w ^ (lsb * '"')
+	bs := w ^ (lsb * '\\')
+	return (w | (w-lsb*0x20)&^w | (q-lsb)&^q | (bs-lsb)&^bs) & msb
+}
+
 func strByteSpecial(c byte) bool { return c == '"' || c == '\\' || c < 0x20 || c >= 0x80 }
 
 // While unquoting, plain bytes are ASCII other than '\\'.
