@@ -294,6 +294,29 @@ func TestDecisionReservesItsPodUntilBegun(t *testing.T) {
 	}
 }
 
+// A conversation's next turn comes within a millisecond of the previous
+// answer's end, and the metadata center still counts that request on the
+// pod until its done lands. Turns alternate between two pods that each
+// hold most of the conversation (the holder the last turn, the other pod
+// the one before: a turn adds a tenth of the prompt), and that stale
+// request was what made the holder lose to the other: the conversation
+// moved on every turn with both pods idle (docs/benchmarks.md, session 11).
+func TestNextTurnStaysOnItsIdleHolder(t *testing.T) {
+	holder, previous := "10.0.0.1:8000", "10.0.0.2:8000"
+	view := View{Load: api.LoadStats{holder: {TotalReqs: 1}}, Cache: map[string]int{holder: 24, previous: 22, "10.0.0.3:8000": 16}}
+	for seed := range uint64(20) {
+		b := New(Options{IntN: seededIntN(seed)})
+		last := b.Tracker().Begin("c", holder, 200)
+		last.Acked()
+		last.FirstToken()
+		last.End() // its done is on its way
+		ch, err := b.Choose("c", herdRule, eps(3), view, Request{Blocks: 26, PromptLength: 1700})
+		if err != nil || ch.Host.Address != holder {
+			t.Fatalf("draw seed %d: chose %+v %v, want the idle holder %s", seed, ch.Host, err, holder)
+		}
+	}
+}
+
 func TestAckedRequestsAreNotCountedTwice(t *testing.T) {
 	tr := NewTracker()
 	f := tr.Begin("c", "h:1", 100)
@@ -323,13 +346,43 @@ func TestAckedRequestsAreNotCountedTwice(t *testing.T) {
 	if hs[0].Reqs != 2 || hs[0].Prompt != 100 || hs[0].CacheRatio != 0 {
 		t.Fatalf("degraded: %+v", hs[0])
 	}
-	// Repeated and late calls change nothing; ending both empties the tracker.
+	// Repeated calls change nothing.
 	f.Acked()
 	g.FirstToken()
 	g.End()
 	g.End()
-	g.Acked()
 	f.End()
+	// Both ended here. f's add had landed and its done has not yet: the
+	// metadata center still counts f, and the tracker takes it off; g was
+	// never counted there.
+	ended := View{Load: api.LoadStats{"h:1": {TotalReqs: 1}}}
+	tr.fill("c", cands, ended, 0, hs[:])
+	if hs[0].Reqs != 0 {
+		t.Fatalf("ended, f's done on its way: %+v", hs[0])
+	}
+	// g's add lands after its end, its done behind it: counted there too.
+	g.Acked()
+	ended.Load["h:1"] = api.EndpointStats{TotalReqs: 2}
+	tr.fill("c", cands, ended, 0, hs[:])
+	if hs[0].Reqs != 0 {
+		t.Fatalf("ended, g acked late: %+v", hs[0])
+	}
+	// f's done lands: the metadata center no longer counts f.
+	f.Released()
+	f.Released()
+	ended.Load["h:1"] = api.EndpointStats{TotalReqs: 1}
+	tr.fill("c", cands, ended, 0, hs[:])
+	if hs[0].Reqs != 0 {
+		t.Fatalf("f released: %+v", hs[0])
+	}
+	// Another gateway's request there stays counted.
+	ended.Load["h:1"] = api.EndpointStats{TotalReqs: 2}
+	tr.fill("c", cands, ended, 0, hs[:])
+	if hs[0].Reqs != 1 {
+		t.Fatalf("f released, another gateway's request: %+v", hs[0])
+	}
+	g.Released()
+	g.Acked()
 	if n, u := tr.InFlight("c", "h:1"); n != 0 || u != 0 || len(tr.clusters) != 0 {
 		t.Fatalf("leftover: %d %d %v", n, u, tr.clusters)
 	}
@@ -337,6 +390,7 @@ func TestAckedRequestsAreNotCountedTwice(t *testing.T) {
 	nilFlight.Acked()
 	nilFlight.FirstToken()
 	nilFlight.End()
+	nilFlight.Released()
 }
 
 func TestTrackerConcurrent(t *testing.T) {
@@ -353,6 +407,7 @@ func TestTrackerConcurrent(t *testing.T) {
 				}
 				f.FirstToken()
 				f.End()
+				f.Released()
 			}
 		}()
 	}

@@ -368,6 +368,7 @@ func TestWindowWarmsWithTheClustersDecisions(t *testing.T) {
 					f.Acked()
 					now = now.Add(time.Duration(tc.brief * float64(time.Second)))
 					f.End()
+					f.Released() // its lease is gone from the next view
 					now = now.Add(time.Duration((1 - tc.brief) * float64(time.Second)))
 				} else {
 					now = now.Add(time.Second)

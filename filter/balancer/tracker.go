@@ -19,6 +19,14 @@ import (
 // no longer added, so nothing is counted twice. If the metadata center cannot
 // be queried at all, the tracker's full in-flight counts stand in for it.
 //
+// The same lag runs the other way at a request's end: the metadata center
+// counts it until the done update lands (a batch window and a round trip
+// later), and a conversation's next turn arrives within a millisecond of
+// the answer's end. Its holder then looked busier than the pods that hold
+// nothing of it, and turns moved off idle holders (docs/benchmarks.md,
+// session 11). A request that ended here after the metadata center counted
+// it is taken off its figures until the done is confirmed (Released).
+//
 // A decision counts on its pod from the moment it is made, not only from
 // Begin: the caller starts the request after rebuilding its body and
 // setting the upstream (tens of microseconds, more on a busy proxy), and
@@ -177,6 +185,8 @@ type local struct {
 	prefill        int64 // prompt bytes of those before their first token
 	unacked        int64 // of inflight, not yet counted by the metadata center
 	unackedPrefill int64 // prompt bytes of unacked ones before their first token
+	// Ended here, counted by the metadata center, done not yet confirmed.
+	ending int64
 	// Decisions for this pod not yet begun and their prefill (reservation).
 	reserved, reservedPrefill int64
 }
@@ -243,12 +253,14 @@ func (t *Tracker) routed(s sample, host string, n int) {
 // (a late Acked after End is ignored).
 type Flight struct {
 	t             *Tracker
-	l             *local // stays valid until End: the entry lives while inflight > 0
+	l             *local // the entry lives while inflight or ending > 0
 	cluster, host string
 	prompt        int64
 	acked         bool
 	filled        bool // first token seen: its prompt no longer loads the pod
 	ended         bool
+	ending        bool // counted in l.ending
+	released      bool
 }
 
 // Begin records a request routed to host.
@@ -280,10 +292,16 @@ func (f *Flight) Acked() {
 	}
 	f.t.mu.Lock()
 	defer f.t.mu.Unlock()
-	if f.acked || f.ended {
+	if f.acked || f.released {
 		return
 	}
 	f.acked = true
+	if f.ended { // the add landed after the end: its done has yet to
+		f.l = f.t.local(f.cluster, f.host) // End may have let the entry go
+		f.l.ending++
+		f.ending = true
+		return
+	}
 	l := f.l
 	l.unacked--
 	if !f.filled {
@@ -329,13 +347,36 @@ func (f *Flight) End() {
 	if !f.filled {
 		l.prefill -= f.prompt
 	}
-	if !f.acked {
+	if f.acked {
+		l.ending++
+		f.ending = true
+	} else {
 		l.unacked--
 		if !f.filled {
 			l.unackedPrefill -= f.prompt
 		}
 	}
 	f.t.release(f.cluster, f.host, l)
+}
+
+// Released records that the metadata center has had the request's done
+// update, or that sending it failed: either way the tracker no longer takes
+// the request off the metadata center's figures. Only after End.
+func (f *Flight) Released() {
+	if f == nil {
+		return
+	}
+	f.t.mu.Lock()
+	defer f.t.mu.Unlock()
+	if !f.ended || f.released {
+		return
+	}
+	f.released = true
+	if f.ending {
+		f.ending = false
+		f.l.ending--
+		f.t.release(f.cluster, f.host, f.l)
+	}
 }
 
 // local returns host's entry, made if missing. Callers hold t.mu.
@@ -356,7 +397,7 @@ func (t *Tracker) local(cluster, host string) *local {
 // release drops host's entry once nothing counts on it, which keeps the
 // maps as small as the set of busy pods. Callers hold t.mu.
 func (t *Tracker) release(cluster, host string, l *local) {
-	if l.inflight > 0 || l.reserved > 0 {
+	if l.inflight > 0 || l.reserved > 0 || l.ending > 0 {
 		return
 	}
 	hosts := t.clusters[cluster]
@@ -458,7 +499,7 @@ func (t *Tracker) fill(cluster string, cands []endpoints.Endpoint, v View, block
 			st := v.Load[e.Address]
 			h.Reqs, h.Prompt = st.TotalReqs, st.PromptLength
 			if l != nil {
-				h.Reqs += l.unacked + l.reserved
+				h.Reqs = max(0, h.Reqs-l.ending) + l.unacked + l.reserved
 				h.Prompt += l.unackedPrefill + l.reservedPrefill
 				own += l.inflight
 			}

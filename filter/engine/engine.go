@@ -677,8 +677,7 @@ func (e *Engine) Served(d *Decision, host string) {
 	}
 	chosen := d.Host
 	e.metrics.Count("served_elsewhere", 1)
-	d.flight.End()
-	e.dispatch("delete_request", d, chosen)
+	e.release(d, chosen)
 	if d.has(stEarlySave) || d.has(stSaved) {
 		if len(d.retractable(chosen)) > 0 {
 			e.metrics.Count("retractions", 1)
@@ -752,7 +751,6 @@ func (e *Engine) Done(d *Decision) {
 	if d == nil || !d.has(stStarted) || !d.mark(stDone) {
 		return
 	}
-	d.flight.End()
 	// Served already withdrew the chosen pod's routing-time save.
 	if !d.has(stFirstToken) && (d.has(stSaved) || d.has(stEarlySave) && !d.has(stServed)) {
 		if len(d.retractable(d.host())) > 0 {
@@ -760,7 +758,16 @@ func (e *Engine) Done(d *Decision) {
 		}
 		e.dispatch("retract_cache", d, d.host())
 	}
-	e.dispatch("delete_request", d, d.host())
+	e.release(d, d.host())
+}
+
+// release ends the request's flight on host and reports its end there;
+// the tracker keeps it off the metadata center's count of host until the
+// report lands.
+func (e *Engine) release(d *Decision, host string) {
+	f := d.flight
+	f.End()
+	e.dispatchDone("delete_request", d, host, func(error) { f.Released() })
 }
 
 // retractable returns the hashes a retraction on host withdraws: what the
@@ -787,18 +794,23 @@ func (e *Engine) dispatchDone(name string, d *Decision, host string, done func(e
 	if name == "retract_cache" && len(d.retractable(host)) == 0 || name == "place_cache" && len(d.placed()) == 0 {
 		return // the index held the whole prompt there already
 	}
-	if e.batch != nil {
-		e.batch.Add(e.batchOp(name, d, host), done)
-		return
+	queued := false
+	switch {
+	case e.batch != nil:
+		queued = e.batch.Add(e.batchOp(name, d, host), done)
+	case e.disp != nil && e.updater != nil:
+		trace := d.TraceID
+		run := e.updateFor(name, d, host)
+		queued = e.disp.Dispatch(client.Task{Name: name, Key: d.RequestID, Done: done,
+			Run: func(ctx context.Context) error { return run(client.WithTraceID(ctx, trace)) }})
 	}
-	if e.disp == nil || e.updater == nil {
-		return // no metadata center: local accounting only
+	if !queued && done != nil {
+		done(errNotSent) // dropped, or no metadata center: local accounting only
 	}
-	trace := d.TraceID
-	run := e.updateFor(name, d, host)
-	e.disp.Dispatch(client.Task{Name: name, Key: d.RequestID, Done: done,
-		Run: func(ctx context.Context) error { return run(client.WithTraceID(ctx, trace)) }})
 }
+
+// errNotSent is the outcome of an update that was never sent.
+var errNotSent = errors.New("metadata-center update not sent")
 
 // Retracter is implemented by Updaters that can withdraw a save
 // (*client.Client); without it a failed request's save is left to the
