@@ -250,7 +250,8 @@ func (t *Tracker) routed(s sample, host string, n int) {
 
 // Flight is one routed request's entry in the tracker. Its methods are
 // idempotent and may be called from any goroutine, in any order after Begin
-// (a late Acked after End is ignored).
+// (an Acked after End means the done update is still to land; after
+// Released it is ignored).
 type Flight struct {
 	t             *Tracker
 	l             *local // the entry lives while inflight or ending > 0
