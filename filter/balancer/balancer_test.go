@@ -355,31 +355,24 @@ func TestAckedRequestsAreNotCountedTwice(t *testing.T) {
 	// Both ended here. f's add had landed and its done has not yet: the
 	// metadata center still counts f, and the tracker takes it off; g was
 	// never counted there.
-	ended := View{Load: api.LoadStats{"h:1": {TotalReqs: 1}}}
-	tr.fill("c", cands, ended, 0, hs[:])
-	if hs[0].Reqs != 0 {
-		t.Fatalf("ended, f's done on its way: %+v", hs[0])
+	seen := func(leases int64) int64 {
+		tr.fill("c", cands, View{Load: api.LoadStats{"h:1": {TotalReqs: leases}}}, 0, hs[:])
+		return hs[0].Reqs
+	}
+	if n := seen(1); n != 0 {
+		t.Fatalf("ended, f's done on its way: %d requests", n)
 	}
 	// g's add lands after its end, its done behind it: counted there too.
 	g.Acked()
-	ended.Load["h:1"] = api.EndpointStats{TotalReqs: 2}
-	tr.fill("c", cands, ended, 0, hs[:])
-	if hs[0].Reqs != 0 {
-		t.Fatalf("ended, g acked late: %+v", hs[0])
+	if n := seen(2); n != 0 {
+		t.Fatalf("ended, g acked late: %d requests", n)
 	}
-	// f's done lands: the metadata center no longer counts f.
+	// f's done lands: the metadata center no longer counts f; another
+	// gateway's request there stays counted.
 	f.Released()
 	f.Released()
-	ended.Load["h:1"] = api.EndpointStats{TotalReqs: 1}
-	tr.fill("c", cands, ended, 0, hs[:])
-	if hs[0].Reqs != 0 {
-		t.Fatalf("f released: %+v", hs[0])
-	}
-	// Another gateway's request there stays counted.
-	ended.Load["h:1"] = api.EndpointStats{TotalReqs: 2}
-	tr.fill("c", cands, ended, 0, hs[:])
-	if hs[0].Reqs != 1 {
-		t.Fatalf("f released, another gateway's request: %+v", hs[0])
+	if n, m := seen(1), seen(2); n != 0 || m != 1 {
+		t.Fatalf("f released: %d requests, %d beside another gateway's", n, m)
 	}
 	g.Released()
 	g.Acked()
