@@ -175,10 +175,10 @@ func (s *scanner) decodeString(out []byte) ([]byte, error) {
 		i := s.i
 		if n := len(out); i+8 <= len(b) && n+8 <= cap(out) {
 			// Copy a word ahead into out's spare capacity and keep its
-			// plain bytes: scanning and copying in one step, where a run
-			// scan and then a copy cost a memmove call per run, and runs
-			// in real prompts are a few words long between escapes and
-			// non-ASCII letters.
+			// plain bytes: scanning and copying in one step. A run scan
+			// and then a copy cost a memmove call per run, and in code,
+			// markup or non-English text the runs between escapes and
+			// non-ASCII letters are a few words long.
 			w := binary.LittleEndian.Uint64(b[i:])
 			binary.LittleEndian.PutUint64(out[n:n+8], w)
 			k := 8
