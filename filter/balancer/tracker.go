@@ -260,9 +260,12 @@ type Flight struct {
 	acked         bool
 	filled        bool // first token seen: its prompt no longer loads the pod
 	ended         bool
-	ending        bool // counted in l.ending
-	released      bool
+	released      bool // the done update has landed (or failed)
 }
+
+// ending says whether f counts in l.ending: ended here, its add landed, its
+// done not yet. Callers hold t.mu.
+func (f *Flight) ending() bool { return f.acked && f.ended && !f.released }
 
 // Begin records a request routed to host.
 func (t *Tracker) Begin(cluster, host string, promptLength int) *Flight {
@@ -300,7 +303,6 @@ func (f *Flight) Acked() {
 	if f.ended { // the add landed after the end: its done has yet to
 		f.l = f.t.local(f.cluster, f.host) // End may have let the entry go
 		f.l.ending++
-		f.ending = true
 		return
 	}
 	l := f.l
@@ -350,7 +352,6 @@ func (f *Flight) End() {
 	}
 	if f.acked {
 		l.ending++
-		f.ending = true
 	} else {
 		l.unacked--
 		if !f.filled {
@@ -372,12 +373,11 @@ func (f *Flight) Released() {
 	if !f.ended || f.released {
 		return
 	}
-	f.released = true
-	if f.ending {
-		f.ending = false
+	if f.ending() {
 		f.l.ending--
 		f.t.release(f.cluster, f.host, f.l)
 	}
+	f.released = true
 }
 
 // local returns host's entry, made if missing. Callers hold t.mu.

@@ -16,11 +16,6 @@ func hasByte(w uint64, c byte) bool {
 	return (x-lsb)&^x&msb != 0
 }
 
-// hasLess reports whether some byte of w is below n (n <= 128).
-func hasLess(w uint64, n byte) bool {
-	return (w-lsb*uint64(n))&^w&msb != 0
-}
-
 // strPlainRun returns the length of the leading run of b that needs nothing
 // done inside a JSON string: ASCII other than '"', '\\' and controls.
 // (Spelled out twice, not parameterised by funcs: the calls would not inline.)
@@ -58,14 +53,13 @@ func unqPlainRun(b []byte) int {
 }
 
 // In a JSON string, plain bytes are ASCII other than '"', '\\' and controls.
-func strWordSpecial(w uint64) bool {
-	return w&msb != 0 || hasLess(w, 0x20) || hasByte(w, '"') || hasByte(w, '\\')
-}
+func strWordSpecial(w uint64) bool { return strSpecialMask(w) != 0 }
 
-// strSpecialMask is strWordSpecial as a mask whose lowest set bit is the
-// high bit of the first special byte (little-endian): a borrow in the
-// zero-byte tests only runs upward from a byte that qualifies, so the bits
-// above the first may be wrong but the first is exact.
+// strSpecialMask marks the special bytes of w (strWordSpecial) with a mask
+// whose lowest set bit is the high bit of the first one (little-endian): a
+// borrow in the zero-byte tests only runs upward from a byte that
+// qualifies, so the bits above the first may be wrong but the first is
+// exact, and the mask is non-zero iff some byte is special.
 func strSpecialMask(w uint64) uint64 {
 	q := w ^ (lsb * '"')
 	bs := w ^ (lsb * '\\')
