@@ -181,6 +181,7 @@ func (o *Owner) Bind(id string, toks []int, hashes []prefix.Hash) (Bound, error)
 		_, freed := o.books.Remove(e.ID)
 		o.evicted(freed)
 	case e != nil && reuse > 0:
+		e = o.copySource(e, toks[:reuse])
 		seq, err := o.acquire(id, e.ID)
 		if err != nil {
 			return Bound{}, err
@@ -207,6 +208,40 @@ func (o *Owner) Bind(id string, toks []int, hashes []prefix.Hash) (Bound, error)
 	b.Reused, _ = o.Follow(id)
 	b.Leader, b.ShareTo = me.leader, me.shareTo
 	return b, nil
+}
+
+// copySource is the entry whose cells a request copies toks from: the
+// match e, unless e is parked and another entry holding toks has them in
+// the compute cache (a running request, or an idle entry left unparked) or
+// is running (its restore is about to put them there, and a copy of it
+// restores from the same bytes, which the cells share). Copying e would
+// restore a second copy of cells the cache already holds: with questions
+// about one document the parked match is usually the last question
+// finished, while the one still running holds the document.
+func (o *Owner) copySource(e *Entry, toks []int) *Entry {
+	p, ok := o.cells.(Parker)
+	if !ok || !p.Parked(e.Seq) {
+		return e
+	}
+	rank := func(x *Entry) int {
+		switch {
+		case !p.Parked(x.Seq):
+			return 2
+		case x.InUse:
+			return 1
+		}
+		return 0
+	}
+	best, bestRank := e, 0
+	for _, x := range o.books.entries {
+		if x == e || len(x.Tokens) < len(toks) || !slices.Equal(x.Tokens[:len(toks)], toks) {
+			continue
+		}
+		if r := rank(x); r > bestRank || (r == bestRank && r > 0 && x.Seq < best.Seq) {
+			best, bestRank = x, r
+		}
+	}
+	return best
 }
 
 func (o *Owner) add(id string, seq int, toks []int, hashes []prefix.Hash) {

@@ -199,3 +199,52 @@ func TestParkBoundKeepsAnOversizedEntryInCells(t *testing.T) {
 		t.Fatalf("entry parked (or dropped) under a %d-byte bound", short)
 	}
 }
+
+// Questions about one document, parked after each answer: a new question
+// copies the document from the question still running, whose cells hold
+// it, not from the last one finished (the most recent match, parked in
+// its own bytes). A 2,048-cell cache holds the ~1,100-token document once
+// beside the running questions but not twice: restoring the parked match
+// would not fit. The output is the cold run's.
+func TestACopyTakesThePrefixARunningRequestHolds(t *testing.T) {
+	const n = 4
+	probe := openParkEngine(t, 0)
+	doc, err := probe.Tokenize("doc: "+strings.Repeat("the quick brown fox jumps over the lazy dog. ", 24), true)
+	if err != nil {
+		t.Fatal(err)
+	}
+	question := func(q string) []int {
+		tail, err := probe.Tokenize(" "+q+"?", false)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return append(slices.Clone(doc), tail...)
+	}
+	_, cold := parkSize(t, question("echo"), n)
+
+	r := newParkRig(t, 1<<40)
+	r.run("q1", question("alpha"), n)
+	r.run("q2", question("bravo"), n)
+	// q3 runs on: bound and its question prefilled, not finished.
+	q3 := question("charlie")
+	b, err := r.o.Bind("q3", q3, nil)
+	if err != nil || b.Reused < len(doc) {
+		t.Fatalf("bind q3: reused %d tokens, the document is %d, %v", b.Reused, len(doc), err)
+	}
+	if _, err := r.eng.Step([]engine.Span{{Seq: b.Seq, Pos: b.Reused, Tokens: q3[b.Reused:]}}); err != nil {
+		t.Fatal(err)
+	}
+	r.o.Append("q3", q3[b.Reused:]...)
+	r.run("q4", question("delta"), n) // finishes last: the most recent match
+	b5, err := r.o.Bind("q5", question("echo"), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if b5.From != "q3" {
+		t.Fatalf("q5 copied the document from %q, want the running q3", b5.From)
+	}
+	r.o.Release("q5")
+	if out, _ := r.run("q5", question("echo"), n); !slices.Equal(out, cold) {
+		t.Fatalf("q5 beside running q3:\n got %v\nwant %v", out, cold)
+	}
+}

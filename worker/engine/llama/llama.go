@@ -69,6 +69,7 @@ type Engine struct {
 	// Parking (park.go); raw is nil when it is off.
 	raw         rawCtx
 	parked      map[int]*parked
+	restored    map[int]restoredFrom
 	lost        map[int]bool
 	parkedBytes atomic.Int64
 	parkLimit   int64
@@ -337,6 +338,13 @@ func (e *Engine) Copy(src, dst, from, to int) {
 func (e *Engine) Remove(seq, from int) {
 	if e.raw != nil && e.removeParked(seq, from) {
 		return
+	}
+	if r, ok := e.restored[seq]; ok {
+		if from <= 0 {
+			delete(e.restored, seq)
+		} else if from < r.n {
+			e.restored[seq] = restoredFrom{state: r.state, n: from}
+		}
 	}
 	e.lc.KvCacheSeqRm(seq, from, -1)
 	e.holes = true

@@ -70,6 +70,14 @@ import (
 // destination will be restored from the same bytes (cut to its length), and
 // Remove cuts or drops the record. So taking a parked entry over or adopting
 // its prefix costs one restore, when the new request first computes.
+//
+// Several requests adopting one parked prefix (questions about one
+// document) restore it once: a sequence restored from the same bytes that
+// still holds the cells another one needs lends them (KvCacheSeqCp, shared
+// cells) instead of a second llama_state_seq_set_data writing a second copy
+// into the cache. A second copy of a 3,000-token prefix is what filled an
+// 8,192-cell cache with three such requests and preempted one of them
+// (docs/worker.md "Seq ids and the KV cache").
 
 // parked is a sequence held in host memory: its cells are positions [0, n)
 // of state, which holds positions [0, full).
@@ -78,6 +86,16 @@ type parked struct {
 	n     int
 	full  int
 }
+
+// restoredFrom is a sequence in the KV cache whose cells [0, n) are
+// positions [0, n) of a parked state: state is that state's bytes (the
+// identity of the parking, shared by every record cut from it).
+type restoredFrom struct {
+	state []byte
+	n     int
+}
+
+func sameState(a, b []byte) bool { return unsafe.SliceData(a) == unsafe.SliceData(b) }
 
 type rawCtx = *C.struct_llama_context
 
@@ -97,6 +115,7 @@ func (e *Engine) initPark(nCtx, nSeq int) error {
 	}
 	e.raw = raw
 	e.parked = map[int]*parked{}
+	e.restored = map[int]restoredFrom{}
 	e.lost = map[int]bool{}
 	return nil
 }
@@ -119,6 +138,7 @@ func (e *Engine) Park(seq int) {
 	}
 	e.lc.KvCacheSeqRm(seq, 0, -1)
 	e.holes = true
+	delete(e.restored, seq)
 	e.parked[seq] = &parked{state: buf[:got], n: n, full: n}
 	e.parkedBytes.Add(int64(got))
 }
@@ -167,14 +187,22 @@ func (e *Engine) forget(seq int) {
 	}
 }
 
-// restore brings a parked seq back into the KV cache; ErrKVFull when there
-// is no contiguous room even after a defragmentation (it stays parked).
+// restore brings a parked seq back into the KV cache: shared from a
+// sequence restored from the same state if one still holds the cells,
+// else written anew; ErrKVFull when there is no contiguous room even after
+// a defragmentation (it stays parked).
 func (e *Engine) restore(seq int) error {
 	if e.lost[seq] {
 		return fmt.Errorf("%w: seq %d lost cells it shared while the cache was full", engine.ErrKVFull, seq)
 	}
 	p := e.parked[seq]
 	if p == nil {
+		return nil
+	}
+	if twin, ok := e.twin(p); ok {
+		e.lc.KvCacheSeqCp(twin, seq, 0, p.n)
+		e.forget(seq)
+		e.restored[seq] = restoredFrom{state: p.state, n: p.n}
 		return nil
 	}
 	set := func() bool {
@@ -194,7 +222,21 @@ func (e *Engine) restore(seq int) error {
 		e.holes = true
 	}
 	e.forget(seq)
+	e.restored[seq] = restoredFrom{state: p.state, n: p.n}
 	return nil
+}
+
+// twin is a sequence in the KV cache restored from p's state that still
+// holds p's cells, the lowest such seq id (so the choice does not depend
+// on map order).
+func (e *Engine) twin(p *parked) (int, bool) {
+	best := -1
+	for s, r := range e.restored {
+		if r.n >= p.n && sameState(r.state, p.state) && e.parked[s] == nil && !e.lost[s] && (best < 0 || s < best) {
+			best = s
+		}
+	}
+	return best, best >= 0
 }
 
 // copyParked handles Copy when src or dst is parked (or dst lost cells).
@@ -206,6 +248,7 @@ func (e *Engine) copyParked(src, dst, from, to int) {
 	if p != nil && from == 0 && e.parked[dst] == nil {
 		// dst holds nothing yet: it is src's state cut to [0, to).
 		e.forget(dst)
+		delete(e.restored, dst)
 		e.parked[dst] = &parked{state: p.state, n: min(to, p.n), full: p.full}
 		e.parkedBytes.Add(int64(len(p.state)))
 		return
@@ -224,6 +267,7 @@ func (e *Engine) copyParked(src, dst, from, to int) {
 		e.lc.KvCacheSeqCp(src, dst, from, to)
 		// src goes back to host memory: its state bytes did not change.
 		e.lc.KvCacheSeqRm(src, 0, -1)
+		delete(e.restored, src)
 		e.parked[src] = p
 		e.parkedBytes.Add(int64(len(p.state)))
 		return

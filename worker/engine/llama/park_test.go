@@ -87,6 +87,76 @@ func TestParkingFreesCellsAndRestoringNeedsRoom(t *testing.T) {
 	}
 }
 
+// Three questions about one parked document restore it once: the first
+// request's restore writes its cells, the others share them. In a 512-cell
+// cache that holds one 200-token copy and a second one at most, all three
+// are served side by side with the cold run's greedy output, and the cache
+// holds the document once.
+func TestOneParkedPrefixIsRestoredOnceForEveryCopy(t *testing.T) {
+	e := open(t, 512, 4)
+	doc := make([]int, 200)
+	for i := range doc {
+		doc[i] = 3 + 'a' + (i*7+i/26)%26
+	}
+	question := func(q int) []int { return append(slices.Clone(doc), 3+'0'+q, 3+'?', 3+'0'+q) }
+	var cold [][]int
+	for q := range 3 {
+		cold = append(cold, greedy(t, e, 0, question(q), 0, 4))
+		e.Remove(0, 0)
+	}
+	greedy(t, e, 0, doc, 0, 1)
+	e.Remove(0, len(doc))
+	e.Park(0)
+	for q := 1; q <= 3; q++ {
+		e.Copy(0, q, 0, len(doc))
+	}
+	// The three prefills in one batch: the first restores, the others share.
+	samplers := make([]engine.Sampler, 3)
+	spans := make([]engine.Span, 3)
+	for q := range 3 {
+		s, err := e.NewSampler(engine.SamplingParams{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		samplers[q] = s
+		spans[q] = engine.Span{Seq: q + 1, Pos: len(doc), Tokens: question(q)[len(doc):], Sampler: s}
+	}
+	got := make([][]int, 3)
+	for step := 0; step < 4; step++ {
+		toks, err := e.Step(spans)
+		if err != nil {
+			t.Fatalf("step %d of three copies of one parked 200-token prefix in 512 cells: %v", step, err)
+		}
+		for q, tok := range toks {
+			got[q] = append(got[q], tok)
+			spans[q] = engine.Span{Seq: q + 1, Pos: spans[q].Pos + len(spans[q].Tokens), Tokens: []int{tok}, Sampler: samplers[q]}
+		}
+		if step == 0 {
+			if used, _ := e.cellExtent(); used != len(doc)+3*3 {
+				t.Fatalf("%d cells used after the prefill, want the document once and three 3-token questions: %d", used, len(doc)+9)
+			}
+		}
+	}
+	for q := range 3 {
+		if !slices.Equal(got[q], cold[q]) {
+			t.Fatalf("question %d from the shared restore:\ncold %v\ngot  %v", q, cold[q], got[q])
+		}
+	}
+	if !e.Parked(0) {
+		t.Fatal("the document's own entry left host memory")
+	}
+
+	// A sequence cut below what a copy needs lends nothing: the copy is
+	// restored from the bytes, with the same output.
+	e.Remove(1, 100)
+	e.Remove(2, 0)
+	e.Remove(3, 0)
+	e.Copy(0, 2, 0, len(doc))
+	if got := greedy(t, e, 2, question(1), len(doc), 4); !slices.Equal(got, cold[1]) {
+		t.Fatalf("restored beside a shorter twin:\ncold %v\ngot  %v", cold[1], got)
+	}
+}
+
 func processCPU() time.Duration {
 	var ru syscall.Rusage
 	_ = syscall.Getrusage(syscall.RUSAGE_SELF, &ru)
