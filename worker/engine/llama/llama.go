@@ -71,6 +71,7 @@ type Engine struct {
 	parked      map[int]*parked
 	restored    map[int]restoredFrom
 	lost        map[int]bool
+	scratch     int // a seq id the pool never gives out (park.go)
 	parkedBytes atomic.Int64
 	parkLimit   int64
 	compact     bool // compact after removals (Config.NoCompact off)
@@ -161,7 +162,11 @@ func Open(cfg Config) (*Engine, error) {
 	// n_ubatch defaults to n_batch here, so a batch is one ubatch and a
 	// failed KV slot search leaves the cache untouched (llama_decode's
 	// kv guard restores it).
-	lc, err := ll.NewContextWithModel(model, ll.NewContextParams(cfg.NCtx, cfg.NBatch, cfg.NSeqMax, cfg.Threads, cfg.FlashAttention, cfg.KVCacheType))
+	nSeq := cfg.NSeqMax
+	if !cfg.NoPark {
+		nSeq++ // the scratch sequence parking uses (park.go)
+	}
+	lc, err := ll.NewContextWithModel(model, ll.NewContextParams(cfg.NCtx, cfg.NBatch, nSeq, cfg.Threads, cfg.FlashAttention, cfg.KVCacheType))
 	if err != nil {
 		ll.FreeModel(model)
 		return nil, err
@@ -331,6 +336,10 @@ func (e *Engine) Copy(src, dst, from, to int) {
 		e.copyParked(src, dst, from, to)
 		return
 	}
+	if r, ok := e.restored[src]; ok && from == 0 {
+		// dst's first cells are src's, and so the root's.
+		e.restored[dst] = restoredFrom{root: r.root, n: min(r.n, to)}
+	}
 	e.lc.KvCacheSeqCp(src, dst, from, to)
 }
 
@@ -343,7 +352,7 @@ func (e *Engine) Remove(seq, from int) {
 		if from <= 0 {
 			delete(e.restored, seq)
 		} else if from < r.n {
-			e.restored[seq] = restoredFrom{state: r.state, n: from}
+			e.restored[seq] = restoredFrom{root: r.root, n: from}
 		}
 	}
 	e.lc.KvCacheSeqRm(seq, from, -1)

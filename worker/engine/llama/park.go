@@ -71,31 +71,42 @@ import (
 // Remove cuts or drops the record. So taking a parked entry over or adopting
 // its prefix costs one restore, when the new request first computes.
 //
-// Several requests adopting one parked prefix (questions about one
-// document) restore it once: a sequence restored from the same bytes that
-// still holds the cells another one needs lends them (KvCacheSeqCp, shared
-// cells) instead of a second llama_state_seq_set_data writing a second copy
-// into the cache. A second copy of a 3,000-token prefix is what filled an
-// 8,192-cell cache with three such requests and preempted one of them
-// (docs/worker.md "Seq ids and the KV cache").
+// A prefix many sequences share (a document, a system prompt) is held once,
+// in the cache and in host memory (docs/worker.md "One copy of a shared
+// prefix"):
+//   - restoring: a sequence restored from the same bytes that still holds
+//     the cells another one needs lends them (KvCacheSeqCp) instead of a
+//     second llama_state_seq_set_data writing a second copy into the cache;
+//   - parking: a sequence whose first cells were restored from bytes still
+//     parked keeps only its own cells in new bytes, on top of those (its
+//     root). Restoring it sets its own bytes and shares the root's cells
+//     from a sequence that holds them, or restores the root into the
+//     engine's scratch sequence for the moment it takes to share them.
 
-// parked is a sequence held in host memory: its cells are positions [0, n)
-// of state, which holds positions [0, full).
+// hostState is the bytes of one llama_state_seq_get_data: a sequence's
+// cells at positions [from, to). They are host memory while a parked record
+// holds them (refs); restored sequences point to their root for identity.
+type hostState struct {
+	bytes    []byte
+	from, to int
+	refs     int
+}
+
+// parked is a sequence held in host memory: positions [0, n), of which
+// [0, min(n, k)) are root's cells and the rest tail's.
 type parked struct {
-	state []byte
-	n     int
-	full  int
+	root *hostState // from 0
+	k    int
+	tail *hostState // from k; nil when n <= k
+	n    int
 }
 
 // restoredFrom is a sequence in the KV cache whose cells [0, n) are
-// positions [0, n) of a parked state: state is that state's bytes (the
-// identity of the parking, shared by every record cut from it).
+// positions [0, n) of root.
 type restoredFrom struct {
-	state []byte
-	n     int
+	root *hostState
+	n    int
 }
-
-func sameState(a, b []byte) bool { return unsafe.SliceData(a) == unsafe.SliceData(b) }
 
 type rawCtx = *C.struct_llama_context
 
@@ -107,13 +118,15 @@ func rawContext(lc *ll.Context) rawCtx {
 	return *(**C.struct_llama_context)(unsafe.Pointer(lc))
 }
 
-// initPark enables parking if the context pointer checks out.
+// initPark enables parking if the context pointer checks out. The context
+// has one seq id more than the engine serves: the scratch sequence.
 func (e *Engine) initPark(nCtx, nSeq int) error {
 	raw := rawContext(e.lc)
-	if raw == nil || int(C.llama_n_ctx(raw)) != nCtx || int(C.llama_n_seq_max(raw)) != nSeq {
+	if raw == nil || int(C.llama_n_ctx(raw)) != nCtx || int(C.llama_n_seq_max(raw)) != nSeq+1 {
 		return fmt.Errorf("llama: cannot park idle sequences: the binding's context is not the expected llama_context (ollama/llama changed?)")
 	}
 	e.raw = raw
+	e.scratch = nSeq
 	e.parked = map[int]*parked{}
 	e.restored = map[int]restoredFrom{}
 	e.lost = map[int]bool{}
@@ -126,35 +139,95 @@ func (e *Engine) Park(seq int) {
 	if e.raw == nil || e.parked[seq] != nil {
 		return
 	}
-	n := int(C.llama_kv_self_seq_pos_max(e.raw, C.int32_t(seq))) + 1
+	root, k, n := e.parkPlan(seq)
 	if n <= 0 {
 		return
 	}
-	size := C.llama_state_seq_get_size(e.raw, C.int32_t(seq))
-	buf := make([]byte, int(size))
-	got := C.llama_state_seq_get_data(e.raw, (*C.uint8_t)(unsafe.Pointer(&buf[0])), size, C.int32_t(seq))
-	if got == 0 {
-		return // llama.cpp logged why; the cells simply stay in the cache
+	p := &parked{root: root, k: k, n: n}
+	if root == nil || k < n {
+		st := e.capture(seq, k, n)
+		if st == nil {
+			return // llama.cpp logged why; the cells simply stay in the cache
+		}
+		if root == nil {
+			p.root, p.k = st, n
+		} else {
+			p.tail = st
+		}
 	}
 	e.lc.KvCacheSeqRm(seq, 0, -1)
 	e.holes = true
 	delete(e.restored, seq)
-	e.parked[seq] = &parked{state: buf[:got], n: n, full: n}
-	e.parkedBytes.Add(int64(got))
+	e.setParked(seq, p)
 }
 
-// ParkBytes implements kvcache.ParkBudget: the host memory seq takes
-// parked, or would take if parked now (llama.cpp's state size of its
-// cells: K and V plus a few bytes of cell metadata per token, and a short
-// header, which is all an empty sequence would take).
+// parkPlan is how seq (n cells) would be parked: on root's first k cells,
+// its own bytes holding the rest; root nil when it holds bytes of its own
+// from 0 (k = 0).
+func (e *Engine) parkPlan(seq int) (root *hostState, k, n int) {
+	n = int(C.llama_kv_self_seq_pos_max(e.raw, C.int32_t(seq))) + 1
+	if r, ok := e.restored[seq]; ok && r.root.refs > 0 && r.n > 0 {
+		return r.root, min(r.n, n), n
+	}
+	return nil, 0, n
+}
+
+// capture takes seq's cells at positions [from, to) into host bytes: all
+// of seq directly, a range through the scratch sequence (the cells are
+// shared into it, not copied).
+func (e *Engine) capture(seq, from, to int) *hostState {
+	src := e.scratchRange(seq, from, to)
+	defer e.clearScratch(src)
+	size := C.llama_state_seq_get_size(e.raw, C.int32_t(src))
+	buf := make([]byte, int(size))
+	got := C.llama_state_seq_get_data(e.raw, (*C.uint8_t)(unsafe.Pointer(&buf[0])), size, C.int32_t(src))
+	if got == 0 {
+		return nil
+	}
+	return &hostState{bytes: buf[:got], from: from, to: to}
+}
+
+// scratchRange is the sequence holding exactly seq's cells [from, to): seq
+// itself when that is all of it, else the scratch sequence.
+func (e *Engine) scratchRange(seq, from, to int) int {
+	if from == 0 {
+		return seq
+	}
+	e.lc.KvCacheSeqRm(e.scratch, 0, -1)
+	e.lc.KvCacheSeqCp(seq, e.scratch, from, to)
+	return e.scratch
+}
+
+func (e *Engine) clearScratch(seq int) {
+	if seq == e.scratch {
+		e.lc.KvCacheSeqRm(e.scratch, 0, -1)
+	}
+}
+
+// ParkBytes implements kvcache.ParkBudget: the host memory evicting seq
+// would free if it is parked (the bytes no other record holds), or parking
+// it now would take (llama.cpp's state size of the cells it would keep: K
+// and V plus a few bytes of cell metadata per token, and a short header).
 func (e *Engine) ParkBytes(seq int) int64 {
 	if e.raw == nil {
 		return 0
 	}
 	if p := e.parked[seq]; p != nil {
-		return int64(len(p.state))
+		var n int64
+		for _, h := range []*hostState{p.root, p.tail} {
+			if h != nil && h.refs == 1 {
+				n += int64(len(h.bytes))
+			}
+		}
+		return n
 	}
-	return int64(C.llama_state_seq_get_size(e.raw, C.int32_t(seq)))
+	root, k, n := e.parkPlan(seq)
+	if root != nil && k >= n {
+		return 0
+	}
+	src := e.scratchRange(seq, k, n)
+	defer e.clearScratch(src)
+	return int64(C.llama_state_seq_get_size(e.raw, C.int32_t(src)))
 }
 
 // ParkLimit implements kvcache.ParkBudget: the bound on ParkedBytes
@@ -165,13 +238,12 @@ func (e *Engine) ParkLimit() int64 { return e.parkLimit }
 // cache (evicting it frees no cells).
 func (e *Engine) Parked(seq int) bool { return e.parked[seq] != nil }
 
-// ParkedBytes is the host memory parked sequences take (shared states
-// counted once per sequence). Safe for concurrent use (metrics read it).
+// ParkedBytes is the host memory parked sequences take, each state once
+// however many records share it. Safe for concurrent use (metrics read it).
 func (e *Engine) ParkedBytes() int64 { return e.parkedBytes.Load() }
 
 // ParkedTokens is how many cells the parked sequences would take in the
-// KV cache (a state shared by several counted once per sequence). Loop
-// goroutine only.
+// KV cache, each counted whole. Loop goroutine only.
 func (e *Engine) ParkedTokens() int {
 	n := 0
 	for _, p := range e.parked {
@@ -180,17 +252,56 @@ func (e *Engine) ParkedTokens() int {
 	return n
 }
 
+func (e *Engine) hold(h *hostState) {
+	if h == nil {
+		return
+	}
+	if h.refs == 0 {
+		e.parkedBytes.Add(int64(len(h.bytes)))
+	}
+	h.refs++
+}
+
+func (e *Engine) unhold(h *hostState) {
+	if h == nil {
+		return
+	}
+	if h.refs--; h.refs == 0 {
+		e.parkedBytes.Add(-int64(len(h.bytes)))
+		h.bytes = nil // gone with the last record; restored sequences keep only the identity
+	}
+}
+
+// setParked makes p seq's record, holding its states before letting the
+// old record's go (they may be the same).
+func (e *Engine) setParked(seq int, p *parked) {
+	e.hold(p.root)
+	e.hold(p.tail)
+	e.forget(seq)
+	e.parked[seq] = p
+}
+
 func (e *Engine) forget(seq int) {
 	if p := e.parked[seq]; p != nil {
-		e.parkedBytes.Add(-int64(len(p.state)))
+		e.unhold(p.root)
+		e.unhold(p.tail)
 		delete(e.parked, seq)
 	}
 }
 
-// restore brings a parked seq back into the KV cache: shared from a
-// sequence restored from the same state if one still holds the cells,
-// else written anew; ErrKVFull when there is no contiguous room even after
-// a defragmentation (it stays parked).
+// cut is p holding positions [0, n) only.
+func (p *parked) cut(n int) *parked {
+	if n >= p.n {
+		return p
+	}
+	if n <= p.k {
+		return &parked{root: p.root, k: n, n: n}
+	}
+	return &parked{root: p.root, k: p.k, tail: p.tail, n: n}
+}
+
+// restore brings a parked seq back into the KV cache; ErrKVFull when there
+// is no contiguous room even after a defragmentation (it stays parked).
 func (e *Engine) restore(seq int) error {
 	if e.lost[seq] {
 		return fmt.Errorf("%w: seq %d lost cells it shared while the cache was full", engine.ErrKVFull, seq)
@@ -199,40 +310,68 @@ func (e *Engine) restore(seq int) error {
 	if p == nil {
 		return nil
 	}
-	if twin, ok := e.twin(p); ok {
-		e.lc.KvCacheSeqCp(twin, seq, 0, p.n)
-		e.forget(seq)
-		e.restored[seq] = restoredFrom{state: p.state, n: p.n}
-		return nil
+	k := min(p.n, p.k)
+	if p.tail != nil && p.n > p.k {
+		// The tail first: setting a sequence's state clears it.
+		if !e.set(seq, p.tail) {
+			return fmt.Errorf("%w: restoring seq %d (%d cells)", engine.ErrKVFull, seq, p.tail.to-p.tail.from)
+		}
+		e.cutTo(seq, p.tail.to, p.n)
 	}
-	set := func() bool {
-		return C.llama_state_seq_set_data(e.raw, (*C.uint8_t)(unsafe.Pointer(&p.state[0])), C.size_t(len(p.state)), C.int32_t(seq)) != 0
-	}
-	if !set() {
-		// set_data needs one contiguous run of free cells; decode
-		// defragments by itself, this path does not.
-		C.llama_kv_self_defrag(e.raw)
-		C.llama_kv_self_update(e.raw)
-		if !set() {
-			return fmt.Errorf("%w: restoring seq %d (%d cells)", engine.ErrKVFull, seq, p.full)
+	if twin, ok := e.twin(p.root, k); ok {
+		e.lc.KvCacheSeqCp(twin, seq, 0, k)
+	} else {
+		dst := seq
+		if p.tail != nil && p.n > p.k {
+			dst = e.scratch
+		}
+		if !e.set(dst, p.root) {
+			e.lc.KvCacheSeqRm(seq, 0, -1)
+			return fmt.Errorf("%w: restoring seq %d (%d cells)", engine.ErrKVFull, seq, p.root.to)
+		}
+		if dst == e.scratch {
+			e.lc.KvCacheSeqCp(dst, seq, 0, k)
+			e.lc.KvCacheSeqRm(dst, 0, -1)
+			e.holes = true
+		} else {
+			e.cutTo(seq, p.root.to, k)
 		}
 	}
-	if p.n < p.full {
-		e.lc.KvCacheSeqRm(seq, p.n, -1)
-		e.holes = true
-	}
 	e.forget(seq)
-	e.restored[seq] = restoredFrom{state: p.state, n: p.n}
+	e.restored[seq] = restoredFrom{root: p.root, n: k}
 	return nil
 }
 
-// twin is a sequence in the KV cache restored from p's state that still
-// holds p's cells, the lowest such seq id (so the choice does not depend
+// set writes h's cells into seq (clearing it), defragmenting once if
+// there is no contiguous room: llama_state_seq_set_data needs one run of
+// free cells, and unlike decode it does not defragment by itself.
+func (e *Engine) set(seq int, h *hostState) bool {
+	try := func() bool {
+		return C.llama_state_seq_set_data(e.raw, (*C.uint8_t)(unsafe.Pointer(&h.bytes[0])), C.size_t(len(h.bytes)), C.int32_t(seq)) != 0
+	}
+	if try() {
+		return true
+	}
+	C.llama_kv_self_defrag(e.raw)
+	C.llama_kv_self_update(e.raw)
+	return try()
+}
+
+// cutTo drops seq's cells from n when it holds more (up to full).
+func (e *Engine) cutTo(seq, full, n int) {
+	if n < full {
+		e.lc.KvCacheSeqRm(seq, n, -1)
+		e.holes = true
+	}
+}
+
+// twin is a sequence in the KV cache restored from root that still holds
+// its first n cells, the lowest such seq id (so the choice does not depend
 // on map order).
-func (e *Engine) twin(p *parked) (int, bool) {
+func (e *Engine) twin(root *hostState, n int) (int, bool) {
 	best := -1
 	for s, r := range e.restored {
-		if r.n >= p.n && sameState(r.state, p.state) && e.parked[s] == nil && !e.lost[s] && (best < 0 || s < best) {
+		if r.root == root && r.n >= n && e.parked[s] == nil && !e.lost[s] && (best < 0 || s < best) {
 			best = s
 		}
 	}
@@ -246,11 +385,9 @@ func (e *Engine) copyParked(src, dst, from, to int) {
 	}
 	p := e.parked[src]
 	if p != nil && from == 0 && e.parked[dst] == nil {
-		// dst holds nothing yet: it is src's state cut to [0, to).
-		e.forget(dst)
+		// dst holds nothing yet: it is src's record cut to [0, to).
 		delete(e.restored, dst)
-		e.parked[dst] = &parked{state: p.state, n: min(to, p.n), full: p.full}
-		e.parkedBytes.Add(int64(len(p.state)))
+		e.setParked(dst, p.cut(to))
 		return
 	}
 	// Rare (a parked sequence shared from the middle, or into a parked
@@ -260,16 +397,19 @@ func (e *Engine) copyParked(src, dst, from, to int) {
 		return
 	}
 	if p != nil {
+		// src goes back to host memory afterwards, its record unchanged;
+		// holding its states keeps them while it is in the cache.
+		e.hold(p.root)
+		e.hold(p.tail)
+		defer func() { e.unhold(p.root); e.unhold(p.tail) }()
 		if err := e.restore(src); err != nil {
 			e.lost[dst] = true
 			return
 		}
 		e.lc.KvCacheSeqCp(src, dst, from, to)
-		// src goes back to host memory: its state bytes did not change.
 		e.lc.KvCacheSeqRm(src, 0, -1)
 		delete(e.restored, src)
-		e.parked[src] = p
-		e.parkedBytes.Add(int64(len(p.state)))
+		e.setParked(src, p)
 		return
 	}
 	e.lc.KvCacheSeqCp(src, dst, from, to)
@@ -287,8 +427,8 @@ func (e *Engine) removeParked(seq, from int) bool {
 	}
 	if from <= 0 {
 		e.forget(seq)
-	} else if from < p.n {
-		e.parked[seq] = &parked{state: p.state, n: from, full: p.full}
+	} else {
+		e.setParked(seq, p.cut(from))
 	}
 	return true
 }

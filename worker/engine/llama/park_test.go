@@ -157,6 +157,80 @@ func TestOneParkedPrefixIsRestoredOnceForEveryCopy(t *testing.T) {
 	}
 }
 
+// A sequence that copied a parked document is parked with only its own
+// cells in new bytes, on the document's; the document's bytes stay while
+// any record needs them, and every way back (the root restored into the
+// scratch sequence for a moment, or shared from a sequence that holds it)
+// gives the cold run's greedy output with the document once in the cache.
+func TestAParkedCopyKeepsOnlyItsOwnCells(t *testing.T) {
+	e := open(t, 1024, 4)
+	doc := make([]int, 200)
+	for i := range doc {
+		doc[i] = 3 + 'a' + (i*7+i/26)%26
+	}
+	q := append(slices.Clone(doc), 3+'1', 3+'?', 3+'1')
+	cold := greedy(t, e, 0, q, 0, 4)
+	e.Remove(0, 0)
+
+	greedy(t, e, 0, doc, 0, 1)
+	e.Park(0)
+	docBytes := e.ParkedBytes()
+	e.Copy(0, 1, 0, len(doc))
+	if got := greedy(t, e, 1, q, len(doc), 4); !slices.Equal(got, cold) {
+		t.Fatalf("copied from the parked document:\ncold %v\ngot  %v", cold, got)
+	}
+	e.Park(1)
+	if own := e.ParkedBytes() - docBytes; own <= 0 || own > docBytes/10 {
+		t.Fatalf("the copy parked in %d new bytes; the 200-token document takes %d, its own 6 cells a few percent of that", own, docBytes)
+	}
+	both := e.ParkedBytes()
+	e.Remove(0, 0)
+	if e.ParkedBytes() != both || e.ParkedBytes() == 0 {
+		t.Fatalf("dropping the document's own record: %d bytes parked, want %d (the copy still needs them)", e.ParkedBytes(), both)
+	}
+
+	// Back from the copy's record: nothing holds the document in the cache,
+	// so it is restored into the scratch sequence and shared from there.
+	e.Copy(1, 2, 0, len(q)-1)
+	if got := greedy(t, e, 2, q, len(q)-1, 4); !slices.Equal(got, cold) {
+		t.Fatalf("restored through the scratch sequence:\ncold %v\ngot  %v", cold, got)
+	}
+	// And again while seq 2 holds the document: shared from it.
+	e.Copy(1, 3, 0, len(q)-1)
+	if got := greedy(t, e, 3, q, len(q)-1, 4); !slices.Equal(got, cold) {
+		t.Fatalf("restored beside a sequence holding the document:\ncold %v\ngot  %v", cold, got)
+	}
+	if used, _ := e.cellExtent(); used >= 2*len(doc) {
+		t.Fatalf("%d cells used by two copies of a question about a 200-token document: the document is in the cache twice", used)
+	}
+
+	// Parked on the document again, from a sequence restored off the copy.
+	e.Park(2)
+	e.Remove(1, 0)
+	e.Remove(3, 0)
+	e.Copy(2, 1, 0, len(q)-1)
+	if got := greedy(t, e, 1, q, len(q)-1, 4); !slices.Equal(got, cold) {
+		t.Fatalf("restored from a record parked on the document's bytes:\ncold %v\ngot  %v", cold, got)
+	}
+	e.Remove(1, 0)
+	e.Remove(2, 0)
+	if e.ParkedBytes() != 0 || e.ParkedTokens() != 0 {
+		t.Fatalf("%d bytes, %d tokens parked after every sequence was removed", e.ParkedBytes(), e.ParkedTokens())
+	}
+	// With the document's bytes gone, a sequence that was restored from
+	// them parks whole.
+	greedy(t, e, 0, doc, 0, 1)
+	e.Park(0)
+	e.Copy(0, 1, 0, len(doc))
+	greedy(t, e, 1, q, len(doc), 4)
+	e.Remove(0, 0)
+	e.Park(1)
+	e.Copy(1, 2, 0, len(q)-1)
+	if got := greedy(t, e, 2, q, len(q)-1, 4); !slices.Equal(got, cold) {
+		t.Fatalf("parked whole after its root was dropped:\ncold %v\ngot  %v", cold, got)
+	}
+}
+
 func processCPU() time.Duration {
 	var ru syscall.Rusage
 	_ = syscall.Getrusage(syscall.RUSAGE_SELF, &ru)
