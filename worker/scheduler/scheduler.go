@@ -326,12 +326,9 @@ func (s *Scheduler) Stats() Stats {
 	return st
 }
 
-// cellCounter is implemented by engines that know their used KV cells.
+// cellCounter is implemented by engines that know their used KV cells
+// (shared cells once, parked ones not at all).
 type cellCounter interface{ UsedCells() int }
-
-// parkedCounter is implemented by engines that park idle sequences' cells
-// outside the KV cache (worker/engine/llama).
-type parkedCounter interface{ ParkedTokens() int }
 
 // Run is the loop; it owns the engine until ctx ends, then fails whatever is
 // left with ErrShutdown and returns.
@@ -889,8 +886,6 @@ func (s *Scheduler) publish() {
 	used := int(s.kv.Books().Items())
 	if cc, ok := s.eng.(cellCounter); ok {
 		used = cc.UsedCells()
-	} else if pc, ok := s.eng.(parkedCounter); ok {
-		used = max(0, used-pc.ParkedTokens()) // parked cells are in host memory
 	}
 	s.mu.Lock()
 	s.running = len(s.set)

@@ -44,7 +44,7 @@ type Config struct {
 	ParkMaxBytes int64
 	// NoCompact leaves the holes that removed cells (a parked, finished or
 	// cut sequence) leave below other sequences' cells (park.go, compact).
-	// Only with parking: compaction uses the same raw context.
+	// Only with parking.
 	NoCompact bool
 	// LoRA adapters applied to the whole context: every sequence this
 	// engine computes runs with them (an adapter pod serves one adapter set).
@@ -66,8 +66,8 @@ type Engine struct {
 	batch *ll.Batch
 	vocab int
 
-	// Parking (park.go); raw is nil when it is off.
-	raw         rawCtx
+	raw rawCtx // lc's llama_context, for the calls the binding does not wrap
+	// Parking (park.go); parked is nil when it is off.
 	parked      map[int]*parked
 	restored    map[int]restoredFrom
 	lost        map[int]bool
@@ -189,11 +189,12 @@ func Open(cfg Config) (*Engine, error) {
 		return nil, err
 	}
 	e := &Engine{model: model, lc: lc, batch: batch, vocab: model.NumVocab()}
+	if e.raw, err = checkedContext(lc, cfg.NCtx, nSeq); err != nil {
+		e.Close()
+		return nil, err
+	}
 	if !cfg.NoPark {
-		if err := e.initPark(cfg.NCtx, cfg.NSeqMax); err != nil {
-			e.Close()
-			return nil, err
-		}
+		e.initPark(cfg.NSeqMax)
 		e.compact = !cfg.NoCompact
 		e.parkLimit = cfg.ParkMaxBytes
 		if e.parkLimit <= 0 {
@@ -284,10 +285,8 @@ func (e *Engine) Step(spans []engine.Span) ([]int, error) {
 		if s.Seq < 0 || s.Seq >= e.info.NSeqMax {
 			return nil, fmt.Errorf("llama: seq id %d outside 0..%d", s.Seq, e.info.NSeqMax-1)
 		}
-		if e.raw != nil {
-			if err := e.restore(s.Seq); err != nil {
-				return nil, err
-			}
+		if err := e.restore(s.Seq); err != nil {
+			return nil, err
 		}
 	}
 	e.compactCells()
@@ -332,7 +331,7 @@ func (e *Engine) Copy(src, dst, from, to int) {
 	if to <= from || src == dst {
 		return
 	}
-	if e.raw != nil && (e.parked[src] != nil || e.parked[dst] != nil || e.lost[dst]) {
+	if e.parked[src] != nil || e.parked[dst] != nil || e.lost[dst] {
 		e.copyParked(src, dst, from, to)
 		return
 	}
@@ -345,7 +344,7 @@ func (e *Engine) Copy(src, dst, from, to int) {
 
 // Remove implements engine.Engine.
 func (e *Engine) Remove(seq, from int) {
-	if e.raw != nil && e.removeParked(seq, from) {
+	if e.removeParked(seq, from) {
 		return
 	}
 	if r, ok := e.restored[seq]; ok {

@@ -15,6 +15,7 @@ void     llama_kv_self_defrag(struct llama_context * ctx);
 void     llama_kv_self_update(struct llama_context * ctx);
 uint32_t llama_n_ctx(const struct llama_context * ctx);
 uint32_t llama_n_seq_max(const struct llama_context * ctx);
+int32_t  llama_kv_self_used_cells(const struct llama_context * ctx);
 
 // llama.cpp's debugging view of the KV cache (llama.h of the pinned
 // version), for cellExtent.
@@ -110,33 +111,36 @@ type restoredFrom struct {
 
 type rawCtx = *C.struct_llama_context
 
+// checkedContext is lc's llama_context, checked against the n_ctx and
+// n_seq_max it was created with before it is trusted.
+func checkedContext(lc *ll.Context, nCtx, nSeq int) (rawCtx, error) {
+	raw := rawContext(lc)
+	if raw == nil || int(C.llama_n_ctx(raw)) != nCtx || int(C.llama_n_seq_max(raw)) != nSeq {
+		return nil, fmt.Errorf("llama: the binding's context is not the expected llama_context (ollama/llama changed?)")
+	}
+	return raw, nil
+}
+
 // rawContext is the llama_context pointer of the binding's Context, its first
 // field (ollama v0.11.4 llama/llama.go: `type Context struct { c
-// *C.struct_llama_context; numThreads int }`). Open checks it against the
-// context's n_ctx and n_seq_max before trusting it.
+// *C.struct_llama_context; numThreads int }`).
 func rawContext(lc *ll.Context) rawCtx {
 	return *(**C.struct_llama_context)(unsafe.Pointer(lc))
 }
 
-// initPark enables parking if the context pointer checks out. The context
-// has one seq id more than the engine serves: the scratch sequence.
-func (e *Engine) initPark(nCtx, nSeq int) error {
-	raw := rawContext(e.lc)
-	if raw == nil || int(C.llama_n_ctx(raw)) != nCtx || int(C.llama_n_seq_max(raw)) != nSeq+1 {
-		return fmt.Errorf("llama: cannot park idle sequences: the binding's context is not the expected llama_context (ollama/llama changed?)")
-	}
-	e.raw = raw
+// initPark turns parking on. The context has one seq id more than the
+// engine serves (nSeq): the scratch sequence.
+func (e *Engine) initPark(nSeq int) {
 	e.scratch = nSeq
 	e.parked = map[int]*parked{}
 	e.restored = map[int]restoredFrom{}
 	e.lost = map[int]bool{}
-	return nil
 }
 
 // Park implements kvcache.Parker: seq's cells leave the KV cache for host
 // memory. Without parking (Config.NoPark) it does nothing.
 func (e *Engine) Park(seq int) {
-	if e.raw == nil || e.parked[seq] != nil {
+	if e.parked == nil || e.parked[seq] != nil {
 		return
 	}
 	root, k, n := e.parkPlan(seq)
@@ -209,7 +213,7 @@ func (e *Engine) clearScratch(seq int) {
 // it now would take (llama.cpp's state size of the cells it would keep: K
 // and V plus a few bytes of cell metadata per token, and a short header).
 func (e *Engine) ParkBytes(seq int) int64 {
-	if e.raw == nil {
+	if e.parked == nil {
 		return 0
 	}
 	if p := e.parked[seq]; p != nil {
@@ -242,9 +246,15 @@ func (e *Engine) Parked(seq int) bool { return e.parked[seq] != nil }
 // however many records share it. Safe for concurrent use (metrics read it).
 func (e *Engine) ParkedBytes() int64 { return e.parkedBytes.Load() }
 
-// ParkedTokens is how many cells the parked sequences would take in the
-// KV cache, each counted whole. Loop goroutine only.
-func (e *Engine) ParkedTokens() int {
+// UsedCells is how many cells of the KV cache some sequence holds, shared
+// cells once (llama_kv_self_used_cells): the KV use the pod reports, which
+// an entry-by-entry count would overstate by every shared prefix. Loop
+// goroutine only.
+func (e *Engine) UsedCells() int { return int(C.llama_kv_self_used_cells(e.raw)) }
+
+// parkedTokens is how many cells the parked sequences would take in the
+// KV cache, each counted whole.
+func (e *Engine) parkedTokens() int {
 	n := 0
 	for _, p := range e.parked {
 		n += p.n

@@ -27,8 +27,8 @@ func TestParkedSequenceGivesTheSameGreedyOutput(t *testing.T) {
 	greedy(t, e, 0, prompt, 0, 16)
 	e.Remove(0, len(prompt)) // an entry holding exactly the prompt
 	e.Park(0)
-	if !e.Parked(0) || e.ParkedBytes() == 0 || e.ParkedTokens() != len(prompt) {
-		t.Fatalf("seq 0 not parked (parked %v, %d bytes, %d tokens)", e.Parked(0), e.ParkedBytes(), e.ParkedTokens())
+	if !e.Parked(0) || e.ParkedBytes() == 0 || e.parkedTokens() != len(prompt) {
+		t.Fatalf("seq 0 not parked (parked %v, %d bytes, %d tokens)", e.Parked(0), e.ParkedBytes(), e.parkedTokens())
 	}
 
 	// Adopted by copy: seq 1 starts from seq 0's state cut to len-1 cells.
@@ -132,8 +132,8 @@ func TestOneParkedPrefixIsRestoredOnceForEveryCopy(t *testing.T) {
 			spans[q] = engine.Span{Seq: q + 1, Pos: spans[q].Pos + len(spans[q].Tokens), Tokens: []int{tok}, Sampler: samplers[q]}
 		}
 		if step == 0 {
-			if used, _ := e.cellExtent(); used != len(doc)+3*3 {
-				t.Fatalf("%d cells used after the prefill, want the document once and three 3-token questions: %d", used, len(doc)+9)
+			if used, _ := e.cellExtent(); used != len(doc)+3*3 || e.UsedCells() != used {
+				t.Fatalf("%d cells used after the prefill (%d reported), want the document once and three 3-token questions: %d", used, e.UsedCells(), len(doc)+9)
 			}
 		}
 	}
@@ -214,8 +214,8 @@ func TestAParkedCopyKeepsOnlyItsOwnCells(t *testing.T) {
 	}
 	e.Remove(1, 0)
 	e.Remove(2, 0)
-	if e.ParkedBytes() != 0 || e.ParkedTokens() != 0 {
-		t.Fatalf("%d bytes, %d tokens parked after every sequence was removed", e.ParkedBytes(), e.ParkedTokens())
+	if e.ParkedBytes() != 0 || e.parkedTokens() != 0 {
+		t.Fatalf("%d bytes, %d tokens parked after every sequence was removed", e.ParkedBytes(), e.parkedTokens())
 	}
 	// With the document's bytes gone, a sequence that was restored from
 	// them parks whole.
