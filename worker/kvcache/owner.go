@@ -420,8 +420,14 @@ func (o *Owner) park(e *Entry) {
 		if need > limit || b.ParkedBytes()-freeable+need > limit {
 			return
 		}
+		// need is read again after each eviction: evicting the entry whose
+		// bytes e would be parked on (its root, docs/worker.md "Seq ids and
+		// the KV cache") makes e take all of its own.
 		for b.ParkedBytes()+need > limit {
 			if !o.evictOne("park_bytes", keep...) {
+				return
+			}
+			if need = b.ParkBytes(e.Seq); need > limit {
 				return
 			}
 		}

@@ -73,8 +73,8 @@ import (
 // its prefix costs one restore, when the new request first computes.
 //
 // A prefix many sequences share (a document, a system prompt) is held once,
-// in the cache and in host memory (docs/worker.md "One copy of a shared
-// prefix"):
+// in the cache and in host memory (docs/worker.md "Seq ids and the KV
+// cache"):
 //   - restoring: a sequence restored from the same bytes that still holds
 //     the cells another one needs lends them (KvCacheSeqCp) instead of a
 //     second llama_state_seq_set_data writing a second copy into the cache;
