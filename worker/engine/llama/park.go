@@ -85,12 +85,13 @@ import (
 //     engine's scratch sequence for the moment it takes to share them.
 
 // hostState is the bytes of one llama_state_seq_get_data: a sequence's
-// cells at positions [from, to). They are host memory while a parked record
-// holds them (refs); restored sequences point to their root for identity.
+// cells from a position on, up to position to. They are host memory while a
+// parked record holds them (refs); restored sequences point to their root
+// for identity.
 type hostState struct {
-	bytes    []byte
-	from, to int
-	refs     int
+	bytes []byte
+	to    int
+	refs  int
 }
 
 // parked is a sequence held in host memory: positions [0, n), of which
@@ -188,7 +189,7 @@ func (e *Engine) capture(seq, from, to int) *hostState {
 	if got == 0 {
 		return nil
 	}
-	return &hostState{bytes: buf[:got], from: from, to: to}
+	return &hostState{bytes: buf[:got], to: to}
 }
 
 // scratchRange is the sequence holding exactly seq's cells [from, to): seq
@@ -321,10 +322,11 @@ func (e *Engine) restore(seq int) error {
 		return nil
 	}
 	k := min(p.n, p.k)
-	if p.tail != nil && p.n > p.k {
+	withTail := p.tail != nil && p.n > p.k
+	if withTail {
 		// The tail first: setting a sequence's state clears it.
 		if !e.set(seq, p.tail) {
-			return fmt.Errorf("%w: restoring seq %d (%d cells)", engine.ErrKVFull, seq, p.tail.to-p.tail.from)
+			return fmt.Errorf("%w: restoring seq %d (%d cells)", engine.ErrKVFull, seq, p.tail.to-p.k)
 		}
 		e.cutTo(seq, p.tail.to, p.n)
 	}
@@ -332,7 +334,7 @@ func (e *Engine) restore(seq int) error {
 		e.lc.KvCacheSeqCp(twin, seq, 0, k)
 	} else {
 		dst := seq
-		if p.tail != nil && p.n > p.k {
+		if withTail {
 			dst = e.scratch
 		}
 		if !e.set(dst, p.root) {
