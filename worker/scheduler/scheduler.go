@@ -66,8 +66,7 @@ type Config struct {
 	// finishing request's cells would crowd that prefill's attention in
 	// llama.cpp's unified cache (and a finished one is parked), while its
 	// last decode-only steps are short. Shorter prefills (cache hits,
-	// followers' tails) still run beside it. A prompt is held FinishFirst
-	// steps at most. 0: off.
+	// followers' tails) still run beside it. 0: off.
 	FinishFirst int
 	Metrics     *Metrics
 	Logger      *slog.Logger
@@ -164,7 +163,6 @@ type task struct {
 	maxTokens   int    // the request's max_tokens, or Config.MaxOutputTokens
 	lastStep    uint64 // the step that last evaluated a span of it
 	spanLen     int    // tokens of this task in the current batch
-	held        int    // steps finish first held its prefill
 }
 
 // New builds a scheduler over eng. The pool size is the engine's n_seq_max.
@@ -660,16 +658,7 @@ func (s *Scheduler) batch() ([]engine.Span, []*task) {
 			tasks = append(tasks, t)
 			t.spanLen = 1
 			budget--
-		case left >= 2:
-			// Finish first holds a long prefill FinishFirst steps at most,
-			// by when every request that was finishing has ended; requests
-			// that start finishing later do not hold it again. (A stream of
-			// short requests, each finishing in turn, held a cold prompt
-			// for 16 s on the bench's real pods.)
-			if finishing && left >= s.info.NBatch && t.held < s.cfg.FinishFirst {
-				t.held++
-				continue
-			}
+		case left >= 2 && !(finishing && left >= s.info.NBatch):
 			s.prefill = append(s.prefill, t)
 		}
 	}
