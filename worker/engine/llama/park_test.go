@@ -87,6 +87,16 @@ func TestParkingFreesCellsAndRestoringNeedsRoom(t *testing.T) {
 	}
 }
 
+// document is n tokens of lower-case letters (the test model's vocabulary
+// is bytes, offset by 3).
+func document(n int) []int {
+	doc := make([]int, n)
+	for i := range doc {
+		doc[i] = 3 + 'a' + (i*7+i/26)%26
+	}
+	return doc
+}
+
 // Three questions about one parked document restore it once: the first
 // request's restore writes its cells, the others share them. In a 512-cell
 // cache that holds one 200-token copy and a second one at most, all three
@@ -94,10 +104,7 @@ func TestParkingFreesCellsAndRestoringNeedsRoom(t *testing.T) {
 // holds the document once.
 func TestOneParkedPrefixIsRestoredOnceForEveryCopy(t *testing.T) {
 	e := open(t, 512, 4)
-	doc := make([]int, 200)
-	for i := range doc {
-		doc[i] = 3 + 'a' + (i*7+i/26)%26
-	}
+	doc := document(200)
 	question := func(q int) []int { return append(slices.Clone(doc), 3+'0'+q, 3+'?', 3+'0'+q) }
 	var cold [][]int
 	for q := range 3 {
@@ -164,10 +171,7 @@ func TestOneParkedPrefixIsRestoredOnceForEveryCopy(t *testing.T) {
 // gives the cold run's greedy output with the document once in the cache.
 func TestAParkedCopyKeepsOnlyItsOwnCells(t *testing.T) {
 	e := open(t, 1024, 4)
-	doc := make([]int, 200)
-	for i := range doc {
-		doc[i] = 3 + 'a' + (i*7+i/26)%26
-	}
+	doc := document(200)
 	q := append(slices.Clone(doc), 3+'1', 3+'?', 3+'1')
 	cold := greedy(t, e, 0, q, 0, 4)
 	e.Remove(0, 0)
@@ -225,6 +229,9 @@ func TestAParkedCopyKeepsOnlyItsOwnCells(t *testing.T) {
 	greedy(t, e, 1, q, len(doc), 4)
 	e.Remove(0, 0)
 	e.Park(1)
+	if e.ParkedBytes() < docBytes {
+		t.Fatalf("%d bytes parked for a sequence of %d tokens whose root is gone: less than the 200-token document's %d", e.ParkedBytes(), len(q), docBytes)
+	}
 	e.Copy(1, 2, 0, len(q)-1)
 	if got := greedy(t, e, 2, q, len(q)-1, 4); !slices.Equal(got, cold) {
 		t.Fatalf("parked whole after its root was dropped:\ncold %v\ngot  %v", cold, got)
@@ -349,10 +356,7 @@ func BenchmarkParkBytes(b *testing.B) {
 	}
 	defer e.Close()
 	const n = 2600
-	toks := make([]int, n)
-	for i := range toks {
-		toks[i] = 3 + 'a' + (i*7+i/26)%26
-	}
+	toks := document(n)
 	for p := 0; p < n; p += 512 {
 		if _, err := e.Step([]engine.Span{{Seq: 0, Pos: p, Tokens: toks[p:min(p+512, n)]}}); err != nil {
 			b.Fatal(err)
