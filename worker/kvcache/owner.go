@@ -234,7 +234,7 @@ func (o *Owner) copySource(e *Entry, toks []int) *Entry {
 	}
 	best, bestRank := e, 0
 	for _, x := range o.books.entries {
-		if x == e || len(x.Tokens) < len(toks) || !slices.Equal(x.Tokens[:len(toks)], toks) {
+		if x == e || commonPrefix(x.Tokens, toks) < len(toks) {
 			continue
 		}
 		if r := rank(x); r > bestRank || (r == bestRank && r > 0 && x.Seq < best.Seq) {

@@ -253,16 +253,6 @@ func (e *Engine) ParkedBytes() int64 { return e.parkedBytes.Load() }
 // goroutine only.
 func (e *Engine) UsedCells() int { return int(C.llama_kv_self_used_cells(e.raw)) }
 
-// parkedTokens is how many cells the parked sequences would take in the
-// KV cache, each counted whole.
-func (e *Engine) parkedTokens() int {
-	n := 0
-	for _, p := range e.parked {
-		n += p.n
-	}
-	return n
-}
-
 func (e *Engine) hold(h *hostState) {
 	if h == nil {
 		return
