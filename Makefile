@@ -3,9 +3,13 @@
 # llama.cpp (vendored by ollama's cgo package) must be built with the host's
 # vector instructions: its own flags are plain -O3, which made prefill ~20x
 # slower here. Container images override LLMF_MARCH with a portable level.
+# Without AMX: on CPUs that have it, -march=native makes ggml-cpu call an AMX
+# buffer type whose source ollama's cgo package does not compile (link error).
+# scripts/cgo-env.sh holds the same flags for scripts run outside make.
 LLMF_MARCH ?= native
-export CGO_CFLAGS   := -O3 -march=$(LLMF_MARCH)
-export CGO_CXXFLAGS := -O3 -march=$(LLMF_MARCH)
+LLMF_CGO_FLAGS := -O3 -march=$(LLMF_MARCH) -mno-amx-tile -mno-amx-int8 -mno-amx-bf16
+export CGO_CFLAGS   := $(LLMF_CGO_FLAGS)
+export CGO_CXXFLAGS := $(LLMF_CGO_FLAGS)
 
 GO       ?= go
 BIN      := bin

@@ -10,6 +10,7 @@
 # runs them uncapped (needed where /sys/fs/cgroup is read-only).
 # Usage: scripts/bench-llama.sh MODEL OUTDIR   (make bench-llama)
 set -euo pipefail
+. "$(dirname "$0")/cgo-env.sh"
 model=${1:?model}
 out=${2:?output directory}
 bench=(go run ./bench/cmd/bench --engine llama --workers 3 --model "$model" --worker-args "--threads 1" --worker-cpus "${WORKER_CPUS:-0.6}")

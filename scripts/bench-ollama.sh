@@ -23,7 +23,7 @@
 # e.g. a longer --request-timeout for both on a loaded machine).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-export CGO_CFLAGS="-O3 -march=native" CGO_CXXFLAGS="-O3 -march=native"
+. scripts/cgo-env.sh
 threads=${THREADS:-2}
 parallel=${OLLAMA_PARALLEL:-1 4}
 model=$PWD/var/models/bench.gguf

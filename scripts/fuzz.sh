@@ -7,7 +7,7 @@
 # exceeded".
 set -euo pipefail
 cd "$(dirname "$0")/.."
-export CGO_CFLAGS="${CGO_CFLAGS:--O3 -march=native}" CGO_CXXFLAGS="${CGO_CXXFLAGS:--O3 -march=native}"
+. scripts/cgo-env.sh
 fuzztime="${FUZZTIME:-5000x}"
 n=0
 for file in $(git ls-files '*_test.go'); do

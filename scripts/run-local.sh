@@ -6,7 +6,7 @@
 # everything on Ctrl-C.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-export CGO_CFLAGS="${CGO_CFLAGS:--O3 -march=native}" CGO_CXXFLAGS="${CGO_CXXFLAGS:--O3 -march=native}"
+. scripts/cgo-env.sh
 
 GATEWAY=${GATEWAY:-127.0.0.1:8000}
 MC=${MC:-127.0.0.1:8080}

@@ -4,8 +4,7 @@
 # loopback port for the run, and stops it on exit whatever happens.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-# Same vector flags as the Makefile when run directly (llama.cpp is ~20x slower without).
-export CGO_CFLAGS="${CGO_CFLAGS:--O3 -march=native}" CGO_CXXFLAGS="${CGO_CXXFLAGS:--O3 -march=native}"
+. scripts/cgo-env.sh
 
 log() { printf '\n== %s\n' "$*"; }
 

@@ -2,8 +2,8 @@
 // github.com/ollama/ollama/llama (v0.11.4: one unified KV stream in which
 // KvCacheSeqCp shares cells between seq ids).
 //
-// Build with the host's vector instructions (CGO_CFLAGS/CGO_CXXFLAGS =
-// "-O3 -march=native", as the Makefile exports): the package's own flags are
+// Build with the host's vector instructions (the CGO_CFLAGS/CGO_CXXFLAGS the
+// Makefile exports and scripts/cgo-env.sh sets): the package's own flags are
 // plain -O3 and prefill is ~20x slower without.
 package llama
 
