@@ -740,6 +740,16 @@ func (s *Scheduler) step(spans []engine.Span, tasks []*task) {
 	}
 }
 
+// usedCells is how many KV cells some sequence holds: the engine's count
+// when it keeps one (shared cells once, parked ones not at all), else the
+// cache entries' tokens.
+func (s *Scheduler) usedCells() int {
+	if cc, ok := s.eng.(cellCounter); ok {
+		return cc.UsedCells()
+	}
+	return int(s.kv.Books().Items())
+}
+
 func (s *Scheduler) holders() int {
 	n := 0
 	for _, t := range s.set {
@@ -767,7 +777,8 @@ func (s *Scheduler) preempt(t *task) {
 	t.waitRel = s.releases + 1
 	t.preemptions++
 	s.m.preemptions.Inc()
-	s.log.Warn("KV cache full: preempted a request", "request", t.req.ID, "tokens", len(t.toks))
+	s.log.Warn("KV cache full: preempted a request", "request", t.req.ID, "tokens", len(t.toks),
+		"used_cells", s.usedCells(), "cells", s.info.NCtx, "running", len(s.set))
 }
 
 func (s *Scheduler) apply(spans []engine.Span, tasks []*task, out []int) {
@@ -883,10 +894,7 @@ func (s *Scheduler) publish() {
 			prefill += max(0, len(t.toks)-t.past)
 		}
 	}
-	used := int(s.kv.Books().Items())
-	if cc, ok := s.eng.(cellCounter); ok {
-		used = cc.UsedCells()
-	}
+	used := s.usedCells()
 	s.mu.Lock()
 	s.running = len(s.set)
 	s.setPrefill, s.kvUsed = prefill, used
