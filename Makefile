@@ -5,7 +5,8 @@
 # slower here. Container images override LLMF_MARCH with a portable level.
 # Without AMX: on CPUs that have it, -march=native makes ggml-cpu call an AMX
 # buffer type whose source ollama's cgo package does not compile (link error).
-# scripts/cgo-env.sh holds the same flags for scripts run outside make.
+# scripts/cgo-env.sh and internal/testutil/cgoenv hold the same flags for
+# scripts and tests run outside make.
 LLMF_MARCH ?= native
 LLMF_CGO_FLAGS := -O3 -march=$(LLMF_MARCH) -mno-amx-tile -mno-amx-int8 -mno-amx-bf16
 export CGO_CFLAGS   := $(LLMF_CGO_FLAGS)

@@ -29,6 +29,7 @@ import (
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
 
+	"github.com/istio-llm-filter/istio-llm-filter/internal/testutil/cgoenv"
 	"github.com/istio-llm-filter/istio-llm-filter/internal/testutil/redistest"
 )
 
@@ -240,15 +241,7 @@ func goBuild(t *testing.T, dir string, pkgs ...string) {
 	t.Helper()
 	cmd := exec.Command("go", append([]string{"build", "-o", dir + "/"}, pkgs...)...)
 	cmd.Dir = ".."
-	cmd.Env = os.Environ()
-	// llama.cpp (in the worker) must be built with the host's vector
-	// instructions, and with the same flags as the Makefile so the build
-	// cache is shared.
-	for _, k := range []string{"CGO_CFLAGS", "CGO_CXXFLAGS"} {
-		if os.Getenv(k) == "" {
-			cmd.Env = append(cmd.Env, k+"=-O3 -march=native")
-		}
-	}
+	cmd.Env = cgoenv.Environ()
 	if out, err := cmd.CombinedOutput(); err != nil {
 		t.Fatalf("go build %v: %v\n%s", pkgs, err, out)
 	}

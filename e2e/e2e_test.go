@@ -17,6 +17,7 @@ import (
 	"github.com/istio-llm-filter/istio-llm-filter/bench/fleet"
 	"github.com/istio-llm-filter/istio-llm-filter/bench/workload"
 	"github.com/istio-llm-filter/istio-llm-filter/filter/llmfilter"
+	"github.com/istio-llm-filter/istio-llm-filter/internal/testutil/cgoenv"
 	"github.com/istio-llm-filter/istio-llm-filter/internal/testutil/redistest"
 	"github.com/istio-llm-filter/istio-llm-filter/worker/testmodel"
 )
@@ -44,12 +45,7 @@ func binaries(t *testing.T) string {
 		cmd := exec.Command("go", "build", "-o", binDir+"/",
 			"./metadata-center/cmd/metadata-center", "./worker/cmd/worker", "./filter/cmd/gateway", "./worker/cmd/mkmodel")
 		cmd.Dir = filepath.Dir(strings.TrimSpace(string(root)))
-		cmd.Env = os.Environ()
-		for _, kv := range []string{"CGO_CFLAGS", "CGO_CXXFLAGS"} {
-			if os.Getenv(kv) == "" {
-				cmd.Env = append(cmd.Env, kv+"=-O3 -march=native")
-			}
-		}
+		cmd.Env = cgoenv.Environ()
 		if out, err := cmd.CombinedOutput(); err != nil {
 			buildErr = err
 			t.Logf("go build:\n%s", out)

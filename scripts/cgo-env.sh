@@ -1,5 +1,6 @@
 # Sourced by the scripts that build llama.cpp when they run outside make; the
-# Makefile exports the same flags. -march=native: ggml's own cgo flags are
+# Makefile exports the same flags (and internal/testutil/cgoenv gives them to
+# tests that build the worker). -march=native: ggml's own cgo flags are
 # plain -O3, and prefill is ~20x slower without the host's vector
 # instructions. -mno-amx-*: on CPUs with AMX (Xeon Sapphire Rapids and
 # later) -march=native makes ggml-cpu call its AMX buffer type, whose source

@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/istio-llm-filter/istio-llm-filter/bench/fleet"
+	"github.com/istio-llm-filter/istio-llm-filter/internal/testutil/cgoenv"
 )
 
 var (
@@ -37,7 +38,7 @@ func buildBinaries(t *testing.T) string {
 		}
 		cmd := exec.Command("go", "build", "-o", binDir+"/", "./metadata-center/cmd/metadata-center", "./worker/cmd/worker", "./filter/cmd/gateway")
 		cmd.Dir = root
-		cmd.Env = append(os.Environ(), "CGO_CFLAGS=-O3 -march=native", "CGO_CXXFLAGS=-O3 -march=native")
+		cmd.Env = cgoenv.Environ()
 		buildOut, buildErr = cmd.CombinedOutput()
 	})
 	if buildErr != nil {
