@@ -70,6 +70,7 @@ type Engine struct {
 	// Parking (park.go); parked is nil when it is off.
 	parked      map[int]*parked
 	restored    map[int]restoredFrom
+	kin         map[int]map[int]int // seq → seqs sharing its first n cells, copied in the cache
 	lost        map[int]bool
 	scratch     int // a seq id the pool never gives out (park.go)
 	parkedBytes atomic.Int64
@@ -340,6 +341,11 @@ func (e *Engine) Copy(src, dst, from, to int) {
 		e.restored[dst] = restoredFrom{root: r.root, n: min(r.n, to)}
 	}
 	e.lc.KvCacheSeqCp(src, dst, from, to)
+	if e.parked != nil && (from == 0 || e.kin[src][dst] == from) {
+		// A prefix copied, or the shared one extended (a follower taking
+		// its leader's next cells).
+		e.link(src, dst, to)
+	}
 }
 
 // Remove implements engine.Engine.
@@ -354,6 +360,7 @@ func (e *Engine) Remove(seq, from int) {
 			e.restored[seq] = restoredFrom{root: r.root, n: from}
 		}
 	}
+	e.unlink(seq, from)
 	e.lc.KvCacheSeqRm(seq, from, -1)
 	e.holes = true
 }

@@ -83,6 +83,9 @@ import (
 //     root). Restoring it sets its own bytes and shares the root's cells
 //     from a sequence that holds them, or restores the root into the
 //     engine's scratch sequence for the moment it takes to share them.
+//     Sequences that share cells computed in the cache (one copied the
+//     other's prefix) are related the same way once one of them is parked:
+//     its bytes become the others' root for the cells they share (kin).
 
 // hostState is the bytes of one llama_state_seq_get_data: a sequence's
 // cells from a position on, up to position to. They are host memory while a
@@ -135,6 +138,7 @@ func (e *Engine) initPark(nSeq int) {
 	e.scratch = nSeq
 	e.parked = map[int]*parked{}
 	e.restored = map[int]restoredFrom{}
+	e.kin = map[int]map[int]int{}
 	e.lost = map[int]bool{}
 }
 
@@ -156,14 +160,71 @@ func (e *Engine) Park(seq int) {
 		}
 		if root == nil {
 			p.root, p.k = st, n
+			e.adoptKin(seq, st)
 		} else {
 			p.tail = st
 		}
 	}
+	e.unlink(seq, 0)
 	e.lc.KvCacheSeqRm(seq, 0, -1)
 	e.holes = true
 	delete(e.restored, seq)
 	e.setParked(seq, p)
+}
+
+// link records that a and b share their first n cells (b a copy of a's
+// prefix), and so b shares with a's other kin as much of it as they do.
+func (e *Engine) link(a, b, n int) {
+	if n <= 0 || a == b {
+		return
+	}
+	set := func(x, y, n int) {
+		if e.kin[x] == nil {
+			e.kin[x] = map[int]int{}
+		}
+		e.kin[x][y] = n
+	}
+	for k, m := range e.kin[a] {
+		if k != b {
+			set(b, k, min(m, n))
+			set(k, b, min(m, n))
+		}
+	}
+	set(a, b, n)
+	set(b, a, n)
+}
+
+// unlink records that seq lost its cells from position from on.
+func (e *Engine) unlink(seq, from int) {
+	for k, m := range e.kin[seq] {
+		if m <= from {
+			continue
+		}
+		if from <= 0 {
+			delete(e.kin[k], seq)
+			delete(e.kin[seq], k)
+		} else {
+			e.kin[k][seq], e.kin[seq][k] = from, from
+		}
+	}
+	if len(e.kin[seq]) == 0 {
+		delete(e.kin, seq)
+	}
+}
+
+// adoptKin makes seq's new bytes the root of the cells its kin share with
+// it, for kin with no longer root of their own: parked later, they keep only
+// the rest, and restored, they share those cells instead of a second copy.
+func (e *Engine) adoptKin(seq int, st *hostState) {
+	for k, m := range e.kin[seq] {
+		if e.parked[k] != nil || e.lost[k] {
+			continue
+		}
+		if r, ok := e.restored[k]; ok && r.root.refs > 0 && r.n >= m {
+			continue
+		}
+		e.restored[k] = restoredFrom{root: st, n: m}
+	}
 }
 
 // parkPlan is how seq (n cells) would be parked: on root's first k cells,
@@ -320,11 +381,16 @@ func (e *Engine) restore(seq int) error {
 		}
 		e.cutTo(seq, p.tail.to, p.n)
 	}
-	if twin, ok := e.twin(p.root, k); ok {
-		e.lc.KvCacheSeqCp(twin, seq, 0, k)
-	} else {
+	twin, m := e.twin(p.root, k)
+	if m > 0 {
+		e.lc.KvCacheSeqCp(twin, seq, 0, m)
+	}
+	if m < k {
+		// The rest of the root's cells come from its bytes: set straight
+		// into seq when nothing else is there, else into the scratch
+		// sequence and shared from it.
 		dst := seq
-		if withTail {
+		if withTail || m > 0 {
 			dst = e.scratch
 		}
 		if !e.set(dst, p.root) {
@@ -332,7 +398,7 @@ func (e *Engine) restore(seq int) error {
 			return fmt.Errorf("%w: restoring seq %d (%d cells)", engine.ErrKVFull, seq, p.root.to)
 		}
 		if dst == e.scratch {
-			e.lc.KvCacheSeqCp(dst, seq, 0, k)
+			e.lc.KvCacheSeqCp(dst, seq, m, k)
 			e.lc.KvCacheSeqRm(dst, 0, -1)
 			e.holes = true
 		} else {
@@ -367,17 +433,20 @@ func (e *Engine) cutTo(seq, full, n int) {
 	}
 }
 
-// twin is a sequence in the KV cache restored from root that still holds
-// its first n cells, the lowest such seq id (so the choice does not depend
-// on map order).
-func (e *Engine) twin(root *hostState, n int) (int, bool) {
-	best := -1
+// twin is the sequence in the KV cache holding most of root's first n
+// cells (restored from root, or sharing cells computed in the cache with
+// the sequence that was parked as root), and how many; -1, 0 for none.
+func (e *Engine) twin(root *hostState, n int) (seq, held int) {
+	seq = -1
 	for s, r := range e.restored {
-		if r.root == root && r.n >= n && e.parked[s] == nil && !e.lost[s] && (best < 0 || s < best) {
-			best = s
+		if r.root != root || e.parked[s] != nil || e.lost[s] {
+			continue
+		}
+		if m := min(r.n, n); m > held || (m == held && m > 0 && s < seq) {
+			seq, held = s, m
 		}
 	}
-	return best, best >= 0
+	return seq, held
 }
 
 // copyParked handles Copy when src or dst is parked (or dst lost cells).

@@ -248,6 +248,49 @@ func TestAParkedCopyKeepsOnlyItsOwnCells(t *testing.T) {
 	}
 }
 
+// Two questions about a document computed in the cache, not restored: the
+// second copied the first's document cells (in two pieces). Whichever is parked first
+// becomes the other's root, so the other parks in a few percent of the
+// document's bytes, and the two restored hold the document in the cache
+// once; the outputs are the cold runs'.
+func TestCopiesOfComputedCellsParkOnEachOther(t *testing.T) {
+	doc := document(200)
+	q1 := append(slices.Clone(doc), 3+'1', 3+'?', 3+'1')
+	q2 := append(slices.Clone(doc), 3+'2', 3+'?', 3+'2')
+	for _, first := range []int{0, 1} {
+		e := open(t, 1024, 4)
+		cold1 := greedy(t, e, 0, q1, 0, 4)
+		e.Remove(0, 0)
+		cold2 := greedy(t, e, 0, q2, 0, 4)
+		e.Remove(0, 0)
+
+		greedy(t, e, 0, q1, 0, 4)
+		// In two pieces, as a follower takes its leader's cells.
+		e.Copy(0, 1, 0, 120)
+		e.Copy(0, 1, 120, len(doc))
+		if got := greedy(t, e, 1, q2, len(doc), 4); !slices.Equal(got, cold2) {
+			t.Fatalf("q2 on q1's document cells:\ncold %v\ngot  %v", cold2, got)
+		}
+		e.Park(first)
+		whole := e.ParkedBytes()
+		e.Park(1 - first)
+		if own := e.ParkedBytes() - whole; own <= 0 || own > whole/10 {
+			t.Fatalf("parked %d first: the other took %d new bytes; the first took %d, the 200-token document most of it", first, own, whole)
+		}
+		e.Copy(0, 2, 0, len(q1)-1)
+		e.Copy(1, 3, 0, len(q2)-1)
+		if got := greedy(t, e, 2, q1, len(q1)-1, 4); !slices.Equal(got, cold1) {
+			t.Fatalf("parked %d first: q1 restored:\ncold %v\ngot  %v", first, cold1, got)
+		}
+		if got := greedy(t, e, 3, q2, len(q2)-1, 4); !slices.Equal(got, cold2) {
+			t.Fatalf("parked %d first: q2 restored:\ncold %v\ngot  %v", first, cold2, got)
+		}
+		if used, _ := e.cellExtent(); used >= 2*len(doc) {
+			t.Fatalf("parked %d first: %d cells used by the two questions restored: the document is in the cache twice", first, used)
+		}
+	}
+}
+
 func processCPU() time.Duration {
 	var ru syscall.Rusage
 	_ = syscall.Getrusage(syscall.RUSAGE_SELF, &ru)
