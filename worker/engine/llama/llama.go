@@ -353,14 +353,7 @@ func (e *Engine) Remove(seq, from int) {
 	if e.removeParked(seq, from) {
 		return
 	}
-	if r, ok := e.restored[seq]; ok {
-		if from <= 0 {
-			delete(e.restored, seq)
-		} else if from < r.n {
-			e.restored[seq] = restoredFrom{root: r.root, n: from}
-		}
-	}
-	e.unlink(seq, from)
+	e.cutRecords(seq, from)
 	e.lc.KvCacheSeqRm(seq, from, -1)
 	e.holes = true
 }

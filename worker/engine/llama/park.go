@@ -165,10 +165,9 @@ func (e *Engine) Park(seq int) {
 			p.tail = st
 		}
 	}
-	e.unlink(seq, 0)
+	e.cutRecords(seq, 0)
 	e.lc.KvCacheSeqRm(seq, 0, -1)
 	e.holes = true
-	delete(e.restored, seq)
 	e.setParked(seq, p)
 }
 
@@ -194,8 +193,16 @@ func (e *Engine) link(a, b, n int) {
 	set(b, a, n)
 }
 
-// unlink records that seq lost its cells from position from on.
-func (e *Engine) unlink(seq, from int) {
+// cutRecords records that seq lost its cells from position from on: what it
+// holds of its root and shares with its kin ends there.
+func (e *Engine) cutRecords(seq, from int) {
+	if r, ok := e.restored[seq]; ok {
+		if from <= 0 {
+			delete(e.restored, seq)
+		} else if from < r.n {
+			e.restored[seq] = restoredFrom{root: r.root, n: from}
+		}
+	}
 	for k, m := range e.kin[seq] {
 		if m <= from {
 			continue
@@ -457,7 +464,7 @@ func (e *Engine) copyParked(src, dst, from, to int) {
 	p := e.parked[src]
 	if p != nil && from == 0 && e.parked[dst] == nil {
 		// dst holds nothing yet: it is src's record cut to [0, to).
-		delete(e.restored, dst)
+		e.cutRecords(dst, 0)
 		e.setParked(dst, p.cut(to))
 		return
 	}
@@ -479,7 +486,7 @@ func (e *Engine) copyParked(src, dst, from, to int) {
 		}
 		e.lc.KvCacheSeqCp(src, dst, from, to)
 		e.lc.KvCacheSeqRm(src, 0, -1)
-		delete(e.restored, src)
+		e.cutRecords(src, 0)
 		e.setParked(src, p)
 		return
 	}
