@@ -176,11 +176,16 @@ func TestDebugKVPrefixesListsEvictionsAndRefusalsWithTheirTimes(t *testing.T) {
 		t.Fatalf("after evicting everything: %+v, want %v evicted, listed since before %d", got, want, before)
 	}
 
-	// One request running, one queued: the next is refused.
-	long, _ := json.Marshal(map[string]any{"model": "tiny", "messages": msgs("user", "go"), "max_tokens": 3000, "ignore_eos": true})
+	// One request running, one queued: the next is refused. The second is
+	// sent only once the first runs; sent together, both could find the
+	// first still queued and the second be refused instead.
+	long, _ := json.Marshal(map[string]any{"model": "tiny", "messages": msgs("user", "go"), "max_tokens": 4000, "ignore_eos": true})
 	ctx, cancel := context.WithCancel(context.Background())
 	var wg sync.WaitGroup
-	for range 2 {
+	for _, until := range []func(scheduler.Stats) bool{
+		func(s scheduler.Stats) bool { return s.Running == 1 },
+		func(s scheduler.Stats) bool { return s.Running == 1 && s.Queued == 1 },
+	} {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
@@ -189,13 +194,13 @@ func TestDebugKVPrefixesListsEvictionsAndRefusalsWithTheirTimes(t *testing.T) {
 				resp.Body.Close()
 			}
 		}()
-	}
-	deadline := time.Now().Add(10 * time.Second)
-	for s := w.sched.Stats(); s.Running != 1 || s.Queued != 1; s = w.sched.Stats() {
-		if time.Now().After(deadline) {
-			t.Fatalf("never one running and one queued: %+v", s)
+		deadline := time.Now().Add(10 * time.Second)
+		for s := w.sched.Stats(); !until(s); s = w.sched.Stats() {
+			if time.Now().After(deadline) {
+				t.Fatalf("never one running and one queued: %+v", s)
+			}
+			time.Sleep(time.Millisecond)
 		}
-		time.Sleep(time.Millisecond)
 	}
 	refused := msgs("user", longText(500, "refused"))
 	before = time.Now().UnixMilli()
