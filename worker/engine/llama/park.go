@@ -210,6 +210,9 @@ func (e *Engine) cutRecords(seq, from int) {
 		if from <= 0 {
 			delete(e.kin[k], seq)
 			delete(e.kin[seq], k)
+			if len(e.kin[k]) == 0 {
+				delete(e.kin, k)
+			}
 		} else {
 			e.kin[k][seq], e.kin[seq][k] = from, from
 		}
