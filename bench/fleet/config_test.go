@@ -11,24 +11,30 @@ import (
 )
 
 // The gateway file the fleet writes must parse with the filter's own
-// parser, and --query-timeout must reach metadata_center.query_timeout.
-func TestGatewayConfigCarriesTheQueryTimeout(t *testing.T) {
+// parser, --query-timeout must reach metadata_center.query_timeout and
+// --gateway-log-level the gateway's log_level (warn unless set).
+func TestGatewayConfigCarriesTheQueryTimeoutAndLogLevel(t *testing.T) {
 	for _, tc := range []struct {
-		name string
-		set  time.Duration
-		want time.Duration
+		name     string
+		set      time.Duration
+		want     time.Duration
+		logLevel string
+		wantLog  string
 	}{
-		{"default", 0, config.DefaultQueryTimeout},
-		{"set", 1500 * time.Millisecond, 1500 * time.Millisecond},
+		{"default", 0, config.DefaultQueryTimeout, "", "warn"},
+		{"set", 1500 * time.Millisecond, 1500 * time.Millisecond, "debug", "debug"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			doc := gatewayConfig("127.0.0.1:1", "http://127.0.0.1:2", Spec{ModelName: "tiny", Policy: "cache_aware", QueryTimeout: tc.set},
+			doc := gatewayConfig("127.0.0.1:1", "http://127.0.0.1:2", Spec{ModelName: "tiny", Policy: "cache_aware", QueryTimeout: tc.set, GatewayLogLevel: tc.logLevel},
 				[]string{"127.0.0.1:3", "127.0.0.1:4"})
 			j, err := yaml.YAMLToJSON([]byte(doc))
 			if err != nil {
 				t.Fatalf("not YAML: %v\n%s", err, doc)
 			}
-			var file struct{ Filter json.RawMessage }
+			var file struct {
+				LogLevel string `json:"log_level"`
+				Filter   json.RawMessage
+			}
 			if err := json.Unmarshal(j, &file); err != nil {
 				t.Fatal(err)
 			}
@@ -38,6 +44,9 @@ func TestGatewayConfigCarriesTheQueryTimeout(t *testing.T) {
 			}
 			if cfg.MetadataCenter.QueryTimeout != tc.want {
 				t.Errorf("query_timeout %v, want %v\n%s", cfg.MetadataCenter.QueryTimeout, tc.want, doc)
+			}
+			if file.LogLevel != tc.wantLog {
+				t.Errorf("log_level %q, want %q\n%s", file.LogLevel, tc.wantLog, doc)
 			}
 		})
 	}

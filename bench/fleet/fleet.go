@@ -7,6 +7,7 @@ package fleet
 
 import (
 	"bytes"
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -52,6 +53,9 @@ type Spec struct {
 	// now and then, and a turn routed without metadata lands on a random
 	// pod and prefills its whole history again (docs/benchmarks.md).
 	QueryTimeout time.Duration
+	// GatewayLogLevel is the gateways' log_level (default warn); debug
+	// logs every decision's per-scorer scores.
+	GatewayLogLevel string
 	// Extra are workers of other kinds started after the Workers ones
 	// (a real llama.cpp worker beside simulated ones).
 	Extra []WorkerSpec
@@ -243,8 +247,9 @@ func gatewayConfig(listen, mc string, s Spec, workers []string) string {
 	if s.QueryTimeout > 0 {
 		mcExtra = fmt.Sprintf(", query_timeout: %q", s.QueryTimeout.String())
 	}
+	logLevel := cmp.Or(s.GatewayLogLevel, "warn")
 	return fmt.Sprintf(`listen: %s
-log_level: warn
+log_level: %s
 filter:
   protocol: openai
   metadata_center: {address: %s%s}
@@ -256,7 +261,7 @@ filter:
   endpoints:
     static:
       %q: [%s]
-`, listen, mc, mcExtra, s.ModelName, Cluster, s.Policy, extra, Cluster, strings.Join(workers, ", "))
+`, listen, logLevel, mc, mcExtra, s.ModelName, Cluster, s.Policy, extra, Cluster, strings.Join(workers, ", "))
 }
 
 // StartMC (re)starts the metadata center on its address, e.g. after StopMC.

@@ -17,6 +17,7 @@ import (
 	"os/signal"
 	"path/filepath"
 	"runtime"
+	"slices"
 	"strings"
 	"syscall"
 	"time"
@@ -59,6 +60,7 @@ func run(ctx context.Context, args []string) error {
 		mcs         = fs.Int("metadata-centers", 1, "metadata-center replicas (more than one needs --store redis or redis-cluster)")
 		store       = fs.String("store", "memory", "metadata-center store: memory, redis (one redis-server) or redis-cluster (3 masters + 3 replicas), started by the bench")
 		queryTO     = fs.Duration("query-timeout", 0, "the gateways' metadata_center.query_timeout (0: the filter's default, 100ms)")
+		gwLog       = fs.String("gateway-log-level", "warn", "the gateways' log_level; debug logs every decision's per-scorer scores (logs/WORKLOAD/POLICY/gateway*.log)")
 		merge       = fs.String("merge", "", "instead of running: join the outputs of earlier runs (comma-separated directories) into --out")
 		spec        workload.Spec
 		variants    = variantFlag{}
@@ -82,6 +84,9 @@ func run(ctx context.Context, args []string) error {
 	}
 	if *engine == "llama" && *model == "" {
 		return fmt.Errorf("--engine llama needs --model")
+	}
+	if !slices.Contains([]string{"debug", "info", "warn", "error"}, *gwLog) {
+		return fmt.Errorf("--gateway-log-level %q: want debug, info, warn or error", *gwLog)
 	}
 	spec.Seed = *seed
 	wargs := strings.Fields(*workerArgs)
@@ -120,6 +125,7 @@ func run(ctx context.Context, args []string) error {
 				BinDir: *bin, LogDir: filepath.Join(*out, "logs", wl, p), Engine: *engine, Workers: *workers,
 				Model: *model, ModelName: *modelName, Policy: policy, LBRule: rule, WorkerCPUs: *workerCPUs, WorkerArgs: wargs,
 				Gateways: *gateways, MetadataCenters: *mcs, Store: *store, QueryTimeout: *queryTO,
+				GatewayLogLevel: *gwLog,
 			})
 			if err != nil {
 				return fmt.Errorf("%s: %w", label, err)
