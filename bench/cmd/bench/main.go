@@ -13,11 +13,11 @@ import (
 	"encoding/json"
 	"flag"
 	"fmt"
+	"log/slog"
 	"os"
 	"os/signal"
 	"path/filepath"
 	"runtime"
-	"slices"
 	"strings"
 	"syscall"
 	"time"
@@ -85,8 +85,11 @@ func run(ctx context.Context, args []string) error {
 	if *engine == "llama" && *model == "" {
 		return fmt.Errorf("--engine llama needs --model")
 	}
-	if !slices.Contains([]string{"debug", "info", "warn", "error"}, *gwLog) {
-		return fmt.Errorf("--gateway-log-level %q: want debug, info, warn or error", *gwLog)
+	// Parsed as the gateway parses its log_level, so a level is refused here
+	// rather than by every gateway the run starts.
+	var level slog.Level
+	if err := level.UnmarshalText([]byte(*gwLog)); err != nil {
+		return fmt.Errorf("--gateway-log-level: %w", err)
 	}
 	spec.Seed = *seed
 	wargs := strings.Fields(*workerArgs)
