@@ -46,6 +46,12 @@ type Options struct {
 	Client   *http.Client
 	Progress func(done, total int) // called after every request, may be nil
 
+	// Plan, if set, maps session groups to worker addresses (ip:port): a
+	// planned session's requests go straight to its worker, past the
+	// gateways, so that a fixed placement can be measured beside the
+	// policies (bench --plan).
+	Plan map[string]string
+
 	next *atomic.Uint64 // round-robin position over BaseURLs
 }
 
@@ -82,6 +88,7 @@ func Run(ctx context.Context, sessions []workload.Session, o Options) []report.R
 	}
 	runSession := func(s workload.Session) {
 		defer wg.Done()
+		worker, planned := o.Plan[s.Group]
 		history := []message{}
 		if s.System != "" {
 			history = append(history, message{Role: "system", Content: s.System})
@@ -91,7 +98,14 @@ func Run(ctx context.Context, sessions []workload.Session, o Options) []report.R
 				return
 			}
 			history = append(history, message{Role: "user", Content: turn.User})
-			r, answer := o.do(ctx, history, start)
+			base := "http://" + worker
+			if !planned {
+				base = o.BaseURLs[(o.next.Add(1)-1)%uint64(len(o.BaseURLs))]
+			}
+			r, answer := o.do(ctx, base, history, start)
+			if planned {
+				r.Worker = worker
+			}
 			r.Session, r.Turn = s.ID, i
 			record(r)
 			if !r.OK() {
@@ -153,9 +167,9 @@ type chunk struct {
 	} `json:"usage"`
 }
 
-// do sends one streamed chat completion and returns its result and the
-// generated text.
-func (o Options) do(ctx context.Context, msgs []message, runStart time.Time) (report.Result, string) {
+// do sends one streamed chat completion to base and returns its result and
+// the generated text.
+func (o Options) do(ctx context.Context, base string, msgs []message, runStart time.Time) (report.Result, string) {
 	body, _ := json.Marshal(map[string]any{
 		"model":          o.Model,
 		"messages":       msgs,
@@ -170,7 +184,7 @@ func (o Options) do(ctx context.Context, msgs []message, runStart time.Time) (re
 	defer cancel()
 	t0 := time.Now()
 	r := report.Result{Start: t0.Sub(runStart)}
-	req, err := http.NewRequestWithContext(ctx, http.MethodPost, strings.TrimRight(o.BaseURLs[(o.next.Add(1)-1)%uint64(len(o.BaseURLs))], "/")+"/v1/chat/completions", bytes.NewReader(body))
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, strings.TrimRight(base, "/")+"/v1/chat/completions", bytes.NewReader(body))
 	if err != nil {
 		r.Err = err.Error()
 		return r, ""

@@ -169,3 +169,34 @@ func TestRoundRobinOverGateways(t *testing.T) {
 		}
 	}
 }
+
+func TestPlannedSessionsGoStraightToTheirWorker(t *testing.T) {
+	var gw, w0, w1 backend
+	gwSrv, w0Srv, w1Srv := httptest.NewServer(&gw), httptest.NewServer(&w0), httptest.NewServer(&w1)
+	defer gwSrv.Close()
+	defer w0Srv.Close()
+	defer w1Srv.Close()
+	addr := func(s *httptest.Server) string { return strings.TrimPrefix(s.URL, "http://") }
+	sessions, _ := workload.Generate(workload.Spec{Kind: "shared-prefix", Systems: 2, Users: 2, Questions: 3, SystemBytes: 50, UserBytes: 20, QuestionBytes: 10})
+	// s0's users on two workers, s1's through the gateway.
+	plan := map[string]string{"s0/u0": addr(w0Srv), "s0/u1": addr(w1Srv)}
+	rs := Run(context.Background(), sessions, Options{BaseURL: gwSrv.URL, Model: "m", MaxTokens: 3, Concurrency: 2, Plan: plan})
+	if len(rs) != 12 {
+		t.Fatalf("results %d, want 12", len(rs))
+	}
+	if len(w0.bodies) != 3 || len(w1.bodies) != 3 || len(gw.bodies) != 6 {
+		t.Fatalf("requests: worker 0 %d, worker 1 %d, gateway %d; want 3, 3, 6", len(w0.bodies), len(w1.bodies), len(gw.bodies))
+	}
+	for _, r := range rs {
+		want := "10.0.0.1:8000" // the gateway's upstream header
+		switch {
+		case strings.HasPrefix(r.Session, "sp-0-0-"):
+			want = addr(w0Srv)
+		case strings.HasPrefix(r.Session, "sp-0-1-"):
+			want = addr(w1Srv)
+		}
+		if !r.OK() || r.Worker != want {
+			t.Fatalf("%s: ok %v, worker %q; want %q", r.Session, r.OK(), r.Worker, want)
+		}
+	}
+}

@@ -18,6 +18,7 @@ import (
 	"os/signal"
 	"path/filepath"
 	"runtime"
+	"strconv"
 	"strings"
 	"syscall"
 	"time"
@@ -64,8 +65,10 @@ func run(ctx context.Context, args []string) error {
 		merge       = fs.String("merge", "", "instead of running: join the outputs of earlier runs (comma-separated directories) into --out")
 		spec        workload.Spec
 		variants    = variantFlag{}
+		plans       = planFlag{}
 	)
 	fs.Var(variants, "variant", `a named policy variant for --policies, "label=policy; rule keys" (repeatable), e.g. "ca-noherd=cache_aware; herd_share: 0": an A/B of a policy against itself with other lb-rule keys in one run`)
+	fs.Var(plans, "plan", `a fixed placement for --policies, "label=group:worker, ..." (repeatable), e.g. "halves=s0/u0:0, s0/u1:0, s1/u0:1, s1/u1:1": every session of a group goes straight to worker N (0-based, in start order), past the gateway, to measure what a placement gives beside the policies; it must name every group of the workloads it runs`)
 	// Sizes default to 0: each workload's own defaults (workload.Spec.Defaults).
 	fs.IntVar(&spec.Systems, "systems", 0, "shared-prefix / kv-pressure: system prompts (default 2 / 12)")
 	fs.IntVar(&spec.Users, "users", 0, "shared-prefix / kv-pressure: users per system prompt (default 4 / 3)")
@@ -91,6 +94,9 @@ func run(ctx context.Context, args []string) error {
 	if err := level.UnmarshalText([]byte(*gwLog)); err != nil {
 		return fmt.Errorf("--gateway-log-level: %w", err)
 	}
+	if err := plans.check(*workers); err != nil {
+		return err
+	}
 	spec.Seed = *seed
 	wargs := strings.Fields(*workerArgs)
 	if *kvCells > 0 {
@@ -104,7 +110,7 @@ func run(ctx context.Context, args []string) error {
 			"engine": *engine, "workers": fmt.Sprint(*workers), "max_tokens": fmt.Sprint(*maxTokens),
 			"concurrency": fmt.Sprint(*concurrency), "rate": fmt.Sprint(*rate), "seed": fmt.Sprint(*seed),
 			"worker_args": *workerArgs, "kv_cells": fmt.Sprint(*kvCells), "model": *model, "lb_rule": *lbRule, "worker_cpus": fmt.Sprint(*workerCPUs),
-			"variants": variants.String(), "gateways": fmt.Sprint(*gateways), "metadata_centers": fmt.Sprint(*mcs), "store": *store,
+			"variants": variants.String(), "plans": plans.String(), "gateways": fmt.Sprint(*gateways), "metadata_centers": fmt.Sprint(*mcs), "store": *store,
 			"query_timeout": queryTO.String(),
 		},
 	}
@@ -124,6 +130,13 @@ func run(ctx context.Context, args []string) error {
 			step++
 			label := fmt.Sprintf("[%d/%d] %s × %s", step, steps, wl, p)
 			policy, rule := variants.resolve(p, *lbRule)
+			plan, planned := plans[p]
+			if planned {
+				if err := plan.covers(sessions); err != nil {
+					return fmt.Errorf("%s: %w", label, err)
+				}
+				policy = "round_robin" // the gateway runs but takes no request
+			}
 			f, err := fleet.Start(ctx, fleet.Spec{
 				BinDir: *bin, LogDir: filepath.Join(*out, "logs", wl, p), Engine: *engine, Workers: *workers,
 				Model: *model, ModelName: *modelName, Policy: policy, LBRule: rule, WorkerCPUs: *workerCPUs, WorkerArgs: wargs,
@@ -136,7 +149,7 @@ func run(ctx context.Context, args []string) error {
 			t0 := time.Now()
 			rs := loadgen.Run(ctx, sessions, loadgen.Options{
 				BaseURLs: f.Gateways, Model: *modelName, MaxTokens: *maxTokens,
-				Concurrency: *concurrency, Rate: *rate, Seed: *seed,
+				Concurrency: *concurrency, Rate: *rate, Seed: *seed, Plan: plan.addresses(f.Workers),
 				Progress: func(done, total int) {
 					fmt.Fprintf(os.Stderr, "\r%s: %d/%d requests, %.0fs   ", label, done, total, time.Since(t0).Seconds())
 				},
@@ -290,4 +303,80 @@ func (v variantFlag) resolve(name, global string) (policy, rule string) {
 		return pr[0], global
 	}
 	return pr[0], global + ", " + pr[1]
+}
+
+// planFlag maps a label of --policies to a fixed placement.
+type planFlag map[string]plan
+
+// plan maps session groups to worker indexes.
+type plan map[string]int
+
+func (v planFlag) String() string {
+	parts := make([]string, 0, len(v))
+	for label, p := range v {
+		parts = append(parts, fmt.Sprintf("%s=%v", label, map[string]int(p)))
+	}
+	return strings.Join(parts, " | ")
+}
+
+func (v planFlag) Set(s string) error {
+	label, def, ok := strings.Cut(s, "=")
+	label = strings.TrimSpace(label)
+	if !ok || label == "" {
+		return fmt.Errorf(`want "label=group:worker, ...", got %q`, s)
+	}
+	p := plan{}
+	for _, e := range split(def) {
+		group, w, ok := strings.Cut(e, ":")
+		n, err := strconv.Atoi(strings.TrimSpace(w))
+		if group = strings.TrimSpace(group); !ok || group == "" || err != nil || n < 0 {
+			return fmt.Errorf("plan %q: want group:worker, got %q", label, e)
+		}
+		p[group] = n
+	}
+	if len(p) == 0 {
+		return fmt.Errorf("plan %q places no group", label)
+	}
+	v[label] = p
+	return nil
+}
+
+// check refuses a plan naming a worker the fleet will not have.
+func (v planFlag) check(workers int) error {
+	for label, p := range v {
+		for group, n := range p {
+			if n >= workers {
+				return fmt.Errorf("plan %q puts %s on worker %d of %d", label, group, n, workers)
+			}
+		}
+	}
+	return nil
+}
+
+// covers refuses a plan that leaves some session's group to the gateway.
+func (p plan) covers(sessions []workload.Session) error {
+	var missing []string
+	seen := map[string]bool{}
+	for _, s := range sessions {
+		if _, ok := p[s.Group]; !ok && !seen[s.Group] {
+			seen[s.Group] = true
+			missing = append(missing, strconv.Quote(s.Group))
+		}
+	}
+	if len(missing) > 0 {
+		return fmt.Errorf("the plan places no session of group %s", strings.Join(missing, ", "))
+	}
+	return nil
+}
+
+// addresses maps the plan's groups to the workers' addresses (nil for no plan).
+func (p plan) addresses(workers []string) map[string]string {
+	if p == nil {
+		return nil
+	}
+	m := make(map[string]string, len(p))
+	for group, n := range p {
+		m[group] = workers[n]
+	}
+	return m
 }

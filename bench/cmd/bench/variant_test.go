@@ -1,6 +1,12 @@
 package main
 
-import "testing"
+import (
+	"maps"
+	"strings"
+	"testing"
+
+	"github.com/istio-llm-filter/istio-llm-filter/bench/workload"
+)
 
 func TestVariantFlagResolvesLabelsToAPolicyAndItsRuleKeys(t *testing.T) {
 	v := variantFlag{}
@@ -21,5 +27,43 @@ func TestVariantFlagResolvesLabelsToAPolicyAndItsRuleKeys(t *testing.T) {
 		if p, r := v.resolve(c.name, c.global); p != c.policy || r != c.rule {
 			t.Errorf("resolve(%q, %q) = %q, %q; want %q, %q", c.name, c.global, p, r, c.policy, c.rule)
 		}
+	}
+}
+
+func TestPlanFlagPlacesGroupsOnWorkers(t *testing.T) {
+	v := planFlag{}
+	if err := v.Set("halves=s0/u0:0, s0/u1:0, s1/u0:1,s1/u1: 1"); err != nil {
+		t.Fatal(err)
+	}
+	for _, bad := range []string{"nolabel", "=s0/u0:0", "x=", "x=s0/u0", "x=s0/u0:a", "x=s0/u0:-1", "x=:1"} {
+		if err := v.Set(bad); err == nil {
+			t.Errorf("Set(%q) accepted", bad)
+		}
+	}
+	if err := v.check(2); err != nil {
+		t.Fatal(err)
+	}
+	if err := v.check(1); err == nil {
+		t.Error("a plan on worker 1 of 1 accepted")
+	}
+	p := v["halves"]
+	sessions, err := workload.Generate(workload.Spec{Kind: "shared-prefix", Systems: 2, Users: 2, Questions: 2})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := p.covers(sessions); err != nil {
+		t.Fatal(err)
+	}
+	sessions, _ = workload.Generate(workload.Spec{Kind: "shared-prefix", Systems: 2, Users: 3, Questions: 2})
+	if err := p.covers(sessions); err == nil || !strings.Contains(err.Error(), `"s0/u2"`) {
+		t.Errorf("a plan missing s0/u2, s1/u2: %v", err)
+	}
+	got := p.addresses([]string{"a:1", "b:2"})
+	want := map[string]string{"s0/u0": "a:1", "s0/u1": "a:1", "s1/u0": "b:2", "s1/u1": "b:2"}
+	if !maps.Equal(got, want) {
+		t.Errorf("addresses = %v, want %v", got, want)
+	}
+	if plan(nil).addresses([]string{"a:1"}) != nil {
+		t.Error("no plan gave addresses")
 	}
 }
