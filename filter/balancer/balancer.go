@@ -92,6 +92,49 @@ type State struct {
 	floats []float64
 	idx    []int
 	kept   []Host
+	// For the holder filter, once holdKnown: the fewest live requests on a
+	// pod and the largest cache ratio among the pods that can take a
+	// continuation (State.holds).
+	minReqs   int64
+	hold      float64
+	holdKnown bool
+}
+
+// holders computes s.minReqs and s.hold once per decision.
+func (s *State) holders() {
+	if s.holdKnown || len(s.Hosts) == 0 {
+		return
+	}
+	s.holdKnown, s.minReqs, s.hold = true, s.Hosts[0].Reqs, 0
+	for i := range s.Hosts {
+		s.minReqs = min(s.minReqs, s.Hosts[i].Reqs)
+	}
+	for i := range s.Hosts {
+		if h := &s.Hosts[i]; h.CacheRatio > s.hold && s.holds(h) {
+			s.hold = h.CacheRatio
+		}
+	}
+}
+
+// holderQueue is the queue (requests a pod has not yet admitted to its
+// running set) at which a holder stops counting. A request can sit in a
+// busy pod's queue for one step before the pod admits it; more than one
+// means the pod is not keeping up. On a hot prompt that overloaded the
+// fleet, holders kept until four were queued refused a request (429) that
+// the scorers would have placed elsewhere (docs/benchmarks.md, session 16).
+const holderQueue = 2
+
+// holds says whether h can take a request that continues a prompt it holds:
+// its queue is shorter than holderQueue, and herd control on shares does
+// not stop it (it took no more than herd_share times its fair share of the
+// cluster's recent decisions, or it is as idle as the idlest pod).
+// s.minReqs must be set.
+func (s *State) holds(h *Host) bool {
+	if h.Signals && h.Waiting >= holderQueue {
+		return false
+	}
+	limit := s.Rule.HerdShare / float64(len(s.Hosts))
+	return s.Rule.HerdShare <= 0 || h.Share <= limit || h.Reqs <= s.minReqs
 }
 
 // scratch returns two empty float slices of capacity n.
@@ -213,7 +256,7 @@ func New(opts Options) *Balancer {
 		b.policies[p.Name] = p
 	}
 	b.scorers = builtinScorers()
-	b.filters = map[string]PodFilter{FilterKVFull: KVFull{}}
+	b.filters = map[string]PodFilter{FilterKVFull: KVFull{}, FilterHolder: Holder{}}
 	b.pickers = map[string]Picker{PickerTopPercent: TopPercent{}, PickerMaxScore: MaxScore{}}
 	for name, p := range opts.Policies {
 		b.policies[name] = p

@@ -266,6 +266,7 @@ const (
 	PickerTopPercent = "top_percent" // uniform among the top candidate_percent
 	PickerMaxScore   = "max_score"   // the best score, ties at random
 	FilterKVFull     = "kv_full"     // drop pods whose KV cache is full and that queue
+	FilterHolder     = "holder"      // keep the best holders of a prompt a pod holds nearly all of
 )
 
 // PrefixScorer is the cached share of the prompt on each pod. With Herd it
@@ -637,6 +638,31 @@ func (KVFull) Keep(_ *State, h *Host) bool {
 	return !h.Signals || h.KVUtil < 0.98 || h.Waiting == 0
 }
 
+// Holder keeps only the pods holding the most of the prompt when one holds
+// at least holder_ratio of its blocks (0: off): a user's next question, or
+// a conversation's next turn, goes where its history is. The load terms
+// would otherwise send it to a pod that looks less busy, which computes the
+// history again and delays its own users; the worker runs the shortest
+// prefill first (docs/worker.md), so a short continuation starts promptly
+// even on a busy holder. A holder does not count when it takes more than
+// herd_share times its fair share of the cluster's requests and is busier
+// than the idlest pod (a prompt many requests share, such as a hot system
+// prompt, is worth copying; a user's history serves that user alone), or
+// when it reports a queue of holderQueue requests (State.holds). With no
+// holder left, or a prompt no pod holds so much of (a new user of a shared
+// document), the choice is the scorers' (docs/benchmarks.md, session 16).
+type Holder struct{}
+
+func (Holder) Name() string       { return FilterHolder }
+func (Holder) ReadsSignals() bool { return true } // the pods' queues
+func (Holder) Keep(s *State, h *Host) bool {
+	if s.Rule.HolderRatio <= 0 {
+		return true
+	}
+	s.holders()
+	return s.hold < s.Rule.HolderRatio || h.CacheRatio >= s.hold && s.holds(h)
+}
+
 // shareTieBreak weighs recent_share in cache_aware and seed-with-ties: far
 // below any difference the other weights make, above tieEpsilon.
 const shareTieBreak = 1e-6
@@ -660,7 +686,8 @@ func builtinProfiles() []*Profile {
 			Metadata: true,
 		},
 		{
-			Name: config.PolicyCacheAware,
+			Name:    config.PolicyCacheAware,
+			Filters: []PodFilter{Holder{}},
 			Scorers: []Weighted{
 				{Scorer: PrefixScorer{Herd: true}, FromRule: w1},
 				{Scorer: SeedLoad{}, FromRule: w2},

@@ -336,6 +336,7 @@ func TestSignalsFilledOnlyWhenRead(t *testing.T) {
 	}
 	rule := seedRule
 	rule.Scorers = map[string]float64{ScorerPrefix: 1, ScorerKVCache: 0}
+	rule.Filters = []string{} // cache_aware's holder filter reads the pods' queues
 	if ch, _ := b.Choose("c", rule, eps(1), view, Request{}); ch.Host.Signals {
 		t.Error("signals read for a kv_cache scorer of weight 0")
 	}
@@ -447,5 +448,63 @@ func TestCacheAwareQueuesBehindTheShortestReportedPrefill(t *testing.T) {
 	ColdProgressScorer{}.Score(&State{Hosts: hosts}, progress)
 	if !slices.Equal(progress, []float64{1, 1, 1, 1}) {
 		t.Fatalf("cold_progress with the prompt partly held: %v, want all 1", progress)
+	}
+}
+
+// A user's next question (6 of 7 blocks held by the pod already computing
+// that user's other questions) stays there under cache_aware's holder
+// filter, where the load terms alone send it to a pod holding only the
+// document (4 of 7), which would compute the history again. A new user of
+// the document (4 of 7 at best) is left to the scorers, and so is a
+// continuation whose holder takes more than its share of the requests.
+func TestHolderKeepsAContinuationWithItsHistory(t *testing.T) {
+	hosts := func() []Host {
+		return []Host{
+			{Address: "user", Reqs: 4, Prompt: 6000, CacheRatio: 6.0 / 7, Share: 0.3},
+			{Address: "doc", Reqs: 1, CacheRatio: 4.0 / 7, Share: 0.3},
+			{Address: "idle", Share: 0.3},
+		}
+	}
+	choose := func(rule config.LBRule, hs []Host) string {
+		return hs[cacheAware(&State{Hosts: hs, Rule: rule, PromptLength: 3189, IntN: seededIntN(1)})].Address
+	}
+	on := herdRule
+	on.HerdWait, on.HolderRatio = 1, 0.8
+	off := on
+	off.HolderRatio = 0
+	// Without the filter: user 2·6/7 + 0 + 3·0 against doc 2·4/7 + 0.75 + 3·0.79.
+	if got := choose(off, hosts()); got != "doc" {
+		t.Fatalf("holder_ratio 0: the continuation went to %s, want doc", got)
+	}
+	if got := choose(on, hosts()); got != "user" {
+		t.Fatalf("the continuation went to %s, want the pod holding its history", got)
+	}
+	newUser := hosts()
+	newUser[0].CacheRatio = 4.0 / 7
+	if got := choose(on, newUser); got != "doc" {
+		t.Fatalf("a new user of the document went to %s, want the scorers' choice, doc", got)
+	}
+	// The user's pod took 70% of the decisions (over 2/3, herd_share 2 of 3
+	// pods) with more requests than the idlest: a prompt many requests
+	// share. herd_wait does not come into it: a copy is worth more to a
+	// prompt that many requests will reuse than its first wait shows.
+	herded := hosts()
+	herded[0].Share = 0.7
+	if got := choose(on, herded); got != "doc" {
+		t.Fatalf("the continuation stayed on a holder with 70%% of the requests (%s), want doc", got)
+	}
+	herded[0].Reqs = 0
+	if got := choose(on, herded); got != "user" {
+		t.Fatalf("the continuation left a holder as idle as the idlest for %s", got)
+	}
+	// Requests queued, not yet admitted: the pod is not keeping up.
+	queued := hosts()
+	queued[0].Signals, queued[0].Running, queued[0].Waiting = true, 8, holderQueue
+	if got := choose(on, queued); got != "doc" {
+		t.Fatalf("the continuation stayed on a holder with %d queued (%s), want doc", holderQueue, got)
+	}
+	queued[0].Waiting = holderQueue - 1
+	if got := choose(on, queued); got != "user" {
+		t.Fatalf("the continuation left a holder with %d queued for %s", holderQueue-1, got)
 	}
 }

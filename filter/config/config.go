@@ -30,6 +30,7 @@ const (
 	DefaultHerdShare        = 2.0
 	DefaultHerdWait         = 1.0
 	DefaultCacheWait        = 0.0
+	DefaultHolderRatio      = 0.8
 	DefaultAdminRefresh     = time.Second
 	DefaultQueueSize        = 4096
 	DefaultWorkers          = 4
@@ -217,6 +218,13 @@ type LBRule struct {
 	// prefilling someone's cold prompt that shares only part of this one
 	// makes the request wait longer than a cold prefill elsewhere.
 	CacheWait float64
+	// HolderRatio (key `holder_ratio`, default 0.8, 0 or 0.5..1; 0 off) is
+	// cache_aware's `holder` filter: when some pod holds at least this share
+	// of the prompt's blocks, only the pods holding the most of it stay
+	// candidates. A user's next question or a conversation's next turn
+	// stays with its history instead of computing it again on a pod that
+	// looks less busy.
+	HolderRatio float64
 }
 
 // Endpoints is key `endpoints`: where the pods of a cluster come from. Both

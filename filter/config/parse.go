@@ -461,7 +461,7 @@ func headerKey(h map[string]string) string {
 }
 
 var lbKeys = []string{"policy", "cache_ratio_weight", "request_load_weight", "prefill_load_weight", "candidate_percent", "herd_share", "herd_wait", "cache_wait",
-	"scorers", "filters", "picker"}
+	"holder_ratio", "scorers", "filters", "picker"}
 
 // validName is the shape of policy, scorer, filter and picker names.
 func validName(s string) bool {
@@ -539,6 +539,12 @@ func (d *decoder) lbRule(path string, v any, base LBRule) LBRule {
 		// Below 1 even the cheapest pod would lose its cache credit.
 		d.fail(join(path, "cache_wait"), "must be 0 (off) or in 1..100, got %g", r.CacheWait)
 	}
+	r.HolderRatio = d.float(path, m, "holder_ratio", base.HolderRatio, 0, 1)
+	if r.HolderRatio > 0 && r.HolderRatio < 0.5 {
+		// Below half a prompt a pod holding a shared document would keep
+		// every new user of it: prefix_only with extra steps.
+		d.fail(join(path, "holder_ratio"), "must be 0 (off) or in 0.5..1, got %g", r.HolderRatio)
+	}
 	return r
 }
 
@@ -552,6 +558,7 @@ func (d *decoder) lbMapping(v any) LBMapping {
 		HerdShare:         DefaultHerdShare,
 		HerdWait:          DefaultHerdWait,
 		CacheWait:         DefaultCacheWait,
+		HolderRatio:       DefaultHolderRatio,
 	}
 	out := LBMapping{Default: def}
 	if v == nil {
