@@ -92,28 +92,10 @@ type State struct {
 	floats []float64
 	idx    []int
 	kept   []Host
-	// For the holder filter, once holdKnown: the fewest live requests on a
-	// pod and the largest cache ratio among the pods that can take a
-	// continuation (State.holds).
-	minReqs   int64
+	// For the holder filter, once holdKnown: the largest cache ratio among
+	// the pods that can take a continuation, 0 when none can.
 	hold      float64
 	holdKnown bool
-}
-
-// holders computes s.minReqs and s.hold once per decision.
-func (s *State) holders() {
-	if s.holdKnown || len(s.Hosts) == 0 {
-		return
-	}
-	s.holdKnown, s.minReqs, s.hold = true, s.Hosts[0].Reqs, 0
-	for i := range s.Hosts {
-		s.minReqs = min(s.minReqs, s.Hosts[i].Reqs)
-	}
-	for i := range s.Hosts {
-		if h := &s.Hosts[i]; h.CacheRatio > s.hold && s.holds(h) {
-			s.hold = h.CacheRatio
-		}
-	}
 }
 
 // holderQueue is the queue (requests a pod has not yet admitted to its
@@ -124,18 +106,39 @@ func (s *State) holders() {
 // the scorers would have placed elsewhere (docs/benchmarks.md, session 16).
 const holderQueue = 2
 
-// holds says whether h can take a request that continues a prompt it holds:
-// its queue is shorter than holderQueue, and herd control on shares does
-// not stop it (it took no more than herd_share times its fair share of the
-// cluster's recent decisions, or it is as idle as the idlest pod).
-// s.minReqs must be set.
-func (s *State) holds(h *Host) bool {
-	if h.Signals && h.Waiting >= holderQueue {
-		return false
+// holders computes s.hold once per decision: the largest cache ratio among
+// the pods holding at least holder_ratio of the prompt that queue fewer than
+// holderQueue requests, unless those holders together took over half of
+// the cluster's recent decisions and one of them is busier than the idlest
+// pod: then the prompt is one many requests share (a hot system prompt),
+// which is worth copying, where a user's history serves that user alone.
+// Until the cluster's window of decisions can tell (Host.Share is 0 for
+// all), the choice is the scorers': a hot prompt's first requests arrive
+// while its first copy is still prefilling.
+func (s *State) holders() {
+	if s.holdKnown {
+		return
 	}
-	limit := s.Rule.HerdShare / float64(len(s.Hosts))
-	return s.Rule.HerdShare <= 0 || h.Share <= limit || h.Reqs <= s.minReqs
+	s.holdKnown = true
+	share, all, busiest, idlest := 0.0, 0.0, int64(0), int64(math.MaxInt64)
+	for i := range s.Hosts {
+		h := &s.Hosts[i]
+		idlest, all = min(idlest, h.Reqs), all+h.Share
+		if h.CacheRatio < s.Rule.HolderRatio {
+			continue
+		}
+		share, busiest = share+h.Share, max(busiest, h.Reqs)
+		if h.CacheRatio > s.hold && !queued(h) {
+			s.hold = h.CacheRatio
+		}
+	}
+	if all == 0 || share > 0.5 && busiest > idlest {
+		s.hold = 0
+	}
 }
+
+// queued says whether h reports holderQueue requests or more queued.
+func queued(h *Host) bool { return h.Signals && h.Waiting >= holderQueue }
 
 // scratch returns two empty float slices of capacity n.
 func (s *State) scratch(n int) (a, b []float64) {

@@ -644,13 +644,10 @@ func (KVFull) Keep(_ *State, h *Host) bool {
 // would otherwise send it to a pod that looks less busy, which computes the
 // history again and delays its own users; the worker runs the shortest
 // prefill first (docs/worker.md), so a short continuation starts promptly
-// even on a busy holder. A holder does not count when it takes more than
-// herd_share times its fair share of the cluster's requests and is busier
-// than the idlest pod (a prompt many requests share, such as a hot system
-// prompt, is worth copying; a user's history serves that user alone), or
-// when it reports a queue of holderQueue requests (State.holds). With no
-// holder left, or a prompt no pod holds so much of (a new user of a shared
-// document), the choice is the scorers' (docs/benchmarks.md, session 16).
+// even on a busy holder. A holder with requests queued does not count, and
+// a prompt whose holders take over half of the cluster's requests is left
+// to the scorers, as is one no pod holds so much of (a new user of a shared
+// document): see State.holders and docs/benchmarks.md, session 16.
 type Holder struct{}
 
 func (Holder) Name() string       { return FilterHolder }
@@ -660,7 +657,7 @@ func (Holder) Keep(s *State, h *Host) bool {
 		return true
 	}
 	s.holders()
-	return s.hold < s.Rule.HolderRatio || h.CacheRatio >= s.hold && s.holds(h)
+	return s.hold < s.Rule.HolderRatio || h.CacheRatio >= s.hold && !queued(h)
 }
 
 // shareTieBreak weighs recent_share in cache_aware and seed-with-ties: far

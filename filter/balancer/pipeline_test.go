@@ -456,7 +456,8 @@ func TestCacheAwareQueuesBehindTheShortestReportedPrefill(t *testing.T) {
 // filter, where the load terms alone send it to a pod holding only the
 // document (4 of 7), which would compute the history again. A new user of
 // the document (4 of 7 at best) is left to the scorers, and so is a
-// continuation whose holder takes more than its share of the requests.
+// continuation of a prompt whose holders take over half of the requests or
+// that queue.
 func TestHolderKeepsAContinuationWithItsHistory(t *testing.T) {
 	hosts := func() []Host {
 		return []Host{
@@ -479,23 +480,48 @@ func TestHolderKeepsAContinuationWithItsHistory(t *testing.T) {
 	if got := choose(on, hosts()); got != "user" {
 		t.Fatalf("the continuation went to %s, want the pod holding its history", got)
 	}
+	// Before the cluster's window of decisions can tell a hot prompt from a
+	// user's history, the scorers choose.
+	early := hosts()
+	for i := range early {
+		early[i].Share = 0
+	}
+	if got := choose(on, early); got != "doc" {
+		t.Fatalf("with no shares yet the continuation went to %s, want the scorers' doc", got)
+	}
 	newUser := hosts()
 	newUser[0].CacheRatio = 4.0 / 7
 	if got := choose(on, newUser); got != "doc" {
 		t.Fatalf("a new user of the document went to %s, want the scorers' choice, doc", got)
 	}
-	// The user's pod took 70% of the decisions (over 2/3, herd_share 2 of 3
-	// pods) with more requests than the idlest: a prompt many requests
-	// share. herd_wait does not come into it: a copy is worth more to a
-	// prompt that many requests will reuse than its first wait shows.
+	// The user's pod took 60% of the decisions with more requests than the
+	// idlest: a prompt many requests share.
 	herded := hosts()
-	herded[0].Share = 0.7
+	herded[0].Share = 0.6
 	if got := choose(on, herded); got != "doc" {
-		t.Fatalf("the continuation stayed on a holder with 70%% of the requests (%s), want doc", got)
+		t.Fatalf("the continuation stayed on a holder with 60%% of the requests (%s), want doc", got)
 	}
 	herded[0].Reqs = 0
 	if got := choose(on, herded); got != "user" {
 		t.Fatalf("the continuation left a holder as idle as the idlest for %s", got)
+	}
+	// Two busy holders of a prompt (a system prompt and a question): while
+	// they take under half of the requests it stays with them; over half,
+	// it is a hot prompt and the scorers copy it to the idle pod.
+	two := []Host{
+		{Address: "a", Reqs: 6, Prompt: 8000, CacheRatio: 6.0 / 7, Share: 0.2},
+		{Address: "b", Reqs: 6, Prompt: 8000, CacheRatio: 6.0 / 7, Share: 0.2},
+		{Address: "idle", Share: 0.2},
+	}
+	if got := choose(off, two); got != "idle" {
+		t.Fatalf("holder_ratio 0: went to %s, want idle", got)
+	}
+	if got := choose(on, two); got == "idle" {
+		t.Fatal("two holders with 40% of the requests: went to the idle pod")
+	}
+	two[0].Share, two[1].Share = 0.3, 0.3
+	if got := choose(on, two); got != "idle" {
+		t.Fatalf("two holders with 60%% of the requests: went to %s, want idle", got)
 	}
 	// Requests queued, not yet admitted: the pod is not keeping up.
 	queued := hosts()
