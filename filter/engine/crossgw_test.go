@@ -62,15 +62,9 @@ func sharedCenters(t *testing.T, kind string, n int) []string {
 // own client, tracker and batcher: n gateways of one mesh.
 func gateways(t *testing.T, mcs []string, n int, window time.Duration) []*Engine {
 	t.Helper()
-	return gatewaysWith(t, mcs, n, window, "")
-}
-
-// gatewaysWith is gateways with extra config (configFor's extra).
-func gatewaysWith(t *testing.T, mcs []string, n int, window time.Duration, extra string) []*Engine {
-	t.Helper()
 	var out []*Engine
 	for i := range n {
-		cfg := configFor(t, mcs[i%len(mcs)], extra)
+		cfg := configFor(t, mcs[i%len(mcs)], "")
 		cfg.Async.BatchWindow = window
 		out = append(out, newEngine(t, cfg, Options{Endpoints: eightPods(t)}))
 	}
@@ -135,12 +129,8 @@ func TestColdPlacementReachesOtherGateways(t *testing.T) {
 // they have at any rate where a prefill outlasts a batch window). Herd
 // control and the load terms must place them on the same number of pods
 // with the same counts per pod either way: the cluster-wide leases and
-// cache index are what they read, not one gateway's own decisions. The
-// holder filter is off: with it on, and no pod reporting a queue, herd
-// control alone moves the prompt, on each gateway's estimate of the
-// cluster's decisions (balancer's gateways_test.go).
+// cache index are what they read, not one gateway's own decisions.
 func TestHotPrefixSpreadsAcrossGatewaysAsOnOne(t *testing.T) {
-	const noHolder = "lb_mapping_rule: {default: {holder_ratio: 0}}"
 	const requests = 24
 	system := strings.Repeat("One hot system prompt that the whole fleet sends. ", 16)
 	spread := func(t *testing.T, gws []*Engine) []int {
@@ -167,7 +157,7 @@ func TestHotPrefixSpreadsAcrossGatewaysAsOnOne(t *testing.T) {
 		slices.Sort(counts)
 		return counts
 	}
-	one := spread(t, gatewaysWith(t, sharedCenters(t, "memory", 1), 1, time.Millisecond, noHolder))
+	one := spread(t, gateways(t, sharedCenters(t, "memory", 1), 1, time.Millisecond))
 	t.Logf("one gateway: requests per pod %v", one)
 	if len(one) < 2 {
 		t.Fatalf("one gateway kept %d in-flight requests of a hot prompt on one pod", requests)
@@ -177,7 +167,7 @@ func TestHotPrefixSpreadsAcrossGatewaysAsOnOne(t *testing.T) {
 		mcs   int
 	}{{"memory", 1}, {"redis", 2}} {
 		t.Run(fmt.Sprintf("%s/%d_centers", tc.store, tc.mcs), func(t *testing.T) {
-			three := spread(t, gatewaysWith(t, sharedCenters(t, tc.store, tc.mcs), 3, time.Millisecond, noHolder))
+			three := spread(t, gateways(t, sharedCenters(t, tc.store, tc.mcs), 3, time.Millisecond))
 			t.Logf("three gateways: requests per pod %v", three)
 			if !slices.Equal(one, three) {
 				t.Fatalf("requests per pod: %v with one gateway, %v with three", one, three)
