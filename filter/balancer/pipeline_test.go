@@ -524,13 +524,13 @@ func TestHolderKeepsAContinuationWithItsHistory(t *testing.T) {
 		t.Fatalf("two holders with 60%% of the requests: went to %s, want idle", got)
 	}
 	// Requests queued, not yet admitted: the pod is not keeping up.
-	queued := hosts()
-	queued[0].Signals, queued[0].Running, queued[0].Waiting = true, 8, holderQueue
-	if got := choose(on, queued); got != "doc" {
+	backlog := hosts()
+	backlog[0].Signals, backlog[0].Running, backlog[0].Waiting = true, 8, holderQueue
+	if got := choose(on, backlog); got != "doc" {
 		t.Fatalf("the continuation stayed on a holder with %d queued (%s), want doc", holderQueue, got)
 	}
-	queued[0].Waiting = holderQueue - 1
-	if got := choose(on, queued); got != "user" {
+	backlog[0].Waiting = holderQueue - 1
+	if got := choose(on, backlog); got != "user" {
 		t.Fatalf("the continuation left a holder with %d queued for %s", holderQueue-1, got)
 	}
 }
