@@ -64,7 +64,7 @@ $(BIN)/envoyhost: envoyhost/chost/host.c go.mod
 bench: build
 	$(GO) run ./bench/cmd/bench --engine sim --workers 8 --rate 2 --kv-cells 8192 --out bench/out/sim
 
-## bench-llama: the same on 3 real llama.cpp workers (0.6 CPU each) with the bench-preset model (~70 min)
+## bench-llama: the same on 3 real llama.cpp workers (0.6 CPU each) with the bench-preset model (~90 min)
 bench-llama: build $(BENCH_MODEL)
 	./scripts/bench-llama.sh $(BENCH_MODEL) bench/out/llama
 

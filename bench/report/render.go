@@ -131,6 +131,10 @@ func Merge(runs ...Run) Run {
 	out := Run{Title: runs[0].Title, Started: runs[0].Started, Machine: runs[0].Machine, Settings: map[string]string{}}
 	keys := map[string]bool{}
 	for _, r := range runs {
+		if r.Title != "" && r.Title != runs[0].Title {
+			// The titles name the fleet; runs on other fleets keep theirs in Settings.
+			out.Title = "Routing policies (merged runs: the fleet of each workload is under Settings)"
+		}
 		out.Summaries = append(out.Summaries, r.Summaries...)
 		for k := range r.Settings {
 			keys[k] = true

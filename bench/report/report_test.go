@@ -158,4 +158,8 @@ func TestMergeKeepsDifferingSettingsPerWorkload(t *testing.T) {
 	if !slices.Equal(m.Workloads(), []string{"shared-prefix", "multi-turn"}) {
 		t.Fatalf("workloads %v", m.Workloads())
 	}
+	b.Title = "other fleet"
+	if m := Merge(a, b); m.Title == a.Title || m.Title == b.Title {
+		t.Fatalf("runs on two fleets merged under one fleet's title %q", m.Title)
+	}
 }
