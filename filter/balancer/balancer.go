@@ -92,6 +92,9 @@ type State struct {
 	floats []float64
 	idx    []int
 	kept   []Host
+	// cluster is every pod of the decision; Profile.run narrows Hosts to
+	// the survivors of each filter in turn.
+	cluster []Host
 	// For the holder filter, once holdKnown: the largest cache ratio among
 	// the pods that can take a continuation, 0 when none can.
 	hold      float64
@@ -108,32 +111,39 @@ const holderQueue = 2
 
 // holders computes s.hold once per decision: the largest cache ratio among
 // the pods holding at least holder_ratio of the prompt that queue fewer than
-// holderQueue requests, unless those holders together took over half of
-// the cluster's recent decisions and one of them is busier than the idlest
-// pod: then the prompt is one many requests share (a hot system prompt),
-// which is worth copying, where a user's history serves that user alone.
-// Until the cluster's window of decisions can tell (Host.Share is 0 for
-// all), the choice is the scorers': a hot prompt's first requests arrive
-// while its first copy is still prefilling.
+// holderQueue requests and survived the filters before this one, unless the
+// cluster's holders together took over half of its recent decisions and one
+// of them is busier than its idlest pod: then the prompt is one many
+// requests share (a hot system prompt), which is worth copying, where a
+// user's history serves that user alone. Until the cluster's window of
+// decisions can tell (Host.Share is 0 for all), the choice is the scorers':
+// a hot prompt's first requests arrive while its first copy is still
+// prefilling.
 func (s *State) holders() {
 	if s.holdKnown {
 		return
 	}
 	s.holdKnown = true
+	cluster := s.cluster
+	if cluster == nil {
+		cluster = s.Hosts
+	}
 	share, all, busiest, idlest := 0.0, 0.0, int64(0), int64(math.MaxInt64)
-	for i := range s.Hosts {
-		h := &s.Hosts[i]
+	for i := range cluster {
+		h := &cluster[i]
 		idlest, all = min(idlest, h.Reqs), all+h.Share
-		if h.CacheRatio < s.Rule.HolderRatio {
-			continue
-		}
-		share, busiest = share+h.Share, max(busiest, h.Reqs)
-		if h.CacheRatio > s.hold && !queued(h) {
-			s.hold = h.CacheRatio
+		if h.CacheRatio >= s.Rule.HolderRatio {
+			share, busiest = share+h.Share, max(busiest, h.Reqs)
 		}
 	}
 	if all == 0 || share > 0.5 && busiest > idlest {
-		s.hold = 0
+		return
+	}
+	for i := range s.Hosts {
+		h := &s.Hosts[i]
+		if h.CacheRatio >= s.Rule.HolderRatio && h.CacheRatio > s.hold && !queued(h) {
+			s.hold = h.CacheRatio
+		}
 	}
 }
 

@@ -122,8 +122,8 @@ type stageObserver struct {
 }
 
 // run filters, scores and picks. Hosts removed by a filter are moved out of
-// s.Hosts for the scorers (which normalise over the survivors) and the
-// returned index is into the original s.Hosts.
+// s.Hosts for the filters after it and for the scorers (which normalise over
+// the survivors); the returned index is into the original s.Hosts.
 func (p *Profile) run(s *State, obs *stageObserver) int {
 	var t0 time.Time
 	timed := obs != nil && obs.b != nil
@@ -131,6 +131,7 @@ func (p *Profile) run(s *State, obs *stageObserver) int {
 		t0 = time.Now()
 	}
 	all := s.Hosts
+	s.cluster = all
 	idx := s.ints(len(all))
 	for i := range all {
 		idx = append(idx, i)
@@ -153,13 +154,11 @@ func (p *Profile) run(s *State, obs *stageObserver) int {
 				}
 			}
 			idx = kept
-		}
-		if len(idx) < len(all) {
-			kept := s.hosts(len(idx))
+			hosts := s.hosts(len(idx))
 			for _, i := range idx {
-				kept = append(kept, all[i])
+				hosts = append(hosts, all[i])
 			}
-			s.Hosts = kept
+			s.Hosts = hosts
 		}
 		if timed {
 			t1 := time.Now()

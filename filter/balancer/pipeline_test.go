@@ -534,3 +534,36 @@ func TestHolderKeepsAContinuationWithItsHistory(t *testing.T) {
 		t.Fatalf("the continuation left a holder with %d queued for %s", holderQueue-1, got)
 	}
 }
+
+// A filter before the holder filter narrows the holders it chooses among:
+// with `filters: [kv_full, holder]`, a continuation whose best holder is
+// KV-full with a request waiting goes to the next pod holding at least
+// holder_ratio of it, not to the scorers' pick.
+func TestHolderChoosesAmongTheEarlierFiltersSurvivors(t *testing.T) {
+	var prof *Profile
+	for _, p := range builtinProfiles() {
+		if p.Name == config.PolicyCacheAware {
+			prof = p
+		}
+	}
+	prof.Filters = []PodFilter{KVFull{}, Holder{}}
+	rule := herdRule
+	rule.HerdWait, rule.HolderRatio = 1, 0.8
+	hosts := []Host{
+		{Address: "full", Reqs: 5, CacheRatio: 6.0 / 7, Share: 0.2, Signals: true, Running: 4, Waiting: 1, KVUtil: 0.99},
+		{Address: "copy", Reqs: 5, Prompt: 6000, CacheRatio: 0.85, Share: 0.2},
+		{Address: "doc", Reqs: 1, CacheRatio: 4.0 / 7, Share: 0.3},
+		{Address: "idle", Share: 0.3},
+	}
+	choose := func(hs []Host) string {
+		return hs[prof.Choose(&State{Hosts: hs, Rule: rule, PromptLength: 3189, IntN: seededIntN(1)})].Address
+	}
+	if got := choose(hosts); got != "copy" {
+		t.Fatalf("went to %s, want copy: the best holder that is not KV-full", got)
+	}
+	// The scorers alone would not choose it.
+	rule.HolderRatio = 0
+	if got := choose(hosts); got == "copy" || got == "full" {
+		t.Fatalf("holder_ratio 0: went to %s, want the scorers' doc or idle", got)
+	}
+}
