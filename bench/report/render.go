@@ -16,6 +16,8 @@ type Run struct {
 	Machine   map[string]string `json:"machine"`
 	Settings  map[string]string `json:"settings"`
 	Summaries []Summary         `json:"summaries"`
+	// Repeats are the runs a merge took medians over (see repeats.go).
+	Repeats []Run `json:"repeats,omitempty"`
 }
 
 // WriteJSON writes the run as indented JSON.
@@ -96,6 +98,9 @@ func (r Run) WriteMarkdown(w io.Writer) error {
 		if g, rival, ok := r.Gain(wl, "cache_aware"); ok {
 			fmt.Fprintf(&b, "\ncache_aware TTFT p90 vs the best other policy (%s): %+.1f%%\n", rival, -100*g)
 		}
+		if rounds := r.rounds(wl); len(rounds) > 1 {
+			writeRounds(&b, wl, r.Policies(), rounds)
+		}
 		b.WriteString("\n")
 	}
 	_, err := io.WriteString(w, b.String())
@@ -124,6 +129,8 @@ func writeKV(b *strings.Builder, title string, m map[string]string) {
 // Merge joins runs made separately (one per workload, say, when each needs
 // its own arrival rate) into one for a single report. A setting that differs
 // between runs is kept per workload: "rate": "shared-prefix 1, multi-turn 0.5".
+// Runs of the same workload and policy are repeats: the merged summary is
+// the median over them, and the runs are kept in Repeats.
 func Merge(runs ...Run) Run {
 	if len(runs) == 0 {
 		return Run{}
@@ -135,7 +142,19 @@ func Merge(runs ...Run) Run {
 			// The titles name the fleet; runs on other fleets keep theirs in Settings.
 			out.Title = "Routing policies (merged runs: the fleet of each workload is under Settings)"
 		}
-		out.Summaries = append(out.Summaries, r.Summaries...)
+		for _, s := range r.Summaries {
+			if _, seen := out.find(s.Workload, s.Policy); seen {
+				out.Repeats = runs
+				continue
+			}
+			var same []Summary
+			for _, rr := range runs {
+				if m, ok := rr.find(s.Workload, s.Policy); ok {
+					same = append(same, m)
+				}
+			}
+			out.Summaries = append(out.Summaries, medianOf(same))
+		}
 		for k := range r.Settings {
 			keys[k] = true
 		}

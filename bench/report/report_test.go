@@ -163,3 +163,47 @@ func TestMergeKeepsDifferingSettingsPerWorkload(t *testing.T) {
 		t.Fatalf("runs on two fleets merged under one fleet's title %q", m.Title)
 	}
 }
+
+// Runs of the same workload and policies are rounds: the merged table is each
+// policy's median, and the report pairs the policies of each round.
+func TestMergeOfRepeatedRunsTakesMedians(t *testing.T) {
+	round := func(started string, ca, sg float64, failed int) Run {
+		return Run{Title: "t", Started: started, Summaries: []Summary{
+			{Workload: "shared-prefix", Policy: "cache_aware", Requests: 10, Succeeded: 10 - failed,
+				TTFT: Percentiles{P90: ca, P99: 2 * ca}, CacheHitRate: ca / 1000},
+			{Workload: "shared-prefix", Policy: "sglang", Requests: 10, Succeeded: 10,
+				TTFT: Percentiles{P90: sg, P99: 4 * sg}, CacheHitRate: 0.9},
+		}}
+	}
+	other := Run{Title: "t", Summaries: []Summary{{Workload: "no-sharing", Policy: "cache_aware", TTFT: Percentiles{P90: 7}}}}
+	m := Merge(round("a", 400, 500, 0), round("b", 900, 600, 1), round("c", 500, 1000, 0), other)
+	if len(m.Summaries) != 3 || len(m.Repeats) != 4 {
+		t.Fatalf("merged %d summaries and %d repeats, want 3 and 4", len(m.Summaries), len(m.Repeats))
+	}
+	ca, _ := m.find("shared-prefix", "cache_aware")
+	if ca.TTFT.P90 != 500 || ca.TTFT.P99 != 1000 || ca.CacheHitRate != 0.5 || ca.Requests != 30 || ca.Succeeded != 29 {
+		t.Fatalf("cache_aware over three rounds: %+v", ca)
+	}
+	if g, rival, _ := m.Gain("shared-prefix", "cache_aware"); rival != "sglang" || math.Abs(g-(1-500.0/600)) > 1e-9 {
+		t.Fatalf("gain %v against %s, want the medians' 500 against 600", g, rival)
+	}
+	if ns, _ := m.find("no-sharing", "cache_aware"); ns.TTFT.P90 != 7 {
+		t.Fatalf("a workload run once: %+v", ns)
+	}
+	var b strings.Builder
+	if err := m.WriteMarkdown(&b); err != nil {
+		t.Fatal(err)
+	}
+	for _, want := range []string{
+		"median over 3 runs",
+		"| 2 (b) | 900 / 1800, 90.0%, 1 failed | 600 / 2400, 90.0% |",
+		"- sglang: -20% / -60%, +50% / -25%, -50% / -75% (median -20% / -60%)",
+	} {
+		if !strings.Contains(b.String(), want) {
+			t.Fatalf("report lacks %q:\n%s", want, b.String())
+		}
+	}
+	if strings.Count(b.String(), "median over") != 1 {
+		t.Fatalf("the no-sharing run, run once, got a rounds table:\n%s", b.String())
+	}
+}

@@ -1,0 +1,116 @@
+package report
+
+import (
+	"fmt"
+	"slices"
+	"strings"
+)
+
+// Repeated runs. Where one run's spread is large (real pods: the same
+// placement's TTFT p90 spans 3.3–5.7 s between runs, docs/benchmarks.md),
+// one run per policy cannot tell a few percent apart. Merging several runs
+// of the same workload makes each run a round: the joint summary is each
+// policy's median over the rounds, and the rounds stay in Run.Repeats for a
+// table that compares policies measured side by side in the same round.
+
+// medianOf returns one policy's summary over rounds: the median of each
+// measure, requests and successes summed over all rounds.
+func medianOf(ss []Summary) Summary {
+	if len(ss) == 1 {
+		return ss[0]
+	}
+	med := func(f func(Summary) float64) float64 {
+		v := make([]float64, len(ss))
+		for i, s := range ss {
+			v[i] = f(s)
+		}
+		slices.Sort(v)
+		return Quantile(v, 0.5)
+	}
+	pct := func(f func(Summary) Percentiles) Percentiles {
+		return Percentiles{
+			P50:  med(func(s Summary) float64 { return f(s).P50 }),
+			P90:  med(func(s Summary) float64 { return f(s).P90 }),
+			P99:  med(func(s Summary) float64 { return f(s).P99 }),
+			Mean: med(func(s Summary) float64 { return f(s).Mean }),
+		}
+	}
+	m := Summary{Workload: ss[0].Workload, Policy: ss[0].Policy}
+	for _, s := range ss {
+		m.Requests += s.Requests
+		m.Succeeded += s.Succeeded
+	}
+	if m.Requests > 0 {
+		m.SuccessRate = float64(m.Succeeded) / float64(m.Requests)
+	}
+	m.TTFT = pct(func(s Summary) Percentiles { return s.TTFT })
+	m.Latency = pct(func(s Summary) Percentiles { return s.Latency })
+	m.Duration = med(func(s Summary) float64 { return s.Duration })
+	m.Throughput = med(func(s Summary) float64 { return s.Throughput })
+	m.OutputTokensS = med(func(s Summary) float64 { return s.OutputTokensS })
+	m.CacheHitRate = med(func(s Summary) float64 { return s.CacheHitRate })
+	m.Imbalance = med(func(s Summary) float64 { return s.Imbalance })
+	return m
+}
+
+// rounds returns the repeats that ran workload, in merge order.
+func (r Run) rounds(workload string) []Run {
+	var out []Run
+	for _, rr := range r.Repeats {
+		if slices.ContainsFunc(rr.Summaries, func(s Summary) bool { return s.Workload == workload }) {
+			out = append(out, rr)
+		}
+	}
+	return out
+}
+
+// writeRounds renders each round of one workload and cache_aware's change
+// against every other policy of the same round.
+func writeRounds(b *strings.Builder, workload string, policies []string, rounds []Run) {
+	fmt.Fprintf(b, "\nThe table above is each policy's median over %d runs. Each run (TTFT p90 / p99 ms, cache hit):\n\n", len(rounds))
+	b.WriteString("| run | " + strings.Join(policies, " | ") + " |\n|---|" + strings.Repeat("---|", len(policies)) + "\n")
+	for i, rr := range rounds {
+		fmt.Fprintf(b, "| %d (%s) |", i+1, rr.Started)
+		for _, p := range policies {
+			s, ok := rr.find(workload, p)
+			if !ok {
+				b.WriteString(" — |")
+				continue
+			}
+			fmt.Fprintf(b, " %.0f / %.0f, %.1f%%", s.TTFT.P90, s.TTFT.P99, 100*s.CacheHitRate)
+			if failed := s.Requests - s.Succeeded; failed > 0 {
+				fmt.Fprintf(b, ", %d failed", failed)
+			}
+			b.WriteString(" |")
+		}
+		b.WriteString("\n")
+	}
+	var lines []string
+	for _, p := range policies {
+		if p == "cache_aware" {
+			continue
+		}
+		var each []string
+		var d90, d99 []float64
+		for _, rr := range rounds {
+			me, ok1 := rr.find(workload, "cache_aware")
+			o, ok2 := rr.find(workload, p)
+			if !ok1 || !ok2 || o.TTFT.P90 == 0 || o.TTFT.P99 == 0 {
+				continue
+			}
+			a, c := 100*(me.TTFT.P90/o.TTFT.P90-1), 100*(me.TTFT.P99/o.TTFT.P99-1)
+			d90, d99 = append(d90, a), append(d99, c)
+			each = append(each, fmt.Sprintf("%+.0f%% / %+.0f%%", a, c))
+		}
+		if len(each) == 0 {
+			continue
+		}
+		slices.Sort(d90)
+		slices.Sort(d99)
+		lines = append(lines, fmt.Sprintf("- %s: %s (median %+.0f%% / %+.0f%%)",
+			p, strings.Join(each, ", "), Quantile(d90, 0.5), Quantile(d99, 0.5)))
+	}
+	if len(lines) > 0 {
+		b.WriteString("\ncache_aware against each policy in the same run, TTFT p90 / p99:\n\n" + strings.Join(lines, "\n") + "\n")
+	}
+}
