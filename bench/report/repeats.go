@@ -67,7 +67,7 @@ func (r Run) rounds(workload string) []Run {
 // writeRounds renders each round of one workload and cache_aware's change
 // against every other policy of the same round.
 func writeRounds(b *strings.Builder, workload string, policies []string, rounds []Run) {
-	fmt.Fprintf(b, "\nThe table above is each policy's median over %d runs. Each run (TTFT p90 / p99 ms, cache hit):\n\n", len(rounds))
+	fmt.Fprintf(b, "\nThe table above is each policy's median over the %d runs below that ran it. Each run (TTFT p90 / p99 ms, cache hit):\n\n", len(rounds))
 	b.WriteString("| run | " + strings.Join(policies, " | ") + " |\n|---|" + strings.Repeat("---|", len(policies)) + "\n")
 	for i, rr := range rounds {
 		fmt.Fprintf(b, "| %d (%s) |", i+1, rr.Started)

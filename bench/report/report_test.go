@@ -195,7 +195,7 @@ func TestMergeOfRepeatedRunsTakesMedians(t *testing.T) {
 		t.Fatal(err)
 	}
 	for _, want := range []string{
-		"median over 3 runs",
+		"median over the 3 runs below",
 		"| 2 (b) | 900 / 1800, 90.0%, 1 failed | 600 / 2400, 90.0% |",
 		"- sglang: -20% / -60%, +50% / -25%, -50% / -75% (median -20% / -60%)",
 	} {
