@@ -167,7 +167,9 @@ func Merge(runs ...Run) Run {
 				v = "-"
 			}
 			vals = append(vals, v)
-			per = append(per, strings.Join(r.Workloads(), "+")+" "+v)
+			if p := strings.Join(r.Workloads(), "+") + " " + v; !slices.Contains(per, p) {
+				per = append(per, p) // repeats name theirs once
+			}
 		}
 		if len(slices.Compact(slices.Clone(vals))) == 1 {
 			out.Settings[k] = vals[0]

@@ -168,17 +168,20 @@ func TestMergeKeepsDifferingSettingsPerWorkload(t *testing.T) {
 // policy's median, and the report pairs the policies of each round.
 func TestMergeOfRepeatedRunsTakesMedians(t *testing.T) {
 	round := func(started string, ca, sg float64, failed int) Run {
-		return Run{Title: "t", Started: started, Summaries: []Summary{
+		return Run{Title: "t", Started: started, Settings: map[string]string{"rate": "1"}, Summaries: []Summary{
 			{Workload: "shared-prefix", Policy: "cache_aware", Requests: 10, Succeeded: 10 - failed,
 				TTFT: Percentiles{P90: ca, P99: 2 * ca}, CacheHitRate: ca / 1000},
 			{Workload: "shared-prefix", Policy: "sglang", Requests: 10, Succeeded: 10,
 				TTFT: Percentiles{P90: sg, P99: 4 * sg}, CacheHitRate: 0.9},
 		}}
 	}
-	other := Run{Title: "t", Summaries: []Summary{{Workload: "no-sharing", Policy: "cache_aware", TTFT: Percentiles{P90: 7}}}}
+	other := Run{Title: "t", Settings: map[string]string{"rate": "0.5"}, Summaries: []Summary{{Workload: "no-sharing", Policy: "cache_aware", TTFT: Percentiles{P90: 7}}}}
 	m := Merge(round("a", 400, 500, 0), round("b", 900, 600, 1), round("c", 500, 1000, 0), other)
 	if len(m.Summaries) != 3 || len(m.Repeats) != 4 {
 		t.Fatalf("merged %d summaries and %d repeats, want 3 and 4", len(m.Summaries), len(m.Repeats))
+	}
+	if got := m.Settings["rate"]; got != "shared-prefix 1, no-sharing 0.5" {
+		t.Fatalf("rate %q: the repeats should name theirs once", got)
 	}
 	ca, _ := m.find("shared-prefix", "cache_aware")
 	if ca.TTFT.P90 != 500 || ca.TTFT.P99 != 1000 || ca.CacheHitRate != 0.5 || ca.Requests != 30 || ca.Succeeded != 29 {
