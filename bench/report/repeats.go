@@ -6,8 +6,7 @@ import (
 	"strings"
 )
 
-// Repeated runs. Where one run's spread is large (real pods: the same
-// placement's TTFT p90 spans 3.3–5.7 s between runs, docs/benchmarks.md),
+// Repeated runs. Where runs spread widely (real pods, docs/benchmarks.md),
 // one run per policy cannot tell a few percent apart. Merging several runs
 // of the same workload makes each run a round: the joint summary is each
 // policy's median over the rounds, and the rounds stay in Run.Repeats for a
