@@ -540,12 +540,7 @@ func TestHolderKeepsAContinuationWithItsHistory(t *testing.T) {
 // KV-full with a request waiting goes to the next pod holding at least
 // holder_ratio of it, not to the scorers' pick.
 func TestHolderChoosesAmongTheEarlierFiltersSurvivors(t *testing.T) {
-	var prof *Profile
-	for _, p := range builtinProfiles() {
-		if p.Name == config.PolicyCacheAware {
-			prof = p
-		}
-	}
+	prof := cacheAwareProfile()
 	prof.Filters = []PodFilter{KVFull{}, Holder{}}
 	rule := herdRule
 	rule.HerdWait, rule.HolderRatio = 1, 0.8

@@ -67,10 +67,13 @@ func pickTop(scores []float64, percent int, intn func(int) int) int {
 }
 
 // cacheAware runs the cache_aware profile on s.
-func cacheAware(s *State) int {
+func cacheAware(s *State) int { return cacheAwareProfile().Choose(s) }
+
+// cacheAwareProfile returns a fresh copy of the built-in cache_aware profile.
+func cacheAwareProfile() *Profile {
 	for _, p := range builtinProfiles() {
 		if p.Name == config.PolicyCacheAware {
-			return p.Choose(s)
+			return p
 		}
 	}
 	panic("no cache_aware profile")
