@@ -210,3 +210,28 @@ func TestMergeOfRepeatedRunsTakesMedians(t *testing.T) {
 		t.Fatalf("the no-sharing run, run once, got a rounds table:\n%s", b.String())
 	}
 }
+
+// A workload's table of runs has a column for each policy it ran, not for
+// every policy of the merged report.
+func TestRoundsTableHasTheWorkloadsOwnPolicies(t *testing.T) {
+	run := func(started string) Run {
+		return Run{Title: "t", Started: started, Summaries: []Summary{
+			{Workload: "shared-prefix", Policy: "cache_aware", TTFT: Percentiles{P90: 1, P99: 2}},
+			{Workload: "shared-prefix", Policy: "sglang", TTFT: Percentiles{P90: 1, P99: 2}},
+			{Workload: "multi-turn", Policy: "cache_aware", TTFT: Percentiles{P90: 1, P99: 2}},
+			{Workload: "multi-turn", Policy: "prefix_only", TTFT: Percentiles{P90: 1, P99: 2}},
+		}}
+	}
+	var b strings.Builder
+	if err := Merge(run("a"), run("b")).WriteMarkdown(&b); err != nil {
+		t.Fatal(err)
+	}
+	for _, want := range []string{"| run | cache_aware | sglang |\n", "| run | cache_aware | prefix_only |\n"} {
+		if !strings.Contains(b.String(), want) {
+			t.Fatalf("report lacks %q:\n%s", want, b.String())
+		}
+	}
+	if strings.Contains(b.String(), " — |") {
+		t.Fatalf("a column for a policy the workload did not run:\n%s", b.String())
+	}
+}
