@@ -66,7 +66,8 @@ type Config struct {
 	// finishing request's cells would crowd that prefill's attention in
 	// llama.cpp's unified cache (and a finished one is parked), while its
 	// last decode-only steps are short. Shorter prefills (cache hits,
-	// followers' tails) still run beside it. 0: off.
+	// followers' tails) still run beside it. An engine with room aside
+	// (engine.Aside) prefills the first such prompt there meanwhile. 0: off.
 	FinishFirst int
 	Metrics     *Metrics
 	Logger      *slog.Logger
@@ -112,14 +113,15 @@ const DefaultQueueTimeout = 30 * time.Second
 
 // Scheduler owns the engine once Run starts.
 type Scheduler struct {
-	cfg  Config
-	eng  engine.Engine
-	info engine.Info
-	kv   *kvcache.Owner // seq ids, cells, entries and reports, kept together
-	m    *Metrics
-	log  *slog.Logger
-	wake chan struct{}
-	ctl  chan func()
+	cfg   Config
+	eng   engine.Engine
+	info  engine.Info
+	aside engine.Aside   // nil: the engine has no room aside
+	kv    *kvcache.Owner // seq ids, cells, entries and reports, kept together
+	m     *Metrics
+	log   *slog.Logger
+	wake  chan struct{}
+	ctl   chan func()
 
 	mu      sync.Mutex
 	queue   []*task
@@ -136,6 +138,9 @@ type Scheduler struct {
 	prefill  []*task // scratch: prefill candidates of one step
 	ready    []*task // scratch: sequences with work in one step
 	steps    uint64  // batches built so far
+	// finishing: the last batch held long prompts back (Config.FinishFirst).
+	finishing bool
+	asideOf   *task // the task being prefilled aside
 	// unbound are the requests that ended without ever being bound, whose
 	// hashes reportUnbound still has to look at.
 	unbound []*task
@@ -163,6 +168,14 @@ type task struct {
 	maxTokens   int    // the request's max_tokens, or Config.MaxOutputTokens
 	lastStep    uint64 // the step that last evaluated a span of it
 	spanLen     int    // tokens of this task in the current batch
+	// asideFrom, aside: toks[asideFrom:aside] were prefilled aside (the
+	// KV books hold toks[:asideFrom]) and join the books with the step that
+	// brings them into the cache. noAside: prefilling it aside failed.
+	asideFrom, aside int
+	noAside          bool
+	// waitRoom: its cells did not fit back into the KV cache; it steps
+	// again once releases passes this.
+	waitRoom uint64
 }
 
 // New builds a scheduler over eng. The pool size is the engine's n_seq_max.
@@ -185,10 +198,14 @@ func New(eng engine.Engine, cfg Config) (*Scheduler, error) {
 	if err != nil {
 		return nil, err
 	}
-	return &Scheduler{
+	s := &Scheduler{
 		cfg: cfg, eng: eng, info: info, kv: kv, m: m, log: cfg.Logger,
 		wake: make(chan struct{}, 1), ctl: make(chan func()),
-	}, nil
+	}
+	if a, ok := eng.(engine.Aside); ok && a.AsideCells() > 0 && cfg.FinishFirst > 0 {
+		s.aside = a
+	}
+	return s, nil
 }
 
 // reports adapts the Config callbacks to kvcache.Reports.
@@ -354,7 +371,8 @@ func (s *Scheduler) Run(ctx context.Context) {
 		}
 		s.publish()
 		spans, tasks := s.batch()
-		if len(spans) == 0 {
+		aside := s.asideTask()
+		if len(spans) == 0 && aside == nil {
 			wait := time.Until(nextCleanup)
 			for _, t := range s.set {
 				wait = min(wait, time.Until(t.admitted.Add(s.cfg.RequestTimeout)))
@@ -378,7 +396,12 @@ func (s *Scheduler) Run(ctx context.Context) {
 			}
 			continue
 		}
-		s.step(spans, tasks)
+		if len(spans) > 0 {
+			s.step(spans, tasks)
+		}
+		if aside != nil {
+			s.prefillAside(aside)
+		}
 	}
 }
 
@@ -622,7 +645,7 @@ func (s *Scheduler) batch() ([]engine.Span, []*task) {
 	s.ready = s.ready[:0]
 	for _, t := range s.set {
 		t.spanLen = 0
-		if t.state == Processing && !t.following && len(t.toks) > t.past {
+		if s.stepsReady(t) {
 			s.ready = append(s.ready, t)
 		}
 	}
@@ -639,7 +662,7 @@ func (s *Scheduler) batch() ([]engine.Span, []*task) {
 		// Back to admission order for the rules below.
 		s.ready = s.ready[:0]
 		for _, t := range s.set {
-			if t.spanLen == 0 && t.state == Processing && !t.following && len(t.toks) > t.past {
+			if t.spanLen == 0 && s.stepsReady(t) {
 				s.ready = append(s.ready, t)
 			}
 		}
@@ -651,6 +674,7 @@ func (s *Scheduler) batch() ([]engine.Span, []*task) {
 			finishing = true
 		}
 	}
+	s.finishing = finishing
 	for _, t := range s.ready {
 		switch left := len(t.toks) - t.past; {
 		case left == 1 && budget > 0:
@@ -691,6 +715,68 @@ func (s *Scheduler) batch() ([]engine.Span, []*task) {
 	return spans, tasks
 }
 
+// stepsReady tells whether t has tokens for the next step: not while it
+// follows a leader, is being prefilled aside, or waits for room.
+func (s *Scheduler) stepsReady(t *task) bool {
+	return t.state == Processing && !t.following && len(t.toks) > t.past &&
+		!(t == s.asideOf && t.aside == 0) && s.releases >= t.waitRoom
+}
+
+// asideTask is the task to prefill aside this iteration: the one already
+// aside, else, while the batch holds long prompts back for finishing
+// requests, the first of them (in admission order) that fits aside with
+// the prefix it adopted. Its last prompt token is left for the step that brings its
+// cells into the cache and samples; until then no other task goes aside.
+func (s *Scheduler) asideTask() *task {
+	if s.aside == nil {
+		return nil
+	}
+	if t := s.asideOf; t != nil {
+		if t.state == Processing && t.seq >= 0 {
+			if t.aside > 0 {
+				return nil // done, waiting for room in the cache
+			}
+			return t
+		}
+		s.asideOf = nil
+	}
+	if !s.finishing {
+		return nil
+	}
+	for _, t := range s.set {
+		if t.state == Processing && !t.following && !t.noAside && len(t.toks)-t.past >= s.info.NBatch && len(t.toks)-1 <= s.aside.AsideCells() {
+			s.asideOf = t
+			t.asideFrom = t.past
+			return t
+		}
+	}
+	return nil
+}
+
+// prefillAside evaluates t's next chunk aside. On a failure t starts over
+// (PENDING, without its cells) and prefills in the cache, as it would
+// have without room aside.
+func (s *Scheduler) prefillAside(t *task) {
+	if t != s.asideOf || t.state != Processing || t.seq < 0 {
+		return // preempted or ended by this iteration's step
+	}
+	k := min(s.info.NBatch, len(t.toks)-1-t.past)
+	if err := s.aside.PrefillAside(t.seq, t.past, t.toks[t.past:t.past+k]); err != nil {
+		s.log.Error("prefill aside failed; prefilling in the KV cache instead", "request", t.req.ID, "err", err)
+		s.release(t)
+		t.state = Pending
+		t.past, t.aside = 0, 0
+		t.noAside = true
+		s.asideOf = nil
+		return
+	}
+	s.m.asideTokens.Add(float64(k))
+	t.past += k
+	if t.past == len(t.toks)-1 {
+		t.aside = t.past
+	}
+}
+
 // step runs the batch, making room when the KV cache is full: first by
 // evicting idle entries that hold cells in it (parked ones hold none), then
 // by preempting the newest request in the batch
@@ -716,6 +802,18 @@ func (s *Scheduler) step(spans []engine.Span, tasks []*task) {
 		if s.kv.EvictForRoom("kv_full") {
 			continue
 		}
+		// Requests whose cells are out of the cache (parked, or computed
+		// aside) wait for room with their cells kept, while the rest step.
+		if kept := s.withoutReturning(tasks); len(kept) > 0 && len(kept) < len(tasks) {
+			for i := len(tasks) - 1; i >= 0; i-- {
+				if !slices.Contains(kept, tasks[i]) {
+					tasks[i].waitRoom = s.releases + 1
+					spans = slices.Delete(spans, i, i+1)
+					tasks = slices.Delete(tasks, i, i+1)
+				}
+			}
+			continue
+		}
 		// Nothing idle to evict: preempt the newest request holding cells.
 		var victim *task
 		for _, t := range s.set {
@@ -738,6 +836,19 @@ func (s *Scheduler) step(spans []engine.Span, tasks []*task) {
 			return
 		}
 	}
+}
+
+// withoutReturning is tasks but those whose cells the step would first
+// bring back into the KV cache: prefilled aside, or parked.
+func (s *Scheduler) withoutReturning(tasks []*task) []*task {
+	p, _ := s.eng.(kvcache.Parker)
+	var kept []*task
+	for _, t := range tasks {
+		if t.aside == 0 && (p == nil || !p.Parked(t.seq)) {
+			kept = append(kept, t)
+		}
+	}
+	return kept
 }
 
 // usedCells is how many KV cells some sequence holds: the engine's count
@@ -773,7 +884,7 @@ func tokens(spans []engine.Span) int {
 func (s *Scheduler) preempt(t *task) {
 	s.release(t)
 	t.state = Pending
-	t.past = 0
+	t.past, t.aside = 0, 0
 	t.waitRel = s.releases + 1
 	t.preemptions++
 	s.m.preemptions.Inc()
@@ -784,6 +895,12 @@ func (s *Scheduler) preempt(t *task) {
 func (s *Scheduler) apply(spans []engine.Span, tasks []*task, out []int) {
 	for i, t := range tasks {
 		sp := spans[i]
+		if t.aside > 0 {
+			// The step brought the cells computed aside into the cache.
+			s.kv.Append(t.req.ID, t.toks[t.asideFrom:t.aside]...)
+			t.aside = 0
+			s.asideOf = nil
+		}
 		t.past += len(sp.Tokens)
 		s.kv.Append(t.req.ID, sp.Tokens...)
 		tok := out[i]

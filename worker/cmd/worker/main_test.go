@@ -37,6 +37,9 @@ func TestFlagValidation(t *testing.T) {
 		{"--engine", "sim", "--kv-cache-type", "q8_0", "--flash-attention=false"}, // llama.cpp needs FA for a quantized V
 		{"--engine", "sim", "--finish-first-tokens", "-1"},
 		{"--engine", "sim", "--kv-park-max-bytes", "-2"},
+		{"--engine", "sim", "--prefill-aside-cells", "-1"},
+		{"--engine", "llama", "--model", "m.gguf", "--prefill-aside-cells", "1024", "--kv-park-idle=false"}, // it hands cells over parked
+		{"--engine", "llama", "--model", "m.gguf", "--prefill-aside-cells", "1024", "--kv-park-max-bytes", "0"},
 	}
 	for _, args := range bad {
 		if _, err := parse(args, io.Discard); err == nil {
@@ -47,6 +50,9 @@ func TestFlagValidation(t *testing.T) {
 	if err != nil || o.advertise != "10.1.2.3:9001" || o.nSeqMax != 16 || o.maxRunning != 8 || o.maxQueue != 256 || o.timeout != 60*time.Second ||
 		o.maxBatch != 4 || o.maxOutput != 2048 || o.threads != 0 || o.flashAttn || !o.parkIdle || o.finishFirst != 16 || o.parkMaxBytes != -1 {
 		t.Fatalf("defaults: %+v %v", o, err)
+	}
+	if o, err := parse([]string{"--engine", "llama", "--model", "m.gguf", "--prefill-aside-cells", "1024"}, io.Discard); err != nil || o.asideCells != 1024 {
+		t.Fatalf("--prefill-aside-cells 1024 with parking: %v", err)
 	}
 	if o.parkBound() != 0 {
 		t.Fatalf("default park bound %d, want the engine's default 0", o.parkBound())

@@ -145,6 +145,7 @@ func (e *Engine) initPark(nSeq int) {
 // Park implements kvcache.Parker: seq's cells leave the KV cache for host
 // memory. Without parking (Config.NoPark) it does nothing.
 func (e *Engine) Park(seq int) {
+	e.land(seq)
 	if e.parked == nil || e.parked[seq] != nil {
 		return
 	}
@@ -254,9 +255,15 @@ func (e *Engine) parkPlan(seq int) (root *hostState, k, n int) {
 func (e *Engine) capture(seq, from, to int) *hostState {
 	src := e.scratchRange(seq, from, to)
 	defer e.clearScratch(src)
-	size := C.llama_state_seq_get_size(e.raw, C.int32_t(src))
+	return stateOf(e.raw, src, to)
+}
+
+// stateOf is all of seq's cells in ctx as host bytes, which end at
+// position to; nil when llama.cpp could not write them (it logs why).
+func stateOf(ctx rawCtx, seq, to int) *hostState {
+	size := C.llama_state_seq_get_size(ctx, C.int32_t(seq))
 	buf := make([]byte, int(size))
-	got := C.llama_state_seq_get_data(e.raw, (*C.uint8_t)(unsafe.Pointer(&buf[0])), size, C.int32_t(src))
+	got := C.llama_state_seq_get_data(ctx, (*C.uint8_t)(unsafe.Pointer(&buf[0])), size, C.int32_t(seq))
 	if got == 0 {
 		return nil
 	}
