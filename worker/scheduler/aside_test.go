@@ -3,6 +3,7 @@ package scheduler
 import (
 	"context"
 	"slices"
+	"sync"
 	"testing"
 	"time"
 
@@ -81,20 +82,23 @@ func TestLlamaLongPromptIsPrefilledAsideBesideAFinishingRequest(t *testing.T) {
 	}
 }
 
-// When the cells computed aside do not fit into the KV cache beside the
-// running request, the long request waits with them for room instead of
-// being preempted (its prefill thrown away), and goes on once the other
-// ends.
-func TestPrefilledAsideWaitsForRoomInsteadOfBeingPreempted(t *testing.T) {
+// filler is n prompt tokens of the sim engine's vocabulary, a different
+// sequence for each salt.
+func filler(n, salt int) []int {
+	p := make([]int, n)
+	for i := range p {
+		p[i] = 3 + 'a' + (i*salt+i/26+salt)%26
+	}
+	return p
+}
+
+// A long prompt does not go aside when, landing beside the running request
+// and what it may still write, it would not fit: it waits for room in the
+// KV cache as it would without room aside, and nothing is preempted.
+func TestNoAsideWhereItCouldNotLand(t *testing.T) {
 	// 1024 cells: the finishing request holds 400 + up to 300, the long
 	// prompt needs 700.
-	short, long := make([]int, 400), make([]int, 700)
-	for i := range short {
-		short[i] = 3 + 'a' + i%26
-	}
-	for i := range long {
-		long[i] = 3 + 'a' + (i*7+i/26+1)%26
-	}
+	short, long := filler(400, 1), filler(700, 7)
 	solo := newRig(t, sim.Config{NCtx: 1024}, Config{}, true)
 	soloA, _ := run(t, solo, context.Background(), &Request{ID: "a", Prompt: short, MaxTokens: 300, IgnoreEOS: true})
 	soloB, _ := run(t, solo, context.Background(), &Request{ID: "b", Prompt: long, MaxTokens: 8, IgnoreEOS: true})
@@ -106,14 +110,96 @@ func TestPrefilledAsideWaitsForRoomInsteadOfBeingPreempted(t *testing.T) {
 	if resA.State != Completed || resB.State != Completed || !slices.Equal(outA, soloA) || !slices.Equal(outB, soloB) {
 		t.Fatalf("finishing %+v (solo output: %v), long %+v (solo output: %v)", resA, slices.Equal(outA, soloA), resB, slices.Equal(outB, soloB))
 	}
+	if n := counterValue(m.asideTokens); n != 0 {
+		t.Fatalf("%v tokens prefilled aside; they could not have landed beside the finishing request", n)
+	}
+	if n := counterValue(m.preemptions); n != 0 {
+		t.Fatalf("%v preemptions", n)
+	}
+}
+
+// When a request admitted after a prompt went aside takes the room it was
+// to land in, the prompt waits with its cells aside until a request
+// releases its seq id, instead of being preempted (its prefill thrown away)
+// or preempting the newcomer.
+func TestPrefilledAsideWaitsForRoomInsteadOfBeingPreempted(t *testing.T) {
+	// 1600 cells. A: 100 + up to 300, finishing from its first token.
+	// B: 1100, fits beside A (1600 − 100 − 300 ≥ 1100), so it goes aside
+	// in chunks of 512, 512, 75. C: 500 + 100, submitted while the first
+	// chunk runs, prefilled in the cache beside A. When B would land, A and
+	// C hold over 600 cells: no room until C (or A) ends.
+	short, long, mid := filler(100, 1), filler(1100, 7), filler(500, 11)
+	reqs := []*Request{
+		{ID: "a", Prompt: short, MaxTokens: 300, IgnoreEOS: true},
+		{ID: "b", Prompt: long, MaxTokens: 8, IgnoreEOS: true},
+		{ID: "c", Prompt: mid, MaxTokens: 100, IgnoreEOS: true},
+	}
+	solo := newRig(t, sim.Config{NCtx: 1600}, Config{}, true)
+	var soloOut [3][]int
+	for i, q := range reqs {
+		soloOut[i], _ = run(t, solo, context.Background(), q)
+	}
+
+	// The sim engine sleeps its modelled cost; only an aside chunk of 512
+	// tokens costs 5 ms or more here. The first one waits for C.
+	asideStarted, cSubmitted := make(chan struct{}), make(chan struct{})
+	var once sync.Once
+	sleep := func(d time.Duration) {
+		if d >= 5*time.Millisecond {
+			once.Do(func() {
+				close(asideStarted)
+				<-cSubmitted
+			})
+		}
+		time.Sleep(d)
+	}
+	m := NewMetrics(nil)
+	r := newRig(t, sim.Config{NCtx: 1600, AsideCells: 2048, Sleep: sleep,
+		Cost: sim.Cost{StepOverhead: time.Millisecond, PerToken: 10 * time.Microsecond}},
+		Config{FinishFirst: 512, Metrics: m}, true)
+	var h [3]*Handle
+	submit := func(i int) {
+		var err error
+		if h[i], err = r.s.Submit(context.Background(), reqs[i]); err != nil {
+			t.Fatal(err)
+		}
+	}
+	var out [3][]int
+	var res [3]*Result
+	take := func(i int) {
+		select {
+		case <-h[i].Ready():
+		case <-time.After(30 * time.Second):
+			t.Fatalf("%s: no progress in 30s", reqs[i].ID)
+		}
+		toks, r := h[i].Take()
+		out[i], res[i] = append(out[i], toks...), r
+	}
+	submit(0)
+	for len(out[0]) == 0 && res[0] == nil {
+		take(0)
+	}
+	submit(1)
+	select {
+	case <-asideStarted:
+	case <-time.After(30 * time.Second):
+		t.Fatal("the long prompt did not go aside in 30s")
+	}
+	submit(2)
+	close(cSubmitted)
+	for i := range h {
+		for res[i] == nil {
+			take(i)
+		}
+		if res[i].State != Completed || !slices.Equal(out[i], soloOut[i]) {
+			t.Fatalf("%s: %+v, the output of running alone: %v", reqs[i].ID, res[i], slices.Equal(out[i], soloOut[i]))
+		}
+	}
 	if n := counterValue(m.asideTokens); n != float64(len(long)-1) {
 		t.Fatalf("%v tokens prefilled aside, want %d", n, len(long)-1)
 	}
 	if n := counterValue(m.preemptions); n != 0 {
 		t.Fatalf("%v preemptions; the long request should have waited for room", n)
-	}
-	if resB.CachedTokens != 0 {
-		t.Fatalf("the long prompt reports %d cached tokens; computed aside is not cached", resB.CachedTokens)
 	}
 }
 

@@ -744,13 +744,34 @@ func (s *Scheduler) asideTask() *task {
 		return nil
 	}
 	for _, t := range s.set {
-		if t.state == Processing && !t.following && !t.noAside && len(t.toks)-t.past >= s.info.NBatch && len(t.toks)-1 <= s.aside.AsideCells() {
+		if t.state == Processing && !t.following && !t.noAside && len(t.toks)-t.past >= s.info.NBatch &&
+			len(t.toks)-1 <= s.aside.AsideCells() && s.roomBeside(t) >= len(t.toks) {
 			s.asideOf = t
 			t.asideFrom = t.past
 			return t
 		}
 	}
 	return nil
+}
+
+// roomBeside is how many KV cells stay free once the requests running
+// beside t have written all they still may: their prompts, their parked
+// cells and their outputs up to max_tokens. A prompt prefilled aside lands
+// while they run; if it landed without this room, it or they would wait for
+// room or be preempted, which costs more than it saves.
+func (s *Scheduler) roomBeside(t *task) int {
+	p, _ := s.eng.(kvcache.Parker)
+	room := s.info.NCtx - s.usedCells()
+	for _, u := range s.set {
+		if u == t || u.state != Processing || u.seq < 0 {
+			continue
+		}
+		room -= len(u.toks) - u.past + u.maxTokens - u.nGen
+		if p != nil && p.Parked(u.seq) {
+			room -= u.past
+		}
+	}
+	return room
 }
 
 // prefillAside evaluates t's next chunk aside. On a failure t starts over
