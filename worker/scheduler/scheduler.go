@@ -725,8 +725,9 @@ func (s *Scheduler) stepsReady(t *task) bool {
 // asideTask is the task to prefill aside this iteration: the one already
 // aside, else, while the batch holds long prompts back for finishing
 // requests, the first of them (in admission order) that fits aside with
-// the prefix it adopted. Its last prompt token is left for the step that brings its
-// cells into the cache and samples; until then no other task goes aside.
+// the prefix it adopted, and in the cache beside the others (roomBeside).
+// Its last prompt token is left for the step that brings its cells into
+// the cache and samples; until then no other task goes aside.
 func (s *Scheduler) asideTask() *task {
 	if s.aside == nil {
 		return nil
