@@ -435,6 +435,21 @@ func (o *Owner) park(e *Entry) {
 	p.Park(e.Seq)
 }
 
+// Swap moves running entry id's cells to host memory, as park does for an
+// idle one, and reports whether they went: on KV full the scheduler
+// swaps out a request that has more work to do rather than drop cells it
+// would compute again (they come back with its next step). Entries that
+// lead or follow others keep their cells: followers copy from a leader's.
+func (o *Owner) Swap(id string) bool {
+	e, ok := o.books.Get(id)
+	p, can := o.cells.(Parker)
+	if !ok || !can || !e.InUse || p.Parked(e.Seq) || e.leader != "" || o.Followers(id) > 0 {
+		return false
+	}
+	o.park(e)
+	return p.Parked(e.Seq)
+}
+
 // Release drops id's cells and frees its seq id (a request that failed,
 // timed out, was cancelled or preempted). Its followers first take what
 // they share.

@@ -338,6 +338,39 @@ func TestFinishParksAndRoomIsMadeFromUnparkedEntries(t *testing.T) {
 	f.check()
 }
 
+// Swap parks a running request's cells, but not those of a leader or a
+// follower (followers copy from their leader's cells), nor twice.
+func TestSwapParksARunningRequestButNotALeaderOrFollower(t *testing.T) {
+	eng, err := sim.New(sim.Config{NSeqMax: 4, NCtx: 8192, Sleep: func(time.Duration) {}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	cells := &parking{Engine: eng, parked: map[int]bool{}}
+	f := &fixture{t: t, eng: eng, rep: &recorder{}}
+	if f.o, err = NewOwner(OwnerConfig{Limits: Limits{Threshold: 0.8}, NSeqMax: 4, Cells: cells, Reports: f.rep}); err != nil {
+		t.Fatal(err)
+	}
+	a, b, c := prompt(600, 10, 1), prompt(600, 10, 2), vt(300, 9000)
+	f.bind("a", a)
+	f.write("a", a, 0, 512)
+	f.bind("b", b) // follows a
+	f.bind("c", c)
+	f.write("c", c, 0, 200)
+	if f.o.Swap("a") || f.o.Swap("b") || f.o.Swap("nobody") {
+		t.Fatalf("swapped a leader or a follower (parked %v)", cells.parked)
+	}
+	if !f.o.Swap("c") || !cells.Parked(f.mustSeq("c")) {
+		t.Fatal("a running request's cells were not parked")
+	}
+	if f.o.Swap("c") {
+		t.Fatal("swapped a parked request again")
+	}
+	if e, _ := f.o.Books().Get("c"); !e.InUse || len(e.Tokens) != 200 {
+		t.Fatalf("after the swap c is %+v; want in use with its 200 tokens", e)
+	}
+	f.check()
+}
+
 // timedRecorder also wants the time of each eviction.
 type timedRecorder struct {
 	recorder

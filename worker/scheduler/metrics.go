@@ -18,6 +18,7 @@ type Metrics struct {
 	requests      *prometheus.CounterVec
 	evictions     *prometheus.CounterVec
 	preemptions   prometheus.Counter
+	swaps         prometheus.Counter
 	stepDuration  prometheus.Histogram
 	stepBatchToks prometheus.Histogram
 	asideTokens   prometheus.Counter
@@ -44,6 +45,8 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 		evictions: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "llmf_worker_kv_evictions_total",
 			Help: "KV-cache entries evicted, by cause: threshold, seq_ids (a new request needed an id), kv_full (llama_decode found no cells), park_bytes (parking an idle entry would exceed --kv-park-max-bytes)."}, []string{"cause"}),
 		preemptions: prometheus.NewCounter(prometheus.CounterOpts{Name: "llmf_worker_preemptions_total", Help: "Running requests sent back to PENDING because the KV cache was full."}),
+		swaps: prometheus.NewCounter(prometheus.CounterOpts{Name: "llmf_worker_swaps_total",
+			Help: "Running requests whose cells were moved to host memory because the KV cache was full; they resume from them."}),
 		stepDuration: prometheus.NewHistogram(prometheus.HistogramOpts{Name: "llmf_worker_step_seconds", Help: "Duration of one batched decode step.",
 			Buckets: prometheus.ExponentialBuckets(0.0005, 2, 14)}),
 		stepBatchToks: prometheus.NewHistogram(prometheus.HistogramOpts{Name: "llmf_worker_step_batch_tokens", Help: "Tokens evaluated per decode step.",
@@ -53,7 +56,7 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 	}
 	if reg != nil {
 		reg.MustRegister(m.queueDepth, m.running, m.seqInUse, m.kvItems, m.kvBytes, m.kvEntries, m.promptTokens,
-			m.generated, m.ttft, m.requests, m.evictions, m.preemptions, m.stepDuration, m.stepBatchToks, m.asideTokens)
+			m.generated, m.ttft, m.requests, m.evictions, m.preemptions, m.swaps, m.stepDuration, m.stepBatchToks, m.asideTokens)
 	}
 	for _, s := range []State{Completed, Timeout, Failed, Cancelled} {
 		m.requests.WithLabelValues(s.String())

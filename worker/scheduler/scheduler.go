@@ -800,10 +800,12 @@ func (s *Scheduler) prefillAside(t *task) {
 }
 
 // step runs the batch, making room when the KV cache is full: first by
-// evicting idle entries that hold cells in it (parked ones hold none), then
-// by preempting the newest request in the batch
-// (it returns to PENDING and recomputes later), and a request alone in a
-// batch that still does not fit fails.
+// evicting idle entries that hold cells in it (parked ones hold none); then
+// requests bringing cells back into the cache wait for room, the newest
+// first; then the newest request holding cells in the cache gives them up,
+// to host memory if it can (swapOut), else preempted (it returns to PENDING
+// and recomputes later). A request alone in a batch that still does not fit
+// fails.
 func (s *Scheduler) step(spans []engine.Span, tasks []*task) {
 	for {
 		start := time.Now()
@@ -825,23 +827,32 @@ func (s *Scheduler) step(spans []engine.Span, tasks []*task) {
 			continue
 		}
 		// Requests whose cells are out of the cache (parked, or computed
-		// aside) wait for room with their cells kept, while the rest step.
-		if kept := s.withoutReturning(tasks); len(kept) > 0 && len(kept) < len(tasks) {
+		// aside) wait for room with their cells kept, while the rest step;
+		// of several such requests alone in the step, the newest waits.
+		kept := s.withoutReturning(tasks)
+		if len(kept) > 0 && len(kept) < len(tasks) {
 			for i := len(tasks) - 1; i >= 0; i-- {
 				if !slices.Contains(kept, tasks[i]) {
-					tasks[i].waitRoom = s.releases + 1
-					spans = slices.Delete(spans, i, i+1)
-					tasks = slices.Delete(tasks, i, i+1)
+					s.waitForRoom(tasks[i])
+					spans, tasks = slices.Delete(spans, i, i+1), slices.Delete(tasks, i, i+1)
 				}
 			}
 			continue
 		}
-		// Nothing idle to evict: preempt the newest request holding cells.
-		var victim *task
-		for _, t := range s.set {
-			if t.seq >= 0 && (victim == nil || !t.admitted.Before(victim.admitted)) {
-				victim = t
-			}
+		if len(kept) == 0 && len(tasks) > 1 {
+			i := newest(tasks)
+			s.waitForRoom(tasks[i])
+			spans, tasks = slices.Delete(spans, i, i+1), slices.Delete(tasks, i, i+1)
+			continue
+		}
+		victim := s.newestHolding(true)
+		if len(kept) == 0 && victim != nil && victim.admitted.Before(tasks[0].admitted) && s.othersStep(tasks[0]) {
+			// Returning alone: it waits for the older requests holding the cells.
+			s.waitForRoom(tasks[0])
+			return
+		}
+		if victim == nil {
+			victim = s.newestHolding(false) // nothing in the cache holds cells: as before parking
 		}
 		if victim == nil || (len(tasks) == 1 && victim == tasks[0] && s.holders() == 1) {
 			t := tasks[0]
@@ -849,15 +860,76 @@ func (s *Scheduler) step(spans []engine.Span, tasks []*task) {
 				ErrNoFit, len(t.toks), s.info.NCtx)})
 			return
 		}
-		s.preempt(victim)
+		// The newest request holding cells in the cache makes room: its
+		// cells go to host memory if they can, else it is preempted.
+		if !s.swapOut(victim) {
+			s.preempt(victim)
+		}
 		if i := slices.Index(tasks, victim); i >= 0 {
-			spans = slices.Delete(spans, i, i+1)
-			tasks = slices.Delete(tasks, i, i+1)
+			spans, tasks = slices.Delete(spans, i, i+1), slices.Delete(tasks, i, i+1)
 		}
 		if len(spans) == 0 {
 			return
 		}
 	}
+}
+
+// waitForRoom keeps t out of the steps, its cells kept, until another
+// request releases its seq id.
+func (s *Scheduler) waitForRoom(t *task) { t.waitRoom = s.releases + 1 }
+
+// othersStep tells whether a request other than t will evaluate tokens
+// without waiting for a release: one that waits for room does not.
+func (s *Scheduler) othersStep(t *task) bool {
+	for _, u := range s.set {
+		if u != t && u.state == Processing && (s.stepsReady(u) || u.following || (u == s.asideOf && u.aside == 0)) {
+			return true
+		}
+	}
+	return false
+}
+
+// newest is the index of the most recently admitted of tasks.
+func newest(tasks []*task) int {
+	n := 0
+	for i, t := range tasks {
+		if !t.admitted.Before(tasks[n].admitted) {
+			n = i
+		}
+	}
+	return n
+}
+
+// newestHolding is the most recently admitted request holding a seq id
+// and, with inCache, cells in the KV cache: making room takes cells from
+// it first. Parked requests and the one prefilled aside hold none there.
+func (s *Scheduler) newestHolding(inCache bool) *task {
+	p, _ := s.eng.(kvcache.Parker)
+	var v *task
+	for _, t := range s.set {
+		if t.seq < 0 || inCache && (t == s.asideOf || p != nil && p.Parked(t.seq)) {
+			continue
+		}
+		if v == nil || !t.admitted.Before(v.admitted) {
+			v = t
+		}
+	}
+	return v
+}
+
+// swapOut moves t's cells to host memory (Owner.Swap) and has it wait for
+// room, keeping all it computed: the step that next evaluates it brings
+// them back. False when they cannot go (no parking, a leader or follower,
+// the park bound).
+func (s *Scheduler) swapOut(t *task) bool {
+	if t.aside > 0 || !s.kv.Swap(t.req.ID) {
+		return false
+	}
+	s.waitForRoom(t)
+	s.m.swaps.Inc()
+	s.log.Warn("KV cache full: moved a request's cells to host memory", "request", t.req.ID, "cells", t.past,
+		"used_cells", s.usedCells(), "cells_total", s.info.NCtx, "running", len(s.set))
+	return true
 }
 
 // withoutReturning is tasks but those whose cells the step would first
