@@ -29,12 +29,19 @@ type fixture struct {
 
 func newFixture(t *testing.T, nSeq int) *fixture {
 	t.Helper()
+	return newFixtureOn(t, nSeq, func(eng *sim.Engine) Cells { return eng })
+}
+
+// newFixtureOn is newFixture with the Owner's cells made from the engine by
+// cells (a wrapper that parks, say).
+func newFixtureOn(t *testing.T, nSeq int, cells func(*sim.Engine) Cells) *fixture {
+	t.Helper()
 	eng, err := sim.New(sim.Config{NSeqMax: nSeq, NCtx: 8192, Sleep: func(time.Duration) {}})
 	if err != nil {
 		t.Fatal(err)
 	}
 	f := &fixture{t: t, eng: eng, rep: &recorder{}}
-	f.o, err = NewOwner(OwnerConfig{Limits: Limits{Threshold: 0.8}, NSeqMax: nSeq, Cells: eng, Reports: f.rep,
+	f.o, err = NewOwner(OwnerConfig{Limits: Limits{Threshold: 0.8}, NSeqMax: nSeq, Cells: cells(eng), Reports: f.rep,
 		OnEvict: func(c string) { f.cause = append(f.cause, c) }})
 	if err != nil {
 		t.Fatal(err)
@@ -284,6 +291,17 @@ type parking struct {
 	parked map[int]bool
 }
 
+// newParkingFixture is a fixture of four seq ids on cells that park.
+func newParkingFixture(t *testing.T) (*fixture, *parking) {
+	t.Helper()
+	var cells *parking
+	f := newFixtureOn(t, 4, func(eng *sim.Engine) Cells {
+		cells = &parking{Engine: eng, parked: map[int]bool{}}
+		return cells
+	})
+	return f, cells
+}
+
 func (p *parking) Park(seq int)        { p.parked[seq] = true }
 func (p *parking) Parked(seq int) bool { return p.parked[seq] }
 func (p *parking) Remove(seq, from int) {
@@ -296,17 +314,7 @@ func (p *parking) Remove(seq, from int) {
 // A finished entry is parked once its followers took what they share, and
 // making room in a full KV cache evicts only entries whose cells are in it.
 func TestFinishParksAndRoomIsMadeFromUnparkedEntries(t *testing.T) {
-	eng, err := sim.New(sim.Config{NSeqMax: 4, NCtx: 8192, Sleep: func(time.Duration) {}})
-	if err != nil {
-		t.Fatal(err)
-	}
-	cells := &parking{Engine: eng, parked: map[int]bool{}}
-	f := &fixture{t: t, eng: eng, rep: &recorder{}}
-	f.o, err = NewOwner(OwnerConfig{Limits: Limits{Threshold: 0.8}, NSeqMax: 4, Cells: cells, Reports: f.rep,
-		OnEvict: func(c string) { f.cause = append(f.cause, c) }})
-	if err != nil {
-		t.Fatal(err)
-	}
+	f, cells := newParkingFixture(t)
 	a, b := prompt(600, 10, 1), prompt(600, 10, 2)
 	f.bind("a", a)
 	f.write("a", a, 0, 512)
@@ -341,15 +349,7 @@ func TestFinishParksAndRoomIsMadeFromUnparkedEntries(t *testing.T) {
 // Swap parks a running request's cells, but not those of a leader or a
 // follower (followers copy from their leader's cells), nor twice.
 func TestSwapParksARunningRequestButNotALeaderOrFollower(t *testing.T) {
-	eng, err := sim.New(sim.Config{NSeqMax: 4, NCtx: 8192, Sleep: func(time.Duration) {}})
-	if err != nil {
-		t.Fatal(err)
-	}
-	cells := &parking{Engine: eng, parked: map[int]bool{}}
-	f := &fixture{t: t, eng: eng, rep: &recorder{}}
-	if f.o, err = NewOwner(OwnerConfig{Limits: Limits{Threshold: 0.8}, NSeqMax: 4, Cells: cells, Reports: f.rep}); err != nil {
-		t.Fatal(err)
-	}
+	f, cells := newParkingFixture(t)
 	a, b, c := prompt(600, 10, 1), prompt(600, 10, 2), vt(300, 9000)
 	f.bind("a", a)
 	f.write("a", a, 0, 512)
