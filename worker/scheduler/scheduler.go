@@ -164,6 +164,7 @@ type task struct {
 	waitRel     uint64 // preempted: do not take a seq id before releases passes this
 	preemptions int
 	following   bool   // waits for a running request to write the prefix it shares
+	shareTo     int    // following: how far the leader's cells will be shared
 	bound       bool   // took a seq id once (its hashes are then the Owner's to report)
 	maxTokens   int    // the request's max_tokens, or Config.MaxOutputTokens
 	lastStep    uint64 // the step that last evaluated a span of it
@@ -323,7 +324,8 @@ type Stats struct {
 	Queued, Running int
 	// PrefillTokens are prompt tokens not yet evaluated, queued or in the
 	// running set (cache hits of queued requests are not known yet and
-	// count in full).
+	// count in full; a follower counts only what it does not share with its
+	// leader, so that a prefix being computed counts once).
 	PrefillTokens int
 	// KVCellsUsed are the context's cells in use (engines that count them;
 	// otherwise the KV-cache manager's tokens, which count a shared prefix
@@ -598,7 +600,7 @@ func (s *Scheduler) bind(t *task) bool {
 	t.seq = b.Seq
 	t.bound = true
 	t.past = b.Reused
-	t.following = b.Leader != ""
+	t.following, t.shareTo = b.Leader != "", b.ShareTo
 	t.state = Processing
 	s.setCached(t)
 	return true
@@ -1102,7 +1104,12 @@ func (s *Scheduler) publish() {
 			processing++
 		}
 		if t.nGen == 0 {
-			prefill += max(0, len(t.toks)-t.past)
+			done := t.past
+			if t.following {
+				// Its leader computes the shared part, and counts it.
+				done = max(done, t.shareTo)
+			}
+			prefill += max(0, len(t.toks)-done)
 		}
 	}
 	used := s.usedCells()

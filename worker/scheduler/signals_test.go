@@ -2,6 +2,7 @@ package scheduler
 
 import (
 	"context"
+	"strings"
 	"testing"
 	"time"
 
@@ -43,5 +44,73 @@ func TestStatsReportPrefillAndKVCells(t *testing.T) {
 			t.Fatalf("after both finished: %+v, engine uses %d cells", st, used)
 		}
 		time.Sleep(5 * time.Millisecond)
+	}
+}
+
+// A follower waits for its leader to write the prefix they share: the
+// pod's report counts that prefix once, with the leader, and the follower
+// only by its own tail, so that a prefix in flight does not make the pod
+// look twice as busy to the router.
+func TestStatsCountASharedPrefixInFlightOnce(t *testing.T) {
+	const nBatch = 32
+	r := newRig(t, sim.Config{NBatch: nBatch, Cost: sim.Cost{StepOverhead: 5 * time.Millisecond}}, Config{}, true)
+	shared := strings.Repeat("a document both users ask about. ", 20)
+	leader, follower := prompt(r.eng, shared+"first question?"), prompt(r.eng, shared+"another one, longer?")
+	common := 0
+	for common < min(len(leader), len(follower)) && leader[common] == follower[common] {
+		common++
+	}
+	hl, err := r.s.Submit(context.Background(), &Request{ID: "leader", Prompt: leader, MaxTokens: 1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Once the leader has written a few chunks, the follower arrives.
+	waitFor(t, func() (written bool) {
+		r.inspect(t, func(v View) {
+			e, ok := v.KV.Get("leader")
+			written = ok && len(e.Tokens) >= 2*nBatch
+		})
+		return written
+	})
+	hf, err := r.s.Submit(context.Background(), &Request{ID: "follower", Prompt: follower, MaxTokens: 1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	checked := false
+	waitFor(t, func() bool {
+		r.inspect(t, func(v View) {
+			l, lok := v.KV.Get("leader")
+			f, fok := v.KV.Get("follower")
+			if !lok || !fok || len(f.Tokens) >= common || len(l.Tokens) >= common {
+				return
+			}
+			// The report was published before the step just taken, which
+			// wrote at most one batch of the leader.
+			want := len(leader) - len(l.Tokens) + len(follower) - common
+			if got := r.s.Stats().PrefillTokens; got < want || got > want+nBatch {
+				t.Errorf("prefill tokens %d with the follower holding %d of %d shared; want %d..%d (the leader's %d left and the follower's own %d)",
+					got, len(f.Tokens), common, want, want+nBatch, len(leader)-len(l.Tokens), len(follower)-common)
+			}
+			checked = true
+		})
+		return checked
+	})
+	if !checked {
+		t.Fatal("the leader wrote the shared prefix before the follower was seen following it")
+	}
+	for _, h := range []*Handle{hl, hf} {
+		if res, _ := h.Wait(context.Background()); res.State != Completed {
+			t.Fatalf("%s: %+v", h.ID(), res)
+		}
+	}
+}
+
+// waitFor polls cond until it holds, for at most 10 s.
+func waitFor(t *testing.T, cond func() bool) {
+	t.Helper()
+	for deadline := time.Now().Add(10 * time.Second); !cond(); time.Sleep(time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("condition not reached in 10 s")
+		}
 	}
 }
