@@ -138,7 +138,11 @@ func TestBatcherSaveLandingAfterAnEvictionStaysOut(t *testing.T) {
 			landed := make(chan error, 2)
 			b.Add(api.BatchOp{Op: api.OpCacheSave, Cluster: cluster, Host: host, Hashes: hs, ChunkSize: 16, SaveID: "r1"},
 				func(err error) { landed <- err })
-			time.Sleep(5 * time.Millisecond) // the pod evicts after the routing decision
+			// The pod evicts after the routing decision. The center dates the
+			// save by its age when the batch left, so the time the batch
+			// spends in transit moves it later; under -race on a busy machine
+			// that took more than 5 ms: leave a margin well inside the window.
+			time.Sleep(100 * time.Millisecond)
 			if err := c.EvictCache(ctx, api.CacheEvict{Cluster: cluster, Host: host, Hashes: hs[2:], ChunkSize: 16,
 				EvictedAt: time.Now().UnixMilli()}); err != nil {
 				t.Fatal(err)
