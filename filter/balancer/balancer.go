@@ -109,16 +109,24 @@ type State struct {
 // the scorers would have placed elsewhere (docs/benchmarks.md, session 16).
 const holderQueue = 2
 
+// hotShare is how many times their fair share of the cluster's recent
+// decisions (k/n for k holders of n pods) a prompt's holders must take for
+// the prompt to count as hot. Against a fixed half, two holders of three
+// pods serving their users' histories (two thirds of the requests is their
+// fair share) were taken for a hot prompt and their users moved off their
+// histories (docs/benchmarks.md, session 26).
+const hotShare = 1.5
+
 // holders computes s.hold once per decision: the largest cache ratio among
 // the pods holding at least holder_ratio of the prompt that queue fewer than
 // holderQueue requests and survived the filters before this one, unless the
-// cluster's holders together took over half of its recent decisions and one
-// of them is busier than its idlest pod: then the prompt is one many
-// requests share (a hot system prompt), which is worth copying, where a
-// user's history serves that user alone. Until the cluster's window of
-// decisions can tell (Host.Share is 0 for all), the choice is the scorers':
-// a hot prompt's first requests arrive while its first copy is still
-// prefilling.
+// prompt is hot: its holders together took more than hotShare of the
+// cluster's recent decisions (and over half) and one of them is busier than
+// its idlest pod. A prompt many requests share (a hot system prompt) is
+// worth copying, where a user's history serves that user alone. Until the
+// cluster's window of decisions can tell (Host.Share is 0 for all), the
+// choice is the scorers': a hot prompt's first requests arrive while its
+// first copy is still prefilling.
 func (s *State) holders() {
 	if s.holdKnown {
 		return
@@ -128,15 +136,16 @@ func (s *State) holders() {
 	if cluster == nil {
 		cluster = s.Hosts
 	}
-	share, all, busiest, idlest := 0.0, 0.0, int64(0), int64(math.MaxInt64)
+	share, all, busiest, idlest, k := 0.0, 0.0, int64(0), int64(math.MaxInt64), 0
 	for i := range cluster {
 		h := &cluster[i]
 		idlest, all = min(idlest, h.Reqs), all+h.Share
 		if h.CacheRatio >= s.Rule.HolderRatio {
-			share, busiest = share+h.Share, max(busiest, h.Reqs)
+			share, busiest, k = share+h.Share, max(busiest, h.Reqs), k+1
 		}
 	}
-	if all == 0 || share > 0.5 && busiest > idlest {
+	hot := max(0.5, hotShare*float64(k)/float64(len(cluster)))
+	if all == 0 || share > hot && busiest > idlest {
 		return
 	}
 	for i := range s.Hosts {

@@ -644,9 +644,10 @@ func (KVFull) Keep(_ *State, h *Host) bool {
 // history again and delays its own users; the worker runs the shortest
 // prefill first (docs/worker.md), so a short continuation starts promptly
 // even on a busy holder. A holder with requests queued does not count, and
-// a prompt whose holders take over half of the cluster's requests is left
-// to the scorers, as is one no pod holds so much of (a new user of a shared
-// document): see State.holders and docs/benchmarks.md, session 16.
+// a hot prompt (its holders take well over their fair share of the
+// cluster's requests) is left to the scorers, as is one no pod holds so
+// much of (a new user of a shared document): see State.holders and
+// docs/benchmarks.md, sessions 16 and 26.
 type Holder struct{}
 
 func (Holder) Name() string       { return FilterHolder }

@@ -505,23 +505,33 @@ func TestHolderKeepsAContinuationWithItsHistory(t *testing.T) {
 	if got := choose(on, herded); got != "user" {
 		t.Fatalf("the continuation left a holder as idle as the idlest for %s", got)
 	}
-	// Two busy holders of a prompt (a system prompt and a question): while
-	// they take under half of the requests it stays with them; over half,
-	// it is a hot prompt and the scorers copy it to the idle pod.
+	// Two busy holders of a prompt (a system prompt and a question) keep
+	// it while they take no more than 1.5 times their fair share of the
+	// requests: with two of three pods that is always, so two users whose
+	// histories sit on different pods are not taken for a hot prompt.
 	two := []Host{
-		{Address: "a", Reqs: 6, Prompt: 8000, CacheRatio: 6.0 / 7, Share: 0.2},
-		{Address: "b", Reqs: 6, Prompt: 8000, CacheRatio: 6.0 / 7, Share: 0.2},
+		{Address: "a", Reqs: 6, Prompt: 8000, CacheRatio: 6.0 / 7, Share: 0.3},
+		{Address: "b", Reqs: 6, Prompt: 8000, CacheRatio: 6.0 / 7, Share: 0.3},
 		{Address: "idle", Share: 0.2},
 	}
 	if got := choose(off, two); got != "idle" {
 		t.Fatalf("holder_ratio 0: went to %s, want idle", got)
 	}
 	if got := choose(on, two); got == "idle" {
-		t.Fatal("two holders with 40% of the requests: went to the idle pod")
+		t.Fatal("two holders of three pods with 60% of the requests: went to the idle pod")
 	}
-	two[0].Share, two[1].Share = 0.3, 0.3
-	if got := choose(on, two); got != "idle" {
-		t.Fatalf("two holders with 60%% of the requests: went to %s, want idle", got)
+	// Of five pods, two holders' fair share is 40%: at 60% they still keep
+	// the prompt, past 1.5 times that it is hot and the scorers copy it.
+	five := append(two[:2:2],
+		Host{Address: "idle", Share: 0.1},
+		Host{Address: "c", Reqs: 6, Share: 0.15},
+		Host{Address: "d", Reqs: 6, Share: 0.15})
+	if got := choose(on, five); got == "idle" {
+		t.Fatal("two holders of five pods with 60% of the requests: went to the idle pod")
+	}
+	five[0].Share, five[1].Share, five[3].Share, five[4].Share = 0.35, 0.35, 0.1, 0.1
+	if got := choose(on, five); got != "idle" {
+		t.Fatalf("two holders of five pods with 70%% of the requests: went to %s, want idle", got)
 	}
 	// Requests queued, not yet admitted: the pod is not keeping up.
 	backlog := hosts()
