@@ -99,6 +99,9 @@ type State struct {
 	// the pods that can take a continuation, 0 when none can.
 	hold      float64
 	holdKnown bool
+	// For holder_wait, once holdKnown: the two lowest prefill costs
+	// (prefillCost) among State.Hosts.
+	costBest, costSecond float64
 }
 
 // holderQueue is the queue (requests a pod has not yet admitted to its
@@ -118,8 +121,8 @@ const holderQueue = 2
 const hotShare = 1.5
 
 // holders computes s.hold once per decision: the largest cache ratio among
-// the pods holding at least holder_ratio of the prompt that queue fewer than
-// holderQueue requests and survived the filters before this one, unless the
+// the pods holding at least holder_ratio of the prompt that count (see
+// counts) and survived the filters before this one, unless the
 // prompt is hot: its holders together took more than hotShare of the
 // cluster's recent decisions (and over half) and one of them is busier than
 // its idlest pod. A prompt many requests share (a hot system prompt) is
@@ -148,16 +151,34 @@ func (s *State) holders() {
 	if all == 0 || share > hot && busiest > idlest {
 		return
 	}
+	if s.Rule.HolderWait > 0 {
+		s.costBest, s.costSecond, _ = lowestCosts(s.Hosts, float64(s.PromptLength))
+	}
 	for i := range s.Hosts {
 		h := &s.Hosts[i]
-		if h.CacheRatio >= s.Rule.HolderRatio && h.CacheRatio > s.hold && !queued(h) {
+		if h.CacheRatio >= s.Rule.HolderRatio && h.CacheRatio > s.hold && s.counts(h) {
 			s.hold = h.CacheRatio
 		}
 	}
 }
 
-// queued says whether h reports holderQueue requests or more queued.
-func queued(h *Host) bool { return h.Signals && h.Waiting >= holderQueue }
+// counts says whether holder h may keep the prompt: it reports fewer than
+// holderQueue requests queued, and the prefill standing before the request
+// there is at most holder_wait times that on the cheapest other pod.
+func (s *State) counts(h *Host) bool {
+	if h.Signals && h.Waiting >= holderQueue {
+		return false
+	}
+	if s.Rule.HolderWait <= 0 {
+		return true
+	}
+	c := prefillCost(h, float64(s.PromptLength))
+	other := s.costBest
+	if c <= s.costBest {
+		other = s.costSecond
+	}
+	return c <= s.Rule.HolderWait*other
+}
 
 // scratch returns two empty float slices of capacity n.
 func (s *State) scratch(n int) (a, b []float64) {

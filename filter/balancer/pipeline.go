@@ -327,32 +327,42 @@ func newHerdGate(s *State) herdGate {
 		return g
 	}
 	g.promptLength = float64(s.PromptLength)
-	g.best, g.second, g.bestI = math.Inf(1), math.Inf(1), -1
-	for i := range s.Hosts {
-		c := g.cost(&s.Hosts[i])
-		switch {
-		case c < g.best:
-			g.second, g.best, g.bestI = g.best, c, i
-		case c < g.second:
-			g.second = c
-		}
-	}
+	g.best, g.second, g.bestI = lowestCosts(s.Hosts, g.promptLength)
 	return g
 }
 
-// cost is the prefill that stands before the request's first token on h:
+// lowestCosts returns the two lowest prefillCosts among hosts and the index
+// of the lowest (+Inf and -1 where there are too few hosts).
+func lowestCosts(hosts []Host, promptLength float64) (best, second float64, bestI int) {
+	best, second, bestI = math.Inf(1), math.Inf(1), -1
+	for i := range hosts {
+		c := prefillCost(&hosts[i], promptLength)
+		switch {
+		case c < best:
+			second, best, bestI = best, c, i
+		case c < second:
+			second = c
+		}
+	}
+	return best, second, bestI
+}
+
+// cost is prefillCost under the gate's prompt.
+func (g *herdGate) cost(h *Host) float64 { return prefillCost(h, g.promptLength) }
+
+// prefillCost is the prefill that stands before the request's first token on h:
 // what the pod reports it has still to prefill (its running requests'
 // remaining prompt tokens, cache hits already taken off, and its queue),
 // else the prompt bytes the metadata center counts before first token;
 // plus the part of this prompt h does not hold. Tokens and bytes are mixed:
 // equal on byte-level vocabularies; with a BPE vocabulary the pod's queue
 // reads ~4× short, which only makes the gates keep a prefix longer.
-func (g *herdGate) cost(h *Host) float64 {
+func prefillCost(h *Host, promptLength float64) float64 {
 	queued := float64(h.Prompt)
 	if h.Signals {
 		queued = float64(h.PrefillQueued)
 	}
-	return queued + g.promptLength*(1-h.CacheRatio)
+	return queued + promptLength*(1-h.CacheRatio)
 }
 
 // other is the lowest cost among the pods other than i.
@@ -643,7 +653,9 @@ func (KVFull) Keep(_ *State, h *Host) bool {
 // would otherwise send it to a pod that looks less busy, which computes the
 // history again and delays its own users; the worker runs the shortest
 // prefill first (docs/worker.md), so a short continuation starts promptly
-// even on a busy holder. A holder with requests queued does not count, and
+// even on a busy holder. A holder with requests queued, or with so much
+// prefill standing before the request that a copy elsewhere is cheaper by
+// far (holder_wait), does not count, and
 // a hot prompt (its holders take well over their fair share of the
 // cluster's requests) is left to the scorers, as is one no pod holds so
 // much of (a new user of a shared document): see State.holders and
@@ -657,7 +669,7 @@ func (Holder) Keep(s *State, h *Host) bool {
 		return true
 	}
 	s.holders()
-	return s.hold < s.Rule.HolderRatio || h.CacheRatio >= s.hold && !queued(h)
+	return s.hold < s.Rule.HolderRatio || h.CacheRatio >= s.hold && s.counts(h)
 }
 
 // shareTieBreak weighs recent_share in cache_aware and seed-with-ties: far

@@ -545,6 +545,35 @@ func TestHolderKeepsAContinuationWithItsHistory(t *testing.T) {
 	}
 }
 
+// holder_wait: a holder still prefilling other users' cold prompts lets a
+// continuation go when the prefill standing before it there exceeds
+// holder_wait times that on the cheapest other pod; the scorers then choose.
+func TestHolderWaitLetsABusyHolderGo(t *testing.T) {
+	hosts := func(queued int64) []Host {
+		return []Host{
+			{Address: "user", Reqs: 3, CacheRatio: 6.0 / 7, Share: 0.3, Signals: true, Running: 3, PrefillQueued: queued},
+			{Address: "doc", Reqs: 1, CacheRatio: 4.0 / 7, Share: 0.3, Signals: true, Running: 1},
+			{Address: "idle", Share: 0.3, Signals: true},
+		}
+	}
+	rule := herdRule
+	rule.HerdWait, rule.HolderRatio, rule.HolderWait = 1, 0.8, 2
+	choose := func(rule config.LBRule, hs []Host) string {
+		return hs[cacheAware(&State{Hosts: hs, Rule: rule, PromptLength: 3500, IntN: seededIntN(1)})].Address
+	}
+	// Costs: user queued + 500, doc 1500, idle 3500.
+	if got := choose(rule, hosts(2400)); got != "user" {
+		t.Fatalf("a holder at 2900 against 1500 elsewhere gave the continuation to %s", got)
+	}
+	if got := choose(rule, hosts(2600)); got != "doc" {
+		t.Fatalf("a holder at 3100 against 1500 elsewhere kept the continuation (%s), want the scorers' doc", got)
+	}
+	rule.HolderWait = 0
+	if got := choose(rule, hosts(9000)); got != "user" {
+		t.Fatalf("holder_wait 0: the continuation went to %s", got)
+	}
+}
+
 // A filter before the holder filter narrows the holders it chooses among:
 // with `filters: [kv_full, holder]`, a continuation whose best holder is
 // KV-full with a request waiting goes to the next pod holding at least

@@ -461,7 +461,7 @@ func headerKey(h map[string]string) string {
 }
 
 var lbKeys = []string{"policy", "cache_ratio_weight", "request_load_weight", "prefill_load_weight", "candidate_percent", "herd_share", "herd_wait", "cache_wait",
-	"holder_ratio", "scorers", "filters", "picker"}
+	"holder_ratio", "holder_wait", "scorers", "filters", "picker"}
 
 // validName is the shape of policy, scorer, filter and picker names.
 func validName(s string) bool {
@@ -545,6 +545,11 @@ func (d *decoder) lbRule(path string, v any, base LBRule) LBRule {
 		// every new user of it: prefix_only with extra steps.
 		d.fail(join(path, "holder_ratio"), "must be 0 (off) or in 0.5..1, got %g", r.HolderRatio)
 	}
+	r.HolderWait = d.float(path, m, "holder_wait", base.HolderWait, 0, 100)
+	if r.HolderWait > 0 && r.HolderWait < 1 {
+		// Below 1 even the cheapest holder would let its prompt go.
+		d.fail(join(path, "holder_wait"), "must be 0 (off) or in 1..100, got %g", r.HolderWait)
+	}
 	return r
 }
 
@@ -559,6 +564,7 @@ func (d *decoder) lbMapping(v any) LBMapping {
 		HerdWait:          DefaultHerdWait,
 		CacheWait:         DefaultCacheWait,
 		HolderRatio:       DefaultHolderRatio,
+		HolderWait:        DefaultHolderWait,
 	}
 	out := LBMapping{Default: def}
 	if v == nil {
