@@ -51,3 +51,17 @@ func TestGatewayConfigCarriesTheQueryTimeoutAndLogLevel(t *testing.T) {
 		})
 	}
 }
+
+// A rule the gateway would reject is caught before any process starts:
+// the variant that once read "holder_fair: 1.5; holder_wait: 2" (a
+// semicolon inside the flow mapping) cost a run its last two policies.
+func TestCheckRuleRejectsWhatTheGatewayWould(t *testing.T) {
+	if err := CheckRule(Spec{ModelName: "tiny", Policy: "cache_aware", LBRule: "herd_wait: 1, holder_wait: 3"}); err != nil {
+		t.Fatalf("a valid rule rejected: %v", err)
+	}
+	for _, rule := range []string{"herd_wait: 1; holder_wait: 3", "holder_wiat: 3", "holder_wait: 0.5"} {
+		if err := CheckRule(Spec{ModelName: "tiny", Policy: "cache_aware", LBRule: rule}); err == nil {
+			t.Errorf("%q accepted", rule)
+		}
+	}
+}

@@ -9,6 +9,7 @@ import (
 	"bytes"
 	"cmp"
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"io/fs"
@@ -21,6 +22,9 @@ import (
 	"syscall"
 	"time"
 
+	"sigs.k8s.io/yaml"
+
+	"github.com/istio-llm-filter/istio-llm-filter/filter/config"
 	"github.com/istio-llm-filter/istio-llm-filter/internal/cpulimit"
 )
 
@@ -237,6 +241,26 @@ func Start(ctx context.Context, s Spec) (*Fleet, error) {
 	f.Gateway = f.Gateways[0]
 	ok = true
 	return f, nil
+}
+
+// CheckRule parses the filter section of the gateway file Start would write
+// for s (its Policy and LBRule), so that a mistyped --variant or --lb-rule
+// fails before any fleet starts instead of as a gateway that never becomes
+// healthy, runs into the benchmark.
+func CheckRule(s Spec) error {
+	doc := gatewayConfig("127.0.0.1:1", "http://127.0.0.1:2", s, []string{"127.0.0.1:3"})
+	j, err := yaml.YAMLToJSON([]byte(doc))
+	if err != nil {
+		return fmt.Errorf("policy %s with %q: not YAML: %w", s.Policy, s.LBRule, err)
+	}
+	var file struct{ Filter json.RawMessage }
+	if err := json.Unmarshal(j, &file); err != nil {
+		return err
+	}
+	if _, err := config.Parse(file.Filter); err != nil {
+		return fmt.Errorf("policy %s with %q: %w", s.Policy, s.LBRule, err)
+	}
+	return nil
 }
 
 func gatewayConfig(listen, mc string, s Spec, workers []string) string {
