@@ -122,10 +122,10 @@ const hotShare = 1.5
 
 // holders computes s.hold once per decision: the largest cache ratio among
 // the pods holding at least holder_ratio of the prompt that count (see
-// counts) and survived the filters before this one, unless the
-// prompt is hot: its holders together took more than hotShare of the
-// cluster's recent decisions (and over half) and one of them is busier than
-// its idlest pod. A prompt many requests share (a hot system prompt) is
+// counts) and survived the filters before this one, unless the prompt is
+// hot: its k holders of the cluster's n pods together took more than
+// hotShare·k/n of its recent decisions (and over half) and one of them is
+// busier than its idlest pod. A prompt many requests share (a hot system prompt) is
 // worth copying, where a user's history serves that user alone. Until the
 // cluster's window of decisions can tell (Host.Share is 0 for all), the
 // choice is the scorers': a hot prompt's first requests arrive while its
