@@ -1,11 +1,8 @@
 package fleet
 
 import (
-	"encoding/json"
 	"testing"
 	"time"
-
-	"sigs.k8s.io/yaml"
 
 	"github.com/istio-llm-filter/istio-llm-filter/filter/config"
 )
@@ -27,26 +24,15 @@ func TestGatewayConfigCarriesTheQueryTimeoutAndLogLevel(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			doc := gatewayConfig("127.0.0.1:1", "http://127.0.0.1:2", Spec{ModelName: "tiny", Policy: "cache_aware", QueryTimeout: tc.set, GatewayLogLevel: tc.logLevel},
 				[]string{"127.0.0.1:3", "127.0.0.1:4"})
-			j, err := yaml.YAMLToJSON([]byte(doc))
+			logLevel, cfg, err := parseGatewayConfig(doc)
 			if err != nil {
-				t.Fatalf("not YAML: %v\n%s", err, doc)
-			}
-			var file struct {
-				LogLevel string `json:"log_level"`
-				Filter   json.RawMessage
-			}
-			if err := json.Unmarshal(j, &file); err != nil {
-				t.Fatal(err)
-			}
-			cfg, err := config.Parse(file.Filter)
-			if err != nil {
-				t.Fatalf("filter section rejected: %v\n%s", err, doc)
+				t.Fatalf("rejected: %v\n%s", err, doc)
 			}
 			if cfg.MetadataCenter.QueryTimeout != tc.want {
 				t.Errorf("query_timeout %v, want %v\n%s", cfg.MetadataCenter.QueryTimeout, tc.want, doc)
 			}
-			if file.LogLevel != tc.wantLog {
-				t.Errorf("log_level %q, want %q\n%s", file.LogLevel, tc.wantLog, doc)
+			if logLevel != tc.wantLog {
+				t.Errorf("log_level %q, want %q\n%s", logLevel, tc.wantLog, doc)
 			}
 		})
 	}

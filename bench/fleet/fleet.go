@@ -248,19 +248,29 @@ func Start(ctx context.Context, s Spec) (*Fleet, error) {
 // fails before any fleet starts instead of as a gateway that never becomes
 // healthy, runs into the benchmark.
 func CheckRule(s Spec) error {
-	doc := gatewayConfig("127.0.0.1:1", "http://127.0.0.1:2", s, []string{"127.0.0.1:3"})
-	j, err := yaml.YAMLToJSON([]byte(doc))
+	_, _, err := parseGatewayConfig(gatewayConfig("127.0.0.1:1", "http://127.0.0.1:2", s, []string{"127.0.0.1:3"}))
 	if err != nil {
-		return fmt.Errorf("policy %s with %q: not YAML: %w", s.Policy, s.LBRule, err)
-	}
-	var file struct{ Filter json.RawMessage }
-	if err := json.Unmarshal(j, &file); err != nil {
-		return err
-	}
-	if _, err := config.Parse(file.Filter); err != nil {
 		return fmt.Errorf("policy %s with %q: %w", s.Policy, s.LBRule, err)
 	}
 	return nil
+}
+
+// parseGatewayConfig reads a file gatewayConfig wrote: its log_level, and
+// its filter section through the filter's own parser.
+func parseGatewayConfig(doc string) (logLevel string, cfg *config.Config, err error) {
+	j, err := yaml.YAMLToJSON([]byte(doc))
+	if err != nil {
+		return "", nil, fmt.Errorf("not YAML: %w", err)
+	}
+	var file struct {
+		LogLevel string `json:"log_level"`
+		Filter   json.RawMessage
+	}
+	if err := json.Unmarshal(j, &file); err != nil {
+		return "", nil, err
+	}
+	cfg, err = config.Parse(file.Filter)
+	return file.LogLevel, cfg, err
 }
 
 func gatewayConfig(listen, mc string, s Spec, workers []string) string {

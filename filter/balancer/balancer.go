@@ -125,11 +125,11 @@ const hotShare = 1.5
 // counts) and survived the filters before this one, unless the prompt is
 // hot: its k holders of the cluster's n pods together took more than
 // hotShare·k/n of its recent decisions (and over half) and one of them is
-// busier than its idlest pod. A prompt many requests share (a hot system prompt) is
-// worth copying, where a user's history serves that user alone. Until the
-// cluster's window of decisions can tell (Host.Share is 0 for all), the
-// choice is the scorers': a hot prompt's first requests arrive while its
-// first copy is still prefilling.
+// busier than its idlest pod. A prompt many requests share (a hot system
+// prompt) is worth copying, where a user's history serves that user alone.
+// Until the cluster's window of decisions can tell (Host.Share is 0 for
+// all), the choice is the scorers': a hot prompt's first requests arrive
+// while its first copy is still prefilling.
 func (s *State) holders() {
 	if s.holdKnown {
 		return

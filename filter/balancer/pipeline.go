@@ -655,11 +655,10 @@ func (KVFull) Keep(_ *State, h *Host) bool {
 // prefill first (docs/worker.md), so a short continuation starts promptly
 // even on a busy holder. A holder with requests queued, or with so much
 // prefill standing before the request that a copy elsewhere is cheaper by
-// far (holder_wait), does not count, and
-// a hot prompt (its holders take well over their fair share of the
-// cluster's requests) is left to the scorers, as is one no pod holds so
-// much of (a new user of a shared document): see State.holders and
-// docs/benchmarks.md, sessions 16 and 26.
+// far (holder_wait), does not count, and a hot prompt (its holders take
+// well over their fair share of the cluster's requests) is left to the
+// scorers, as is one no pod holds so much of (a new user of a shared
+// document): see State.holders and docs/benchmarks.md, sessions 16 and 26.
 type Holder struct{}
 
 func (Holder) Name() string       { return FilterHolder }
