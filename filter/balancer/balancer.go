@@ -19,7 +19,9 @@
 //     more than herd_share times its fair share of recent decisions and is
 //     busier than the idlest gets no cache credit, unless waiting there
 //     costs at most herd_wait times a copy of the prefix on the cheapest
-//     other pod), the request's own
+//     other pod), a holder filter (a user's next question goes where its
+//     history is) and a reserve (the last idle pod is kept from a third
+//     copy of a prompt), the request's own
 //     uncached prefill in the prompt term while any pod prefills, the pod's
 //     free KV cache as far as the request adds cells there (kv_fit), for a
 //     prompt no pod holds the prefill each pod reports left
@@ -102,6 +104,10 @@ type State struct {
 	// For holder_wait, once holdKnown: the two lowest prefill costs
 	// (prefillCost) among State.Hosts.
 	costBest, costSecond float64
+	// For the reserve filter, once reserveKnown: the index in cluster of
+	// the idle pod it keeps, -1 for none.
+	reserve      int
+	reserveKnown bool
 }
 
 // holderQueue is the queue (requests a pod has not yet admitted to its
@@ -178,6 +184,44 @@ func (s *State) counts(h *Host) bool {
 		other = s.costSecond
 	}
 	return c <= s.Rule.HolderWait*other
+}
+
+// reserveRatio and reserveHolders: a prompt is a copied document when at
+// least reserveHolders pods hold reserveRatio of it.
+const (
+	reserveRatio   = 0.5
+	reserveHolders = 2
+)
+
+// reserved computes s.reserve once per decision (Reserve): the only idle
+// pod that does not hold the prompt, when reserveHolders pods hold it and
+// one of them reports fewer than holderQueue requests queued (it keeps up;
+// without a report nothing says so). The pods' reported prefill cannot
+// tell: a request waits for the next step in a busy pod's queue, where its
+// prompt counts in full, cache hits and all.
+func (s *State) reserved() {
+	if s.reserveKnown {
+		return
+	}
+	s.reserveKnown, s.reserve = true, -1
+	idle, holders, keepsUp := -1, 0, false
+	for i := range s.cluster {
+		h := &s.cluster[i]
+		if h.CacheRatio >= reserveRatio {
+			holders++
+			keepsUp = keepsUp || h.Signals && h.Waiting < holderQueue
+			continue
+		}
+		if h.Reqs == 0 && (!h.Signals || h.Running+h.Waiting == 0) {
+			if idle >= 0 {
+				return
+			}
+			idle = i
+		}
+	}
+	if holders >= reserveHolders && keepsUp {
+		s.reserve = idle
+	}
 }
 
 // scratch returns two empty float slices of capacity n.
@@ -299,7 +343,7 @@ func New(opts Options) *Balancer {
 		b.policies[p.Name] = p
 	}
 	b.scorers = builtinScorers()
-	b.filters = map[string]PodFilter{FilterKVFull: KVFull{}, FilterHolder: Holder{}}
+	b.filters = map[string]PodFilter{FilterKVFull: KVFull{}, FilterHolder: Holder{}, FilterReserve: Reserve{}}
 	b.pickers = map[string]Picker{PickerTopPercent: TopPercent{}, PickerMaxScore: MaxScore{}}
 	for name, p := range opts.Policies {
 		b.policies[name] = p

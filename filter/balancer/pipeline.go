@@ -266,6 +266,7 @@ const (
 	PickerMaxScore   = "max_score"   // the best score, ties at random
 	FilterKVFull     = "kv_full"     // drop pods whose KV cache is full and that queue
 	FilterHolder     = "holder"      // keep the best holders of a prompt a pod holds nearly all of
+	FilterReserve    = "reserve"     // keep the last idle pod from a third copy of a prompt
 )
 
 // PrefixScorer is the cached share of the prompt on each pod. With Herd it
@@ -671,6 +672,24 @@ func (Holder) Keep(s *State, h *Host) bool {
 	return s.hold < s.Rule.HolderRatio || h.CacheRatio >= s.hold && s.counts(h)
 }
 
+// Reserve keeps the cluster's only idle pod from a prompt that two or more
+// pods already hold at least half of, while one of them keeps up (fewer
+// than two requests queued): a shared document copied twice is served by
+// its copies, and the idle pod is left for a prompt no pod holds. On real
+// shared-prefix, the third copy of a document that had just arrived took
+// the last idle pod five seconds before a second document came, which then
+// waited 22–29 s behind it and was copied to every pod in turn
+// (docs/benchmarks.md, session 27). With two idle pods or more, or none,
+// it keeps every pod.
+type Reserve struct{}
+
+func (Reserve) Name() string       { return FilterReserve }
+func (Reserve) ReadsSignals() bool { return true } // the pods' running and queued requests
+func (Reserve) Keep(s *State, h *Host) bool {
+	s.reserved()
+	return s.reserve < 0 || h != &s.cluster[s.reserve]
+}
+
 // shareTieBreak weighs recent_share in cache_aware and seed-with-ties: far
 // below any difference the other weights make, above tieEpsilon.
 const shareTieBreak = 1e-6
@@ -695,7 +714,7 @@ func builtinProfiles() []*Profile {
 		},
 		{
 			Name:    config.PolicyCacheAware,
-			Filters: []PodFilter{Holder{}},
+			Filters: []PodFilter{Holder{}, Reserve{}},
 			Scorers: []Weighted{
 				{Scorer: PrefixScorer{Herd: true}, FromRule: w1},
 				{Scorer: SeedLoad{}, FromRule: w2},

@@ -601,3 +601,46 @@ func TestHolderChoosesAmongTheEarlierFiltersSurvivors(t *testing.T) {
 		t.Fatalf("holder_ratio 0: went to %s, want the scorers' doc or idle", got)
 	}
 }
+
+// Seed 3 of real shared-prefix at 5.9 s: a document's third user asks
+// again while two pods compute the document's first copies (one of them
+// this user's first question, queued) and the third pod is idle. The
+// question goes to a copy and the idle pod is left for a prompt no pod
+// holds. It takes the idle pod when both copies queue two requests or more,
+// when another pod is idle too, or when only one pod holds the prompt.
+func TestReserveKeepsTheLastIdlePodForAnotherPrompt(t *testing.T) {
+	prof := cacheAwareProfile()
+	holderOnly := *prof
+	holderOnly.Filters = []PodFilter{Holder{}}
+	rule := herdRule
+	rule.HerdWait, rule.HolderRatio, rule.HolderWait = 1, 0.8, 3
+	hosts := func(waiting int64) []Host {
+		return []Host{
+			{Address: "copy1", Reqs: 3, Prompt: 9567, CacheRatio: 4.0 / 7, Share: 0.5, Signals: true, Running: 3 - waiting, Waiting: waiting, PrefillQueued: 2000 + 3189*waiting},
+			{Address: "copy2", Reqs: 3, Prompt: 9567, CacheRatio: 6.0 / 7, Share: 0.5, Signals: true, Running: 1, Waiting: 2, PrefillQueued: 8400},
+			{Address: "idle", Signals: true},
+		}
+	}
+	choose := func(p *Profile, hs []Host) string {
+		return hs[p.Choose(&State{Hosts: hs, Rule: rule, PromptLength: 3189, IntN: seededIntN(1)})].Address
+	}
+	if got := choose(prof, hosts(1)); got == "idle" {
+		t.Fatal("took the last idle pod for a third copy of the prompt")
+	}
+	// Without the filter the scorers take it.
+	if got := choose(&holderOnly, hosts(1)); got != "idle" {
+		t.Fatalf("with filters [holder] went to %s, want idle", got)
+	}
+	if got := choose(prof, hosts(2)); got != "idle" {
+		t.Fatalf("with both copies queueing two went to %s, want idle", got)
+	}
+	two := append(hosts(1), Host{Address: "idle2", Signals: true})
+	if got := choose(prof, two); got != "idle" && got != "idle2" {
+		t.Fatalf("with two idle pods went to %s, want an idle one", got)
+	}
+	one := hosts(1)
+	one[0].CacheRatio = 0
+	if got := choose(prof, one); got != "idle" {
+		t.Fatalf("a prompt one pod holds went to %s, want idle: only a third copy is held back", got)
+	}
+}

@@ -31,7 +31,7 @@ const (
 	DefaultHerdWait         = 1.0
 	DefaultCacheWait        = 0.0
 	DefaultHolderRatio      = 0.8
-	DefaultHolderWait       = 2.0
+	DefaultHolderWait       = 3.0
 	DefaultAdminRefresh     = time.Second
 	DefaultQueueSize        = 4096
 	DefaultWorkers          = 4
@@ -226,7 +226,7 @@ type LBRule struct {
 	// stays with its history instead of computing it again on a pod that
 	// looks less busy.
 	HolderRatio float64
-	// HolderWait (key `holder_wait`, default 2, 0 or 1..100; 0 off): a
+	// HolderWait (key `holder_wait`, default 3, 0 or 1..100; 0 off): a
 	// holder where the prefill standing before this request, plus the part
 	// of the prompt it lacks, exceeds HolderWait times that on the cheapest
 	// other pod does not count for the holder filter. A pod still computing

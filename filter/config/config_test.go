@@ -74,7 +74,7 @@ func TestDefaults(t *testing.T) {
 	if r := cfg.ModelMappingRule["m"][0]; r.Backend != "vllm" {
 		t.Fatalf("backend default: %q", r.Backend)
 	}
-	want := LBRule{Policy: "cache_aware", CacheRatioWeight: 2, RequestLoadWeight: 1, PrefillLoadWeight: 3, CandidatePercent: 10, HerdShare: 2, HerdWait: 1, HolderRatio: 0.8, HolderWait: 2}
+	want := LBRule{Policy: "cache_aware", CacheRatioWeight: 2, RequestLoadWeight: 1, PrefillLoadWeight: 3, CandidatePercent: 10, HerdShare: 2, HerdWait: 1, HolderRatio: 0.8, HolderWait: 3}
 	if !reflect.DeepEqual(cfg.LBMappingRule.For("anything"), want) {
 		t.Fatalf("lb default: %+v", cfg.LBMappingRule.For("anything"))
 	}
@@ -86,7 +86,7 @@ model_mapping_rule: {m: [{cluster: c}]}
 lb_mapping_rule:
   default: {cache_ratio_weight: 4}
   "outbound|8000||a": {policy: round_robin}
-  b: {candidate_percent: 50, request_load_weight: 0, herd_share: 0, herd_wait: 1.5, cache_wait: 1.25, holder_ratio: 0, holder_wait: 3}
+  b: {candidate_percent: 50, request_load_weight: 0, herd_share: 0, herd_wait: 1.5, cache_wait: 1.25, holder_ratio: 0, holder_wait: 4}
 `))
 	if err != nil {
 		t.Fatal(err)
@@ -96,7 +96,7 @@ lb_mapping_rule:
 		t.Fatalf("a: %+v", a)
 	}
 	b := cfg.LBMappingRule.For("b")
-	if b.Policy != PolicyCacheAware || b.CandidatePercent != 50 || b.RequestLoadWeight != 0 || b.CacheRatioWeight != 4 || b.HerdShare != 0 || b.HerdWait != 1.5 || b.CacheWait != 1.25 || b.HolderRatio != 0 || b.HolderWait != 3 {
+	if b.Policy != PolicyCacheAware || b.CandidatePercent != 50 || b.RequestLoadWeight != 0 || b.CacheRatioWeight != 4 || b.HerdShare != 0 || b.HerdWait != 1.5 || b.CacheWait != 1.25 || b.HolderRatio != 0 || b.HolderWait != 4 {
 		t.Fatalf("b: %+v", b)
 	}
 }
