@@ -102,8 +102,8 @@ type State struct {
 	hold      float64
 	holdKnown bool
 	// For holder_wait, once holdKnown: the two lowest prefill costs
-	// (prefillCost) among State.Hosts.
-	costBest, costSecond float64
+	// among State.Hosts.
+	costs costFloor
 	// For the reserve filter, once reserveKnown: the index in cluster of
 	// the idle pod it keeps, -1 for none.
 	reserve      int
@@ -158,7 +158,7 @@ func (s *State) holders() {
 		return
 	}
 	if s.Rule.HolderWait > 0 {
-		s.costBest, s.costSecond, _ = lowestCosts(s.Hosts, float64(s.PromptLength))
+		s.costs = lowestCosts(s.Hosts, float64(s.PromptLength))
 	}
 	for i := range s.Hosts {
 		h := &s.Hosts[i]
@@ -178,12 +178,7 @@ func (s *State) counts(h *Host) bool {
 	if s.Rule.HolderWait <= 0 {
 		return true
 	}
-	c := prefillCost(h, float64(s.PromptLength))
-	other := s.costBest
-	if c <= s.costBest {
-		other = s.costSecond
-	}
-	return c <= s.Rule.HolderWait*other
+	return !s.costs.exceeds(prefillCost(h, float64(s.PromptLength)), s.Rule.HolderWait)
 }
 
 // reserveRatio and reserveHolders: a prompt is a copied document when at

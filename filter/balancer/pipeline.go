@@ -300,12 +300,9 @@ type herdGate struct {
 	shareLimit float64 // 0: herd control on shares off
 	minReqs    int64
 	// herd_wait and cache_wait (0: off), and for them the two lowest costs
-	// (prefill before this request's first token) and the index of the
-	// lowest, so that every pod is compared with the cheapest other one in
-	// O(1).
+	// (prefill before this request's first token).
 	herdWait, cacheWait float64
-	best, second        float64
-	bestI               int
+	floor               costFloor
 	promptLength        float64
 }
 
@@ -328,24 +325,39 @@ func newHerdGate(s *State) herdGate {
 		return g
 	}
 	g.promptLength = float64(s.PromptLength)
-	g.best, g.second, g.bestI = lowestCosts(s.Hosts, g.promptLength)
+	g.floor = lowestCosts(s.Hosts, g.promptLength)
 	return g
 }
 
-// lowestCosts returns the two lowest prefillCosts among hosts and the index
-// of the lowest (+Inf and -1 where there are too few hosts).
-func lowestCosts(hosts []Host, promptLength float64) (best, second float64, bestI int) {
-	best, second, bestI = math.Inf(1), math.Inf(1), -1
+// costFloor is the two lowest prefillCosts of a decision's pods, so that
+// every pod is compared with the cheapest other one in O(1).
+type costFloor struct{ best, second float64 }
+
+// lowestCosts returns the two lowest prefillCosts among hosts (+Inf where
+// there are too few hosts).
+func lowestCosts(hosts []Host, promptLength float64) costFloor {
+	f := costFloor{math.Inf(1), math.Inf(1)}
 	for i := range hosts {
 		c := prefillCost(&hosts[i], promptLength)
 		switch {
-		case c < best:
-			second, best, bestI = best, c, i
-		case c < second:
-			second = c
+		case c < f.best:
+			f.second, f.best = f.best, c
+		case c < f.second:
+			f.second = c
 		}
 	}
-	return best, second, bestI
+	return f
+}
+
+// exceeds says whether a pod costing c costs more than factor times the
+// cheapest other pod: the second lowest for a pod at the lowest (a tie with
+// another pod makes the two equal).
+func (f costFloor) exceeds(c, factor float64) bool {
+	other := f.best
+	if c <= f.best {
+		other = f.second
+	}
+	return c > factor*other
 }
 
 // cost is prefillCost under the gate's prompt.
@@ -366,14 +378,6 @@ func prefillCost(h *Host, promptLength float64) float64 {
 	return queued + promptLength*(1-h.CacheRatio)
 }
 
-// other is the lowest cost among the pods other than i.
-func (g *herdGate) other(i int) float64 {
-	if i == g.bestI {
-		return g.second
-	}
-	return g.best
-}
-
 // ratio is host i's cache ratio under herd control. With cache_wait a pod
 // whose cost exceeds cache_wait times the cheapest other pod's gets no cache
 // credit: the request would wait longer there than a cold prefill takes
@@ -386,13 +390,13 @@ func (g *herdGate) ratio(s *State, i int) float64 {
 	if h.CacheRatio == 0 {
 		return 0
 	}
-	if g.cacheWait > 0 && g.cost(h) > g.cacheWait*g.other(i) {
+	if g.cacheWait > 0 && g.floor.exceeds(g.cost(h), g.cacheWait) {
 		return 0
 	}
 	if g.shareLimit <= 0 || h.Share <= g.shareLimit || h.Reqs <= g.minReqs {
 		return h.CacheRatio
 	}
-	if g.herdWait > 0 && g.cost(h) <= g.herdWait*g.other(i) {
+	if g.herdWait > 0 && !g.floor.exceeds(g.cost(h), g.herdWait) {
 		return h.CacheRatio
 	}
 	return 0
