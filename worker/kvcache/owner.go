@@ -281,6 +281,26 @@ func (o *Owner) lead(f *Entry) {
 	}
 }
 
+// Shared is how much of toks a request bound next would not compute
+// itself: the longest prefix that the books hold or, with following on,
+// that a running request's prompt or one of ahead (prompts that bind
+// before it) will write. The last token is always evaluated.
+func (o *Owner) Shared(toks []int, ahead [][]int) int {
+	n := 0
+	for _, e := range o.books.entries {
+		n = max(n, commonPrefix(e.Tokens, toks))
+		if o.follow && e.InUse {
+			n = max(n, commonPrefix(e.planned, toks))
+		}
+	}
+	if o.follow {
+		for _, a := range ahead {
+			n = max(n, commonPrefix(a, toks))
+		}
+	}
+	return min(n, len(toks)-1)
+}
+
 // Follow catches request id up with its leader: the cells the leader wrote
 // since are shared into id's sequence. It returns how many cells id holds
 // and whether it still waits for more (the caller gives it no prefill work

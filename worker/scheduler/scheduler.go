@@ -177,6 +177,9 @@ type task struct {
 	// waitRoom: its cells did not fit back into the KV cache; it steps
 	// again once releases passes this.
 	waitRoom uint64
+	// uncached: the prompt tokens it is expected to compute, estimated
+	// once while it waits to bind (0 until then); see publish.
+	uncached int
 }
 
 // New builds a scheduler over eng. The pool size is the engine's n_seq_max.
@@ -323,9 +326,11 @@ func (s *Scheduler) Submit(ctx context.Context, r *Request) (*Handle, error) {
 type Stats struct {
 	Queued, Running int
 	// PrefillTokens are prompt tokens not yet evaluated, queued or in the
-	// running set (cache hits of queued requests are not known yet and
-	// count in full; a follower counts only what it does not share with its
-	// leader, so that a prefix being computed counts once).
+	// running set. A prefix is counted once: a follower counts only what
+	// it does not share with its leader, and a request still waiting for a
+	// seq id only what neither the KV cache, a running request nor one
+	// ahead of it holds or will write (a request queued since the last
+	// step counts in full).
 	PrefillTokens int
 	// KVCellsUsed are the context's cells in use (engines that count them;
 	// otherwise the KV-cache manager's tokens, which count a shared prefix
@@ -340,7 +345,11 @@ func (s *Scheduler) Stats() Stats {
 	defer s.mu.Unlock()
 	st := Stats{Queued: len(s.queue), Running: s.running, PrefillTokens: s.setPrefill, KVCellsUsed: s.kvUsed, KVCells: s.info.NCtx}
 	for _, t := range s.queue {
-		st.PrefillTokens += len(t.toks)
+		if t.uncached > 0 {
+			st.PrefillTokens += t.uncached
+		} else {
+			st.PrefillTokens += len(t.toks)
+		}
 	}
 	return st
 }
@@ -1097,11 +1106,16 @@ func (s *Scheduler) shutdown() {
 
 func (s *Scheduler) publish() {
 	pending, processing, prefill := 0, 0, 0
+	var ahead [][]int // prompts waiting to bind, in the order they will bind
 	for _, t := range s.set {
 		if t.state == Pending {
 			pending++
 		} else {
 			processing++
+		}
+		if t.state == Pending && t.nGen == 0 {
+			prefill += s.estimate(t, &ahead)
+			continue
 		}
 		if t.nGen == 0 {
 			done := t.past
@@ -1114,6 +1128,9 @@ func (s *Scheduler) publish() {
 	}
 	used := s.usedCells()
 	s.mu.Lock()
+	for _, t := range s.queue {
+		s.estimate(t, &ahead)
+	}
 	s.running = len(s.set)
 	s.setPrefill, s.kvUsed = prefill, used
 	s.mu.Unlock()
@@ -1136,6 +1153,22 @@ type View struct {
 	Pool   *seqpool.Pool
 	States map[string]State // running set: request id -> PENDING / PROCESSING
 	Owner  *kvcache.Owner   // Check() verifies the seq-id/entry invariant
+}
+
+// estimate returns the prompt tokens t is expected to compute once bound:
+// its prompt minus the longest prefix that the KV cache holds, a running
+// request will write, or a request ahead of it (ahead, to which t's prompt
+// is appended) will write first. Without it the pod reports each queued
+// question about a cached document as a whole prefill, and looks busier
+// than a pod that holds nothing. It is estimated once: the cache may
+// evict that prefix before t binds, which is rare next to the cost of
+// matching every queued prompt at every step.
+func (s *Scheduler) estimate(t *task, ahead *[][]int) int {
+	if t.uncached == 0 {
+		t.uncached = len(t.toks) - s.kv.Shared(t.toks, *ahead)
+	}
+	*ahead = append(*ahead, t.toks)
+	return t.uncached
 }
 
 // Inspect runs fn on the loop goroutine between two steps, so that what it
