@@ -327,10 +327,10 @@ type Stats struct {
 	Queued, Running int
 	// PrefillTokens are prompt tokens not yet evaluated, queued or in the
 	// running set. A prefix is counted once: a follower counts only what
-	// it does not share with its leader, and a request still waiting for a
-	// seq id only what neither the KV cache, a running request nor one
-	// ahead of it holds or will write (a request queued since the last
-	// step counts in full).
+	// it does not share with its leader, and a request still waiting to
+	// run only what neither the KV cache, a running request nor one ahead
+	// of it holds or will write (a request queued since the last step
+	// counts in full).
 	PrefillTokens int
 	// KVCellsUsed are the context's cells in use (engines that count them;
 	// otherwise the KV-cache manager's tokens, which count a shared prefix

@@ -57,7 +57,7 @@ func TestStatsCountASharedPrefixInFlightOnce(t *testing.T) {
 	r := newRig(t, sim.Config{NBatch: nBatch, Cost: sim.Cost{StepOverhead: 5 * time.Millisecond}}, Config{}, true)
 	shared := strings.Repeat("a document both users ask about. ", 20)
 	leader, follower := prompt(r.eng, shared+"first question?"), prompt(r.eng, shared+"another one, longer?")
-	common := common(leader, follower)
+	common := commonPrefix(leader, follower)
 	hl, err := r.s.Submit(context.Background(), &Request{ID: "leader", Prompt: leader, MaxTokens: 1})
 	if err != nil {
 		t.Fatal(err)
@@ -149,10 +149,10 @@ func TestStatsCountQueuedRequestsByWhatTheyDoNotShare(t *testing.T) {
 				e, _ := v.KV.Get("first")
 				cached = slices.Clone(e.Tokens)
 			})
-			fromCache := func(p []int) int { return len(p) - common(cached, p) }
+			fromCache := func(p []int) int { return len(p) - commonPrefix(cached, p) }
 			want := fromCache(second) + fromCache(third)
 			if !noFollow {
-				want = fromCache(second) + len(third) - common(second, third)
+				want = fromCache(second) + len(third) - commonPrefix(second, third)
 			}
 			waitFor(t, "the queued questions counted by what they do not share", func() bool {
 				st := r.s.Stats()
@@ -174,7 +174,7 @@ func TestStatsCountQueuedRequestsByWhatTheyDoNotShare(t *testing.T) {
 	}
 }
 
-func common(a, b []int) int {
+func commonPrefix(a, b []int) int {
 	n := 0
 	for n < min(len(a), len(b)) && a[n] == b[n] {
 		n++
