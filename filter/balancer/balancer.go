@@ -191,9 +191,10 @@ const (
 // reserved computes s.reserve once per decision (Reserve): the only idle
 // pod that does not hold the prompt, when reserveHolders pods hold it and
 // one of them reports fewer than holderQueue requests queued (it keeps up;
-// without a report nothing says so). The pods' reported prefill cannot
-// tell: a request waits for the next step in a busy pod's queue, where its
-// prompt counts in full, cache hits and all.
+// without a report nothing says so). The queue, not the reported prefill:
+// a first form released the idle pod when the cheapest holder's prefill
+// exceeded twice a copy's, and let go too early (docs/benchmarks.md,
+// session 27).
 func (s *State) reserved() {
 	if s.reserveKnown {
 		return

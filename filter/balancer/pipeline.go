@@ -438,7 +438,8 @@ func (SeedLoad) WeightScale(s *State) float64 {
 // control when the rule has herd_share): the prefill that stands before the
 // request's first token on that pod. With Reported (and Own), a pod's
 // pending prefill is what it reports itself while the report is fresh
-// (tokens still to prefill, its running requests' cache hits taken off)
+// (tokens still to prefill, cache hits of running and queued requests
+// taken off)
 // instead of the metadata center's prompt bytes before first token, which
 // count a cached request in full and a half-done prefill whole.
 type PrefillScorer struct{ Own, Reported bool }
