@@ -203,6 +203,76 @@ func TestPrefilledAsideWaitsForRoomInsteadOfBeingPreempted(t *testing.T) {
 	}
 }
 
+// While a request waits in the queue for a running slot, no prompt starts
+// aside: the queue drains as fast as the running requests end, and a
+// prompt aside would slow them. A (finishing) and B (long, cold) take both
+// slots and C queues behind them until A ends; only then does B go aside.
+func TestNoAsideWhileRequestsQueue(t *testing.T) {
+	var mu sync.Mutex
+	var s *Scheduler
+	hold, held := make(chan struct{}), false
+	asideWhileQueued := 0
+	sleep := func(d time.Duration) {
+		mu.Lock()
+		if d >= 20*time.Millisecond && s.Stats().Queued > 0 {
+			asideWhileQueued++
+		}
+		if held {
+			held = false
+			mu.Unlock()
+			<-hold // the loop waits inside a step of A's while B and C come
+		} else {
+			mu.Unlock()
+		}
+		time.Sleep(d)
+	}
+	m := NewMetrics(nil)
+	r := newRig(t, sim.Config{NCtx: 4096, AsideCells: 2048, Sleep: sleep,
+		Cost: sim.Cost{StepOverhead: 2 * time.Millisecond, PerToken: 80 * time.Microsecond}},
+		Config{FinishFirst: 512, MaxRunning: 2, Metrics: m}, false)
+	s = r.s
+	r.start()
+	ha, err := s.Submit(context.Background(), &Request{ID: "a", Prompt: filler(100, 1), MaxTokens: 200, IgnoreEOS: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	<-ha.Ready()
+	mu.Lock()
+	held = true
+	mu.Unlock()
+	time.Sleep(50 * time.Millisecond) // the loop is in the next step of A's, held
+	long := filler(1500, 7)
+	var hb, hc *Handle
+	if hb, err = s.Submit(context.Background(), &Request{ID: "b", Prompt: long, MaxTokens: 8, IgnoreEOS: true}); err != nil {
+		t.Fatal(err)
+	}
+	if hc, err = s.Submit(context.Background(), &Request{ID: "c", Prompt: filler(100, 11), MaxTokens: 8, IgnoreEOS: true}); err != nil {
+		t.Fatal(err)
+	}
+	close(hold)
+	for _, h := range []*Handle{ha, hb, hc} {
+		for {
+			<-h.Ready()
+			if _, res := h.Take(); res != nil {
+				if res.State != Completed {
+					t.Fatalf("%+v", res)
+				}
+				break
+			}
+		}
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	if asideWhileQueued > 0 {
+		t.Fatalf("%d chunks aside while a request queued", asideWhileQueued)
+	}
+	// Once A ends and C runs, B prefills in the cache beside C's prompt
+	// and goes aside, for what is left, when C decodes.
+	if n := counterValue(m.asideTokens); n == 0 {
+		t.Fatal("nothing prefilled aside once the queue emptied")
+	}
+}
+
 // Without FinishFirst nothing is held back, so nothing goes aside.
 func TestNoAsideWithoutFinishFirst(t *testing.T) {
 	eng, err := sim.New(sim.Config{NSeqMax: 2, NCtx: 1024, AsideCells: 1024})

@@ -141,6 +141,7 @@ type Scheduler struct {
 	// finishing: the last batch held long prompts back (Config.FinishFirst).
 	finishing bool
 	asideOf   *task // the task being prefilled aside
+	backlog   bool  // requests wait in the queue for a running slot
 	// unbound are the requests that ended without ever being bound, whose
 	// hashes reportUnbound still has to look at.
 	unbound []*task
@@ -446,7 +447,8 @@ func (s *Scheduler) admit(now time.Time) {
 	}
 	clear(s.queue[len(kept):])
 	s.queue = kept
-	s.drain.backlog(now, len(kept) > 0)
+	s.backlog = len(kept) > 0
+	s.drain.backlog(now, s.backlog)
 	s.running = len(s.set)
 	s.m.queueDepth.Set(float64(len(s.queue)))
 }
@@ -735,8 +737,9 @@ func (s *Scheduler) stepsReady(t *task) bool {
 
 // asideTask is the task to prefill aside this iteration: the one already
 // aside, else, while the batch holds long prompts back for finishing
-// requests, the first of them (in admission order) that fits aside with
-// the prefix it adopted, and in the cache beside the others (roomBeside).
+// requests and no request queues, the first of them (in admission order)
+// that fits aside with the prefix it adopted, and in the cache beside the
+// others (roomBeside).
 // Its last prompt token is left for the step that brings its cells into
 // the cache and samples; until then no other task goes aside.
 func (s *Scheduler) asideTask() *task {
@@ -752,7 +755,10 @@ func (s *Scheduler) asideTask() *task {
 		}
 		s.asideOf = nil
 	}
-	if !s.finishing {
+	// While requests queue for a running slot no prompt starts aside: a
+	// chunk aside after every step slows the running requests, and the
+	// queue drains only as fast as they end (docs/benchmarks.md, session 29).
+	if !s.finishing || s.backlog {
 		return nil
 	}
 	for _, t := range s.set {
