@@ -4,6 +4,7 @@ import (
 	"context"
 	"slices"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -286,5 +287,63 @@ func TestNoAsideWithoutFinishFirst(t *testing.T) {
 	}
 	if s.aside != nil {
 		t.Fatal("room aside used without Config.FinishFirst")
+	}
+}
+
+// noLanding is the sim engine whose cells computed aside never fit back
+// into the cache: llama.cpp restores a sequence's cells only into one run
+// of free cells (llama-kv-cache.cpp, state_read_meta calling find_slot),
+// and answers no room otherwise.
+type noLanding struct {
+	*sim.Engine
+	refused atomic.Int64
+}
+
+func (e *noLanding) Step(spans []engine.Span) ([]int, error) {
+	for _, s := range spans {
+		if s.Pos > e.SeqLen(s.Seq) { // the step would bring cells computed aside in
+			e.refused.Add(1)
+			return nil, engine.ErrKVFull
+		}
+	}
+	return e.Engine.Step(spans)
+}
+
+// A request whose cells computed aside cannot come back even once it is
+// alone drops them and prefills in the cache instead of failing, with the
+// output it would have had.
+func TestAsideCellsThatCannotComeBackStartOverInTheCache(t *testing.T) {
+	short, long := filler(100, 1), filler(1500, 7)
+	solo := newRig(t, sim.Config{}, Config{}, true)
+	want, _ := run(t, solo, context.Background(), &Request{ID: "b", Prompt: long, MaxTokens: 8, IgnoreEOS: true})
+
+	s, err := sim.New(sim.Config{NSeqMax: 4, NCtx: 4096, AsideCells: 2048,
+		Cost: sim.Cost{StepOverhead: 2 * time.Millisecond, PerToken: 10 * time.Microsecond}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	eng := &noLanding{Engine: s}
+	m := NewMetrics(nil)
+	sc, err := New(eng, Config{FinishFirst: 512, Metrics: m})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { sc.Run(ctx); close(done) }()
+	defer func() { cancel(); <-done }()
+
+	ha, err := sc.Submit(context.Background(), &Request{ID: "a", Prompt: short, MaxTokens: 200, IgnoreEOS: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	<-ha.Ready() // a's first token: it finishes from here on, so b goes aside
+	got, res := collect(t, sc, &Request{ID: "b", Prompt: long, MaxTokens: 8, IgnoreEOS: true})
+	if res.State != Completed || !slices.Equal(got, want) {
+		t.Fatalf("b: %+v, output %v; want completed with %v", res, got, want)
+	}
+	if counterValue(m.asideTokens) == 0 || eng.refused.Load() == 0 {
+		t.Fatalf("%v tokens aside, %d landings refused; the test wants b aside and its landing refused",
+			counterValue(m.asideTokens), eng.refused.Load())
 	}
 }

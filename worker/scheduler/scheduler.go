@@ -172,9 +172,11 @@ type task struct {
 	spanLen     int    // tokens of this task in the current batch
 	// asideFrom, aside: toks[asideFrom:aside] were prefilled aside (the
 	// KV books hold toks[:asideFrom]) and join the books with the step that
-	// brings them into the cache. noAside: prefilling it aside failed.
+	// brings them into the cache. startedOver: prefilling it aside failed,
+	// or its cells out of the cache could not come back (startOver); it
+	// prefills in the cache.
 	asideFrom, aside int
-	noAside          bool
+	startedOver      bool
 	// waitRoom: its cells did not fit back into the KV cache; it steps
 	// again once releases passes this.
 	waitRoom uint64
@@ -762,8 +764,8 @@ func (s *Scheduler) asideTask() *task {
 		return nil
 	}
 	for _, t := range s.set {
-		if t.state == Processing && !t.following && !t.noAside && len(t.toks)-t.past >= s.info.NBatch &&
-			len(t.toks)-1 <= s.aside.AsideCells() && s.roomBeside(t) >= len(t.toks) {
+		if t.state == Processing && !t.following && !t.startedOver && len(t.toks)-t.past >= s.info.NBatch &&
+			len(t.toks)-1 <= s.aside.AsideCells() && s.roomBeside(t) >= len(t.toks)-t.past {
 			s.asideOf = t
 			t.asideFrom = t.past
 			return t
@@ -775,8 +777,9 @@ func (s *Scheduler) asideTask() *task {
 // roomBeside is how many KV cells stay free once the requests running
 // beside t have written all they still may: their prompts, their parked
 // cells and their outputs up to max_tokens. A prompt prefilled aside lands
-// while they run; if it landed without this room, it or they would wait for
-// room or be preempted, which costs more than it saves.
+// while they run (what it adopted stays in the cache meanwhile); if it
+// landed without this room, it or they would wait for room or be
+// preempted, which costs more than it saves.
 func (s *Scheduler) roomBeside(t *task) int {
 	p, _ := s.eng.(kvcache.Parker)
 	room := s.info.NCtx - s.usedCells()
@@ -802,11 +805,7 @@ func (s *Scheduler) prefillAside(t *task) {
 	k := min(s.info.NBatch, len(t.toks)-1-t.past)
 	if err := s.aside.PrefillAside(t.seq, t.past, t.toks[t.past:t.past+k]); err != nil {
 		s.log.Error("prefill aside failed; prefilling in the KV cache instead", "request", t.req.ID, "err", err)
-		s.release(t)
-		t.state = Pending
-		t.past, t.aside = 0, 0
-		t.noAside = true
-		s.asideOf = nil
+		s.startOver(t)
 		return
 	}
 	s.m.asideTokens.Add(float64(k))
@@ -816,13 +815,26 @@ func (s *Scheduler) prefillAside(t *task) {
 	}
 }
 
+// startOver sends t back to PENDING without its cells, to prefill in the
+// KV cache as if there were no room aside.
+func (s *Scheduler) startOver(t *task) {
+	s.release(t)
+	t.state = Pending
+	t.past, t.aside = 0, 0
+	t.startedOver = true
+	if s.asideOf == t {
+		s.asideOf = nil
+	}
+}
+
 // step runs the batch, making room when the KV cache is full: first by
 // evicting idle entries that hold cells in it (parked ones hold none); then
 // requests bringing cells back into the cache wait for room, the newest
 // first; then the newest request holding cells in the cache gives them up,
 // to host memory if it can (swapOut), else preempted (it returns to PENDING
 // and recomputes later). A request alone in a batch that still does not fit
-// fails.
+// starts over in the cache, once, if its cells were out of it (llama.cpp
+// brings them back only into one run of free cells), else fails.
 func (s *Scheduler) step(spans []engine.Span, tasks []*task) {
 	for {
 		start := time.Now()
@@ -873,6 +885,12 @@ func (s *Scheduler) step(spans []engine.Span, tasks []*task) {
 		}
 		if victim == nil || (len(tasks) == 1 && victim == tasks[0] && s.holders() == 1) {
 			t := tasks[0]
+			if len(kept) == 0 && !t.startedOver {
+				s.log.Warn("KV cache full: the cells of a request alone cannot come back; it starts over in the cache",
+					"request", t.req.ID, "cells", t.past, "used_cells", s.usedCells(), "cells_total", s.info.NCtx)
+				s.startOver(t)
+				return
+			}
 			s.finish(t, Result{State: Failed, Err: fmt.Errorf("%w: it needs %d cells and the context has %d",
 				ErrNoFit, len(t.toks), s.info.NCtx)})
 			return

@@ -24,9 +24,10 @@ func prefillAside(t *testing.T, e *Engine, seq int, prompt []int, from, to int) 
 
 // A prompt prefilled aside, in chunks, while another sequence decodes in
 // the main context, gives the greedy output of a prefill in the main
-// context; so does one that starts from an adopted prefix, whose cells move
-// aside with it. Landing takes the cells into the cache once, and a
-// sequence aside that is removed leaves nothing behind.
+// context; so does one that starts from an adopted prefix, whose cells are
+// copied aside and stay shared in the cache. Landing writes only the cells
+// computed aside into the cache, and a sequence aside that is removed
+// leaves nothing behind.
 func TestPrefillAsideGivesTheSameGreedyOutput(t *testing.T) {
 	e := openWith(t, Config{NCtx: 2048, NSeqMax: 4, AsideCells: 1000})
 	if got := e.AsideCells(); got != 1024 {
@@ -85,8 +86,8 @@ func TestPrefillAsideGivesTheSameGreedyOutput(t *testing.T) {
 	if got := greedy(t, e, 2, prompt, len(prompt)-1, 8); !slices.Equal(got, cold) {
 		t.Fatalf("prefilled aside from an adopted prefix:\ncold %v\ngot  %v", cold, got)
 	}
-	if got, _ := e.cellExtent(); got > len(prompt)+8+300 {
-		t.Fatalf("%d cells in use; want at most the prompt, its 8 tokens and the 300 the source kept", got)
+	if got, _ := e.cellExtent(); got > len(prompt)+8 {
+		t.Fatalf("%d cells in use; want at most the prompt and its 8 tokens, the 300 adopted held once", got)
 	}
 
 	// Removed while aside, and replaced by another sequence: nothing lands.
@@ -104,7 +105,7 @@ func TestPrefillAsideGivesTheSameGreedyOutput(t *testing.T) {
 }
 
 // Landing needs room: into a full cache it is ErrKVFull and the cells
-// stay parked; once there is room the sequence goes on with the cold
+// stay aside; once there is room the sequence goes on with the cold
 // output.
 func TestPrefillAsideLandsOnlyWhereThereIsRoom(t *testing.T) {
 	e := openWith(t, Config{NCtx: 512, NSeqMax: 2, AsideCells: 512})
@@ -118,12 +119,41 @@ func TestPrefillAsideLandsOnlyWhereThereIsRoom(t *testing.T) {
 	prefillAside(t, e, 0, prompt, 0, len(prompt)-1)
 	s, _ := e.NewSampler(engine.SamplingParams{})
 	_, err := e.Step([]engine.Span{{Seq: 0, Pos: len(prompt) - 1, Tokens: prompt[len(prompt)-1:], Sampler: s}})
-	if !errors.Is(err, engine.ErrKVFull) || !e.Parked(0) {
-		t.Fatalf("landing 299 cells beside 400 of 512: err %v, parked %v; want ErrKVFull and parked", err, e.Parked(0))
+	if !errors.Is(err, engine.ErrKVFull) || e.side.seq != 0 {
+		t.Fatalf("landing 299 cells beside 400 of 512: err %v, seq aside %d; want ErrKVFull and seq 0 still aside", err, e.side.seq)
 	}
 	e.Remove(1, 0)
 	if got := greedy(t, e, 0, prompt, len(prompt)-1, 4); !slices.Equal(got, cold) {
 		t.Fatalf("after making room:\ncold %v\ngot  %v", cold, got)
+	}
+}
+
+// A prompt that adopted a prefix lands beside it: it needs room for the
+// cells computed aside only, not for a second copy of the prefix, which
+// would not fit here (600 held by the source, 600 + 300 more, 100 of
+// another sequence, in 1024 cells).
+func TestPrefillAsideLandsBesideTheAdoptedPrefix(t *testing.T) {
+	e := openWith(t, Config{NCtx: 1024, NSeqMax: 3, AsideCells: 1024})
+	prompt := document(900)
+	cold := greedy(t, e, 0, prompt, 0, 4)
+	e.Remove(0, 0)
+
+	greedy(t, e, 0, prompt[:600], 0, 1)
+	e.Remove(0, 600)
+	if _, err := e.Step([]engine.Span{{Seq: 2, Pos: 0, Tokens: document(100)}}); err != nil {
+		t.Fatal(err)
+	}
+	e.Copy(0, 1, 0, 600)
+	prefillAside(t, e, 1, prompt, 600, len(prompt)-1)
+	if got := greedy(t, e, 1, prompt, len(prompt)-1, 4); !slices.Equal(got, cold) {
+		t.Fatalf("landed beside the adopted prefix:\ncold %v\ngot  %v", cold, got)
+	}
+	if used := e.UsedCells(); used > 900+4+100 {
+		t.Fatalf("%d cells in use; want the prompt once, its tokens and the other sequence's 100", used)
+	}
+	// The source's cells are still its own: it goes on from them.
+	if got := greedy(t, e, 0, prompt[:601], 600, 1); len(got) != 1 {
+		t.Fatalf("the source after the landing: %v", got)
 	}
 }
 

@@ -131,7 +131,7 @@ func Open(cfg Config) (*Engine, error) {
 		return nil, fmt.Errorf("llama: n_seq_max must be within 1..256, got %d", cfg.NSeqMax)
 	}
 	if cfg.AsideCells > 0 && cfg.NoPark {
-		return nil, errors.New("llama: prefill aside hands its cells over as parked ones; it needs parking")
+		return nil, errors.New("llama: prefill aside writes its cells into the cache as parking does; it needs parking")
 	}
 	if cfg.NCtx <= 0 {
 		cfg.NCtx = meta.NCtxTrain
@@ -300,7 +300,9 @@ func (e *Engine) Step(spans []engine.Span) ([]int, error) {
 		if s.Seq < 0 || s.Seq >= e.info.NSeqMax {
 			return nil, fmt.Errorf("llama: seq id %d outside 0..%d", s.Seq, e.info.NSeqMax-1)
 		}
-		e.land(s.Seq)
+		if err := e.bringBack(s.Seq); err != nil {
+			return nil, err
+		}
 		if err := e.restore(s.Seq); err != nil {
 			return nil, err
 		}
@@ -347,7 +349,9 @@ func (e *Engine) Copy(src, dst, from, to int) {
 	if to <= from || src == dst {
 		return
 	}
-	e.land(src)
+	if e.onlyAside(src, to) {
+		e.land(src)
+	}
 	e.land(dst)
 	if e.parked[src] != nil || e.parked[dst] != nil || e.lost[dst] {
 		e.copyParked(src, dst, from, to)
