@@ -347,3 +347,78 @@ func TestAsideCellsThatCannotComeBackStartOverInTheCache(t *testing.T) {
 			counterValue(m.asideTokens), eng.refused.Load())
 	}
 }
+
+// chunkLog is the sim engine recording the length of every chunk
+// prefilled aside.
+type chunkLog struct {
+	*sim.Engine
+	mu     sync.Mutex
+	chunks []int
+}
+
+func (e *chunkLog) PrefillAside(seq, pos int, tokens []int) error {
+	e.mu.Lock()
+	e.chunks = append(e.chunks, len(tokens))
+	e.mu.Unlock()
+	return e.Engine.PrefillAside(seq, pos, tokens)
+}
+
+// With AsideChunk, a prompt aside takes chunks of that size while another
+// request steps, and whole n_batch chunks once nothing else does; its
+// output is the same.
+func TestAsideChunkWhileOthersStep(t *testing.T) {
+	short, long := filler(100, 1), filler(1500, 7)
+	solo := newRig(t, sim.Config{}, Config{}, true)
+	want, _ := run(t, solo, context.Background(), &Request{ID: "b", Prompt: long, MaxTokens: 8, IgnoreEOS: true})
+
+	hold := make(chan struct{})
+	var held atomic.Bool
+	s, err := sim.New(sim.Config{NSeqMax: 4, NCtx: 4096, AsideCells: 2048, Sleep: func(d time.Duration) {
+		if held.CompareAndSwap(true, false) {
+			<-hold // the loop waits inside a step of a's while b comes
+		}
+		time.Sleep(d)
+	}, Cost: sim.Cost{StepOverhead: time.Millisecond}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	eng := &chunkLog{Engine: s}
+	sc, err := New(eng, Config{FinishFirst: 512, AsideChunk: 128})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { sc.Run(ctx); close(done) }()
+	defer func() { cancel(); <-done }()
+
+	ha, err := sc.Submit(context.Background(), &Request{ID: "a", Prompt: short, MaxTokens: 6, IgnoreEOS: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	<-ha.Ready()
+	held.Store(true)
+	time.Sleep(50 * time.Millisecond) // the loop is held in a's next step
+	hb, err := sc.Submit(context.Background(), &Request{ID: "b", Prompt: long, MaxTokens: 8, IgnoreEOS: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	close(hold)
+	var got []int
+	for {
+		<-hb.Ready()
+		toks, res := hb.Take()
+		got = append(got, toks...)
+		if res != nil {
+			if res.State != Completed || !slices.Equal(got, want) {
+				t.Fatalf("b: %+v, output %v; want completed with %v", res, got, want)
+			}
+			break
+		}
+	}
+	eng.mu.Lock()
+	defer eng.mu.Unlock()
+	if len(eng.chunks) < 2 || eng.chunks[0] != 128 || !slices.Contains(eng.chunks, 512) || slices.Max(eng.chunks) > 512 {
+		t.Fatalf("chunks aside %v; want 128 while a steps, then 512 once it has ended", eng.chunks)
+	}
+}

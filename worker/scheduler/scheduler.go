@@ -69,8 +69,13 @@ type Config struct {
 	// followers' tails) still run beside it. An engine with room aside
 	// (engine.Aside) prefills the first such prompt there meanwhile. 0: off.
 	FinishFirst int
-	Metrics     *Metrics
-	Logger      *slog.Logger
+	// AsideChunk > 0: a prompt prefilled aside takes at most this many
+	// tokens per loop iteration while other requests step (each of their
+	// steps waits for the chunk); n_batch when nothing else steps. 0:
+	// n_batch always.
+	AsideChunk int
+	Metrics    *Metrics
+	Logger     *slog.Logger
 }
 
 func (c *Config) defaults() {
@@ -414,7 +419,7 @@ func (s *Scheduler) Run(ctx context.Context) {
 			s.step(spans, tasks)
 		}
 		if aside != nil {
-			s.prefillAside(aside)
+			s.prefillAside(aside, len(spans) > 0)
 		}
 	}
 }
@@ -798,11 +803,15 @@ func (s *Scheduler) roomBeside(t *task) int {
 // prefillAside evaluates t's next chunk aside. On a failure t starts over
 // (PENDING, without its cells) and prefills in the cache, as it would
 // have without room aside.
-func (s *Scheduler) prefillAside(t *task) {
+func (s *Scheduler) prefillAside(t *task, beside bool) {
 	if t != s.asideOf || t.state != Processing || t.seq < 0 {
 		return // preempted or ended by this iteration's step
 	}
-	k := min(s.info.NBatch, len(t.toks)-1-t.past)
+	chunk := s.info.NBatch
+	if beside && s.cfg.AsideChunk > 0 {
+		chunk = min(chunk, s.cfg.AsideChunk)
+	}
+	k := min(chunk, len(t.toks)-1-t.past)
 	if err := s.aside.PrefillAside(t.seq, t.past, t.toks[t.past:t.past+k]); err != nil {
 		s.log.Error("prefill aside failed; prefilling in the KV cache instead", "request", t.req.ID, "err", err)
 		s.startOver(t)
