@@ -105,10 +105,10 @@ type Aside interface {
 	AsideCells() int
 	// PrefillAside evaluates tokens at positions pos, pos+1, … of seq
 	// aside, at most NBatch of them. On the first call for a sequence, the
-	// pos cells it holds (an adopted prefix, pos may be 0) move aside with
-	// it; a call for another sequence drops what the earlier one held
-	// aside. The next Step with seq first moves its cells into the KV
-	// cache, a shared prefix as a copy of its own (ErrKVFull when there is
-	// no room, nothing lost); Remove drops them.
+	// pos cells it holds (an adopted prefix, pos may be 0) are copied aside
+	// and stay in the KV cache; a call for another sequence drops what the
+	// earlier one held aside. The next Step with seq first writes the cells
+	// computed aside into the KV cache after that prefix (ErrKVFull when
+	// there is no room, nothing lost); Remove drops them.
 	PrefillAside(seq, pos int, tokens []int) error
 }
