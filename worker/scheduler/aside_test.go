@@ -290,20 +290,6 @@ func TestNoAsideWithoutFinishFirst(t *testing.T) {
 	}
 }
 
-// startOn runs a scheduler on eng until the test ends.
-func startOn(t *testing.T, eng engine.Engine, cfg Config) *Scheduler {
-	t.Helper()
-	sc, err := New(eng, cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan struct{})
-	go func() { sc.Run(ctx); close(done) }()
-	t.Cleanup(func() { cancel(); <-done })
-	return sc
-}
-
 // noLanding is the sim engine whose cells computed aside never fit back
 // into the cache: llama.cpp restores a sequence's cells only into one run
 // of free cells (llama-kv-cache.cpp, state_read_meta calling find_slot),
@@ -338,7 +324,7 @@ func TestAsideCellsThatCannotComeBackStartOverInTheCache(t *testing.T) {
 	}
 	eng := &noLanding{Engine: s}
 	m := NewMetrics(nil)
-	sc := startOn(t, eng, Config{FinishFirst: 512, Metrics: m})
+	sc := startSched(t, eng, Config{FinishFirst: 512, Metrics: m})
 
 	ha, err := sc.Submit(context.Background(), &Request{ID: "a", Prompt: short, MaxTokens: 200, IgnoreEOS: true})
 	if err != nil {
@@ -390,7 +376,7 @@ func TestAsideChunkWhileOthersStep(t *testing.T) {
 		t.Fatal(err)
 	}
 	eng := &chunkLog{Engine: s}
-	sc := startOn(t, eng, Config{FinishFirst: 512, AsideChunk: 128})
+	sc := startSched(t, eng, Config{FinishFirst: 512, AsideChunk: 128})
 
 	ha, err := sc.Submit(context.Background(), &Request{ID: "a", Prompt: short, MaxTokens: 6, IgnoreEOS: true})
 	if err != nil {

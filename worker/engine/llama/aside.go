@@ -40,7 +40,8 @@ type aside struct {
 }
 
 // sideScratch is the side context's second sequence, through which the
-// cells computed aside are written out without the prefix before them.
+// cells computed aside are written out without the prefix before them;
+// it is empty except inside bringBack.
 const sideScratch = 1
 
 // openAside builds the side context: n_seq_max 2 (the sequence and
@@ -155,7 +156,6 @@ func (e *Engine) bringBack(seq int) error {
 	src, dst := 0, seq
 	if a.from > 0 {
 		src, dst = sideScratch, e.scratch
-		a.lc.KvCacheSeqRm(sideScratch, 0, -1)
 		a.lc.KvCacheSeqCp(0, sideScratch, a.from, a.n)
 	}
 	st := stateOf(a.raw, src, a.n)
@@ -188,13 +188,8 @@ func (e *Engine) land(seq int) {
 		return
 	}
 	st := stateOf(a.raw, 0, a.n)
-	n, from := a.n, a.from
-	e.dropAside()
-	if from > 0 {
-		e.cutRecords(seq, 0)
-		e.lc.KvCacheSeqRm(seq, 0, -1)
-		e.holes = true
-	}
+	n := a.n
+	e.removeAside(seq, 0)
 	if st == nil {
 		// llama.cpp logged why; seq's next Step fails instead of running
 		// on missing cells.
