@@ -141,3 +141,53 @@ func TestFinishFirstHoldsLongPrefillsNextToAFinishingRequest(t *testing.T) {
 		t.Fatalf("alone, the long prompt gets %d tokens, want the full step", got[long])
 	}
 }
+
+// With PrefillChunk, a step that carries more than one request holds at
+// most that many prompt tokens, shortest first as ever: the decoding
+// request and a cache hit's 20-token tail are not kept waiting for a whole
+// n_batch of a cold prompt. A prompt stepping alone takes the whole
+// n_batch.
+func TestPrefillChunkBoundsAStepOfSeveralRequests(t *testing.T) {
+	eng, err := sim.New(sim.Config{NSeqMax: 8, NCtx: 8192, NBatch: 512})
+	if err != nil {
+		t.Fatal(err)
+	}
+	s, err := New(eng, Config{PrefillChunk: 128})
+	if err != nil {
+		t.Fatal(err)
+	}
+	mk := func(seq, total, past int) *task {
+		sm, err := eng.NewSampler(engine.SamplingParams{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return &task{state: Processing, seq: seq, toks: make([]int, total), past: past, sampler: sm, maxTokens: 64}
+	}
+	served := func() (map[*task]int, int) {
+		spans, tasks := s.batch()
+		got, prompt := map[*task]int{}, 0
+		for i, tk := range tasks {
+			got[tk] = len(spans[i].Tokens)
+			if tk.past+1 < len(tk.toks) {
+				prompt += len(spans[i].Tokens)
+			}
+		}
+		return got, prompt
+	}
+	decoding := mk(0, 900, 899)
+	cold := mk(1, 3000, 0)
+	hit := mk(2, 1400, 1380)
+	s.set = []*task{decoding, cold, hit}
+	if got, prompt := served(); got[decoding] != 1 || got[hit] != 20 || got[cold] != 108 || prompt != 128 {
+		t.Fatalf("decoding %d, hit %d, cold %d (%d prompt tokens); want 1, 20, 108 (128)", got[decoding], got[hit], got[cold], prompt)
+	}
+	other := mk(3, 2000, 0)
+	s.set = []*task{cold, other}
+	if _, prompt := served(); prompt != 128 {
+		t.Fatalf("two cold prompts took %d tokens in one step, want 128", prompt)
+	}
+	s.set = []*task{cold}
+	if got, _ := served(); got[cold] != 512 {
+		t.Fatalf("alone, a cold prompt takes %d tokens, want the whole n_batch 512", got[cold])
+	}
+}

@@ -74,8 +74,16 @@ type Config struct {
 	// steps waits for the chunk); n_batch when nothing else steps. 0:
 	// n_batch always.
 	AsideChunk int
-	Metrics    *Metrics
-	Logger     *slog.Logger
+	// PrefillChunk > 0: while more than one request steps, a step carries
+	// at most this many prompt tokens (decodes beside them); a request
+	// stepping alone takes a whole n_batch. A step lasts as long as its
+	// tokens times the cells they attend over, and every request in it
+	// waits for its end: on a crowded cache a full n_batch of one long
+	// prompt held a cache hit's first token and every decoding request for
+	// seconds (docs/benchmarks.md, session 31). 0: n_batch.
+	PrefillChunk int
+	Metrics      *Metrics
+	Logger       *slog.Logger
 }
 
 func (c *Config) defaults() {
@@ -710,6 +718,9 @@ func (s *Scheduler) batch() ([]engine.Span, []*task) {
 	slices.SortStableFunc(s.prefill, func(a, b *task) int {
 		return (len(a.toks) - a.past) - (len(b.toks) - b.past)
 	})
+	if c := s.cfg.PrefillChunk; c > 0 && len(spans)+len(s.prefill) > 1 {
+		budget = min(budget, c)
+	}
 	for _, t := range s.prefill {
 		if budget == 0 {
 			break

@@ -22,6 +22,8 @@ var textSeeds = []string{
 	`{"model":"m","messages":[{"role":"user","content":"unterminated`,
 	`{"model":"m","messages":[{"role":"user","content":"ends in escape \`,
 	"{\"model\":\"m\",\"messages\":[{\"role\":\"user\",\"content\":\"raw \xff\xfe bytes \xe4\xb8\"}]}",
+	"{\"model\":\"m\",\"messages\":[{\"role\":\"user\",\"content\":\"valid \xc3\xbc then long enough to copy words: \xe4\xb8\xad\xe6\x96\x87 ok \\n \xe4\xb8 cut \xe4\\u00e9 \xff end\"}]}",
+	"{\"model\":\"m\",\"messages\":[{\"role\":\"user\",\"content\":\"\xc3\xbc\xe4\xb8\xad all valid, words after words \\\"q\\\" \xf0\x9f\x98\x80\"},{\"role\":\"user\",\"content\":\"\xed\xa0\x80 surrogate bytes\"}]}",
 	`{"model":"m","prompt":"completion \"text\"\n"}`,
 	`{"model":"m","prompt":["first \n","second \q"]}`,
 	`{"model":"m","prompt":["first \n","second"]}`,

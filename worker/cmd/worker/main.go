@@ -56,7 +56,7 @@ func main() {
 type options struct {
 	model, listen, engine, modelName, advertise, cluster, mcURL, mcToken, kvType, logLevel string
 	nSeqMax, maxRunning, maxQueue, nCtx, nBatch, threads, hashChunk                        int
-	maxBatch, maxOutput, finishFirst, asideCells, asideChunk                               int
+	maxBatch, maxOutput, finishFirst, asideCells, asideChunk, prefillChunk                 int
 	kvMaxMB, kvMaxItems, parkMaxBytes                                                      int64
 	kvThreshold                                                                            float64
 	timeout, cleanup, queueTimeout, readyWait                                              time.Duration
@@ -95,6 +95,7 @@ func parse(args []string, stderr io.Writer) (*options, error) {
 	fs.IntVar(&o.threads, "threads", 0, "llama.cpp threads (0: the CPUs this process may use: its affinity, capped by its cgroup CPU quota rounded down, at least 1)")
 	fs.StringVar(&o.kvType, "kv-cache-type", "f16", "KV cache type: f16, q8_0 or q4_0")
 	fs.IntVar(&o.asideCells, "prefill-aside-cells", 0, "KV cells of a second context where, while --finish-first-tokens holds long prompts back, the first of them is prefilled away from the running sequences' cells (a prompt longer than this waits as before); its cells move into the KV cache like a parked entry's; 0: off")
+	fs.IntVar(&o.prefillChunk, "prefill-chunk", 128, "at most this many prompt tokens per decode step while more than one request steps (a whole --n-batch for a request alone): a shorter step gives a cache hit its first token and the decoding requests their next sooner on a busy pod; 0: --n-batch")
 	fs.IntVar(&o.asideChunk, "prefill-aside-chunk", 0, "with --prefill-aside-cells: at most this many prompt tokens prefilled aside per step of the running requests, which each wait for that chunk (a whole --n-batch when nothing else runs); 0: --n-batch")
 	fs.BoolVar(&o.flashAttn, "flash-attention", false, "use llama.cpp's fused attention kernel: it skips other sequences' cells (faster on a crowded KV cache, e.g. with --kv-park-idle=false) but prefills ~1.6x slower on an uncrowded one; on by default with a quantized --kv-cache-type, which needs it")
 	fs.BoolVar(&o.compact, "kv-compact", true, "move KV cells down into the holes a parked, finished or cut sequence leaves, before the next step (llama.cpp attends over every cell up to the highest used one); only with --kv-park-idle")
@@ -173,8 +174,8 @@ func parse(args []string, stderr io.Writer) (*options, error) {
 		return nil, errors.New("--finish-first-tokens must not be negative")
 	case o.asideCells < 0:
 		return nil, errors.New("--prefill-aside-cells must not be negative")
-	case o.asideChunk < 0:
-		return nil, errors.New("--prefill-aside-chunk must not be negative")
+	case o.asideChunk < 0 || o.prefillChunk < 0:
+		return nil, errors.New("--prefill-aside-chunk and --prefill-chunk must not be negative")
 	case o.asideCells > 0 && o.engine == "llama" && (!o.parkIdle || o.parkMaxBytes == 0):
 		return nil, errors.New("--prefill-aside-cells hands its cells to the KV cache as a parked entry's; it needs --kv-park-idle and a --kv-park-max-bytes other than 0")
 	case o.nCtx < 0 || o.nBatch < 1 || o.threads < 0 || o.kvMaxMB < 0 || o.kvMaxItems < 0 || o.hashChunk < 1:
@@ -253,7 +254,7 @@ func run(ctx context.Context, args []string, stderr io.Writer, ready func(addr s
 	cfg := scheduler.Config{
 		MaxQueue: o.maxQueue, MaxRunning: o.maxRunning, RequestTimeout: o.timeout, CleanupInterval: o.cleanup,
 		QueueTimeout: queueTimeout(o.queueTimeout),
-		MaxBatch:     o.maxBatch, MaxOutputTokens: o.maxOutput, FinishFirst: o.finishFirst, AsideChunk: o.asideChunk,
+		MaxBatch:     o.maxBatch, MaxOutputTokens: o.maxOutput, FinishFirst: o.finishFirst, AsideChunk: o.asideChunk, PrefillChunk: o.prefillChunk,
 		KV:      kvcache.Limits{MaxItems: o.kvMaxItems, MaxBytes: o.kvMaxMB << 20, Threshold: o.kvThreshold},
 		Metrics: scheduler.NewMetrics(reg), Logger: log,
 	}

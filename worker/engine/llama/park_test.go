@@ -317,49 +317,65 @@ func BenchmarkPrefill(b *testing.B) {
 		}
 		return out
 	}
-	prefill := func(b *testing.B, e *Engine, seq int, t []int) {
-		for p := 0; p < len(t); p += 512 {
-			if _, err := e.Step([]engine.Span{{Seq: seq, Pos: p, Tokens: t[p:min(p+512, len(t))]}}); err != nil {
+	prefill := func(b *testing.B, e *Engine, seq int, t []int, chunk int) {
+		for p := 0; p < len(t); p += chunk {
+			if _, err := e.Step([]engine.Span{{Seq: seq, Pos: p, Tokens: t[p:min(p+chunk, len(t))]}}); err != nil {
 				b.Fatal(err)
 			}
 		}
 	}
+	// Steps of 512 tokens (n_batch), and of 128 (--prefill-chunk) on the
+	// plain kernel: what a shorter step costs the prompt itself.
+	type variant struct {
+		fa    bool
+		chunk int
+		crowd string
+	}
+	var variants []variant
 	for _, fa := range []bool{false, true} {
 		for _, crowd := range []string{"empty", "crowded", "parked"} {
-			if fa && crowd == "parked" {
-				continue
+			if !fa || crowd != "parked" {
+				variants = append(variants, variant{fa, 512, crowd})
 			}
-			b.Run(fmt.Sprintf("flash=%v/%s", fa, crowd), func(b *testing.B) {
-				e, err := Open(Config{ModelPath: path, NCtx: 16384, NSeqMax: 16, Threads: threads, FlashAttention: fa})
-				if err != nil {
-					b.Fatal(err)
-				}
-				defer e.Close()
-				if crowd != "empty" {
-					for s := 1; s <= others; s++ {
-						prefill(b, e, s, toks(s))
-						if crowd == "parked" {
-							e.Park(s)
-						}
+		}
+	}
+	variants = append(variants, variant{false, 128, "empty"}, variant{false, 128, "crowded"})
+	for _, v := range variants {
+		fa, crowd := v.fa, v.crowd
+		name := fmt.Sprintf("flash=%v/%s", fa, crowd)
+		if v.chunk != 512 {
+			name = fmt.Sprintf("flash=%v/chunk=%d/%s", fa, v.chunk, crowd)
+		}
+		b.Run(name, func(b *testing.B) {
+			e, err := Open(Config{ModelPath: path, NCtx: 16384, NSeqMax: 16, Threads: threads, FlashAttention: fa})
+			if err != nil {
+				b.Fatal(err)
+			}
+			defer e.Close()
+			if crowd != "empty" {
+				for s := 1; s <= others; s++ {
+					prefill(b, e, s, toks(s), 512)
+					if crowd == "parked" {
+						e.Park(s)
 					}
 				}
-				b.ResetTimer()
-				var cpu time.Duration
-				for i := range b.N {
-					c0 := processCPU()
-					prefill(b, e, 0, toks(100+i))
-					cpu += processCPU() - c0
-					b.StopTimer()
-					e.Remove(0, 0)
-					b.StartTimer()
-				}
-				b.ReportMetric(float64(b.Elapsed().Microseconds())/1000/float64(b.N), "ms/prefill")
-				// With one thread ggml computes on the calling thread and
-				// the process's CPU time is the work, whatever else loads
-				// the machine (with more, it includes spinning at barriers).
-				b.ReportMetric(float64(cpu.Microseconds())/1000/float64(b.N), "cpu-ms/prefill")
-			})
-		}
+			}
+			b.ResetTimer()
+			var cpu time.Duration
+			for i := range b.N {
+				c0 := processCPU()
+				prefill(b, e, 0, toks(100+i), v.chunk)
+				cpu += processCPU() - c0
+				b.StopTimer()
+				e.Remove(0, 0)
+				b.StartTimer()
+			}
+			b.ReportMetric(float64(b.Elapsed().Microseconds())/1000/float64(b.N), "ms/prefill")
+			// With one thread ggml computes on the calling thread and
+			// the process's CPU time is the work, whatever else loads
+			// the machine (with more, it includes spinning at barriers).
+			b.ReportMetric(float64(cpu.Microseconds())/1000/float64(b.N), "cpu-ms/prefill")
+		})
 	}
 }
 
