@@ -7,25 +7,33 @@ import (
 	"github.com/istio-llm-filter/istio-llm-filter/worker/engine/sim"
 )
 
-// A step serves every decoding sequence first, then prefill shortest
-// remaining first: a cache hit with a short uncached tail completes its
-// prefill in this step although cold prompts were admitted before it.
-func TestBatchDecodesFirstThenShortestPrefill(t *testing.T) {
+// batchRig is a scheduler on a simulated engine (n_batch 512) whose batch
+// the tests call directly, and mk makes a running task with seq, total
+// tokens and past of them already in the cache.
+func batchRig(t *testing.T, cfg Config) (*Scheduler, func(seq, total, past int) *task) {
+	t.Helper()
 	eng, err := sim.New(sim.Config{NSeqMax: 8, NCtx: 8192, NBatch: 512})
 	if err != nil {
 		t.Fatal(err)
 	}
-	s, err := New(eng, Config{})
+	s, err := New(eng, cfg)
 	if err != nil {
 		t.Fatal(err)
 	}
-	mk := func(seq, total, past int) *task {
+	return s, func(seq, total, past int) *task {
 		sm, err := eng.NewSampler(engine.SamplingParams{})
 		if err != nil {
 			t.Fatal(err)
 		}
 		return &task{state: Processing, seq: seq, toks: make([]int, total), past: past, sampler: sm}
 	}
+}
+
+// A step serves every decoding sequence first, then prefill shortest
+// remaining first: a cache hit with a short uncached tail completes its
+// prefill in this step although cold prompts were admitted before it.
+func TestBatchDecodesFirstThenShortestPrefill(t *testing.T) {
+	s, mk := batchRig(t, Config{})
 	coldA := mk(0, 3000, 0)     // admitted first, 3000 to prefill
 	coldB := mk(1, 2000, 512)   // 1488 left
 	decoding := mk(2, 900, 899) // one token: decoding
@@ -61,21 +69,7 @@ func TestBatchDecodesFirstThenShortestPrefill(t *testing.T) {
 // that many, those that waited longest first, so every sequence gets a turn
 // and decoders cannot shut a new prompt out.
 func TestBatchSizeLimitsSequencesPerStepAndRotates(t *testing.T) {
-	eng, err := sim.New(sim.Config{NSeqMax: 8, NCtx: 8192, NBatch: 512})
-	if err != nil {
-		t.Fatal(err)
-	}
-	s, err := New(eng, Config{MaxBatch: 2})
-	if err != nil {
-		t.Fatal(err)
-	}
-	mk := func(seq, total, past int) *task {
-		sm, err := eng.NewSampler(engine.SamplingParams{})
-		if err != nil {
-			t.Fatal(err)
-		}
-		return &task{state: Processing, seq: seq, toks: make([]int, total), past: past, sampler: sm}
-	}
+	s, mk := batchRig(t, Config{MaxBatch: 2})
 	d1, d2, d3 := mk(0, 100, 99), mk(1, 100, 99), mk(2, 100, 99)
 	p := mk(3, 300, 0)
 	s.set = []*task{d1, d2, d3, p}
@@ -101,24 +95,12 @@ func TestBatchSizeLimitsSequencesPerStepAndRotates(t *testing.T) {
 // short prefill still runs; once it ends, or with more tokens left, the
 // long prefill goes on.
 func TestFinishFirstHoldsLongPrefillsNextToAFinishingRequest(t *testing.T) {
-	eng, err := sim.New(sim.Config{NSeqMax: 8, NCtx: 8192, NBatch: 512})
-	if err != nil {
-		t.Fatal(err)
-	}
-	s, err := New(eng, Config{FinishFirst: 16})
-	if err != nil {
-		t.Fatal(err)
-	}
-	mk := func(seq, total, past, nGen, maxTokens int) *task {
-		sm, err := eng.NewSampler(engine.SamplingParams{})
-		if err != nil {
-			t.Fatal(err)
-		}
-		return &task{state: Processing, seq: seq, toks: make([]int, total), past: past, sampler: sm, nGen: nGen, maxTokens: maxTokens}
-	}
-	finishing := mk(0, 2010, 2009, 3, 8) // 5 tokens left
-	long := mk(1, 2000, 0, 0, 8)         // a cold 2k prompt
-	short := mk(2, 1400, 1380, 0, 8)     // a cache hit: 20 left
+	s, mk := batchRig(t, Config{FinishFirst: 16})
+	finishing := mk(0, 2010, 2009)
+	finishing.nGen, finishing.maxTokens = 3, 8 // 5 tokens left
+	long := mk(1, 2000, 0)                     // a cold 2k prompt
+	short := mk(2, 1400, 1380)                 // a cache hit: 20 left
+	long.maxTokens, short.maxTokens = 8, 8
 	s.set = []*task{finishing, long, short}
 	served := func() map[*task]int {
 		spans, tasks := s.batch()
@@ -148,21 +130,7 @@ func TestFinishFirstHoldsLongPrefillsNextToAFinishingRequest(t *testing.T) {
 // n_batch of a cold prompt. A prompt stepping alone takes the whole
 // n_batch.
 func TestPrefillChunkBoundsAStepOfSeveralRequests(t *testing.T) {
-	eng, err := sim.New(sim.Config{NSeqMax: 8, NCtx: 8192, NBatch: 512})
-	if err != nil {
-		t.Fatal(err)
-	}
-	s, err := New(eng, Config{PrefillChunk: 128})
-	if err != nil {
-		t.Fatal(err)
-	}
-	mk := func(seq, total, past int) *task {
-		sm, err := eng.NewSampler(engine.SamplingParams{})
-		if err != nil {
-			t.Fatal(err)
-		}
-		return &task{state: Processing, seq: seq, toks: make([]int, total), past: past, sampler: sm, maxTokens: 64}
-	}
+	s, mk := batchRig(t, Config{PrefillChunk: 128})
 	served := func() (map[*task]int, int) {
 		spans, tasks := s.batch()
 		got, prompt := map[*task]int{}, 0
