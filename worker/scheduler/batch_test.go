@@ -29,6 +29,16 @@ func batchRig(t *testing.T, cfg Config) (*Scheduler, func(seq, total, past int) 
 	}
 }
 
+// servedBy builds s's next batch and returns the tokens each task got.
+func servedBy(s *Scheduler) map[*task]int {
+	spans, tasks := s.batch()
+	got := map[*task]int{}
+	for i, tk := range tasks {
+		got[tk] = len(spans[i].Tokens)
+	}
+	return got
+}
+
 // A step serves every decoding sequence first, then prefill shortest
 // remaining first: a cache hit with a short uncached tail completes its
 // prefill in this step although cold prompts were admitted before it.
@@ -102,24 +112,16 @@ func TestFinishFirstHoldsLongPrefillsNextToAFinishingRequest(t *testing.T) {
 	short := mk(2, 1400, 1380)                 // a cache hit: 20 left
 	long.maxTokens, short.maxTokens = 8, 8
 	s.set = []*task{finishing, long, short}
-	served := func() map[*task]int {
-		spans, tasks := s.batch()
-		got := map[*task]int{}
-		for i, tk := range tasks {
-			got[tk] = len(spans[i].Tokens)
-		}
-		return got
-	}
-	if got := served(); got[finishing] != 1 || got[short] != 20 || got[long] != 0 {
+	if got := servedBy(s); got[finishing] != 1 || got[short] != 20 || got[long] != 0 {
 		t.Fatalf("next to a finishing request: finishing %d, short %d, long %d; want 1, 20, 0", got[finishing], got[short], got[long])
 	}
 	finishing.maxTokens = 2048 // far from its end: no reason to hold
-	if got := served(); got[long] == 0 {
+	if got := servedBy(s); got[long] == 0 {
 		t.Fatal("a long prefill was held next to a request with 2045 tokens left")
 	}
 	finishing.maxTokens = 8
 	s.set = []*task{long}
-	if got := served(); got[long] != 512 {
+	if got := servedBy(s); got[long] != 512 {
 		t.Fatalf("alone, the long prompt gets %d tokens, want the full step", got[long])
 	}
 }
@@ -131,31 +133,20 @@ func TestFinishFirstHoldsLongPrefillsNextToAFinishingRequest(t *testing.T) {
 // n_batch.
 func TestPrefillChunkBoundsAStepOfSeveralRequests(t *testing.T) {
 	s, mk := batchRig(t, Config{PrefillChunk: 128})
-	served := func() (map[*task]int, int) {
-		spans, tasks := s.batch()
-		got, prompt := map[*task]int{}, 0
-		for i, tk := range tasks {
-			got[tk] = len(spans[i].Tokens)
-			if tk.past+1 < len(tk.toks) {
-				prompt += len(spans[i].Tokens)
-			}
-		}
-		return got, prompt
-	}
 	decoding := mk(0, 900, 899)
 	cold := mk(1, 3000, 0)
 	hit := mk(2, 1400, 1380)
 	s.set = []*task{decoding, cold, hit}
-	if got, prompt := served(); got[decoding] != 1 || got[hit] != 20 || got[cold] != 108 || prompt != 128 {
-		t.Fatalf("decoding %d, hit %d, cold %d (%d prompt tokens); want 1, 20, 108 (128)", got[decoding], got[hit], got[cold], prompt)
+	if got := servedBy(s); got[decoding] != 1 || got[hit] != 20 || got[cold] != 108 || got[hit]+got[cold] != 128 {
+		t.Fatalf("decoding %d, hit %d, cold %d (%d prompt tokens); want 1, 20, 108 (128)", got[decoding], got[hit], got[cold], got[hit]+got[cold])
 	}
 	other := mk(3, 2000, 0)
 	s.set = []*task{cold, other}
-	if _, prompt := served(); prompt != 128 {
-		t.Fatalf("two cold prompts took %d tokens in one step, want 128", prompt)
+	if got := servedBy(s); got[cold]+got[other] != 128 {
+		t.Fatalf("two cold prompts took %d tokens in one step, want 128", got[cold]+got[other])
 	}
 	s.set = []*task{cold}
-	if got, _ := served(); got[cold] != 512 {
+	if got := servedBy(s); got[cold] != 512 {
 		t.Fatalf("alone, a cold prompt takes %d tokens, want the whole n_batch 512", got[cold])
 	}
 }
