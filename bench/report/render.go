@@ -100,6 +100,9 @@ func (r Run) WriteMarkdown(w io.Writer) error {
 		if g, rival, ok := r.Gain(wl, "cache_aware"); ok {
 			fmt.Fprintf(&b, "\ncache_aware TTFT p90 vs the best other policy (%s): %+.1f%%\n", rival, -100*g)
 		}
+		if aims := r.Aims(wl, "cache_aware"); aims != nil {
+			writeAims(&b, wl, "cache_aware", aims)
+		}
 		if rounds := r.rounds(wl); len(rounds) > 1 {
 			writeRounds(&b, wl, ran, rounds)
 		}

@@ -1,0 +1,138 @@
+package report
+
+import (
+	"cmp"
+	"fmt"
+	"slices"
+	"strings"
+)
+
+// The aims of the routing work, checked on every workload of a run
+// (docs/benchmarks.md, "The aims, one by one"): where prompts share
+// prefixes, TTFT p90 and p99 at least 15% below the EPP stand-in's and 25%
+// below every other baseline's; where nothing is shared, within 5% of the
+// best baseline's; everywhere, a true cache-hit rate no lower and no more
+// failed requests than any baseline's.
+const (
+	aimVsEPP     = 0.15
+	aimVsOthers  = 0.25
+	aimNoSharing = 0.05
+	// hitEqual: hit rates that round to the same tenth of a point, as the
+	// report prints them, are equal (17 tokens of 408,192 parted two
+	// policies that made the same copies of shared-prefix's documents).
+	hitEqual      = 0.0005
+	noSharingKind = "no-sharing"
+	eppPolicy     = "epp"
+)
+
+// baselines are the policies the aims compare with: the peers' stand-ins
+// and the simple policies. Variants and fixed placements of a run are
+// experiments, not baselines.
+var baselines = []string{eppPolicy, "sglang", "round_robin", "random", "least_request", "prefix_only"}
+
+// AimKind says what an aim compares.
+type AimKind int
+
+const (
+	AimLatency AimKind = iota // TTFT in ms; Margin = Mine/Theirs − 1
+	AimHitRate                // true cache-hit rates; Margin = Mine − Theirs
+	AimFailed                 // failed requests; Margin = Mine − Theirs
+)
+
+// Aim is one aim checked on one workload.
+type Aim struct {
+	Kind  AimKind
+	What  string // e.g. "TTFT p90 ≥15% below"
+	Rival string // the baseline it is measured against
+	// Mine and Theirs are the two values compared; negative margins are
+	// lower (see AimKind).
+	Mine, Theirs, Margin float64
+	Met                  bool
+}
+
+// Aims checks policy p's aims on one workload against the baselines that
+// ran it; nil when p or every baseline is missing.
+func (r Run) Aims(workload, p string) []Aim {
+	me, ok := r.find(workload, p)
+	if !ok {
+		return nil
+	}
+	var rivals []Summary
+	for _, b := range baselines {
+		if s, ok := r.find(workload, b); ok && b != p {
+			rivals = append(rivals, s)
+		}
+	}
+	if len(rivals) == 0 {
+		return nil
+	}
+	var aims []Aim
+	latency := func(what string, pick func(Summary) float64, rival Summary, within float64, below bool) {
+		mine, theirs := pick(me), pick(rival)
+		if theirs <= 0 {
+			return
+		}
+		m := mine/theirs - 1
+		met := m <= within
+		if below {
+			met = m <= -within
+		}
+		aims = append(aims, Aim{Kind: AimLatency, What: what, Rival: rival.Policy, Mine: mine, Theirs: theirs, Margin: m, Met: met})
+	}
+	p90 := func(s Summary) float64 { return s.TTFT.P90 }
+	p99 := func(s Summary) float64 { return s.TTFT.P99 }
+	if workload == noSharingKind {
+		for _, q := range []struct {
+			name string
+			pick func(Summary) float64
+		}{{"p90", p90}, {"p99", p99}} {
+			best := slices.MinFunc(rivals, func(a, b Summary) int { return cmp.Compare(q.pick(a), q.pick(b)) })
+			latency(fmt.Sprintf("TTFT %s within %.0f%% of the best", q.name, 100*aimNoSharing), q.pick, best, aimNoSharing, false)
+		}
+	} else {
+		for _, rival := range rivals {
+			aim := aimVsOthers
+			if rival.Policy == eppPolicy {
+				aim = aimVsEPP
+			}
+			latency(fmt.Sprintf("TTFT p90 ≥%.0f%% below", 100*aim), p90, rival, aim, true)
+			latency(fmt.Sprintf("TTFT p99 ≥%.0f%% below", 100*aim), p99, rival, aim, true)
+		}
+	}
+	hit := slices.MaxFunc(rivals, func(a, b Summary) int { return cmp.Compare(a.CacheHitRate, b.CacheHitRate) })
+	aims = append(aims, Aim{Kind: AimHitRate, What: "cache hit no lower", Rival: hit.Policy, Mine: me.CacheHitRate, Theirs: hit.CacheHitRate,
+		Margin: me.CacheHitRate - hit.CacheHitRate, Met: me.CacheHitRate >= hit.CacheHitRate-hitEqual})
+	failed := func(s Summary) int { return s.Requests - s.Succeeded }
+	few := slices.MinFunc(rivals, func(a, b Summary) int { return failed(a) - failed(b) })
+	aims = append(aims, Aim{Kind: AimFailed, What: "failed requests no more", Rival: few.Policy, Mine: float64(failed(me)), Theirs: float64(failed(few)),
+		Margin: float64(failed(me) - failed(few)), Met: failed(me) <= failed(few)})
+	return aims
+}
+
+// writeAims renders p's aims on one workload as a table.
+func writeAims(b *strings.Builder, workload, p string, aims []Aim) {
+	met := 0
+	for _, a := range aims {
+		if a.Met {
+			met++
+		}
+	}
+	fmt.Fprintf(b, "\nThe aims of %s on %s, from the table above (docs/benchmarks.md, \"The aims, one by one\"): %d of %d met.\n\n", p, workload, met, len(aims))
+	b.WriteString("| aim | baseline | " + p + " | baseline's | margin | met |\n|---|---|---:|---:|---:|---|\n")
+	for _, a := range aims {
+		var mine, theirs, margin string
+		switch a.Kind {
+		case AimHitRate:
+			mine, theirs, margin = fmt.Sprintf("%.1f%%", 100*a.Mine), fmt.Sprintf("%.1f%%", 100*a.Theirs), fmt.Sprintf("%+.1f points", 100*a.Margin)
+		case AimFailed:
+			mine, theirs, margin = fmt.Sprintf("%.0f", a.Mine), fmt.Sprintf("%.0f", a.Theirs), fmt.Sprintf("%+.0f", a.Margin)
+		default:
+			mine, theirs, margin = fmt.Sprintf("%.0f ms", a.Mine), fmt.Sprintf("%.0f ms", a.Theirs), fmt.Sprintf("%+.1f%%", 100*a.Margin)
+		}
+		verdict := "no"
+		if a.Met {
+			verdict = "yes"
+		}
+		fmt.Fprintf(b, "| %s | %s | %s | %s | %s | %s |\n", a.What, a.Rival, mine, theirs, margin, verdict)
+	}
+}

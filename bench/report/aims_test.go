@@ -1,0 +1,90 @@
+package report
+
+import (
+	"math"
+	"strings"
+	"testing"
+)
+
+func TestAimsOnASharedWorkload(t *testing.T) {
+	mk := func(p string, p90, p99, hit float64, failed int) Summary {
+		return Summary{Workload: "shared-prefix", Policy: p, Requests: 10, Succeeded: 10 - failed,
+			TTFT: Percentiles{P90: p90, P99: p99}, CacheHitRate: hit}
+	}
+	r := Run{Summaries: []Summary{
+		mk("cache_aware", 60, 120, 0.90, 0),
+		mk("epp", 80, 130, 0.92, 1),
+		mk("round_robin", 100, 200, 0.50, 0),
+		mk("ca-variant", 10, 10, 1, 0), // an experiment's arm, not a baseline
+	}}
+	got := map[string]Aim{}
+	for _, a := range r.Aims("shared-prefix", "cache_aware") {
+		got[a.What+" "+a.Rival] = a
+	}
+	want := map[string]bool{
+		"TTFT p90 ≥15% below epp":             true,  // −25%
+		"TTFT p99 ≥15% below epp":             false, // −7.7%
+		"TTFT p90 ≥25% below round_robin":     true,  // −40%
+		"TTFT p99 ≥25% below round_robin":     true,  // −40%
+		"cache hit no lower epp":              false, // the best baseline's hit rate
+		"failed requests no more round_robin": true,
+	}
+	if len(got) != len(want) {
+		t.Fatalf("aims %v, want %d of them", got, len(want))
+	}
+	for k, met := range want {
+		a, ok := got[k]
+		if !ok || a.Met != met {
+			t.Errorf("%s: %+v (present %v), want met=%v", k, a, ok, met)
+		}
+	}
+	if a := got["TTFT p90 ≥15% below epp"]; math.Abs(a.Margin+0.25) > 1e-9 || a.Mine != 60 || a.Theirs != 80 {
+		t.Errorf("margin against epp %+v, want −25%% of 80 ms", a)
+	}
+	if a := got["cache hit no lower epp"]; math.Abs(a.Margin+0.02) > 1e-9 {
+		t.Errorf("hit-rate margin %v, want −0.02", a.Margin)
+	}
+}
+
+func TestAimsWhereNothingIsShared(t *testing.T) {
+	mk := func(p string, p90, p99 float64) Summary {
+		return Summary{Workload: "no-sharing", Policy: p, Requests: 4, Succeeded: 4, TTFT: Percentiles{P90: p90, P99: p99}}
+	}
+	r := Run{Summaries: []Summary{mk("cache_aware", 104, 110), mk("epp", 120, 100), mk("least_request", 100, 130)}}
+	aims := r.Aims("no-sharing", "cache_aware")
+	if len(aims) != 4 {
+		t.Fatalf("aims %+v, want p90, p99, hit rate and failures", aims)
+	}
+	// Against the best baseline of each percentile, not against epp alone.
+	if a := aims[0]; a.Rival != "least_request" || !a.Met || math.Abs(a.Margin-0.04) > 1e-9 {
+		t.Errorf("p90 aim %+v, want +4%% against least_request, met", a)
+	}
+	if a := aims[1]; a.Rival != "epp" || a.Met {
+		t.Errorf("p99 aim %+v, want +10%% against epp, missed", a)
+	}
+	if r.Aims("no-sharing", "absent") != nil || (Run{Summaries: r.Summaries[:1]}).Aims("no-sharing", "cache_aware") != nil {
+		t.Error("aims without the policy or without any baseline")
+	}
+}
+
+func TestAimsRendered(t *testing.T) {
+	r := Run{Title: "t", Summaries: []Summary{
+		{Workload: "hot-prompt", Policy: "cache_aware", Requests: 2, Succeeded: 2, TTFT: Percentiles{P90: 60, P99: 100}, CacheHitRate: 0.887},
+		{Workload: "hot-prompt", Policy: "epp", Requests: 2, Succeeded: 1, TTFT: Percentiles{P90: 80, P99: 100}, CacheHitRate: 0.8874},
+	}}
+	var b strings.Builder
+	if err := r.WriteMarkdown(&b); err != nil {
+		t.Fatal(err)
+	}
+	for _, want := range []string{
+		"The aims of cache_aware on hot-prompt, from the table above (docs/benchmarks.md, \"The aims, one by one\"): 3 of 4 met.",
+		"| TTFT p90 ≥15% below | epp | 60 ms | 80 ms | -25.0% | yes |",
+		"| TTFT p99 ≥15% below | epp | 100 ms | 100 ms | +0.0% | no |",
+		"| failed requests no more | epp | 0 | 1 | -1 | yes |",
+		"| cache hit no lower | epp | 88.7% | 88.7% | -0.0 points | yes |",
+	} {
+		if !strings.Contains(b.String(), want) {
+			t.Errorf("report lacks %q:\n%s", want, b.String())
+		}
+	}
+}
