@@ -64,13 +64,17 @@ func ParseHelp(help string) ([]Flag, error) {
 		if f.Type == "" {
 			f.Type = "bool"
 		}
-		if m := defaultRE.FindStringSubmatch(f.Usage); m != nil {
-			f.Default = m[1]
-			if s, err := strconv.Unquote(m[1]); err == nil {
-				f.Default = s
-			}
-			f.Usage = strings.TrimSuffix(f.Usage, m[0])
+		m := defaultRE.FindStringSubmatch(f.Usage)
+		if m == nil {
+			continue
 		}
+		def := m[1]
+		if s, err := strconv.Unquote(def); err == nil {
+			def = s
+		} else if f.Type == "string" {
+			continue // the flag package quotes string defaults: this one is the usage's own words
+		}
+		f.Default, f.Usage = def, strings.TrimSuffix(f.Usage, m[0])
 	}
 	return flags, nil
 }

@@ -17,6 +17,7 @@ func TestParseHelpReadsTheFlagPackagesOutput(t *testing.T) {
 	fs.Bool("strict", false, "answer 404")
 	fs.Duration("queue-timeout", 30*time.Second, "longest wait (0: no bound)")
 	fs.Int("n-ctx", 0, "KV cells")
+	fs.String("auth-token", "", "bearer token (default $TOKEN; empty: none)")
 	fs.Float64("x", 0.8, "one letter")
 	var b strings.Builder
 	fs.SetOutput(&b)
@@ -28,6 +29,7 @@ func TestParseHelpReadsTheFlagPackagesOutput(t *testing.T) {
 		t.Fatal(err)
 	}
 	want := []Flag{
+		{Name: "auth-token", Type: "string", Usage: "bearer token (default $TOKEN; empty: none)"},
 		{Name: "kv-compact", Type: "bool", Default: "true", Usage: "move cells down | into holes"},
 		{Name: "listen", Type: "string", Default: "127.0.0.1:9001", Usage: "HTTP listen address"},
 		{Name: "n-ctx", Type: "int", Usage: "KV cells"},
