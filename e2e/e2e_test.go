@@ -282,7 +282,7 @@ func TestMetadataCenterOutageAndRecovery(t *testing.T) {
 	f.StopMC()
 
 	// Without the metadata center every request still succeeds: the router
-	// degrades to equal load and no cache knowledge.
+	// degrades to the load this gateway sees and no cache knowledge.
 	for gi, gw := range gws {
 		down := newConversation(true, uint64(4+100*gi))
 		for i := 0; i < 3; i++ {

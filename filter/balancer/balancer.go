@@ -115,7 +115,7 @@ type State struct {
 // busy pod's queue for one step before the pod admits it; more than one
 // means the pod is not keeping up. On a hot prompt that overloaded the
 // fleet, holders kept until four were queued refused a request (429) that
-// the scorers would have placed elsewhere (docs/benchmarks.md, session 16).
+// the scorers would have placed elsewhere.
 const holderQueue = 2
 
 // hotShare is how many times their fair share of the cluster's recent
@@ -123,7 +123,7 @@ const holderQueue = 2
 // the prompt to count as hot. Against a fixed half, two holders of three
 // pods serving their users' histories (two thirds of the requests is their
 // fair share) were taken for a hot prompt and their users moved off their
-// histories (docs/benchmarks.md, session 26).
+// histories.
 const hotShare = 1.5
 
 // holders computes s.hold once per decision: the largest cache ratio among
@@ -193,8 +193,8 @@ const (
 // one of them reports fewer than holderQueue requests queued (it keeps up;
 // without a report nothing says so). The queue, not the reported prefill:
 // a first form released the idle pod when the cheapest holder's prefill
-// exceeded twice a copy's, and let go too early (docs/benchmarks.md,
-// session 27).
+// exceeded twice a copy's, and let go too early, while the holders
+// still kept up.
 func (s *State) reserved() {
 	if s.reserveKnown {
 		return

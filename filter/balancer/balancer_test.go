@@ -300,7 +300,7 @@ func TestDecisionReservesItsPodUntilBegun(t *testing.T) {
 // hold most of the conversation (the holder the last turn, the other pod
 // the one before: a turn adds a tenth of the prompt), and that stale
 // request was what made the holder lose to the other: the conversation
-// moved on every turn with both pods idle (docs/benchmarks.md, session 11).
+// moved on every turn with both pods idle.
 func TestNextTurnStaysOnItsIdleHolder(t *testing.T) {
 	holder, previous := "10.0.0.1:8000", "10.0.0.2:8000"
 	view := View{Load: api.LoadStats{holder: {TotalReqs: 1}}, Cache: map[string]int{holder: 24, previous: 22, "10.0.0.3:8000": 16}}

@@ -570,8 +570,8 @@ func (KVFitScorer) Score(s *State, out []float64) {
 // they have got, where the pod's own report knows which is about to
 // finish. Where some pod holds part of the prompt it rates every pod 1
 // and leaves the choice to the cache and load terms: weighing the reports
-// there too moved documents and conversations off their holders
-// (docs/benchmarks.md, session 10). Without a fresh report: 0.
+// there too moved documents and conversations off their holders.
+// Without a fresh report: 0.
 type ColdProgressScorer struct{}
 
 func (ColdProgressScorer) Name() string { return ScorerColdProgress }
@@ -664,7 +664,7 @@ func (KVFull) Keep(_ *State, h *Host) bool {
 // far (holder_wait), does not count, and a hot prompt (its holders take
 // well over their fair share of the cluster's requests) is left to the
 // scorers, as is one no pod holds so much of (a new user of a shared
-// document): see State.holders and docs/benchmarks.md, sessions 16 and 26.
+// document): see State.holders.
 type Holder struct{}
 
 func (Holder) Name() string       { return FilterHolder }
@@ -683,8 +683,8 @@ func (Holder) Keep(s *State, h *Host) bool {
 // its copies, and the idle pod is left for a prompt no pod holds. On real
 // shared-prefix, the third copy of a document that had just arrived took
 // the last idle pod five seconds before a second document came, which then
-// waited 22–29 s behind it and was copied to every pod in turn
-// (docs/benchmarks.md, session 27). With two idle pods or more, or none,
+// waited 22–29 s behind it and was copied to every pod in turn.
+// With two idle pods or more, or none,
 // it keeps every pod.
 type Reserve struct{}
 
@@ -731,7 +731,7 @@ func builtinProfiles() []*Profile {
 				// little to the pod that holds its history. Free cache
 				// alone (kv_cache) cut kv-pressure's TTFT p99 by 12–24%;
 				// weighed so, multi-turn's p90 and p99 and kv-pressure's
-				// fell further (docs/benchmarks.md, session 8).
+				// fell further, as new conversations stopped evicting cached ones.
 				{Scorer: KVFitScorer{}, Weight: 1},
 				// Among pods that each prefill someone else's prompt, the
 				// one about to finish, for a prompt nobody holds: kv_fit

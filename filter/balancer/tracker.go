@@ -23,8 +23,8 @@ import (
 // counts it until the done update lands (a batch window and a round trip
 // later), and a conversation's next turn arrives within a millisecond of
 // the answer's end. Its holder then looked busier than the pods that hold
-// nothing of it, and turns moved off idle holders (docs/benchmarks.md,
-// session 11). A request that ended here after the metadata center counted
+// nothing of it, and turns moved off idle holders, computing their
+// history again. A request that ended here after the metadata center counted
 // it is taken off its figures until the done is confirmed (Released).
 //
 // A decision counts on its pod from the moment it is made, not only from

@@ -111,8 +111,8 @@ type Config struct {
 
 // MetadataCenter is key `metadata_center`. The whole key may be omitted (or
 // address left empty): there is then no metadata center, every route query
-// is treated as failed (equal load, zero cache: docs/envoy-filter.md) and no
-// updates are sent. Policies round_robin and random never need it.
+// is treated as failed (zero cache, load from this gateway's own requests:
+// docs/envoy-filter.md) and no updates are sent. Policies round_robin and random never need it.
 type MetadataCenter struct {
 	// Address (key `address`) is the base URL, scheme http or https with a
 	// host and no query or fragment, e.g. "http://127.0.0.1:8080". A trailing

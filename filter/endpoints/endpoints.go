@@ -49,8 +49,7 @@ type Source interface {
 
 // Appender is a Source that copies a cluster's endpoints into a slice the
 // caller reuses: a copy of a 256-pod list per request was most of the
-// gateway's allocation per decision, and with it of its garbage collections
-// (docs/benchmarks.md, "Decision cost, session 8").
+// gateway's allocation per decision, and with it of its garbage collections.
 type Appender interface {
 	AppendEndpoints(dst []Endpoint, cluster string) []Endpoint
 }

@@ -80,7 +80,7 @@ type Config struct {
 	// tokens times the cells they attend over, and every request in it
 	// waits for its end: on a crowded cache a full n_batch of one long
 	// prompt held a cache hit's first token and every decoding request for
-	// seconds (docs/benchmarks.md, session 31). 0: n_batch.
+	// seconds, measured on real pods. 0: n_batch.
 	PrefillChunk int
 	Metrics      *Metrics
 	Logger       *slog.Logger
@@ -775,7 +775,7 @@ func (s *Scheduler) asideTask() *task {
 	}
 	// While requests queue for a running slot no prompt starts aside: a
 	// chunk aside after every step slows the running requests, and the
-	// queue drains only as fast as they end (docs/benchmarks.md, session 29).
+	// queue drains only as fast as they end, so the wait grew instead.
 	if !s.finishing || s.backlog {
 		return nil
 	}
