@@ -173,7 +173,8 @@ func TestRestartedWorkerIsReadyOnlyOnceItsOldIndexIsGone(t *testing.T) {
 	second := workerProc(t, bin, addr, gate.URL, "--ready-wait", "0")
 	afterStart()
 	save(3) // routed to the new process meanwhile
-	for n := int64(1); n <= 3; n++ { // the evict-all refused, retried, refused again
+	// The evict-all refused, retried, refused again: still not ready.
+	for n := int64(1); n <= 3; n++ {
 		waitFor("the worker's evict-all", 10*time.Second, func() bool { return refused.Load() >= n })
 		if code := readyz(t, addr); code != 503 {
 			t.Fatalf("/readyz answered %d after %d refused evict-alls", code, refused.Load())
