@@ -19,6 +19,9 @@ import (
 	"github.com/istio-llm-filter/istio-llm-filter/filter/llmfilter"
 	"github.com/istio-llm-filter/istio-llm-filter/internal/testutil/cgoenv"
 	"github.com/istio-llm-filter/istio-llm-filter/internal/testutil/redistest"
+	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/api"
+	mcclient "github.com/istio-llm-filter/istio-llm-filter/metadata-center/client"
+	"github.com/istio-llm-filter/istio-llm-filter/prefix"
 	"github.com/istio-llm-filter/istio-llm-filter/worker/testmodel"
 )
 
@@ -112,17 +115,26 @@ type turn struct {
 	answer              string
 	prompt, cached, gen int64
 	status              int
+	// hashes are the request's prompt block hashes as the gateway computes
+	// them (its canonical form, the default chunk size), for recorded.
+	hashes []prefix.Hash
 }
 
 // conversation is a multi-turn chat replayed through the SDK.
 type conversation struct {
 	msgs   []openai.ChatCompletionMessageParamUnion
+	canon  []prefix.Message // msgs as the gateway hashes them
 	stream bool
+}
+
+func text(role, content string) prefix.Message {
+	return prefix.ChatMessage(role, "", "", []prefix.Part{{Type: "text", Text: content}}, nil)
 }
 
 func newConversation(stream bool, seed uint64) *conversation {
 	sys := workload.Text(newRand(seed), 1500) // three 512-byte blocks and more
-	return &conversation{stream: stream, msgs: []openai.ChatCompletionMessageParamUnion{openai.SystemMessage(sys)}}
+	return &conversation{stream: stream, msgs: []openai.ChatCompletionMessageParamUnion{openai.SystemMessage(sys)},
+		canon: []prefix.Message{text("system", sys)}}
 }
 
 // ask sends the next user message and, on success, appends the answer.
@@ -178,11 +190,37 @@ func (c *conversation) ask(t *testing.T, cl openai.Client, user string) (turn, e
 	if tr.worker == "" || tr.prompt == 0 || tr.gen != 12 {
 		t.Fatalf("answer lacks routing or usage: %+v", tr)
 	}
+	tr.hashes = prefix.Hasher{}.Sum("tiny", prefix.CanonicalChat(append(c.canon, text("user", user))))
 	c.msgs = append(c.msgs, openai.AssistantMessage(tr.answer))
-	// The gateway records the cache location asynchronously when the
-	// answer starts; give it the moment a person would take to type.
-	time.Sleep(100 * time.Millisecond)
+	c.canon = append(c.canon, text("user", user), text("assistant", tr.answer))
 	return tr, nil
+}
+
+// recorded waits until the metadata center at mcURL holds tr's whole
+// prompt on the worker that answered it: the gateway saves the location
+// asynchronously when the answer starts, and the conversation's next turn
+// is routed by it.
+func recorded(t *testing.T, mcURL string, tr turn) {
+	t.Helper()
+	mc, err := mcclient.New(mcclient.Options{Address: mcURL})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var last *api.RouteAnswer
+	for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(20 * time.Millisecond) {
+		ans, err := mc.Route(context.Background(), fleet.Cluster, prefix.Wire(tr.hashes))
+		if err == nil {
+			last = ans
+			for _, c := range ans.Cache {
+				if c.Host == tr.worker && c.Length == len(tr.hashes) {
+					return
+				}
+			}
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the metadata center never held the %d-block prompt on %s: %+v, %v", len(tr.hashes), tr.worker, last, err)
+		}
+	}
 }
 
 func TestConversationKeepsLandingOnItsKVCache(t *testing.T) {
@@ -192,12 +230,12 @@ func TestConversationKeepsLandingOnItsKVCache(t *testing.T) {
 		for _, stream := range []bool{false, true} {
 			name := gw.name + "/" + map[bool]string{false: "json", true: "sse"}[stream]
 			seed := uint64(10*gi) + map[bool]uint64{false: 1, true: 2}[stream]
-			t.Run(name, func(t *testing.T) { conversationSticks(t, cl, stream, seed) })
+			t.Run(name, func(t *testing.T) { conversationSticks(t, f.MC, cl, stream, seed) })
 		}
 	}
 }
 
-func conversationSticks(t *testing.T, cl openai.Client, stream bool, seed uint64) {
+func conversationSticks(t *testing.T, mcURL string, cl openai.Client, stream bool, seed uint64) {
 	c := newConversation(stream, seed)
 	first, err := c.ask(t, cl, "Tell me about prefix caches.")
 	if err != nil {
@@ -205,6 +243,7 @@ func conversationSticks(t *testing.T, cl openai.Client, stream bool, seed uint64
 	}
 	prev := first
 	for i := 2; i <= 4; i++ {
+		recorded(t, mcURL, prev)
 		tr, err := c.ask(t, cl, workload.Text(newRand(uint64(10*i)), 200))
 		if err != nil {
 			t.Fatalf("turn %d: %v", i, err)
@@ -306,7 +345,9 @@ func TestMetadataCenterOutageAndRecovery(t *testing.T) {
 		if err != nil {
 			t.Fatalf("%s: %v", gw.name, err)
 		}
+		prev := first
 		for i := 0; i < 2; i++ {
+			recorded(t, f.MC, prev)
 			tr, err := up.ask(t, cl, workload.Text(newRand(uint64(50+i)), 120))
 			if err != nil {
 				t.Fatalf("%s: %v", gw.name, err)
@@ -315,6 +356,7 @@ func TestMetadataCenterOutageAndRecovery(t *testing.T) {
 				t.Fatalf("%s: after recovery turn %d went to %s with %d cached tokens; the conversation is on %s",
 					gw.name, i+2, tr.worker, tr.cached, first.worker)
 			}
+			prev = tr
 		}
 	}
 }

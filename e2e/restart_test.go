@@ -93,10 +93,14 @@ func TestRestartedWorkerIsReadyOnlyOnceItsOldIndexIsGone(t *testing.T) {
 	// The workers reach the metadata center through a gate that can cut
 	// them off; the test (a gateway) always reaches it.
 	var down atomic.Bool
+	var refused atomic.Int64 // evict calls turned away
 	target, _ := url.Parse(mc.URL)
 	proxy := httputil.NewSingleHostReverseProxy(target)
 	gate := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		if down.Load() {
+			if r.URL.Path == api.PathCacheEvict {
+				refused.Add(1)
+			}
 			http.Error(w, `{"error":{"code":503,"type":"service_unavailable","message":"cut off"}}`, http.StatusServiceUnavailable)
 			return
 		}
@@ -144,6 +148,14 @@ func TestRestartedWorkerIsReadyOnlyOnceItsOldIndexIsGone(t *testing.T) {
 			time.Sleep(10 * time.Millisecond)
 		}
 	}
+	// The evict-all removes entries saved at or before the process's start,
+	// in milliseconds; a save meant to survive it waits for the clock to
+	// leave the millisecond the process (ready by now) started in.
+	afterStart := func() {
+		t.Helper()
+		ready := time.Now().UnixMilli()
+		waitFor("the next millisecond", time.Second, func() bool { return time.Now().UnixMilli() > ready })
+	}
 
 	first := workerProc(t, bin, addr, gate.URL)
 	waitFor("the first process to be ready", 10*time.Second, func() bool { return readyz(t, addr) == 200 })
@@ -157,14 +169,16 @@ func TestRestartedWorkerIsReadyOnlyOnceItsOldIndexIsGone(t *testing.T) {
 	// however long that takes (no bound), and the index still holds the
 	// dead process's entries.
 	down.Store(true)
+	refused.Store(0)
 	second := workerProc(t, bin, addr, gate.URL, "--ready-wait", "0")
-	time.Sleep(10 * time.Millisecond)
+	afterStart()
 	save(3) // routed to the new process meanwhile
-	for range 5 {
+	// The evict-all refused, retried, refused again: still not ready.
+	for n := int64(1); n <= 3; n++ {
+		waitFor("the worker's evict-all", 10*time.Second, func() bool { return refused.Load() >= n })
 		if code := readyz(t, addr); code != 503 {
-			t.Fatalf("/readyz answered %d before the start-up evict-all was acknowledged", code)
+			t.Fatalf("/readyz answered %d after %d refused evict-alls", code, refused.Load())
 		}
-		time.Sleep(100 * time.Millisecond)
 	}
 	if !held(1) || !held(3) {
 		t.Fatal("the index lost entries while the worker could not reach it")
@@ -186,7 +200,7 @@ func TestRestartedWorkerIsReadyOnlyOnceItsOldIndexIsGone(t *testing.T) {
 	down.Store(true)
 	start := time.Now()
 	workerProc(t, bin, addr, gate.URL, "--ready-wait", "700ms")
-	time.Sleep(10 * time.Millisecond)
+	afterStart()
 	save(5)
 	if code := readyz(t, addr); code != 503 {
 		t.Fatalf("/readyz answered %d at once", code)

@@ -11,53 +11,45 @@ import (
 	"sync/atomic"
 	"testing"
 	"time"
+
+	"github.com/istio-llm-filter/istio-llm-filter/bench/client"
+	"github.com/istio-llm-filter/istio-llm-filter/worker/openai"
 )
 
-// A gateway stand-in on a real listener: each request's last user message
-// names how it should be answered.
+// A gateway stand-in on a real listener that answers with the worker's
+// own writers (worker/openai): each request's last user message names how
+// it should be answered. How bench/client reads every kind of answer is
+// tested there; this test is about the retries and the record.
 func fakeGateway(t *testing.T, calls *atomic.Int64) *httptest.Server {
 	t.Helper()
-	chunk := func(w http.ResponseWriter, s string) {
-		fmt.Fprintf(w, "data: {\"choices\":[{\"delta\":{\"content\":%q}}]}\n\n", s)
-		w.(http.Flusher).Flush()
-	}
 	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		n := calls.Add(1)
 		raw, _ := io.ReadAll(r.Body)
 		mode := string(raw)
-		w.Header().Set("x-llm-upstream-host", "10.0.0.1:80")
+		w.Header().Set("x-llm-upstream-host", "10.0.0.1:80") // TODO(headers): the shared header name
+		s := openai.NewChatStream(w, "id", "m", time.Now(), false)
 		switch {
 		case strings.Contains(mode, "whole"):
-			fmt.Fprint(w, `{"choices":[{"message":{"role":"assistant","content":"hi there"}}]}`)
+			openai.WriteJSON(w, http.StatusOK, openai.NewChatCompletion("id", "m", time.Now(), "hi there", "length", nil))
 		case strings.Contains(mode, "busy-once") && n == 1:
-			w.Header().Set("Retry-After", "0")
-			w.WriteHeader(429)
-			fmt.Fprint(w, `{"error":{"code":429,"type":"rate_limit_error","message":"queue full"}}`)
+			w.Header().Set("Retry-After", "0") // retry at once (WriteError sends only positive waits)
+			openai.WriteError(w, &openai.Error{Status: http.StatusTooManyRequests, Type: openai.TypeRateLimit, Message: "queue full"})
 		case strings.Contains(mode, "status"):
-			w.WriteHeader(503)
-			fmt.Fprint(w, `{"error":{"code":503,"type":"upstream_unavailable","message":"no"}}`)
+			openai.WriteError(w, &openai.Error{Status: http.StatusServiceUnavailable, Type: openai.TypeUnavailable, Message: "no"})
 		case strings.Contains(mode, "event"):
-			chunk(w, "a")
-			fmt.Fprint(w, "data: {\"error\":{\"code\":500,\"message\":\"upstream died\"}}\n\ndata: [DONE]\n\n")
-		case strings.Contains(mode, "cut"):
-			chunk(w, "a") // and return: a clean end without [DONE]
-		case strings.Contains(mode, "reset"):
-			chunk(w, "a")
-			conn, _, err := w.(http.Hijacker).Hijack()
-			if err == nil {
-				conn.Close() // the chunked body never ends
-			}
+			s.Content("a")
+			s.SSE().Error(openai.Internal("upstream died"))
 		default:
-			chunk(w, "a")
-			chunk(w, "b")
-			fmt.Fprint(w, "data: [DONE]\n\n")
+			s.Content("a")
+			s.Content("b")
+			s.Finish("length", nil)
 		}
 	}))
 	t.Cleanup(srv.Close)
 	return srv
 }
 
-func TestClientClassifiesEveryWayAnAnswerEnds(t *testing.T) {
+func TestClientRetriesAndRecords(t *testing.T) {
 	var calls atomic.Int64
 	gw := fakeGateway(t, &calls)
 	// A gateway that refuses connections: a closed port.
@@ -74,31 +66,34 @@ func TestClientClassifiesEveryWayAnAnswerEnds(t *testing.T) {
 		abort    bool
 		want     Outcome
 		attempts int
+		retries  string
 		text     string
 	}{
 		{mode: "ok", stream: true, want: OK, attempts: 1, text: "ab"},
 		{mode: "whole", want: OK, attempts: 1, text: "hi there"},
-		{mode: "status", stream: true, want: Failed, attempts: 1},
-		{mode: "busy-once", stream: true, want: OK, attempts: 2, text: "ab"},
+		{mode: "status", stream: true, want: Failed, attempts: 1}, // an answer: not retried
+		{mode: "busy-once", stream: true, want: OK, attempts: 2, retries: "429", text: "ab"},
 		{mode: "event", stream: true, want: Failed, attempts: 1, text: "a"},
-		{mode: "cut", stream: true, want: Cut, attempts: 1, text: "a"},
-		{mode: "reset", stream: true, want: Reset, attempts: 1, text: "a"},
-		{mode: "ok", stream: true, first: 1, want: OK, attempts: 2, text: "ab"}, // dead gateway first
-		{mode: "ok", stream: true, abort: true, want: Aborted, attempts: 1},
+		{mode: "ok", stream: true, first: 1, want: OK, attempts: 2, retries: "connect", text: "ab"}, // dead gateway first
+		{mode: "ok", stream: true, abort: true, want: Aborted, attempts: 1, text: "a"},
 	} {
 		t.Run(fmt.Sprintf("%s-first%d-abort%v", tc.mode, tc.first, tc.abort), func(t *testing.T) {
 			calls.Store(0)
-			c := &Client{Gateways: []string{gw.URL, dead}, Model: "m", MaxRetries: 2, Timeout: 10 * time.Second, HTTP: NewHTTPClient()}
+			c := &Client{Gateways: []string{gw.URL, dead}, Model: "m", MaxRetries: 2, Timeout: 10 * time.Second, HTTP: client.NewHTTPClient()}
 			var r Record
-			text := c.Do(context.Background(), Request{Messages: []Message{{Role: "user", Content: tc.mode}}, Stream: tc.stream, MaxTokens: 4, AbortAfterFirst: tc.abort}, tc.first, time.Now(), &r)
-			if r.Outcome != tc.want || r.Attempts != tc.attempts || text != tc.text {
-				t.Fatalf("outcome %s after %d attempts, text %q (%s); want %s after %d, %q", r.Outcome, r.Attempts, text, r.Err, tc.want, tc.attempts, tc.text)
+			runStart := time.Now()
+			text := c.Do(context.Background(), client.Request{Messages: []client.Message{{Role: "user", Content: tc.mode}}, Stream: tc.stream, MaxTokens: 4, AbortAfterFirst: tc.abort}, tc.first, runStart, &r)
+			if r.Outcome != tc.want || r.Attempts != tc.attempts || text != tc.text || strings.Join(r.Retries, ",") != tc.retries {
+				t.Fatalf("outcome %s after %d attempts %v, text %q (%s); want %s after %d %q, %q", r.Outcome, r.Attempts, r.Retries, text, r.Err, tc.want, tc.attempts, tc.retries, tc.text)
 			}
-			if r.Outcome == OK && (r.TTFT <= 0 || r.Worker != "10.0.0.1:80" || r.Gateway != gw.URL) {
+			if r.Start < 0 || r.End < r.Start || r.End > time.Since(runStart) {
+				t.Fatalf("start %v, end %v", r.Start, r.End)
+			}
+			if r.Outcome == OK && (r.TTFT <= 0 || r.TTFT > r.End-r.Start || r.Worker != "10.0.0.1:80" || r.Gateway != gw.URL || r.Status != 200 || r.Err != "") {
 				t.Fatalf("record %+v", r)
 			}
-			if tc.first == 1 && (len(r.Retries) != 1 || r.Retries[0] != "connect") {
-				t.Fatalf("retries %v", r.Retries)
+			if r.Outcome == Failed && (r.Err == "" || r.Worker != "10.0.0.1:80") {
+				t.Fatalf("record %+v", r)
 			}
 		})
 	}

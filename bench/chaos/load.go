@@ -3,10 +3,10 @@ package chaos
 import (
 	"context"
 	"math/rand/v2"
-	"net/http"
 	"sync"
 	"time"
 
+	"github.com/istio-llm-filter/istio-llm-filter/bench/client"
 	"github.com/istio-llm-filter/istio-llm-filter/bench/workload"
 )
 
@@ -71,29 +71,29 @@ func (l *Load) Run(ctx context.Context) error {
 }
 
 func (l *Load) session(ctx context.Context, r *rand.Rand, s workload.Session, kind string) {
-	var history []Message
+	var history []client.Message
 	if s.System != "" {
-		history = append(history, Message{Role: "system", Content: s.System})
+		history = append(history, client.Message{Role: "system", Content: s.System})
 	}
 	for _, t := range s.Turns {
 		if ctx.Err() != nil {
 			return
 		}
-		history = append(history, Message{Role: "user", Content: t.User})
+		history = append(history, client.Message{Role: "user", Content: t.User})
 		// Once sent, a request runs to its answer even when the load is being
 		// stopped: the end state is then the fleet's, not the client's.
-		rec, answer := l.Send(context.WithoutCancel(ctx), kind, Request{Messages: history, Stream: r.Float64() < l.StreamShare, MaxTokens: l.MaxTokens}, r.IntN(len(l.Client.Gateways)))
+		rec, answer := l.Send(context.WithoutCancel(ctx), kind, client.Request{Messages: history, Stream: r.Float64() < l.StreamShare, MaxTokens: l.MaxTokens}, r.IntN(len(l.Client.Gateways)))
 		if rec.Outcome != OK {
 			return // a conversation cannot go on without its answer
 		}
-		history = append(history, Message{Role: "assistant", Content: answer})
+		history = append(history, client.Message{Role: "assistant", Content: answer})
 	}
 }
 
 // Send makes one request (with the client's retries), tracked as in
 // flight while it runs, and records it. Requests cut short because the
 // run itself ended are not recorded.
-func (l *Load) Send(ctx context.Context, kind string, req Request, gateway int) (Record, string) {
+func (l *Load) Send(ctx context.Context, kind string, req client.Request, gateway int) (Record, string) {
 	l.mu.Lock()
 	id := l.nextID
 	l.nextID++
@@ -126,8 +126,8 @@ func (l *Load) Burst(ctx context.Context, n int, seed uint64) {
 		go func() {
 			defer wg.Done()
 			s := sp[i%len(sp)]
-			msgs := []Message{{Role: "system", Content: s.System}, {Role: "user", Content: s.Turns[0].User}}
-			l.Send(ctx, "burst", Request{Messages: msgs, Stream: i%2 == 0, MaxTokens: l.MaxTokens}, i)
+			msgs := []client.Message{{Role: "system", Content: s.System}, {Role: "user", Content: s.Turns[0].User}}
+			l.Send(ctx, "burst", client.Request{Messages: msgs, Stream: i%2 == 0, MaxTokens: l.MaxTokens}, i)
 		}()
 	}
 	wg.Wait()
@@ -146,10 +146,10 @@ func (l *Load) Disconnects(ctx context.Context, d time.Duration, conc int, seed 
 			defer wg.Done()
 			for i := c; ctx.Err() == nil; i += conc {
 				s := mt[i%len(mt)]
-				msgs := []Message{{Role: "system", Content: s.System}, {Role: "user", Content: s.Turns[0].User}}
+				msgs := []client.Message{{Role: "system", Content: s.System}, {Role: "user", Content: s.Turns[0].User}}
 				// The run's context, not the window's: the client leaves by
 				// itself after the first token, not because the window closed.
-				l.Send(context.WithoutCancel(ctx), "disconnect", Request{Messages: msgs, Stream: true, MaxTokens: 4 * l.MaxTokens, AbortAfterFirst: true}, i)
+				l.Send(context.WithoutCancel(ctx), "disconnect", client.Request{Messages: msgs, Stream: true, MaxTokens: 4 * l.MaxTokens, AbortAfterFirst: true}, i)
 			}
 		}()
 	}
@@ -200,10 +200,4 @@ func (l *Load) Records() []Record {
 		out[i] = *r
 	}
 	return out
-}
-
-// NewHTTPClient is the load's transport: enough idle connections for the
-// users and bursts, no overall timeout (the Client bounds each request).
-func NewHTTPClient() *http.Client {
-	return &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: 256, MaxConnsPerHost: 0}}
 }

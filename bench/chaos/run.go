@@ -13,6 +13,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/istio-llm-filter/istio-llm-filter/bench/client"
 	"github.com/istio-llm-filter/istio-llm-filter/bench/fleet"
 )
 
@@ -190,10 +191,10 @@ func RunChaos(ctx context.Context, cfg Config) (*Result, error) {
 		return nil, err
 	}
 	defer f.Stop()
-	hc := NewHTTPClient()
+	hc := client.NewHTTPClient()
 	start := time.Now()
-	client := &Client{Gateways: f.Gateways, Model: "tiny", MaxRetries: 2, Timeout: ClientTimeout, HTTP: hc}
-	load := NewLoad(client, cfg.Users, cfg.MaxTokens, cfg.Seed, start)
+	cl := &Client{Gateways: f.Gateways, Model: "tiny", MaxRetries: 2, Timeout: ClientTimeout, HTTP: hc}
+	load := NewLoad(cl, cfg.Users, cfg.MaxTokens, cfg.Seed, start)
 	load.StreamShare = cfg.StreamShare
 	chk := Checker{MC: f.MC, Cluster: fleet.Cluster, Workers: f.Workers, HTTP: hc}
 	obs := &observer{chk: chk, load: load, out: cfg.Progress, dir: cfg.Out}

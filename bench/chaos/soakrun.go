@@ -10,6 +10,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/istio-llm-filter/istio-llm-filter/bench/client"
 	"github.com/istio-llm-filter/istio-llm-filter/bench/fleet"
 )
 
@@ -47,11 +48,11 @@ func RunSoak(ctx context.Context, cfg Config) (*SoakResult, error) {
 		return nil, err
 	}
 	defer f.Stop()
-	hc := NewHTTPClient()
+	hc := client.NewHTTPClient()
 	mach := machine() // its load average is the one at the start
 	start := time.Now()
-	client := &Client{Gateways: f.Gateways, Model: "tiny", MaxRetries: 2, Timeout: ClientTimeout, HTTP: hc}
-	load := NewLoad(client, cfg.Users, cfg.MaxTokens, cfg.Seed, start)
+	cl := &Client{Gateways: f.Gateways, Model: "tiny", MaxRetries: 2, Timeout: ClientTimeout, HTTP: hc}
+	load := NewLoad(cl, cfg.Users, cfg.MaxTokens, cfg.Seed, start)
 	load.StreamShare = cfg.StreamShare
 	chk := Checker{MC: f.MC, Cluster: fleet.Cluster, Workers: f.Workers, HTTP: hc}
 	var targets []Target

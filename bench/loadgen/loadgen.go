@@ -1,29 +1,21 @@
 // Package loadgen replays workload sessions against an OpenAI-compatible
 // endpoint and records what each request observed.
 //
-// It speaks the wire protocol itself (streamed chat completions with
-// stream_options.include_usage) rather than through an SDK, so that TTFT is
-// the arrival of the first chunk that carries generated text, measured on the
-// socket, not after an SDK's buffering.
+// Every request is a streamed chat completion of a fixed length with usage,
+// sent by bench/client, so TTFT is measured on the socket.
 package loadgen
 
 import (
-	"bufio"
-	"bytes"
 	"context"
-	"encoding/json"
-	"fmt"
-	"io"
 	"math/rand/v2"
 	"net/http"
-	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
 
+	"github.com/istio-llm-filter/istio-llm-filter/bench/client"
 	"github.com/istio-llm-filter/istio-llm-filter/bench/report"
 	"github.com/istio-llm-filter/istio-llm-filter/bench/workload"
-	"github.com/istio-llm-filter/istio-llm-filter/filter/llmfilter"
 )
 
 // Options controls one replay.
@@ -52,17 +44,16 @@ type Options struct {
 	// policies (bench --plan).
 	Plan map[string]string
 
-	next *atomic.Uint64 // round-robin position over BaseURLs
+	next   *atomic.Uint64 // round-robin position over BaseURLs
+	client *client.Client
 }
 
 // Run replays sessions and returns one result per request (turn).
 func Run(ctx context.Context, sessions []workload.Session, o Options) []report.Result {
-	if o.Client == nil {
-		o.Client = &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: 256}}
-	}
 	if o.Timeout == 0 {
 		o.Timeout = 2 * time.Minute
 	}
+	o.client = &client.Client{HTTP: o.Client, Timeout: o.Timeout}
 	if len(o.BaseURLs) == 0 {
 		o.BaseURLs = []string{o.BaseURL}
 	}
@@ -89,15 +80,15 @@ func Run(ctx context.Context, sessions []workload.Session, o Options) []report.R
 	runSession := func(s workload.Session) {
 		defer wg.Done()
 		worker, planned := o.Plan[s.Group]
-		history := []message{}
+		history := []client.Message{}
 		if s.System != "" {
-			history = append(history, message{Role: "system", Content: s.System})
+			history = append(history, client.Message{Role: "system", Content: s.System})
 		}
 		for i, turn := range s.Turns {
 			if ctx.Err() != nil {
 				return
 			}
-			history = append(history, message{Role: "user", Content: turn.User})
+			history = append(history, client.Message{Role: "user", Content: turn.User})
 			base := "http://" + worker
 			if !planned {
 				base = o.BaseURLs[(o.next.Add(1)-1)%uint64(len(o.BaseURLs))]
@@ -111,7 +102,7 @@ func Run(ctx context.Context, sessions []workload.Session, o Options) []report.R
 			if !r.OK() {
 				return // a conversation cannot go on without its answer
 			}
-			history = append(history, message{Role: "assistant", Content: answer})
+			history = append(history, client.Message{Role: "assistant", Content: answer})
 		}
 	}
 	if o.Concurrency > 0 {
@@ -147,101 +138,14 @@ func Run(ctx context.Context, sessions []workload.Session, o Options) []report.R
 	return results
 }
 
-type message struct {
-	Role    string `json:"role"`
-	Content string `json:"content"`
-}
-
-type chunk struct {
-	Choices []struct {
-		Delta struct {
-			Content string `json:"content"`
-		} `json:"delta"`
-	} `json:"choices"`
-	Usage *struct {
-		PromptTokens        int `json:"prompt_tokens"`
-		CompletionTokens    int `json:"completion_tokens"`
-		PromptTokensDetails *struct {
-			CachedTokens int `json:"cached_tokens"`
-		} `json:"prompt_tokens_details"`
-	} `json:"usage"`
-}
-
 // do sends one streamed chat completion to base and returns its result and
 // the generated text.
-func (o Options) do(ctx context.Context, base string, msgs []message, runStart time.Time) (report.Result, string) {
-	body, _ := json.Marshal(map[string]any{
-		"model":          o.Model,
-		"messages":       msgs,
-		"stream":         true,
-		"stream_options": map[string]any{"include_usage": true},
-		"max_tokens":     o.MaxTokens,
-		"min_tokens":     o.MaxTokens,
-		"ignore_eos":     true,
-		"temperature":    0,
-	})
-	ctx, cancel := context.WithTimeout(ctx, o.Timeout)
-	defer cancel()
-	t0 := time.Now()
-	r := report.Result{Start: t0.Sub(runStart)}
-	req, err := http.NewRequestWithContext(ctx, http.MethodPost, strings.TrimRight(base, "/")+"/v1/chat/completions", bytes.NewReader(body))
-	if err != nil {
-		r.Err = err.Error()
-		return r, ""
+func (o Options) do(ctx context.Context, base string, msgs []client.Message, runStart time.Time) (report.Result, string) {
+	res := o.client.Do(ctx, base, client.Request{Model: o.Model, Messages: msgs, Stream: true, MaxTokens: o.MaxTokens, FixedLength: true, Usage: true})
+	r := report.Result{Start: res.Sent.Sub(runStart), TTFT: res.TTFT, Latency: res.Latency, Status: res.Status, Worker: res.Worker,
+		PromptTokens: res.PromptTokens, CompletionTokens: res.CompletionTokens, CachedTokens: res.CachedTokens}
+	if res.Outcome != client.OK {
+		r.Err = res.Err
 	}
-	req.Header.Set("Content-Type", "application/json")
-	resp, err := o.Client.Do(req)
-	if err != nil {
-		r.Err, r.Latency = err.Error(), time.Since(t0)
-		return r, ""
-	}
-	defer resp.Body.Close()
-	r.Status = resp.StatusCode
-	r.Worker = resp.Header.Get(llmfilter.UpstreamHostHeader)
-	if resp.StatusCode/100 != 2 {
-		msg, _ := io.ReadAll(io.LimitReader(resp.Body, 512))
-		r.Err, r.Latency = fmt.Sprintf("status %d: %s", resp.StatusCode, bytes.TrimSpace(msg)), time.Since(t0)
-		return r, ""
-	}
-	var answer strings.Builder
-	sc := bufio.NewScanner(resp.Body)
-	sc.Buffer(make([]byte, 64<<10), 4<<20)
-	sawDone := false
-	for sc.Scan() {
-		line := sc.Bytes()
-		data, ok := bytes.CutPrefix(line, []byte("data:"))
-		if !ok {
-			continue
-		}
-		data = bytes.TrimSpace(data)
-		if string(data) == "[DONE]" {
-			sawDone = true
-			break
-		}
-		var c chunk
-		if err := json.Unmarshal(data, &c); err != nil {
-			r.Err = "bad chunk: " + err.Error()
-			break
-		}
-		for _, ch := range c.Choices {
-			if ch.Delta.Content != "" && r.TTFT == 0 {
-				r.TTFT = time.Since(t0)
-			}
-			answer.WriteString(ch.Delta.Content)
-		}
-		if c.Usage != nil {
-			r.PromptTokens, r.CompletionTokens = c.Usage.PromptTokens, c.Usage.CompletionTokens
-			if c.Usage.PromptTokensDetails != nil {
-				r.CachedTokens = c.Usage.PromptTokensDetails.CachedTokens
-			}
-		}
-	}
-	r.Latency = time.Since(t0)
-	if err := sc.Err(); err != nil && r.Err == "" {
-		r.Err = err.Error()
-	}
-	if !sawDone && r.Err == "" {
-		r.Err = "stream ended without [DONE]"
-	}
-	return r, answer.String()
+	return r, res.Text
 }

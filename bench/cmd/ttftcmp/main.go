@@ -24,21 +24,20 @@
 package main
 
 import (
-	"bufio"
 	"bytes"
 	"context"
-	"encoding/json"
 	"errors"
 	"flag"
 	"fmt"
 	"io"
-	"net/http"
 	"os"
 	"slices"
 	"strconv"
 	"strings"
 	"sync"
 	"time"
+
+	"github.com/istio-llm-filter/istio-llm-filter/bench/client"
 )
 
 type target struct{ name, url, model string }
@@ -109,9 +108,9 @@ func main() {
 }
 
 func run(ctx context.Context, c config, out io.Writer) error {
-	cl := &http.Client{}
+	cl := &client.Client{Timeout: c.timeout}
 	for _, t := range c.targets { // loads the model (Ollama loads on first use)
-		if _, err := ttft(ctx, cl, t, c.timeout, []msg{{"user", "warm up " + t.name}}, 2); err != nil {
+		if _, err := ttft(ctx, cl, t, []client.Message{{Role: "user", Content: "warm up " + t.name}}, 2); err != nil {
 			return fmt.Errorf("%s: warm-up: %w", t.name, err)
 		}
 	}
@@ -277,11 +276,6 @@ func median(ds []time.Duration) time.Duration {
 	return (s[len(s)/2-1] + s[len(s)/2]) / 2
 }
 
-type msg struct {
-	Role    string `json:"role"`
-	Content string `json:"content"`
-}
-
 // filler is n bytes of plain text that starts with salt, so no server has
 // any of it cached.
 func filler(salt string, n int) string {
@@ -300,22 +294,22 @@ func filler(salt string, n int) string {
 	return b.String()[:n]
 }
 
-func prompts(c config, sc, salt string) ([][]msg, error) {
+func prompts(c config, sc, salt string) ([][]client.Message, error) {
 	switch sc {
 	case "cold":
-		return [][]msg{{{"user", filler(salt, c.coldTokens)}}}, nil
+		return [][]client.Message{{{Role: "user", Content: filler(salt, c.coldTokens)}}}, nil
 	case "shared":
 		sys := filler(salt, c.systemTokens)
-		var out [][]msg
+		var out [][]client.Message
 		for u := range c.users {
-			out = append(out, []msg{{"system", sys}, {"user", fmt.Sprintf("User %d asks: what does line %d say?", u, u*7)}})
+			out = append(out, []client.Message{{Role: "system", Content: sys}, {Role: "user", Content: fmt.Sprintf("User %d asks: what does line %d say?", u, u*7)}})
 		}
 		return out, nil
 	case "distinct":
-		var out [][]msg
+		var out [][]client.Message
 		for u := range c.users {
-			out = append(out, []msg{{"system", filler(fmt.Sprintf("user %d %s", u, salt), c.systemTokens)},
-				{"user", fmt.Sprintf("User %d asks: what does line %d say?", u, u*7)}})
+			out = append(out, []client.Message{{Role: "system", Content: filler(fmt.Sprintf("user %d %s", u, salt), c.systemTokens)},
+				{Role: "user", Content: fmt.Sprintf("User %d asks: what does line %d say?", u, u*7)}})
 		}
 		return out, nil
 	}
@@ -323,7 +317,7 @@ func prompts(c config, sc, salt string) ([][]msg, error) {
 }
 
 // users sends the conversations gap apart and returns their TTFTs.
-func users(ctx context.Context, cl *http.Client, t target, c config, convs [][]msg) ([]time.Duration, error) {
+func users(ctx context.Context, cl *client.Client, t target, c config, convs [][]client.Message) ([]time.Duration, error) {
 	ds := make([]time.Duration, len(convs))
 	errs := make([]error, len(convs))
 	var wg sync.WaitGroup
@@ -334,70 +328,25 @@ func users(ctx context.Context, cl *http.Client, t target, c config, convs [][]m
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			ds[i], errs[i] = ttft(ctx, cl, t, c.timeout, m, c.maxTokens)
+			ds[i], errs[i] = ttft(ctx, cl, t, m, c.maxTokens)
 		}()
 	}
 	wg.Wait()
 	return ds, errors.Join(errs...)
 }
 
-// ttft streams one greedy chat completion and returns the time to the first
-// chunk carrying text — or, when the first token ends the answer (a
-// random-weights model may pick end-of-generation at once), to the chunk
-// with the finish reason; the stream is read to its end.
-func ttft(ctx context.Context, cl *http.Client, t target, timeout time.Duration, m []msg, maxTokens int) (time.Duration, error) {
-	body, _ := json.Marshal(map[string]any{"model": t.model, "messages": m, "stream": true, "max_tokens": maxTokens, "temperature": 0})
-	ctx, cancel := context.WithTimeout(ctx, timeout)
-	defer cancel()
-	req, err := http.NewRequestWithContext(ctx, http.MethodPost, t.url+"/v1/chat/completions", bytes.NewReader(body))
-	if err != nil {
-		return 0, err
-	}
-	req.Header.Set("Content-Type", "application/json")
-	t0 := time.Now()
-	resp, err := cl.Do(req)
-	if err != nil {
-		return 0, err
-	}
-	defer resp.Body.Close()
-	if resp.StatusCode != http.StatusOK {
-		b, _ := io.ReadAll(io.LimitReader(resp.Body, 512))
-		return 0, fmt.Errorf("status %d: %s", resp.StatusCode, bytes.TrimSpace(b))
-	}
-	var first time.Duration
-	sc := bufio.NewScanner(resp.Body)
-	sc.Buffer(make([]byte, 64<<10), 4<<20)
-	for sc.Scan() {
-		data, ok := bytes.CutPrefix(sc.Bytes(), []byte("data:"))
-		if !ok {
-			continue
-		}
-		data = bytes.TrimSpace(data)
-		if string(data) == "[DONE]" {
-			break
-		}
-		var ch struct {
-			Choices []struct {
-				Delta struct {
-					Content string `json:"content"`
-				} `json:"delta"`
-				FinishReason *string `json:"finish_reason"`
-			} `json:"choices"`
-		}
-		if err := json.Unmarshal(data, &ch); err != nil {
-			return 0, fmt.Errorf("bad chunk %q: %w", data, err)
-		}
-		for _, c := range ch.Choices {
-			if (c.Delta.Content != "" || c.FinishReason != nil) && first == 0 {
-				first = time.Since(t0)
-			}
-		}
-	}
-	if err := sc.Err(); err != nil {
-		return 0, err
-	}
-	if first == 0 {
+// ttft streams one greedy chat completion and returns the time to its first
+// token (bench/client: the first chunk carrying text or, when the first
+// token ends the answer, as a random-weights model may pick
+// end-of-generation at once, the finish reason); the stream is read to its
+// end.
+func ttft(ctx context.Context, cl *client.Client, t target, m []client.Message, maxTokens int) (time.Duration, error) {
+	res := cl.Do(ctx, t.url, client.Request{Model: t.model, Messages: m, Stream: true, MaxTokens: maxTokens})
+	switch {
+	case res.Outcome != client.OK:
+		return 0, errors.New(res.Err)
+	case res.TTFT == 0:
 		return 0, errors.New("no text arrived")
 	}
-	return first, nil
+	return res.TTFT, nil
 }
