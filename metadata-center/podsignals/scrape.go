@@ -39,7 +39,7 @@ type StaticTargets []Target
 
 func (t StaticTargets) Targets() []Target { return t }
 
-// Reporter records a pod's signals: store.Store is one.
+// Reporter records a pod's signals: store.Signals is one.
 type Reporter interface {
 	ReportSignals(ctx context.Context, cluster, host string, sig api.PodSignals) error
 }

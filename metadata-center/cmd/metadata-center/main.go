@@ -162,7 +162,7 @@ func run(ctx context.Context, args []string, stderr io.Writer, onListen func(net
 		if err != nil {
 			return fmt.Errorf("--scrape-config %s: %w", c.scrapeConfig, err)
 		}
-		sc, err := podsignals.New(podsignals.Options{Store: st, Targets: podsignals.StaticTargets(targets),
+		sc, err := podsignals.New(podsignals.Options{Store: st.Parts().Signals, Targets: podsignals.StaticTargets(targets),
 			Interval: c.scrapeInterval, Timeout: c.scrapeTimeout, Logger: log, Registerer: reg})
 		if err != nil {
 			return err
@@ -190,7 +190,7 @@ func run(ctx context.Context, args []string, stderr io.Writer, onListen func(net
 	if c.storeKind == "redis" {
 		log.Info("using redis", "addr", c.redisAddr, "cluster", c.redisCluster, "key_prefix", c.redisPrefix)
 		pctx, cancel := context.WithTimeout(ctx, c.storeTimeout)
-		if err := st.Ping(pctx); err != nil {
+		if err := st.Parts().Health.Ping(pctx); err != nil {
 			// Not fatal: /readyz reports it and the client reconnects by itself.
 			log.Warn("redis not reachable yet", "err", err)
 		}
