@@ -228,41 +228,40 @@ func TestRunScrapesAtTheInterval(t *testing.T) {
 	}
 }
 
-// Targets come from the filter's own rules: the rule's backend and its
-// cluster's static pods; triton rules and clusters without static pods
-// are left out.
-func TestTargetsFromFilterConfig(t *testing.T) {
+// Targets come from the metadata center's own scrape configuration: per
+// cluster its backend and pods, clusters sorted, hosts canonical, each pod
+// once; a backend without known /metrics, a cluster without pods, a host
+// that is not ip:port or an unknown key is refused, naming where.
+func TestParseTargets(t *testing.T) {
 	doc := `
-listen: 127.0.0.1:8000
-filter:
-  model_mapping_rule:
-    qwen:
-      - {headers: {x-env: canary}, cluster: canary, backend: sglang}
-      - {cluster: main, backend: vllm}
-    tiny:
-      - {cluster: tri, backend: triton}
-      - {headers: {x-a: b}, cluster: main, backend: vllm}
-    lone:
-      - {cluster: nowhere, backend: llamacpp}
-  endpoints:
-    static:
-      main: [10.0.0.1:8000, 10.0.0.2:8000]
-      canary: [10.0.1.1:30000]
-      tri: [10.0.2.1:8001]
+clusters:
+  main:
+    backend: vllm
+    pods: [10.0.0.1:8000, "[::ffff:10.0.0.2]:8000", 10.0.0.1:08000]
+  outbound|30000||canary.llm: {backend: sglang, pods: [10.0.1.1:30000]}
 `
-	got, err := TargetsFromFilterConfig([]byte(doc))
+	got, err := ParseTargets([]byte(doc))
 	if err != nil {
 		t.Fatal(err)
 	}
 	want := []Target{
-		{Cluster: "canary", Host: "10.0.1.1:30000", Backend: BackendSGLang},
 		{Cluster: "main", Host: "10.0.0.1:8000", Backend: BackendVLLM},
 		{Cluster: "main", Host: "10.0.0.2:8000", Backend: BackendVLLM},
+		{Cluster: "outbound|30000||canary.llm", Host: "10.0.1.1:30000", Backend: BackendSGLang},
 	}
 	if !reflect.DeepEqual(got, want) {
 		t.Fatalf("targets %+v, want %+v", got, want)
 	}
-	if _, err := TargetsFromFilterConfig([]byte("filter: {model_mapping_rule: {m: [{backend: vllm}]}}")); err == nil || !strings.Contains(err.Error(), "cluster") {
-		t.Fatalf("a rule without cluster: %v", err)
+	for doc, msg := range map[string]string{
+		"clusters: {tri: {backend: triton, pods: [10.0.2.1:8001]}}":            "clusters.tri.backend",
+		"clusters: {main: {backend: vllm}}":                                    "clusters.main.pods",
+		"clusters: {main: {backend: vllm, pods: [pod-a:8000]}}":                "clusters.main.pods[0]",
+		"clusters: {main: {backend: vllm, pods: [10.0.0.1:8000], cluster: x}}": "unknown field",
+		"clusters: {}":                     "at least one cluster",
+		"filter: {model_mapping_rule: {}}": "unknown field",
+	} {
+		if _, err := ParseTargets([]byte(doc)); err == nil || !strings.Contains(err.Error(), msg) {
+			t.Errorf("%s: error %v, want one naming %q", doc, err, msg)
+		}
 	}
 }

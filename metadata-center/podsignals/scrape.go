@@ -23,7 +23,7 @@ const (
 )
 
 // Target is one pod to scrape: its cluster (as the router names it), its
-// ip:port and the backend it runs (the rule's `backend`).
+// ip:port and the backend it runs.
 type Target struct {
 	Cluster, Host, Backend string
 }

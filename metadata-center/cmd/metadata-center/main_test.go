@@ -194,8 +194,8 @@ func TestSIGTERM(t *testing.T) {
 	}
 }
 
-// With --scrape-config the command scrapes the vLLM pods of the gateway's
-// rules and answers their signals; a config it cannot use stops it.
+// With --scrape-config the command scrapes the vLLM pods the file lists and
+// answers their signals; a config it cannot use stops it.
 func TestScrapeConfig(t *testing.T) {
 	pod := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		io.WriteString(w, "vllm:num_requests_running{model_name=\"q\"} 6\nvllm:num_requests_waiting{model_name=\"q\"} 2\nvllm:kv_cache_usage_perc{model_name=\"q\"} 0.5\n")
@@ -203,8 +203,8 @@ func TestScrapeConfig(t *testing.T) {
 	defer pod.Close()
 	host := strings.TrimPrefix(pod.URL, "http://")
 	dir := t.TempDir()
-	cfg := filepath.Join(dir, "gateway.yaml")
-	doc := fmt.Sprintf("listen: 127.0.0.1:0\nfilter:\n  model_mapping_rule: {q: [{cluster: pool, backend: vllm}]}\n  endpoints: {static: {pool: [%s]}}\n", host)
+	cfg := filepath.Join(dir, "scrape.yaml")
+	doc := fmt.Sprintf("clusters:\n  pool: {backend: vllm, pods: [%s]}\n", host)
 	if err := os.WriteFile(cfg, []byte(doc), 0o644); err != nil {
 		t.Fatal(err)
 	}
@@ -242,7 +242,7 @@ func TestScrapeConfig(t *testing.T) {
 	if err := <-done; err != nil {
 		t.Fatalf("run returned %v", err)
 	}
-	if err := os.WriteFile(cfg, []byte("filter: {model_mapping_rule: {}}"), 0o644); err != nil {
+	if err := os.WriteFile(cfg, []byte("clusters: {pool: {backend: triton, pods: [10.0.0.1:8000]}}"), 0o644); err != nil {
 		t.Fatal(err)
 	}
 	if err := run(context.Background(), []string{"--listen", "127.0.0.1:0", "--scrape-config", cfg}, io.Discard, nil); err == nil || !strings.Contains(err.Error(), "--scrape-config") {
