@@ -16,8 +16,10 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	dto "github.com/prometheus/client_model/go"
 
+	"github.com/istio-llm-filter/istio-llm-filter/internal/testutil/wait"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/api"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/store/memstore"
+	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/store/storetest"
 )
 
 // Expositions in each backend's shape: HELP/TYPE lines, labels (vLLM and
@@ -136,7 +138,8 @@ func TestScraperFillsTheStore(t *testing.T) {
 		return llamaMetrics
 	})
 	host := func(ts *httptest.Server) string { return strings.TrimPrefix(ts.URL, "http://") }
-	st := memstore.New(memstore.Options{SignalMaxAge: 200 * time.Millisecond})
+	clock := storetest.NewClock()
+	st := memstore.New(memstore.Options{SignalMaxAge: 200 * time.Millisecond, Now: clock.Now})
 	reg := prometheus.NewRegistry()
 	sc, err := New(Options{Store: st, Registerer: reg, Logger: slog.New(slog.NewTextHandler(io.Discard, nil)), Targets: StaticTargets{
 		{Cluster: "a", Host: host(vllm), Backend: BackendVLLM},
@@ -174,7 +177,7 @@ func TestScraperFillsTheStore(t *testing.T) {
 	// The vLLM pod's queue drains; the flaky pod goes down.
 	vllmWaiting.Store(0)
 	broken.Store(true)
-	time.Sleep(250 * time.Millisecond)
+	clock.Advance(250 * time.Millisecond) // every report older than the max age
 	sc.Round(ctx, true)
 	sigA, _ := st.Signals(ctx, "a")
 	sigB, _ = st.Signals(ctx, "b")
@@ -214,15 +217,9 @@ func TestRunScrapesAtTheInterval(t *testing.T) {
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan struct{})
 	go func() { sc.Run(ctx); close(done) }()
-	deadline := time.Now().Add(5 * time.Second)
-	for hits.Load() < 5 && time.Now().Before(deadline) {
-		time.Sleep(10 * time.Millisecond)
-	}
+	wait.For(t, 5*time.Second, "5 scrapes at a 20 ms interval", func() bool { return hits.Load() >= 5 })
 	cancel()
 	<-done
-	if hits.Load() < 5 {
-		t.Fatalf("%d scrapes in 5 s at a 20 ms interval", hits.Load())
-	}
 	if _, err := New(Options{Store: st}); err == nil {
 		t.Fatal("New without targets accepted")
 	}

@@ -18,6 +18,7 @@ import (
 	"time"
 
 	"github.com/istio-llm-filter/istio-llm-filter/internal/testutil/redistest"
+	"github.com/istio-llm-filter/istio-llm-filter/internal/testutil/wait"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/api"
 )
 
@@ -171,12 +172,26 @@ func TestSIGTERM(t *testing.T) {
 		resp.Body.Close()
 		got <- resp.StatusCode
 	}()
-	_, _ = pw.Write([]byte(`{"cluster":"c","host":"10.0.0.1:1",`))
-	time.Sleep(200 * time.Millisecond)
+	_, _ = pw.Write([]byte(`{"cluster":"c","host":"10.0.0.1:1",`)) // returns once the client has connected and read it
+	// The server accepts connections in the order they were made: once a
+	// request on a later connection is answered, the slow one is accepted.
+	resp, err := http.Get("http://" + addr + api.PathHealthz)
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
 	if err := cmd.Process.Signal(syscall.SIGTERM); err != nil {
 		t.Fatal(err)
 	}
-	time.Sleep(200 * time.Millisecond)
+	// Shutdown has begun once the listener refuses new connections.
+	wait.For(t, 10*time.Second, "the listener to close on SIGTERM", func() bool {
+		c, err := net.DialTimeout("tcp", addr, time.Second)
+		if err != nil {
+			return true
+		}
+		c.Close()
+		return false
+	})
 	_, _ = pw.Write([]byte(`"hashes":["0123456789abcdef"]}`))
 	_ = pw.Close()
 	if code := <-got; code != 200 {
@@ -221,8 +236,7 @@ func TestScrapeConfig(t *testing.T) {
 	case err := <-done:
 		t.Fatalf("run: %v", err)
 	}
-	deadline := time.Now().Add(5 * time.Second)
-	for {
+	wait.For(t, 5*time.Second, "the scraped pod's signals", func() bool {
 		resp, err := http.Get(base + api.PathPodSignals + "?cluster=pool")
 		if err != nil {
 			t.Fatal(err)
@@ -230,14 +244,8 @@ func TestScrapeConfig(t *testing.T) {
 		var sig map[string]api.PodSignals
 		err = json.NewDecoder(resp.Body).Decode(&sig)
 		resp.Body.Close()
-		if err == nil && sig[host].Running == 6 && sig[host].Waiting == 2 && sig[host].KVCacheUtil == 0.5 {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("signals %v %v", sig, err)
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
+		return err == nil && sig[host].Running == 6 && sig[host].Waiting == 2 && sig[host].KVCacheUtil == 0.5
+	})
 	cancel()
 	if err := <-done; err != nil {
 		t.Fatalf("run returned %v", err)

@@ -13,6 +13,7 @@ import (
 	"github.com/redis/go-redis/v9"
 
 	"github.com/istio-llm-filter/istio-llm-filter/internal/testutil/redistest"
+	"github.com/istio-llm-filter/istio-llm-filter/internal/testutil/wait"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/api"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/store"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/store/redisstore"
@@ -138,13 +139,7 @@ func TestUnavailable(t *testing.T) {
 		}
 	}
 	srv.Restart()
-	deadline := time.Now().Add(15 * time.Second)
-	for st.Ping(ctx) != nil {
-		if time.Now().After(deadline) {
-			t.Fatal("store did not recover after Redis came back")
-		}
-		time.Sleep(100 * time.Millisecond)
-	}
+	wait.For(t, 15*time.Second, "the store to recover after Redis came back", func() bool { return st.Ping(ctx) == nil })
 	if err := st.AddLease(ctx, "c", "10.0.0.1:1", "r", 1); err != nil {
 		t.Fatalf("after recovery: %v", err)
 	}
