@@ -4,6 +4,12 @@
 // in-memory implementation (memstore, the embedded default) and a Redis one
 // (redisstore, for replicated deployments).
 //
+// Beside them, Router answers all four at once for a routing decision,
+// Batcher applies a batch of updates and Health serves /metrics and
+// /readyz. Each implementation is one value that fills every field of
+// Parts; a consumer takes only the interface it uses. Every method is safe
+// for concurrent use; errors from the backing store wrap ErrUnavailable.
+//
 // The HTTP layer validates and canonicalises every input before it reaches a
 // Store, so implementations may assume a non-empty cluster, an ip:port host
 // and a non-empty request id.
@@ -46,17 +52,6 @@ type Stats struct {
 	LiveLeases   int64 // request leases that have not expired or been deleted
 	IndexEntries int64 // (cluster, host, hash) cache entries that have not expired
 }
-
-// A metadata center keeps four kinds of record, each behind its own small
-// interface: Leases (requests in flight), Index (which host holds which
-// prefix), Signals (the pods' reports about themselves) and Registry (the
-// pods' registrations). Router answers all four at once for a routing
-// decision, Batcher applies a batch of updates, Health serves /metrics and
-// /readyz. Every method is safe for concurrent use; errors from the
-// backing store wrap ErrUnavailable.
-//
-// Each implementation (memstore, redisstore) is one value that fills every
-// Part; a consumer takes only the interface it uses.
 
 // Leases keeps the requests in flight on each host.
 type Leases interface {
