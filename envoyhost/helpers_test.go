@@ -51,9 +51,12 @@ func artifacts(t testing.TB) (hostBin, so string) {
 	return filepath.Join(repoRoot, "bin", "envoyhost"), filepath.Join(repoRoot, "bin", "llm-filter.so")
 }
 
-// recStore counts lease traffic at the metadata center.
+// recStore counts lease traffic at the metadata center: it wraps the
+// store's Leases, and batches go through the wrapper one op at a time.
 type recStore struct {
 	store.Store
+	store.Leases // the inner store's, which AddLease and DeleteLease wrap
+	store.Index
 	adds, deletes atomic.Int64
 	mu            sync.Mutex
 	live          map[string]string // request id -> host
@@ -66,7 +69,7 @@ func (r *recStore) AddLease(ctx context.Context, c, h, id string, p int64) error
 	r.live[id] = h
 	r.addedOn = append(r.addedOn, h)
 	r.mu.Unlock()
-	return r.Store.AddLease(ctx, c, h, id, p)
+	return r.Leases.AddLease(ctx, c, h, id, p)
 }
 
 func (r *recStore) DeleteLease(ctx context.Context, c, h, id string) error {
@@ -74,7 +77,14 @@ func (r *recStore) DeleteLease(ctx context.Context, c, h, id string) error {
 	r.mu.Lock()
 	delete(r.live, id)
 	r.mu.Unlock()
-	return r.Store.DeleteLease(ctx, c, h, id)
+	return r.Leases.DeleteLease(ctx, c, h, id)
+}
+
+func (r *recStore) Parts() store.Parts {
+	p := r.Store.Parts()
+	p.Leases = r
+	p.Batch = store.Sequential{Leases: r, Index: p.Index}
+	return p
 }
 
 func (r *recStore) liveLeases() map[string]string {
@@ -90,7 +100,8 @@ func (r *recStore) liveLeases() map[string]string {
 func quietLogger() *slog.Logger { return slog.New(slog.NewTextHandler(io.Discard, nil)) }
 
 func newMetadataCenter(t testing.TB) (*recStore, string) {
-	st := &recStore{Store: memstore.New(memstore.Options{}), live: map[string]string{}}
+	inner := memstore.New(memstore.Options{})
+	st := &recStore{Store: inner, Leases: inner, Index: inner, live: map[string]string{}}
 	mc := httptest.NewServer(server.New(st, server.Options{Logger: quietLogger()}).Handler())
 	t.Cleanup(mc.Close)
 	return st, mc.URL

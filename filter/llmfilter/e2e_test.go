@@ -25,32 +25,39 @@ import (
 )
 
 // recStore is the real in-memory store with call counters, so tests can wait
-// for the filter's asynchronous updates to land instead of sleeping.
+// for the filter's asynchronous updates to land instead of sleeping. It
+// wraps the store's Leases and Index; batches go through the wrappers one
+// op at a time.
 type recStore struct {
 	store.Store
+	store.Leases // the inner store's, which the counters wrap
+	store.Index
 	adds, saves, deletes atomic.Int64
 }
 
 func (r *recStore) AddLease(ctx context.Context, c, h, id string, p int64) error {
-	err := r.Store.AddLease(ctx, c, h, id, p)
+	err := r.Leases.AddLease(ctx, c, h, id, p)
 	r.adds.Add(1)
 	return err
 }
 
-func (r *recStore) SaveCache(ctx context.Context, c, h string, hs []prefix.Hash) error {
-	return r.SaveCacheAs(ctx, c, h, hs, "", 0)
-}
-
 func (r *recStore) SaveCacheAs(ctx context.Context, c, h string, hs []prefix.Hash, id string, at int64) error {
-	err := r.Store.SaveCacheAs(ctx, c, h, hs, id, at)
+	err := r.Index.SaveCacheAs(ctx, c, h, hs, id, at)
 	r.saves.Add(1)
 	return err
 }
 
 func (r *recStore) DeleteLease(ctx context.Context, c, h, id string) error {
-	err := r.Store.DeleteLease(ctx, c, h, id)
+	err := r.Leases.DeleteLease(ctx, c, h, id)
 	r.deletes.Add(1)
 	return err
+}
+
+func (r *recStore) Parts() store.Parts {
+	p := r.Store.Parts()
+	p.Leases, p.Index = r, r
+	p.Batch = store.Sequential{Leases: r, Index: r}
+	return p
 }
 
 func waitUntil(t testing.TB, what string, cond func() bool) {
@@ -177,7 +184,8 @@ func newWorldMetrics(t testing.TB, n int, mcURL string, m llmfilter.Metrics) *wo
 	}
 	quiet := slog.New(slog.NewTextHandler(io.Discard, nil))
 	if mcURL == "" {
-		w.st = &recStore{Store: memstore.New(memstore.Options{})}
+		inner := memstore.New(memstore.Options{})
+		w.st = &recStore{Store: inner, Leases: inner, Index: inner}
 		mc := httptest.NewServer(server.New(w.st, server.Options{Logger: quiet}).Handler())
 		t.Cleanup(mc.Close)
 		mcURL = mc.URL

@@ -25,9 +25,11 @@ import (
 	"github.com/istio-llm-filter/istio-llm-filter/prefix"
 )
 
-// leaseLog records on which hosts leases were added and deleted.
+// leaseLog records on which hosts leases were added and deleted: it wraps
+// the store's Leases, and batches go through the wrapper one op at a time.
 type leaseLog struct {
 	store.Store
+	store.Leases // the inner store's, which AddLease and DeleteLease wrap
 	mu           sync.Mutex
 	adds, delete []string
 }
@@ -36,14 +38,21 @@ func (l *leaseLog) AddLease(ctx context.Context, c, h, id string, p int64) error
 	l.mu.Lock()
 	l.adds = append(l.adds, h)
 	l.mu.Unlock()
-	return l.Store.AddLease(ctx, c, h, id, p)
+	return l.Leases.AddLease(ctx, c, h, id, p)
 }
 
 func (l *leaseLog) DeleteLease(ctx context.Context, c, h, id string) error {
 	l.mu.Lock()
 	l.delete = append(l.delete, h)
 	l.mu.Unlock()
-	return l.Store.DeleteLease(ctx, c, h, id)
+	return l.Leases.DeleteLease(ctx, c, h, id)
+}
+
+func (l *leaseLog) Parts() store.Parts {
+	p := l.Store.Parts()
+	p.Leases = l
+	p.Batch = store.Sequential{Leases: l, Index: p.Index}
+	return p
 }
 
 func (l *leaseLog) hosts() (adds, deletes []string) {
@@ -79,7 +88,7 @@ func TestLeaseAndPrefixFollowThePodThatServed(t *testing.T) {
 
 func testServedElsewhere(t *testing.T, inner store.Store) {
 	quiet := slog.New(slog.NewTextHandler(io.Discard, nil))
-	st := &leaseLog{Store: inner}
+	st := &leaseLog{Store: inner, Leases: inner.Parts().Leases}
 	mc := httptest.NewServer(server.New(st, server.Options{Logger: quiet}).Handler())
 	t.Cleanup(mc.Close)
 	real := newBackend(t)
@@ -149,7 +158,7 @@ endpoints:
 		for i, w := range hashes {
 			hs[i], _ = prefix.ParseHash(w)
 		}
-		locs, err := inner.QueryCache(context.Background(), "tiny-pool", hs)
+		locs, err := inner.Parts().Index.QueryCache(context.Background(), "tiny-pool", hs)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -159,7 +168,7 @@ endpoints:
 		t.Helper()
 		waitUntil(t, "the leases to end", func() bool {
 			adds, dels := st.hosts()
-			load, err := inner.LoadStats(context.Background(), "tiny-pool")
+			load, err := inner.Parts().Leases.LoadStats(context.Background(), "tiny-pool")
 			return err == nil && len(load) == 0 && len(adds) == 2*n && len(dels) == 2*n
 		})
 	}

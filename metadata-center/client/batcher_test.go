@@ -78,17 +78,32 @@ func TestBatcherLifecyclesAgainstMetadataCenter(t *testing.T) {
 					for i := range per {
 						id := fmt.Sprintf("w%d-r%d", w, i)
 						host := fmt.Sprintf("10.0.0.%d:8000", 1+i%4)
+						var sent chan struct{} // every tenth request: closed when its add has landed
+						if i%10 == 0 {
+							sent = make(chan struct{})
+						}
 						b.Add(api.BatchOp{Op: api.OpAddRequest, Cluster: cluster, Host: host, RequestID: id, PromptLength: 100},
 							func(err error) {
 								if err == nil {
 									acked.Add(1)
 								}
+								if sent != nil {
+									close(sent)
+								}
 							})
 						b.Add(api.BatchOp{Op: api.OpCacheSave, Cluster: cluster, Host: host, Hashes: hs, ChunkSize: 16}, nil)
 						b.Add(api.BatchOp{Op: api.OpFirstToken, Cluster: cluster, Host: host, RequestID: id}, nil)
 						b.Add(api.BatchOp{Op: api.OpDone, Cluster: cluster, Host: host, RequestID: id}, nil)
-						if i%10 == 0 {
-							time.Sleep(time.Millisecond) // arrivals spread over time
+						if sent != nil {
+							// Arrivals spread over time: the worker goes on once
+							// its add has left, so a request's updates fall into
+							// different batches.
+							select {
+							case <-sent:
+							case <-time.After(10 * time.Second):
+								t.Errorf("worker %d: request %d's add not answered in 10s", w, i)
+								return
+							}
 						}
 					}
 				}()
@@ -136,15 +151,17 @@ func TestBatcherSaveLandingAfterAnEvictionStaysOut(t *testing.T) {
 			hs := hashes("a conversation long enough for several blocks of sixteen bytes each")
 			ctx := context.Background()
 			landed := make(chan error, 2)
+			queued := time.Now().UnixMilli()
 			b.Add(api.BatchOp{Op: api.OpCacheSave, Cluster: cluster, Host: host, Hashes: hs, ChunkSize: 16, SaveID: "r1"},
 				func(err error) { landed <- err })
-			// The pod evicts after the routing decision. The center dates the
-			// save by its age when the batch left, so the time the batch
-			// spends in transit moves it later; under -race on a busy machine
-			// that took more than 5 ms: leave a margin well inside the window.
-			time.Sleep(100 * time.Millisecond)
+			// The pod evicts after the routing decision: 100 ms after the
+			// save was queued, reported at once (the pod's clock may run
+			// ahead of ours). The center dates the save by its age when the
+			// batch left, so the time the batch spends in transit moves it
+			// later; under -race on a busy machine that took more than 5 ms:
+			// the margin is well inside the window.
 			if err := c.EvictCache(ctx, api.CacheEvict{Cluster: cluster, Host: host, Hashes: hs[2:], ChunkSize: 16,
-				EvictedAt: time.Now().UnixMilli()}); err != nil {
+				EvictedAt: queued + 100}); err != nil {
 				t.Fatal(err)
 			}
 			if err := <-landed; err != nil {
@@ -153,7 +170,8 @@ func TestBatcherSaveLandingAfterAnEvictionStaysOut(t *testing.T) {
 			if ans, err := c.Route(ctx, cluster, hs); err != nil || len(ans.Cache) != 1 || ans.Cache[0].Length != 2 {
 				t.Fatalf("after the late save: cache %v (%v), want %s holding the 2 blocks it kept", ans.Cache, err, host)
 			}
-			time.Sleep(5 * time.Millisecond)
+			// The first save left a window (300 ms) after it was queued, long
+			// after the eviction's time: this one is made after the eviction.
 			b.Add(api.BatchOp{Op: api.OpCacheSave, Cluster: cluster, Host: host, Hashes: hs, ChunkSize: 16, SaveID: "r2"},
 				func(err error) { landed <- err })
 			if err := <-landed; err != nil {

@@ -16,8 +16,10 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	dto "github.com/prometheus/client_model/go"
 
+	"github.com/istio-llm-filter/istio-llm-filter/internal/testutil/wait"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/api"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/store/memstore"
+	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/store/storetest"
 )
 
 // Expositions in each backend's shape: HELP/TYPE lines, labels (vLLM and
@@ -136,7 +138,8 @@ func TestScraperFillsTheStore(t *testing.T) {
 		return llamaMetrics
 	})
 	host := func(ts *httptest.Server) string { return strings.TrimPrefix(ts.URL, "http://") }
-	st := memstore.New(memstore.Options{SignalMaxAge: 200 * time.Millisecond})
+	clock := storetest.NewClock()
+	st := memstore.New(memstore.Options{SignalMaxAge: 200 * time.Millisecond, Now: clock.Now})
 	reg := prometheus.NewRegistry()
 	sc, err := New(Options{Store: st, Registerer: reg, Logger: slog.New(slog.NewTextHandler(io.Discard, nil)), Targets: StaticTargets{
 		{Cluster: "a", Host: host(vllm), Backend: BackendVLLM},
@@ -174,7 +177,7 @@ func TestScraperFillsTheStore(t *testing.T) {
 	// The vLLM pod's queue drains; the flaky pod goes down.
 	vllmWaiting.Store(0)
 	broken.Store(true)
-	time.Sleep(250 * time.Millisecond)
+	clock.Advance(250 * time.Millisecond) // every report older than the max age
 	sc.Round(ctx, true)
 	sigA, _ := st.Signals(ctx, "a")
 	sigB, _ = st.Signals(ctx, "b")
@@ -214,55 +217,48 @@ func TestRunScrapesAtTheInterval(t *testing.T) {
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan struct{})
 	go func() { sc.Run(ctx); close(done) }()
-	deadline := time.Now().Add(5 * time.Second)
-	for hits.Load() < 5 && time.Now().Before(deadline) {
-		time.Sleep(10 * time.Millisecond)
-	}
+	wait.For(t, 5*time.Second, "5 scrapes at a 20 ms interval", func() bool { return hits.Load() >= 5 })
 	cancel()
 	<-done
-	if hits.Load() < 5 {
-		t.Fatalf("%d scrapes in 5 s at a 20 ms interval", hits.Load())
-	}
 	if _, err := New(Options{Store: st}); err == nil {
 		t.Fatal("New without targets accepted")
 	}
 }
 
-// Targets come from the filter's own rules: the rule's backend and its
-// cluster's static pods; triton rules and clusters without static pods
-// are left out.
-func TestTargetsFromFilterConfig(t *testing.T) {
+// Targets come from the metadata center's own scrape configuration: per
+// cluster its backend and pods, clusters sorted, hosts canonical, each pod
+// once; a backend without known /metrics, a cluster without pods, a host
+// that is not ip:port or an unknown key is refused, naming where.
+func TestParseTargets(t *testing.T) {
 	doc := `
-listen: 127.0.0.1:8000
-filter:
-  model_mapping_rule:
-    qwen:
-      - {headers: {x-env: canary}, cluster: canary, backend: sglang}
-      - {cluster: main, backend: vllm}
-    tiny:
-      - {cluster: tri, backend: triton}
-      - {headers: {x-a: b}, cluster: main, backend: vllm}
-    lone:
-      - {cluster: nowhere, backend: llamacpp}
-  endpoints:
-    static:
-      main: [10.0.0.1:8000, 10.0.0.2:8000]
-      canary: [10.0.1.1:30000]
-      tri: [10.0.2.1:8001]
+clusters:
+  main:
+    backend: vllm
+    pods: [10.0.0.1:8000, "[::ffff:10.0.0.2]:8000", 10.0.0.1:08000]
+  outbound|30000||canary.llm: {backend: sglang, pods: [10.0.1.1:30000]}
 `
-	got, err := TargetsFromFilterConfig([]byte(doc))
+	got, err := ParseTargets([]byte(doc))
 	if err != nil {
 		t.Fatal(err)
 	}
 	want := []Target{
-		{Cluster: "canary", Host: "10.0.1.1:30000", Backend: BackendSGLang},
 		{Cluster: "main", Host: "10.0.0.1:8000", Backend: BackendVLLM},
 		{Cluster: "main", Host: "10.0.0.2:8000", Backend: BackendVLLM},
+		{Cluster: "outbound|30000||canary.llm", Host: "10.0.1.1:30000", Backend: BackendSGLang},
 	}
 	if !reflect.DeepEqual(got, want) {
 		t.Fatalf("targets %+v, want %+v", got, want)
 	}
-	if _, err := TargetsFromFilterConfig([]byte("filter: {model_mapping_rule: {m: [{backend: vllm}]}}")); err == nil || !strings.Contains(err.Error(), "cluster") {
-		t.Fatalf("a rule without cluster: %v", err)
+	for doc, msg := range map[string]string{
+		"clusters: {tri: {backend: triton, pods: [10.0.2.1:8001]}}":            "clusters.tri.backend",
+		"clusters: {main: {backend: vllm}}":                                    "clusters.main.pods",
+		"clusters: {main: {backend: vllm, pods: [pod-a:8000]}}":                "clusters.main.pods[0]",
+		"clusters: {main: {backend: vllm, pods: [10.0.0.1:8000], cluster: x}}": "unknown field",
+		"clusters: {}":                     "at least one cluster",
+		"filter: {model_mapping_rule: {}}": "unknown field",
+	} {
+		if _, err := ParseTargets([]byte(doc)); err == nil || !strings.Contains(err.Error(), msg) {
+			t.Errorf("%s: error %v, want one naming %q", doc, err, msg)
+		}
 	}
 }

@@ -23,7 +23,7 @@ const (
 )
 
 // Target is one pod to scrape: its cluster (as the router names it), its
-// ip:port and the backend it runs (the rule's `backend`).
+// ip:port and the backend it runs.
 type Target struct {
 	Cluster, Host, Backend string
 }
@@ -39,7 +39,7 @@ type StaticTargets []Target
 
 func (t StaticTargets) Targets() []Target { return t }
 
-// Reporter records a pod's signals: store.Store is one.
+// Reporter records a pod's signals: store.Signals is one.
 type Reporter interface {
 	ReportSignals(ctx context.Context, cluster, host string, sig api.PodSignals) error
 }

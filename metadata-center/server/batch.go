@@ -15,7 +15,7 @@ import (
 // milliseconds in one call. Every op is checked first, with the single
 // calls' rules, so a bad one refuses the whole batch (400, naming its
 // index) before anything is applied; then the store applies them in order,
-// in one round trip (store.Apply).
+// in one round trip where the store has round trips (store.Batcher).
 func (s *Server) batch(c *gin.Context) {
 	received := time.Now()
 	var req api.Batch
@@ -41,7 +41,7 @@ func (s *Server) batch(c *gin.Context) {
 	}
 	ctx, cancel := s.storeCtx(c)
 	defer cancel()
-	if err := store.Apply(ctx, s.st, ops); err != nil {
+	if err := s.st.Batch.Apply(ctx, ops); err != nil {
 		s.storeFailed(c, "batch", err)
 		return
 	}

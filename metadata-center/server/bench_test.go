@@ -22,7 +22,7 @@ import (
 
 // BenchmarkRouteQuery measures the route query of routeload.Default (64
 // hosts, 64-block prompts) on both stores, in one run so the figures are
-// comparable: "store" calls Store.Route directly; "http" goes through the
+// comparable: "store" calls the store's Router directly; "http" goes through the
 // real handler over loopback with 64 concurrent clients and reports
 // req/s and p50/p99 latency next to ns/op.
 func BenchmarkRouteQuery(b *testing.B) {
@@ -47,7 +47,7 @@ func BenchmarkRouteQueryWithSignals(b *testing.B) {
 func benchRoute(b *testing.B, sc routeload.Scenario, withHTTP bool, withSignals ...bool) {
 	for _, s := range storetest.Stores() {
 		b.Run(s.Name+"/store", func(b *testing.B) {
-			st := s.New(b)
+			st := s.New(b).Parts()
 			if err := sc.Populate(context.Background(), st); err != nil {
 				b.Fatal(err)
 			}
@@ -56,7 +56,7 @@ func benchRoute(b *testing.B, sc routeload.Scenario, withHTTP bool, withSignals 
 				// fresh while the benchmark runs.
 				report := func() {
 					for h := range sc.Hosts {
-						if err := st.ReportSignals(context.Background(), sc.Cluster, sc.Host(h), api.PodSignals{Waiting: int64(h % 3), Running: int64(h % 8), KVCacheUtil: float64(h%10) / 10}); err != nil {
+						if err := st.Signals.ReportSignals(context.Background(), sc.Cluster, sc.Host(h), api.PodSignals{Waiting: int64(h % 3), Running: int64(h % 8), KVCacheUtil: float64(h%10) / 10}); err != nil {
 							b.Fatal(err)
 						}
 					}
@@ -76,7 +76,7 @@ func benchRoute(b *testing.B, sc routeload.Scenario, withHTTP bool, withSignals 
 					}
 				}()
 				b.Cleanup(func() { close(stop) })
-				if ans, err := st.Route(context.Background(), sc.Cluster, sc.Hashes(0)); err != nil || len(ans.Signals) != sc.Hosts {
+				if ans, err := st.Router.Route(context.Background(), sc.Cluster, sc.Hashes(0)); err != nil || len(ans.Signals) != sc.Hosts {
 					b.Fatalf("signals in the route answer: %d of %d, %v", len(ans.Signals), sc.Hosts, err)
 				}
 			}
@@ -84,7 +84,7 @@ func benchRoute(b *testing.B, sc routeload.Scenario, withHTTP bool, withSignals 
 			for p := range queries {
 				queries[p] = sc.Hashes(p)
 			}
-			ans, err := st.Route(context.Background(), sc.Cluster, queries[0])
+			ans, err := st.Router.Route(context.Background(), sc.Cluster, queries[0])
 			if err != nil {
 				b.Fatal(err)
 			}
@@ -104,7 +104,7 @@ func benchRoute(b *testing.B, sc routeload.Scenario, withHTTP bool, withSignals 
 				ctx := context.Background()
 				for pb.Next() {
 					p := int(n.Add(1)) % len(queries)
-					if _, err := st.Route(ctx, sc.Cluster, queries[p]); err != nil {
+					if _, err := st.Router.Route(ctx, sc.Cluster, queries[p]); err != nil {
 						b.Error(err)
 						return
 					}

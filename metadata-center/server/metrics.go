@@ -25,7 +25,7 @@ type metrics struct {
 	batchOps *prometheus.CounterVec
 }
 
-func newMetrics(reg *prometheus.Registry, st store.Store, timeout time.Duration) *metrics {
+func newMetrics(reg *prometheus.Registry, st store.Health, timeout time.Duration) *metrics {
 	m := &metrics{
 		requests: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: "llmf", Subsystem: "metadata_center", Name: "requests_total",
@@ -72,13 +72,13 @@ func (m *metrics) observe(endpoint, method string, code int, d time.Duration) {
 // gauges reads the store's sizes at scrape time, so the numbers are never
 // stale and the request path pays nothing for them.
 type gauges struct {
-	st                              store.Store
+	st                              store.Health
 	timeout                         time.Duration
 	errs                            *prometheus.CounterVec
 	leasesDesc, entriesDesc, upDesc *prometheus.Desc
 }
 
-func newGauges(st store.Store, timeout time.Duration, errs *prometheus.CounterVec) *gauges {
+func newGauges(st store.Health, timeout time.Duration, errs *prometheus.CounterVec) *gauges {
 	return &gauges{st: st, timeout: timeout, errs: errs,
 		leasesDesc: prometheus.NewDesc("llmf_metadata_center_live_leases",
 			"Request leases neither deleted nor expired.", nil, nil),

@@ -70,7 +70,7 @@ func (s *Server) pods(c *gin.Context) {
 	}
 	ctx, cancel := s.storeCtx(c)
 	defer cancel()
-	pods, err := s.st.Pods(ctx, cluster)
+	pods, err := s.st.Registry.Pods(ctx, cluster)
 	if err != nil {
 		s.storeFailed(c, "pods", err)
 		return

@@ -41,14 +41,15 @@ func BenchmarkRouteQueryWithPods(b *testing.B) {
 				}
 				b.Cleanup(func() { _ = st.Close() })
 				ctx := context.Background()
-				if err := sc.Populate(ctx, st); err != nil {
+				parts := st.Parts()
+				if err := sc.Populate(ctx, parts); err != nil {
 					b.Fatal(err)
 				}
 				if registered {
 					for h := range sc.Hosts {
 						reg := api.PodRegistration{Models: []string{"qwen"}, Adapters: []string{fmt.Sprintf("sql-%d", h%4), "chat"},
 							Labels: map[string]string{"pool": fmt.Sprint(h % 3), "gpu": "l4", "zone": "eu-1", "app.kubernetes.io/name": "llm-worker"}}
-						if err := st.Register(ctx, sc.Cluster, sc.Host(h), reg, time.Hour); err != nil {
+						if err := parts.Registry.Register(ctx, sc.Cluster, sc.Host(h), reg, time.Hour); err != nil {
 							b.Fatal(err)
 						}
 					}
@@ -57,7 +58,7 @@ func BenchmarkRouteQueryWithPods(b *testing.B) {
 				for p := range queries {
 					queries[p] = sc.Hashes(p)
 				}
-				ans, err := st.Route(ctx, sc.Cluster, queries[0])
+				ans, err := parts.Router.Route(ctx, sc.Cluster, queries[0])
 				if err != nil {
 					b.Fatal(err)
 				}
@@ -67,7 +68,7 @@ func BenchmarkRouteQueryWithPods(b *testing.B) {
 				b.ReportAllocs()
 				b.ResetTimer()
 				for i := range b.N {
-					if _, err := st.Route(ctx, sc.Cluster, queries[i%len(queries)]); err != nil {
+					if _, err := parts.Router.Route(ctx, sc.Cluster, queries[i%len(queries)]); err != nil {
 						b.Fatal(err)
 					}
 				}

@@ -1,5 +1,5 @@
 // Package server is the metadata center's HTTP API v1 (docs/architecture.md) on gin:
-// it validates and canonicalises every request, maps it onto a store.Store,
+// it validates and canonicalises every request, maps it onto the store's parts,
 // and answers errors as
 // {"error":{"code":N,"type":"...","message":"..."}}.
 package server
@@ -51,7 +51,7 @@ type Options struct {
 
 // Server is the metadata-center HTTP API over one store.
 type Server struct {
-	st      store.Store
+	st      store.Parts
 	opts    Options
 	log     *slog.Logger
 	metrics *metrics
@@ -78,8 +78,8 @@ func New(st store.Store, opts Options) *Server {
 	if opts.StoreTimeout <= 0 {
 		opts.StoreTimeout = DefaultStoreTimeout
 	}
-	s := &Server{st: st, opts: opts, log: opts.Logger}
-	s.metrics = newMetrics(opts.Registry, st, opts.StoreTimeout)
+	s := &Server{st: st.Parts(), opts: opts, log: opts.Logger}
+	s.metrics = newMetrics(opts.Registry, s.st.Health, opts.StoreTimeout)
 
 	e := gin.New()
 	e.HandleMethodNotAllowed = true
@@ -304,7 +304,7 @@ func (s *Server) badRequest(c *gin.Context, err error) {
 }
 
 func (s *Server) loadStats(c *gin.Context) {
-	clusterGet(s, c, "load stats", s.st.LoadStats, func(stats api.LoadStats) []byte {
+	clusterGet(s, c, "load stats", s.st.Leases.LoadStats, func(stats api.LoadStats) []byte {
 		return appendLoad(make([]byte, 0, 8+64*len(stats)), stats)
 	})
 }
@@ -342,7 +342,7 @@ func (s *Server) addLease(c *gin.Context) {
 	}
 	ctx, cancel := s.storeCtx(c)
 	defer cancel()
-	if err := s.st.AddLease(ctx, ref.Cluster, ref.Host, ref.RequestID, req.PromptLength); err != nil {
+	if err := s.st.Leases.AddLease(ctx, ref.Cluster, ref.Host, ref.RequestID, req.PromptLength); err != nil {
 		s.storeFailed(c, "add lease", err)
 		return
 	}
@@ -362,9 +362,9 @@ func (s *Server) decodeRef(c *gin.Context) (api.RequestRef, bool) {
 	return ref, true
 }
 
-func (s *Server) deleteLease(c *gin.Context) { s.leaseOp(c, "delete lease", s.st.DeleteLease) }
+func (s *Server) deleteLease(c *gin.Context) { s.leaseOp(c, "delete lease", s.st.Leases.DeleteLease) }
 
-func (s *Server) firstToken(c *gin.Context) { s.leaseOp(c, "first token", s.st.FirstToken) }
+func (s *Server) firstToken(c *gin.Context) { s.leaseOp(c, "first token", s.st.Leases.FirstToken) }
 
 // leaseOp runs a store call on the lease a RequestRef body names.
 func (s *Server) leaseOp(c *gin.Context, op string, call func(ctx context.Context, cluster, host, requestID string) error) {
@@ -407,7 +407,7 @@ func (s *Server) cacheQuery(c *gin.Context) {
 	}
 	ctx, cancel := s.storeCtx(c)
 	defer cancel()
-	locs, err := s.st.QueryCache(ctx, cluster, hashes)
+	locs, err := s.st.Index.QueryCache(ctx, cluster, hashes)
 	if err != nil {
 		s.storeFailed(c, "cache query", err)
 		return
@@ -425,7 +425,7 @@ func (s *Server) routeQuery(c *gin.Context) {
 	}
 	ctx, cancel := s.storeCtx(c)
 	defer cancel()
-	ans, err := s.st.Route(ctx, cluster, hashes)
+	ans, err := s.st.Router.Route(ctx, cluster, hashes)
 	if err != nil {
 		s.storeFailed(c, "route query", err)
 		return
@@ -462,12 +462,12 @@ func (s *Server) reportSignals(c *gin.Context) {
 	}
 	ctx, cancel := s.storeCtx(c)
 	defer cancel()
-	if err := s.st.ReportSignals(ctx, cluster, host, req.Signals()); err != nil {
+	if err := s.st.Signals.ReportSignals(ctx, cluster, host, req.Signals()); err != nil {
 		s.storeFailed(c, "report signals", err)
 		return
 	}
 	if req.Register != nil {
-		if err := s.st.Register(ctx, cluster, host, *req.Register, ttl); err != nil {
+		if err := s.st.Registry.Register(ctx, cluster, host, *req.Register, ttl); err != nil {
 			s.storeFailed(c, "register", err)
 			return
 		}
@@ -479,7 +479,7 @@ func (s *Server) reportSignals(c *gin.Context) {
 
 // podSignals answers the cluster's fresh reports (operators, debugging).
 func (s *Server) podSignals(c *gin.Context) {
-	clusterGet(s, c, "signals", s.st.Signals, func(sig map[string]api.PodSignals) []byte {
+	clusterGet(s, c, "signals", s.st.Signals.Signals, func(sig map[string]api.PodSignals) []byte {
 		return appendSignals(make([]byte, 0, 8+96*len(sig)), sig)
 	})
 }
@@ -516,9 +516,9 @@ func (s *Server) cacheSave(c *gin.Context) {
 	ctx, cancel := s.storeCtx(c)
 	defer cancel()
 	if req.RefreshOnly {
-		err = s.st.RefreshCache(ctx, cluster, host, hashes, req.SaveID)
+		err = s.st.Index.RefreshCache(ctx, cluster, host, hashes, req.SaveID)
 	} else {
-		err = s.st.SaveCacheAs(ctx, cluster, host, hashes, req.SaveID, at)
+		err = s.st.Index.SaveCacheAs(ctx, cluster, host, hashes, req.SaveID, at)
 	}
 	if err != nil {
 		s.storeFailed(c, "cache save", err)
@@ -553,7 +553,7 @@ func (s *Server) cacheEvict(c *gin.Context) {
 	ctx, cancel := s.storeCtx(c)
 	defer cancel()
 	if req.All {
-		if err := s.st.EvictHostBefore(ctx, cluster, host, req.EvictedAt); err != nil {
+		if err := s.st.Index.EvictHostBefore(ctx, cluster, host, req.EvictedAt); err != nil {
 			s.storeFailed(c, "cache evict", err)
 			return
 		}
@@ -571,7 +571,7 @@ func (s *Server) cacheEvict(c *gin.Context) {
 		s.fail(c, http.StatusConflict, "chunk_size_mismatch", err.Error())
 		return
 	}
-	if err := s.st.EvictCacheBefore(ctx, cluster, host, hashes, req.EvictedAt); err != nil {
+	if err := s.st.Index.EvictCacheBefore(ctx, cluster, host, hashes, req.EvictedAt); err != nil {
 		s.storeFailed(c, "cache evict", err)
 		return
 	}
@@ -592,7 +592,7 @@ func (s *Server) cacheRetract(c *gin.Context) {
 	}
 	ctx, cancel := s.storeCtx(c)
 	defer cancel()
-	if err := s.st.RetractCache(ctx, op.Cluster, op.Host, op.Hashes, op.SaveID); err != nil {
+	if err := s.st.Index.RetractCache(ctx, op.Cluster, op.Host, op.Hashes, op.SaveID); err != nil {
 		s.storeFailed(c, "cache retract", err)
 		return
 	}
@@ -604,7 +604,7 @@ func (s *Server) healthz(c *gin.Context) { s.ok(c, map[string]string{"status": "
 func (s *Server) readyz(c *gin.Context) {
 	ctx, cancel := s.storeCtx(c)
 	defer cancel()
-	if err := s.st.Ping(ctx); err != nil {
+	if err := s.st.Health.Ping(ctx); err != nil {
 		s.fail(c, http.StatusServiceUnavailable, "store_unavailable", "not ready: "+err.Error())
 		return
 	}

@@ -19,6 +19,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/istio-llm-filter/istio-llm-filter/internal/testutil/redistest"
+	"github.com/istio-llm-filter/istio-llm-filter/internal/testutil/wait"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/api"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/server"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/store"
@@ -156,6 +157,7 @@ func TestPodSignals(t *testing.T) {
 		t.Run(name, func(t *testing.T) {
 			c := serve(t, mk(t), server.Options{})
 			const a, b = "10.0.0.1:8000", "10.0.0.2:8000"
+			reported := time.Now() // no later than both reports
 			c.ok("POST", api.PathPodSignals, api.PodReport{Cluster: cl, Host: a, Waiting: 2, Running: 4, KVCacheUtil: 0.9, PrefillTokens: 700}, nil)
 			c.ok("POST", api.PathPodSignals, map[string]any{"cluster": cl, "host": "10.0.0.2:08000", "waiting": 0, "running": 1, "kv_cache_util": 0.25}, nil)
 			c.ok("POST", api.PathLoadStats, api.AddRequest{Cluster: cl, Host: a, RequestID: "r", PromptLength: 5}, nil)
@@ -174,12 +176,15 @@ func TestPodSignals(t *testing.T) {
 			if len(got) != 2 || got[b].KVCacheUtil != 0.25 {
 				t.Fatalf("GET signals %+v", got)
 			}
-			// Stale reports are not answered.
-			time.Sleep(350 * time.Millisecond)
-			ans = api.RouteAnswer{}
-			c.ok("POST", api.PathRouteQuery, api.RouteQuery{Cluster: cl, Hashes: hexes(0, 2)}, &ans)
-			if ans.Signals != nil {
-				t.Fatalf("stale signals answered: %+v", ans.Signals)
+			// Stale reports are not answered: once both are older than the
+			// max age, the route answer leaves them out.
+			wait.For(t, 10*time.Second, "the reports to go stale", func() bool {
+				ans = api.RouteAnswer{}
+				c.ok("POST", api.PathRouteQuery, api.RouteQuery{Cluster: cl, Hashes: hexes(0, 2)}, &ans)
+				return ans.Signals == nil
+			})
+			if age := time.Since(reported); age <= 300*time.Millisecond {
+				t.Fatalf("reports left out %v after they were made, within the 300ms max age", age)
 			}
 			for _, bad := range []struct {
 				body any
@@ -198,6 +203,13 @@ func TestPodSignals(t *testing.T) {
 			c.fails("GET", api.PathPodSignals, nil, 400, "bad_request", "cluster")
 		})
 	}
+}
+
+// pastMilli waits until the wall clock (the stores' clock) is past ms, Unix
+// milliseconds: what happens next is dated after it.
+func pastMilli(t *testing.T, ms int64) {
+	t.Helper()
+	wait.For(t, time.Second, "the clock to pass a millisecond", func() bool { return time.Now().UnixMilli() > ms })
 }
 
 // TestAPI drives every endpoint through the real handler on a real
@@ -222,7 +234,7 @@ func TestVersionsHTTP(t *testing.T) {
 				return locs
 			}
 			evictedAt := time.Now().UnixMilli() - 1
-			time.Sleep(5 * time.Millisecond)
+			pastMilli(t, evictedAt+1)
 			c.ok("POST", api.PathCacheSave, api.CacheSave{Cluster: cl, Host: a, Hashes: hexes(0, 4), SaveID: "r1"}, nil)
 			// The report of an eviction that happened before that save
 			// arrives now (retried after an outage): the save stays.
@@ -267,7 +279,7 @@ func TestVersionsHTTP(t *testing.T) {
 			// the save and before the refresh removes the entry though it
 			// arrives after the refresh.
 			before := time.Now().UnixMilli()
-			time.Sleep(5 * time.Millisecond)
+			pastMilli(t, before)
 			c.ok("POST", api.PathBatch, api.Batch{Ops: []api.BatchOp{
 				{Op: api.OpCacheSave, Cluster: cl, Host: a, Hashes: hexes(0, 3), SaveID: "r5", RefreshOnly: true},
 			}}, nil)
@@ -277,7 +289,8 @@ func TestVersionsHTTP(t *testing.T) {
 			}
 			// A save dated by its age before an eviction already applied
 			// stays out, alone or in a batch; one made after it lands.
-			c.ok("POST", api.PathCacheEvict, api.CacheEvict{Cluster: cl, Host: b, Hashes: hexes(1, 2), EvictedAt: time.Now().UnixMilli()}, nil)
+			evicted := time.Now().UnixMilli()
+			c.ok("POST", api.PathCacheEvict, api.CacheEvict{Cluster: cl, Host: b, Hashes: hexes(1, 2), EvictedAt: evicted}, nil)
 			c.ok("POST", api.PathCacheSave, api.CacheSave{Cluster: cl, Host: b, Hashes: hexes(0, 2), SaveID: "r6", AgeMS: 2000}, nil)
 			c.ok("POST", api.PathBatch, api.Batch{Ops: []api.BatchOp{
 				{Op: api.OpCacheSave, Cluster: cl, Host: b, Hashes: hexes(0, 3), SaveID: "r7", AgeMS: 1000},
@@ -285,7 +298,7 @@ func TestVersionsHTTP(t *testing.T) {
 			if got, want := query(hexes(0, 3)), []api.CacheLocation{{Host: a, Length: 2}, {Host: b, Length: 1}}; !reflect.DeepEqual(got, want) {
 				t.Fatalf("after saves dated before an eviction: %v, want %v", got, want)
 			}
-			time.Sleep(5 * time.Millisecond)
+			pastMilli(t, evicted)
 			c.ok("POST", api.PathCacheSave, api.CacheSave{Cluster: cl, Host: b, Hashes: hexes(0, 3), SaveID: "r8"}, nil)
 			if got, want := query(hexes(0, 3)), []api.CacheLocation{{Host: b, Length: 3}, {Host: a, Length: 2}}; !reflect.DeepEqual(got, want) {
 				t.Fatalf("after a save made since: %v, want %v", got, want)
@@ -604,17 +617,10 @@ func TestRedisOutage(t *testing.T) {
 	}
 
 	srv.Restart()
-	deadline := time.Now().Add(15 * time.Second)
-	for {
+	wait.For(t, 15*time.Second, "the server to be ready after Redis came back", func() bool {
 		code, _ := c.do("GET", api.PathReadyz, nil)
-		if code == 200 {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatal("server did not become ready after Redis came back")
-		}
-		time.Sleep(100 * time.Millisecond)
-	}
+		return code == 200
+	})
 	// The restarted Redis is empty: the index is rebuilt by new saves.
 	var ans api.RouteAnswer
 	c.ok("POST", api.PathRouteQuery, route, &ans)

@@ -9,7 +9,8 @@ import (
 // OpKind names the update an Op makes.
 type OpKind uint8
 
-// The updates a batch may carry: the Store methods of the same names.
+// The updates a batch may carry: the Leases and Index methods of the same
+// names.
 const (
 	OpAddLease OpKind = iota + 1
 	OpFirstToken
@@ -31,8 +32,7 @@ type Op struct {
 	SavedAt      int64         // OpSaveCache: when the save was made (Unix ms; 0: now)
 }
 
-// Batcher is implemented by stores that apply a batch of updates in one
-// round trip to their backing store (Redis: one pipeline).
+// Batcher applies a batch of updates.
 type Batcher interface {
 	// Apply runs ops in order. An error means some of them may not have
 	// been applied; every op is idempotent, so applying a batch again is
@@ -40,29 +40,32 @@ type Batcher interface {
 	Apply(ctx context.Context, ops []Op) error
 }
 
-// Apply runs ops in order on st: in one round trip when st is a Batcher,
-// else one call per op (an in-memory store has no round trips to save).
-func Apply(ctx context.Context, st Store, ops []Op) error {
-	if b, ok := st.(Batcher); ok {
-		return b.Apply(ctx, ops)
-	}
+// Sequential applies a batch one call per op on Leases and Index: the
+// Batcher of a store with no round trips to save (memstore).
+type Sequential struct {
+	Leases Leases
+	Index  Index
+}
+
+// Apply implements Batcher.
+func (q Sequential) Apply(ctx context.Context, ops []Op) error {
 	for _, op := range ops {
 		var err error
 		switch op.Kind {
 		case OpAddLease:
-			err = st.AddLease(ctx, op.Cluster, op.Host, op.RequestID, op.PromptLength)
+			err = q.Leases.AddLease(ctx, op.Cluster, op.Host, op.RequestID, op.PromptLength)
 		case OpFirstToken:
-			err = st.FirstToken(ctx, op.Cluster, op.Host, op.RequestID)
+			err = q.Leases.FirstToken(ctx, op.Cluster, op.Host, op.RequestID)
 		case OpDeleteLease:
-			err = st.DeleteLease(ctx, op.Cluster, op.Host, op.RequestID)
+			err = q.Leases.DeleteLease(ctx, op.Cluster, op.Host, op.RequestID)
 		case OpSaveCache:
 			if op.RefreshOnly {
-				err = st.RefreshCache(ctx, op.Cluster, op.Host, op.Hashes, op.SaveID)
+				err = q.Index.RefreshCache(ctx, op.Cluster, op.Host, op.Hashes, op.SaveID)
 			} else {
-				err = st.SaveCacheAs(ctx, op.Cluster, op.Host, op.Hashes, op.SaveID, op.SavedAt)
+				err = q.Index.SaveCacheAs(ctx, op.Cluster, op.Host, op.Hashes, op.SaveID, op.SavedAt)
 			}
 		case OpRetractCache:
-			err = st.RetractCache(ctx, op.Cluster, op.Host, op.Hashes, op.SaveID)
+			err = q.Index.RetractCache(ctx, op.Cluster, op.Host, op.Hashes, op.SaveID)
 		}
 		if err != nil {
 			return err

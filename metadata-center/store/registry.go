@@ -8,10 +8,10 @@ import (
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/api"
 )
 
-// Registrar is the part of a Store that keeps the pods' registrations
-// (labels, models, LoRA adapters; docs/metadata-center.md). Route answers
-// the live ones' labels and adapters in api.RouteAnswer.Pods.
-type Registrar interface {
+// Registry keeps the pods' registrations (labels, models, LoRA adapters;
+// docs/metadata-center.md). Router answers the live ones' labels and
+// adapters in api.RouteAnswer.Pods.
+type Registry interface {
 	// Register records host's registration, replacing the previous one,
 	// alive for ttl from the store's clock.
 	Register(ctx context.Context, cluster, host string, reg api.PodRegistration, ttl time.Duration) error

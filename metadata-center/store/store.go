@@ -1,7 +1,14 @@
 // Package store defines what the metadata center keeps: per-request load
-// leases and the prefix-cache index, behind one small interface with an
+// leases, the prefix-cache index, the pods' signals and registrations, each
+// behind a small interface (Leases, Index, Signals, Registry), with an
 // in-memory implementation (memstore, the embedded default) and a Redis one
 // (redisstore, for replicated deployments).
+//
+// Beside them, Router answers all four at once for a routing decision,
+// Batcher applies a batch of updates and Health serves /metrics and
+// /readyz. Each implementation is one value that fills every field of
+// Parts; a consumer takes only the interface it uses. Every method is safe
+// for concurrent use; errors from the backing store wrap ErrUnavailable.
 //
 // The HTTP layer validates and canonicalises every input before it reaches a
 // Store, so implementations may assume a non-empty cluster, an ip:port host
@@ -46,9 +53,8 @@ type Stats struct {
 	IndexEntries int64 // (cluster, host, hash) cache entries that have not expired
 }
 
-// Store keeps load leases and the cache index. Every method is safe for
-// concurrent use. Errors from the backing store wrap ErrUnavailable.
-type Store interface {
+// Leases keeps the requests in flight on each host.
+type Leases interface {
 	// AddLease records a request in flight on host. Adding an existing
 	// lease again replaces its prompt length and restarts its TTL; it is
 	// not counted twice.
@@ -61,26 +67,18 @@ type Store interface {
 	DeleteLease(ctx context.Context, cluster, host, requestID string) error
 	// LoadStats returns every host of the cluster with at least one live lease.
 	LoadStats(ctx context.Context, cluster string) (api.LoadStats, error)
+}
 
-	// SaveCache records that host holds each of the prefixes and (re)starts
-	// their TTL.
-	SaveCache(ctx context.Context, cluster, host string, hashes []prefix.Hash) error
-	// QueryCache answers, per host, how many leading hashes it holds
-	// contiguously from index 0; hosts with none are left out. Sorted by
-	// length descending, then host. Matched entries get their TTL refreshed.
-	QueryCache(ctx context.Context, cluster string, hashes []prefix.Hash) ([]api.CacheLocation, error)
-	// EvictCache forgets the listed prefixes of host.
-	EvictCache(ctx context.Context, cluster, host string, hashes []prefix.Hash) error
-	// EvictHost forgets every prefix of host in the cluster (pod restart).
-	EvictHost(ctx context.Context, cluster, host string) error
-
-	// Versions (docs/metadata-center.md, "Versions"): every (host, prefix)
-	// entry remembers when it was last saved and the save id that save
-	// carried (empty when none), so that a late eviction or a withdrawn
-	// save removes only what it is about; and the store remembers each
-	// eviction for EvictionMemory, so that a late save does not undo it.
-
-	// SaveCacheAs is SaveCache naming the save (saveID, may be empty) and
+// Index keeps which host holds which prefix (the prefix-cache index).
+//
+// Versions (docs/metadata-center.md, "Versions"): every (host, prefix)
+// entry remembers when it was last saved and the save id that save
+// carried (empty when none), so that a late eviction or a withdrawn save
+// removes only what it is about; and the store remembers each eviction for
+// EvictionMemory, so that a late save does not undo it.
+type Index interface {
+	// SaveCacheAs records that host holds each of the prefixes and
+	// (re)starts their TTL, naming the save (saveID, may be empty) and
 	// dating it: at is when the save was made (Unix milliseconds; <= 0 or
 	// later than the store's clock: now). A prefix whose eviction from
 	// host (or host's evict-all) the store applied with a time at or after
@@ -93,21 +91,35 @@ type Store interface {
 	// after the save removes the entry whichever of the refresh and the
 	// eviction report arrives first.
 	RefreshCache(ctx context.Context, cluster, host string, hashes []prefix.Hash, saveID string) error
-	// EvictCacheBefore forgets those of the listed prefixes of host that
-	// were last saved at or before before (Unix milliseconds, the
-	// evicting pod's clock): an entry saved after the eviction happened
-	// stays. before <= 0 forgets them all, as EvictCache. With before > 0
-	// the eviction is remembered (SaveCacheAs).
-	EvictCacheBefore(ctx context.Context, cluster, host string, hashes []prefix.Hash, before int64) error
-	// EvictHostBefore forgets every prefix of host last saved at or
-	// before before (a pod's start epoch), and remembers it
-	// (SaveCacheAs); before <= 0 is EvictHost.
-	EvictHostBefore(ctx context.Context, cluster, host string, before int64) error
 	// RetractCache withdraws a save: it forgets those of the listed
 	// prefixes of host whose last save is the one named saveID (not
 	// empty). An entry saved again since, by anyone, stays.
 	RetractCache(ctx context.Context, cluster, host string, hashes []prefix.Hash, saveID string) error
+	// EvictCacheBefore forgets those of the listed prefixes of host that
+	// were last saved at or before before (Unix milliseconds, the
+	// evicting pod's clock): an entry saved after the eviction happened
+	// stays. before <= 0 forgets them all. With before > 0 the eviction is
+	// remembered (SaveCacheAs).
+	EvictCacheBefore(ctx context.Context, cluster, host string, hashes []prefix.Hash, before int64) error
+	// EvictHostBefore forgets every prefix of host last saved at or
+	// before before (a pod's start epoch), and remembers it
+	// (SaveCacheAs); before <= 0 forgets every prefix of host (pod
+	// restart) and remembers nothing.
+	EvictHostBefore(ctx context.Context, cluster, host string, before int64) error
+	// QueryCache answers, per host, how many leading hashes it holds
+	// contiguously from index 0; hosts with none are left out. Sorted by
+	// length descending, then host. Matched entries get their TTL refreshed.
+	QueryCache(ctx context.Context, cluster string, hashes []prefix.Hash) ([]api.CacheLocation, error)
+	// CacheIndex returns, per host of the cluster, every prefix it is
+	// recorded to hold that a query would answer now (live entries only),
+	// each host's hashes sorted. Hosts holding nothing are left out. It
+	// serves debugging and checking the index against what the workers
+	// really hold (the chaos run, docs/operations.md), never routing.
+	CacheIndex(ctx context.Context, cluster string) (map[string][]prefix.Hash, error)
+}
 
+// Signals keeps the pods' reports about themselves.
+type Signals interface {
 	// ReportSignals records a pod's report about itself, stamped with the
 	// store's clock (the pod's clock is not trusted). It replaces the
 	// host's previous report.
@@ -115,19 +127,47 @@ type Store interface {
 	// Signals returns the cluster's reports younger than the signal max
 	// age, with AgeMS set; older ones are left out, never answered.
 	Signals(ctx context.Context, cluster string) (map[string]api.PodSignals, error)
+}
 
-	// Registrar keeps the pods' registrations.
-	Registrar
-
+// Router answers a routing decision's question in one round trip to the
+// backing store.
+type Router interface {
 	// Route answers LoadStats, QueryCache, Signals and the registered
-	// pods' labels together, in one round trip to the backing store.
-	// Signals (Pods) is nil when no report is fresh (no pod registered).
+	// pods' labels together. Signals (Pods) is nil when no report is
+	// fresh (no pod registered).
 	Route(ctx context.Context, cluster string, hashes []prefix.Hash) (api.RouteAnswer, error)
+}
 
+// Health is what /metrics and /readyz read of the backing store.
+type Health interface {
 	// Stats reports the gauges for /metrics.
 	Stats(ctx context.Context) (Stats, error)
 	// Ping reports whether the backing store is reachable (/readyz).
 	Ping(ctx context.Context) error
+}
+
+// Parts are one store's interfaces, each a seam of its own: the HTTP
+// server hands each handler the part it uses, and a test may wrap one part
+// (count the leases, say) and keep the others.
+type Parts struct {
+	Leases   Leases
+	Index    Index
+	Signals  Signals
+	Registry Registry
+	Router   Router
+	// Batch applies /batch: in one round trip (Redis: one pipeline), or
+	// one call per op on Leases and Index (Sequential) when a store has
+	// no round trips to save. A test that wraps Leases or Index sets
+	// Batch to Sequential over its wrappers so batches pass through them.
+	Batch  Batcher
+	Health Health
+}
+
+// Store is what the metadata center runs on: one backing store, its parts,
+// and closing it.
+type Store interface {
+	// Parts returns the store's interfaces, every field set.
+	Parts() Parts
 	// Close releases connections; the Store is unusable afterwards.
 	Close() error
 }

@@ -18,6 +18,7 @@ import (
 	"github.com/redis/go-redis/v9"
 
 	"github.com/istio-llm-filter/istio-llm-filter/internal/testutil/redistest"
+	"github.com/istio-llm-filter/istio-llm-filter/internal/testutil/wait"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/api"
 )
 
@@ -82,15 +83,14 @@ func TestClusterFailover(t *testing.T) {
 	// The first call also loads the slot map and the script, which on a
 	// loaded machine can outlast the 300ms store timeout: that is a 503
 	// the gateway would retry, not what this test is about.
-	for try := 0; ; try++ {
-		code, err := call(hc, "POST", base+api.PathCacheSave, api.CacheSave{Cluster: cluster, Host: host, Hashes: hashes}, nil)
-		if err == nil && code == 200 {
-			break
-		}
-		if try == 20 || err == nil && code != 503 {
-			t.Fatalf("save: %d %v", code, err)
-		}
-		time.Sleep(100 * time.Millisecond)
+	var code int
+	var err error
+	answered := wait.Until(10*time.Second, func() bool {
+		code, err = call(hc, "POST", base+api.PathCacheSave, api.CacheSave{Cluster: cluster, Host: host, Hashes: hashes}, nil)
+		return err == nil && code != 503
+	})
+	if !answered || code != 200 {
+		t.Fatalf("save: %d %v", code, err)
 	}
 	if code, err := call(hc, "GET", base+api.PathReadyz, nil, nil); err != nil || code != 200 {
 		t.Fatalf("readyz: %d %v", code, err)
@@ -142,14 +142,18 @@ func TestClusterFailover(t *testing.T) {
 					firstFail.CompareAndSwap(0, now)
 					lastFail.Store(now)
 					failed.Add(1)
-					time.Sleep(10 * time.Millisecond)
+					select { // a pause before the next try, or the end
+					case <-stop:
+						return
+					case <-time.After(10 * time.Millisecond):
+					}
 					continue
 				}
 				ok.Add(1)
 			}
 		}()
 	}
-	time.Sleep(300 * time.Millisecond)
+	wait.For(t, 20*time.Second, "calls through the cluster before the kill", func() bool { return ok.Load() >= 20 })
 	victim := rc.MasterOf("{" + rc.Prefix + ":" + cluster + "}")
 	before := ok.Load()
 	killed := time.Now()
@@ -158,34 +162,32 @@ func TestClusterFailover(t *testing.T) {
 
 	// Recovery: calls succeed again, by themselves, within a bound that is
 	// a few node timeouts (failure detection plus the replica's election).
-	deadline := time.Now().Add(20 * time.Second)
 	var recovered time.Duration
-	for {
+	if !wait.Until(20*time.Second, func() bool {
 		if n := ok.Load(); lastFail.Load() != 0 && n > before+50 && time.Since(time.Unix(0, lastFail.Load())) > time.Second {
 			recovered = time.Unix(0, lastFail.Load()).Sub(killed)
-			break
+			return true
 		}
-		if time.Now().After(deadline) {
-			for i := range rc.Addrs {
-				t.Logf("node %d log:\n%s", i, rc.Log(i))
-			}
-			for i, a := range rc.Addrs {
-				if i != victim {
-					out, _ := exec.Command("redis-cli", "-p", strings.Split(a, ":")[1], "cluster", "nodes").Output()
-					t.Logf("%s: %s", a, out)
-				}
-			}
-			b, _ := json.Marshal(api.RouteQuery{Cluster: cluster, Hashes: hashes})
-			resp, err := hc.Post(base+api.PathRouteQuery, "application/json", bytes.NewReader(b))
-			if err == nil {
-				body, _ := io.ReadAll(resp.Body)
-				t.Logf("route: %d %s", resp.StatusCode, body)
-			}
-			close(stop)
-			wg.Wait()
-			t.Fatalf("no recovery within 20s of the kill: ok %d (before %d), failed %d", ok.Load(), before, failed.Load())
+		return false
+	}) {
+		for i := range rc.Addrs {
+			t.Logf("node %d log:\n%s", i, rc.Log(i))
 		}
-		time.Sleep(50 * time.Millisecond)
+		for i, a := range rc.Addrs {
+			if i != victim {
+				out, _ := exec.Command("redis-cli", "-p", strings.Split(a, ":")[1], "cluster", "nodes").Output()
+				t.Logf("%s: %s", a, out)
+			}
+		}
+		b, _ := json.Marshal(api.RouteQuery{Cluster: cluster, Hashes: hashes})
+		resp, err := hc.Post(base+api.PathRouteQuery, "application/json", bytes.NewReader(b))
+		if err == nil {
+			body, _ := io.ReadAll(resp.Body)
+			t.Logf("route: %d %s", resp.StatusCode, body)
+		}
+		close(stop)
+		wg.Wait()
+		t.Fatalf("no recovery within 20s of the kill: ok %d (before %d), failed %d", ok.Load(), before, failed.Load())
 	}
 	close(stop)
 	wg.Wait()

@@ -86,7 +86,7 @@ func parse(args []string, stderr io.Writer) (config, error) {
 	fs.DurationVar(&c.cacheTTL, "cache-ttl", store.DefaultCacheTTL, "lifetime of a cache index entry since its last save or hit")
 	fs.DurationVar(&c.touchInt, "cache-touch-interval", time.Second, "hits refresh an entry's TTL at most this often")
 	fs.DurationVar(&c.signalMaxAge, "signal-max-age", store.DefaultSignalMaxAge, "pods' reports (pushed or scraped) older than this are not answered")
-	fs.StringVar(&c.scrapeConfig, "scrape-config", "", "the gateway's (or filter's) config file: pods of rules with backend vllm, sglang or llamacpp listed under endpoints.static get their /metrics scraped for pod signals (empty: no scraping)")
+	fs.StringVar(&c.scrapeConfig, "scrape-config", "", "the scrape configuration file: per routing cluster its backend (vllm, sglang or llamacpp) and pods, whose /metrics are scraped for pod signals (podsignals.Config; empty: no scraping)")
 	fs.DurationVar(&c.scrapeInterval, "scrape-interval", podsignals.DefaultInterval, "how often third-party pods' /metrics are scraped")
 	fs.DurationVar(&c.scrapeTimeout, "scrape-timeout", 0, "bound on one scrape (0: the interval)")
 	fs.IntVar(&c.maxEntries, "max-entries", memstore.DefaultMaxEntries, "LRU cap on cache index entries (--store memory)")
@@ -158,11 +158,11 @@ func run(ctx context.Context, args []string, stderr io.Writer, onListen func(net
 		if err != nil {
 			return fmt.Errorf("--scrape-config: %w", err)
 		}
-		targets, err := podsignals.TargetsFromFilterConfig(doc)
+		targets, err := podsignals.ParseTargets(doc)
 		if err != nil {
 			return fmt.Errorf("--scrape-config %s: %w", c.scrapeConfig, err)
 		}
-		sc, err := podsignals.New(podsignals.Options{Store: st, Targets: podsignals.StaticTargets(targets),
+		sc, err := podsignals.New(podsignals.Options{Store: st.Parts().Signals, Targets: podsignals.StaticTargets(targets),
 			Interval: c.scrapeInterval, Timeout: c.scrapeTimeout, Logger: log, Registerer: reg})
 		if err != nil {
 			return err
@@ -190,7 +190,7 @@ func run(ctx context.Context, args []string, stderr io.Writer, onListen func(net
 	if c.storeKind == "redis" {
 		log.Info("using redis", "addr", c.redisAddr, "cluster", c.redisCluster, "key_prefix", c.redisPrefix)
 		pctx, cancel := context.WithTimeout(ctx, c.storeTimeout)
-		if err := st.Ping(pctx); err != nil {
+		if err := st.Parts().Health.Ping(pctx); err != nil {
 			// Not fatal: /readyz reports it and the client reconnects by itself.
 			log.Warn("redis not reachable yet", "err", err)
 		}

@@ -18,6 +18,7 @@ import (
 	"time"
 
 	"github.com/istio-llm-filter/istio-llm-filter/internal/testutil/redistest"
+	"github.com/istio-llm-filter/istio-llm-filter/internal/testutil/wait"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/api"
 )
 
@@ -171,12 +172,26 @@ func TestSIGTERM(t *testing.T) {
 		resp.Body.Close()
 		got <- resp.StatusCode
 	}()
-	_, _ = pw.Write([]byte(`{"cluster":"c","host":"10.0.0.1:1",`))
-	time.Sleep(200 * time.Millisecond)
+	_, _ = pw.Write([]byte(`{"cluster":"c","host":"10.0.0.1:1",`)) // returns once the client has connected and read it
+	// The server accepts connections in the order they were made: once a
+	// request on a later connection is answered, the slow one is accepted.
+	resp, err := http.Get("http://" + addr + api.PathHealthz)
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
 	if err := cmd.Process.Signal(syscall.SIGTERM); err != nil {
 		t.Fatal(err)
 	}
-	time.Sleep(200 * time.Millisecond)
+	// Shutdown has begun once the listener refuses new connections.
+	wait.For(t, 10*time.Second, "the listener to close on SIGTERM", func() bool {
+		c, err := net.DialTimeout("tcp", addr, time.Second)
+		if err != nil {
+			return true
+		}
+		c.Close()
+		return false
+	})
 	_, _ = pw.Write([]byte(`"hashes":["0123456789abcdef"]}`))
 	_ = pw.Close()
 	if code := <-got; code != 200 {
@@ -194,8 +209,8 @@ func TestSIGTERM(t *testing.T) {
 	}
 }
 
-// With --scrape-config the command scrapes the vLLM pods of the gateway's
-// rules and answers their signals; a config it cannot use stops it.
+// With --scrape-config the command scrapes the vLLM pods the file lists and
+// answers their signals; a config it cannot use stops it.
 func TestScrapeConfig(t *testing.T) {
 	pod := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		io.WriteString(w, "vllm:num_requests_running{model_name=\"q\"} 6\nvllm:num_requests_waiting{model_name=\"q\"} 2\nvllm:kv_cache_usage_perc{model_name=\"q\"} 0.5\n")
@@ -203,8 +218,8 @@ func TestScrapeConfig(t *testing.T) {
 	defer pod.Close()
 	host := strings.TrimPrefix(pod.URL, "http://")
 	dir := t.TempDir()
-	cfg := filepath.Join(dir, "gateway.yaml")
-	doc := fmt.Sprintf("listen: 127.0.0.1:0\nfilter:\n  model_mapping_rule: {q: [{cluster: pool, backend: vllm}]}\n  endpoints: {static: {pool: [%s]}}\n", host)
+	cfg := filepath.Join(dir, "scrape.yaml")
+	doc := fmt.Sprintf("clusters:\n  pool: {backend: vllm, pods: [%s]}\n", host)
 	if err := os.WriteFile(cfg, []byte(doc), 0o644); err != nil {
 		t.Fatal(err)
 	}
@@ -221,8 +236,7 @@ func TestScrapeConfig(t *testing.T) {
 	case err := <-done:
 		t.Fatalf("run: %v", err)
 	}
-	deadline := time.Now().Add(5 * time.Second)
-	for {
+	wait.For(t, 5*time.Second, "the scraped pod's signals", func() bool {
 		resp, err := http.Get(base + api.PathPodSignals + "?cluster=pool")
 		if err != nil {
 			t.Fatal(err)
@@ -230,19 +244,13 @@ func TestScrapeConfig(t *testing.T) {
 		var sig map[string]api.PodSignals
 		err = json.NewDecoder(resp.Body).Decode(&sig)
 		resp.Body.Close()
-		if err == nil && sig[host].Running == 6 && sig[host].Waiting == 2 && sig[host].KVCacheUtil == 0.5 {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("signals %v %v", sig, err)
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
+		return err == nil && sig[host].Running == 6 && sig[host].Waiting == 2 && sig[host].KVCacheUtil == 0.5
+	})
 	cancel()
 	if err := <-done; err != nil {
 		t.Fatalf("run returned %v", err)
 	}
-	if err := os.WriteFile(cfg, []byte("filter: {model_mapping_rule: {}}"), 0o644); err != nil {
+	if err := os.WriteFile(cfg, []byte("clusters: {pool: {backend: triton, pods: [10.0.0.1:8000]}}"), 0o644); err != nil {
 		t.Fatal(err)
 	}
 	if err := run(context.Background(), []string{"--listen", "127.0.0.1:0", "--scrape-config", cfg}, io.Discard, nil); err == nil || !strings.Contains(err.Error(), "--scrape-config") {

@@ -105,10 +105,10 @@ func (s Scenario) Adds() []api.AddRequest {
 	return out
 }
 
-// Populate fills a store directly.
-func (s Scenario) Populate(ctx context.Context, st store.Store) error {
+// Populate fills a store's leases and index directly.
+func (s Scenario) Populate(ctx context.Context, st store.Parts) error {
 	for _, a := range s.Adds() {
-		if err := st.AddLease(ctx, a.Cluster, a.Host, a.RequestID, a.PromptLength); err != nil {
+		if err := st.Leases.AddLease(ctx, a.Cluster, a.Host, a.RequestID, a.PromptLength); err != nil {
 			return err
 		}
 	}
@@ -121,7 +121,7 @@ func (s Scenario) Populate(ctx context.Context, st store.Store) error {
 			}
 			hs[i] = h
 		}
-		if err := st.SaveCache(ctx, sv.Cluster, sv.Host, hs); err != nil {
+		if err := st.Index.SaveCacheAs(ctx, sv.Cluster, sv.Host, hs, "", 0); err != nil {
 			return err
 		}
 	}

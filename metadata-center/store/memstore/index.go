@@ -4,13 +4,10 @@ import (
 	"context"
 	"slices"
 
-	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/store"
 	"github.com/istio-llm-filter/istio-llm-filter/prefix"
 )
 
-var _ store.IndexLister = (*Store)(nil)
-
-// CacheIndex implements store.IndexLister.
+// CacheIndex implements store.Index.
 func (s *Store) CacheIndex(_ context.Context, clusterName string) (map[string][]prefix.Hash, error) {
 	now := s.nanos()
 	s.mu.RLock()

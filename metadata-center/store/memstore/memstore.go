@@ -135,6 +135,11 @@ func New(o Options) *Store {
 
 var _ store.Store = (*Store)(nil)
 
+// Parts implements store.Store: the store fills every part itself.
+func (s *Store) Parts() store.Parts {
+	return store.Parts{Leases: s, Index: s, Signals: s, Registry: s, Router: s, Batch: store.Sequential{Leases: s, Index: s}, Health: s}
+}
+
 func (s *Store) nanos() int64 { return s.now().UnixNano() }
 
 func (s *Store) cluster(name string) *cluster {
@@ -184,7 +189,7 @@ func (s *Store) release(c *cluster, h *hostState) {
 	}
 }
 
-// AddLease implements store.Store.
+// AddLease implements store.Leases.
 func (s *Store) AddLease(_ context.Context, clusterName, host, id string, prompt int64) error {
 	now := s.nanos()
 	s.mu.Lock()
@@ -222,7 +227,7 @@ func (s *Store) findLease(clusterName, host, id string) *lease {
 	return nil
 }
 
-// FirstToken implements store.Store.
+// FirstToken implements store.Leases.
 func (s *Store) FirstToken(_ context.Context, clusterName, host, id string) error {
 	now := s.nanos()
 	s.mu.Lock()
@@ -235,7 +240,7 @@ func (s *Store) FirstToken(_ context.Context, clusterName, host, id string) erro
 	return nil
 }
 
-// DeleteLease implements store.Store.
+// DeleteLease implements store.Leases.
 func (s *Store) DeleteLease(_ context.Context, clusterName, host, id string) error {
 	now := s.nanos()
 	s.mu.Lock()
@@ -285,7 +290,7 @@ func (s *Store) rlockSwept(now int64) {
 	s.mu.RLock()
 }
 
-// LoadStats implements store.Store.
+// LoadStats implements store.Leases.
 func (s *Store) LoadStats(_ context.Context, clusterName string) (api.LoadStats, error) {
 	s.rlockSwept(s.nanos())
 	defer s.mu.RUnlock()
@@ -306,12 +311,7 @@ func (s *Store) loadLocked(clusterName string) api.LoadStats {
 	return out
 }
 
-// SaveCache implements store.Store.
-func (s *Store) SaveCache(ctx context.Context, clusterName, host string, hashes []prefix.Hash) error {
-	return s.SaveCacheAs(ctx, clusterName, host, hashes, "", 0)
-}
-
-// RefreshCache implements store.Store.
+// RefreshCache implements store.Index.
 func (s *Store) RefreshCache(_ context.Context, clusterName, host string, hashes []prefix.Hash, saveID string) error {
 	now := s.nanos()
 	s.mu.Lock()
@@ -330,7 +330,7 @@ func (s *Store) RefreshCache(_ context.Context, clusterName, host string, hashes
 	return nil
 }
 
-// SaveCacheAs implements store.Store.
+// SaveCacheAs implements store.Index.
 func (s *Store) SaveCacheAs(_ context.Context, clusterName, host string, hashes []prefix.Hash, saveID string, at int64) error {
 	now := s.nanos()
 	saved := now
@@ -409,7 +409,7 @@ func (s *Store) sweepEntries(now int64) {
 	}
 }
 
-// QueryCache implements store.Store.
+// QueryCache implements store.Index.
 func (s *Store) QueryCache(_ context.Context, clusterName string, hashes []prefix.Hash) ([]api.CacheLocation, error) {
 	now := s.nanos()
 	s.mu.RLock()
@@ -501,18 +501,13 @@ func (s *Store) touchEntries(stale []*entry, now int64) {
 	}
 }
 
-// EvictCache implements store.Store.
-func (s *Store) EvictCache(ctx context.Context, clusterName, host string, hashes []prefix.Hash) error {
-	return s.EvictCacheBefore(ctx, clusterName, host, hashes, 0)
-}
-
 // savedBy reports whether e was last saved at or before before (unix
 // milliseconds; <= 0: always).
 func savedBy(e *entry, before int64) bool {
 	return before <= 0 || e.saved/int64(time.Millisecond) <= before
 }
 
-// EvictCacheBefore implements store.Store.
+// EvictCacheBefore implements store.Index.
 func (s *Store) EvictCacheBefore(_ context.Context, clusterName, host string, hashes []prefix.Hash, before int64) error {
 	now := s.nanos()
 	s.mu.Lock()
@@ -535,7 +530,7 @@ func (s *Store) EvictCacheBefore(_ context.Context, clusterName, host string, ha
 	return nil
 }
 
-// RetractCache implements store.Store.
+// RetractCache implements store.Index.
 func (s *Store) RetractCache(_ context.Context, clusterName, host string, hashes []prefix.Hash, saveID string) error {
 	if saveID == "" {
 		return nil
@@ -554,12 +549,7 @@ func (s *Store) RetractCache(_ context.Context, clusterName, host string, hashes
 	return nil
 }
 
-// EvictHost implements store.Store.
-func (s *Store) EvictHost(ctx context.Context, clusterName, host string) error {
-	return s.EvictHostBefore(ctx, clusterName, host, 0)
-}
-
-// EvictHostBefore implements store.Store.
+// EvictHostBefore implements store.Index.
 func (s *Store) EvictHostBefore(_ context.Context, clusterName, host string, before int64) error {
 	now := s.nanos()
 	s.mu.Lock()
@@ -580,7 +570,7 @@ func (s *Store) EvictHostBefore(_ context.Context, clusterName, host string, bef
 	return nil
 }
 
-// Route implements store.Store.
+// Route implements store.Router.
 func (s *Store) Route(_ context.Context, clusterName string, hashes []prefix.Hash) (api.RouteAnswer, error) {
 	now := s.nanos()
 	s.rlockSwept(now)
@@ -592,29 +582,29 @@ func (s *Store) Route(_ context.Context, clusterName string, hashes []prefix.Has
 		Pods: s.pods.Labels(clusterName, now)}, nil
 }
 
-// Register implements store.Registrar.
+// Register implements store.Registry.
 func (s *Store) Register(_ context.Context, clusterName, host string, reg api.PodRegistration, ttl time.Duration) error {
 	s.pods.Register(clusterName, host, reg, ttl, s.nanos())
 	return nil
 }
 
-// Pods implements store.Registrar.
+// Pods implements store.Registry.
 func (s *Store) Pods(_ context.Context, clusterName string) (map[string]api.PodRegistration, error) {
 	return s.pods.Live(clusterName, s.nanos()), nil
 }
 
-// ReportSignals implements store.Store.
+// ReportSignals implements store.Signals.
 func (s *Store) ReportSignals(_ context.Context, clusterName, host string, sig api.PodSignals) error {
 	s.signals.Report(clusterName, host, sig, s.nanos())
 	return nil
 }
 
-// Signals implements store.Store.
+// Signals implements store.Signals.
 func (s *Store) Signals(_ context.Context, clusterName string) (map[string]api.PodSignals, error) {
 	return s.signals.Fresh(clusterName, s.nanos()), nil
 }
 
-// Stats implements store.Store.
+// Stats implements store.Health.
 func (s *Store) Stats(context.Context) (store.Stats, error) {
 	now := s.nanos()
 	s.mu.Lock()
@@ -624,7 +614,7 @@ func (s *Store) Stats(context.Context) (store.Stats, error) {
 	return store.Stats{LiveLeases: int64(s.leases.Len()), IndexEntries: int64(s.lru.Len())}, nil
 }
 
-// Ping implements store.Store: memory is always reachable.
+// Ping implements store.Health: memory is always reachable.
 func (s *Store) Ping(context.Context) error { return nil }
 
 // Close implements store.Store.

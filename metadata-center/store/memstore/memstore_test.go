@@ -52,16 +52,16 @@ func TestLRUCap(t *testing.T) {
 		must(err)
 		return got
 	}
-	must(st.SaveCache(ctx, "c1", h1, a))
+	must(st.SaveCacheAs(ctx, "c1", h1, a, "", 0))
 	clock.Advance(time.Second)
-	must(st.SaveCache(ctx, "c2", h2, b))
+	must(st.SaveCacheAs(ctx, "c2", h2, b, "", 0))
 	clock.Advance(time.Second)
 	// A hit on a[0] makes it the most recent entry of a.
 	if got := query("c1", a[:1]); !reflect.DeepEqual(got, []api.CacheLocation{{Host: h1, Length: 1}}) {
 		t.Fatalf("hit = %v", got)
 	}
 	clock.Advance(time.Second)
-	must(st.SaveCache(ctx, "c1", h2, c[:2]))
+	must(st.SaveCacheAs(ctx, "c1", h2, c[:2], "", 0))
 	// 8 entries were saved into 6 slots: a[1] and a[2] were least recent.
 	if got := query("c1", a); !reflect.DeepEqual(got, []api.CacheLocation{{Host: h1, Length: 1}}) {
 		t.Fatalf("after cap, a = %v", got)
@@ -83,7 +83,7 @@ func TestTouchCoalescing(t *testing.T) {
 	clock := storetest.NewClock()
 	st := memstore.New(memstore.Options{CacheTTL: time.Minute, TouchInterval: 10 * time.Second, Now: clock.Now})
 	h := []prefix.Hash{42}
-	if err := st.SaveCache(ctx, "c", "10.0.0.1:1", h); err != nil {
+	if err := st.SaveCacheAs(ctx, "c", "10.0.0.1:1", h, "", 0); err != nil {
 		t.Fatal(err)
 	}
 	clock.Advance(5 * time.Second)
@@ -110,10 +110,10 @@ func TestHostChurn(t *testing.T) {
 	hs := []prefix.Hash{1, 2, 3}
 	for gen := 0; gen < 50; gen++ {
 		a, b := fmt.Sprintf("10.1.%d.1:80", gen), fmt.Sprintf("10.1.%d.2:80", gen)
-		if err := st.SaveCache(ctx, "c", a, hs); err != nil {
+		if err := st.SaveCacheAs(ctx, "c", a, hs, "", 0); err != nil {
 			t.Fatal(err)
 		}
-		if err := st.SaveCache(ctx, "c", b, hs[:2]); err != nil {
+		if err := st.SaveCacheAs(ctx, "c", b, hs[:2], "", 0); err != nil {
 			t.Fatal(err)
 		}
 		if err := st.AddLease(ctx, "c", b, "r", 5); err != nil {
@@ -133,9 +133,9 @@ func TestHostChurn(t *testing.T) {
 		// The pods go away: a restart report for a, b's lease ends and its
 		// entries are evicted one by one.
 		for _, err := range []error{
-			st.EvictHost(ctx, "c", a),
+			st.EvictHostBefore(ctx, "c", a, 0),
 			st.DeleteLease(ctx, "c", b, "r"),
-			st.EvictCache(ctx, "c", b, hs),
+			st.EvictCacheBefore(ctx, "c", b, hs, 0),
 		} {
 			if err != nil {
 				t.Fatal(err)

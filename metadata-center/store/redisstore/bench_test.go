@@ -29,7 +29,7 @@ func benchSave(b *testing.B, refresh bool) {
 	b.Cleanup(func() { _ = st.Close() })
 	sc := routeload.Default()
 	ctx := context.Background()
-	if err := sc.Populate(ctx, st); err != nil {
+	if err := sc.Populate(ctx, st.Parts()); err != nil {
 		b.Fatal(err)
 	}
 	saves := sc.Saves()
@@ -46,13 +46,13 @@ func benchSave(b *testing.B, refresh bool) {
 	b.ResetTimer()
 	for i := 0; b.Loop(); i++ {
 		sv := saves[i%len(saves)]
-		save := st.SaveCache
+		var err error
 		if refresh {
-			save = func(ctx context.Context, cluster, host string, hs []prefix.Hash) error {
-				return st.RefreshCache(ctx, cluster, host, hs, "")
-			}
+			err = st.RefreshCache(ctx, sv.Cluster, sv.Host, hs[i%len(saves)], "")
+		} else {
+			err = st.SaveCacheAs(ctx, sv.Cluster, sv.Host, hs[i%len(saves)], "", 0)
 		}
-		if err := save(ctx, sv.Cluster, sv.Host, hs[i%len(saves)]); err != nil {
+		if err != nil {
 			b.Fatal(err)
 		}
 	}

@@ -83,7 +83,7 @@ func BenchmarkCapacity(b *testing.B) {
 	base := mem()
 	reset()
 	for p := range prompts {
-		if err := st.SaveCache(ctx, cluster, host(p), prompt(p, blocks)); err != nil {
+		if err := st.SaveCacheAs(ctx, cluster, host(p), prompt(p, blocks), "", 0); err != nil {
 			b.Fatal(err)
 		}
 	}
@@ -94,7 +94,7 @@ func BenchmarkCapacity(b *testing.B) {
 	base = mem()
 	for p := range prompts {
 		for h := 1; h <= 8; h++ {
-			if err := st.SaveCache(ctx, "eight", host(h), prompt(p, blocks)); err != nil {
+			if err := st.SaveCacheAs(ctx, "eight", host(h), prompt(p, blocks), "", 0); err != nil {
 				b.Fatal(err)
 			}
 		}
@@ -132,7 +132,7 @@ func BenchmarkCapacity(b *testing.B) {
 	reset()
 	for i := range prompts {
 		id := fmt.Sprintf("batch-%d", i)
-		if err := store.Apply(ctx, st, []store.Op{
+		if err := st.Apply(ctx, []store.Op{
 			{Kind: store.OpAddLease, Cluster: cluster, Host: host(i), RequestID: id, PromptLength: 4096},
 			{Kind: store.OpSaveCache, Cluster: cluster, Host: host(i), Hashes: prompt(i, blocks)},
 			{Kind: store.OpFirstToken, Cluster: cluster, Host: host(i), RequestID: id},

@@ -8,11 +8,8 @@ import (
 
 	"github.com/redis/go-redis/v9"
 
-	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/store"
 	"github.com/istio-llm-filter/istio-llm-filter/prefix"
 )
-
-var _ store.IndexLister = (*Store)(nil)
 
 // indexSrc lists what a query would answer: a host's entry counts only
 // when its e: record is live and the prefix's holder list (what queries
@@ -38,7 +35,7 @@ return out
 
 var indexScript = redis.NewScript(indexSrc)
 
-// CacheIndex implements store.IndexLister. It walks the whole cluster in
+// CacheIndex implements store.Index. It walks the whole cluster in
 // one script, so it is for debugging and checks, not for the request path.
 func (s *Store) CacheIndex(ctx context.Context, cluster string) (map[string][]prefix.Hash, error) {
 	k := s.keys(cluster)

@@ -40,7 +40,7 @@ var registerScript = redis.NewScript(registerSrc)
 
 func (k keys) pods() string { return k.base + ":pods" }
 
-// Register implements store.Registrar.
+// Register implements store.Registry.
 func (s *Store) Register(ctx context.Context, cluster, host string, reg api.PodRegistration, ttl time.Duration) error {
 	reg.TTLMS = 0
 	js, err := json.Marshal(reg)
@@ -54,7 +54,7 @@ func (s *Store) Register(ctx context.Context, cluster, host string, reg api.PodR
 	return err
 }
 
-// Pods implements store.Registrar.
+// Pods implements store.Registry.
 func (s *Store) Pods(ctx context.Context, cluster string) (map[string]api.PodRegistration, error) {
 	m, err := s.rdb.HGetAll(ctx, s.keys(cluster).pods()).Result()
 	if err != nil {

@@ -94,6 +94,11 @@ type Store struct {
 
 var _ store.Store = (*Store)(nil)
 
+// Parts implements store.Store: the store fills every part itself.
+func (s *Store) Parts() store.Parts {
+	return store.Parts{Leases: s, Index: s, Signals: s, Registry: s, Router: s, Batch: s, Health: s}
+}
+
 // New builds a Store. It does not connect: Redis may come up later, and
 // Ping tells when it is reachable.
 func New(o Options) (*Store, error) {
@@ -268,7 +273,7 @@ func (s *Store) forget(cluster string) {
 	s.regMu.Unlock()
 }
 
-// AddLease implements store.Store.
+// AddLease implements store.Leases.
 func (s *Store) AddLease(ctx context.Context, cluster, host, id string, prompt int64) error {
 	now := s.ms()
 	_, err := s.run(ctx, "add lease", s.sc.add, cluster, s.keys(cluster).leases(),
@@ -276,17 +281,17 @@ func (s *Store) AddLease(ctx context.Context, cluster, host, id string, prompt i
 	return err
 }
 
-// FirstToken implements store.Store.
+// FirstToken implements store.Leases.
 func (s *Store) FirstToken(ctx context.Context, cluster, host, id string) error {
 	return s.wrap("first token", s.sc.firstToken.Run(ctx, s.rdb, s.keys(cluster).leases(), s.ms(), host, member(host, id)).Err())
 }
 
-// DeleteLease implements store.Store.
+// DeleteLease implements store.Leases.
 func (s *Store) DeleteLease(ctx context.Context, cluster, host, id string) error {
 	return s.wrap("delete lease", s.sc.del.Run(ctx, s.rdb, s.keys(cluster).leases(), s.ms(), host, member(host, id)).Err())
 }
 
-// LoadStats implements store.Store.
+// LoadStats implements store.Leases.
 func (s *Store) LoadStats(ctx context.Context, cluster string) (api.LoadStats, error) {
 	res, err := s.sc.load.Run(ctx, s.rdb, s.keys(cluster).leases(), s.ms()).Slice()
 	if err != nil {
@@ -411,7 +416,7 @@ func (s *Store) queryArgs(k keys, first []string, hashes []prefix.Hash) ([]strin
 	return ks, args
 }
 
-// QueryCache implements store.Store.
+// QueryCache implements store.Index.
 func (s *Store) QueryCache(ctx context.Context, cluster string, hashes []prefix.Hash) ([]api.CacheLocation, error) {
 	if len(hashes) == 0 {
 		return []api.CacheLocation{}, nil
@@ -428,7 +433,7 @@ func (s *Store) QueryCache(ctx context.Context, cluster string, hashes []prefix.
 	return parseLocations(res[0], res[1], res[2])
 }
 
-// Route implements store.Store.
+// Route implements store.Router.
 func (s *Store) Route(ctx context.Context, cluster string, hashes []prefix.Hash) (api.RouteAnswer, error) {
 	k := s.keys(cluster)
 	ks, args := s.queryArgs(k, k.leases(), hashes)
@@ -488,7 +493,7 @@ func loadFromPairs(reqs, prompts []string) (api.LoadStats, error) {
 	return out, nil
 }
 
-// ReportSignals implements store.Store. The report is stamped with this
+// ReportSignals implements store.Signals. The report is stamped with this
 // replica's clock; the hash expires when no pod of the cluster has
 // reported for a minute (or ten max ages).
 func (s *Store) ReportSignals(ctx context.Context, cluster, host string, sig api.PodSignals) error {
@@ -501,7 +506,7 @@ func (s *Store) ReportSignals(ctx context.Context, cluster, host string, sig api
 	return s.wrap("report signals", err)
 }
 
-// Signals implements store.Store.
+// Signals implements store.Signals.
 func (s *Store) Signals(ctx context.Context, cluster string) (map[string]api.PodSignals, error) {
 	now := s.ms()
 	pairs, err := hgetall(ctx, s.rdb, s.keys(cluster).signals()).Result()
@@ -556,12 +561,7 @@ func (s *Store) fresh(rep string, now int64) (api.PodSignals, bool, error) {
 	return sig, true, nil
 }
 
-// SaveCache implements store.Store.
-func (s *Store) SaveCache(ctx context.Context, cluster, host string, hashes []prefix.Hash) error {
-	return s.SaveCacheAs(ctx, cluster, host, hashes, "", 0)
-}
-
-// SaveCacheAs implements store.Store.
+// SaveCacheAs implements store.Index.
 func (s *Store) SaveCacheAs(ctx context.Context, cluster, host string, hashes []prefix.Hash, saveID string, at int64) error {
 	if len(hashes) == 0 {
 		return nil
@@ -571,7 +571,7 @@ func (s *Store) SaveCacheAs(ctx context.Context, cluster, host string, hashes []
 	return err
 }
 
-// RefreshCache implements store.Store: the save script, told to skip the
+// RefreshCache implements store.Index: the save script, told to skip the
 // prefixes host does not hold, so still one round trip.
 func (s *Store) RefreshCache(ctx context.Context, cluster, host string, hashes []prefix.Hash, saveID string) error {
 	if len(hashes) == 0 {
@@ -599,12 +599,7 @@ func (s *Store) saveArgs(k keys, host string, hashes []prefix.Hash, saveID strin
 	return ks, args
 }
 
-// EvictCache implements store.Store.
-func (s *Store) EvictCache(ctx context.Context, cluster, host string, hashes []prefix.Hash) error {
-	return s.EvictCacheBefore(ctx, cluster, host, hashes, 0)
-}
-
-// EvictCacheBefore implements store.Store.
+// EvictCacheBefore implements store.Index.
 func (s *Store) EvictCacheBefore(ctx context.Context, cluster, host string, hashes []prefix.Hash, before int64) error {
 	if len(hashes) == 0 {
 		return nil
@@ -613,7 +608,7 @@ func (s *Store) EvictCacheBefore(ctx context.Context, cluster, host string, hash
 	return s.wrap("cache evict", s.sc.evict.Run(ctx, s.rdb, ks, args...).Err())
 }
 
-// RetractCache implements store.Store.
+// RetractCache implements store.Index.
 func (s *Store) RetractCache(ctx context.Context, cluster, host string, hashes []prefix.Hash, saveID string) error {
 	if len(hashes) == 0 || saveID == "" {
 		return nil
@@ -634,12 +629,7 @@ func (s *Store) unholdArgs(k keys, host string, hashes []prefix.Hash, conds ...a
 	return ks, args
 }
 
-// EvictHost implements store.Store.
-func (s *Store) EvictHost(ctx context.Context, cluster, host string) error {
-	return s.EvictHostBefore(ctx, cluster, host, 0)
-}
-
-// EvictHostBefore implements store.Store.
+// EvictHostBefore implements store.Index.
 func (s *Store) EvictHostBefore(ctx context.Context, cluster, host string, before int64) error {
 	k := s.keys(cluster)
 	return s.wrap("cache evict all", s.sc.evictHost.Run(ctx, s.rdb,
@@ -647,7 +637,7 @@ func (s *Store) EvictHostBefore(ctx context.Context, cluster, host string, befor
 		s.ms(), host, max(before, 0), store.EvictionMemory.Milliseconds()).Err())
 }
 
-// Stats implements store.Store. It costs one round trip per registered
+// Stats implements store.Health. It costs one round trip per registered
 // cluster, which is fine at scrape rate.
 func (s *Store) Stats(ctx context.Context) (store.Stats, error) {
 	clusters, err := s.rdb.SMembers(ctx, s.registry()).Result()
@@ -670,7 +660,7 @@ func (s *Store) Stats(ctx context.Context) (store.Stats, error) {
 	return st, nil
 }
 
-// Ping implements store.Store. On a Redis Cluster it asks one node for
+// Ping implements store.Health. On a Redis Cluster it asks one node for
 // CLUSTER INFO: the store is ready when the cluster says every slot is
 // served, not merely when some node answers.
 func (s *Store) Ping(ctx context.Context) error {

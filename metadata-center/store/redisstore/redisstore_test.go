@@ -13,6 +13,7 @@ import (
 	"github.com/redis/go-redis/v9"
 
 	"github.com/istio-llm-filter/istio-llm-filter/internal/testutil/redistest"
+	"github.com/istio-llm-filter/istio-llm-filter/internal/testutil/wait"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/api"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/store"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/store/redisstore"
@@ -68,7 +69,7 @@ func TestKeyLayout(t *testing.T) {
 		st.AddLease(ctx, cluster, host, "r1", 10),
 		st.AddLease(ctx, cluster, host, "r2", 10),
 		st.FirstToken(ctx, cluster, host, "r2"),
-		st.SaveCache(ctx, cluster, host, hs),
+		st.SaveCacheAs(ctx, cluster, host, hs, "", 0),
 		st.EvictCacheBefore(ctx, cluster, host, []prefix.Hash{9}, time.Now().UnixMilli()), // remembered: the x: set
 	} {
 		if err != nil {
@@ -138,13 +139,7 @@ func TestUnavailable(t *testing.T) {
 		}
 	}
 	srv.Restart()
-	deadline := time.Now().Add(15 * time.Second)
-	for st.Ping(ctx) != nil {
-		if time.Now().After(deadline) {
-			t.Fatal("store did not recover after Redis came back")
-		}
-		time.Sleep(100 * time.Millisecond)
-	}
+	wait.For(t, 15*time.Second, "the store to recover after Redis came back", func() bool { return st.Ping(ctx) == nil })
 	if err := st.AddLease(ctx, "c", "10.0.0.1:1", "r", 1); err != nil {
 		t.Fatalf("after recovery: %v", err)
 	}
@@ -172,11 +167,11 @@ func TestHolderLists(t *testing.T) {
 	ctx := context.Background()
 	hs := []prefix.Hash{7, 8, 9, 10}
 	for i := 20; i >= 1; i-- {
-		must(t, st.SaveCache(ctx, "c", fmt.Sprintf("10.0.0.%d:1", i), hs[:2]))
+		must(t, st.SaveCacheAs(ctx, "c", fmt.Sprintf("10.0.0.%d:1", i), hs[:2], "", 0))
 	}
-	must(t, st.SaveCache(ctx, "c", "10.0.0.3:1", hs))
-	must(t, st.SaveCache(ctx, "c", "10.0.0.4:1", hs))
-	must(t, st.EvictCache(ctx, "c", "10.0.0.4:1", hs[2:3]))
+	must(t, st.SaveCacheAs(ctx, "c", "10.0.0.3:1", hs, "", 0))
+	must(t, st.SaveCacheAs(ctx, "c", "10.0.0.4:1", hs, "", 0))
+	must(t, st.EvictCacheBefore(ctx, "c", "10.0.0.4:1", hs[2:3], 0))
 	rdb := redis.NewClient(&redis.Options{Addr: srv.Addr})
 	defer rdb.Close()
 	tag := "{" + srv.Prefix + ":c}"
@@ -199,7 +194,7 @@ func TestHolderLists(t *testing.T) {
 	// Host 5 saves again later: its records outlive the others', so the
 	// shared levels stop being identical only where it is written.
 	nowMs.Add(30_000)
-	must(t, st.SaveCache(ctx, "c", "10.0.0.5:1", hs[:1]))
+	must(t, st.SaveCacheAs(ctx, "c", "10.0.0.5:1", hs[:1], "", 0))
 	// In place: the leading minimum stays, host 5's offset from it grows.
 	if got, err := rdb.HGet(ctx, tag+":px", "0000000000000007").Result(); err != nil ||
 		!strings.HasPrefix(got, "1060000;") || !strings.Contains(got, ";10.0.0.5:1 30000;") {
@@ -213,12 +208,12 @@ func TestHolderLists(t *testing.T) {
 	}
 	// That query refreshed host 5; the dead records go with the next
 	// rewrite of the level.
-	must(t, st.SaveCache(ctx, "c", "10.0.0.6:1", hs[:1]))
+	must(t, st.SaveCacheAs(ctx, "c", "10.0.0.6:1", hs[:1], "", 0))
 	if got, err := rdb.HGet(ctx, tag+":px", "0000000000000007").Result(); err != nil || got != "1121000;10.0.0.5:1 0;10.0.0.6:1 0" {
 		t.Fatalf("level 7 after rewrite = %q (%v)", got, err)
 	}
-	must(t, st.EvictHost(ctx, "c", "10.0.0.5:1"))
-	must(t, st.EvictCache(ctx, "c", "10.0.0.6:1", hs[:1]))
+	must(t, st.EvictHostBefore(ctx, "c", "10.0.0.5:1", 0))
+	must(t, st.EvictCacheBefore(ctx, "c", "10.0.0.6:1", hs[:1], 0))
 	if n, err := rdb.HExists(ctx, tag+":px", "0000000000000007").Result(); err != nil || n {
 		t.Fatalf("empty holder list left behind (%v, %v)", n, err)
 	}
@@ -235,11 +230,11 @@ func TestDeadHolderListsSwept(t *testing.T) {
 	srv := redistest.Shared(t)
 	st, nowMs := clockedStore(t, srv)
 	ctx := context.Background()
-	must(t, st.SaveCache(ctx, "c", "10.0.0.1:1", []prefix.Hash{1, 2, 3}))
+	must(t, st.SaveCacheAs(ctx, "c", "10.0.0.1:1", []prefix.Hash{1, 2, 3}, "", 0))
 	nowMs.Add(30_000)
-	must(t, st.SaveCache(ctx, "c", "10.0.0.2:1", []prefix.Hash{2}))
+	must(t, st.SaveCacheAs(ctx, "c", "10.0.0.2:1", []prefix.Hash{2}, "", 0))
 	nowMs.Add(31_000) // host 1's records are dead, host 2's live on
-	must(t, st.SaveCache(ctx, "c", "10.0.0.3:1", []prefix.Hash{9}))
+	must(t, st.SaveCacheAs(ctx, "c", "10.0.0.3:1", []prefix.Hash{9}, "", 0))
 	rdb := redis.NewClient(&redis.Options{Addr: srv.Addr})
 	defer rdb.Close()
 	tag := "{" + srv.Prefix + ":c}"
@@ -273,10 +268,10 @@ func TestMaxHashes(t *testing.T) {
 		hs[i] = prefix.Hash(i + 1)
 	}
 	// Narrow path: 3 hosts, one full, one half, one with a hole.
-	must(t, st.SaveCache(ctx, "c", "10.0.0.1:1", hs))
-	must(t, st.SaveCache(ctx, "c", "10.0.0.2:1", hs[:2048]))
-	must(t, st.SaveCache(ctx, "c", "10.0.0.3:1", hs))
-	must(t, st.EvictCache(ctx, "c", "10.0.0.3:1", hs[3000:3001]))
+	must(t, st.SaveCacheAs(ctx, "c", "10.0.0.1:1", hs, "", 0))
+	must(t, st.SaveCacheAs(ctx, "c", "10.0.0.2:1", hs[:2048], "", 0))
+	must(t, st.SaveCacheAs(ctx, "c", "10.0.0.3:1", hs, "", 0))
+	must(t, st.EvictCacheBefore(ctx, "c", "10.0.0.3:1", hs[3000:3001], 0))
 	want := []api.CacheLocation{{Host: "10.0.0.1:1", Length: 4096}, {Host: "10.0.0.3:1", Length: 3000}, {Host: "10.0.0.2:1", Length: 2048}}
 	got, err := st.QueryCache(ctx, "c", hs)
 	must(t, err)
@@ -288,8 +283,8 @@ func TestMaxHashes(t *testing.T) {
 	if !reflect.DeepEqual(ans.Cache, want) {
 		t.Fatalf("Route cache = %v, want %v", ans.Cache, want)
 	}
-	must(t, st.EvictCache(ctx, "c", "10.0.0.1:1", hs))
-	must(t, st.EvictHost(ctx, "c", "10.0.0.3:1"))
+	must(t, st.EvictCacheBefore(ctx, "c", "10.0.0.1:1", hs, 0))
+	must(t, st.EvictHostBefore(ctx, "c", "10.0.0.3:1", 0))
 	got, err = st.QueryCache(ctx, "c", hs)
 	must(t, err)
 	if want := []api.CacheLocation{{Host: "10.0.0.2:1", Length: 2048}}; !reflect.DeepEqual(got, want) {
@@ -311,7 +306,7 @@ func TestBatchAfterScriptFlush(t *testing.T) {
 		{Kind: store.OpAddLease, Cluster: c, Host: "10.0.0.1:1", RequestID: "b", PromptLength: 5},
 		{Kind: store.OpDeleteLease, Cluster: c, Host: "10.0.0.1:1", RequestID: "a"},
 	}
-	if err := store.Apply(ctx, st, ops[:1]); err != nil {
+	if err := st.Apply(ctx, ops[:1]); err != nil {
 		t.Fatal(err)
 	}
 	rdb := redis.NewClient(&redis.Options{Addr: srv.Addr})
@@ -319,7 +314,7 @@ func TestBatchAfterScriptFlush(t *testing.T) {
 	if err := rdb.ScriptFlush(ctx).Err(); err != nil {
 		t.Fatal(err)
 	}
-	if err := store.Apply(ctx, st, ops); err != nil {
+	if err := st.Apply(ctx, ops); err != nil {
 		t.Fatal(err)
 	}
 	load, err := st.LoadStats(ctx, c)

@@ -13,6 +13,7 @@ import (
 	"github.com/redis/go-redis/v9"
 
 	"github.com/istio-llm-filter/istio-llm-filter/internal/testutil/redistest"
+	"github.com/istio-llm-filter/istio-llm-filter/internal/testutil/wait"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/api"
 	"github.com/istio-llm-filter/istio-llm-filter/prefix"
 )
@@ -35,16 +36,12 @@ func (h *pipeCounter) wait() {
 		return
 	}
 	defer h.held.Store(true)
-	deadline := time.Now().Add(10 * time.Second)
-	for time.Now().Before(deadline) && !h.held.Load() {
+	wait.Until(10*time.Second, func() bool {
 		h.s.routes.mu.Lock()
 		n := len(h.s.routes.waiting)
 		h.s.routes.mu.Unlock()
-		if n >= h.hold {
-			return
-		}
-		time.Sleep(time.Millisecond)
-	}
+		return h.held.Load() || n >= h.hold
+	})
 }
 
 func (h *pipeCounter) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
@@ -113,7 +110,7 @@ func TestRoutePipe(t *testing.T) {
 			for ci, c := range clusters {
 				for p := range 3 {
 					host := fmt.Sprintf("10.0.%d.%d:8000", ci, p+1)
-					if err := st.SaveCache(ctx, c, host, prompt(ci, p)[:4+2*p]); err != nil {
+					if err := st.SaveCacheAs(ctx, c, host, prompt(ci, p)[:4+2*p], "", 0); err != nil {
 						t.Fatal(err)
 					}
 					if err := st.AddLease(ctx, c, host, fmt.Sprintf("r%d", p), int64(100*p)); err != nil {

@@ -5,22 +5,17 @@ import (
 	"slices"
 	"testing"
 
-	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/store"
 	"github.com/istio-llm-filter/istio-llm-filter/prefix"
 )
 
-// RunIndex is the contract of store.IndexLister: the listing is exactly
+// RunIndex is the contract of store.Index.CacheIndex: the listing is exactly
 // what queries answer — saves appear, evictions (one prefix or a whole
 // host) and expiry remove, clusters stay apart.
 func RunIndex(t *testing.T, f Factory) {
 	e := setup(t, f)
-	lister, ok := e.st.(store.IndexLister)
-	if !ok {
-		t.Fatalf("%T does not implement store.IndexLister", e.st)
-	}
 	list := func(cluster string) map[string][]prefix.Hash {
 		t.Helper()
-		got, err := lister.CacheIndex(e.ctx, cluster)
+		got, err := e.st.Index.CacheIndex(e.ctx, cluster)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -39,22 +34,22 @@ func RunIndex(t *testing.T, f Factory) {
 	a, b := hashes("a", 3), hashes("b", 2)
 	want(c, map[string][]prefix.Hash{})
 
-	e.must(e.st.SaveCache(e.ctx, c, "10.0.0.1:80", a))
-	e.must(e.st.SaveCache(e.ctx, c, "10.0.0.2:80", a[:1]))
-	e.must(e.st.SaveCache(e.ctx, c, "10.0.0.2:80", b))
-	e.must(e.st.SaveCache(e.ctx, other, "10.0.0.9:80", b))
+	e.must(e.st.Index.SaveCacheAs(e.ctx, c, "10.0.0.1:80", a, "", 0))
+	e.must(e.st.Index.SaveCacheAs(e.ctx, c, "10.0.0.2:80", a[:1], "", 0))
+	e.must(e.st.Index.SaveCacheAs(e.ctx, c, "10.0.0.2:80", b, "", 0))
+	e.must(e.st.Index.SaveCacheAs(e.ctx, other, "10.0.0.9:80", b, "", 0))
 	want(c, map[string][]prefix.Hash{
 		"10.0.0.1:80": slices.Clone(a),
 		"10.0.0.2:80": {a[0], b[0], b[1]},
 	})
 	want(other, map[string][]prefix.Hash{"10.0.0.9:80": slices.Clone(b)})
 
-	e.must(e.st.EvictCache(e.ctx, c, "10.0.0.1:80", a[1:2]))
-	e.must(e.st.EvictHost(e.ctx, c, "10.0.0.2:80"))
+	e.must(e.st.Index.EvictCacheBefore(e.ctx, c, "10.0.0.1:80", a[1:2], 0))
+	e.must(e.st.Index.EvictHostBefore(e.ctx, c, "10.0.0.2:80", 0))
 	want(c, map[string][]prefix.Hash{"10.0.0.1:80": {a[0], a[2]}})
 
 	e.clock.Advance(cacheTTL / 2)
-	e.must(e.st.SaveCache(e.ctx, c, "10.0.0.3:80", b[:1]))
+	e.must(e.st.Index.SaveCacheAs(e.ctx, c, "10.0.0.3:80", b[:1], "", 0))
 	e.clock.Advance(cacheTTL/2 + 1)
 	want(c, map[string][]prefix.Hash{"10.0.0.3:80": b[:1]})
 }
