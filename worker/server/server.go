@@ -302,4 +302,3 @@ func (s *Server) access(w http.ResponseWriter, j *job, status int, res *schedule
 	}
 	s.log.Info("access", attrs...)
 }
-
