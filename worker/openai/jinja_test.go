@@ -6,11 +6,16 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
+
+	"github.com/istio-llm-filter/istio-llm-filter/worker/ggufgen"
 )
 
 func jinjaFile(t *testing.T, name, bos, eos string) Template {
 	t.Helper()
 	src, err := os.ReadFile(filepath.Join("testdata", name))
+	if name == "qwen2.5.jinja" {
+		src, err = []byte(ggufgen.QwenToolsTemplate), nil
+	}
 	if err != nil {
 		t.Fatal(err)
 	}

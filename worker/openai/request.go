@@ -292,8 +292,12 @@ func (c *common) logprobs(chat bool) (on bool, top int, e *Error) {
 // ChatRequest is a POST /v1/chat/completions body.
 type ChatRequest struct {
 	common
-	Messages []Message       `json:"messages"`
-	Tools    json.RawMessage `json:"tools,omitempty"`
+	Messages          []Message       `json:"messages"`
+	Tools             json.RawMessage `json:"tools,omitempty"`
+	ToolChoice        json.RawMessage `json:"tool_choice,omitempty"`
+	ParallelToolCalls *bool           `json:"parallel_tool_calls,omitempty"`
+	// ToolSet is Tools and ToolChoice validated; nil without tools.
+	ToolSet *ToolSet `json:"-"`
 }
 
 // CompletionRequest is a POST /v1/completions body.
@@ -569,15 +573,23 @@ func ParseChat(body []byte) (*ChatRequest, Params, *Error) {
 		return nil, Params{}, err
 	}
 	var rawMessages []json.RawMessage
-	if err := decodeObject(body, "", append(r.fields(), field{"messages", &rawMessages}, field{"tools", &r.Tools})); err != nil {
+	if err := decodeObject(body, "", append(r.fields(), field{"messages", &rawMessages}, field{"tools", &r.Tools},
+		field{"tool_choice", &r.ToolChoice}, field{"parallel_tool_calls", &r.ParallelToolCalls})); err != nil {
 		return nil, Params{}, err
 	}
-	if t := strings.TrimSpace(string(r.Tools)); t != "" && t != "null" && t != "[]" {
-		return nil, Params{}, BadRequest("tools", "tools (function calling) are not supported by this server")
+	var te *Error
+	if r.ToolSet, te = parseTools(r.Tools, r.ToolChoice); te != nil {
+		return nil, Params{}, te
 	}
 	p, err := r.params(true)
 	if err != nil {
 		return nil, p, err
+	}
+	if r.ToolSet.Constrained() {
+		if p.JSONSchema != nil {
+			return nil, p, BadRequest("response_format", "response_format cannot be combined with tool_choice %q: both constrain the output", r.ToolSet.Choice)
+		}
+		p.JSONSchema = r.ToolSet.CallSchema()
 	}
 	if len(rawMessages) == 0 {
 		return nil, p, BadRequest("messages", "messages is required and must hold at least one message")

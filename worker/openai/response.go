@@ -59,10 +59,12 @@ func NewUsage(prompt, completion, cached int) *Usage {
 		PromptTokensDetails: &PromptTokensDetails{CachedTokens: cached}}
 }
 
-// ChatMessage is an assistant message in a response.
+// ChatMessage is an assistant message in a response. Content is null in an
+// answer that only calls tools.
 type ChatMessage struct {
-	Role    string `json:"role"`
-	Content string `json:"content"`
+	Role      string     `json:"role"`
+	Content   *string    `json:"content"`
+	ToolCalls []ToolCall `json:"tool_calls,omitempty"`
 }
 
 // ChatChoice is a choice of a chat.completion.
@@ -159,8 +161,9 @@ func NewChatCompletion(id, model string, created time.Time, choices []ChatChoice
 
 // Delta is the incremental message of a chunk.
 type Delta struct {
-	Role    string  `json:"role,omitempty"`
-	Content *string `json:"content,omitempty"`
+	Role      string     `json:"role,omitempty"`
+	Content   *string    `json:"content,omitempty"`
+	ToolCalls []ToolCall `json:"tool_calls,omitempty"`
 }
 
 // ChunkChoice is a choice of a chat.completion.chunk. FinishReason is null

@@ -135,6 +135,20 @@ func (c *ChatStream) Content(index int, text string, lp *ChatLogprobs) error {
 	return c.sse.Event(c.chunk([]ChunkChoice{{Index: index, Delta: Delta{Content: &text}, Logprobs: lp}}, nil))
 }
 
+// ToolCalls sends choice index's tool calls, whole, in one delta (each
+// call with its index among them).
+func (c *ChatStream) ToolCalls(index int, calls []ToolCall) error {
+	if err := c.Begin(index); err != nil {
+		return err
+	}
+	cs := make([]ToolCall, len(calls))
+	for i, tc := range calls {
+		cs[i] = tc
+		cs[i].Index = &i
+	}
+	return c.sse.Event(c.chunk([]ChunkChoice{{Index: index, Delta: Delta{ToolCalls: cs}}}, nil))
+}
+
 // Finish sends choice index's finish reason.
 func (c *ChatStream) Finish(index int, reason string) error {
 	if err := c.Begin(index); err != nil {

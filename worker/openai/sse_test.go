@@ -81,7 +81,7 @@ func fakeEngine(t *testing.T) http.Handler {
 		if !p.Stream {
 			var sb strings.Builder
 			finish, n, _ := generate(p, func(s string) error { sb.WriteString(s); return nil })
-			WriteJSON(w, http.StatusOK, NewChatCompletion(id, p.Model, created, []ChatChoice{{Message: ChatMessage{Role: RoleAssistant, Content: sb.String()}, FinishReason: finish}}, NewUsage(len(prompt), n, cachedTokens)))
+			WriteJSON(w, http.StatusOK, NewChatCompletion(id, p.Model, created, []ChatChoice{{Message: ChatMessage{Role: RoleAssistant, Content: ptr(sb.String())}, FinishReason: finish}}, NewUsage(len(prompt), n, cachedTokens)))
 			return
 		}
 		s := NewChatStream(w, id, p.Model, created, p.IncludeUsage)
@@ -449,3 +449,5 @@ func TestWriteError(t *testing.T) {
 		}
 	}
 }
+
+func ptr[T any](v T) *T { return &v }

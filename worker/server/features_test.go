@@ -8,6 +8,8 @@ import (
 	"strconv"
 	"strings"
 	"testing"
+
+	"github.com/istio-llm-filter/istio-llm-filter/worker/testmodel"
 )
 
 // promptTokens reads llmf_worker_prompt_tokens_total{source=...}.
@@ -235,5 +237,121 @@ func TestResponseFormatGivesJSON(t *testing.T) {
 		"response_format": map[string]any{"type": "json_schema", "json_schema": map[string]any{"name": "w", "schema": map[string]any{"type": "object", "properties": 7}}}})
 	if resp.StatusCode != http.StatusBadRequest || !strings.Contains(string(out), "response_format") {
 		t.Fatalf("a schema llama.cpp cannot compile: %d %s", resp.StatusCode, out)
+	}
+}
+
+const cityTool = `{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
+	"parameters": {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo"]}}, "required": ["city"], "additionalProperties": false}}}`
+
+type toolResp struct {
+	Choices []struct {
+		Message struct {
+			Content   *string `json:"content"`
+			ToolCalls []struct {
+				ID       string `json:"id"`
+				Type     string `json:"type"`
+				Function struct {
+					Name      string `json:"name"`
+					Arguments string `json:"arguments"`
+				} `json:"function"`
+			} `json:"tool_calls"`
+		} `json:"message"`
+		FinishReason string `json:"finish_reason"`
+	} `json:"choices"`
+}
+
+// With tool_choice required or named, the grammar makes even the
+// random-weights model answer with a valid call, parsed into tool_calls.
+func TestToolChoiceRequiredGivesACall(t *testing.T) {
+	w := startWorker(t, opts{model: testmodel.ToolsPath(t)})
+	var tool map[string]any
+	if err := json.Unmarshal([]byte(cityTool), &tool); err != nil {
+		t.Fatal(err)
+	}
+	for _, choice := range []any{"required", map[string]any{"type": "function", "function": map[string]any{"name": "get_weather"}}} {
+		for seed := range 2 {
+			resp, out := post(t, w.url, "/v1/chat/completions", map[string]any{"model": "tiny", "messages": msgs("user", "Weather in Paris?"),
+				"tools": []any{tool}, "tool_choice": choice, "seed": seed, "max_tokens": 100})
+			if resp.StatusCode != http.StatusOK {
+				t.Fatalf("status %d: %s", resp.StatusCode, out)
+			}
+			var r toolResp
+			if err := json.Unmarshal(out, &r); err != nil {
+				t.Fatal(err)
+			}
+			c := r.Choices[0]
+			if c.FinishReason != "tool_calls" || len(c.Message.ToolCalls) != 1 || c.Message.Content != nil {
+				t.Fatalf("tool_choice %v seed %d: %s", choice, seed, out)
+			}
+			call := c.Message.ToolCalls[0]
+			var args struct {
+				City string `json:"city"`
+			}
+			if err := json.Unmarshal([]byte(call.Function.Arguments), &args); err != nil || call.Function.Name != "get_weather" ||
+				(args.City != "Paris" && args.City != "Oslo") || call.Type != "function" || !strings.HasPrefix(call.ID, "call_") {
+				t.Fatalf("tool_choice %v seed %d: call %+v (%v)", choice, seed, call, err)
+			}
+		}
+	}
+	// A template that never reads tools cannot offer them to the model.
+	plain := startWorker(t, opts{})
+	resp, out := post(t, plain.url, "/v1/chat/completions", map[string]any{"model": "tiny", "messages": msgs("user", "x"), "tools": []any{tool}})
+	if resp.StatusCode != http.StatusBadRequest || !strings.Contains(string(out), "does not render tools") {
+		t.Fatalf("tools on a template without them: %d %s", resp.StatusCode, out)
+	}
+	// tool_choice none: no call, and the tools stay out of the prompt.
+	r := postOK(t, plain, "/v1/chat/completions", map[string]any{"model": "tiny", "messages": msgs("user", "x"), "tools": []any{tool},
+		"tool_choice": "none", "max_tokens": 4, "ignore_eos": true})
+	if r.Choices[0].FinishReason != "length" {
+		t.Fatalf("tool_choice none: %+v", r.Choices[0])
+	}
+}
+
+func TestToolCallsStream(t *testing.T) {
+	w := startWorker(t, opts{model: testmodel.ToolsPath(t)})
+	var tool map[string]any
+	json.Unmarshal([]byte(cityTool), &tool)
+	body, _ := json.Marshal(map[string]any{"model": "tiny", "messages": msgs("user", "Weather in Oslo?"), "tools": []any{tool},
+		"tool_choice": "required", "seed": 3, "max_tokens": 100, "stream": true})
+	resp, err := http.Post(w.url+"/v1/chat/completions", "application/json", bytes.NewReader(body))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	var calls []map[string]any
+	finish := ""
+	for _, ev := range sse(t, resp.Body) {
+		if ev == "[DONE]" {
+			break
+		}
+		var c struct {
+			Choices []struct {
+				Delta struct {
+					Content   *string          `json:"content"`
+					ToolCalls []map[string]any `json:"tool_calls"`
+				} `json:"delta"`
+				FinishReason *string `json:"finish_reason"`
+			} `json:"choices"`
+		}
+		if err := json.Unmarshal([]byte(ev), &c); err != nil {
+			t.Fatal(err)
+		}
+		for _, ch := range c.Choices {
+			if ch.Delta.Content != nil && *ch.Delta.Content != "" {
+				t.Fatalf("content streamed beside a required call: %s", ev)
+			}
+			calls = append(calls, ch.Delta.ToolCalls...)
+			if ch.FinishReason != nil {
+				finish = *ch.FinishReason
+			}
+		}
+	}
+	if finish != "tool_calls" || len(calls) != 1 {
+		t.Fatalf("finish %q, calls %v", finish, calls)
+	}
+	fn, _ := calls[0]["function"].(map[string]any)
+	var args map[string]string
+	if fn == nil || fn["name"] != "get_weather" || json.Unmarshal([]byte(fn["arguments"].(string)), &args) != nil || calls[0]["index"] != 0.0 {
+		t.Fatalf("streamed call %v", calls[0])
 	}
 }

@@ -97,6 +97,8 @@ func (s *Server) logprobs(c *choice, toks []int, used int) []openai.TokenLogprob
 type sink interface {
 	// text sends choice i's next text and the logprobs of its tokens.
 	text(i int, t string, lp []openai.TokenLogprob) error
+	// toolCalls sends choice i's tool calls (chat only), before its finish.
+	toolCalls(i int, calls []openai.ToolCall) error
 	finish(i int, reason string) error
 	// end closes the answer once every choice finished.
 	end(u *openai.Usage) error
@@ -181,6 +183,9 @@ func (s *Server) generate(w http.ResponseWriter, r *http.Request, j *job) {
 		out = &completionStream{s: openai.NewCompletionStream(w, j.id, j.model, j.created, p.IncludeUsage)}
 	default:
 		out = newWhole(w, j)
+	}
+	if j.tools != nil {
+		out = &toolSink{sink: out, ts: j.tools, held: make([]string, p.N), sent: make([]bool, p.N)}
 	}
 	wake, quit := merge(cs)
 	defer quit()
@@ -289,6 +294,9 @@ func (c *chatStream) text(i int, t string, lp []openai.TokenLogprob) error {
 	}
 	return c.s.Content(i, t, l)
 }
+func (c *chatStream) toolCalls(i int, calls []openai.ToolCall) error {
+	return c.s.ToolCalls(i, calls)
+}
 func (c *chatStream) finish(i int, reason string) error { return c.s.Finish(i, reason) }
 func (c *chatStream) end(u *openai.Usage) error         { return c.s.End(u) }
 func (c *chatStream) fail(e *openai.Error)              { c.s.SSE().Error(e) }
@@ -314,6 +322,9 @@ func (c *completionStream) text(i int, t string, lp []openai.TokenLogprob) error
 	}
 	return c.s.Text(i, t, l)
 }
+func (c *completionStream) toolCalls(int, []openai.ToolCall) error {
+	return errors.New("server: a text completion has no tool calls")
+}
 func (c *completionStream) finish(i int, reason string) error { return c.s.Finish(i, reason) }
 func (c *completionStream) end(u *openai.Usage) error         { return c.s.End(u) }
 func (c *completionStream) fail(e *openai.Error)              { c.s.SSE().Error(e) }
@@ -324,12 +335,14 @@ type whole struct {
 	j       *job
 	texts   [][]byte
 	lps     [][]openai.TokenLogprob
+	calls   [][]openai.ToolCall
 	reasons []string
 }
 
 func newWhole(w http.ResponseWriter, j *job) *whole {
 	n := j.params.N
-	return &whole{w: w, j: j, texts: make([][]byte, n), lps: make([][]openai.TokenLogprob, n), reasons: make([]string, n)}
+	return &whole{w: w, j: j, texts: make([][]byte, n), lps: make([][]openai.TokenLogprob, n), calls: make([][]openai.ToolCall, n),
+		reasons: make([]string, n)}
 }
 
 func (o *whole) text(i int, t string, lp []openai.TokenLogprob) error {
@@ -337,14 +350,19 @@ func (o *whole) text(i int, t string, lp []openai.TokenLogprob) error {
 	o.lps[i] = append(o.lps[i], lp...)
 	return nil
 }
-func (o *whole) finish(i int, reason string) error { o.reasons[i] = reason; return nil }
+func (o *whole) toolCalls(i int, calls []openai.ToolCall) error { o.calls[i] = calls; return nil }
+func (o *whole) finish(i int, reason string) error              { o.reasons[i] = reason; return nil }
 func (o *whole) end(u *openai.Usage) error {
 	logprobs := o.j.params.Logprobs
 	if o.j.chat {
 		choices := make([]openai.ChatChoice, len(o.texts))
 		for i := range choices {
+			text := string(o.texts[i])
 			choices[i] = openai.ChatChoice{Index: i, FinishReason: o.reasons[i],
-				Message: openai.ChatMessage{Role: openai.RoleAssistant, Content: string(o.texts[i])}}
+				Message: openai.ChatMessage{Role: openai.RoleAssistant, Content: &text, ToolCalls: o.calls[i]}}
+			if text == "" && o.calls[i] != nil {
+				choices[i].Message.Content = nil // only tool calls
+			}
 			if logprobs {
 				choices[i].Logprobs = &openai.ChatLogprobs{Content: append([]openai.TokenLogprob{}, o.lps[i]...)}
 			}
@@ -367,3 +385,46 @@ func (o *whole) end(u *openai.Usage) error {
 	return openai.WriteJSON(o.w, http.StatusOK, openai.NewCompletion(o.j.id, o.j.model, o.j.created, choices, u))
 }
 func (o *whole) fail(e *openai.Error) { openai.WriteError(o.w, e) }
+
+// toolSink finds tool calls in a chat's output. With tool_choice auto the
+// content streams as usual except what may be a call (openai.ToolHold),
+// which is held and parsed when the choice finishes; with required or a
+// named function the grammar made the whole output one call, parsed at the
+// end. Text that turns out to be no call is sent as content then.
+type toolSink struct {
+	sink
+	ts   *openai.ToolSet
+	held []string
+	sent []bool
+}
+
+func (t *toolSink) text(i int, text string, lp []openai.TokenLogprob) error {
+	t.held[i] += text
+	k := 0
+	if !t.ts.Constrained() {
+		k = openai.ToolHold(t.held[i], t.sent[i])
+	}
+	send := t.held[i][:k]
+	t.held[i] = t.held[i][k:]
+	t.sent[i] = t.sent[i] || send != ""
+	return t.sink.text(i, send, lp)
+}
+
+func (t *toolSink) finish(i int, reason string) error {
+	content, calls, ok := t.ts.ParseToolCalls(t.held[i])
+	if !ok {
+		content = t.held[i]
+	}
+	if content != "" {
+		if err := t.sink.text(i, content, nil); err != nil {
+			return err
+		}
+	}
+	if ok {
+		if err := t.sink.toolCalls(i, calls); err != nil {
+			return err
+		}
+		reason = openai.FinishToolCalls
+	}
+	return t.sink.finish(i, reason)
+}

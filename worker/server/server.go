@@ -12,6 +12,7 @@
 package server
 
 import (
+	"encoding/json"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -149,6 +150,7 @@ type job struct {
 	params  openai.Params
 	created time.Time
 	chat    bool
+	tools   *openai.ToolSet // chat with tools the model may call; nil otherwise
 }
 
 func (s *Server) checkModel(p openai.Params) *openai.Error {
@@ -188,7 +190,19 @@ func (s *Server) chat(w http.ResponseWriter, r *http.Request) {
 		openai.WriteError(w, e)
 		return
 	}
-	text, err := s.cfg.Template.Render(req.Messages, true)
+	ts := req.ToolSet
+	var tools []json.RawMessage
+	if ts != nil && ts.Choice == openai.ToolChoiceNone {
+		ts = nil // tools the model may not call stay out of the prompt
+	}
+	if ts != nil {
+		if !s.cfg.Template.RendersTools() {
+			openai.WriteError(w, openai.BadRequest("tools", "this model's chat template does not render tools: the worker renders the GGUF's own tokenizer.chat_template, and this model's never reads `tools`"))
+			return
+		}
+		tools = ts.Raw
+	}
+	text, err := s.cfg.Template.RenderTools(req.Messages, tools, true)
 	if err != nil {
 		openai.WriteError(w, asBadRequest("messages", err))
 		return
@@ -200,7 +214,7 @@ func (s *Server) chat(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	s.generate(w, r, &job{id: openai.NewChatID(), model: params.Model, prompt: toks, params: params, created: time.Now(), chat: true,
-		hashes: s.hasher.Sum(params.Model, req.Canonical())})
+		tools: ts, hashes: s.hasher.Sum(params.Model, req.Canonical())})
 }
 
 func (s *Server) completion(w http.ResponseWriter, r *http.Request) {

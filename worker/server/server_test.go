@@ -66,7 +66,11 @@ func startWorker(t testing.TB, o opts) *worker {
 	}
 	reg := prometheus.NewRegistry()
 	o.sched.Metrics = scheduler.NewMetrics(reg)
-	cfg := Config{Registry: reg, RequestTimeout: o.sched.RequestTimeout, ModelName: "tiny", Logger: o.logger}
+	tmpl, _, err := openai.LoadTemplate(o.model)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg := Config{Registry: reg, RequestTimeout: o.sched.RequestTimeout, ModelName: "tiny", Logger: o.logger, Template: tmpl}
 	if o.mc != nil {
 		o.sched.OnEvictAt = o.mc.EvictAt
 		cfg.Evictions = o.mc.Recent
