@@ -122,7 +122,7 @@ func TestOpenAIFeaturesThroughTheSDK(t *testing.T) {
 	tools := []openai.ChatCompletionToolParam{{Function: shared.FunctionDefinitionParam{Name: "get_weather",
 		Description: openai.String("Weather of a city"), Parameters: shared.FunctionParameters{"type": "object",
 			"properties": map[string]any{"city": map[string]any{"type": "string", "enum": []string{"Paris", "Oslo"}}},
-			"required": []string{"city"}, "additionalProperties": false}}}}
+			"required":   []string{"city"}, "additionalProperties": false}}}}
 	required := openai.ChatCompletionToolChoiceOptionUnionParam{OfAuto: openai.String("required")}
 	checkCall := func(t *testing.T, name, args string) {
 		t.Helper()
