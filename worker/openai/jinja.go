@@ -42,6 +42,9 @@ func (t Template) Describe() string {
 	if t.jinja != nil {
 		return "the model's own Jinja chat template"
 	}
+	if t.why != "" {
+		return fmt.Sprintf("the built-in %s template (%s)", t.Family, t.why)
+	}
 	return fmt.Sprintf("the built-in %s template", t.Family)
 }
 

@@ -118,3 +118,17 @@ func TestJinjaRendersToolsAndToolCalls(t *testing.T) {
 		t.Error("templates that never read tools claim to render them")
 	}
 }
+
+// A model whose Jinja template does not compile falls back to its family,
+// and Describe says why.
+func TestLoadTemplateFallsBackWhenJinjaDoesNotCompile(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "broken.gguf")
+	broken := "{% for message in messages %}<|im_start|>{{ message['role'] }"
+	if err := ggufgen.WriteFile(path, ggufgen.Options{Preset: ggufgen.Tiny(), Seed: 1, ChatTemplate: broken}); err != nil {
+		t.Fatal(err)
+	}
+	tpl, known, err := LoadTemplate(path)
+	if err != nil || !known || tpl.Family != FamilyChatML || !strings.Contains(tpl.Describe(), "does not compile") {
+		t.Fatalf("known=%v err=%v family %s: %s", known, err, tpl.Family, tpl.Describe())
+	}
+}

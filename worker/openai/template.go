@@ -51,6 +51,8 @@ type Template struct {
 	// jinja is the compiled Jinja source (FamilyJinja, NewJinjaTemplate).
 	jinja  *jinja.Template
 	source string
+	// why a family renders though the model has a Jinja template.
+	why string
 }
 
 // ChatML is the default template: used when a model has none or has one of
@@ -135,10 +137,12 @@ func LoadTemplate(path string) (t Template, known bool, err error) {
 	if src == "" {
 		return ChatML(), false, nil
 	}
-	if t, err := NewJinjaTemplate(src, text("bos_token_id"), text("eos_token_id")); err == nil {
+	t, jerr := NewJinjaTemplate(src, text("bos_token_id"), text("eos_token_id"))
+	if jerr == nil {
 		return t, true, nil
 	}
 	t, known = DetectTemplate(src, text("bos_token_id"), text("eos_token_id"))
+	t.why = "the model's Jinja template does not compile: " + jerr.Error()
 	return t, known, nil
 }
 

@@ -355,3 +355,47 @@ func TestToolCallsStream(t *testing.T) {
 		t.Fatalf("streamed call %v", calls[0])
 	}
 }
+
+// Streamed logprobs ride on the content chunks: one entry per token, and
+// the completions endpoint serves n choices too.
+func TestStreamedLogprobsAndCompletionChoices(t *testing.T) {
+	w := startWorker(t, opts{})
+	body, _ := json.Marshal(map[string]any{"model": "tiny", "messages": msgs("user", "hi"), "max_tokens": 7, "ignore_eos": true,
+		"temperature": 0, "logprobs": true, "stream": true})
+	resp, err := http.Post(w.url+"/v1/chat/completions", "application/json", bytes.NewReader(body))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	entries := 0
+	for _, ev := range sse(t, resp.Body) {
+		var c struct {
+			Choices []struct {
+				Logprobs *struct {
+					Content []struct {
+						Logprob float64 `json:"logprob"`
+					} `json:"content"`
+				} `json:"logprobs"`
+			} `json:"choices"`
+		}
+		json.Unmarshal([]byte(ev), &c)
+		for _, ch := range c.Choices {
+			if ch.Logprobs != nil {
+				for _, e := range ch.Logprobs.Content {
+					if e.Logprob > 0 {
+						t.Fatalf("logprob %v in %s", e.Logprob, ev)
+					}
+					entries++
+				}
+			}
+		}
+	}
+	if entries != 7 {
+		t.Fatalf("%d logprob entries streamed for 7 tokens", entries)
+	}
+	r := postOK(t, w, "/v1/completions", map[string]any{"model": "tiny", "prompt": "once upon", "n": 2, "max_tokens": 5,
+		"ignore_eos": true, "seed": 9})
+	if len(r.Choices) != 2 || r.Choices[1].Index != 1 || r.Choices[0].Text == "" || r.Usage.CompletionTokens != 10 {
+		t.Fatalf("completion choices %+v usage %+v", r.Choices, r.Usage)
+	}
+}

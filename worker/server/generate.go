@@ -250,7 +250,10 @@ func (s *Server) generate(w http.ResponseWriter, r *http.Request, j *job) {
 		}
 	}
 	// The prompt is counted once; cached is what the choice that computed
-	// the most of it took from the cache.
+	// the most of it took from the cache. The access line says the same.
+	all := *res
+	all.CompletionTokens, all.CachedTokens = usage.CompletionTokens, cached
+	res = &all
 	out.end(openai.NewUsage(usage.PromptTokens, usage.CompletionTokens, cached))
 }
 

@@ -310,6 +310,9 @@ func (s *Server) access(w http.ResponseWriter, j *job, status int, res *schedule
 		status = statusClientClosed // left while queued, before any result
 	}
 	attrs := []any{"id", j.id, "trace_id", w.Header().Get(openai.TraceHeader), "model", j.model, "status", status, "duration_ms", took.Milliseconds()}
+	if j.params.N > 1 {
+		attrs = append(attrs, "n", j.params.N) // tokens below are over all choices
+	}
 	if res != nil {
 		attrs = append(attrs, "state", res.State.String(), "prompt_tokens", res.PromptTokens, "cached_tokens", res.CachedTokens,
 			"completion_tokens", res.CompletionTokens, "queue_wait_ms", res.QueueWait.Milliseconds(), "ttft_ms", res.TTFT.Milliseconds())
