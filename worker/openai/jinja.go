@@ -53,7 +53,14 @@ func (t Template) Describe() string {
 // their arguments as objects (HF templates apply tojson to them, as
 // transformers and vLLM pass them), and every JSON object keeps its key
 // order, so tool schemas reach the prompt as the client wrote them.
-func (t Template) renderJinja(msgs []Message, tools []json.RawMessage, gen bool) (string, error) {
+func (t Template) renderJinja(msgs []Message, tools []json.RawMessage, gen bool) (out string, err error) {
+	defer func() {
+		// The engine is third-party code run on client input: a panic in it
+		// is this request's failure, not the worker's.
+		if p := recover(); p != nil {
+			out, err = "", Internal("the model's chat template failed: %v", p)
+		}
+	}()
 	ms := make([]jinja.Value, len(msgs))
 	for i, m := range msgs {
 		d := jinja.NewDict()
@@ -96,8 +103,7 @@ func (t Template) renderJinja(msgs []Message, tools []json.RawMessage, gen bool)
 		}
 		data["tools"] = jinja.NewList(ts)
 	}
-	out, err := t.jinja.RenderValues(data)
-	if err != nil {
+	if out, err = t.jinja.RenderValues(data); err != nil {
 		return "", BadRequest("messages", "the model's chat template cannot render this conversation: %v", err)
 	}
 	return out, nil
