@@ -19,6 +19,11 @@ import "errors"
 // returned 1). Nothing was evaluated; the caller frees cells and retries.
 var ErrKVFull = errors.New("engine: KV cache has no room for the batch")
 
+// ErrUnsupported wraps what an engine cannot do for a request (NewSampler:
+// a JSON schema or logprobs on an engine without logits, a schema
+// llama.cpp cannot turn into a grammar); the HTTP layer answers it with 400.
+var ErrUnsupported = errors.New("engine: not supported")
+
 // Info describes the loaded model and context.
 type Info struct {
 	Name          string // model name the API reports (file name without extension)
@@ -42,10 +47,46 @@ type SamplingParams struct {
 	// far (not the prompt's, as vLLM does).
 	FrequencyPenalty float32
 	PresencePenalty  float32
+	// JSONSchema, if set, constrains the output to JSON valid against
+	// this JSON schema (llama.cpp's json-schema-to-grammar and grammar
+	// sampler): every sampled token keeps the output a prefix of such JSON.
+	JSONSchema []byte
+	// Logprobs makes the sampler record, for every token it samples, the
+	// token's log-probability under the model and the TopLogprobs most
+	// likely tokens (0..MaxTopLogprobs); the sampler is then a
+	// LogprobSource.
+	Logprobs    bool
+	TopLogprobs int
 }
+
+// MaxTopLogprobs is the most alternatives a sampler records per token
+// (OpenAI's limit for top_logprobs).
+const MaxTopLogprobs = 20
 
 // Sampler picks next tokens for one sequence; it carries the RNG state.
 type Sampler interface{}
+
+// TokenLogprob is a token and its log-probability under the model (the
+// log-softmax of the raw logits, before temperature, top_p and grammar).
+type TokenLogprob struct {
+	Token   int
+	Logprob float32
+}
+
+// Sampled is what a sampler made with Logprobs records for one sampled
+// token: the token's own log-probability and the most likely tokens at
+// that position, most likely first.
+type Sampled struct {
+	TokenLogprob
+	Top []TokenLogprob
+}
+
+// LogprobSource is implemented by samplers made with Logprobs. The loop
+// records one entry per sampled token, in order; TakeLogprobs returns those
+// recorded since the last call. Safe for concurrent use with Step.
+type LogprobSource interface {
+	TakeLogprobs() []Sampled
+}
 
 // Span is a run of tokens of one sequence to evaluate in a Step: Tokens[i]
 // goes to position Pos+i of seq Seq, which must be exactly the sequence's

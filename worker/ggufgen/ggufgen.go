@@ -138,6 +138,10 @@ type Progress struct {
 type Options struct {
 	Preset Preset
 	Seed   uint64
+	// ChatTemplate is the Jinja text stored as tokenizer.chat_template;
+	// "" stores ChatMLTemplate. The tokens a template writes must be in
+	// the byte-level vocabulary (<|im_start|> and <|im_end|> are).
+	ChatTemplate string
 	// Progress, if set, is called after each chunk of tensor data, never
 	// concurrently, with Done increasing up to Total.
 	Progress func(Progress)
@@ -342,7 +346,11 @@ func Write(f *os.File, o Options) error {
 	if err := o.Preset.Validate(); err != nil {
 		return err
 	}
-	return writeGGUF(f, o.Preset.kv(), o.Preset.tensors(), o.Seed, o.Progress)
+	kv := o.Preset.kv()
+	if o.ChatTemplate != "" {
+		kv["tokenizer.chat_template"] = o.ChatTemplate
+	}
+	return writeGGUF(f, kv, o.Preset.tensors(), o.Seed, o.Progress)
 }
 
 func writeGGUF(f *os.File, kv ggml.KV, specs []tensorSpec, seed uint64, fn func(Progress)) error {

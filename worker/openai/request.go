@@ -28,6 +28,12 @@ const (
 	MaxStopTokenIDs  = 64
 	MaxStopLength    = 256
 	MaxTemperature   = 2
+	// MaxChoices bounds n: every choice is a sequence of its own.
+	MaxChoices = 16
+	// MaxTopLogprobs is chat's top_logprobs limit, MaxLegacyLogprobs the
+	// completions' logprobs limit (OpenAI's).
+	MaxTopLogprobs    = 20
+	MaxLegacyLogprobs = 5
 )
 
 // ContentPart is one element of an array-of-parts message content.
@@ -187,46 +193,111 @@ type common struct {
 	// on it too: docs/configuration.md).
 	LoRA string `json:"lora,omitempty"`
 
-	// Features this server does not implement. They are read only to refuse
-	// them: ignoring them would silently give the client something else.
-	unsupported unsupported
+	// Logprobs is a boolean for chat and an integer (the alternatives per
+	// token, the legacy form) for completions.
+	Logprobs       json.RawMessage `json:"logprobs,omitempty"`
+	TopLogprobs    *int            `json:"top_logprobs,omitempty"`
+	ResponseFormat *ResponseFormat `json:"response_format,omitempty"`
+	// BestOf is read only to refuse it: this server samples no hidden
+	// choices to rank.
+	BestOf *int `json:"best_of,omitempty"`
 }
 
-type unsupported struct {
-	Logprobs       json.RawMessage // chat: bool; completions: int
-	TopLogprobs    *int
-	Tools          json.RawMessage
-	ResponseFormat *struct {
-		Type string `json:"type"`
-	}
-	BestOf *int
+// ResponseFormat is the response_format object.
+type ResponseFormat struct {
+	Type       string      `json:"type"`
+	JSONSchema *JSONSchema `json:"json_schema,omitempty"`
 }
 
-func (u *unsupported) check() *Error {
-	switch lp := strings.TrimSpace(string(u.Logprobs)); {
-	case lp == "" || lp == "null" || lp == "false" || lp == "0":
-	default:
-		return BadRequest("logprobs", "logprobs are not supported by this server")
+// JSONSchema is response_format.json_schema.
+type JSONSchema struct {
+	Name   string          `json:"name"`
+	Schema json.RawMessage `json:"schema"`
+	Strict *bool           `json:"strict,omitempty"`
+}
+
+// Response format types.
+const (
+	FormatText       = "text"
+	FormatJSONObject = "json_object"
+	FormatJSONSchema = "json_schema"
+)
+
+// jsonObjectSchema is the schema json_object output is held to: any JSON
+// object.
+var jsonObjectSchema = []byte(`{"type":"object"}`)
+
+// responseFormat validates response_format and returns the JSON schema the
+// output must match (nil for text).
+func (c *common) responseFormat() ([]byte, *Error) {
+	f := c.ResponseFormat
+	if f == nil {
+		return nil, nil
 	}
-	if u.TopLogprobs != nil && *u.TopLogprobs > 0 {
-		return BadRequest("top_logprobs", "top_logprobs is not supported by this server")
+	switch f.Type {
+	case "", FormatText:
+		return nil, nil
+	case FormatJSONObject:
+		return jsonObjectSchema, nil
+	case FormatJSONSchema:
+		if f.JSONSchema == nil {
+			return nil, BadRequest("response_format.json_schema", "response_format.json_schema is required for type json_schema")
+		}
+		sc := bytes.TrimSpace(f.JSONSchema.Schema)
+		if len(sc) == 0 || sc[0] != '{' {
+			return nil, BadRequest("response_format.json_schema.schema", "response_format.json_schema.schema must be a JSON schema object")
+		}
+		return sc, nil
 	}
-	if t := strings.TrimSpace(string(u.Tools)); t != "" && t != "null" && t != "[]" {
-		return BadRequest("tools", "tools (function calling) are not supported by this server")
+	return nil, BadRequest("response_format.type", "response_format.type %q is not one of text, json_object, json_schema", f.Type)
+}
+
+// logprobs validates logprobs and top_logprobs: chat takes a boolean and
+// top_logprobs 0..20; completions the legacy integer 0..5 and no
+// top_logprobs.
+func (c *common) logprobs(chat bool) (on bool, top int, e *Error) {
+	raw := strings.TrimSpace(string(c.Logprobs))
+	if chat {
+		switch raw {
+		case "", "null", "false":
+		case "true":
+			on = true
+		default:
+			return false, 0, BadRequest("logprobs", "logprobs must be a boolean, got %s", raw)
+		}
+		if c.TopLogprobs != nil {
+			top = *c.TopLogprobs
+			if top < 0 || top > MaxTopLogprobs {
+				return false, 0, BadRequest("top_logprobs", "top_logprobs must be between 0 and %d, got %d", MaxTopLogprobs, top)
+			}
+			if top > 0 && !on {
+				return false, 0, BadRequest("top_logprobs", "top_logprobs needs logprobs set to true")
+			}
+		}
+		return on, top, nil
 	}
-	if u.ResponseFormat != nil && u.ResponseFormat.Type != "" && u.ResponseFormat.Type != "text" {
-		return BadRequest("response_format", "response_format %q is not supported by this server (only \"text\")", u.ResponseFormat.Type)
+	if c.TopLogprobs != nil {
+		return false, 0, BadRequest("top_logprobs", "top_logprobs is a chat parameter; completions take logprobs as the number of alternatives")
 	}
-	if u.BestOf != nil && *u.BestOf != 1 {
-		return BadRequest("best_of", "best_of must be 1: this server returns one choice per request (got %d)", *u.BestOf)
+	if raw == "" || raw == "null" {
+		return false, 0, nil
 	}
-	return nil
+	var n int
+	if err := json.Unmarshal([]byte(raw), &n); err != nil || n < 0 || n > MaxLegacyLogprobs {
+		return false, 0, BadRequest("logprobs", "logprobs must be an integer between 0 and %d, got %s", MaxLegacyLogprobs, raw)
+	}
+	return true, n, nil
 }
 
 // ChatRequest is a POST /v1/chat/completions body.
 type ChatRequest struct {
 	common
-	Messages []Message `json:"messages"`
+	Messages          []Message       `json:"messages"`
+	Tools             json.RawMessage `json:"tools,omitempty"`
+	ToolChoice        json.RawMessage `json:"tool_choice,omitempty"`
+	ParallelToolCalls *bool           `json:"parallel_tool_calls,omitempty"`
+	// ToolSet is Tools and ToolChoice validated; nil without tools.
+	ToolSet *ToolSet `json:"-"`
 }
 
 // CompletionRequest is a POST /v1/completions body.
@@ -265,6 +336,15 @@ type Params struct {
 	PresencePenalty  float64
 	Stream           bool
 	IncludeUsage     bool
+	// N is the number of choices (1..MaxChoices).
+	N int
+	// Logprobs asks for each output token's log-probability and the
+	// TopLogprobs most likely alternatives.
+	Logprobs    bool
+	TopLogprobs int
+	// JSONSchema, if set, is the schema the output must be JSON of
+	// (response_format json_object or json_schema).
+	JSONSchema []byte
 }
 
 // Defaults of the OpenAI API.
@@ -274,14 +354,17 @@ const (
 )
 
 // Params validates the shared fields and returns them with defaults applied.
-func (c *common) params() (Params, *Error) {
+func (c *common) params(chat bool) (Params, *Error) {
 	p := Params{Model: c.Model, LoRA: c.LoRA, Temperature: DefaultTemperature, TopP: DefaultTopP,
-		Seed: c.Seed, IgnoreEOS: c.IgnoreEOS, Stream: c.Stream}
+		Seed: c.Seed, IgnoreEOS: c.IgnoreEOS, Stream: c.Stream, N: 1}
 	if strings.TrimSpace(c.Model) == "" {
 		return p, BadRequest("model", "model is required")
 	}
-	if c.N != nil && *c.N != 1 {
-		return p, BadRequest("n", "n must be 1: this server returns one choice per request (got %d)", *c.N)
+	if c.N != nil {
+		if *c.N < 1 || *c.N > MaxChoices {
+			return p, BadRequest("n", "n must be between 1 and %d, got %d", MaxChoices, *c.N)
+		}
+		p.N = *c.N
 	}
 	if c.StreamOptions != nil {
 		if !c.Stream {
@@ -332,8 +415,15 @@ func (c *common) params() (Params, *Error) {
 		}
 		*f.dst = *f.v
 	}
-	if err := c.unsupported.check(); err != nil {
-		return p, err
+	var e *Error
+	if p.Logprobs, p.TopLogprobs, e = c.logprobs(chat); e != nil {
+		return p, e
+	}
+	if p.JSONSchema, e = c.responseFormat(); e != nil {
+		return p, e
+	}
+	if c.BestOf != nil && *c.BestOf != 1 {
+		return p, BadRequest("best_of", "best_of must be 1: this server samples no hidden choices to rank (use n for several choices; got %d)", *c.BestOf)
 	}
 	if c.MinTokens != nil {
 		if *c.MinTokens < 0 {
@@ -471,9 +561,8 @@ func (c *common) fields() []field {
 		{"stop", &c.Stop}, {"n", &c.N}, {"ignore_eos", &c.IgnoreEOS},
 		{"min_tokens", &c.MinTokens}, {"user", &c.User}, {"stop_token_ids", &c.StopTokenIDs}, {"lora", &c.LoRA},
 		{"frequency_penalty", &c.FrequencyPenalty}, {"presence_penalty", &c.PresencePenalty},
-		{"logprobs", &c.unsupported.Logprobs}, {"top_logprobs", &c.unsupported.TopLogprobs},
-		{"tools", &c.unsupported.Tools}, {"response_format", &c.unsupported.ResponseFormat},
-		{"best_of", &c.unsupported.BestOf},
+		{"logprobs", &c.Logprobs}, {"top_logprobs", &c.TopLogprobs},
+		{"response_format", &c.ResponseFormat}, {"best_of", &c.BestOf},
 	}
 }
 
@@ -484,12 +573,23 @@ func ParseChat(body []byte) (*ChatRequest, Params, *Error) {
 		return nil, Params{}, err
 	}
 	var rawMessages []json.RawMessage
-	if err := decodeObject(body, "", append(r.fields(), field{"messages", &rawMessages})); err != nil {
+	if err := decodeObject(body, "", append(r.fields(), field{"messages", &rawMessages}, field{"tools", &r.Tools},
+		field{"tool_choice", &r.ToolChoice}, field{"parallel_tool_calls", &r.ParallelToolCalls})); err != nil {
 		return nil, Params{}, err
 	}
-	p, err := r.params()
+	var te *Error
+	if r.ToolSet, te = parseTools(r.Tools, r.ToolChoice); te != nil {
+		return nil, Params{}, te
+	}
+	p, err := r.params(true)
 	if err != nil {
 		return nil, p, err
+	}
+	if r.ToolSet.Constrained() {
+		if p.JSONSchema != nil {
+			return nil, p, BadRequest("response_format", "response_format cannot be combined with tool_choice %q: both constrain the output", r.ToolSet.Choice)
+		}
+		p.JSONSchema = r.ToolSet.CallSchema()
 	}
 	if len(rawMessages) == 0 {
 		return nil, p, BadRequest("messages", "messages is required and must hold at least one message")
@@ -557,7 +657,7 @@ func ParseCompletion(body []byte) (*CompletionRequest, Params, *Error) {
 	if err != nil {
 		return nil, Params{}, err
 	}
-	p, err := r.params()
+	p, err := r.params(false)
 	if err != nil {
 		return nil, p, err
 	}

@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"net/http"
 	"net/http/httptest"
+	"slices"
 	"strings"
 	"testing"
 )
@@ -47,8 +48,8 @@ func TestParseChatValidationErrors(t *testing.T) {
 		{"temperature negative", `{"model":"m",` + msgs + `,"temperature":-0.1}`, "temperature", "between 0 and 2"},
 		{"top_p zero", `{"model":"m",` + msgs + `,"top_p":0}`, "top_p", "greater than 0"},
 		{"top_p high", `{"model":"m",` + msgs + `,"top_p":1.01}`, "top_p", "at most 1"},
-		{"n two", `{"model":"m",` + msgs + `,"n":2}`, "n", "n must be 1"},
-		{"n zero", `{"model":"m",` + msgs + `,"n":0}`, "n", "n must be 1"},
+		{"n too many", `{"model":"m",` + msgs + `,"n":17}`, "n", "n must be between 1 and 16"},
+		{"n zero", `{"model":"m",` + msgs + `,"n":0}`, "n", "n must be between 1 and 16"},
 		{"seed string", `{"model":"m",` + msgs + `,"seed":"x"}`, "seed", "expected an integer"},
 		{"stream_options without stream", `{"model":"m",` + msgs + `,"stream_options":{"include_usage":true}}`, "stream_options", "only allowed when stream is true"},
 		{"stream not bool", `{"model":"m",` + msgs + `,"stream":"yes"}`, "stream", "expected a boolean"},
@@ -64,10 +65,20 @@ func TestParseChatValidationErrors(t *testing.T) {
 		{"presence_penalty low", `{"model":"m",` + msgs + `,"presence_penalty":-3}`, "presence_penalty", "between -2 and 2"},
 		{"stop_token_ids negative", `{"model":"m",` + msgs + `,"stop_token_ids":[5,-1]}`, "stop_token_ids", "negative"},
 		{"stop_token_ids not ints", `{"model":"m",` + msgs + `,"stop_token_ids":["a"]}`, "stop_token_ids", ""},
-		{"logprobs", `{"model":"m",` + msgs + `,"logprobs":true}`, "logprobs", "not supported"},
-		{"top_logprobs", `{"model":"m",` + msgs + `,"top_logprobs":3}`, "top_logprobs", "not supported"},
-		{"tools", `{"model":"m",` + msgs + `,"tools":[{"type":"function","function":{"name":"f"}}]}`, "tools", "function calling"},
-		{"json mode", `{"model":"m",` + msgs + `,"response_format":{"type":"json_object"}}`, "response_format", `"json_object" is not supported`},
+		{"logprobs not bool", `{"model":"m",` + msgs + `,"logprobs":3}`, "logprobs", "must be a boolean"},
+		{"top_logprobs without logprobs", `{"model":"m",` + msgs + `,"top_logprobs":3}`, "top_logprobs", "needs logprobs set to true"},
+		{"top_logprobs too many", `{"model":"m",` + msgs + `,"logprobs":true,"top_logprobs":21}`, "top_logprobs", "between 0 and 20"},
+		{"tool type", `{"model":"m",` + msgs + `,"tools":[{"type":"retrieval","function":{"name":"f"}}]}`, "tools[0].type", `must be "function"`},
+		{"tool name", `{"model":"m",` + msgs + `,"tools":[{"type":"function","function":{"name":"a b"}}]}`, "tools[0].function.name", "1 to 64"},
+		{"tool twice", `{"model":"m",` + msgs + `,"tools":[{"type":"function","function":{"name":"f"}},{"type":"function","function":{"name":"f"}}]}`, "tools[1].function.name", "twice"},
+		{"tool parameters", `{"model":"m",` + msgs + `,"tools":[{"type":"function","function":{"name":"f","parameters":[]}}]}`, "tools[0].function.parameters", "JSON schema object"},
+		{"tool_choice without tools", `{"model":"m",` + msgs + `,"tool_choice":"required"}`, "tool_choice", "only allowed when tools"},
+		{"tool_choice unknown", `{"model":"m",` + msgs + `,"tools":[{"type":"function","function":{"name":"f"}}],"tool_choice":"always"}`, "tool_choice", `"none", "auto", "required"`},
+		{"tool_choice other name", `{"model":"m",` + msgs + `,"tools":[{"type":"function","function":{"name":"f"}}],"tool_choice":{"type":"function","function":{"name":"g"}}}`, "tool_choice", "not among the tools"},
+		{"tool_choice and json", `{"model":"m",` + msgs + `,"tools":[{"type":"function","function":{"name":"f"}}],"tool_choice":"required","response_format":{"type":"json_object"}}`, "response_format", "both constrain"},
+		{"unknown format", `{"model":"m",` + msgs + `,"response_format":{"type":"yaml"}}`, "response_format.type", `"yaml" is not one of`},
+		{"json_schema without schema", `{"model":"m",` + msgs + `,"response_format":{"type":"json_schema"}}`, "response_format.json_schema", "is required"},
+		{"json_schema not an object", `{"model":"m",` + msgs + `,"response_format":{"type":"json_schema","json_schema":{"name":"x","schema":[1]}}}`, "response_format.json_schema.schema", "must be a JSON schema object"},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
@@ -111,7 +122,7 @@ func TestParseChatAccepts(t *testing.T) {
 	}
 	want := Params{Model: "qwen", MaxTokens: 64, Temperature: 0, TopP: 0.5, Stop: []string{"\n\n", "END"},
 		IgnoreEOS: true, MinTokens: 8, Stream: true, IncludeUsage: true, FrequencyPenalty: 0.1, PresencePenalty: -0.5,
-		StopTokenIDs: []int{7, 9}}
+		StopTokenIDs: []int{7, 9}, N: 1}
 	if p.Seed == nil || *p.Seed != -3 {
 		t.Errorf("seed %v", p.Seed)
 	}
@@ -174,7 +185,9 @@ func TestParseCompletion(t *testing.T) {
 		{"echo", `{"model":"m","prompt":"a","echo":true}`, "echo", "not supported"},
 		{"suffix", `{"model":"m","prompt":"a","suffix":"b"}`, "suffix", "not supported"},
 		{"negative max_tokens", `{"model":"m","prompt":"a","max_tokens":-1}`, "max_tokens", "at least 1"},
-		{"completion logprobs", `{"model":"m","prompt":"a","logprobs":2}`, "logprobs", "not supported"},
+		{"completion logprobs bool", `{"model":"m","prompt":"a","logprobs":true}`, "logprobs", "integer between 0 and 5"},
+		{"completion logprobs too many", `{"model":"m","prompt":"a","logprobs":6}`, "logprobs", "integer between 0 and 5"},
+		{"completion top_logprobs", `{"model":"m","prompt":"a","top_logprobs":2}`, "top_logprobs", "chat parameter"},
 		{"best_of", `{"model":"m","prompt":"a","best_of":3}`, "best_of", "best_of must be 1"},
 		{"malformed", `{"model":"m","prompt":"a"`, "", "unexpected end of input"},
 	}
@@ -275,4 +288,36 @@ func FuzzParseCompletion(f *testing.F) {
 		}
 		_ = req.Canonical()
 	})
+}
+
+func TestParseFeatures(t *testing.T) {
+	msgs := `"messages":[{"role":"user","content":"hi"}]`
+	_, p, err := ParseChat([]byte(`{"model":"m",` + msgs + `,"n":3,"logprobs":true,"top_logprobs":4,"response_format":{"type":"json_object"}}`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if p.N != 3 || !p.Logprobs || p.TopLogprobs != 4 || string(p.JSONSchema) != `{"type":"object"}` {
+		t.Fatalf("params %+v", p)
+	}
+	_, p, err = ParseChat([]byte(`{"model":"m",` + msgs + `,"response_format":{"type":"json_schema","json_schema":{"name":"x","schema":{"type":"integer"}}}}`))
+	if err != nil || string(p.JSONSchema) != `{"type":"integer"}` {
+		t.Fatalf("json_schema: %v %s", err, p.JSONSchema)
+	}
+	_, p, err = ParseCompletion([]byte(`{"model":"m","prompt":"a","logprobs":2,"n":2}`))
+	if err != nil || !p.Logprobs || p.TopLogprobs != 2 || p.N != 2 {
+		t.Fatalf("completion: %v %+v", err, p)
+	}
+	_, p, err = ParseCompletion([]byte(`{"model":"m","prompt":"a","logprobs":0}`))
+	if err != nil || !p.Logprobs || p.TopLogprobs != 0 {
+		t.Fatalf("completion logprobs 0: %v %+v", err, p)
+	}
+}
+
+func TestNewTopLogprob(t *testing.T) {
+	if got := NewTopLogprob("hé", -0.5); got.Token != "hé" || !slices.Equal(got.Bytes, []int{'h', 0xc3, 0xa9}) {
+		t.Errorf("whole UTF-8: %+v", got)
+	}
+	if got := NewTopLogprob("\xc3", -1); got.Token != `bytes:\xc3` || !slices.Equal(got.Bytes, []int{0xc3}) {
+		t.Errorf("a partial character: %+v", got)
+	}
 }

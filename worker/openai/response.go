@@ -3,9 +3,12 @@ package openai
 import (
 	"crypto/rand"
 	"encoding/json"
+	"fmt"
 	"net/http"
 	"strconv"
+	"strings"
 	"time"
+	"unicode/utf8"
 )
 
 // Finish reasons.
@@ -56,18 +59,88 @@ func NewUsage(prompt, completion, cached int) *Usage {
 		PromptTokensDetails: &PromptTokensDetails{CachedTokens: cached}}
 }
 
-// ChatMessage is an assistant message in a response.
+// ChatMessage is an assistant message in a response. Content is null in an
+// answer that only calls tools.
 type ChatMessage struct {
-	Role    string `json:"role"`
-	Content string `json:"content"`
+	Role      string     `json:"role"`
+	Content   *string    `json:"content"`
+	ToolCalls []ToolCall `json:"tool_calls,omitempty"`
 }
 
 // ChatChoice is a choice of a chat.completion.
 type ChatChoice struct {
-	Index        int             `json:"index"`
-	Message      ChatMessage     `json:"message"`
-	Logprobs     json.RawMessage `json:"logprobs"`
-	FinishReason string          `json:"finish_reason"`
+	Index        int           `json:"index"`
+	Message      ChatMessage   `json:"message"`
+	Logprobs     *ChatLogprobs `json:"logprobs"`
+	FinishReason string        `json:"finish_reason"`
+}
+
+// ChatLogprobs is a chat choice's logprobs: one entry per output token.
+type ChatLogprobs struct {
+	Content []TokenLogprob `json:"content"`
+	Refusal []TokenLogprob `json:"refusal"`
+}
+
+// TokenLogprob is one output token of chat logprobs. Token is its text;
+// a token that is not whole UTF-8 (a byte of a multi-byte character) is
+// written "bytes:\xNN..." as OpenAI does, and Bytes always holds the raw
+// bytes.
+type TokenLogprob struct {
+	Token       string       `json:"token"`
+	Logprob     float64      `json:"logprob"`
+	Bytes       []int        `json:"bytes"`
+	TopLogprobs []TopLogprob `json:"top_logprobs"`
+}
+
+// TopLogprob is one alternative of a TokenLogprob.
+type TopLogprob struct {
+	Token   string  `json:"token"`
+	Logprob float64 `json:"logprob"`
+	Bytes   []int   `json:"bytes"`
+}
+
+// NewTopLogprob describes a token by its text (piece) and log-probability.
+func NewTopLogprob(piece string, logprob float32) TopLogprob {
+	b := make([]int, len(piece))
+	for i := range len(piece) {
+		b[i] = int(piece[i])
+	}
+	tok := piece
+	if !utf8.ValidString(piece) {
+		var sb strings.Builder
+		sb.WriteString("bytes:")
+		for i := range len(piece) {
+			fmt.Fprintf(&sb, "\\x%02x", piece[i])
+		}
+		tok = sb.String()
+	}
+	return TopLogprob{Token: tok, Logprob: float64(logprob), Bytes: b}
+}
+
+// CompletionLogprobs is a text completion's legacy logprobs object.
+type CompletionLogprobs struct {
+	Tokens        []string             `json:"tokens"`
+	TokenLogprobs []float64            `json:"token_logprobs"`
+	TopLogprobs   []map[string]float64 `json:"top_logprobs"`
+	TextOffset    []int                `json:"text_offset"`
+}
+
+// Add appends a token (and its alternatives, nil for none) whose text
+// starts at offset in the choice's text.
+func (l *CompletionLogprobs) Add(t TokenLogprob, offset int) {
+	l.Tokens = append(l.Tokens, t.Token)
+	l.TokenLogprobs = append(l.TokenLogprobs, t.Logprob)
+	var top map[string]float64
+	if t.TopLogprobs != nil {
+		top = make(map[string]float64, len(t.TopLogprobs))
+		for _, a := range t.TopLogprobs {
+			if _, ok := top[a.Token]; !ok {
+				top[a.Token] = a.Logprob
+			}
+		}
+	}
+	l.TopLogprobs = append(l.TopLogprobs, top)
+	l.TextOffset = append(l.TextOffset, offset)
 }
 
 // ChatCompletion is the non-streamed chat answer.
@@ -80,29 +153,26 @@ type ChatCompletion struct {
 	Usage   *Usage       `json:"usage"`
 }
 
-// null is a JSON null for fields OpenAI always sends, e.g. logprobs.
-func null() json.RawMessage { return json.RawMessage("null") }
-
-// NewChatCompletion builds a one-choice chat.completion.
-func NewChatCompletion(id, model string, created time.Time, content, finish string, usage *Usage) *ChatCompletion {
+// NewChatCompletion builds a chat.completion.
+func NewChatCompletion(id, model string, created time.Time, choices []ChatChoice, usage *Usage) *ChatCompletion {
 	return &ChatCompletion{ID: id, Object: ObjectChatCompletion, Created: created.Unix(), Model: model,
-		Choices: []ChatChoice{{Message: ChatMessage{Role: RoleAssistant, Content: content}, Logprobs: null(), FinishReason: finish}},
-		Usage:   usage}
+		Choices: choices, Usage: usage}
 }
 
 // Delta is the incremental message of a chunk.
 type Delta struct {
-	Role    string  `json:"role,omitempty"`
-	Content *string `json:"content,omitempty"`
+	Role      string     `json:"role,omitempty"`
+	Content   *string    `json:"content,omitempty"`
+	ToolCalls []ToolCall `json:"tool_calls,omitempty"`
 }
 
 // ChunkChoice is a choice of a chat.completion.chunk. FinishReason is null
 // until the last content chunk.
 type ChunkChoice struct {
-	Index        int             `json:"index"`
-	Delta        Delta           `json:"delta"`
-	Logprobs     json.RawMessage `json:"logprobs"`
-	FinishReason *string         `json:"finish_reason"`
+	Index        int           `json:"index"`
+	Delta        Delta         `json:"delta"`
+	Logprobs     *ChatLogprobs `json:"logprobs"`
+	FinishReason *string       `json:"finish_reason"`
 }
 
 // ChatCompletionChunk is one streamed chat event.
@@ -120,10 +190,10 @@ type ChatCompletionChunk struct {
 // CompletionChoice is a choice of a text_completion (streamed or not;
 // FinishReason is null on intermediate stream events).
 type CompletionChoice struct {
-	Index        int             `json:"index"`
-	Text         string          `json:"text"`
-	Logprobs     json.RawMessage `json:"logprobs"`
-	FinishReason *string         `json:"finish_reason"`
+	Index        int                 `json:"index"`
+	Text         string              `json:"text"`
+	Logprobs     *CompletionLogprobs `json:"logprobs"`
+	FinishReason *string             `json:"finish_reason"`
 }
 
 // Completion is a text_completion, the whole answer or one stream event.
@@ -136,10 +206,10 @@ type Completion struct {
 	Usage   *Usage             `json:"usage,omitempty"`
 }
 
-// NewCompletion builds a one-choice text_completion.
-func NewCompletion(id, model string, created time.Time, text, finish string, usage *Usage) *Completion {
+// NewCompletion builds a text_completion.
+func NewCompletion(id, model string, created time.Time, choices []CompletionChoice, usage *Usage) *Completion {
 	return &Completion{ID: id, Object: ObjectTextCompletion, Created: created.Unix(), Model: model,
-		Choices: []CompletionChoice{{Text: text, Logprobs: null(), FinishReason: &finish}}, Usage: usage}
+		Choices: choices, Usage: usage}
 }
 
 // Model is an entry of GET /v1/models.

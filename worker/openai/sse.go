@@ -85,20 +85,21 @@ func (s *SSEWriter) Error(err error) error {
 	return s.Done()
 }
 
-// ChatStream emits one streamed chat completion: a first chunk carrying the
-// assistant role, content chunks, a final chunk with the finish reason, the
-// usage chunk when the client asked for it, then [DONE].
+// ChatStream emits one streamed chat completion of one or more choices:
+// per choice a first chunk carrying the assistant role, content chunks and a
+// chunk with the finish reason (each chunk names its choice's index), then
+// the usage chunk when the client asked for it, then [DONE].
 type ChatStream struct {
 	sse          *SSEWriter
 	id, model    string
 	created      int64
 	includeUsage bool
-	began        bool
+	began        map[int]bool
 }
 
 // NewChatStream prepares a stream; nothing is sent until Begin or Content.
 func NewChatStream(w http.ResponseWriter, id, model string, created time.Time, includeUsage bool) *ChatStream {
-	return &ChatStream{sse: NewSSEWriter(w), id: id, model: model, created: created.Unix(), includeUsage: includeUsage}
+	return &ChatStream{sse: NewSSEWriter(w), id: id, model: model, created: created.Unix(), includeUsage: includeUsage, began: map[int]bool{}}
 }
 
 // SSE exposes the underlying writer (for Started and Error).
@@ -108,37 +109,56 @@ func (c *ChatStream) chunk(choices []ChunkChoice, usage *Usage) *ChatCompletionC
 	return &ChatCompletionChunk{ID: c.id, Object: ObjectChatCompletionChunk, Created: c.created, Model: c.model, Choices: choices, Usage: usage}
 }
 
-// Begin sends the role chunk: {"delta":{"role":"assistant","content":""}}.
-// Servers call it when the request is admitted, so the client sees the
-// stream open before the first token.
-func (c *ChatStream) Begin() error {
-	if c.began {
+// Begin sends choice index's role chunk:
+// {"delta":{"role":"assistant","content":""}}. Servers call it when the
+// request is admitted, so the client sees the stream open before the first
+// token.
+func (c *ChatStream) Begin(index int) error {
+	if c.began[index] {
 		return nil
 	}
-	c.began = true
+	c.began[index] = true
 	empty := ""
-	return c.sse.Event(c.chunk([]ChunkChoice{{Delta: Delta{Role: RoleAssistant, Content: &empty}, Logprobs: null()}}, nil))
+	return c.sse.Event(c.chunk([]ChunkChoice{{Index: index, Delta: Delta{Role: RoleAssistant, Content: &empty}}}, nil))
 }
 
-// Content sends a content delta; empty text sends nothing.
-func (c *ChatStream) Content(text string) error {
-	if err := c.Begin(); err != nil {
+// Content sends a content delta of choice index with the logprobs of the
+// tokens it came from (nil: none); empty text without logprobs sends
+// nothing.
+func (c *ChatStream) Content(index int, text string, lp *ChatLogprobs) error {
+	if err := c.Begin(index); err != nil {
 		return err
 	}
-	if text == "" {
+	if text == "" && lp == nil {
 		return nil
 	}
-	return c.sse.Event(c.chunk([]ChunkChoice{{Delta: Delta{Content: &text}, Logprobs: null()}}, nil))
+	return c.sse.Event(c.chunk([]ChunkChoice{{Index: index, Delta: Delta{Content: &text}, Logprobs: lp}}, nil))
 }
 
-// Finish sends the finish reason, the usage chunk if requested, and [DONE].
-func (c *ChatStream) Finish(reason string, usage *Usage) error {
-	if err := c.Begin(); err != nil {
+// ToolCalls sends choice index's tool calls, whole, in one delta (each
+// call with its index among them).
+func (c *ChatStream) ToolCalls(index int, calls []ToolCall) error {
+	if err := c.Begin(index); err != nil {
 		return err
 	}
-	if err := c.sse.Event(c.chunk([]ChunkChoice{{Delta: Delta{}, Logprobs: null(), FinishReason: &reason}}, nil)); err != nil {
+	cs := make([]ToolCall, len(calls))
+	for i, tc := range calls {
+		cs[i] = tc
+		cs[i].Index = &i
+	}
+	return c.sse.Event(c.chunk([]ChunkChoice{{Index: index, Delta: Delta{ToolCalls: cs}}}, nil))
+}
+
+// Finish sends choice index's finish reason.
+func (c *ChatStream) Finish(index int, reason string) error {
+	if err := c.Begin(index); err != nil {
 		return err
 	}
+	return c.sse.Event(c.chunk([]ChunkChoice{{Index: index, Delta: Delta{}, FinishReason: &reason}}, nil))
+}
+
+// End sends the usage chunk if requested, and [DONE].
+func (c *ChatStream) End(usage *Usage) error {
 	if c.includeUsage && usage != nil {
 		if err := c.sse.Event(c.chunk([]ChunkChoice{}, usage)); err != nil {
 			return err
@@ -147,8 +167,9 @@ func (c *ChatStream) Finish(reason string, usage *Usage) error {
 	return c.sse.Done()
 }
 
-// CompletionStream emits one streamed text completion: text events, a final
-// event with the finish reason, the usage event if asked for, then [DONE].
+// CompletionStream emits one streamed text completion of one or more
+// choices: text events, per choice an event with the finish reason, the
+// usage event if asked for, then [DONE].
 type CompletionStream struct {
 	sse          *SSEWriter
 	id, model    string
@@ -164,29 +185,28 @@ func NewCompletionStream(w http.ResponseWriter, id, model string, created time.T
 // SSE exposes the underlying writer (for Started and Error).
 func (c *CompletionStream) SSE() *SSEWriter { return c.sse }
 
-func (c *CompletionStream) event(text string, finish *string, usage *Usage) *Completion {
-	choices := []CompletionChoice{{Text: text, Logprobs: null(), FinishReason: finish}}
-	if usage != nil {
-		choices = []CompletionChoice{}
-	}
+func (c *CompletionStream) event(choices []CompletionChoice, usage *Usage) *Completion {
 	return &Completion{ID: c.id, Object: ObjectTextCompletion, Created: c.created, Model: c.model, Choices: choices, Usage: usage}
 }
 
-// Text sends a piece of generated text; empty text sends nothing.
-func (c *CompletionStream) Text(text string) error {
-	if text == "" {
+// Text sends a piece of choice index's text with the logprobs of its
+// tokens (nil: none); empty text without logprobs sends nothing.
+func (c *CompletionStream) Text(index int, text string, lp *CompletionLogprobs) error {
+	if text == "" && lp == nil {
 		return nil
 	}
-	return c.sse.Event(c.event(text, nil, nil))
+	return c.sse.Event(c.event([]CompletionChoice{{Index: index, Text: text, Logprobs: lp}}, nil))
 }
 
-// Finish sends the finish reason, the usage event if requested, and [DONE].
-func (c *CompletionStream) Finish(reason string, usage *Usage) error {
-	if err := c.sse.Event(c.event("", &reason, nil)); err != nil {
-		return err
-	}
+// Finish sends choice index's finish reason.
+func (c *CompletionStream) Finish(index int, reason string) error {
+	return c.sse.Event(c.event([]CompletionChoice{{Index: index, FinishReason: &reason}}, nil))
+}
+
+// End sends the usage event if requested, and [DONE].
+func (c *CompletionStream) End(usage *Usage) error {
 	if c.includeUsage && usage != nil {
-		if err := c.sse.Event(c.event("", nil, usage)); err != nil {
+		if err := c.sse.Event(c.event([]CompletionChoice{}, usage)); err != nil {
 			return err
 		}
 	}

@@ -81,22 +81,23 @@ func fakeEngine(t *testing.T) http.Handler {
 		if !p.Stream {
 			var sb strings.Builder
 			finish, n, _ := generate(p, func(s string) error { sb.WriteString(s); return nil })
-			WriteJSON(w, http.StatusOK, NewChatCompletion(id, p.Model, created, sb.String(), finish, NewUsage(len(prompt), n, cachedTokens)))
+			WriteJSON(w, http.StatusOK, NewChatCompletion(id, p.Model, created, []ChatChoice{{Message: ChatMessage{Role: RoleAssistant, Content: ptr(sb.String())}, FinishReason: finish}}, NewUsage(len(prompt), n, cachedTokens)))
 			return
 		}
 		s := NewChatStream(w, id, p.Model, created, p.IncludeUsage)
-		s.Begin()
+		s.Begin(0)
 		if p.Model == "fails-midway" {
-			s.Content("partial")
+			s.Content(0, "partial", nil)
 			s.SSE().Error(Internal("llama_decode failed"))
 			return
 		}
-		finish, n, gerr := generate(p, s.Content)
+		finish, n, gerr := generate(p, func(text string) error { return s.Content(0, text, nil) })
 		if gerr != nil {
 			t.Errorf("streaming: %v", gerr)
 			return
 		}
-		s.Finish(finish, NewUsage(len(prompt), n, cachedTokens))
+		s.Finish(0, finish)
+		s.End(NewUsage(len(prompt), n, cachedTokens))
 	})
 	mux.HandleFunc("POST /v1/completions", func(w http.ResponseWriter, r *http.Request) {
 		body, err := ReadBody(w, r, 1<<20)
@@ -114,12 +115,13 @@ func fakeEngine(t *testing.T) http.Handler {
 		if !p.Stream {
 			var sb strings.Builder
 			finish, n, _ := generate(p, func(s string) error { sb.WriteString(s); return nil })
-			WriteJSON(w, http.StatusOK, NewCompletion(id, p.Model, created, sb.String(), finish, usage(n)))
+			WriteJSON(w, http.StatusOK, NewCompletion(id, p.Model, created, []CompletionChoice{{Text: sb.String(), FinishReason: &finish}}, usage(n)))
 			return
 		}
 		s := NewCompletionStream(w, id, p.Model, created, p.IncludeUsage)
-		finish, n, _ := generate(p, s.Text)
-		s.Finish(finish, usage(n))
+		finish, n, _ := generate(p, func(text string) error { return s.Text(0, text, nil) })
+		s.Finish(0, finish)
+		s.End(usage(n))
 	})
 	return mux
 }
@@ -387,14 +389,15 @@ func TestSSEFlushesEachEvent(t *testing.T) {
 		if s.SSE().Started() {
 			t.Error("started before the first event")
 		}
-		s.Begin()
+		s.Begin(0)
 		select {
 		case <-firstSeen:
 		case <-r.Context().Done():
 			return
 		}
-		s.Content("after")
-		s.Finish(FinishStop, nil)
+		s.Content(0, "after", nil)
+		s.Finish(0, FinishStop)
+		s.End(nil)
 	}))
 	defer srv.Close()
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
@@ -446,3 +449,5 @@ func TestWriteError(t *testing.T) {
 		}
 	}
 }
+
+func ptr[T any](v T) *T { return &v }

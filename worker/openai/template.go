@@ -8,12 +8,13 @@ import (
 	"regexp"
 	"strings"
 
+	"github.com/ardanlabs/jinja"
 	"github.com/ollama/ollama/fs/ggml"
 )
 
-// Family is a chat-template family this package renders in Go. llama.cpp's
-// Go binding has no template engine, so instead of evaluating Jinja we
-// recognise the common templates by their markers and reproduce their output.
+// Family is a chat-template family this package renders in Go: the
+// fallbacks for models whose GGUF carries no Jinja template (or one the
+// Jinja engine cannot compile), recognised by their markers.
 type Family string
 
 const (
@@ -46,6 +47,12 @@ type Template struct {
 	// SystemInFirstUser folds the system message into the first user turn
 	// followed by "\n\n" (Gemma 3); otherwise Gemma refuses a system message.
 	SystemInFirstUser bool
+
+	// jinja is the compiled Jinja source (FamilyJinja, NewJinjaTemplate).
+	jinja  *jinja.Template
+	source string
+	// why a family renders though the model has a Jinja template.
+	why string
 }
 
 // ChatML is the default template: used when a model has none or has one of
@@ -103,7 +110,10 @@ func DetectTemplate(jinja, bos, eos string) (t Template, ok bool) {
 }
 
 // LoadTemplate reads tokenizer.chat_template and the BOS/EOS token texts
-// from a GGUF file and detects the template (ChatML when absent or unknown).
+// from a GGUF file. The Jinja template itself renders prompts when it
+// compiles; else its family is detected (ChatML when absent or unknown).
+// known is false when neither the template nor a family was usable;
+// Describe says which is used.
 func LoadTemplate(path string) (t Template, known bool, err error) {
 	f, err := os.Open(path)
 	if err != nil {
@@ -123,11 +133,16 @@ func LoadTemplate(path string) (t Template, known bool, err error) {
 		}
 		return ""
 	}
-	jinja := kv.ChatTemplate()
-	if jinja == "" {
+	src := kv.ChatTemplate()
+	if src == "" {
 		return ChatML(), false, nil
 	}
-	t, known = DetectTemplate(jinja, text("bos_token_id"), text("eos_token_id"))
+	t, jerr := NewJinjaTemplate(src, text("bos_token_id"), text("eos_token_id"))
+	if jerr == nil {
+		return t, true, nil
+	}
+	t, known = DetectTemplate(src, text("bos_token_id"), text("eos_token_id"))
+	t.why = "the model's Jinja template does not compile: " + jerr.Error()
 	return t, known, nil
 }
 
@@ -148,11 +163,18 @@ func turns(msgs []Message) []turn {
 	return out
 }
 
-// Render renders messages as the family's template does. With
-// addGenerationPrompt the prompt ends with the header of an assistant turn,
-// ready for the model to write it. Conversations the original template
-// rejects (raise_exception) are rejected here too, with a 400.
+// Render renders messages as the template does. With addGenerationPrompt
+// the prompt ends with the header of an assistant turn, ready for the model
+// to write it. Conversations the original template rejects
+// (raise_exception) are rejected here too, with a 400.
 func (t Template) Render(msgs []Message, addGenerationPrompt bool) (string, error) {
+	return t.RenderTools(msgs, nil, addGenerationPrompt)
+}
+
+// RenderTools is Render with the request's tool definitions (each a
+// "tools" element as the client sent it), which only a Jinja template
+// places in the prompt (RendersTools).
+func (t Template) RenderTools(msgs []Message, tools []json.RawMessage, addGenerationPrompt bool) (string, error) {
 	for i, m := range msgs {
 		for j, p := range m.Content.Parts {
 			if p.Type != "text" {
@@ -160,6 +182,9 @@ func (t Template) Render(msgs []Message, addGenerationPrompt bool) (string, erro
 					"messages[%d].content[%d]: %s parts are not supported: this model reads text only", i, j, p.Type)
 			}
 		}
+	}
+	if t.jinja != nil {
+		return t.renderJinja(msgs, tools, addGenerationPrompt)
 	}
 	ts := turns(msgs)
 	var b strings.Builder

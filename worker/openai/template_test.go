@@ -1,6 +1,7 @@
 package openai
 
 import (
+	"os"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -168,8 +169,26 @@ func TestLoadTemplateFromGeneratedModel(t *testing.T) {
 	if err != nil || !known {
 		t.Fatalf("known=%v err=%v", known, err)
 	}
-	if tpl.Family != FamilyChatML || tpl.BOS != "<s>" || tpl.EOS != "<|im_end|>" {
+	if tpl.Family != FamilyJinja || tpl.BOS != "<s>" || tpl.EOS != "<|im_end|>" {
 		t.Errorf("template %+v", tpl)
+	}
+	// The generated model's template is ChatML's.
+	got, err := tpl.Render(conversation(true), true)
+	want, _ := ChatML().Render(conversation(true), true)
+	if err != nil || got != want {
+		t.Errorf("rendered %q (%v), ChatML %q", got, err, want)
+	}
+	// A template written into the model is the one loaded.
+	path = filepath.Join(t.TempDir(), "tiny-mistral.gguf")
+	src, _ := os.ReadFile(filepath.Join("testdata", "mistral-7b-instruct-v0.2.jinja"))
+	if err := ggufgen.WriteFile(path, ggufgen.Options{Preset: ggufgen.Tiny(), Seed: 1, ChatTemplate: string(src)}); err != nil {
+		t.Fatal(err)
+	}
+	if tpl, _, err = LoadTemplate(path); err != nil {
+		t.Fatal(err)
+	}
+	if got, _ := tpl.Render([]Message{msg(RoleUser, "hi")}, true); got != "<s>[INST] hi [/INST]" {
+		t.Errorf("the written Mistral template rendered %q", got)
 	}
 	if _, _, err := LoadTemplate(filepath.Join(t.TempDir(), "missing.gguf")); err == nil {
 		t.Error("no error for a missing file")

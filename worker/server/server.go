@@ -12,6 +12,7 @@
 package server
 
 import (
+	"encoding/json"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -149,6 +150,7 @@ type job struct {
 	params  openai.Params
 	created time.Time
 	chat    bool
+	tools   *openai.ToolSet // chat with tools the model may call; nil otherwise
 }
 
 func (s *Server) checkModel(p openai.Params) *openai.Error {
@@ -188,7 +190,19 @@ func (s *Server) chat(w http.ResponseWriter, r *http.Request) {
 		openai.WriteError(w, e)
 		return
 	}
-	text, err := s.cfg.Template.Render(req.Messages, true)
+	ts := req.ToolSet
+	var tools []json.RawMessage
+	if ts != nil && ts.Choice == openai.ToolChoiceNone {
+		ts = nil // tools the model may not call stay out of the prompt
+	}
+	if ts != nil {
+		if !s.cfg.Template.RendersTools() {
+			openai.WriteError(w, openai.BadRequest("tools", "this model's chat template does not render tools: the worker renders the GGUF's own tokenizer.chat_template, and this model's never reads `tools`"))
+			return
+		}
+		tools = ts.Raw
+	}
+	text, err := s.cfg.Template.RenderTools(req.Messages, tools, true)
 	if err != nil {
 		openai.WriteError(w, asBadRequest("messages", err))
 		return
@@ -200,7 +214,7 @@ func (s *Server) chat(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	s.generate(w, r, &job{id: openai.NewChatID(), model: params.Model, prompt: toks, params: params, created: time.Now(), chat: true,
-		hashes: s.hasher.Sum(params.Model, req.Canonical())})
+		tools: ts, hashes: s.hasher.Sum(params.Model, req.Canonical())})
 }
 
 func (s *Server) completion(w http.ResponseWriter, r *http.Request) {
@@ -285,137 +299,6 @@ func (s *Server) resultError(res *scheduler.Result) *openai.Error {
 	return openai.Internal("request ended %s: %v", res.State, res.Err)
 }
 
-// output turns tokens into text the client may see.
-type output struct {
-	eng   engine.Engine
-	dec   openai.TextDecoder
-	stop  *openai.StopMatcher
-	count int // completion tokens up to and including a matched stop
-}
-
-// push decodes toks and returns the text to send; stopped reports a match.
-func (o *output) push(toks []int) (string, bool) {
-	var text string
-	for _, t := range toks {
-		if o.stop.Stopped() {
-			break
-		}
-		o.count++
-		if o.eng.IsEOG(t) {
-			continue // ignore_eos / min_tokens kept going past it; it has no text
-		}
-		emit, stopped := o.stop.Push(o.dec.Add(o.eng.Piece(t)))
-		text += emit
-		if stopped {
-			return text, true
-		}
-	}
-	return text, o.stop.Stopped()
-}
-
-func (o *output) flush() string {
-	if o.stop.Stopped() {
-		return ""
-	}
-	emit, _ := o.stop.Push(o.dec.Flush())
-	if o.stop.Stopped() {
-		return emit
-	}
-	return emit + o.stop.Flush()
-}
-
-// sink is the response writer of one request: JSON or SSE.
-type sink interface {
-	text(string) error
-	finish(reason string, u *openai.Usage) error
-	fail(e *openai.Error)
-}
-
-func (s *Server) generate(w http.ResponseWriter, r *http.Request, j *job) {
-	p := j.params
-	req := &scheduler.Request{
-		ID: j.id, Prompt: j.prompt, Hashes: j.hashes, MaxTokens: p.MaxTokens, MinTokens: p.MinTokens, IgnoreEOS: p.IgnoreEOS,
-		StopTokenIDs: p.StopTokenIDs,
-		Sampling: engine.SamplingParams{Temperature: float32(p.Temperature), TopP: float32(p.TopP),
-			FrequencyPenalty: float32(p.FrequencyPenalty), PresencePenalty: float32(p.PresencePenalty)},
-	}
-	if p.Seed != nil {
-		req.Sampling.Seed, req.Sampling.SeedSet = uint32(*p.Seed), true
-	}
-	if len(j.prompt) == 0 {
-		openai.WriteError(w, openai.BadRequest("prompt", "the prompt is empty"))
-		return
-	}
-	start := time.Now()
-	status := http.StatusOK
-	var res *scheduler.Result
-	defer func() { s.access(w, j, status, res, time.Since(start)) }()
-	h, err := s.sched.Submit(r.Context(), req)
-	if err != nil {
-		s.pending.refuse(j.hashes, time.Now())
-		e := s.submitError(j, err)
-		status = e.Status
-		openai.WriteError(w, e)
-		return
-	}
-	s.pending.add(j.id, j.hashes)
-	defer s.pending.remove(j.id)
-	var out sink
-	switch {
-	case p.Stream && j.chat:
-		out = &chatStream{s: openai.NewChatStream(w, j.id, j.model, j.created, p.IncludeUsage)}
-	case p.Stream:
-		out = &completionStream{s: openai.NewCompletionStream(w, j.id, j.model, j.created, p.IncludeUsage)}
-	default:
-		out = &whole{w: w, j: j}
-	}
-	o := &output{eng: s.eng, stop: openai.NewStopMatcher(p.Stop)}
-	for {
-		select {
-		case <-h.Ready():
-		case <-r.Context().Done():
-			return
-		}
-		var toks []int
-		toks, res = h.Take()
-		text, stopped := o.push(toks)
-		if stopped {
-			h.Stop()
-		}
-		if res == nil {
-			if err := out.text(text); err != nil {
-				return
-			}
-			continue
-		}
-		if res.State != scheduler.Completed {
-			if res.State == scheduler.Cancelled {
-				status = statusClientClosed
-				return
-			}
-			if text != "" {
-				out.text(text)
-			}
-			s.log.Info("request failed", "id", j.id, "trace_id", w.Header().Get(openai.TraceHeader), "state", res.State.String(), "err", res.Err)
-			e := s.resultError(res)
-			status = e.Status
-			out.fail(e)
-			return
-		}
-		text += o.flush()
-		reason := res.Finish
-		n := res.CompletionTokens
-		if o.stop.Stopped() {
-			reason, n = scheduler.FinishStop, o.count
-		}
-		if err := out.text(text); err != nil {
-			return
-		}
-		out.finish(reason, openai.NewUsage(res.PromptTokens, n, res.CachedTokens))
-		return
-	}
-}
-
 // statusClientClosed is nginx's 499: the client left before the answer.
 const statusClientClosed = 499
 
@@ -427,48 +310,12 @@ func (s *Server) access(w http.ResponseWriter, j *job, status int, res *schedule
 		status = statusClientClosed // left while queued, before any result
 	}
 	attrs := []any{"id", j.id, "trace_id", w.Header().Get(openai.TraceHeader), "model", j.model, "status", status, "duration_ms", took.Milliseconds()}
+	if j.params.N > 1 {
+		attrs = append(attrs, "n", j.params.N) // tokens below are over all choices
+	}
 	if res != nil {
 		attrs = append(attrs, "state", res.State.String(), "prompt_tokens", res.PromptTokens, "cached_tokens", res.CachedTokens,
 			"completion_tokens", res.CompletionTokens, "queue_wait_ms", res.QueueWait.Milliseconds(), "ttft_ms", res.TTFT.Milliseconds())
 	}
 	s.log.Info("access", attrs...)
 }
-
-type chatStream struct{ s *openai.ChatStream }
-
-// text sends nothing for empty text, so that a request failing before its
-// first token still gets a real status (408, 500) instead of an error event.
-func (c *chatStream) text(t string) error {
-	if t == "" {
-		return nil
-	}
-	return c.s.Content(t)
-}
-func (c *chatStream) finish(reason string, u *openai.Usage) error {
-	return c.s.Finish(reason, u)
-}
-func (c *chatStream) fail(e *openai.Error) { c.s.SSE().Error(e) }
-
-type completionStream struct{ s *openai.CompletionStream }
-
-func (c *completionStream) text(t string) error { return c.s.Text(t) }
-func (c *completionStream) finish(reason string, u *openai.Usage) error {
-	return c.s.Finish(reason, u)
-}
-func (c *completionStream) fail(e *openai.Error) { c.s.SSE().Error(e) }
-
-// whole collects the text for a non-streamed answer.
-type whole struct {
-	w    http.ResponseWriter
-	j    *job
-	body []byte
-}
-
-func (o *whole) text(t string) error { o.body = append(o.body, t...); return nil }
-func (o *whole) finish(reason string, u *openai.Usage) error {
-	if o.j.chat {
-		return openai.WriteJSON(o.w, http.StatusOK, openai.NewChatCompletion(o.j.id, o.j.model, o.j.created, string(o.body), reason, u))
-	}
-	return openai.WriteJSON(o.w, http.StatusOK, openai.NewCompletion(o.j.id, o.j.model, o.j.created, string(o.body), reason, u))
-}
-func (o *whole) fail(e *openai.Error) { openai.WriteError(o.w, e) }

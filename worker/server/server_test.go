@@ -42,9 +42,11 @@ type opts struct {
 	sched      scheduler.Config
 	mc         *mcreport.Reporter
 	logger     *slog.Logger
+	model      string // default: the tiny test model
+	threads    int    // default 1
 }
 
-func startWorker(t *testing.T, o opts) *worker {
+func startWorker(t testing.TB, o opts) *worker {
 	t.Helper()
 	if o.nCtx == 0 {
 		o.nCtx = 4096
@@ -52,13 +54,23 @@ func startWorker(t *testing.T, o opts) *worker {
 	if o.nSeq == 0 {
 		o.nSeq = 8
 	}
-	eng, err := llama.Open(llama.Config{ModelPath: testmodel.Path(t), NCtx: o.nCtx, NSeqMax: o.nSeq, Threads: 1})
+	if o.model == "" {
+		o.model = testmodel.Path(t)
+	}
+	if o.threads == 0 {
+		o.threads = 1
+	}
+	eng, err := llama.Open(llama.Config{ModelPath: o.model, NCtx: o.nCtx, NSeqMax: o.nSeq, Threads: o.threads})
 	if err != nil {
 		t.Fatal(err)
 	}
 	reg := prometheus.NewRegistry()
 	o.sched.Metrics = scheduler.NewMetrics(reg)
-	cfg := Config{Registry: reg, RequestTimeout: o.sched.RequestTimeout, ModelName: "tiny", Logger: o.logger}
+	tmpl, _, err := openai.LoadTemplate(o.model)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg := Config{Registry: reg, RequestTimeout: o.sched.RequestTimeout, ModelName: "tiny", Logger: o.logger, Template: tmpl}
 	if o.mc != nil {
 		o.sched.OnEvictAt = o.mc.EvictAt
 		cfg.Evictions = o.mc.Recent
@@ -210,7 +222,7 @@ func scrape(t *testing.T, w *worker) string {
 }
 
 // sse reads a stream's data payloads up to [DONE].
-func sse(t *testing.T, r io.Reader) []string {
+func sse(t testing.TB, r io.Reader) []string {
 	t.Helper()
 	var out []string
 	sc := bufio.NewScanner(r)

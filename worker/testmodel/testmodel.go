@@ -4,6 +4,8 @@
 package testmodel
 
 import (
+	"fmt"
+	"hash/crc32"
 	"os"
 	"path/filepath"
 	"testing"
@@ -42,6 +44,31 @@ func Path(t testing.TB) string {
 		return path
 	}
 	if err := ggufgen.WriteFile(path, ggufgen.Options{Preset: preset, Seed: ggufgen.DefaultSeed}); err != nil {
+		t.Fatalf("testmodel: generating %s: %v", path, err)
+	}
+	return path
+}
+
+// ToolsPath is the tiny preset with Qwen2.5's chat template
+// (ggufgen.QwenToolsTemplate), which renders tools and tool calls:
+// generated once into the user's cache directory like Path's model.
+func ToolsPath(t testing.TB) string {
+	t.Helper()
+	dir, err := os.UserCacheDir()
+	if err != nil {
+		dir = os.TempDir()
+	}
+	dir = filepath.Join(dir, "istio-llm-filter")
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		t.Fatalf("testmodel: %v", err)
+	}
+	preset := ggufgen.Tiny()
+	path := filepath.Join(dir, fmt.Sprintf("%s-tpl%08x.gguf", preset.ID(ggufgen.DefaultSeed), crc32.ChecksumIEEE([]byte(ggufgen.QwenToolsTemplate))))
+	if st, err := os.Stat(path); err == nil && st.Mode().IsRegular() {
+		return path
+	}
+	o := ggufgen.Options{Preset: preset, Seed: ggufgen.DefaultSeed, ChatTemplate: ggufgen.QwenToolsTemplate}
+	if err := ggufgen.WriteFile(path, o); err != nil {
 		t.Fatalf("testmodel: generating %s: %v", path, err)
 	}
 	return path

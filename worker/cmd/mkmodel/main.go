@@ -33,6 +33,7 @@ func run(args []string, stdout, stderr io.Writer) error {
 	preset := fs.String("preset", "tiny", "model shape: "+strings.Join(ggufgen.PresetNames(), "|"))
 	seed := fs.Uint64("seed", ggufgen.DefaultSeed, "random seed; the same seed gives a byte-identical file")
 	quiet := fs.Bool("quiet", false, "do not print progress")
+	chatTemplate := fs.String("chat-template", "", "file of a Jinja chat template to store as tokenizer.chat_template (default: ChatML)")
 	loraOut := fs.String("lora-out", "", "also write a LoRA adapter for this model to this path")
 	loraSeed := fs.Uint64("lora-seed", 7, "random seed of the adapter's weights")
 	loraRank := fs.Int("lora-rank", 8, "rank of the adapter")
@@ -56,6 +57,13 @@ func run(args []string, stdout, stderr io.Writer) error {
 	start := time.Now()
 	lastPct := -1
 	opts := ggufgen.Options{Preset: p, Seed: *seed}
+	if *chatTemplate != "" {
+		b, err := os.ReadFile(*chatTemplate)
+		if err != nil {
+			return err
+		}
+		opts.ChatTemplate = string(b)
+	}
 	if !*quiet {
 		fmt.Fprintf(stdout, "mkmodel: %s preset (%d layers, %d wide, %d heads/%d kv, ctx %d, %s) seed %d -> %s\n",
 			p.Name, p.Layers, p.Embed, p.Heads, p.KVHeads, p.ContextLength, p.Weights, *seed, *out)

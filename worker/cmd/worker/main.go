@@ -351,6 +351,7 @@ func openEngine(o *options, log *slog.Logger) (engine.Engine, openai.Template, e
 		if !known {
 			log.Warn("the model's chat template is not one this worker renders; using ChatML", "model", o.model)
 		}
+		log.Info("chat template", "model", o.model, "renders_with", t.Describe(), "tools", t.RendersTools())
 		tmpl = t
 	}
 	if o.engine == "llama" {

@@ -12,8 +12,8 @@ import (
 func TestErrorsCarryTheTraceID(t *testing.T) {
 	url := start(t, "--engine", "sim", "--sim-step-overhead", "1ms")
 	for _, tc := range []struct{ trace, body string }{
-		{"trace-7", `{"model":"m","messages":[`},                               // malformed JSON: 400
-		{"", `{"model":"m","messages":[{"role":"user","content":"x"}],"n":3}`}, // refused option: 400
+		{"trace-7", `{"model":"m","messages":[`},                                // malformed JSON: 400
+		{"", `{"model":"m","messages":[{"role":"user","content":"x"}],"n":17}`}, // refused option: 400
 	} {
 		req, _ := http.NewRequest(http.MethodPost, url+"/v1/chat/completions", strings.NewReader(tc.body))
 		if tc.trace != "" {

@@ -84,8 +84,6 @@ type Engine struct {
 	side        *aside // nil without Config.AsideCells
 }
 
-type sampler struct{ sc *ll.SamplingContext }
-
 // Meta is what the GGUF header says about a model, read in pure Go before
 // llama.cpp is involved.
 type Meta struct {
@@ -248,42 +246,6 @@ func (e *Engine) Piece(tok int) string { return e.model.TokenToPiece(tok) }
 // IsEOG implements engine.Engine.
 func (e *Engine) IsEOG(tok int) bool { return e.model.TokenIsEog(tok) }
 
-// NewSampler implements engine.Engine. Temperature, top_p, seed and the
-// frequency/presence penalties are set; top_k, min_p, typical_p and the
-// repetition penalty stay neutral, as OpenAI defines its API. The penalty
-// window is the whole context: only generated tokens enter it (Step
-// accepts each sampled token; prompt tokens are never accepted).
-func (e *Engine) NewSampler(p engine.SamplingParams) (engine.Sampler, error) {
-	seed := uint32(0xFFFFFFFF) // LLAMA_DEFAULT_SEED: llama.cpp draws a random one
-	if p.SeedSet {
-		seed = p.Seed
-	}
-	topP := p.TopP
-	if topP <= 0 || topP > 1 {
-		topP = 1
-	}
-	lastN := 0 // no penalty: llama.cpp skips the sampler's bookkeeping
-	if p.FrequencyPenalty != 0 || p.PresencePenalty != 0 {
-		lastN = e.info.NCtx
-	}
-	sc, err := ll.NewSamplingContext(e.model, ll.SamplingParams{
-		TopK:           0,
-		TopP:           topP,
-		MinP:           0,
-		TypicalP:       1,
-		Temp:           p.Temperature,
-		RepeatLastN:    lastN,
-		PenaltyRepeat:  1,
-		PenaltyFreq:    p.FrequencyPenalty,
-		PenaltyPresent: p.PresencePenalty,
-		Seed:           seed,
-	})
-	if err != nil {
-		return nil, err
-	}
-	return sampler{sc: sc}, nil
-}
-
 // Step implements engine.Engine.
 func (e *Engine) Step(spans []engine.Span) ([]int, error) {
 	n := 0
@@ -333,13 +295,11 @@ func (e *Engine) Step(spans []engine.Span) ([]int, error) {
 		if s.Sampler == nil {
 			continue
 		}
-		sm, ok := s.Sampler.(sampler)
+		sm, ok := s.Sampler.(*sampler)
 		if !ok {
 			return nil, fmt.Errorf("llama: sampler %T is not this engine's", s.Sampler)
 		}
-		tok := sm.sc.Sample(e.lc, last[i])
-		sm.sc.Accept(tok, false)
-		out[i] = tok
+		out[i] = e.sample(sm, last[i])
 	}
 	return out, nil
 }

@@ -196,7 +196,14 @@ func (e *Engine) Piece(tok int) string {
 func (e *Engine) IsEOG(tok int) bool { return tok == tokIMEnd }
 
 // NewSampler implements engine.Engine.
+// The cost model has no logits: a JSON schema or logprobs are refused.
 func (e *Engine) NewSampler(p engine.SamplingParams) (engine.Sampler, error) {
+	if p.JSONSchema != nil {
+		return nil, fmt.Errorf("%w: the simulated engine has no logits to constrain to a JSON schema", engine.ErrUnsupported)
+	}
+	if p.Logprobs {
+		return nil, fmt.Errorf("%w: the simulated engine has no logits to report logprobs from", engine.ErrUnsupported)
+	}
 	seed := uint64(p.Seed)
 	if !p.SeedSet {
 		seed = rand.Uint64()

@@ -135,3 +135,16 @@ func TestPrefillAsideTakesCellsWhenItsSequenceSteps(t *testing.T) {
 		t.Fatal("seq 2 stepped past positions that were removed aside")
 	}
 }
+
+// The cost model has no logits: what needs them is refused, not faked.
+func TestSamplersNeedingLogitsAreRefused(t *testing.T) {
+	e, _ := New(Config{NSeqMax: 1})
+	for _, p := range []engine.SamplingParams{{JSONSchema: []byte(`{"type":"object"}`)}, {Logprobs: true}} {
+		if _, err := e.NewSampler(p); !errors.Is(err, engine.ErrUnsupported) {
+			t.Errorf("%+v: %v, want ErrUnsupported", p, err)
+		}
+	}
+	if _, err := e.NewSampler(engine.SamplingParams{Temperature: 1}); err != nil {
+		t.Fatal(err)
+	}
+}
