@@ -554,7 +554,7 @@ func TestMergePrefersChildAndLendsMetrics(t *testing.T) {
 		t.Fatal(err)
 	}
 	merged, ok := p.Merge(parent, child).(*Config)
-	if !ok || merged.engine != child.engine {
+	if !ok || merged.router != child.router || merged.life != child.life {
 		t.Fatal("route-level config must win")
 	}
 	child.metrics.Count("requests", 2)

@@ -1,4 +1,4 @@
-package engine
+package lifecycle
 
 import (
 	"context"
@@ -14,6 +14,7 @@ import (
 
 	"github.com/gin-gonic/gin"
 
+	"github.com/istio-llm-filter/istio-llm-filter/filter/routing"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/client"
 )
 
@@ -41,7 +42,7 @@ func mcCalls(t testing.TB, base string) map[string]int {
 
 // lifecycle runs one request's whole life through the engine: decide
 // (the route query), started, first token and saved, done.
-func lifecycle(t testing.TB, e *Engine, system, user string, hold time.Duration) {
+func lifecycle(t testing.TB, e gateway, system, user string, hold time.Duration) {
 	d, err := e.Decide(context.Background(), chatPath(), chatBody(system, user))
 	if err != nil {
 		t.Error(err)
@@ -73,7 +74,7 @@ func TestBatchedUpdates(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			ts := center(t)
 			m := &counts{}
-			e := newEngine(t, configFor(t, ts.URL, tc.extra), Options{Metrics: m})
+			e := newGateway(t, configFor(t, ts.URL, tc.extra), routing.Options{Metrics: m}, nil)
 			system := strings.Repeat("You are a careful assistant who answers in French. ", 8)
 			const workers, per = 8, 25
 			var wg sync.WaitGroup
@@ -126,7 +127,7 @@ func TestBatchedUpdates(t *testing.T) {
 // pod for 50ms, with batching on (the default) and off, and with batching
 // on and every prompt new (each request's lease and save are urgent).
 //
-//	go test -run '^$' -bench CallsPerRequest -benchtime 2000x ./filter/engine/
+//	go test -run '^$' -bench CallsPerRequest -benchtime 2000x ./filter/lifecycle/
 func BenchmarkCallsPerRequest(b *testing.B) {
 	for _, rate := range []int{200, 1000} {
 		for _, tc := range []struct {
@@ -135,7 +136,7 @@ func BenchmarkCallsPerRequest(b *testing.B) {
 		}{{"batched", "", false}, {"unbatched", "async: {batch_window: 0s}", false}, {"batched-cold", "", true}} {
 			b.Run(fmt.Sprintf("%s/%dreq_s", tc.name, rate), func(b *testing.B) {
 				ts := center(b)
-				e := newEngine(b, configFor(b, ts.URL, tc.extra), Options{})
+				e := newGateway(b, configFor(b, ts.URL, tc.extra), routing.Options{}, nil)
 				system := strings.Repeat("You are a careful assistant who answers in French. ", 8)
 				var wg sync.WaitGroup
 				tick := time.Second / time.Duration(rate)

@@ -1,4 +1,4 @@
-package engine
+package routing
 
 import (
 	"context"
@@ -7,7 +7,6 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
-	"math"
 	"net/http"
 	"net/http/httptest"
 	"strings"
@@ -19,10 +18,8 @@ import (
 	"github.com/istio-llm-filter/istio-llm-filter/filter/config"
 	"github.com/istio-llm-filter/istio-llm-filter/filter/endpoints"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/api"
-	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/client"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/server"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/store/memstore"
-	"github.com/istio-llm-filter/istio-llm-filter/prefix"
 )
 
 const cluster = "outbound|8000||qwen.llm.svc.cluster.local"
@@ -107,7 +104,7 @@ func staticSource(t testing.TB) endpoints.Source {
 	return s
 }
 
-func newEngine(t testing.TB, cfg *config.Config, o Options) *Engine {
+func newDecider(t testing.TB, cfg *config.Config, o Options) *Decider {
 	t.Helper()
 	if o.Endpoints == nil {
 		o.Endpoints = staticSource(t)
@@ -119,7 +116,6 @@ func newEngine(t testing.TB, cfg *config.Config, o Options) *Engine {
 	if err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(e.Close)
 	return e
 }
 
@@ -131,128 +127,8 @@ func chatBody(system, user string) []byte {
 	return b
 }
 
-// eventually polls cond until it holds or 5 s pass.
-func eventually(t *testing.T, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(5 * time.Second)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out waiting for %s", what)
-		}
-		time.Sleep(5 * time.Millisecond)
-	}
-}
-
-func TestLifecycleAgainstMetadataCenter(t *testing.T) {
-	ts := center(t)
-	m := &counts{}
-	e := newEngine(t, configFor(t, ts.URL, ""), Options{Metrics: m})
-	mc, _ := client.New(client.Options{Address: ts.URL, QueryTimeout: 2 * time.Second})
-	ctx := context.Background()
-
-	system := strings.Repeat("You are a careful assistant who answers in French. ", 8)
-	body := chatBody(system, "Bonjour ?")
-	d, err := e.Decide(ctx, hdr{":path": "/v1/chat/completions", "x-request-id": "trace-1"}, body)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if d.TraceID != "trace-1" || d.Model != "qwen" || d.Cluster != cluster || d.SceneName != "chat" || d.Backend != "vllm" ||
-		d.Policy != "cache_aware" || !d.Stream || d.Degraded || d.CacheRatio != 0 || d.Body != nil || d.Path != "" || d.Response != nil ||
-		d.Candidates != 3 || d.RequestID == "" {
-		t.Fatalf("decision %+v", d)
-	}
-	if !contains(pods, d.Host) {
-		t.Fatalf("host %q is not a pod", d.Host)
-	}
-	// The hashes are prefix's over the canonical chat, seeded by model.
-	canon := prefix.CanonicalChat([]prefix.Message{
-		{Role: "system", Parts: []prefix.Part{{Type: "text", Text: system}}},
-		{Role: "user", Parts: []prefix.Part{{Type: "text", Text: "Bonjour ?"}}},
-	})
-	if want := prefix.Wire(prefix.Hasher{ChunkSize: 64}.Sum("qwen", canon)); fmt.Sprint(want) != fmt.Sprint(d.Hashes) || d.PromptLength != len(canon) {
-		t.Fatalf("hashes %v / %d, want %v / %d", d.Hashes, d.PromptLength, want, len(canon))
-	}
-
-	e.Started(d)
-	e.Started(d) // once only
-	eventually(t, "the lease to reach the metadata center", func() bool {
-		ans, err := mc.Route(ctx, cluster, nil)
-		// Nothing cached yet: the whole prompt is prefill to do.
-		return err == nil && ans.Load[d.Host].TotalReqs == 1 && ans.Load[d.Host].PromptLength == int64(d.PromptLength) &&
-			d.PrefillLength == d.PromptLength
-	})
-	eventually(t, "the add to be acknowledged locally", func() bool {
-		n, u := e.InFlight(cluster, d.Host)
-		return n == 1 && u == 0
-	})
-	e.FirstToken(d)
-	e.Saved(d)
-	eventually(t, "first token and cache save", func() bool {
-		ans, err := mc.Route(ctx, cluster, d.Hashes)
-		return err == nil && ans.Load[d.Host].PromptLength == 0 && len(ans.Cache) == 1 &&
-			ans.Cache[0].Host == d.Host && ans.Cache[0].Length == len(d.Hashes)
-	})
-
-	// The same system prompt with a new question goes where the prefix is,
-	// though that pod is the only busy one.
-	d2, err := e.Decide(ctx, chatPath(), chatBody(system, "Et maintenant ?"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	if d2.Host != d.Host || d2.CacheRatio <= 0.5 || d2.CacheRatio >= 1 {
-		t.Fatalf("follow-up went to %s with ratio %v (first %s)", d2.Host, d2.CacheRatio, d.Host)
-	}
-	if d2.RequestID == d.RequestID {
-		t.Fatal("request ids repeat")
-	}
-	// Its prefill load is only the part the pod does not hold.
-	if want := int(math.Round(float64(d2.PromptLength) * (1 - d2.CacheRatio))); d2.PrefillLength != want || want >= d2.PromptLength/2 {
-		t.Fatalf("prefill length %d of a %d-byte prompt with ratio %v, want %d", d2.PrefillLength, d2.PromptLength, d2.CacheRatio, want)
-	}
-
-	e.Done(d)
-	e.Done(d)
-	eventually(t, "the lease to be deleted", func() bool {
-		ans, err := mc.Route(ctx, cluster, nil)
-		return err == nil && ans.Load[d.Host].TotalReqs == 0
-	})
-	if n, _ := e.InFlight(cluster, d.Host); n != 0 {
-		t.Fatalf("local in-flight %d after Done", n)
-	}
-	if m.get("routed") != 2 || m.get("cache_hit_routes") != 1 || m.get("fallbacks") != 0 || m.get("async_errors") != 0 {
-		t.Fatalf("metrics %v", m.m)
-	}
-}
-
-func contains(list []string, s string) bool {
-	for _, v := range list {
-		if v == s {
-			return true
-		}
-	}
-	return false
-}
-
-func TestLifecycleCallsNeedStarted(t *testing.T) {
-	ts := center(t)
-	e := newEngine(t, configFor(t, ts.URL, ""), Options{})
-	d, err := e.Decide(context.Background(), chatPath(), chatBody("s", "u"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	// A decision the filter gave up on (never Started) owes nothing.
-	e.FirstToken(d)
-	e.Saved(d)
-	e.Done(d)
-	e.Started(nil)
-	e.Done(nil)
-	if n, _ := e.InFlight(cluster, d.Host); n != 0 || e.Pending() != 0 {
-		t.Fatalf("in flight %d pending %d", n, e.Pending())
-	}
-}
-
 func TestTraceID(t *testing.T) {
-	e := newEngine(t, configFor(t, "", ""), Options{})
+	e := newDecider(t, configFor(t, "", ""), Options{})
 	body := chatBody("s", "u")
 	for _, c := range []struct {
 		h    hdr
@@ -284,7 +160,7 @@ func TestTraceID(t *testing.T) {
 
 func TestRefusals(t *testing.T) {
 	m := &counts{}
-	e := newEngine(t, configFor(t, "", "max_body_bytes: 4096"), Options{Metrics: m})
+	e := newDecider(t, configFor(t, "", "max_body_bytes: 4096"), Options{Metrics: m})
 	cases := []struct {
 		h      hdr
 		body   string
@@ -329,7 +205,7 @@ func TestRefusals(t *testing.T) {
 	// An unregistered protocol fails every request with 400 (seed step 2).
 	cfg := configFor(t, "", "")
 	cfg.Protocol = "grpc"
-	e2 := newEngine(t, cfg, Options{})
+	e2 := newDecider(t, cfg, Options{})
 	_, err := e2.Decide(context.Background(), chatPath(), chatBody("s", "u"))
 	var ee *Error
 	if !errors.As(err, &ee) || ee.Status != 400 || !strings.Contains(ee.Message, `unsupported protocol "grpc"`) {
@@ -341,7 +217,7 @@ func TestRefusals(t *testing.T) {
 }
 
 func TestHeaderRuleAndSelectors(t *testing.T) {
-	e := newEngine(t, configFor(t, "", ""), Options{})
+	e := newDecider(t, configFor(t, "", ""), Options{})
 	d, err := e.Decide(context.Background(), hdr{":path": "/v1/chat/completions", "x-env": "canary"}, chatBody("s", "u"))
 	if err != nil || d.Cluster != "canary" || d.Host != "10.0.9.9:8000" || d.SceneName != "canary" {
 		t.Fatalf("%+v %v", d, err)
@@ -351,7 +227,7 @@ func TestHeaderRuleAndSelectors(t *testing.T) {
 		{Address: "10.1.0.1:8000", Labels: map[string]string{"lora": "sql"}},
 		{Address: "10.1.0.2:8000", Labels: map[string]string{"lora": "chat"}},
 	}}
-	e2 := newEngine(t, configFor(t, "", ""), Options{Endpoints: src})
+	e2 := newDecider(t, configFor(t, "", ""), Options{Endpoints: src})
 	for range 20 {
 		d, err := e2.Decide(context.Background(), chatPath(), []byte(`{"model":"qwen","lora":"sql","messages":[{"role":"user","content":"x"}]}`))
 		if err != nil || d.Host != "10.1.0.1:8000" || d.Candidates != 1 {
@@ -371,7 +247,7 @@ func TestDegradesWhenMetadataCenterIsDown(t *testing.T) {
 	addr := dead.URL
 	dead.Close()
 	m := &counts{}
-	e := newEngine(t, configFor(t, addr, ""), Options{Metrics: m})
+	e := newDecider(t, configFor(t, addr, ""), Options{Metrics: m})
 	seen := map[string]bool{}
 	for range 60 {
 		d, err := e.Decide(context.Background(), chatPath(), chatBody("s", "u"))
@@ -403,7 +279,7 @@ func TestQueryTimeoutBoundsDecide(t *testing.T) {
 	t.Cleanup(func() { close(release) })
 	cfg := configFor(t, slow.URL, "")
 	cfg.MetadataCenter.QueryTimeout = 50 * time.Millisecond
-	e := newEngine(t, cfg, Options{})
+	e := newDecider(t, cfg, Options{})
 	start := time.Now()
 	d, err := e.Decide(context.Background(), chatPath(), chatBody("s", "u"))
 	if err != nil || !d.Degraded {
@@ -411,36 +287,6 @@ func TestQueryTimeoutBoundsDecide(t *testing.T) {
 	}
 	if took := time.Since(start); took > 2*time.Second { // generous: it must not wait for the server
 		t.Fatalf("Decide took %v with a 50ms query timeout", took)
-	}
-}
-
-func TestBurstWithoutMetadataSpreadsLocally(t *testing.T) {
-	// No metadata center at all: cache_aware still spreads a burst evenly
-	// thanks to local in-flight accounting.
-	e := newEngine(t, configFor(t, "", ""), Options{})
-	per := map[string]int{}
-	var ds []*Decision
-	for range 30 {
-		d, err := e.Decide(context.Background(), chatPath(), chatBody("same", "same"))
-		if err != nil {
-			t.Fatal(err)
-		}
-		e.Started(d)
-		per[d.Host]++
-		ds = append(ds, d)
-	}
-	for _, p := range pods {
-		if per[p] != 10 {
-			t.Fatalf("burst spread %v", per)
-		}
-	}
-	for _, d := range ds {
-		e.Done(d)
-	}
-	for _, p := range pods {
-		if n, _ := e.InFlight(cluster, p); n != 0 {
-			t.Fatalf("%s still has %d in flight", p, n)
-		}
 	}
 }
 
@@ -459,10 +305,14 @@ func (r *countingRouter) Route(ctx context.Context, cluster string, hashes []str
 	return &a, nil
 }
 
+func (r *countingRouter) Pods(context.Context, string) (map[string]api.PodRegistration, error) {
+	return nil, nil
+}
+
 func TestPoliciesThatNeedNoMetadataSkipTheQuery(t *testing.T) {
 	r := &countingRouter{}
 	cfg := configFor(t, "", fmt.Sprintf("lb_mapping_rule: {%q: {policy: round_robin}}", cluster))
-	e := newEngine(t, cfg, Options{Router: r})
+	e := newDecider(t, cfg, Options{Querier: r})
 	var hosts []string
 	for range 6 {
 		d, err := e.Decide(context.Background(), chatPath(), chatBody("s", "u"))
@@ -488,7 +338,7 @@ func TestPoliciesThatNeedNoMetadataSkipTheQuery(t *testing.T) {
 }
 
 func TestTritonBackendRewritesRequest(t *testing.T) {
-	e := newEngine(t, configFor(t, "", ""), Options{})
+	e := newDecider(t, configFor(t, "", ""), Options{})
 	d, err := e.Decide(context.Background(), chatPath(), []byte(`{"model":"tiny","stream":true,"max_tokens":8,"messages":[{"role":"user","content":"hi"}]}`))
 	if err != nil {
 		t.Fatal(err)
@@ -503,7 +353,7 @@ func TestTritonBackendRewritesRequest(t *testing.T) {
 	// protocol: triton translates whatever the rule's backend.
 	cfg := configFor(t, "", "")
 	cfg.Protocol = "triton"
-	e2 := newEngine(t, cfg, Options{})
+	e2 := newDecider(t, cfg, Options{})
 	d, err = e2.Decide(context.Background(), chatPath(), chatBody("s", "u"))
 	if err != nil || d.Path != "/v2/models/qwen/generate_stream" {
 		t.Fatalf("%+v %v", d, err)
@@ -511,92 +361,6 @@ func TestTritonBackendRewritesRequest(t *testing.T) {
 }
 
 // blockingUpdater holds every update until released.
-type blockingUpdater struct{ release chan struct{} }
-
-func (b blockingUpdater) wait(ctx context.Context) error {
-	select {
-	case <-b.release:
-		return nil
-	case <-ctx.Done():
-		return ctx.Err()
-	}
-}
-func (b blockingUpdater) AddRequest(ctx context.Context, _ api.AddRequest) error { return b.wait(ctx) }
-func (b blockingUpdater) FirstToken(ctx context.Context, _ api.RequestRef) error { return b.wait(ctx) }
-func (b blockingUpdater) DeleteRequest(ctx context.Context, _ api.RequestRef) error {
-	return b.wait(ctx)
-}
-func (b blockingUpdater) SaveCache(ctx context.Context, _ api.CacheSave) error { return b.wait(ctx) }
-
-func TestUpdatesDropInsteadOfBlocking(t *testing.T) {
-	m := &counts{}
-	u := blockingUpdater{release: make(chan struct{})}
-	cfg := configFor(t, "", "async: {queue_size: 2, workers: 1, drain_timeout: 1s}")
-	e := newEngine(t, cfg, Options{Metrics: m, Updater: u})
-	start := time.Now()
-	var ds []*Decision
-	for range 10 {
-		d, err := e.Decide(context.Background(), chatPath(), chatBody("s", "u"))
-		if err != nil {
-			t.Fatal(err)
-		}
-		e.Started(d)
-		ds = append(ds, d)
-	}
-	if took := time.Since(start); took > 2*time.Second {
-		t.Fatalf("lifecycle reports blocked for %v", took)
-	}
-	// One running, two queued: seven adds dropped. Their requests stay
-	// counted locally (unacknowledged) until Done.
-	eventually(t, "drops to be counted", func() bool { return m.get("async_dropped") >= 7 })
-	var unacked int64
-	for _, p := range pods {
-		_, u := e.InFlight(cluster, p)
-		unacked += u
-	}
-	if unacked != 10 {
-		t.Fatalf("unacknowledged %d, want 10", unacked)
-	}
-	close(u.release)
-	for _, d := range ds {
-		e.Done(d)
-	}
-	e.Close()
-	for _, p := range pods {
-		if n, _ := e.InFlight(cluster, p); n != 0 {
-			t.Fatalf("%s: %d in flight after Done", p, n)
-		}
-	}
-}
-
-func TestCloseDrainsQueuedUpdates(t *testing.T) {
-	ts := center(t)
-	e := newEngine(t, configFor(t, ts.URL, ""), Options{})
-	var ds []*Decision
-	for range 20 {
-		d, err := e.Decide(context.Background(), chatPath(), chatBody("s", "u"))
-		if err != nil {
-			t.Fatal(err)
-		}
-		e.Started(d)
-		ds = append(ds, d)
-	}
-	e.Close()
-	mc, _ := client.New(client.Options{Address: ts.URL})
-	ans, err := mc.Route(context.Background(), cluster, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	var total int64
-	for _, st := range ans.Load {
-		total += st.TotalReqs
-	}
-	if total != 20 {
-		t.Fatalf("after Close the metadata center counts %d of 20 requests", total)
-	}
-	// After Close, reports are dropped, never block or panic.
-	e.Done(ds[0])
-}
 
 func TestNilHeadersAndRateLimitedWarnings(t *testing.T) {
 	dead := httptest.NewServer(http.NotFoundHandler())
@@ -609,7 +373,7 @@ func TestNilHeadersAndRateLimitedWarnings(t *testing.T) {
 		defer mu.Unlock()
 		return buf.Write(p)
 	}), nil))
-	e := newEngine(t, configFor(t, addr, ""), Options{Logger: log})
+	e := newDecider(t, configFor(t, addr, ""), Options{Logger: log})
 	for range 20 {
 		if _, err := e.Decide(context.Background(), nil, chatBody("s", "u")); err != nil {
 			t.Fatal(err)
@@ -625,34 +389,6 @@ func TestNilHeadersAndRateLimitedWarnings(t *testing.T) {
 type writerFunc func([]byte) (int, error)
 
 func (f writerFunc) Write(p []byte) (int, error) { return f(p) }
-
-func TestBurstBetweenMetadataUpdatesSpreads(t *testing.T) {
-	// The metadata center answers (all pods idle, the same prefix cached
-	// nowhere) but none of the burst's adds has landed yet: every decision
-	// sees the same stale view, and only local accounting spreads them.
-	u := blockingUpdater{release: make(chan struct{})}
-	e := newEngine(t, configFor(t, "", ""), Options{Router: &countingRouter{ans: api.RouteAnswer{Load: api.LoadStats{}}}, Updater: u})
-	per := map[string]int{}
-	var ds []*Decision
-	for range 30 {
-		d, err := e.Decide(context.Background(), chatPath(), chatBody("one hot system prompt", "same question"))
-		if err != nil || d.Degraded {
-			t.Fatalf("%+v %v", d, err)
-		}
-		e.Started(d)
-		per[d.Host]++
-		ds = append(ds, d)
-	}
-	for _, p := range pods {
-		if per[p] != 10 {
-			t.Fatalf("burst of 30 over 3 pods: %v", per)
-		}
-	}
-	close(u.release)
-	for _, d := range ds {
-		e.Done(d)
-	}
-}
 
 // lastPod scores the last candidate best: a scorer registered from Go.
 type lastPod struct{}
@@ -677,7 +413,7 @@ func TestLBRuleNamesAreCheckedAtStart(t *testing.T) {
 			t.Fatalf("%s: New = %v, want an lb_mapping_rule error", extra, err)
 		}
 	}
-	e := newEngine(t, configFor(t, "", "lb_mapping_rule: {default: {policy: epp, scorers: {last_pod: 1}}}"),
+	e := newDecider(t, configFor(t, "", "lb_mapping_rule: {default: {policy: epp, scorers: {last_pod: 1}}}"),
 		Options{Scorers: map[string]balancer.Scorer{"last_pod": lastPod{}}})
 	eps := e.src.Endpoints(cluster)
 	for range 5 {

@@ -1,4 +1,4 @@
-package engine
+package routing
 
 import (
 	"context"
@@ -34,7 +34,7 @@ func TestPooledScratchKeepsDecisionsApart(t *testing.T) {
 		ans.Load[p] = api.EndpointStats{TotalReqs: int64(i)}
 		ans.Cache = append(ans.Cache, api.CacheLocation{Host: p, Length: i + 1})
 	}
-	e := newEngine(t, configFor(t, "", ""), Options{Router: memRouter{ans}})
+	e := newDecider(t, configFor(t, "", ""), Options{Querier: memRouter{ans}})
 	type prompt struct {
 		body []byte
 		want []string
