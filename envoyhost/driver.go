@@ -28,6 +28,8 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/istio-llm-filter/istio-llm-filter/internal/headers"
+
 	xdstype "github.com/cncf/xds/go/xds/type/v3"
 	"github.com/google/uuid"
 	"google.golang.org/protobuf/proto"
@@ -545,8 +547,8 @@ func (h *Host) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 			hs = append(hs, header{strings.ToLower(k), v})
 		}
 	}
-	if r.Header.Get("x-request-id") == "" { // the connection manager's request id
-		hs = append(hs, header{"x-request-id", uuid.NewString()})
+	if r.Header.Get(headers.RequestID) == "" { // the connection manager's request id
+		hs = append(hs, header{headers.RequestID, uuid.NewString()})
 	}
 	hasBody := r.ContentLength != 0
 	if err := h.streamFrame(s, fReqHeaders, func(e *enc) {

@@ -15,8 +15,8 @@ import (
 	"testing"
 	"time"
 
-	"github.com/istio-llm-filter/istio-llm-filter/filter/llmfilter"
 	"github.com/istio-llm-filter/istio-llm-filter/filter/transcode/openai"
+	"github.com/istio-llm-filter/istio-llm-filter/internal/headers"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/api"
 	"github.com/istio-llm-filter/istio-llm-filter/prefix"
 )
@@ -222,9 +222,9 @@ func TestRouteConfigOutlivesItsParent(t *testing.T) {
 		case <-time.After(15 * time.Second):
 			t.Fatalf("%s: the request hangs; host stderr:\n%s", what, lastLines(h.Stderr(), 20))
 		}
-		if resp.StatusCode != 200 || resp.Header.Get(llmfilter.UpstreamHostHeader) != b.addr {
-			t.Fatalf("%s: status %d, %s=%q: %s", what, resp.StatusCode, llmfilter.UpstreamHostHeader,
-				resp.Header.Get(llmfilter.UpstreamHostHeader), body)
+		if resp.StatusCode != 200 || resp.Header.Get(headers.UpstreamHost) != b.addr {
+			t.Fatalf("%s: status %d, %s=%q: %s", what, resp.StatusCode, headers.UpstreamHost,
+				resp.Header.Get(headers.UpstreamHost), body)
 		}
 	}
 	ask("with its first parent")
@@ -316,8 +316,8 @@ func TestChosenHostNotInTheCluster(t *testing.T) {
 	if gone.hits.Load() != 0 || real.hits.Load() != 1 {
 		t.Fatalf("hits: cluster member %d, non-member %d; Envoy only sends to members", real.hits.Load(), gone.hits.Load())
 	}
-	if got := resp.Header.Get(llmfilter.UpstreamHostHeader); got != real.addr {
-		t.Fatalf("%s = %q, but %s served the request", llmfilter.UpstreamHostHeader, got, real.addr)
+	if got := resp.Header.Get(headers.UpstreamHost); got != real.addr {
+		t.Fatalf("%s = %q, but %s served the request", headers.UpstreamHost, got, real.addr)
 	}
 	// The lease moved to the pod that served, and the prefix is recorded
 	// there, not on the chosen pod, which never saw the request.

@@ -13,7 +13,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/istio-llm-filter/istio-llm-filter/filter/llmfilter"
+	"github.com/istio-llm-filter/istio-llm-filter/internal/headers"
 )
 
 // tritonBackend answers Triton's generate / generate_stream and records the
@@ -106,8 +106,8 @@ func TestRequestWithTrailersIsRouted(t *testing.T) {
 		t.Fatalf("status %d: %s", resp.StatusCode, body)
 	}
 	served := resp.Header.Get("x-served-by")
-	if got := resp.Header.Get(llmfilter.UpstreamHostHeader); got == "" || got != served {
-		t.Fatalf("%s = %q, served by %q: the request was not routed by the filter", llmfilter.UpstreamHostHeader, got, served)
+	if got := resp.Header.Get(headers.UpstreamHost); got == "" || got != served {
+		t.Fatalf("%s = %q, served by %q: the request was not routed by the filter", headers.UpstreamHost, got, served)
 	}
 	b := bs[0]
 	if served == bs[1].addr {

@@ -19,7 +19,7 @@ import (
 	"strings"
 	"time"
 
-	"github.com/istio-llm-filter/istio-llm-filter/filter/llmfilter"
+	"github.com/istio-llm-filter/istio-llm-filter/internal/headers"
 )
 
 // Outcome is how a request ended, from the client's side.
@@ -156,7 +156,7 @@ func (c *Client) once(ctx context.Context, body []byte, r Request, rec *Record, 
 	}
 	defer resp.Body.Close()
 	rec.Status = resp.StatusCode
-	rec.Worker = resp.Header.Get(llmfilter.UpstreamHostHeader)
+	rec.Worker = resp.Header.Get(headers.UpstreamHost)
 	if r.Progress != nil {
 		r.Progress(rec.Worker, false)
 	}

@@ -23,7 +23,7 @@ import (
 
 	"github.com/istio-llm-filter/istio-llm-filter/bench/report"
 	"github.com/istio-llm-filter/istio-llm-filter/bench/workload"
-	"github.com/istio-llm-filter/istio-llm-filter/filter/llmfilter"
+	"github.com/istio-llm-filter/istio-llm-filter/internal/headers"
 )
 
 // Options controls one replay.
@@ -197,7 +197,7 @@ func (o Options) do(ctx context.Context, base string, msgs []message, runStart t
 	}
 	defer resp.Body.Close()
 	r.Status = resp.StatusCode
-	r.Worker = resp.Header.Get(llmfilter.UpstreamHostHeader)
+	r.Worker = resp.Header.Get(headers.UpstreamHost)
 	if resp.StatusCode/100 != 2 {
 		msg, _ := io.ReadAll(io.LimitReader(resp.Body, 512))
 		r.Err, r.Latency = fmt.Sprintf("status %d: %s", resp.StatusCode, bytes.TrimSpace(msg)), time.Since(t0)

@@ -13,7 +13,7 @@ import (
 	"time"
 
 	"github.com/istio-llm-filter/istio-llm-filter/bench/workload"
-	"github.com/istio-llm-filter/istio-llm-filter/filter/llmfilter"
+	"github.com/istio-llm-filter/istio-llm-filter/internal/headers"
 )
 
 // backend is a small OpenAI SSE server that records what it was sent.
@@ -46,7 +46,7 @@ func (b *backend) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	w.Header().Set("Content-Type", "text/event-stream")
-	w.Header().Set(llmfilter.UpstreamHostHeader, "10.0.0.1:8000")
+	w.Header().Set(headers.UpstreamHost, "10.0.0.1:8000")
 	fl := w.(http.Flusher)
 	fmt.Fprint(w, `data: {"choices":[{"delta":{"role":"assistant"}}]}`+"\n\n")
 	fl.Flush()

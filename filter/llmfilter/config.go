@@ -28,10 +28,6 @@ import (
 // Name is the plugin_name the EnvoyFilter refers to.
 const Name = "llm-filter"
 
-// UpstreamHostHeader is the response header naming the "ip:port" of the pod
-// that served a routed request.
-const UpstreamHostHeader = "x-llm-upstream-host"
-
 // ParserOptions are the process-wide things every parsed config shares.
 type ParserOptions struct {
 	// Registry shares one Envoy-admin poller per admin address among all

@@ -18,6 +18,7 @@ import (
 	"github.com/istio-llm-filter/istio-llm-filter/filter/config"
 	"github.com/istio-llm-filter/istio-llm-filter/filter/llmfilter"
 	"github.com/istio-llm-filter/istio-llm-filter/filter/standalone"
+	"github.com/istio-llm-filter/istio-llm-filter/internal/headers"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/server"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/store"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/store/memstore"
@@ -243,8 +244,8 @@ func (w *world) ask(prompt string) string {
 		w.t.Fatal("the backend must see an x-request-id")
 	}
 	served := resp.Header.Get("x-served-by")
-	if got := resp.Header.Get(llmfilter.UpstreamHostHeader); got != served {
-		w.t.Fatalf("%s = %q, but %s served the request", llmfilter.UpstreamHostHeader, got, served)
+	if got := resp.Header.Get(headers.UpstreamHost); got != served {
+		w.t.Fatalf("%s = %q, but %s served the request", headers.UpstreamHost, got, served)
 	}
 	return served
 }

@@ -18,6 +18,7 @@ import (
 
 	"github.com/istio-llm-filter/istio-llm-filter/filter/lifecycle"
 	"github.com/istio-llm-filter/istio-llm-filter/filter/routing"
+	"github.com/istio-llm-filter/istio-llm-filter/internal/headers"
 )
 
 // filter is one request. Envoy calls the phase methods one at a time on its
@@ -81,10 +82,10 @@ func (f *filter) DecodeHeaders(h api.RequestHeaderMap, endStream bool) (st api.S
 	f.traceID = trace
 	f.mu.Unlock()
 	f.conf.metrics.Count("requests", 1)
-	if _, ok := h.Get(ClusterHeader); ok {
+	if _, ok := h.Get(headers.Cluster); ok {
 		// Only the filter names the routed cluster: a client's own header
 		// would send a request to any cluster the gateway knows.
-		h.Del(ClusterHeader)
+		h.Del(headers.Cluster)
 		f.cb.ClearRouteCache()
 	}
 	if id, ok := f.modelsQuery(h); ok {
@@ -187,7 +188,7 @@ func (f *filter) decide(ctx context.Context, cancel context.CancelFunc, buf api.
 	// header (cluster_header, istio/gateway.yaml), so a header-conditioned
 	// rule reaches its own cluster and the override host is one of its
 	// members. The route was computed before we knew: recompute it.
-	f.reqHeaders.Set(ClusterHeader, d.Cluster)
+	f.reqHeaders.Set(headers.Cluster, d.Cluster)
 	f.cb.ClearRouteCache()
 	r := lifecycle.NewRequest(d)
 	f.record(r)
@@ -265,7 +266,7 @@ func (f *filter) EncodeHeaders(h api.ResponseHeaderMap, endStream bool) (st api.
 	if details, ok := f.cb.StreamInfo().ResponseCodeDetails(); ok && details != "" && details != "via_upstream" {
 		f.hostReply = true // Envoy's own reply (no healthy upstream, reset): no pod answered
 	}
-	h.Set(UpstreamHostHeader, served)
+	h.Set(headers.UpstreamHost, served)
 	f.meta(AccessBackend, served)
 	if served != d.Host && !f.hostReply {
 		// Lease, prefix and every later report follow the pod that really

@@ -13,11 +13,6 @@ import (
 	"github.com/istio-llm-filter/istio-llm-filter/filter/transcode"
 )
 
-// ClusterHeader carries the chosen rule's cluster to Envoy's route, which
-// forwards on it (route.cluster_header, istio/gateway.yaml). The filter
-// removes any value a client sent.
-const ClusterHeader = "x-llm-cluster"
-
 // answered marks a local reply that is an answer, not an error (the model
 // list): OnLog and the encode phases treat it like any local reply.
 const answered = "answered"

@@ -39,6 +39,7 @@ import (
 	"github.com/istio-llm-filter/istio-llm-filter/filter/transcode"
 	"github.com/istio-llm-filter/istio-llm-filter/filter/transcode/openai"
 	"github.com/istio-llm-filter/istio-llm-filter/filter/transcode/triton"
+	"github.com/istio-llm-filter/istio-llm-filter/internal/headers"
 	"github.com/istio-llm-filter/istio-llm-filter/internal/ratelog"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/api"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/client"
@@ -317,7 +318,7 @@ func (noHeaders) Get(string) (string, bool) { return "", false }
 
 // traceID picks the request's trace id (docs/envoy-filter.md).
 func traceID(h Headers) string {
-	for _, k := range [...]string{"x-request-id", "x-trace-id", "x-amzn-trace-id"} {
+	for _, k := range headers.TraceIDs {
 		if v, ok := h.Get(k); ok && v != "" {
 			return v
 		}

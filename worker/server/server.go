@@ -23,6 +23,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
+	"github.com/istio-llm-filter/istio-llm-filter/internal/headers"
 	"github.com/istio-llm-filter/istio-llm-filter/prefix"
 	"github.com/istio-llm-filter/istio-llm-filter/worker/engine"
 	"github.com/istio-llm-filter/istio-llm-filter/worker/mcreport"
@@ -107,11 +108,11 @@ func New(sched *scheduler.Scheduler, eng engine.Engine, cfg Config) *Server {
 // ServeHTTP gives every request a trace id (the gateway's X-Request-Id, or
 // a new one) and echoes it, so errors and log lines name it.
 func (s *Server) ServeHTTP(w http.ResponseWriter, r *http.Request) {
-	id := r.Header.Get(openai.TraceHeader)
+	id := r.Header.Get(headers.RequestID)
 	if id == "" || len(id) > maxTraceID {
 		id = uuid.NewString()
 	}
-	w.Header().Set(openai.TraceHeader, id)
+	w.Header().Set(headers.RequestID, id)
 	s.mux.ServeHTTP(w, r)
 }
 
@@ -396,7 +397,7 @@ func (s *Server) generate(w http.ResponseWriter, r *http.Request, j *job) {
 			if text != "" {
 				out.text(text)
 			}
-			s.log.Info("request failed", "id", j.id, "trace_id", w.Header().Get(openai.TraceHeader), "state", res.State.String(), "err", res.Err)
+			s.log.Info("request failed", "id", j.id, "trace_id", w.Header().Get(headers.RequestID), "state", res.State.String(), "err", res.Err)
 			e := s.resultError(res)
 			status = e.Status
 			out.fail(e)
@@ -426,7 +427,7 @@ func (s *Server) access(w http.ResponseWriter, j *job, status int, res *schedule
 	if res == nil && status == http.StatusOK {
 		status = statusClientClosed // left while queued, before any result
 	}
-	attrs := []any{"id", j.id, "trace_id", w.Header().Get(openai.TraceHeader), "model", j.model, "status", status, "duration_ms", took.Milliseconds()}
+	attrs := []any{"id", j.id, "trace_id", w.Header().Get(headers.RequestID), "model", j.model, "status", status, "duration_ms", took.Milliseconds()}
 	if res != nil {
 		attrs = append(attrs, "state", res.State.String(), "prompt_tokens", res.PromptTokens, "cached_tokens", res.CachedTokens,
 			"completion_tokens", res.CompletionTokens, "queue_wait_ms", res.QueueWait.Milliseconds(), "ttft_ms", res.TTFT.Milliseconds())

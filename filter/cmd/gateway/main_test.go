@@ -14,7 +14,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/istio-llm-filter/istio-llm-filter/filter/llmfilter"
+	"github.com/istio-llm-filter/istio-llm-filter/internal/headers"
 )
 
 func writeConfig(t testing.TB, body string) string {
@@ -202,7 +202,7 @@ log_level: error
 				}
 				defer resp.Body.Close()
 				b, _ := io.ReadAll(resp.Body)
-				return resp.StatusCode, string(b), resp.Header.Get(llmfilter.UpstreamHostHeader)
+				return resp.StatusCode, string(b), resp.Header.Get(headers.UpstreamHost)
 			}
 			failures := 0
 			for i := 0; i < 2; i++ { // round robin reaches the dead pod within two requests
