@@ -20,6 +20,7 @@ import (
 	"google.golang.org/protobuf/types/known/anypb"
 
 	"github.com/istio-llm-filter/istio-llm-filter/filter/config"
+	"github.com/istio-llm-filter/istio-llm-filter/filter/config/envoyconfig"
 	"github.com/istio-llm-filter/istio-llm-filter/filter/endpoints"
 	"github.com/istio-llm-filter/istio-llm-filter/filter/lifecycle"
 	"github.com/istio-llm-filter/istio-llm-filter/filter/routing"
@@ -77,7 +78,7 @@ func NewParser(opts ParserOptions) *Parser {
 // Parse builds a Config from Envoy's plugin_config. callbacks is nil for
 // route-level configs.
 func (p *Parser) Parse(a *anypb.Any, callbacks api.ConfigCallbackHandler) (any, error) {
-	cfg, err := config.ParseAny(a)
+	cfg, err := envoyconfig.Parse(a)
 	if err != nil {
 		return nil, err
 	}
