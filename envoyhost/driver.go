@@ -91,7 +91,14 @@ type Host struct {
 	closing  atomic.Bool
 
 	router *router
+
+	bodyRead atomic.Int64 // request body bytes read, over all streams
 }
+
+// BodyBytesRead is how many request body bytes the connection manager has
+// read so far, over all streams: a test sending a body in pieces sends the
+// next once the one before was read.
+func (h *Host) BodyBytesRead() int64 { return h.bodyRead.Load() }
 
 type lockedBuffer struct {
 	mu  sync.Mutex
@@ -621,6 +628,7 @@ func (h *Host) pumpBody(s *stream, r *http.Request) {
 	havePending := false
 	for {
 		n, err := r.Body.Read(buf)
+		h.bodyRead.Add(int64(n))
 		if n > 0 {
 			if havePending {
 				_ = h.streamFrame(s, fReqData, func(e *enc) { e.u8(0); e.b = append(e.b, pending...) })

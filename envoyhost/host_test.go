@@ -6,6 +6,7 @@ import (
 	"time"
 
 	"github.com/istio-llm-filter/istio-llm-filter/internal/headers"
+	"github.com/istio-llm-filter/istio-llm-filter/internal/testutil/wait"
 )
 
 // A chat request goes through the real .so: routed by the filter to a pod
@@ -84,7 +85,7 @@ func TestRequestsAreFinalizedByGoGC(t *testing.T) {
 		}
 	}
 	var m map[string]int64
-	for try := 0; try < 10; try++ {
+	if wait.Until(10*time.Second, func() bool {
 		if err := h.ForceGC(); err != nil {
 			t.Fatal(err)
 		}
@@ -92,10 +93,9 @@ func TestRequestsAreFinalizedByGoGC(t *testing.T) {
 		if m, err = h.Metrics(); err != nil {
 			t.Fatal(err)
 		}
-		if m["envoyhost.requests_in_go"] == 20 && m["envoyhost.requests_finalized"] == 20 {
-			return
-		}
-		time.Sleep(100 * time.Millisecond)
+		return m["envoyhost.requests_in_go"] == 20 && m["envoyhost.requests_finalized"] == 20
+	}) {
+		return
 	}
 	t.Fatalf("requests seen by Go %d, finalized %d; want 20, 20", m["envoyhost.requests_in_go"], m["envoyhost.requests_finalized"])
 }

@@ -40,20 +40,39 @@ func mcCalls(t testing.TB, base string) map[string]int {
 	return out
 }
 
-// lifecycle runs one request's whole life through the engine: decide
+// lifecycle runs one request's whole life through the gateway: decide
 // (the route query), started, first token and saved, done.
-func lifecycle(t testing.TB, e gateway, system, user string, hold time.Duration) {
+func lifecycle(t testing.TB, e gateway, system, user string) {
 	d, err := e.Decide(context.Background(), chatPath(), chatBody(system, user))
 	if err != nil {
 		t.Error(err)
 		return
 	}
 	e.Started(d)
-	time.Sleep(hold / 4)
 	e.FirstToken(d)
 	e.Saved(d)
-	time.Sleep(hold)
 	e.Done(d)
+}
+
+// served runs one request's life as a pod serving it would pace it: its
+// first token after hold/4 of prefill, its end after hold more of
+// decoding; done is called once the request is over.
+func served(t testing.TB, e gateway, system, user string, hold time.Duration, done func()) {
+	d, err := e.Decide(context.Background(), chatPath(), chatBody(system, user))
+	if err != nil {
+		t.Error(err)
+		done()
+		return
+	}
+	e.Started(d)
+	time.AfterFunc(hold/4, func() {
+		e.FirstToken(d)
+		e.Saved(d)
+		time.AfterFunc(hold, func() {
+			e.Done(d)
+			done()
+		})
+	})
 }
 
 // TestBatchedUpdates: with async.batch_window (the default), a request's
@@ -83,7 +102,7 @@ func TestBatchedUpdates(t *testing.T) {
 				go func() {
 					defer wg.Done()
 					for i := range per {
-						lifecycle(t, e, system, fmt.Sprintf("question %d/%d", w, i), 2*time.Millisecond)
+						lifecycle(t, e, system, fmt.Sprintf("question %d/%d", w, i))
 					}
 				}()
 			}
@@ -139,24 +158,20 @@ func BenchmarkCallsPerRequest(b *testing.B) {
 				e := newGateway(b, configFor(b, ts.URL, tc.extra), routing.Options{}, nil)
 				system := strings.Repeat("You are a careful assistant who answers in French. ", 8)
 				var wg sync.WaitGroup
-				tick := time.Second / time.Duration(rate)
-				next := time.Now()
+				arrivals := time.NewTicker(time.Second / time.Duration(rate))
+				defer arrivals.Stop()
 				b.ResetTimer()
 				for i := 0; i < b.N; i++ {
-					next = next.Add(tick)
-					if d := time.Until(next); d > 0 {
-						time.Sleep(d)
-					}
+					<-arrivals.C
 					wg.Add(1)
 					go func() {
-						defer wg.Done()
 						sys := system
 						if tc.cold {
 							// A prompt nobody sent before: its lease and
 							// save are urgent (placesPrefix).
 							sys = fmt.Sprintf("%d %s", i, system)
 						}
-						lifecycle(b, e, sys, fmt.Sprintf("question %d", i%50), 50*time.Millisecond)
+						served(b, e, sys, fmt.Sprintf("question %d", i%50), 50*time.Millisecond, wg.Done)
 					}()
 				}
 				wg.Wait()

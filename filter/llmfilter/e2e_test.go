@@ -19,6 +19,7 @@ import (
 	"github.com/istio-llm-filter/istio-llm-filter/filter/llmfilter"
 	"github.com/istio-llm-filter/istio-llm-filter/filter/standalone"
 	"github.com/istio-llm-filter/istio-llm-filter/internal/headers"
+	"github.com/istio-llm-filter/istio-llm-filter/internal/testutil/wait"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/server"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/store"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/store/memstore"
@@ -56,13 +57,7 @@ func (r *recStore) DeleteLease(ctx context.Context, c, h, id string) error {
 
 func waitUntil(t testing.TB, what string, cond func() bool) {
 	t.Helper()
-	deadline := time.Now().Add(10 * time.Second)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out waiting for %s", what)
-		}
-		time.Sleep(5 * time.Millisecond)
-	}
+	wait.For(t, 10*time.Second, what, cond)
 }
 
 // backend is a fake OpenAI server: JSON or SSE answers, optionally held

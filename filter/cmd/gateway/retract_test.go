@@ -10,6 +10,7 @@ import (
 	"net"
 	"net/http"
 	"net/http/httptest"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -127,9 +128,12 @@ filter:
 	for sc.Scan() && !strings.HasPrefix(sc.Text(), "data: {") {
 	}
 	go io.Copy(io.Discard, resp.Body)
-	waitFor("the long request's prefix", func() bool { return entries() > 0 })
-	time.Sleep(50 * time.Millisecond) // its confirming save, if still on its way
+	// Its routing-time save and its confirming one.
+	waitFor("the long request's saves", func() bool { return batchOps(t, mc.URL, "cache_save") == 2 })
 	held := entries()
+	if held == 0 {
+		t.Fatal("the long request's prefix is not in the index")
+	}
 
 	// Queued behind it, a second request waits out the queue timeout: 408.
 	// Its prefix was in the index meanwhile.
@@ -186,8 +190,12 @@ filter:
 	waitFor("the impatient request's routing-time save", func() bool { return entries() > held })
 	qcancel()
 	<-left
-	waitFor("the impatient request's save to be withdrawn", func() bool { return entries() == held })
-	time.Sleep(100 * time.Millisecond)
+	// Its routing-time save withdrawn and its lease ended, as the two
+	// refused requests' were: nothing of the three is left on its way to
+	// the metadata center.
+	waitFor("the three retractions and dones", func() bool {
+		return batchOps(t, mc.URL, "cache_retract") == 3 && batchOps(t, mc.URL, "done") == 3
+	})
 	if n := entries(); n != held {
 		t.Fatalf("index entries %d, want the long request's %d", n, held)
 	}
@@ -260,4 +268,24 @@ filter:
 	if s.IndexEntries != 0 || s.LiveLeases != 0 {
 		t.Fatalf("after an unreachable pod: %+v, want no entries and no leases", s)
 	}
+}
+
+// batchOps is how many updates of kind op the metadata center at url has
+// applied through /v1/batch (its llmf_metadata_center_batch_ops_total).
+func batchOps(t *testing.T, url, op string) int {
+	t.Helper()
+	resp, err := http.Get(url + "/metrics")
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	prefix := `llmf_metadata_center_batch_ops_total{op="` + op + `"} `
+	for _, line := range strings.Split(string(b), "\n") {
+		if v, ok := strings.CutPrefix(line, prefix); ok {
+			n, _ := strconv.Atoi(v)
+			return n
+		}
+	}
+	return 0
 }
