@@ -145,6 +145,11 @@ func (c *counts) Count(name string, d int64) {
 	c.m[name] += d
 }
 
+// Observe and Request count how many values each histogram and outcome got.
+func (c *counts) Observe(histogram string, _ uint64) { c.Count("observed "+histogram, 1) }
+
+func (c *counts) Request(l llmfilter.RequestLabels) { c.Count("request "+l.Outcome, 1) }
+
 func (c *counts) get(name string) int64 {
 	c.mu.Lock()
 	defer c.mu.Unlock()

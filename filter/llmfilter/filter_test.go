@@ -22,7 +22,8 @@ import (
 	"github.com/istio-llm-filter/istio-llm-filter/internal/testutil/wait"
 )
 
-// countMetrics records what the filter and the engine count.
+// countMetrics records what the filter, routing and lifecycle count; of
+// histograms and the labelled request counter, how many values each got.
 type countMetrics struct {
 	mu sync.Mutex
 	m  map[string]int64
@@ -36,6 +37,10 @@ func (c *countMetrics) Count(name string, delta int64) {
 	}
 	c.m[name] += delta
 }
+
+func (c *countMetrics) Observe(histogram string, _ uint64) { c.Count("observed "+histogram, 1) }
+
+func (c *countMetrics) Request(l RequestLabels) { c.Count("request "+l.Outcome, 1) }
 
 func (c *countMetrics) get(name string) int64 {
 	c.mu.Lock()

@@ -10,6 +10,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/istio-llm-filter/istio-llm-filter/filter/config"
+	"github.com/istio-llm-filter/istio-llm-filter/filter/routing"
 )
 
 // Counter names: the decider's and lifecycle's (routed, cache_hit_routes, fallbacks,
@@ -27,15 +28,12 @@ var gaugeNames = []string{"in_flight"}
 // metricPrefix namespaces the stats in Envoy's /stats next to everything else.
 const metricPrefix = "llm_filter_"
 
-// Metrics is routing.Metrics; the filter reports its own events through it too.
-type Metrics interface {
-	Count(name string, delta int64)
-}
-
-// Recorder is what a Metrics may also do: histograms and the labelled
-// request counter. Both hosts export them under the same names
+// Metrics is what a config reports to: the events routing and lifecycle
+// count (routing.Metrics) and the filter's own, its histograms and the
+// labelled request counter. Both hosts export them under the same names
 // (docs/operations.md, "Metrics and alerts").
-type Recorder interface {
+type Metrics interface {
+	routing.Metrics
 	// Observe records one value of a histogram, in the histogram's unit.
 	Observe(histogram string, value uint64)
 	// Request counts one finished request.
@@ -359,20 +357,15 @@ func (r *metricsRef) Count(name string, delta int64) {
 	}
 }
 
-// Observe and Request reach the Recorder side of the current metrics.
 func (r *metricsRef) Observe(name string, v uint64) {
 	if b := r.p.Load(); b != nil {
-		if rec, ok := b.m.(Recorder); ok {
-			rec.Observe(name, v)
-		}
+		b.m.Observe(name, v)
 	}
 }
 
 func (r *metricsRef) Request(l RequestLabels) {
 	if b := r.p.Load(); b != nil {
-		if rec, ok := b.m.(Recorder); ok {
-			rec.Request(l)
-		}
+		b.m.Request(l)
 	}
 }
 
