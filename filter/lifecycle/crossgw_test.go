@@ -59,7 +59,7 @@ func sharedCenters(t *testing.T, kind string, n int) []string {
 	return urls
 }
 
-// gateways builds n engines, engine i on center i%len(mcs), each with its
+// gateways builds n gateways, gateway i on center i%len(mcs), each with its
 // own client, tracker and batcher: n gateways of one mesh.
 func gateways(t *testing.T, mcs []string, n int, window time.Duration) []gateway {
 	t.Helper()

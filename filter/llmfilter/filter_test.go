@@ -604,7 +604,7 @@ func TestMergePrefersChildAndLendsMetrics(t *testing.T) {
 		t.Fatal("route-level config must report into the listener's metrics")
 	}
 	// Envoy destroys the merged config on its own schedule: the child's
-	// engine must survive it and keep deciding.
+	// decider and reporter must survive it and keep deciding.
 	merged.Destroy()
 	if reg.Len() != 1 {
 		t.Fatal("destroying the merged view released the child's admin poller")

@@ -212,7 +212,7 @@ func TestRefusals(t *testing.T) {
 		t.Fatalf("err %v", err)
 	}
 	if _, err := New(cfg, Options{}); err == nil {
-		t.Fatal("engine without endpoints accepted")
+		t.Fatal("decider without endpoints accepted")
 	}
 }
 

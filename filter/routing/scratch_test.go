@@ -14,7 +14,7 @@ import (
 )
 
 // yieldingHeaders lets other decisions run at each header lookup, which
-// the engine makes between parsing and hashing: a buffer handed back too
+// the decider makes between parsing and hashing: a buffer handed back too
 // early would then be overwritten before it is read.
 type yieldingHeaders map[string]string
 
@@ -25,7 +25,7 @@ func (h yieldingHeaders) Get(k string) (string, bool) {
 }
 
 // TestPooledScratchKeepsDecisionsApart runs decisions of different prompts
-// concurrently through the engine's pooled per-decision buffers (prompt
+// concurrently through the decider's pooled per-decision buffers (prompt
 // texts, canonical bytes, sums, cache view): every decision must carry its
 // own prompt's hashes and its own host's cache ratio, as if computed alone.
 func TestPooledScratchKeepsDecisionsApart(t *testing.T) {
