@@ -115,7 +115,7 @@ func TestBatchedUpdates(t *testing.T) {
 				t.Fatal(err)
 			}
 			if len(ans.Load) != 0 {
-				t.Fatalf("leases left after every request finished: %v (gateway counts %v)", ans.Load, m.m)
+				t.Fatalf("leases left after every request finished: %v (gateway counts %v)", ans.Load, m)
 			}
 			reqs := workers * per
 			singles := calls["POST /v1/load/stats"] + calls["DELETE /v1/load/stats"] + calls["DELETE /v1/load/stats/prompt"] + calls["POST /v1/cache/save"]
@@ -127,14 +127,14 @@ func TestBatchedUpdates(t *testing.T) {
 				if singles != 0 || calls["POST /v1/batch"] == 0 || calls["POST /v1/batch"] >= reqs {
 					t.Fatalf("batched: %d single update calls and %d batches for %d requests", singles, calls["POST /v1/batch"], reqs)
 				}
-				if m.get("async_batches") != int64(calls["POST /v1/batch"]) {
-					t.Fatalf("reporter counted %d batches, center answered %d", m.get("async_batches"), calls["POST /v1/batch"])
+				if m.Get("async_batches") != int64(calls["POST /v1/batch"]) {
+					t.Fatalf("reporter counted %d batches, center answered %d", m.Get("async_batches"), calls["POST /v1/batch"])
 				}
 			} else if calls["POST /v1/batch"] != 0 || singles < 4*reqs {
 				t.Fatalf("unbatched: %d batches and %d single calls for %d requests", calls["POST /v1/batch"], singles, reqs)
 			}
-			if m.get("async_errors") != 0 || m.get("async_dropped") != 0 {
-				t.Fatalf("metrics %v", m.m)
+			if m.Get("async_errors") != 0 || m.Get("async_dropped") != 0 {
+				t.Fatalf("metrics %v", m)
 			}
 		})
 	}

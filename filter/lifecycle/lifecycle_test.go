@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/istio-llm-filter/istio-llm-filter/filter/routing"
+	"github.com/istio-llm-filter/istio-llm-filter/filter/routing/routingtest"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/api"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/client"
 	"github.com/istio-llm-filter/istio-llm-filter/prefix"
@@ -90,8 +91,8 @@ func TestLifecycleAgainstMetadataCenter(t *testing.T) {
 	if n, _ := e.InFlight(cluster, d.Host); n != 0 {
 		t.Fatalf("local in-flight %d after Done", n)
 	}
-	if m.get("routed") != 2 || m.get("cache_hit_routes") != 1 || m.get("fallbacks") != 0 || m.get("async_errors") != 0 {
-		t.Fatalf("metrics %v", m.m)
+	if m.Get("routed") != 2 || m.Get("cache_hit_routes") != 1 || m.Get("fallbacks") != 0 || m.Get("async_errors") != 0 {
+		t.Fatalf("metrics %v", m)
 	}
 }
 
@@ -193,7 +194,7 @@ func TestUpdatesDropInsteadOfBlocking(t *testing.T) {
 	}
 	// One running, two queued: seven adds dropped. Their requests stay
 	// counted locally (unacknowledged) until Done.
-	eventually(t, "drops to be counted", func() bool { return m.get("async_dropped") >= 7 })
+	eventually(t, "drops to be counted", func() bool { return m.Get("async_dropped") >= 7 })
 	var unacked int64
 	for _, p := range pods {
 		_, u := e.InFlight(cluster, p)
@@ -248,7 +249,7 @@ func TestBurstBetweenMetadataUpdatesSpreads(t *testing.T) {
 	// nowhere) but none of the burst's adds has landed yet: every decision
 	// sees the same stale view, and only local accounting spreads them.
 	u := blockingUpdater{release: make(chan struct{})}
-	e := newGateway(t, configFor(t, "", ""), routing.Options{Querier: &countingRouter{ans: api.RouteAnswer{Load: api.LoadStats{}}}}, u)
+	e := newGateway(t, configFor(t, "", ""), routing.Options{Querier: &routingtest.Querier{Answer: api.RouteAnswer{Load: api.LoadStats{}}}}, u)
 	per := map[string]int{}
 	var ds []*Request
 	for range 30 {

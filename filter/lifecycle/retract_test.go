@@ -225,10 +225,10 @@ func testRetract(t *testing.T, e gateway, mc *client.Client, m *counts, center s
 	}
 	// d1, d3, d4, d6, d8 and d9 withdrew saves; d2 and d7 succeeded, d5
 	// saved nothing.
-	if n := m.get("retractions"); n != 6 {
+	if n := m.Get("retractions"); n != 6 {
 		t.Fatalf("retractions counted %d, want 6", n)
 	}
-	if n := m.get("async_errors"); n != 0 {
+	if n := m.Get("async_errors"); n != 0 {
 		t.Fatalf("%d updates failed", n)
 	}
 	if e.Pending() != 0 {

@@ -5,7 +5,6 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"io"
 	"log/slog"
 	"net/http"
 	"net/http/httptest"
@@ -17,92 +16,8 @@ import (
 	"github.com/istio-llm-filter/istio-llm-filter/filter/balancer"
 	"github.com/istio-llm-filter/istio-llm-filter/filter/config"
 	"github.com/istio-llm-filter/istio-llm-filter/filter/endpoints"
-	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/api"
-	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/server"
-	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/store/memstore"
+	"github.com/istio-llm-filter/istio-llm-filter/filter/routing/routingtest"
 )
-
-const cluster = "outbound|8000||qwen.llm.svc.cluster.local"
-
-var pods = []string{"10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"}
-
-// hdr is a lower-case header map, as Envoy presents them.
-type hdr map[string]string
-
-func (h hdr) Get(k string) (string, bool) { v, ok := h[k]; return v, ok }
-
-func chatPath() hdr { return hdr{":path": "/v1/chat/completions"} }
-
-// counts is a concurrency-safe Metrics.
-type counts struct {
-	mu sync.Mutex
-	m  map[string]int64
-}
-
-func (c *counts) Count(name string, d int64) {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	if c.m == nil {
-		c.m = map[string]int64{}
-	}
-	c.m[name] += d
-}
-
-func (c *counts) get(name string) int64 {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	return c.m[name]
-}
-
-func quiet() *slog.Logger { return slog.New(slog.NewTextHandler(io.Discard, nil)) }
-
-// center starts the real metadata center (in-memory store) on loopback.
-func center(t testing.TB) *httptest.Server {
-	t.Helper()
-	ts := httptest.NewServer(server.New(memstore.New(memstore.Options{}), server.Options{Logger: quiet()}).Handler())
-	t.Cleanup(ts.Close)
-	return ts
-}
-
-func configFor(t testing.TB, mcAddr string, extra string) *config.Config {
-	t.Helper()
-	doc := fmt.Sprintf(`
-metadata_center: {address: %q, query_timeout: 2s, update_timeout: 2s}
-prompt_hash: {chunk_size: 64}
-model_mapping_rule:
-  qwen:
-    - headers: {x-env: canary}
-      cluster: canary
-      scene_name: canary
-    - cluster: %q
-      scene_name: chat
-  tiny:
-    - cluster: %q
-      backend: triton
-  lonely:
-    - headers: {x-env: prod}
-      cluster: %q
-  ghost:
-    - cluster: empty
-%s`, mcAddr, cluster, cluster, cluster, extra)
-	if mcAddr == "" {
-		doc = strings.Replace(doc, `metadata_center: {address: "", query_timeout: 2s, update_timeout: 2s}`, "", 1)
-	}
-	cfg, err := config.Parse([]byte(doc))
-	if err != nil {
-		t.Fatal(err)
-	}
-	return cfg
-}
-
-func staticSource(t testing.TB) endpoints.Source {
-	t.Helper()
-	s, err := endpoints.NewStatic(map[string][]string{cluster: pods, "canary": {"10.0.9.9:8000"}})
-	if err != nil {
-		t.Fatal(err)
-	}
-	return s
-}
 
 func newDecider(t testing.TB, cfg *config.Config, o Options) *Decider {
 	t.Helper()
@@ -117,14 +32,6 @@ func newDecider(t testing.TB, cfg *config.Config, o Options) *Decider {
 		t.Fatal(err)
 	}
 	return e
-}
-
-func chatBody(system, user string) []byte {
-	b, _ := json.Marshal(map[string]any{"model": "qwen", "stream": true, "messages": []any{
-		map[string]any{"role": "system", "content": system},
-		map[string]any{"role": "user", "content": user},
-	}})
-	return b
 }
 
 func TestTraceID(t *testing.T) {
@@ -198,8 +105,8 @@ func TestRefusals(t *testing.T) {
 			t.Errorf("JSON %s", ee.JSON())
 		}
 	}
-	if m.get("rejected") != int64(len(cases)) || m.get("routed") != 0 {
-		t.Fatalf("metrics %v", m.m)
+	if m.Get("rejected") != int64(len(cases)) || m.Get("routed") != 0 {
+		t.Fatalf("metrics %v", m)
 	}
 
 	// An unregistered protocol fails every request with 400 (seed step 2).
@@ -262,8 +169,8 @@ func TestDegradesWhenMetadataCenterIsDown(t *testing.T) {
 	if len(seen) != len(pods) {
 		t.Fatalf("degraded routing reached only %v", seen)
 	}
-	if m.get("fallbacks") != 60 || m.get("metadata_center_errors") != 60 || m.get("routed") != 60 {
-		t.Fatalf("metrics %v", m.m)
+	if m.Get("fallbacks") != 60 || m.Get("metadata_center_errors") != 60 || m.Get("routed") != 60 {
+		t.Fatalf("metrics %v", m)
 	}
 }
 
@@ -290,27 +197,8 @@ func TestQueryTimeoutBoundsDecide(t *testing.T) {
 	}
 }
 
-// countingRouter answers from memory and counts queries.
-type countingRouter struct {
-	mu  sync.Mutex
-	n   int
-	ans api.RouteAnswer
-}
-
-func (r *countingRouter) Route(ctx context.Context, cluster string, hashes []string) (*api.RouteAnswer, error) {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	r.n++
-	a := r.ans
-	return &a, nil
-}
-
-func (r *countingRouter) Pods(context.Context, string) (map[string]api.PodRegistration, error) {
-	return nil, nil
-}
-
 func TestPoliciesThatNeedNoMetadataSkipTheQuery(t *testing.T) {
-	r := &countingRouter{}
+	r := &routingtest.Querier{}
 	cfg := configFor(t, "", fmt.Sprintf("lb_mapping_rule: {%q: {policy: round_robin}}", cluster))
 	e := newDecider(t, cfg, Options{Querier: r})
 	var hosts []string
@@ -324,16 +212,16 @@ func TestPoliciesThatNeedNoMetadataSkipTheQuery(t *testing.T) {
 		}
 		hosts = append(hosts, d.Host)
 	}
-	if r.n != 0 {
-		t.Fatalf("round_robin queried the metadata center %d times", r.n)
+	if r.Queries() != 0 {
+		t.Fatalf("round_robin queried the metadata center %d times", r.Queries())
 	}
 	if fmt.Sprint(hosts[:3]) != fmt.Sprint(hosts[3:]) || hosts[0] == hosts[1] || hosts[1] == hosts[2] {
 		t.Fatalf("round robin order %v", hosts)
 	}
 	// The default rule of another cluster still uses cache_aware and queries.
 	d, err := e.Decide(context.Background(), hdr{":path": "/v1/chat/completions", "x-env": "canary"}, chatBody("s", "u"))
-	if err != nil || d.Policy != "cache_aware" || r.n != 1 {
-		t.Fatalf("%+v %v (queries %d)", d, err, r.n)
+	if err != nil || d.Policy != "cache_aware" || r.Queries() != 1 {
+		t.Fatalf("%+v %v (queries %d)", d, err, r.Queries())
 	}
 }
 
