@@ -18,6 +18,7 @@ import (
 	"github.com/gin-gonic/gin"
 
 	"github.com/istio-llm-filter/istio-llm-filter/internal/testutil/redistest"
+	"github.com/istio-llm-filter/istio-llm-filter/internal/testutil/wait"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/server"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/store/redisstore"
 	"github.com/istio-llm-filter/istio-llm-filter/worker/engine/sim"
@@ -97,12 +98,8 @@ filter:
 	}
 	waitFor := func(what string, cond func() bool) {
 		t.Helper()
-		deadline := time.Now().Add(10 * time.Second)
-		for !cond() {
-			if time.Now().After(deadline) {
-				t.Fatalf("timed out waiting for %s (index entries %d)", what, entries())
-			}
-			time.Sleep(2 * time.Millisecond)
+		if !wait.Until(10*time.Second, cond) {
+			t.Fatalf("timed out waiting for %s (index entries %d)", what, entries())
 		}
 	}
 	body := func(user string, stream bool, maxTokens int) string {
@@ -254,13 +251,9 @@ filter:
 		resp.Body.Close()
 		return strings.Contains(string(b), `llmf_metadata_center_batch_ops_total{op="`+op+`"} 1`)
 	}
-	deadline := time.Now().Add(10 * time.Second)
-	for !applied("cache_save") || !applied("cache_retract") || !applied("done") {
-		if time.Now().After(deadline) {
-			t.Fatal("the request's save, retraction and done never reached the metadata center")
-		}
-		time.Sleep(5 * time.Millisecond)
-	}
+	wait.For(t, 10*time.Second, "the request's save, retraction and done to reach the metadata center", func() bool {
+		return applied("cache_save") && applied("cache_retract") && applied("done")
+	})
 	s, err := st.Stats(context.Background())
 	if err != nil {
 		t.Fatal(err)
