@@ -16,7 +16,7 @@ import (
 
 	"github.com/istio-llm-filter/istio-llm-filter/bench/fleet"
 	"github.com/istio-llm-filter/istio-llm-filter/bench/workload"
-	"github.com/istio-llm-filter/istio-llm-filter/filter/llmfilter"
+	"github.com/istio-llm-filter/istio-llm-filter/internal/headers"
 	"github.com/istio-llm-filter/istio-llm-filter/internal/testutil/cgoenv"
 	"github.com/istio-llm-filter/istio-llm-filter/internal/testutil/redistest"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/api"
@@ -185,7 +185,7 @@ func (c *conversation) ask(t *testing.T, cl openai.Client, user string) (turn, e
 		tr.answer = out.Choices[0].Message.Content
 		tr.prompt, tr.cached, tr.gen = out.Usage.PromptTokens, out.Usage.PromptTokensDetails.CachedTokens, out.Usage.CompletionTokens
 	}
-	tr.worker = resp.Header.Get(llmfilter.UpstreamHostHeader)
+	tr.worker = resp.Header.Get(headers.UpstreamHost)
 	tr.status = resp.StatusCode
 	if tr.worker == "" || tr.prompt == 0 || tr.gen != 12 {
 		t.Fatalf("answer lacks routing or usage: %+v", tr)

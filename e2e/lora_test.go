@@ -16,7 +16,7 @@ import (
 	"time"
 
 	"github.com/istio-llm-filter/istio-llm-filter/envoyhost"
-	"github.com/istio-llm-filter/istio-llm-filter/filter/llmfilter"
+	"github.com/istio-llm-filter/istio-llm-filter/internal/headers"
 )
 
 // Text logs (msg=... addr=...) and the metadata center's JSON ("msg":...,"addr":...).
@@ -108,7 +108,7 @@ func chatAt(t *testing.T, url, body string) chatAnswer {
 	if err := json.Unmarshal(raw, &out); err != nil {
 		t.Fatalf("answer %d is not JSON: %s", resp.StatusCode, raw)
 	}
-	a := chatAnswer{status: resp.StatusCode, served: resp.Header.Get(llmfilter.UpstreamHostHeader), errTyp: out.Error.Type, trace: out.TraceID}
+	a := chatAnswer{status: resp.StatusCode, served: resp.Header.Get(headers.UpstreamHost), errTyp: out.Error.Type, trace: out.TraceID}
 	if len(out.Choices) == 1 {
 		a.text = out.Choices[0].Message.Content
 	}

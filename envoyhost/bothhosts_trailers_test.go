@@ -14,6 +14,7 @@ import (
 	"github.com/istio-llm-filter/istio-llm-filter/filter/config"
 	"github.com/istio-llm-filter/istio-llm-filter/filter/llmfilter"
 	"github.com/istio-llm-filter/istio-llm-filter/filter/standalone"
+	"github.com/istio-llm-filter/istio-llm-filter/internal/headers"
 )
 
 // startStandalone runs the standalone host of the filter on doc, as the
@@ -34,7 +35,7 @@ func startStandalone(t *testing.T, doc string) string {
 	}
 	t.Cleanup(conf.Close)
 	host, err := standalone.New(standalone.Options{
-		ClusterHeader: llmfilter.ClusterHeader,
+		ClusterHeader: headers.Cluster,
 		Member: func(cluster, h string) bool {
 			return slices.Contains(cfg.Endpoints.Static[cluster], h)
 		},
@@ -142,7 +143,7 @@ func TestTrailerScenariosAgreeAcrossHosts(t *testing.T) {
 				o := trailerOutcome{Status: resp.StatusCode, PodPath: tb.path, PodGotTrailers: tb.trailers.Get("X-Body-Digest"),
 					PodGotTranscode: strings.Contains(string(tb.body), `"text_input"`)}
 				tb.mu.Unlock()
-				o.Routed = resp.Header.Get(llmfilter.UpstreamHostHeader) == tb.addr
+				o.Routed = resp.Header.Get(headers.UpstreamHost) == tb.addr
 				o.Content, o.Done = contentOf(out, sc.stream)
 				o.ClientTrailers = resp.Trailer.Get("X-Backend-Stats")
 				got[name] = o

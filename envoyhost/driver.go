@@ -28,6 +28,8 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/istio-llm-filter/istio-llm-filter/internal/headers"
+
 	xdstype "github.com/cncf/xds/go/xds/type/v3"
 	"github.com/google/uuid"
 	"google.golang.org/protobuf/proto"
@@ -89,7 +91,14 @@ type Host struct {
 	closing  atomic.Bool
 
 	router *router
+
+	bodyRead atomic.Int64 // request body bytes read, over all streams
 }
+
+// BodyBytesRead is how many request body bytes the connection manager has
+// read so far, over all streams: a test sending a body in pieces sends the
+// next once the one before was read.
+func (h *Host) BodyBytesRead() int64 { return h.bodyRead.Load() }
 
 type lockedBuffer struct {
 	mu  sync.Mutex
@@ -545,8 +554,8 @@ func (h *Host) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 			hs = append(hs, header{strings.ToLower(k), v})
 		}
 	}
-	if r.Header.Get("x-request-id") == "" { // the connection manager's request id
-		hs = append(hs, header{"x-request-id", uuid.NewString()})
+	if r.Header.Get(headers.RequestID) == "" { // the connection manager's request id
+		hs = append(hs, header{headers.RequestID, uuid.NewString()})
 	}
 	hasBody := r.ContentLength != 0
 	if err := h.streamFrame(s, fReqHeaders, func(e *enc) {
@@ -619,6 +628,7 @@ func (h *Host) pumpBody(s *stream, r *http.Request) {
 	havePending := false
 	for {
 		n, err := r.Body.Read(buf)
+		h.bodyRead.Add(int64(n))
 		if n > 0 {
 			if havePending {
 				_ = h.streamFrame(s, fReqData, func(e *enc) { e.u8(0); e.b = append(e.b, pending...) })

@@ -5,7 +5,8 @@ import (
 	"testing"
 	"time"
 
-	"github.com/istio-llm-filter/istio-llm-filter/filter/llmfilter"
+	"github.com/istio-llm-filter/istio-llm-filter/internal/headers"
+	"github.com/istio-llm-filter/istio-llm-filter/internal/testutil/wait"
 )
 
 // A chat request goes through the real .so: routed by the filter to a pod
@@ -23,9 +24,9 @@ func TestRoutedRequestThroughTheRealLibrary(t *testing.T) {
 		if resp.StatusCode != 200 {
 			t.Fatalf("stream=%v: status %d: %s", stream, resp.StatusCode, body)
 		}
-		served := resp.Header.Get(llmfilter.UpstreamHostHeader)
+		served := resp.Header.Get(headers.UpstreamHost)
 		if served != pods[0] && served != pods[1] {
-			t.Fatalf("stream=%v: %s = %q, want one of %v", stream, llmfilter.UpstreamHostHeader, served, pods)
+			t.Fatalf("stream=%v: %s = %q, want one of %v", stream, headers.UpstreamHost, served, pods)
 		}
 		if stream && !strings.Contains(string(body), "data: [DONE]") {
 			t.Fatalf("stream: body is not a finished SSE stream: %q", body)
@@ -64,7 +65,7 @@ func TestBodylessRequestUsesTheRoutesCluster(t *testing.T) {
 	if resp.StatusCode != 200 || resp.Header.Get("x-served-by") != b.addr {
 		t.Fatalf("GET: status %d served by %q", resp.StatusCode, resp.Header.Get("x-served-by"))
 	}
-	if resp.Header.Get(llmfilter.UpstreamHostHeader) != "" {
+	if resp.Header.Get(headers.UpstreamHost) != "" {
 		t.Fatal("an unrouted request must not name a routed pod")
 	}
 }
@@ -84,7 +85,7 @@ func TestRequestsAreFinalizedByGoGC(t *testing.T) {
 		}
 	}
 	var m map[string]int64
-	for try := 0; try < 10; try++ {
+	if wait.Until(10*time.Second, func() bool {
 		if err := h.ForceGC(); err != nil {
 			t.Fatal(err)
 		}
@@ -92,10 +93,9 @@ func TestRequestsAreFinalizedByGoGC(t *testing.T) {
 		if m, err = h.Metrics(); err != nil {
 			t.Fatal(err)
 		}
-		if m["envoyhost.requests_in_go"] == 20 && m["envoyhost.requests_finalized"] == 20 {
-			return
-		}
-		time.Sleep(100 * time.Millisecond)
+		return m["envoyhost.requests_in_go"] == 20 && m["envoyhost.requests_finalized"] == 20
+	}) {
+		return
 	}
 	t.Fatalf("requests seen by Go %d, finalized %d; want 20, 20", m["envoyhost.requests_in_go"], m["envoyhost.requests_finalized"])
 }

@@ -2,6 +2,7 @@ package envoyhost
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
 	"io"
 	"net/http"
@@ -15,8 +16,8 @@ import (
 	"testing"
 	"time"
 
-	"github.com/istio-llm-filter/istio-llm-filter/filter/llmfilter"
 	"github.com/istio-llm-filter/istio-llm-filter/filter/transcode/openai"
+	"github.com/istio-llm-filter/istio-llm-filter/internal/headers"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/api"
 	"github.com/istio-llm-filter/istio-llm-filter/prefix"
 )
@@ -27,6 +28,9 @@ type switchableMC struct {
 	url  string
 	hang atomic.Bool
 	stop chan struct{}
+	// The done updates (in POST /v1/batch) held while hanging whose
+	// caller gave up (its update_timeout).
+	failedDones atomic.Int64
 }
 
 func newSwitchableMC(t testing.TB, realURL string) *switchableMC {
@@ -35,8 +39,20 @@ func newSwitchableMC(t testing.TB, realURL string) *switchableMC {
 	proxy := httputil.NewSingleHostReverseProxy(u)
 	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		if s.hang.Load() {
+			// Read the request through: then the server watches the
+			// connection, and a caller giving up ends the context.
+			var b api.Batch
+			if r.URL.Path == api.PathBatch {
+				_ = json.NewDecoder(r.Body).Decode(&b)
+			}
+			_, _ = io.Copy(io.Discard, r.Body)
 			select {
 			case <-r.Context().Done():
+				for _, op := range b.Ops {
+					if op.Op == api.OpDone {
+						s.failedDones.Add(1)
+					}
+				}
 			case <-s.stop:
 			}
 			return
@@ -148,7 +164,7 @@ func TestConfigPushUnderLoadWhileMetadataCenterHangs(t *testing.T) {
 	}
 	// The queued updates fail only after update_timeout: the process must
 	// still be there once they have.
-	time.Sleep(2500 * time.Millisecond)
+	waitUntil(t, "the requests' done updates to fail", 20*time.Second, func() bool { return mc.failedDones.Load() == n })
 	if err := h.Err(); err != nil {
 		t.Fatal(err)
 	}
@@ -208,8 +224,10 @@ func TestRouteConfigOutlivesItsParent(t *testing.T) {
 	if _, err := h.SetRouteConfig([]byte(doc)); err != nil {
 		t.Fatal(err)
 	}
+	asked := 0
 	ask := func(what string) {
 		t.Helper()
+		asked++
 		done := make(chan struct{})
 		var resp *http.Response
 		var body []byte
@@ -222,9 +240,9 @@ func TestRouteConfigOutlivesItsParent(t *testing.T) {
 		case <-time.After(15 * time.Second):
 			t.Fatalf("%s: the request hangs; host stderr:\n%s", what, lastLines(h.Stderr(), 20))
 		}
-		if resp.StatusCode != 200 || resp.Header.Get(llmfilter.UpstreamHostHeader) != b.addr {
-			t.Fatalf("%s: status %d, %s=%q: %s", what, resp.StatusCode, llmfilter.UpstreamHostHeader,
-				resp.Header.Get(llmfilter.UpstreamHostHeader), body)
+		if resp.StatusCode != 200 || resp.Header.Get(headers.UpstreamHost) != b.addr {
+			t.Fatalf("%s: status %d, %s=%q: %s", what, resp.StatusCode, headers.UpstreamHost,
+				resp.Header.Get(headers.UpstreamHost), body)
 		}
 	}
 	ask("with its first parent")
@@ -233,7 +251,13 @@ func TestRouteConfigOutlivesItsParent(t *testing.T) {
 	}
 	waitUntil(t, "the first parent destroyed", 5*time.Second, func() bool { return destroyedOf(h, first) != nil })
 	ask("after its first parent was destroyed")
-	time.Sleep(2500 * time.Millisecond) // the stale merged view is destroyed now
+	// That request made the host merge the route config with the new
+	// parent; Envoy's shim destroys the stale merged view 2 s later on a
+	// timer of its own (config.go, delayDeleteTime), which nothing reports:
+	// requests keep being served across that moment.
+	for merged := time.Now(); time.Since(merged) < 2500*time.Millisecond; {
+		ask("while the stale merge is destroyed")
+	}
 	ask("after the stale merge was destroyed")
 	if err := h.Err(); err != nil {
 		t.Fatal(err)
@@ -245,8 +269,8 @@ func TestRouteConfigOutlivesItsParent(t *testing.T) {
 	if m["llm_filter_panics"] != 0 || m["golang.panic_error"] != 0 {
 		t.Fatalf("panics counted: %v", m)
 	}
-	if m["llm_filter_routed"] != 3 {
-		t.Fatalf("llm_filter_routed = %d, want 3 (each request counted once, in the live config's stats)", m["llm_filter_routed"])
+	if m["llm_filter_routed"] != int64(asked) {
+		t.Fatalf("llm_filter_routed = %d, want %d (each request counted once, in the live config's stats)", m["llm_filter_routed"], asked)
 	}
 }
 
@@ -271,7 +295,12 @@ func TestClientGoneWhileDeciding(t *testing.T) {
 		}
 		cancel()
 	}
-	time.Sleep(800 * time.Millisecond) // past query_timeout: any late decision has run
+	// Each decision ends (its route query cancelled or timed out) and is
+	// counted; it finds its stream gone.
+	waitUntil(t, "the four decisions to end", 5*time.Second, func() bool {
+		m, err := h.Metrics()
+		return err == nil && m["llm_filter_routed"] == 4
+	})
 	mc.hang.Store(false)
 	if b.hits.Load() != 0 {
 		t.Fatalf("the pod saw %d requests of clients that had left", b.hits.Load())
@@ -316,8 +345,8 @@ func TestChosenHostNotInTheCluster(t *testing.T) {
 	if gone.hits.Load() != 0 || real.hits.Load() != 1 {
 		t.Fatalf("hits: cluster member %d, non-member %d; Envoy only sends to members", real.hits.Load(), gone.hits.Load())
 	}
-	if got := resp.Header.Get(llmfilter.UpstreamHostHeader); got != real.addr {
-		t.Fatalf("%s = %q, but %s served the request", llmfilter.UpstreamHostHeader, got, real.addr)
+	if got := resp.Header.Get(headers.UpstreamHost); got != real.addr {
+		t.Fatalf("%s = %q, but %s served the request", headers.UpstreamHost, got, real.addr)
 	}
 	// The lease moved to the pod that served, and the prefix is recorded
 	// there, not on the chosen pod, which never saw the request.

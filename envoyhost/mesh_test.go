@@ -8,7 +8,7 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/istio-llm-filter/istio-llm-filter/filter/llmfilter"
+	"github.com/istio-llm-filter/istio-llm-filter/internal/headers"
 )
 
 // meshDoc routes qwen to cluster pool, to prod with x-env: prod, and to
@@ -67,11 +67,11 @@ func TestRuleClusterIsEnvoysCluster(t *testing.T) {
 		t.Fatal(err)
 	}
 	resp, body := send(t, "POST", h.URL()+"/v1/chat/completions", chatBody("to prod", false), map[string]string{"x-env": "prod"})
-	if resp.StatusCode != 200 || resp.Header.Get("x-served-by") != prod.addr || resp.Header.Get(llmfilter.UpstreamHostHeader) != prod.addr {
+	if resp.StatusCode != 200 || resp.Header.Get("x-served-by") != prod.addr || resp.Header.Get(headers.UpstreamHost) != prod.addr {
 		t.Fatalf("x-env: prod: %d served by %q: %s", resp.StatusCode, resp.Header.Get("x-served-by"), body)
 	}
-	if _, _, hdr := prod.last(); hdr.Get(llmfilter.ClusterHeader) != "prod" {
-		t.Fatalf("prod pod saw %s = %q", llmfilter.ClusterHeader, hdr.Get(llmfilter.ClusterHeader))
+	if _, _, hdr := prod.last(); hdr.Get(headers.Cluster) != "prod" {
+		t.Fatalf("prod pod saw %s = %q", headers.Cluster, hdr.Get(headers.Cluster))
 	}
 	resp, body = send(t, "POST", h.URL()+"/v1/chat/completions", chatBody("to pool", false), nil)
 	if resp.StatusCode != 200 || resp.Header.Get("x-served-by") != pool.addr {
@@ -79,12 +79,12 @@ func TestRuleClusterIsEnvoysCluster(t *testing.T) {
 	}
 	// A client's own x-llm-cluster is dropped: the unrouted request takes
 	// the default route.
-	resp, _ = send(t, "GET", h.URL()+"/other", "", map[string]string{llmfilter.ClusterHeader: "prod"})
+	resp, _ = send(t, "GET", h.URL()+"/other", "", map[string]string{headers.Cluster: "prod"})
 	if resp.StatusCode != 200 || resp.Header.Get("x-served-by") != pool.addr {
 		t.Fatalf("client-named cluster: %d served by %q", resp.StatusCode, resp.Header.Get("x-served-by"))
 	}
-	if _, _, hdr := pool.last(); hdr.Get(llmfilter.ClusterHeader) != "" {
-		t.Fatalf("the client's %s reached the pod: %q", llmfilter.ClusterHeader, hdr.Get(llmfilter.ClusterHeader))
+	if _, _, hdr := pool.last(); hdr.Get(headers.Cluster) != "" {
+		t.Fatalf("the client's %s reached the pod: %q", headers.Cluster, hdr.Get(headers.Cluster))
 	}
 	// A rule naming a cluster Envoy does not know: Envoy's 503.
 	resp, _ = send(t, "POST", h.URL()+"/v1/chat/completions", chatBody("to ghost", false), map[string]string{"x-env": "ghost"})

@@ -13,7 +13,8 @@ import (
 	"testing"
 	"time"
 
-	"github.com/istio-llm-filter/istio-llm-filter/filter/llmfilter"
+	"github.com/istio-llm-filter/istio-llm-filter/internal/headers"
+	"github.com/istio-llm-filter/istio-llm-filter/internal/testutil/wait"
 )
 
 // tritonBackend answers Triton's generate / generate_stream and records the
@@ -106,8 +107,8 @@ func TestRequestWithTrailersIsRouted(t *testing.T) {
 		t.Fatalf("status %d: %s", resp.StatusCode, body)
 	}
 	served := resp.Header.Get("x-served-by")
-	if got := resp.Header.Get(llmfilter.UpstreamHostHeader); got == "" || got != served {
-		t.Fatalf("%s = %q, served by %q: the request was not routed by the filter", llmfilter.UpstreamHostHeader, got, served)
+	if got := resp.Header.Get(headers.UpstreamHost); got == "" || got != served {
+		t.Fatalf("%s = %q, served by %q: the request was not routed by the filter", headers.UpstreamHost, got, served)
 	}
 	b := bs[0]
 	if served == bs[1].addr {
@@ -206,24 +207,42 @@ func TestBufferLimitsWhileBuffering(t *testing.T) {
 	if _, err := h.PushConfig([]byte(tritonDoc(mc, tb.addr))); err != nil {
 		t.Fatal(err)
 	}
-	// Chunked, and in pieces: Envoy only learns the size while buffering
+	// Chunked, and in pieces, each sent once the host has read the one
+	// before (or has answered): Envoy only learns the size while buffering
 	// (a body that arrives in one read is handed over whole, unbuffered).
 	pr, pw := io.Pipe()
+	answered := make(chan struct{})
 	go func() {
 		b := chatBody(strings.Repeat("long question ", 60), false)
+		sent := h.BodyBytesRead()
 		for len(b) > 0 {
 			n := min(200, len(b))
 			if _, err := pw.Write([]byte(b[:n])); err != nil {
 				return
 			}
 			b = b[n:]
-			time.Sleep(30 * time.Millisecond)
+			sent += int64(n)
+			if len(b) == 0 {
+				break
+			}
+			if !wait.Until(10*time.Second, func() bool {
+				select {
+				case <-answered:
+					return true
+				default:
+					return h.BodyBytesRead() >= sent
+				}
+			}) {
+				pw.CloseWithError(fmt.Errorf("the host neither read the piece nor answered (read %d, sent %d)", h.BodyBytesRead(), sent))
+				return
+			}
 		}
 		pw.Close()
 	}()
 	req, _ := http.NewRequest("POST", h.URL()+"/v1/chat/completions", pr)
 	req.ContentLength = -1
 	resp, err := (&http.Client{Timeout: 20 * time.Second}).Do(req)
+	close(answered)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -22,6 +22,7 @@ import (
 
 	"github.com/istio-llm-filter/istio-llm-filter/deploy/manifesttest"
 	"github.com/istio-llm-filter/istio-llm-filter/filter/config"
+	"github.com/istio-llm-filter/istio-llm-filter/filter/config/envoyconfig"
 )
 
 // Names the filter's registration and the gateway image agree on.
@@ -168,7 +169,7 @@ func TestEnvoyFilterInsertsTheGolangFilterBeforeTheRouter(t *testing.T) {
 func TestPluginConfigGoesThroughTheRealParser(t *testing.T) {
 	r := render(t, ".")
 	a, _ := r.pluginAny(t)
-	cfg, err := config.ParseAny(a)
+	cfg, err := envoyconfig.Parse(a)
 	if err != nil {
 		t.Fatalf("the filter refuses the EnvoyFilter's plugin_config: %v", err)
 	}
@@ -252,7 +253,7 @@ func TestListenerBufferHoldsTheFiltersLargestBody(t *testing.T) {
 	var lp listenerPatch
 	strictJSON(t, js, &lp)
 	a, _ := r.pluginAny(t)
-	cfg, err := config.ParseAny(a)
+	cfg, err := envoyconfig.Parse(a)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -343,9 +344,9 @@ func TestBadRoutingRulesAreRefused(t *testing.T) {
 				t.Fatal(err)
 			}
 			a, _ := render(t, dir).pluginAny(t)
-			_, err = config.ParseAny(a)
+			_, err = envoyconfig.Parse(a)
 			if err == nil || !strings.Contains(err.Error(), tc.want) {
-				t.Fatalf("ParseAny error = %v, want one containing %q", err, tc.want)
+				t.Fatalf("envoyconfig.Parse error = %v, want one containing %q", err, tc.want)
 			}
 		})
 	}

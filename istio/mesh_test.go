@@ -18,6 +18,7 @@ import (
 
 	"github.com/istio-llm-filter/istio-llm-filter/deploy/manifesttest"
 	"github.com/istio-llm-filter/istio-llm-filter/filter/llmfilter"
+	"github.com/istio-llm-filter/istio-llm-filter/internal/headers"
 )
 
 // patchesOf returns the EnvoyFilter's patches of one kind and the build's
@@ -69,8 +70,8 @@ func TestRoutedRouteForwardsOnTheClusterHeader(t *testing.T) {
 	decodePatchInto(t, p, &r, func(r *routev3.Route) {
 		r.Match = &routev3.RouteMatch{PathSpecifier: &routev3.RouteMatch_Prefix{Prefix: "/"}}
 	})
-	if got := r.GetRoute().GetClusterHeader(); got != llmfilter.ClusterHeader {
-		t.Fatalf("route.cluster_header = %q, want %q", got, llmfilter.ClusterHeader)
+	if got := r.GetRoute().GetClusterHeader(); got != headers.Cluster {
+		t.Fatalf("route.cluster_header = %q, want %q", got, headers.Cluster)
 	}
 	// Istio names an Envoy route after the VirtualService's http route: the
 	// patched one must exist, come first, and match only once the filter
@@ -80,8 +81,8 @@ func TestRoutedRouteForwardsOnTheClusterHeader(t *testing.T) {
 		t.Fatalf("the first VirtualService route is not %q", name)
 	}
 	hm := http[0].GetMatch()
-	if len(hm) != 1 || hm[0].GetHeaders()[llmfilter.ClusterHeader].GetRegex() != ".+" {
-		t.Fatalf("route %q does not match on a non-empty %s: %v", name, llmfilter.ClusterHeader, hm)
+	if len(hm) != 1 || hm[0].GetHeaders()[headers.Cluster].GetRegex() != ".+" {
+		t.Fatalf("route %q does not match on a non-empty %s: %v", name, headers.Cluster, hm)
 	}
 	// A retry drops the override host (docs/operations.md, "Override host,
 	// retries and strict mode"): only a refused connection, where nothing

@@ -12,6 +12,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/istio-llm-filter/istio-llm-filter/internal/headers"
+
 	"github.com/istio-llm-filter/istio-llm-filter/bench/client"
 	"github.com/istio-llm-filter/istio-llm-filter/worker/openai"
 )
@@ -26,23 +28,24 @@ func fakeGateway(t *testing.T, calls *atomic.Int64) *httptest.Server {
 		n := calls.Add(1)
 		raw, _ := io.ReadAll(r.Body)
 		mode := string(raw)
-		w.Header().Set("x-llm-upstream-host", "10.0.0.1:80") // TODO(headers): the shared header name
+		w.Header().Set(headers.UpstreamHost, "10.0.0.1:80")
 		s := openai.NewChatStream(w, "id", "m", time.Now(), false)
 		switch {
 		case strings.Contains(mode, "whole"):
-			openai.WriteJSON(w, http.StatusOK, openai.NewChatCompletion("id", "m", time.Now(), "hi there", "length", nil))
+			openai.WriteJSON(w, http.StatusOK, openai.NewChatCompletion("id", "m", time.Now(), []openai.ChatChoice{chatChoice("hi there", "length")}, nil))
 		case strings.Contains(mode, "busy-once") && n == 1:
 			w.Header().Set("Retry-After", "0") // retry at once (WriteError sends only positive waits)
 			openai.WriteError(w, &openai.Error{Status: http.StatusTooManyRequests, Type: openai.TypeRateLimit, Message: "queue full"})
 		case strings.Contains(mode, "status"):
 			openai.WriteError(w, &openai.Error{Status: http.StatusServiceUnavailable, Type: openai.TypeUnavailable, Message: "no"})
 		case strings.Contains(mode, "event"):
-			s.Content("a")
+			s.Content(0, "a", nil)
 			s.SSE().Error(openai.Internal("upstream died"))
 		default:
-			s.Content("a")
-			s.Content("b")
-			s.Finish("length", nil)
+			s.Content(0, "a", nil)
+			s.Content(0, "b", nil)
+			s.Finish(0, "length")
+			s.End(nil)
 		}
 	}))
 	t.Cleanup(srv.Close)
@@ -97,4 +100,9 @@ func TestClientRetriesAndRecords(t *testing.T) {
 			}
 		})
 	}
+}
+
+// chatChoice is a whole answer's only choice.
+func chatChoice(text, finish string) openai.ChatChoice {
+	return openai.ChatChoice{Message: openai.ChatMessage{Role: openai.RoleAssistant, Content: &text}, FinishReason: finish}
 }

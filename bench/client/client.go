@@ -20,12 +20,9 @@ import (
 	"net/http"
 	"strings"
 	"time"
-)
 
-// upstreamHostHeader is the gateway's response header naming the "ip:port"
-// of the worker that served the request (filter/llmfilter sets it).
-// TODO(headers): use the shared header name once internal/headers lands.
-const upstreamHostHeader = "x-llm-upstream-host"
+	"github.com/istio-llm-filter/istio-llm-filter/internal/headers"
+)
 
 // Outcome is how a request ended, from the client's side.
 type Outcome string
@@ -143,7 +140,7 @@ func (c *Client) Do(ctx context.Context, base string, r Request) (res Result) {
 	}
 	defer resp.Body.Close()
 	res.Status, res.Header = resp.StatusCode, resp.Header
-	res.Worker = resp.Header.Get(upstreamHostHeader)
+	res.Worker = resp.Header.Get(headers.UpstreamHost)
 	if r.Progress != nil {
 		r.Progress(res.Worker, false)
 	}

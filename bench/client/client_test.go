@@ -9,6 +9,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/istio-llm-filter/istio-llm-filter/internal/headers"
+
 	"github.com/istio-llm-filter/istio-llm-filter/worker/openai"
 )
 
@@ -38,7 +40,7 @@ func worker(t *testing.T, answer func(w http.ResponseWriter, r *http.Request, s 
 			return
 		}
 		seen <- served{req, p}
-		w.Header().Set(upstreamHostHeader, "10.0.0.1:8000")
+		w.Header().Set(headers.UpstreamHost, "10.0.0.1:8000")
 		answer(w, r, openai.NewChatStream(w, openai.NewChatID(), p.Model, time.Now(), p.IncludeUsage))
 	}))
 	t.Cleanup(srv.Close)
@@ -62,15 +64,16 @@ func send(t *testing.T, c *Client, base string, r Request) Result {
 func TestStreamRecordsFirstTokenUsageAndWorker(t *testing.T) {
 	release := make(chan struct{})
 	srv, seen := worker(t, func(w http.ResponseWriter, r *http.Request, s *openai.ChatStream) {
-		s.Begin() // headers and the role chunk: no token yet
+		s.Begin(0) // headers and the role chunk: no token yet
 		select {
 		case <-release:
 		case <-r.Context().Done():
 			return
 		}
-		s.Content("w0 ")
-		s.Content("w1")
-		s.Finish("length", openai.NewUsage(30, 2, 16))
+		s.Content(0, "w0 ", nil)
+		s.Content(0, "w1", nil)
+		s.Finish(0, "length")
+		s.End(openai.NewUsage(30, 2, 16))
 	})
 	var released time.Time
 	var progress []bool
@@ -111,8 +114,9 @@ func TestStreamRecordsFirstTokenUsageAndWorker(t *testing.T) {
 // the answer ends before any text.
 func TestFinishBeforeTextIsTheFirstToken(t *testing.T) {
 	srv, seen := worker(t, func(w http.ResponseWriter, r *http.Request, s *openai.ChatStream) {
-		s.Begin()
-		s.Finish("stop", openai.NewUsage(5, 0, 0))
+		s.Begin(0)
+		s.Finish(0, "stop")
+		s.End(openai.NewUsage(5, 0, 0))
 	})
 	res := send(t, &Client{}, srv.URL, Request{Stream: true, MaxTokens: 8})
 	if res.Outcome != OK || res.TTFT <= 0 || res.Text != "" || res.PromptTokens != 0 {
@@ -125,7 +129,7 @@ func TestFinishBeforeTextIsTheFirstToken(t *testing.T) {
 
 func TestWholeAnswer(t *testing.T) {
 	srv, _ := worker(t, func(w http.ResponseWriter, r *http.Request, _ *openai.ChatStream) {
-		openai.WriteJSON(w, http.StatusOK, openai.NewChatCompletion("id", "tiny", time.Now(), "hi there", "length", openai.NewUsage(9, 2, 4)))
+		openai.WriteJSON(w, http.StatusOK, openai.NewChatCompletion("id", "tiny", time.Now(), []openai.ChatChoice{chatChoice("hi there", "length")}, openai.NewUsage(9, 2, 4)))
 	})
 	res := send(t, &Client{}, srv.URL, Request{MaxTokens: 2})
 	if res.Outcome != OK || res.Text != "hi there" || res.TTFT <= 0 || res.TTFT > res.Latency || res.CachedTokens != 4 || res.Worker != "10.0.0.1:8000" {
@@ -155,12 +159,12 @@ func TestEveryWayAnAnswerFails(t *testing.T) {
 			}},
 		{name: "error event", want: Failed, status: 200, text: "a", err: "stream error 500: the engine failed",
 			answer: func(w http.ResponseWriter, r *http.Request, s *openai.ChatStream) {
-				s.Content("a")
+				s.Content(0, "a", nil)
 				s.SSE().Error(openai.Internal("the engine failed"))
 			}},
 		{name: "cut", want: Cut, status: 200, text: "a", err: "stream ended without [DONE]",
 			answer: func(w http.ResponseWriter, r *http.Request, s *openai.ChatStream) {
-				s.Content("a") // and return: a clean end without [DONE]
+				s.Content(0, "a", nil) // and return: a clean end without [DONE]
 			}},
 		{name: "bad chunk", want: Cut, status: 200, err: "bad chunk: ",
 			answer: func(w http.ResponseWriter, r *http.Request, s *openai.ChatStream) {
@@ -168,7 +172,7 @@ func TestEveryWayAnAnswerFails(t *testing.T) {
 			}},
 		{name: "reset", want: Reset, status: 200, text: "a", err: "stream: unexpected EOF",
 			answer: func(w http.ResponseWriter, r *http.Request, s *openai.ChatStream) {
-				s.Content("a")
+				s.Content(0, "a", nil)
 				if conn, _, err := http.NewResponseController(w).Hijack(); err == nil {
 					conn.Close() // the chunked body never ends
 				}
@@ -202,7 +206,7 @@ func TestTimeout(t *testing.T) {
 	left := make(chan struct{}, 2)
 	srv, _ := worker(t, func(w http.ResponseWriter, r *http.Request, s *openai.ChatStream) {
 		if r.URL.Query().Get("headers") != "" {
-			s.Content("a")
+			s.Content(0, "a", nil)
 		}
 		<-r.Context().Done()
 		left <- struct{}{}
@@ -226,7 +230,7 @@ func TestTimeout(t *testing.T) {
 func TestAbortAfterFirstToken(t *testing.T) {
 	left := make(chan struct{}, 1)
 	srv, _ := worker(t, func(w http.ResponseWriter, r *http.Request, s *openai.ChatStream) {
-		s.Content("a")
+		s.Content(0, "a", nil)
 		<-r.Context().Done() // the client's disconnect, not an end of ours
 		left <- struct{}{}
 	})
@@ -244,4 +248,9 @@ func waitFor(t *testing.T, c <-chan struct{}, what string) {
 	case <-time.After(10 * time.Second):
 		t.Fatalf("timed out waiting for %s", what)
 	}
+}
+
+// chatChoice is a whole answer's only choice.
+func chatChoice(text, finish string) openai.ChatChoice {
+	return openai.ChatChoice{Message: openai.ChatMessage{Role: openai.RoleAssistant, Content: &text}, FinishReason: finish}
 }

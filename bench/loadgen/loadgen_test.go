@@ -13,6 +13,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/istio-llm-filter/istio-llm-filter/internal/headers"
+
 	"github.com/istio-llm-filter/istio-llm-filter/bench/workload"
 	"github.com/istio-llm-filter/istio-llm-filter/worker/openai"
 )
@@ -28,10 +30,6 @@ type backend struct {
 	peak     atomic.Int64
 	fail     string // user text that gets a 503
 }
-
-// upstreamHostHeader is the gateway's header naming the serving worker.
-// TODO(headers): use the shared header name once internal/headers lands.
-const upstreamHostHeader = "x-llm-upstream-host"
 
 func (b *backend) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	n := b.inflight.Add(1)
@@ -58,13 +56,14 @@ func (b *backend) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		openai.WriteError(w, &openai.Error{Status: http.StatusServiceUnavailable, Type: openai.TypeUnavailable, Message: "no"})
 		return
 	}
-	w.Header().Set(upstreamHostHeader, "10.0.0.1:8000")
+	w.Header().Set(headers.UpstreamHost, "10.0.0.1:8000")
 	s := openai.NewChatStream(w, "id", p.Model, time.Now(), p.IncludeUsage)
-	s.Begin()
+	s.Begin(0)
 	for i := 0; i < 3; i++ {
-		s.Content(fmt.Sprintf("w%d ", i))
+		s.Content(0, fmt.Sprintf("w%d ", i), nil)
 	}
-	s.Finish("length", openai.NewUsage(len(msgs)*10, 3, 7))
+	s.Finish(0, "length")
+	s.End(openai.NewUsage(len(msgs)*10, 3, 7))
 }
 
 func TestMultiTurnCarriesAnswersAndMeasures(t *testing.T) {

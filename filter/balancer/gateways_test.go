@@ -17,7 +17,9 @@ import (
 
 	"github.com/istio-llm-filter/istio-llm-filter/filter/config"
 	"github.com/istio-llm-filter/istio-llm-filter/filter/endpoints"
-	"github.com/istio-llm-filter/istio-llm-filter/filter/engine"
+	"github.com/istio-llm-filter/istio-llm-filter/filter/lifecycle"
+	"github.com/istio-llm-filter/istio-llm-filter/filter/routing"
+	"github.com/istio-llm-filter/istio-llm-filter/internal/testutil/wait"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/server"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/store/memstore"
 )
@@ -30,15 +32,22 @@ func (h headers) Get(k string) (string, bool) { v, ok := h[k]; return v, ok }
 
 func quiet() *slog.Logger { return slog.New(slog.NewTextHandler(io.Discard, nil)) }
 
+// gateway is what a host builds: a decider and the reporter of its
+// decisions, sharing the balancer's tracker.
+type gateway struct {
+	*routing.Decider
+	*lifecycle.Reporter
+}
+
 // gateways starts one real metadata center (embedded store) on loopback and
-// n engines on it, each with its own client, batcher and balancer (so its
+// n gateways on it, each with its own clients, batcher and balancer (so its
 // own tracker and decision windows): n gateways of one mesh in front of 8
 // pods. rule is the lb rule's flow mapping.
-func gateways(t *testing.T, n int, rule string) []*engine.Engine {
+func gateways(t *testing.T, n int, rule string) []gateway {
 	t.Helper()
 	ts := httptest.NewServer(server.New(memstore.New(memstore.Options{}), server.Options{Logger: quiet()}).Handler())
 	t.Cleanup(ts.Close)
-	var out []*engine.Engine
+	var out []gateway
 	for i := range n {
 		cfg, err := config.Parse([]byte(fmt.Sprintf(`
 metadata_center: {address: %q, query_timeout: 2s, update_timeout: 2s}
@@ -54,12 +63,16 @@ async: {batch_window: 1ms}
 		if err != nil {
 			t.Fatal(err)
 		}
-		e, err := engine.New(cfg, engine.Options{Endpoints: src, Logger: quiet(), IntN: seeded(uint64(i + 1))})
+		d, err := routing.New(cfg, routing.Options{Endpoints: src, Logger: quiet(), IntN: seeded(uint64(i + 1))})
 		if err != nil {
 			t.Fatal(err)
 		}
-		t.Cleanup(e.Close)
-		out = append(out, e)
+		r, err := lifecycle.New(cfg, lifecycle.Options{Tracker: d.Tracker(), Logger: quiet()})
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(r.Close)
+		out = append(out, gateway{d, r})
 	}
 	return out
 }
@@ -85,10 +98,9 @@ func seeded(seed uint64) func(int) int {
 // settled waits until e has sent every queued update to the metadata center
 // and taken in the acknowledgements (a request counted both as a lease and
 // as not yet acknowledged would weigh twice in the next decision).
-func settled(t *testing.T, e *engine.Engine) {
+func settled(t *testing.T, e gateway) {
 	t.Helper()
-	deadline := time.Now().Add(10 * time.Second)
-	done := func() bool {
+	wait.For(t, 10*time.Second, "the gateway's updates to reach the metadata center", func() bool {
 		if e.Pending() != 0 {
 			return false
 		}
@@ -98,13 +110,7 @@ func settled(t *testing.T, e *engine.Engine) {
 			}
 		}
 		return true
-	}
-	for !done() {
-		if time.Now().After(deadline) {
-			t.Fatal("timed out waiting for the gateway's updates to reach the metadata center")
-		}
-		time.Sleep(2 * time.Millisecond)
-	}
+	})
 }
 
 // hotPrompt routes requests of one hot system prompt round robin over gws,
@@ -114,12 +120,12 @@ func settled(t *testing.T, e *engine.Engine) {
 // each decision and in between, a third of them a given gateway's when
 // there are three; it gets its first token at the next decision. It returns the requests per
 // pod, in the order the pods were first chosen.
-func hotPrompt(t *testing.T, gws []*engine.Engine, requests, live int) []int {
+func hotPrompt(t *testing.T, gws []gateway, requests, live int) []int {
 	t.Helper()
 	system := strings.Repeat("One hot system prompt that the whole fleet sends. ", 16)
 	type routed struct {
-		d *engine.Decision
-		e *engine.Engine
+		d *lifecycle.Request
+		e gateway
 	}
 	var flight []routed
 	per := map[string]int{}
@@ -130,10 +136,11 @@ func hotPrompt(t *testing.T, gws []*engine.Engine, requests, live int) []int {
 			map[string]any{"role": "system", "content": system},
 			map[string]any{"role": "user", "content": fmt.Sprintf("question %d?", i)},
 		}})
-		d, err := e.Decide(context.Background(), headers{":path": "/v1/chat/completions"}, body)
-		if err != nil || d.Degraded {
-			t.Fatalf("%+v %v", d, err)
+		dec, err := e.Decide(context.Background(), headers{":path": "/v1/chat/completions"}, body)
+		if err != nil || dec.Degraded {
+			t.Fatalf("%+v %v", dec, err)
 		}
+		d := lifecycle.NewRequest(dec)
 		e.Started(d)
 		settled(t, e)
 		if per[d.Host] == 0 {

@@ -13,9 +13,6 @@ import (
 	"strings"
 	"time"
 
-	xdstype "github.com/cncf/xds/go/xds/type/v3"
-	"google.golang.org/protobuf/types/known/anypb"
-	"google.golang.org/protobuf/types/known/structpb"
 	"sigs.k8s.io/yaml"
 
 	"github.com/istio-llm-filter/istio-llm-filter/filter/endpoints"
@@ -51,35 +48,6 @@ func Parse(doc []byte) (*Config, error) {
 		v = map[string]any{}
 	}
 	return FromValue(v)
-}
-
-// ParseAny reads the config as Envoy delivers plugin_config: an Any holding
-// an xds.type.v3.TypedStruct whose value is the document, or (accepted for
-// convenience) a google.protobuf.Struct holding it directly.
-func ParseAny(a *anypb.Any) (*Config, error) {
-	if a == nil {
-		return nil, errors.New("config: no plugin_config")
-	}
-	var s *structpb.Struct
-	switch a.MessageName() {
-	case "xds.type.v3.TypedStruct":
-		ts := new(xdstype.TypedStruct)
-		if err := a.UnmarshalTo(ts); err != nil {
-			return nil, fmt.Errorf("config: bad TypedStruct: %w", err)
-		}
-		s = ts.GetValue()
-	case "google.protobuf.Struct":
-		s = new(structpb.Struct)
-		if err := a.UnmarshalTo(s); err != nil {
-			return nil, fmt.Errorf("config: bad Struct: %w", err)
-		}
-	default:
-		return nil, fmt.Errorf("config: plugin_config is %s, want xds.type.v3.TypedStruct", a.GetTypeUrl())
-	}
-	if s == nil {
-		return FromValue(map[string]any{})
-	}
-	return FromValue(s.AsMap())
 }
 
 // FromValue validates an already decoded document (maps, slices, strings,

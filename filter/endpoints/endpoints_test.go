@@ -11,6 +11,8 @@ import (
 	"sync/atomic"
 	"testing"
 	"time"
+
+	"github.com/istio-llm-filter/istio-llm-filter/internal/testutil/wait"
 )
 
 // adminJSON is shaped like Envoy 1.36's GET /clusters?format=json (trimmed
@@ -185,10 +187,7 @@ func TestAdminPollerAgainstAdminServer(t *testing.T) {
 	}
 
 	p.Close()
-	time.Sleep(30 * time.Millisecond) // a poll cancelled by Close may still reach the server
-	n := hits.Load()
-	time.Sleep(60 * time.Millisecond)
-	if hits.Load() != n {
+	if pollsAfterStop(p, &hits, 20*time.Millisecond) {
 		t.Fatal("poller kept polling after Close")
 	}
 }
@@ -250,10 +249,7 @@ func TestRegistrySharesOnePollerPerAddress(t *testing.T) {
 	if reg.Len() != 0 {
 		t.Fatal("poller not stopped after last release")
 	}
-	time.Sleep(30 * time.Millisecond) // a poll cancelled by release may still reach the server
-	n := hits.Load()
-	time.Sleep(50 * time.Millisecond)
-	if hits.Load() != n {
+	if pollsAfterStop(a, &hits, 10*time.Millisecond) {
 		t.Fatal("released poller still polling")
 	}
 	c, relC, err := reg.Acquire(srv.URL, 10*time.Millisecond)
@@ -304,11 +300,17 @@ func TestStaticAndLayered(t *testing.T) {
 
 func waitFor(t *testing.T, cond func() bool) {
 	t.Helper()
-	deadline := time.Now().Add(5 * time.Second)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatal("condition not reached within 5s")
-		}
-		time.Sleep(5 * time.Millisecond)
-	}
+	wait.For(t, 5*time.Second, "the condition", cond)
+}
+
+// pollsAfterStop reports whether a stopped poller (its goroutine gone:
+// Close waits for it) polls again within a few refresh periods, or its
+// server sees more requests than the poller made before it stopped (a
+// poll that the stop cancelled may still arrive; it was counted).
+func pollsAfterStop(p *AdminPoller, hits *atomic.Int64, refresh time.Duration) bool {
+	made, _ := p.Stats()
+	return wait.Until(4*refresh, func() bool {
+		polls, _ := p.Stats()
+		return polls != made || hits.Load() > int64(made)
+	})
 }

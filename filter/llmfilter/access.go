@@ -3,7 +3,7 @@ package llmfilter
 import (
 	"time"
 
-	"github.com/istio-llm-filter/istio-llm-filter/filter/engine"
+	"github.com/istio-llm-filter/istio-llm-filter/filter/lifecycle"
 )
 
 // Keys of the per-request access record, set as Envoy dynamic metadata
@@ -26,7 +26,7 @@ const (
 
 // record sets the decision's part of the access record. Called on the
 // decision goroutine: Envoy posts each set to the worker thread.
-func (f *filter) record(d *engine.Decision) {
+func (f *filter) record(d *lifecycle.Request) {
 	f.meta(AccessTraceID, d.TraceID)
 	f.meta(AccessModel, d.Model)
 	f.meta(AccessCluster, d.Cluster)

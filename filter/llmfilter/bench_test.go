@@ -22,7 +22,7 @@ func BenchmarkGatewayRequest(b *testing.B) {
 }
 
 // BenchmarkGatewayRequestNoMetadataCenter is the same without a metadata
-// center (no route query, no updates): the filter and engine alone.
+// center (no route query, no updates): the filter and its decision alone.
 func BenchmarkGatewayRequestNoMetadataCenter(b *testing.B) {
 	benchGateway(b, newWorld(b, 4, noMetadataCenter))
 }

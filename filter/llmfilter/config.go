@@ -1,7 +1,7 @@
 // Package llmfilter is the Envoy Go HTTP filter (docs/envoy-filter.md): it buffers the
-// request, asks the decision engine where to send it, pins it there with
+// request, asks filter/routing where to send it, pins it there with
 // SetUpstreamOverrideHost, and reports the request's lifecycle (started,
-// first token, cache saved, done) back to the engine. The same filter object
+// first token, cache saved, done) back to filter/lifecycle. The same filter object
 // runs inside Envoy (filter/cmd/llm-filter) and in the standalone gateway
 // (filter/standalone, filter/cmd/gateway).
 //
@@ -20,16 +20,14 @@ import (
 	"google.golang.org/protobuf/types/known/anypb"
 
 	"github.com/istio-llm-filter/istio-llm-filter/filter/config"
+	"github.com/istio-llm-filter/istio-llm-filter/filter/config/envoyconfig"
 	"github.com/istio-llm-filter/istio-llm-filter/filter/endpoints"
-	"github.com/istio-llm-filter/istio-llm-filter/filter/engine"
+	"github.com/istio-llm-filter/istio-llm-filter/filter/lifecycle"
+	"github.com/istio-llm-filter/istio-llm-filter/filter/routing"
 )
 
 // Name is the plugin_name the EnvoyFilter refers to.
 const Name = "llm-filter"
-
-// UpstreamHostHeader is the response header naming the "ip:port" of the pod
-// that served a routed request.
-const UpstreamHostHeader = "x-llm-upstream-host"
 
 // ParserOptions are the process-wide things every parsed config shares.
 type ParserOptions struct {
@@ -45,7 +43,7 @@ type ParserOptions struct {
 	// drops hosts Envoy's own outlier detection ejected).
 	Outlier    *endpoints.Outlier
 	Logger     *slog.Logger
-	HTTPClient *http.Client // metadata-center client; nil: the engine's default
+	HTTPClient *http.Client // metadata-center client; nil: routing.MetadataCenter's default
 	// Registerer, if set, gets the balancer's per-stage latency histogram
 	// (the standalone gateway's registry; inside Envoy there is none).
 	Registerer prometheus.Registerer
@@ -80,7 +78,7 @@ func NewParser(opts ParserOptions) *Parser {
 // Parse builds a Config from Envoy's plugin_config. callbacks is nil for
 // route-level configs.
 func (p *Parser) Parse(a *anypb.Any, callbacks api.ConfigCallbackHandler) (any, error) {
-	cfg, err := config.ParseAny(a)
+	cfg, err := envoyconfig.Parse(a)
 	if err != nil {
 		return nil, err
 	}
@@ -97,7 +95,7 @@ func (p *Parser) Parse(a *anypb.Any, callbacks api.ConfigCallbackHandler) (any, 
 //
 // Envoy stores the merge result under its own id and destroys it on its own
 // schedule (re-merging when the listener config changes), while the child
-// config lives on; so the result is a view that shares the child's engine
+// config lives on; so the result is a view that shares the child's decider and reporter
 // and whose Destroy leaves it alone.
 func (p *Parser) Merge(parent, child any) any {
 	cc, ok := child.(*Config)
@@ -110,26 +108,27 @@ func (p *Parser) Merge(parent, child any) any {
 	if pc, ok := parent.(*Config); ok {
 		cc.metrics.adopt(pc.metrics)
 	}
-	return &Config{cfg: cc.cfg, engine: cc.engine, metrics: cc.metrics, log: cc.log, access: cc.access, borrowed: true}
+	return &Config{cfg: cc.cfg, router: cc.router, life: cc.life, metrics: cc.metrics, log: cc.log, access: cc.access, borrowed: true}
 }
 
-// Config is one parsed plugin config with its engine. Envoy calls Destroy when
+// Config is one parsed plugin config with its decider and lifecycle reporter. Envoy calls Destroy when
 // the config is replaced or removed.
 type Config struct {
 	cfg     *config.Config
-	engine  *engine.Engine
+	router  *routing.Decider
+	life    *lifecycle.Reporter
 	metrics *metricsRef
 	log     *slog.Logger
 	access  *slog.Logger
 	release func()
 	once    sync.Once
-	// borrowed: a Merge view; the config it came from owns the engine.
+	// borrowed: a Merge view; the config it came from owns the decider and reporter.
 	borrowed bool
 }
 
 var _ api.Config = (*Config)(nil)
 
-// Build creates the engine for an already parsed config; m may be nil. The
+// Build creates the decider and reporter for an already parsed config; m may be nil. The
 // standalone gateway calls it with Prometheus metrics.
 func (p *Parser) Build(cfg *config.Config, m Metrics) (*Config, error) {
 	src, release, err := p.source(cfg)
@@ -140,18 +139,28 @@ func (p *Parser) Build(cfg *config.Config, m Metrics) (*Config, error) {
 		src = p.opts.Outlier.Wrap(src)
 	}
 	ref := newMetricsRef(m)
-	eng, err := engine.New(cfg, engine.Options{
-		Endpoints:  src,
-		Metrics:    ref,
-		Logger:     p.opts.Logger,
-		HTTPClient: p.opts.HTTPClient,
-		Registerer: p.opts.Registerer,
-	})
+	mc, err := routing.MetadataCenter(cfg, p.opts.HTTPClient)
 	if err != nil {
 		release()
 		return nil, err
 	}
-	return &Config{cfg: cfg, engine: eng, metrics: ref, log: p.opts.Logger, access: p.opts.AccessLog, release: release}, nil
+	ro := routing.Options{Endpoints: src, Metrics: ref, Logger: p.opts.Logger, Registerer: p.opts.Registerer}
+	lo := lifecycle.Options{Metrics: ref, Logger: p.opts.Logger}
+	if mc != nil {
+		ro.Querier, lo.Updater = mc, mc // one client: one connection pool
+	}
+	router, err := routing.New(cfg, ro)
+	if err != nil {
+		release()
+		return nil, err
+	}
+	lo.Tracker = router.Tracker()
+	life, err := lifecycle.New(cfg, lo)
+	if err != nil {
+		release()
+		return nil, err
+	}
+	return &Config{cfg: cfg, router: router, life: life, metrics: ref, log: p.opts.Logger, access: p.opts.AccessLog, release: release}, nil
 }
 
 func (p *Parser) source(cfg *config.Config) (endpoints.Source, func(), error) {
@@ -183,7 +192,7 @@ func (p *Parser) source(cfg *config.Config) (endpoints.Source, func(), error) {
 // last stream of the config — after stopping every use of the config's
 // Envoy metrics (their handle has already expired: any call would panic).
 // The queued metadata-center updates drain on a goroutine of their own,
-// within the engine's drain bound, so no lease is left behind.
+// within the reporter's drain bound, so no lease is left behind.
 func (c *Config) Destroy() {
 	if c.borrowed {
 		return
@@ -212,12 +221,9 @@ func (c *Config) shutdown() {
 			c.log.Error("llm-filter: panic while closing a config", "panic", e)
 		}
 	}()
-	c.engine.Close()
+	c.life.Close()
 	c.release()
 }
-
-// Engine exposes the decision engine (the gateway's readiness, tests).
-func (c *Config) Engine() *engine.Engine { return c.engine }
 
 // Factory is the api.StreamFilterFactory of the plugin.
 func Factory(c any, callbacks api.FilterCallbackHandler) api.StreamFilter {

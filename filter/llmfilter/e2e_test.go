@@ -18,6 +18,8 @@ import (
 	"github.com/istio-llm-filter/istio-llm-filter/filter/config"
 	"github.com/istio-llm-filter/istio-llm-filter/filter/llmfilter"
 	"github.com/istio-llm-filter/istio-llm-filter/filter/standalone"
+	"github.com/istio-llm-filter/istio-llm-filter/internal/headers"
+	"github.com/istio-llm-filter/istio-llm-filter/internal/testutil/wait"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/server"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/store"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/store/memstore"
@@ -62,13 +64,7 @@ func (r *recStore) Parts() store.Parts {
 
 func waitUntil(t testing.TB, what string, cond func() bool) {
 	t.Helper()
-	deadline := time.Now().Add(10 * time.Second)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out waiting for %s", what)
-		}
-		time.Sleep(5 * time.Millisecond)
-	}
+	wait.For(t, 10*time.Second, what, cond)
 }
 
 // backend is a fake OpenAI server: JSON or SSE answers, optionally held
@@ -155,6 +151,11 @@ func (c *counts) Count(name string, d int64) {
 	defer c.mu.Unlock()
 	c.m[name] += d
 }
+
+// Observe and Request count how many values each histogram and outcome got.
+func (c *counts) Observe(histogram string, _ uint64) { c.Count("observed "+histogram, 1) }
+
+func (c *counts) Request(l llmfilter.RequestLabels) { c.Count("request "+l.Outcome, 1) }
 
 func (c *counts) get(name string) int64 {
 	c.mu.Lock()
@@ -251,8 +252,8 @@ func (w *world) ask(prompt string) string {
 		w.t.Fatal("the backend must see an x-request-id")
 	}
 	served := resp.Header.Get("x-served-by")
-	if got := resp.Header.Get(llmfilter.UpstreamHostHeader); got != served {
-		w.t.Fatalf("%s = %q, but %s served the request", llmfilter.UpstreamHostHeader, got, served)
+	if got := resp.Header.Get(headers.UpstreamHost); got != served {
+		w.t.Fatalf("%s = %q, but %s served the request", headers.UpstreamHost, got, served)
 	}
 	return served
 }

@@ -16,7 +16,9 @@ import (
 	"github.com/envoyproxy/envoy/contrib/golang/common/go/api"
 	"github.com/google/uuid"
 
-	"github.com/istio-llm-filter/istio-llm-filter/filter/engine"
+	"github.com/istio-llm-filter/istio-llm-filter/filter/lifecycle"
+	"github.com/istio-llm-filter/istio-llm-filter/filter/routing"
+	"github.com/istio-llm-filter/istio-llm-filter/internal/headers"
 )
 
 // filter is one request. Envoy calls the phase methods one at a time on its
@@ -33,9 +35,9 @@ type filter struct {
 	mu        sync.Mutex
 	destroyed bool
 	cancel    context.CancelFunc // stops a running decision when the client leaves
-	decision  *engine.Decision
-	started   bool // engine.Started called: exactly one engine.Done is owed
-	finished  bool // engine.Done called
+	decision  *lifecycle.Request
+	started   bool // lifecycle Started called: exactly one Done is owed
+	finished  bool // lifecycle Done called
 
 	// Set on the worker thread only.
 	reqHeaders  api.RequestHeaderMap
@@ -80,10 +82,10 @@ func (f *filter) DecodeHeaders(h api.RequestHeaderMap, endStream bool) (st api.S
 	f.traceID = trace
 	f.mu.Unlock()
 	f.conf.metrics.Count("requests", 1)
-	if _, ok := h.Get(ClusterHeader); ok {
+	if _, ok := h.Get(headers.Cluster); ok {
 		// Only the filter names the routed cluster: a client's own header
 		// would send a request to any cluster the gateway knows.
-		h.Del(ClusterHeader)
+		h.Del(headers.Cluster)
 		f.cb.ClearRouteCache()
 	}
 	if id, ok := f.modelsQuery(h); ok {
@@ -104,7 +106,7 @@ func (f *filter) DecodeHeaders(h api.RequestHeaderMap, endStream bool) (st api.S
 	}
 	if cl, ok := h.Get("content-length"); ok {
 		if n, err := strconv.ParseInt(cl, 10, 64); err == nil && n > int64(f.conf.cfg.MaxBodyBytes) {
-			return f.reply(f.cb.DecoderFilterCallbacks(), &engine.Error{Status: 413, Type: "payload_too_large",
+			return f.reply(f.cb.DecoderFilterCallbacks(), &routing.Error{Status: 413, Type: "payload_too_large",
 				Message: fmt.Sprintf("request body of %d bytes exceeds max_body_bytes (%d)", n, f.conf.cfg.MaxBodyBytes), TraceID: f.trace()})
 		}
 	}
@@ -142,7 +144,7 @@ func (f *filter) decide(ctx context.Context, cancel context.CancelFunc, buf api.
 		}
 	}()
 	t0 := time.Now()
-	d, err := f.conf.engine.Decide(ctx, f.reqHeaders, body)
+	d, err := f.conf.router.Decide(ctx, f.reqHeaders, body)
 	f.conf.metrics.Observe(HistDecision, micros(time.Since(t0)))
 	if d != nil && d.RouteQueryTook > 0 {
 		f.conf.metrics.Observe(HistRouteQuery, micros(d.RouteQueryTook))
@@ -165,13 +167,13 @@ func (f *filter) decide(ctx context.Context, cancel context.CancelFunc, buf api.
 	// balancing. Ask for what Envoy does; EncodeHeaders reports the pod that
 	// really served.
 	if err := dec.SetUpstreamOverrideHost(d.Host, false); err != nil {
-		f.reply(dec, &engine.Error{Status: 503, Type: "invalid_upstream",
+		f.reply(dec, &routing.Error{Status: 503, Type: "invalid_upstream",
 			Message: fmt.Sprintf("chosen host %q cannot be used: %v", d.Host, err), TraceID: d.TraceID})
 		return
 	}
 	if d.Body != nil {
 		if err := buf.Set(d.Body); err != nil {
-			f.reply(dec, &engine.Error{Status: 500, Type: "internal_error", Message: "cannot replace the request body: " + err.Error(), TraceID: d.TraceID})
+			f.reply(dec, &routing.Error{Status: 500, Type: "internal_error", Message: "cannot replace the request body: " + err.Error(), TraceID: d.TraceID})
 			return
 		}
 		if _, ok := f.reqHeaders.Get("content-length"); ok {
@@ -186,18 +188,19 @@ func (f *filter) decide(ctx context.Context, cancel context.CancelFunc, buf api.
 	// header (cluster_header, istio/gateway.yaml), so a header-conditioned
 	// rule reaches its own cluster and the override host is one of its
 	// members. The route was computed before we knew: recompute it.
-	f.reqHeaders.Set(ClusterHeader, d.Cluster)
+	f.reqHeaders.Set(headers.Cluster, d.Cluster)
 	f.cb.ClearRouteCache()
-	f.record(d)
-	f.decision = d
+	r := lifecycle.NewRequest(d)
+	f.record(r)
+	f.decision = r
 	f.started = true
-	f.conf.engine.Started(d)
+	f.conf.life.Started(r)
 	f.conf.metrics.Count("in_flight", 1)
 	dec.Continue(api.Continue)
 }
 
-func asEngineError(err error, traceID string) *engine.Error {
-	var e *engine.Error
+func asEngineError(err error, traceID string) *routing.Error {
+	var e *routing.Error
 	if errors.As(err, &e) {
 		if e.TraceID == "" {
 			c := *e
@@ -206,7 +209,7 @@ func asEngineError(err error, traceID string) *engine.Error {
 		}
 		return e
 	}
-	return &engine.Error{Status: 500, Type: "internal_error", Message: err.Error(), TraceID: traceID}
+	return &routing.Error{Status: 500, Type: "internal_error", Message: err.Error(), TraceID: traceID}
 }
 
 // reply sends a local reply in the project's error format (docs/metadata-center.md, "Errors"). Callers in a
@@ -216,7 +219,7 @@ func asEngineError(err error, traceID string) *engine.Error {
 // the filter's name) so that the HCM's local_reply_config, which turns
 // Envoy's own plain-text replies into the same JSON, leaves ours alone
 // (istio/gateway.yaml).
-func (f *filter) reply(cb api.FilterProcessCallbacks, e *engine.Error) api.StatusType {
+func (f *filter) reply(cb api.FilterProcessCallbacks, e *routing.Error) api.StatusType {
 	f.localType.Store(&e.Type)
 	body := e.JSON()
 	if e.Type == answered {
@@ -263,14 +266,14 @@ func (f *filter) EncodeHeaders(h api.ResponseHeaderMap, endStream bool) (st api.
 	if details, ok := f.cb.StreamInfo().ResponseCodeDetails(); ok && details != "" && details != "via_upstream" {
 		f.hostReply = true // Envoy's own reply (no healthy upstream, reset): no pod answered
 	}
-	h.Set(UpstreamHostHeader, served)
+	h.Set(headers.UpstreamHost, served)
 	f.meta(AccessBackend, served)
 	if served != d.Host && !f.hostReply {
 		// Lease, prefix and every later report follow the pod that really
 		// has the request; the chosen one never saw it.
 		f.log.Warn("the chosen pod did not serve the request (not a healthy member of the cluster in Envoy)",
 			"trace_id", f.trace(), "chosen", d.Host, "served", served, "cluster", d.Cluster)
-		f.conf.engine.Served(d, served)
+		f.conf.life.Served(d, served)
 	}
 	f.success = f.status >= 200 && f.status < 300
 	if !f.success {
@@ -290,7 +293,7 @@ func (f *filter) EncodeHeaders(h api.ResponseHeaderMap, endStream bool) (st api.
 	// cache: record it for the next requests sharing this prefix, on the
 	// pod that really serves (Served moved the lease and the routing-time
 	// save there above, when Envoy sent the request elsewhere).
-	f.conf.engine.Saved(d)
+	f.conf.life.Saved(d)
 	if endStream {
 		f.firstToken(d)
 		return api.Continue
@@ -326,7 +329,7 @@ func (f *filter) EncodeData(buf api.BufferInstance, endStream bool) (st api.Stat
 		}
 		// After StopAndBuffer the one EncodeData call carries the whole
 		// body, with endStream=false when trailers follow.
-		return f.reply(f.cb.EncoderFilterCallbacks(), &engine.Error{Status: 503, Type: "backend_error",
+		return f.reply(f.cb.EncoderFilterCallbacks(), &routing.Error{Status: 503, Type: "backend_error",
 			Message: fmt.Sprintf("backend %s answered %d: %s", d.Host, f.status, snippet(buf.Bytes())), TraceID: f.trace()})
 	}
 	if f.firstData.IsZero() && (buf.Len() > 0 || endStream) {
@@ -341,7 +344,7 @@ func (f *filter) EncodeData(buf api.BufferInstance, endStream bool) (st api.Stat
 		if err != nil {
 			f.conf.metrics.Count("transcode_errors", 1)
 			f.log.Warn("response transcoding failed", "trace_id", f.trace(), "backend", d.Backend, "err", err)
-			return f.reply(f.cb.EncoderFilterCallbacks(), &engine.Error{Status: 503, Type: "transcode_failed",
+			return f.reply(f.cb.EncoderFilterCallbacks(), &routing.Error{Status: 503, Type: "transcode_failed",
 				Message: "backend response could not be transcoded: " + err.Error(), TraceID: f.trace()})
 		}
 		_ = buf.Set(out)
@@ -362,7 +365,7 @@ func (f *filter) EncodeData(buf api.BufferInstance, endStream bool) (st api.Stat
 	if err != nil {
 		f.conf.metrics.Count("transcode_errors", 1)
 		f.log.Warn("stream chunk transcoding failed", "trace_id", f.trace(), "backend", d.Backend, "err", err)
-		e := &engine.Error{Status: 503, Type: "transcode_failed", Message: "backend stream could not be transcoded: " + err.Error(), TraceID: f.trace()}
+		e := &routing.Error{Status: 503, Type: "transcode_failed", Message: "backend stream could not be transcoded: " + err.Error(), TraceID: f.trace()}
 		out = append(append([]byte("data: "), e.JSON()...), "\n\n"...)
 	}
 	_ = buf.Set(out)
@@ -379,12 +382,12 @@ func snippet(b []byte) string {
 	return s
 }
 
-func (f *filter) firstToken(d *engine.Decision) {
+func (f *filter) firstToken(d *lifecycle.Request) {
 	f.firstData = time.Now()
 	ttft := f.firstData.Sub(f.start)
 	f.conf.metrics.Observe(HistTTFT, uint64(ttft.Milliseconds()))
 	f.meta(AccessTTFT, ttft.Milliseconds())
-	f.conf.engine.FirstToken(d)
+	f.conf.life.FirstToken(d)
 }
 
 // EncodeTrailers ends a response that never showed EncodeData(endStream=
@@ -400,7 +403,7 @@ func (f *filter) EncodeTrailers(api.ResponseTrailerMap) (st api.StatusType) {
 	if err != nil {
 		f.conf.metrics.Count("transcode_errors", 1)
 		f.log.Warn("stream tail transcoding failed", "trace_id", f.trace(), "backend", d.Backend, "err", err)
-		e := &engine.Error{Status: 503, Type: "transcode_failed", Message: "backend stream could not be transcoded: " + err.Error(), TraceID: f.trace()}
+		e := &routing.Error{Status: 503, Type: "transcode_failed", Message: "backend stream could not be transcoded: " + err.Error(), TraceID: f.trace()}
 		tail = append(append([]byte("data: "), e.JSON()...), "\n\n"...)
 	}
 	if len(tail) > 0 {
@@ -409,7 +412,7 @@ func (f *filter) EncodeTrailers(api.ResponseTrailerMap) (st api.StatusType) {
 	return api.Continue
 }
 
-func (f *filter) currentDecision() *engine.Decision {
+func (f *filter) currentDecision() *lifecycle.Request {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	return f.decision
@@ -458,7 +461,7 @@ func (f *filter) OnLog(reqH api.RequestHeaderMap, _ api.RequestTrailerMap, respH
 }
 
 // outcome classifies a finished request (label outcome of RequestsFamily).
-func (f *filter) outcome(d *engine.Decision, status int) string {
+func (f *filter) outcome(d *lifecycle.Request, status int) string {
 	t := f.replied()
 	switch {
 	case d == nil && t == answered:
@@ -480,7 +483,7 @@ func (f *filter) outcome(d *engine.Decision, status int) string {
 
 // finish reports the end of a started request exactly once (OnLog, or
 // OnDestroy if Envoy never logs) and returns its decision.
-func (f *filter) finish() *engine.Decision {
+func (f *filter) finish() *lifecycle.Request {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	if f.started && !f.finished {
@@ -488,7 +491,7 @@ func (f *filter) finish() *engine.Decision {
 		// The gauge first: once Done's report reaches the metadata center,
 		// whoever reads both sees the request gone from each.
 		f.conf.metrics.Count("in_flight", -1)
-		f.conf.engine.Done(f.decision)
+		f.conf.life.Done(f.decision)
 	}
 	return f.decision
 }
@@ -528,7 +531,7 @@ func (f *filter) recoverPhase(st *api.StatusType, decoding bool) {
 		if decoding {
 			cb = f.cb.DecoderFilterCallbacks()
 		}
-		*st = f.reply(cb, &engine.Error{Status: 500, Type: "internal_error", Message: fmt.Sprint("filter panic: ", e), TraceID: f.trace()})
+		*st = f.reply(cb, &routing.Error{Status: 500, Type: "internal_error", Message: fmt.Sprint("filter panic: ", e), TraceID: f.trace()})
 	}()
 }
 
@@ -571,7 +574,7 @@ func (f *filter) asyncPanic(e any) {
 		return
 	}
 	defer func() { _ = recover() }()
-	f.reply(f.cb.DecoderFilterCallbacks(), &engine.Error{Status: 500, Type: "internal_error", Message: fmt.Sprint("filter panic: ", e), TraceID: f.traceID})
+	f.reply(f.cb.DecoderFilterCallbacks(), &routing.Error{Status: 500, Type: "internal_error", Message: fmt.Sprint("filter panic: ", e), TraceID: f.traceID})
 }
 
 func (f *filter) recoverLifecycle(where string) {

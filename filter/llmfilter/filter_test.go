@@ -7,6 +7,7 @@ import (
 	"log/slog"
 	"net/http"
 	"net/http/httptest"
+	"runtime"
 	"slices"
 	"strings"
 	"sync"
@@ -18,9 +19,11 @@ import (
 	"github.com/istio-llm-filter/istio-llm-filter/filter/config"
 	"github.com/istio-llm-filter/istio-llm-filter/filter/endpoints"
 	"github.com/istio-llm-filter/istio-llm-filter/filter/standalone"
+	"github.com/istio-llm-filter/istio-llm-filter/internal/testutil/wait"
 )
 
-// countMetrics records what the filter and the engine count.
+// countMetrics records what the filter, routing and lifecycle count; of
+// histograms and the labelled request counter, how many values each got.
 type countMetrics struct {
 	mu sync.Mutex
 	m  map[string]int64
@@ -34,6 +37,10 @@ func (c *countMetrics) Count(name string, delta int64) {
 	}
 	c.m[name] += delta
 }
+
+func (c *countMetrics) Observe(histogram string, _ uint64) { c.Count("observed "+histogram, 1) }
+
+func (c *countMetrics) Request(l RequestLabels) { c.Count("request "+l.Outcome, 1) }
 
 func (c *countMetrics) get(name string) int64 {
 	c.mu.Lock()
@@ -475,7 +482,11 @@ metadata_center: {address: `+mc+`, query_timeout: 2s}
 	s.e.destroy()
 	s.f.OnDestroy(api.Terminate)
 	s.e.goDestroyed()
-	time.Sleep(500 * time.Millisecond) // past the metadata center's delay
+	// OnDestroy cancelled the route query: the decision ends (degraded)
+	// and finds the stream gone.
+	wait.For(t, 5*time.Second, "the abandoned decision to end", func() bool { return m.get("routed") == 1 })
+	s.f.mu.Lock() // the decision checks for the stream under this lock
+	s.f.mu.Unlock()
 	select {
 	case ev := <-s.e.events:
 		t.Fatalf("callback after OnDestroy: %+v", ev)
@@ -530,10 +541,41 @@ func TestPanicInPhaseIs500(t *testing.T) {
 	s.end(nil)
 }
 
+// Envoy may destroy a config more than once. The first Destroy drains the
+// config's updates and releases what it holds (here its Envoy admin
+// poller) off Envoy's thread; the second, and a later Close, find nothing
+// left to do and return.
 func TestConfigDestroyIsIdempotent(t *testing.T) {
-	conf, _ := newTestConfig(t, baseConfig(""))
+	admin := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) {
+		_, _ = io.WriteString(w, `{"cluster_statuses":[]}`)
+	}))
+	defer admin.Close()
+	cfg, err := config.Parse([]byte(strings.Replace(baseConfig(""), "endpoints:\n",
+		"endpoints:\n  envoy_admin: {address: \""+admin.URL+"\", refresh: 50ms}\n", 1)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	reg := endpoints.NewRegistry(nil)
+	conf, err := NewParser(ParserOptions{Registry: reg, Logger: slog.New(slog.NewTextHandler(io.Discard, nil))}).Build(cfg, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if reg.Len() != 1 {
+		t.Fatalf("%d admin pollers for one config", reg.Len())
+	}
 	conf.Destroy()
 	conf.Destroy()
+	wait.For(t, 10*time.Second, "Destroy to release the admin poller", func() bool { return reg.Len() == 0 })
+	done := make(chan struct{})
+	go func() { conf.Close(); conf.Destroy(); close(done) }()
+	select {
+	case <-done:
+	case <-time.After(5 * time.Second):
+		t.Fatal("Close after Destroy blocked")
+	}
+	if reg.Len() != 0 {
+		t.Fatalf("%d admin pollers after the config was destroyed twice and closed", reg.Len())
+	}
 }
 
 func TestMergePrefersChildAndLendsMetrics(t *testing.T) {
@@ -554,7 +596,7 @@ func TestMergePrefersChildAndLendsMetrics(t *testing.T) {
 		t.Fatal(err)
 	}
 	merged, ok := p.Merge(parent, child).(*Config)
-	if !ok || merged.engine != child.engine {
+	if !ok || merged.router != child.router || merged.life != child.life {
 		t.Fatal("route-level config must win")
 	}
 	child.metrics.Count("requests", 2)
@@ -562,7 +604,7 @@ func TestMergePrefersChildAndLendsMetrics(t *testing.T) {
 		t.Fatal("route-level config must report into the listener's metrics")
 	}
 	// Envoy destroys the merged config on its own schedule: the child's
-	// engine must survive it and keep deciding.
+	// decider and reporter must survive it and keep deciding.
 	merged.Destroy()
 	if reg.Len() != 1 {
 		t.Fatal("destroying the merged view released the child's admin poller")
@@ -577,11 +619,7 @@ func TestMergePrefersChildAndLendsMetrics(t *testing.T) {
 	}
 	child.Destroy()
 	// Destroy drains off Envoy's thread: the release follows shortly.
-	for deadline := time.Now().Add(10 * time.Second); reg.Len() != 0; time.Sleep(5 * time.Millisecond) {
-		if time.Now().After(deadline) {
-			t.Fatal("the child's Destroy must release its admin poller")
-		}
-	}
+	wait.For(t, 10*time.Second, "the child's Destroy to release its admin poller", func() bool { return reg.Len() == 0 })
 }
 
 func TestEnvoyMetricsBridge(t *testing.T) {
@@ -651,7 +689,9 @@ func TestResetRacingTheDecision(t *testing.T) {
 		buf := standalone.NewBuffer([]byte(chat("qwen", false, fmt.Sprint("race ", i))))
 		s.phase(false, func() api.StatusType { return s.f.DecodeData(buf, true) })
 		if i%3 == 0 {
-			time.Sleep(time.Duration(i%7) * 10 * time.Microsecond)
+			for range i % 7 { // let the decision get further before the reset
+				runtime.Gosched()
+			}
 		}
 		s.e.destroy()
 		s.f.OnLog(h, nil, nil, nil)
@@ -666,11 +706,5 @@ func TestResetRacingTheDecision(t *testing.T) {
 
 func waitFor(t *testing.T, cond func() bool) {
 	t.Helper()
-	deadline := time.Now().Add(5 * time.Second)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatal("condition not reached")
-		}
-		time.Sleep(2 * time.Millisecond)
-	}
+	wait.For(t, 5*time.Second, "the condition", cond)
 }

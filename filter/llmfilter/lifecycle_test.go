@@ -10,6 +10,7 @@ import (
 
 	"github.com/istio-llm-filter/istio-llm-filter/filter/config"
 	"github.com/istio-llm-filter/istio-llm-filter/filter/standalone"
+	"github.com/istio-llm-filter/istio-llm-filter/internal/headers"
 )
 
 // With trailers Envoy hands the whole body over as DecodeData(body,
@@ -50,8 +51,8 @@ func TestServedByAnotherPodIsReported(t *testing.T) {
 	}
 	resp := standalone.NewResponseHeaders(200, http.Header{"Content-Type": {"application/json"}})
 	s.phase(true, func() api.StatusType { return s.f.EncodeHeaders(resp, false) })
-	if got, _ := resp.Get(UpstreamHostHeader); got != "127.0.0.1:7777" {
-		t.Fatalf("%s = %q, want the pod Envoy used", UpstreamHostHeader, got)
+	if got, _ := resp.Get(headers.UpstreamHost); got != "127.0.0.1:7777" {
+		t.Fatalf("%s = %q, want the pod Envoy used", headers.UpstreamHost, got)
 	}
 	s.end(resp)
 }

@@ -10,9 +10,10 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/istio-llm-filter/istio-llm-filter/filter/config"
+	"github.com/istio-llm-filter/istio-llm-filter/filter/routing"
 )
 
-// Counter names: the engine's (routed, cache_hit_routes, fallbacks,
+// Counter names: the decider's and lifecycle's (routed, cache_hit_routes, fallbacks,
 // metadata_center_errors, async_dropped, retractions, served_elsewhere,
 // ...) and the filter's own.
 var counterNames = []string{
@@ -27,15 +28,12 @@ var gaugeNames = []string{"in_flight"}
 // metricPrefix namespaces the stats in Envoy's /stats next to everything else.
 const metricPrefix = "llm_filter_"
 
-// Metrics is engine.Metrics; the filter reports its own events through it too.
-type Metrics interface {
-	Count(name string, delta int64)
-}
-
-// Recorder is what a Metrics may also do: histograms and the labelled
-// request counter. Both hosts export them under the same names
+// Metrics is what a config reports to: the events routing and lifecycle
+// count (routing.Metrics) and the filter's own, its histograms and the
+// labelled request counter. Both hosts export them under the same names
 // (docs/operations.md, "Metrics and alerts").
-type Recorder interface {
+type Metrics interface {
+	routing.Metrics
 	// Observe records one value of a histogram, in the histogram's unit.
 	Observe(histogram string, value uint64)
 	// Request counts one finished request.
@@ -46,7 +44,7 @@ type Recorder interface {
 const (
 	HistTTFT       = "llm_filter_ttft_milliseconds"                 // routed request: start to first response byte
 	HistDuration   = "llm_filter_request_duration_milliseconds"     // routed request: start to end of stream
-	HistDecision   = "llm_filter_decision_duration_microseconds"    // the engine's Decide, route query included
+	HistDecision   = "llm_filter_decision_duration_microseconds"    // the decider's Decide, route query included
 	HistRouteQuery = "llm_filter_route_query_duration_microseconds" // the metadata center's route query
 )
 
@@ -148,7 +146,7 @@ func requestLabelSets(cfg *config.Config) []RequestLabels {
 // .so's main package supplies this through cgo (filter/cmd/llm-filter).
 type HistogramDefiner func(cb api.ConfigCallbackHandler, name string) (record func(uint64), ok bool)
 
-// envoyMetrics is engine.Metrics over Envoy's stats. The metric handles are
+// envoyMetrics is routing.Metrics over Envoy's stats. The metric handles are
 // defined once in Parse (DefineCounterMetric is a config-time call) and the
 // maps are read-only afterwards.
 //
@@ -250,7 +248,7 @@ func (m *envoyMetrics) close() {
 	m.mu.Unlock()
 }
 
-// PromMetrics is engine.Metrics over Prometheus, for the standalone gateway.
+// PromMetrics is routing.Metrics over Prometheus, for the standalone gateway.
 type PromMetrics struct {
 	events   *prometheus.CounterVec
 	gauges   *prometheus.GaugeVec
@@ -264,7 +262,7 @@ func NewPromMetrics(reg prometheus.Registerer) (*PromMetrics, error) {
 	m := &PromMetrics{
 		events: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "llm_filter_events_total",
-			Help: "Filter and decision-engine events: routed, cache_hit_routes, fallbacks, metadata_center_errors, async_dropped, requests, local_replies, ...",
+			Help: "Filter, routing and lifecycle events: routed, cache_hit_routes, fallbacks, metadata_center_errors, async_dropped, requests, local_replies, ...",
 		}, []string{"event"}),
 		gauges: prometheus.NewGaugeVec(prometheus.GaugeOpts{
 			Name: "llm_filter_gauge",
@@ -332,7 +330,7 @@ func (m *PromMetrics) Count(name string, delta int64) {
 	}
 }
 
-// metricsRef is the Metrics a config's engine is built with. Route-level
+// metricsRef is the Metrics a config's decider and reporter are built with. Route-level
 // configs are parsed without callbacks, so they start empty and each Merge
 // points them at the parent config it is merged with: Envoy re-merges a
 // route config with every new listener config, and the previous parent's
@@ -359,20 +357,15 @@ func (r *metricsRef) Count(name string, delta int64) {
 	}
 }
 
-// Observe and Request reach the Recorder side of the current metrics.
 func (r *metricsRef) Observe(name string, v uint64) {
 	if b := r.p.Load(); b != nil {
-		if rec, ok := b.m.(Recorder); ok {
-			rec.Observe(name, v)
-		}
+		b.m.Observe(name, v)
 	}
 }
 
 func (r *metricsRef) Request(l RequestLabels) {
 	if b := r.p.Load(); b != nil {
-		if rec, ok := b.m.(Recorder); ok {
-			rec.Request(l)
-		}
+		b.m.Request(l)
 	}
 }
 

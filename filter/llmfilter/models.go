@@ -9,14 +9,9 @@ import (
 
 	"github.com/envoyproxy/envoy/contrib/golang/common/go/api"
 
-	"github.com/istio-llm-filter/istio-llm-filter/filter/engine"
+	"github.com/istio-llm-filter/istio-llm-filter/filter/routing"
 	"github.com/istio-llm-filter/istio-llm-filter/filter/transcode"
 )
-
-// ClusterHeader carries the chosen rule's cluster to Envoy's route, which
-// forwards on it (route.cluster_header, istio/gateway.yaml). The filter
-// removes any value a client sent.
-const ClusterHeader = "x-llm-cluster"
 
 // answered marks a local reply that is an answer, not an error (the model
 // list): OnLog and the encode phases treat it like any local reply.
@@ -46,7 +41,7 @@ func modelOf(id string) modelObject {
 // configured model rules, as no single pod knows every model behind the
 // gateway; and a POST without a body, which no endpoint accepts (routed
 // to a pod it would fail there, or find no pod at all). nil: go on.
-func (f *filter) bodylessReply(h api.RequestHeaderMap, endStream bool) *engine.Error {
+func (f *filter) bodylessReply(h api.RequestHeaderMap, endStream bool) *routing.Error {
 	method := h.Method()
 	path, _, _ := strings.Cut(h.Path(), "?")
 	if method == http.MethodGet && f.conf.cfg.Protocol == "openai" {
@@ -61,7 +56,7 @@ func (f *filter) bodylessReply(h api.RequestHeaderMap, endStream bool) *engine.E
 		}
 	}
 	if endStream && (method == http.MethodPost || method == http.MethodPut || method == http.MethodPatch) {
-		return &engine.Error{Status: http.StatusBadRequest, Type: transcode.TypeBadRequest,
+		return &routing.Error{Status: http.StatusBadRequest, Type: transcode.TypeBadRequest,
 			Message: "request body is required: " + method + " " + path + " carries a JSON document", TraceID: f.trace()}
 	}
 	return nil
@@ -69,7 +64,7 @@ func (f *filter) bodylessReply(h api.RequestHeaderMap, endStream bool) *engine.E
 
 // modelList is the configured models, sorted, then the adapters that are
 // not also a configured model's name.
-func (f *filter) modelList(adapters []engine.Adapter) modelList {
+func (f *filter) modelList(adapters []routing.Adapter) modelList {
 	ids := make([]string, 0, len(f.conf.cfg.ModelMappingRule))
 	for id := range f.conf.cfg.ModelMappingRule {
 		ids = append(ids, id)
@@ -87,27 +82,27 @@ func (f *filter) modelList(adapters []engine.Adapter) modelList {
 	return list
 }
 
-func adapterOf(a engine.Adapter) modelObject {
+func adapterOf(a routing.Adapter) modelObject {
 	o := modelOf(a.ID)
 	o.Parent = a.Parent
 	return o
 }
 
 // answer is a local reply that answers with v's JSON.
-func answer(v any) *engine.Error {
+func answer(v any) *routing.Error {
 	b, _ := json.Marshal(v)
-	return &engine.Error{Status: http.StatusOK, Type: answered, Message: string(b)}
+	return &routing.Error{Status: http.StatusOK, Type: answered, Message: string(b)}
 }
 
-func (f *filter) unknownModel(id string) *engine.Error {
-	return &engine.Error{Status: http.StatusNotFound, Type: transcode.TypeNotFound, Message: "model not found: " + id, TraceID: f.trace()}
+func (f *filter) unknownModel(id string) *routing.Error {
+	return &routing.Error{Status: http.StatusNotFound, Type: transcode.TypeNotFound, Message: "model not found: " + id, TraceID: f.trace()}
 }
 
 // modelsQuery says whether GET /v1/models or /v1/models/{id} must look at
 // the registered adapters, which the metadata center knows: the whole list
 // does, and an id that is no configured model may be an adapter.
 func (f *filter) modelsQuery(h api.RequestHeaderMap) (id string, ok bool) {
-	if h.Method() != http.MethodGet || f.conf.cfg.Protocol != "openai" || !f.conf.engine.ListsAdapters() {
+	if h.Method() != http.MethodGet || f.conf.cfg.Protocol != "openai" || !f.conf.router.ListsAdapters() {
 		return "", false
 	}
 	path, _, _ := strings.Cut(h.Path(), "?")
@@ -132,16 +127,16 @@ func (f *filter) listModels(ctx context.Context, cancel context.CancelFunc, id s
 			f.asyncPanic(e)
 		}
 	}()
-	adapters, err := f.conf.engine.Adapters(ctx)
+	adapters, err := f.conf.router.Adapters(ctx)
 	if err != nil {
 		f.log.Warn("model list: the registered adapters are not known", "trace_id", f.trace(), "err", err)
 	}
-	var lr *engine.Error
+	var lr *routing.Error
 	if id == "" {
 		lr = answer(f.modelList(adapters))
 	} else {
 		lr = f.unknownModel(id)
-		if i := slices.IndexFunc(adapters, func(a engine.Adapter) bool { return a.ID == id }); i >= 0 {
+		if i := slices.IndexFunc(adapters, func(a routing.Adapter) bool { return a.ID == id }); i >= 0 {
 			lr = answer(adapterOf(adapters[i]))
 		}
 	}

@@ -3,6 +3,8 @@ package llmfilter
 import (
 	"testing"
 
+	"github.com/istio-llm-filter/istio-llm-filter/internal/headers"
+
 	"github.com/envoyproxy/envoy/contrib/golang/common/go/api"
 )
 
@@ -11,7 +13,7 @@ import (
 func TestBodylessPostIs400AndMarked(t *testing.T) {
 	conf, _ := newTestConfig(t, baseConfig(""))
 	s := newStream(t, conf)
-	h := reqHeaders("x-request-id", "empty", ClusterHeader, "somewhere")
+	h := reqHeaders("x-request-id", "empty", headers.Cluster, "somewhere")
 	if st := s.phase(false, func() api.StatusType { return s.f.DecodeHeaders(h, true) }); st != api.LocalReply {
 		t.Fatalf("DecodeHeaders = %v, want LocalReply", st)
 	}
@@ -22,7 +24,7 @@ func TestBodylessPostIs400AndMarked(t *testing.T) {
 	if v := (fakeMeta{s.e}).Get(Name)[LocalReplyMetadataKey]; v != true {
 		t.Fatalf("dynamic metadata %s.%s = %v, want true", Name, LocalReplyMetadataKey, v)
 	}
-	if _, ok := h.Get(ClusterHeader); ok {
+	if _, ok := h.Get(headers.Cluster); ok {
 		t.Fatal("the client's cluster header was kept")
 	}
 	s.end(nil)

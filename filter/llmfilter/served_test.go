@@ -16,6 +16,7 @@ import (
 	"github.com/istio-llm-filter/istio-llm-filter/filter/llmfilter"
 	"github.com/istio-llm-filter/istio-llm-filter/filter/standalone"
 	"github.com/istio-llm-filter/istio-llm-filter/filter/transcode/openai"
+	"github.com/istio-llm-filter/istio-llm-filter/internal/headers"
 	"github.com/istio-llm-filter/istio-llm-filter/internal/testutil/redistest"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/api"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/server"
@@ -127,7 +128,7 @@ endpoints:
 	}
 	t.Cleanup(conf.Destroy)
 	host, err := standalone.New(standalone.Options{Factory: llmfilter.Factory, Config: conf, Logger: quiet,
-		ClusterHeader: llmfilter.ClusterHeader,
+		ClusterHeader: headers.Cluster,
 		Member:        func(_, h string) bool { return h == servedBy },
 		Fallback:      func(*http.Request, string) string { return servedBy },
 	})
@@ -174,8 +175,8 @@ endpoints:
 	}
 
 	resp, hashes := ask("a prompt for a pod that left")
-	if resp.StatusCode != 200 || resp.Header.Get(llmfilter.UpstreamHostHeader) != servedBy {
-		t.Fatalf("status %d, served by %q; want 200 from %s", resp.StatusCode, resp.Header.Get(llmfilter.UpstreamHostHeader), servedBy)
+	if resp.StatusCode != 200 || resp.Header.Get(headers.UpstreamHost) != servedBy {
+		t.Fatalf("status %d, served by %q; want 200 from %s", resp.StatusCode, resp.Header.Get(headers.UpstreamHost), servedBy)
 	}
 	settled(1)
 	adds, dels := st.hosts()

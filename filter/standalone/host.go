@@ -50,6 +50,7 @@ import (
 	"github.com/google/uuid"
 
 	"github.com/istio-llm-filter/istio-llm-filter/filter/endpoints"
+	"github.com/istio-llm-filter/istio-llm-filter/internal/headers"
 )
 
 // Defaults of Options.
@@ -157,8 +158,8 @@ func New(opts Options) (*Host, error) {
 // ServeHTTP runs the filter over one request.
 func (h *Host) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	ctx := r.Context()
-	if r.Header.Get("x-request-id") == "" {
-		r.Header.Set("x-request-id", uuid.NewString())
+	if r.Header.Get(headers.RequestID) == "" {
+		r.Header.Set(headers.RequestID, uuid.NewString())
 	}
 	s := newStream(h, r)
 	rw := &responseState{w: w}
@@ -194,7 +195,7 @@ func (h *Host) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	if reply != nil {
-		respHdr = h.localReply(ctx, s, f, rw, reply, r.Header.Get("x-request-id"))
+		respHdr = h.localReply(ctx, s, f, rw, reply, r.Header.Get(headers.RequestID))
 		return
 	}
 	respHdr = h.forward(ctx, s, f, rw, reqHdr, body, trailers, r)
@@ -244,7 +245,7 @@ func (h *Host) decode(ctx context.Context, s *stream, f api.StreamFilter, hdr *R
 		if errors.Is(err, errTooLarge) {
 			return nil, nil, &localReply{code: http.StatusRequestEntityTooLarge, details: "request_payload_too_large",
 				body: jsonError(http.StatusRequestEntityTooLarge, "payload_too_large",
-					fmt.Sprintf("request body exceeds the %d-byte limit", h.opts.MaxRequestBody), r.Header.Get("x-request-id")),
+					fmt.Sprintf("request body exceeds the %d-byte limit", h.opts.MaxRequestBody), r.Header.Get(headers.RequestID)),
 				headers: map[string][]string{"content-type": {"application/json"}}}, true
 		}
 		h.log.Debug("reading request body failed", "err", err)
@@ -351,7 +352,7 @@ func (h *Host) readChunks(r io.Reader, limit int64) ([][]byte, error) {
 // forward sends the request to the chosen host and runs the response through
 // the encode phases.
 func (h *Host) forward(ctx context.Context, s *stream, f api.StreamFilter, rw *responseState, hdr *RequestHeaders, body []byte, trailers http.Header, r *http.Request) *ResponseHeaders {
-	traceID, _ := hdr.Get("x-request-id")
+	traceID, _ := hdr.Get(headers.RequestID)
 	s.mu.Lock()
 	target, strict := s.override, s.strict
 	s.mu.Unlock()

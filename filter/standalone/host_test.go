@@ -13,10 +13,13 @@ import (
 	"net/http/httptest"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/envoyproxy/envoy/contrib/golang/common/go/api"
+
+	"github.com/istio-llm-filter/istio-llm-filter/internal/testutil/wait"
 )
 
 // testFilter records every call and lets each test script the statuses.
@@ -287,9 +290,11 @@ func TestRunningThenContinueFromGoroutine(t *testing.T) {
 	var h *harness
 	h = newHarness(t, echoBackend(&got), Options{}, func(f *testFilter) {
 		f.decodeData = func(f *testFilter, b api.BufferInstance, end bool) api.StatusType {
+			returned := make(chan struct{})
+			defer close(returned)
 			go func() {
 				defer f.cb.DecoderFilterCallbacks().RecoverPanic()
-				time.Sleep(20 * time.Millisecond) // the decision takes a while
+				<-returned // the decision ends after DecodeData answered Running
 				_ = b.SetString(`{"decided":true}`)
 				f.cb.DecoderFilterCallbacks().SetUpstreamOverrideHost(h.backendAddr(), true)
 				f.cb.DecoderFilterCallbacks().Continue(api.Continue)
@@ -777,16 +782,27 @@ func TestWatermarkDeliversChunksAndRegroupsOnStopAndBuffer(t *testing.T) {
 			return api.Continue
 		}
 	})
-	// A chunked upload arriving in pieces.
+	// A chunked upload arriving in pieces: each piece once the gateway has
+	// read the ones before (the host reads the body to its end, a chunk per
+	// read, before the data phase).
+	var read atomic.Int64
+	gw := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		r.Body = countingBody{r.Body, &read}
+		h.gw.Config.Handler.ServeHTTP(w, r)
+	}))
+	defer gw.Close()
 	pr, pw := io.Pipe()
 	go func() {
 		for i := 0; i < 3; i++ {
 			pw.Write([]byte(strings.Repeat(string(rune('a'+i)), 1000)))
-			time.Sleep(20 * time.Millisecond)
+			if !wait.Until(10*time.Second, func() bool { return read.Load() >= int64(1000*(i+1)) }) {
+				pw.CloseWithError(errors.New("the gateway never read the piece"))
+				return
+			}
 		}
 		pw.Close()
 	}()
-	resp, err := http.Post(h.gw.URL+"/x", "text/plain", pr)
+	resp, err := http.Post(gw.URL+"/x", "text/plain", pr)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -1085,4 +1101,16 @@ func TestBrokenEventStreamEndsWithAnErrorEvent(t *testing.T) {
 			}
 		})
 	}
+}
+
+// countingBody counts the bytes read from a request body.
+type countingBody struct {
+	io.ReadCloser
+	n *atomic.Int64
+}
+
+func (b countingBody) Read(p []byte) (int, error) {
+	n, err := b.ReadCloser.Read(p)
+	b.n.Add(int64(n))
+	return n, err
 }

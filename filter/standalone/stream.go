@@ -14,6 +14,8 @@ import (
 	"sync"
 	"time"
 
+	"github.com/istio-llm-filter/istio-llm-filter/internal/headers"
+
 	"github.com/envoyproxy/envoy/contrib/golang/common/go/api"
 )
 
@@ -337,7 +339,7 @@ func (s *stream) GetProperty(key string) (string, error) {
 	case "request.protocol":
 		return s.r.Proto, nil
 	case "request.id":
-		return s.r.Header.Get("x-request-id"), nil
+		return s.r.Header.Get(headers.RequestID), nil
 	case "request.time":
 		return s.start.UTC().Format("2006-01-02T15:04:05.999999-07:00"), nil
 	case "source.address":

@@ -13,6 +13,8 @@ import (
 	"strconv"
 	"strings"
 	"time"
+
+	"github.com/istio-llm-filter/istio-llm-filter/internal/headers"
 )
 
 // Error types, as the "type" field of an error body.
@@ -123,15 +125,11 @@ func AsError(err error) *Error {
 	return Internal("internal error")
 }
 
-// TraceHeader carries a request's trace id: the gateway sets it, the worker
-// echoes it on every answer and names it in errors and logs.
-const TraceHeader = "X-Request-Id"
-
 // withTrace returns err as an *Error naming the trace id the response
 // carries, without changing the caller's value.
 func withTrace(w http.ResponseWriter, err error) *Error {
 	e := AsError(err)
-	if id := w.Header().Get(TraceHeader); e.TraceID == "" && id != "" {
+	if id := w.Header().Get(headers.RequestID); e.TraceID == "" && id != "" {
 		c := *e
 		c.TraceID = id
 		e = &c

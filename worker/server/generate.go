@@ -6,6 +6,7 @@ import (
 	"net/http"
 	"time"
 
+	"github.com/istio-llm-filter/istio-llm-filter/internal/headers"
 	"github.com/istio-llm-filter/istio-llm-filter/worker/engine"
 	"github.com/istio-llm-filter/istio-llm-filter/worker/openai"
 	"github.com/istio-llm-filter/istio-llm-filter/worker/scheduler"
@@ -225,7 +226,7 @@ func (s *Server) generate(w http.ResponseWriter, r *http.Request, j *job) {
 				if text != "" {
 					out.text(c.index, text, lps)
 				}
-				s.log.Info("request failed", "id", c.req.ID, "trace_id", w.Header().Get(openai.TraceHeader), "state", cres.State.String(), "err", cres.Err)
+				s.log.Info("request failed", "id", c.req.ID, "trace_id", w.Header().Get(headers.RequestID), "state", cres.State.String(), "err", cres.Err)
 				e := s.resultError(cres)
 				status = e.Status
 				out.fail(e)

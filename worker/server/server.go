@@ -24,6 +24,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
+	"github.com/istio-llm-filter/istio-llm-filter/internal/headers"
 	"github.com/istio-llm-filter/istio-llm-filter/prefix"
 	"github.com/istio-llm-filter/istio-llm-filter/worker/engine"
 	"github.com/istio-llm-filter/istio-llm-filter/worker/mcreport"
@@ -108,11 +109,11 @@ func New(sched *scheduler.Scheduler, eng engine.Engine, cfg Config) *Server {
 // ServeHTTP gives every request a trace id (the gateway's X-Request-Id, or
 // a new one) and echoes it, so errors and log lines name it.
 func (s *Server) ServeHTTP(w http.ResponseWriter, r *http.Request) {
-	id := r.Header.Get(openai.TraceHeader)
+	id := r.Header.Get(headers.RequestID)
 	if id == "" || len(id) > maxTraceID {
 		id = uuid.NewString()
 	}
-	w.Header().Set(openai.TraceHeader, id)
+	w.Header().Set(headers.RequestID, id)
 	s.mux.ServeHTTP(w, r)
 }
 
@@ -309,7 +310,7 @@ func (s *Server) access(w http.ResponseWriter, j *job, status int, res *schedule
 	if res == nil && status == http.StatusOK {
 		status = statusClientClosed // left while queued, before any result
 	}
-	attrs := []any{"id", j.id, "trace_id", w.Header().Get(openai.TraceHeader), "model", j.model, "status", status, "duration_ms", took.Milliseconds()}
+	attrs := []any{"id", j.id, "trace_id", w.Header().Get(headers.RequestID), "model", j.model, "status", status, "duration_ms", took.Milliseconds()}
 	if j.params.N > 1 {
 		attrs = append(attrs, "n", j.params.N) // tokens below are over all choices
 	}

@@ -19,6 +19,7 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 
+	"github.com/istio-llm-filter/istio-llm-filter/internal/headers"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/api"
 	"github.com/istio-llm-filter/istio-llm-filter/prefix"
 	"github.com/istio-llm-filter/istio-llm-filter/worker/engine"
@@ -727,7 +728,7 @@ func TestQueueWaitTimeoutGets408WithTheTraceID(t *testing.T) {
 	for _, stream := range []bool{false, true} {
 		b, _ := json.Marshal(map[string]any{"model": "tiny", "messages": msgs("user", "queued"), "max_tokens": 2, "stream": stream})
 		req, _ := http.NewRequest("POST", w.url+"/v1/chat/completions", bytes.NewReader(b))
-		req.Header.Set(openai.TraceHeader, "trace-queued")
+		req.Header.Set(headers.RequestID, "trace-queued")
 		resp, err := http.DefaultClient.Do(req)
 		if err != nil {
 			t.Fatal(err)

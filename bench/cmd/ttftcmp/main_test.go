@@ -89,11 +89,12 @@ func server(t *testing.T, text string, seen *atomic.Int64) *httptest.Server {
 		}
 		seen.Add(1)
 		s := openai.NewChatStream(w, "id", p.Model, time.Now(), p.IncludeUsage)
-		s.Begin()
+		s.Begin(0)
 		if text != "" {
-			s.Content(text)
+			s.Content(0, text, nil)
 		}
-		s.Finish("stop", nil)
+		s.Finish(0, "stop")
+		s.End(nil)
 	}))
 	t.Cleanup(srv.Close)
 	return srv

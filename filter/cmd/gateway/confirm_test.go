@@ -17,6 +17,7 @@ import (
 	"github.com/gin-gonic/gin"
 
 	"github.com/istio-llm-filter/istio-llm-filter/internal/testutil/redistest"
+	"github.com/istio-llm-filter/istio-llm-filter/internal/testutil/wait"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/api"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/server"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/store/redisstore"
@@ -153,22 +154,15 @@ filter:
 	// Everything the gateway sent has landed once the last turn's done
 	// has (one batcher, in order), and the worker's reports once its
 	// queue is flushed.
-	deadline := time.Now().Add(10 * time.Second)
-	for {
+	wait.For(t, 10*time.Second, "the turns' updates to reach the metadata center", func() bool {
 		resp, err := http.Get(mc.URL + "/metrics")
 		if err != nil {
 			t.Fatal(err)
 		}
 		b, _ := io.ReadAll(resp.Body)
 		resp.Body.Close()
-		if strings.Contains(string(b), fmt.Sprintf(`llmf_metadata_center_batch_ops_total{op="done"} %d`, turns)) {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatal("the turns' updates never all reached the metadata center")
-		}
-		time.Sleep(5 * time.Millisecond)
-	}
+		return strings.Contains(string(b), fmt.Sprintf(`llmf_metadata_center_batch_ops_total{op="done"} %d`, turns))
+	})
 	fctx, fcancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer fcancel()
 	if err := rep.Flush(fctx); err != nil {

@@ -17,6 +17,7 @@ import (
 	"github.com/gin-gonic/gin"
 
 	"github.com/istio-llm-filter/istio-llm-filter/internal/testutil/redistest"
+	"github.com/istio-llm-filter/istio-llm-filter/internal/testutil/wait"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/server"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/store/redisstore"
 )
@@ -128,12 +129,8 @@ filter:
 
 	waitFor := func(what string, within time.Duration, cond func() bool) {
 		t.Helper()
-		deadline := time.Now().Add(within)
-		for !cond() {
-			if time.Now().After(deadline) {
-				t.Fatalf("%s: not within %v (ok %d, bad %d)", what, within, ok.Load(), bad.Load())
-			}
-			time.Sleep(50 * time.Millisecond)
+		if !wait.Until(within, cond) {
+			t.Fatalf("%s: not within %v (ok %d, bad %d)", what, within, ok.Load(), bad.Load())
 		}
 	}
 	waitFor("cache-aware routing before the kill", 10*time.Second, func() bool { return counter("cache_hit_routes") > 20 })

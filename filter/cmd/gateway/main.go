@@ -37,6 +37,7 @@ import (
 	"github.com/istio-llm-filter/istio-llm-filter/filter/endpoints"
 	"github.com/istio-llm-filter/istio-llm-filter/filter/llmfilter"
 	"github.com/istio-llm-filter/istio-llm-filter/filter/standalone"
+	"github.com/istio-llm-filter/istio-llm-filter/internal/headers"
 )
 
 func main() {
@@ -175,7 +176,7 @@ func run(ctx context.Context, args []string, logOut io.Writer, ready chan<- net.
 		}
 	}
 	host, err := standalone.New(standalone.Options{
-		ClusterHeader:  llmfilter.ClusterHeader,
+		ClusterHeader:  headers.Cluster,
 		Fallback:       fallback,
 		Member:         member,
 		Factory:        llmfilter.Factory,

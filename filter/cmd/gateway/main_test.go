@@ -14,7 +14,8 @@ import (
 	"testing"
 	"time"
 
-	"github.com/istio-llm-filter/istio-llm-filter/filter/llmfilter"
+	"github.com/istio-llm-filter/istio-llm-filter/internal/headers"
+	"github.com/istio-llm-filter/istio-llm-filter/internal/testutil/wait"
 )
 
 func writeConfig(t testing.TB, body string) string {
@@ -95,8 +96,8 @@ filter:
 	wants := []string{`llm_filter_events_total{event="routed"} 1`, `llm_filter_events_total{event="requests"} 3`, `llm_gateway_requests_total{code="200",local="false"} 1`, `llm_gateway_requests_total{code="200",local="true"} 1`,
 		`llm_filter_balancer_stage_seconds_count{stage="round_robin"} 1`}
 	var missing []string
-	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(10 * time.Millisecond) {
-		resp, err = http.Get(base + "/metrics")
+	wait.Until(5*time.Second, func() bool {
+		resp, err := http.Get(base + "/metrics")
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -108,10 +109,8 @@ filter:
 				missing = append(missing, want)
 			}
 		}
-		if len(missing) == 0 || time.Now().After(deadline) {
-			break
-		}
-	}
+		return len(missing) == 0
+	})
 	for _, want := range missing {
 		t.Errorf("/metrics lacks %s", want)
 	}
@@ -202,7 +201,7 @@ log_level: error
 				}
 				defer resp.Body.Close()
 				b, _ := io.ReadAll(resp.Body)
-				return resp.StatusCode, string(b), resp.Header.Get(llmfilter.UpstreamHostHeader)
+				return resp.StatusCode, string(b), resp.Header.Get(headers.UpstreamHost)
 			}
 			failures := 0
 			for i := 0; i < 2; i++ { // round robin reaches the dead pod within two requests

@@ -12,6 +12,8 @@ import (
 	"sync/atomic"
 	"testing"
 	"time"
+
+	"github.com/istio-llm-filter/istio-llm-filter/internal/testutil/wait"
 )
 
 // pod is a backend that names itself in its answers.
@@ -150,7 +152,7 @@ func waitMetrics(t *testing.T, base string, wants ...string) string {
 	t.Helper()
 	var missing []string
 	var text string
-	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(10 * time.Millisecond) {
+	if !wait.Until(5*time.Second, func() bool {
 		_, text = do(t, "GET", base+"/metrics", "", nil)
 		missing = missing[:0]
 		for _, w := range wants {
@@ -158,13 +160,11 @@ func waitMetrics(t *testing.T, base string, wants ...string) string {
 				missing = append(missing, w)
 			}
 		}
-		if len(missing) == 0 {
-			return text
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("/metrics lacks %q", missing)
-		}
+		return len(missing) == 0
+	}) {
+		t.Fatalf("/metrics lacks %q", missing)
 	}
+	return text
 }
 
 // The gateway answers GET /v1/models from its rules, in OpenAI's shape,

@@ -10,6 +10,7 @@ import (
 	"net"
 	"net/http"
 	"net/http/httptest"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -17,6 +18,7 @@ import (
 	"github.com/gin-gonic/gin"
 
 	"github.com/istio-llm-filter/istio-llm-filter/internal/testutil/redistest"
+	"github.com/istio-llm-filter/istio-llm-filter/internal/testutil/wait"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/server"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/store/redisstore"
 	"github.com/istio-llm-filter/istio-llm-filter/worker/engine/sim"
@@ -96,12 +98,8 @@ filter:
 	}
 	waitFor := func(what string, cond func() bool) {
 		t.Helper()
-		deadline := time.Now().Add(10 * time.Second)
-		for !cond() {
-			if time.Now().After(deadline) {
-				t.Fatalf("timed out waiting for %s (index entries %d)", what, entries())
-			}
-			time.Sleep(2 * time.Millisecond)
+		if !wait.Until(10*time.Second, cond) {
+			t.Fatalf("timed out waiting for %s (index entries %d)", what, entries())
 		}
 	}
 	body := func(user string, stream bool, maxTokens int) string {
@@ -127,9 +125,12 @@ filter:
 	for sc.Scan() && !strings.HasPrefix(sc.Text(), "data: {") {
 	}
 	go io.Copy(io.Discard, resp.Body)
-	waitFor("the long request's prefix", func() bool { return entries() > 0 })
-	time.Sleep(50 * time.Millisecond) // its confirming save, if still on its way
+	// Its routing-time save and its confirming one.
+	waitFor("the long request's saves", func() bool { return batchOps(t, mc.URL, "cache_save") == 2 })
 	held := entries()
+	if held == 0 {
+		t.Fatal("the long request's prefix is not in the index")
+	}
 
 	// Queued behind it, a second request waits out the queue timeout: 408.
 	// Its prefix was in the index meanwhile.
@@ -186,8 +187,12 @@ filter:
 	waitFor("the impatient request's routing-time save", func() bool { return entries() > held })
 	qcancel()
 	<-left
-	waitFor("the impatient request's save to be withdrawn", func() bool { return entries() == held })
-	time.Sleep(100 * time.Millisecond)
+	// Its routing-time save withdrawn and its lease ended, as the two
+	// refused requests' were: nothing of the three is left on its way to
+	// the metadata center.
+	waitFor("the three retractions and dones", func() bool {
+		return batchOps(t, mc.URL, "cache_retract") == 3 && batchOps(t, mc.URL, "done") == 3
+	})
 	if n := entries(); n != held {
 		t.Fatalf("index entries %d, want the long request's %d", n, held)
 	}
@@ -246,13 +251,9 @@ filter:
 		resp.Body.Close()
 		return strings.Contains(string(b), `llmf_metadata_center_batch_ops_total{op="`+op+`"} 1`)
 	}
-	deadline := time.Now().Add(10 * time.Second)
-	for !applied("cache_save") || !applied("cache_retract") || !applied("done") {
-		if time.Now().After(deadline) {
-			t.Fatal("the request's save, retraction and done never reached the metadata center")
-		}
-		time.Sleep(5 * time.Millisecond)
-	}
+	wait.For(t, 10*time.Second, "the request's save, retraction and done to reach the metadata center", func() bool {
+		return applied("cache_save") && applied("cache_retract") && applied("done")
+	})
 	s, err := st.Stats(context.Background())
 	if err != nil {
 		t.Fatal(err)
@@ -260,4 +261,24 @@ filter:
 	if s.IndexEntries != 0 || s.LiveLeases != 0 {
 		t.Fatalf("after an unreachable pod: %+v, want no entries and no leases", s)
 	}
+}
+
+// batchOps is how many updates of kind op the metadata center at url has
+// applied through /v1/batch (its llmf_metadata_center_batch_ops_total).
+func batchOps(t *testing.T, url, op string) int {
+	t.Helper()
+	resp, err := http.Get(url + "/metrics")
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	prefix := `llmf_metadata_center_batch_ops_total{op="` + op + `"} `
+	for _, line := range strings.Split(string(b), "\n") {
+		if v, ok := strings.CutPrefix(line, prefix); ok {
+			n, _ := strconv.Atoi(v)
+			return n
+		}
+	}
+	return 0
 }

@@ -1,4 +1,4 @@
-package engine
+package routing
 
 import (
 	"context"
@@ -14,7 +14,7 @@ import (
 )
 
 // yieldingHeaders lets other decisions run at each header lookup, which
-// the engine makes between parsing and hashing: a buffer handed back too
+// the decider makes between parsing and hashing: a buffer handed back too
 // early would then be overwritten before it is read.
 type yieldingHeaders map[string]string
 
@@ -25,7 +25,7 @@ func (h yieldingHeaders) Get(k string) (string, bool) {
 }
 
 // TestPooledScratchKeepsDecisionsApart runs decisions of different prompts
-// concurrently through the engine's pooled per-decision buffers (prompt
+// concurrently through the decider's pooled per-decision buffers (prompt
 // texts, canonical bytes, sums, cache view): every decision must carry its
 // own prompt's hashes and its own host's cache ratio, as if computed alone.
 func TestPooledScratchKeepsDecisionsApart(t *testing.T) {
@@ -34,7 +34,7 @@ func TestPooledScratchKeepsDecisionsApart(t *testing.T) {
 		ans.Load[p] = api.EndpointStats{TotalReqs: int64(i)}
 		ans.Cache = append(ans.Cache, api.CacheLocation{Host: p, Length: i + 1})
 	}
-	e := newEngine(t, configFor(t, "", ""), Options{Router: memRouter{ans}})
+	e := newDecider(t, configFor(t, "", ""), Options{Querier: memRouter{ans}})
 	type prompt struct {
 		body []byte
 		want []string

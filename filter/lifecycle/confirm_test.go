@@ -1,4 +1,4 @@
-package engine
+package lifecycle
 
 import (
 	"context"
@@ -6,6 +6,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/istio-llm-filter/istio-llm-filter/filter/routing"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/api"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/client"
 )
@@ -23,7 +24,7 @@ func TestConfirmationNeverBringsBackAnEvictedEntry(t *testing.T) {
 		for mode, extra := range updateModes {
 			t.Run(cname+"/"+mode, func(t *testing.T) {
 				ts := mk(t)
-				e := newEngine(t, configFor(t, ts.URL, extra), Options{})
+				e := newGateway(t, configFor(t, ts.URL, extra), routing.Options{}, nil)
 				mc, err := client.New(client.Options{Address: ts.URL, QueryTimeout: 2 * time.Second})
 				if err != nil {
 					t.Fatal(err)
@@ -34,7 +35,7 @@ func TestConfirmationNeverBringsBackAnEvictedEntry(t *testing.T) {
 	}
 }
 
-func testConfirm(t *testing.T, e *Engine, mc *client.Client) {
+func testConfirm(t *testing.T, e gateway, mc *client.Client) {
 	ctx := context.Background()
 	const cluster = "canary" // one pod: where a request goes is certain
 	held := func(host string, hashes []string) int {
@@ -62,7 +63,7 @@ func testConfirm(t *testing.T, e *Engine, mc *client.Client) {
 		}
 		return n
 	}
-	decide := func(system, user string) *Decision {
+	decide := func(system, user string) *Request {
 		t.Helper()
 		d, err := e.Decide(ctx, hdr{":path": "/v1/chat/completions", "x-env": "canary"}, chatBody(system, user))
 		if err != nil {
@@ -70,7 +71,7 @@ func testConfirm(t *testing.T, e *Engine, mc *client.Client) {
 		}
 		return d
 	}
-	evictTail := func(d *Decision, host string) {
+	evictTail := func(d *Request, host string) {
 		t.Helper()
 		n := len(d.Hashes)
 		if err := mc.EvictCache(ctx, api.CacheEvict{Cluster: cluster, Host: host, Hashes: d.Hashes[n-1:],
@@ -81,7 +82,7 @@ func testConfirm(t *testing.T, e *Engine, mc *client.Client) {
 			t.Fatalf("after evicting the tail: %d of %d blocks held", got, n)
 		}
 	}
-	finish := func(d *Decision) {
+	finish := func(d *Request) {
 		t.Helper()
 		e.Saved(d)
 		e.FirstToken(d)

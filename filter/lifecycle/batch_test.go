@@ -1,4 +1,4 @@
-package engine
+package lifecycle
 
 import (
 	"context"
@@ -14,6 +14,7 @@ import (
 
 	"github.com/gin-gonic/gin"
 
+	"github.com/istio-llm-filter/istio-llm-filter/filter/routing"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/client"
 )
 
@@ -39,20 +40,39 @@ func mcCalls(t testing.TB, base string) map[string]int {
 	return out
 }
 
-// lifecycle runs one request's whole life through the engine: decide
+// lifecycle runs one request's whole life through the gateway: decide
 // (the route query), started, first token and saved, done.
-func lifecycle(t testing.TB, e *Engine, system, user string, hold time.Duration) {
+func lifecycle(t testing.TB, e gateway, system, user string) {
 	d, err := e.Decide(context.Background(), chatPath(), chatBody(system, user))
 	if err != nil {
 		t.Error(err)
 		return
 	}
 	e.Started(d)
-	time.Sleep(hold / 4)
 	e.FirstToken(d)
 	e.Saved(d)
-	time.Sleep(hold)
 	e.Done(d)
+}
+
+// served runs one request's life as a pod serving it would pace it: its
+// first token after hold/4 of prefill, its end after hold more of
+// decoding; done is called once the request is over.
+func served(t testing.TB, e gateway, system, user string, hold time.Duration, done func()) {
+	d, err := e.Decide(context.Background(), chatPath(), chatBody(system, user))
+	if err != nil {
+		t.Error(err)
+		done()
+		return
+	}
+	e.Started(d)
+	time.AfterFunc(hold/4, func() {
+		e.FirstToken(d)
+		e.Saved(d)
+		time.AfterFunc(hold, func() {
+			e.Done(d)
+			done()
+		})
+	})
 }
 
 // TestBatchedUpdates: with async.batch_window (the default), a request's
@@ -73,7 +93,7 @@ func TestBatchedUpdates(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			ts := center(t)
 			m := &counts{}
-			e := newEngine(t, configFor(t, ts.URL, tc.extra), Options{Metrics: m})
+			e := newGateway(t, configFor(t, ts.URL, tc.extra), routing.Options{Metrics: m}, nil)
 			system := strings.Repeat("You are a careful assistant who answers in French. ", 8)
 			const workers, per = 8, 25
 			var wg sync.WaitGroup
@@ -82,7 +102,7 @@ func TestBatchedUpdates(t *testing.T) {
 				go func() {
 					defer wg.Done()
 					for i := range per {
-						lifecycle(t, e, system, fmt.Sprintf("question %d/%d", w, i), 2*time.Millisecond)
+						lifecycle(t, e, system, fmt.Sprintf("question %d/%d", w, i))
 					}
 				}()
 			}
@@ -95,7 +115,7 @@ func TestBatchedUpdates(t *testing.T) {
 				t.Fatal(err)
 			}
 			if len(ans.Load) != 0 {
-				t.Fatalf("leases left after every request finished: %v (engine counts %v)", ans.Load, m.m)
+				t.Fatalf("leases left after every request finished: %v (gateway counts %v)", ans.Load, m)
 			}
 			reqs := workers * per
 			singles := calls["POST /v1/load/stats"] + calls["DELETE /v1/load/stats"] + calls["DELETE /v1/load/stats/prompt"] + calls["POST /v1/cache/save"]
@@ -107,14 +127,14 @@ func TestBatchedUpdates(t *testing.T) {
 				if singles != 0 || calls["POST /v1/batch"] == 0 || calls["POST /v1/batch"] >= reqs {
 					t.Fatalf("batched: %d single update calls and %d batches for %d requests", singles, calls["POST /v1/batch"], reqs)
 				}
-				if m.get("async_batches") != int64(calls["POST /v1/batch"]) {
-					t.Fatalf("engine counted %d batches, center answered %d", m.get("async_batches"), calls["POST /v1/batch"])
+				if m.Get("async_batches") != int64(calls["POST /v1/batch"]) {
+					t.Fatalf("reporter counted %d batches, center answered %d", m.Get("async_batches"), calls["POST /v1/batch"])
 				}
 			} else if calls["POST /v1/batch"] != 0 || singles < 4*reqs {
 				t.Fatalf("unbatched: %d batches and %d single calls for %d requests", calls["POST /v1/batch"], singles, reqs)
 			}
-			if m.get("async_errors") != 0 || m.get("async_dropped") != 0 {
-				t.Fatalf("metrics %v", m.m)
+			if m.Get("async_errors") != 0 || m.Get("async_dropped") != 0 {
+				t.Fatalf("metrics %v", m)
 			}
 		})
 	}
@@ -126,7 +146,7 @@ func TestBatchedUpdates(t *testing.T) {
 // pod for 50ms, with batching on (the default) and off, and with batching
 // on and every prompt new (each request's lease and save are urgent).
 //
-//	go test -run '^$' -bench CallsPerRequest -benchtime 2000x ./filter/engine/
+//	go test -run '^$' -bench CallsPerRequest -benchtime 2000x ./filter/lifecycle/
 func BenchmarkCallsPerRequest(b *testing.B) {
 	for _, rate := range []int{200, 1000} {
 		for _, tc := range []struct {
@@ -135,27 +155,23 @@ func BenchmarkCallsPerRequest(b *testing.B) {
 		}{{"batched", "", false}, {"unbatched", "async: {batch_window: 0s}", false}, {"batched-cold", "", true}} {
 			b.Run(fmt.Sprintf("%s/%dreq_s", tc.name, rate), func(b *testing.B) {
 				ts := center(b)
-				e := newEngine(b, configFor(b, ts.URL, tc.extra), Options{})
+				e := newGateway(b, configFor(b, ts.URL, tc.extra), routing.Options{}, nil)
 				system := strings.Repeat("You are a careful assistant who answers in French. ", 8)
 				var wg sync.WaitGroup
-				tick := time.Second / time.Duration(rate)
-				next := time.Now()
+				arrivals := time.NewTicker(time.Second / time.Duration(rate))
+				defer arrivals.Stop()
 				b.ResetTimer()
 				for i := 0; i < b.N; i++ {
-					next = next.Add(tick)
-					if d := time.Until(next); d > 0 {
-						time.Sleep(d)
-					}
+					<-arrivals.C
 					wg.Add(1)
 					go func() {
-						defer wg.Done()
 						sys := system
 						if tc.cold {
 							// A prompt nobody sent before: its lease and
 							// save are urgent (placesPrefix).
 							sys = fmt.Sprintf("%d %s", i, system)
 						}
-						lifecycle(b, e, sys, fmt.Sprintf("question %d", i%50), 50*time.Millisecond)
+						served(b, e, sys, fmt.Sprintf("question %d", i%50), 50*time.Millisecond, wg.Done)
 					}()
 				}
 				wg.Wait()

@@ -1,4 +1,4 @@
-package engine
+package lifecycle
 
 import (
 	"context"
@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/istio-llm-filter/istio-llm-filter/filter/endpoints"
+	"github.com/istio-llm-filter/istio-llm-filter/filter/routing"
 	"github.com/istio-llm-filter/istio-llm-filter/internal/testutil/redistest"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/server"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/store"
@@ -58,21 +59,21 @@ func sharedCenters(t *testing.T, kind string, n int) []string {
 	return urls
 }
 
-// gateways builds n engines, engine i on center i%len(mcs), each with its
+// gateways builds n gateways, gateway i on center i%len(mcs), each with its
 // own client, tracker and batcher: n gateways of one mesh.
-func gateways(t *testing.T, mcs []string, n int, window time.Duration) []*Engine {
+func gateways(t *testing.T, mcs []string, n int, window time.Duration) []gateway {
 	t.Helper()
-	var out []*Engine
+	var out []gateway
 	for i := range n {
 		cfg := configFor(t, mcs[i%len(mcs)], "")
 		cfg.Async.BatchWindow = window
-		out = append(out, newEngine(t, cfg, Options{Endpoints: eightPods(t)}))
+		out = append(out, newGateway(t, cfg, routing.Options{Endpoints: eightPods(t)}, nil))
 	}
 	return out
 }
 
 // settled waits until e has sent every queued update.
-func settled(t *testing.T, e *Engine) {
+func settled(t *testing.T, e gateway) {
 	t.Helper()
 	eventually(t, "the gateway's updates to reach the metadata center", func() bool { return e.Pending() == 0 })
 }
@@ -91,8 +92,8 @@ func TestColdPlacementReachesOtherGateways(t *testing.T) {
 		t.Run(fmt.Sprintf("%s/%d_centers", tc.store, tc.mcs), func(t *testing.T) {
 			gws := gateways(t, sharedCenters(t, tc.store, tc.mcs), 3, time.Hour)
 			system := strings.Repeat("A long shared document that every user of this tenant asks about. ", 16)
-			var ds []*Decision
-			route := func(e *Engine, q string) *Decision {
+			var ds []*Request
+			route := func(e gateway, q string) *Request {
 				d, err := e.Decide(context.Background(), chatPath(), chatBody(system, q))
 				if err != nil || d.Degraded {
 					t.Fatalf("%+v %v", d, err)
@@ -133,9 +134,9 @@ func TestColdPlacementReachesOtherGateways(t *testing.T) {
 func TestHotPrefixSpreadsAcrossGatewaysAsOnOne(t *testing.T) {
 	const requests = 24
 	system := strings.Repeat("One hot system prompt that the whole fleet sends. ", 16)
-	spread := func(t *testing.T, gws []*Engine) []int {
+	spread := func(t *testing.T, gws []gateway) []int {
 		per := map[string]int{}
-		var ds []*Decision
+		var ds []*Request
 		for i := range requests {
 			e := gws[i%len(gws)]
 			d, err := e.Decide(context.Background(), chatPath(), chatBody(system, fmt.Sprintf("q%d", i)))

@@ -1,4 +1,4 @@
-package engine
+package lifecycle
 
 import (
 	"time"
@@ -12,22 +12,22 @@ import (
 // (docs/metadata-center.md): with the route query that makes about one
 // metadata-center call per request at load instead of five or six. Drops
 // and failures are counted as with the per-update dispatcher.
-func (e *Engine) newBatcher(bs client.BatchSender) *client.Batcher {
+func (l *Reporter) newBatcher(bs client.BatchSender) *client.Batcher {
 	return client.NewBatcher(bs, client.BatcherOptions{
-		Window:    e.cfg.Async.BatchWindow,
-		MaxOps:    e.cfg.Async.BatchMaxOps,
-		QueueSize: e.cfg.Async.QueueSize,
-		Timeout:   e.cfg.MetadataCenter.UpdateTimeout,
+		Window:    l.cfg.Async.BatchWindow,
+		MaxOps:    l.cfg.Async.BatchMaxOps,
+		QueueSize: l.cfg.Async.QueueSize,
+		Timeout:   l.cfg.MetadataCenter.UpdateTimeout,
 		OnDrop: func(op api.BatchOp) {
-			e.metrics.Count("async_dropped", 1)
-			e.warn("metadata-center update dropped (queue full or closed)", "task", op.Op, "request_id", op.RequestID)
+			l.metrics.Count("async_dropped", 1)
+			l.warn.Warn("metadata-center update dropped (queue full or closed)", "task", op.Op, "request_id", op.RequestID)
 		},
 		OnResult: func(ops []api.BatchOp, err error, took time.Duration) {
-			e.metrics.Count("async_batches", 1)
+			l.metrics.Count("async_batches", 1)
 			if err != nil {
-				e.metrics.Count("async_errors", int64(len(ops)))
-				e.metrics.Count("metadata_center_errors", 1)
-				e.warn("metadata-center update batch failed", "updates", len(ops), "took", took, "err", err)
+				l.metrics.Count("async_errors", int64(len(ops)))
+				l.metrics.Count("metadata_center_errors", 1)
+				l.warn.Warn("metadata-center update batch failed", "updates", len(ops), "took", took, "err", err)
 			}
 		},
 	})
@@ -35,7 +35,7 @@ func (e *Engine) newBatcher(bs client.BatchSender) *client.Batcher {
 
 // batchOp is the update a lifecycle step names (see dispatch's callers),
 // for host: the chosen pod, or the one that really served (Served).
-func (e *Engine) batchOp(name string, d *Decision, host string) api.BatchOp {
+func (l *Reporter) batchOp(name string, d *Request, host string) api.BatchOp {
 	op := api.BatchOp{Cluster: d.Cluster, Host: host, RequestID: d.RequestID}
 	switch name {
 	case "add_request":
@@ -48,7 +48,7 @@ func (e *Engine) batchOp(name string, d *Decision, host string) api.BatchOp {
 	case "delete_request":
 		op.Op = api.OpDone
 	case "save_cache", "refresh_cache", "place_cache":
-		op = api.BatchOp{Op: api.OpCacheSave, Cluster: d.Cluster, Host: host, Hashes: d.Hashes, ChunkSize: e.hasher.ChunkSize, SaveID: d.RequestID,
+		op = api.BatchOp{Op: api.OpCacheSave, Cluster: d.Cluster, Host: host, Hashes: d.Hashes, ChunkSize: l.chunk, SaveID: d.RequestID,
 			RefreshOnly: name == "refresh_cache"}
 		if name == "place_cache" {
 			op.Hashes = d.placed() // the routing-time save (Started)
@@ -71,8 +71,8 @@ func (e *Engine) batchOp(name string, d *Decision, host string) api.BatchOp {
 // the prefill takes far longer than the call, so the window is all the
 // herd a cold start would get (docs/metadata-center.md). Requests that
 // reuse what their pod holds keep the window: nobody routes on them.
-func (e *Engine) placesPrefix(d *Decision) bool {
-	block := e.hasher.ChunkSize
+func (l *Reporter) placesPrefix(d *Request) bool {
+	block := l.chunk
 	if block <= 0 {
 		block = prefix.DefaultChunkSize
 	}
@@ -81,7 +81,7 @@ func (e *Engine) placesPrefix(d *Decision) bool {
 
 // startedUrgent queues a prefix-placing decision's lease and routing-time
 // save together, past the batch window (placesPrefix).
-func (e *Engine) startedUrgent(d *Decision, acked func(error)) {
-	e.batch.AddUrgent(client.Update{Op: e.batchOp("add_request", d, d.Host), Done: acked},
-		client.Update{Op: e.batchOp("place_cache", d, d.Host)})
+func (l *Reporter) startedUrgent(d *Request, acked func(error)) {
+	l.batch.AddUrgent(client.Update{Op: l.batchOp("add_request", d, d.Host), Done: acked},
+		client.Update{Op: l.batchOp("place_cache", d, d.Host)})
 }

@@ -1,18 +1,10 @@
-package engine
+package routing
 
 import (
 	"context"
 	"slices"
 	"strings"
-
-	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/api"
 )
-
-// PodLister lists a cluster's registered pods; *client.Client is one. The
-// Router the engine was given implements it when it can.
-type PodLister interface {
-	Pods(ctx context.Context, cluster string) (map[string]api.PodRegistration, error)
-}
 
 // Adapter is a LoRA adapter some registered pod serves, for the gateway's
 // model list: ID is the name requests give in "lora" (or "model"), Parent
@@ -23,10 +15,7 @@ type Adapter struct {
 
 // ListsAdapters reports whether Adapters can ask anyone (a metadata center
 // is configured).
-func (e *Engine) ListsAdapters() bool {
-	_, ok := e.router.(PodLister)
-	return ok
-}
+func (e *Decider) ListsAdapters() bool { return e.querier != nil }
 
 // Adapters lists the adapters the pods registered in the rules' clusters
 // serve, sorted by ID, each once, within the query timeout. The parent is
@@ -34,9 +23,8 @@ func (e *Engine) ListsAdapters() bool {
 // else the first (by name) model whose rules reach it. A cluster whose
 // registrations cannot be read is left out and its error returned with
 // what the others gave.
-func (e *Engine) Adapters(ctx context.Context) ([]Adapter, error) {
-	pl, ok := e.router.(PodLister)
-	if !ok {
+func (e *Decider) Adapters(ctx context.Context) ([]Adapter, error) {
+	if e.querier == nil {
 		return nil, nil
 	}
 	ctx, cancel := context.WithTimeout(ctx, e.qto)
@@ -59,7 +47,7 @@ func (e *Engine) Adapters(ctx context.Context) ([]Adapter, error) {
 	var out []Adapter
 	var firstErr error
 	for _, c := range clusters {
-		pods, err := pl.Pods(ctx, c)
+		pods, err := e.querier.Pods(ctx, c)
 		if err != nil {
 			if firstErr == nil {
 				firstErr = err

@@ -1,4 +1,4 @@
-package engine
+package routing
 
 import (
 	"context"
@@ -24,6 +24,10 @@ type memRouter struct{ ans api.RouteAnswer }
 func (r memRouter) Route(context.Context, string, []string) (*api.RouteAnswer, error) {
 	a := r.ans
 	return &a, nil
+}
+
+func (memRouter) Pods(context.Context, string) (map[string]api.PodRegistration, error) {
+	return nil, nil
 }
 
 // benchPrompt builds n bytes of prompt text. "mixed" is deliberately hard
@@ -105,11 +109,10 @@ func benchDecide(b *testing.B, body []byte, n int, registered bool) {
 	if err != nil {
 		b.Fatal(err)
 	}
-	e, err := New(cfg, Options{Endpoints: src, Router: memRouter{ans}, Logger: quiet()})
+	e, err := New(cfg, Options{Endpoints: src, Querier: memRouter{ans}, Logger: quiet()})
 	if err != nil {
 		b.Fatal(err)
 	}
-	defer e.Close()
 	h := hdr{":path": "/v1/chat/completions", "x-request-id": "bench"}
 	ctx := context.Background()
 	var wall, cpu []time.Duration
@@ -129,7 +132,7 @@ func benchDecide(b *testing.B, body []byte, n int, registered bool) {
 		// its reservation is taken over and nothing of it is left for the
 		// next decision to count. (Not b.StopTimer: with ReportAllocs it
 		// reads the memory stats, stopping the world at every decision.)
-		e.bal.Tracker().Begin(d.Cluster, d.Host, d.PrefillLength).End()
+		e.Tracker().Begin(d.Cluster, d.Host, d.PrefillLength).End()
 	}
 	reportLatencies(b, wall, cpu)
 }

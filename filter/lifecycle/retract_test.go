@@ -1,4 +1,4 @@
-package engine
+package lifecycle
 
 import (
 	"context"
@@ -11,6 +11,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/istio-llm-filter/istio-llm-filter/filter/routing"
 	"github.com/istio-llm-filter/istio-llm-filter/internal/testutil/redistest"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/client"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/server"
@@ -55,7 +56,7 @@ func TestFailureBeforeTheFirstTokenRetractsTheRoutingTimeSave(t *testing.T) {
 			t.Run(cname+"/"+mode, func(t *testing.T) {
 				ts := mk(t)
 				m := &counts{}
-				e := newEngine(t, configFor(t, ts.URL, extra), Options{Metrics: m})
+				e := newGateway(t, configFor(t, ts.URL, extra), routing.Options{Metrics: m}, nil)
 				mc, _ := client.New(client.Options{Address: ts.URL, QueryTimeout: 2 * time.Second})
 				testRetract(t, e, mc, m, ts.URL)
 			})
@@ -63,7 +64,7 @@ func TestFailureBeforeTheFirstTokenRetractsTheRoutingTimeSave(t *testing.T) {
 	}
 }
 
-func testRetract(t *testing.T, e *Engine, mc *client.Client, m *counts, center string) {
+func testRetract(t *testing.T, e gateway, mc *client.Client, m *counts, center string) {
 	ctx := context.Background()
 	// The canary rule's cluster has one pod: where a request goes is
 	// certain, and the index is what is tested.
@@ -89,7 +90,7 @@ func testRetract(t *testing.T, e *Engine, mc *client.Client, m *counts, center s
 		}
 		return ans.Load[host].TotalReqs
 	}
-	decide := func(system, user string) *Decision {
+	decide := func(system, user string) *Request {
 		t.Helper()
 		d, err := e.Decide(ctx, hdr{":path": "/v1/chat/completions", "x-env": "canary"}, chatBody(system, user))
 		if err != nil {
@@ -109,7 +110,7 @@ func testRetract(t *testing.T, e *Engine, mc *client.Client, m *counts, center s
 	})
 
 	// 2. A request that succeeds keeps its save.
-	acked := func(d *Decision) {
+	acked := func(d *Request) {
 		t.Helper()
 		eventually(t, "the lease to be acknowledged", func() bool {
 			_, unacked := e.InFlight(cluster, d.Host)
@@ -224,10 +225,10 @@ func testRetract(t *testing.T, e *Engine, mc *client.Client, m *counts, center s
 	}
 	// d1, d3, d4, d6, d8 and d9 withdrew saves; d2 and d7 succeeded, d5
 	// saved nothing.
-	if n := m.get("retractions"); n != 6 {
+	if n := m.Get("retractions"); n != 6 {
 		t.Fatalf("retractions counted %d, want 6", n)
 	}
-	if n := m.get("async_errors"); n != 0 {
+	if n := m.Get("async_errors"); n != 0 {
 		t.Fatalf("%d updates failed", n)
 	}
 	if e.Pending() != 0 {

@@ -1,4 +1,4 @@
-package engine
+package routing
 
 import (
 	"context"
@@ -61,7 +61,7 @@ lb_mapping_rule: {default: {policy: %s}}
 			if err != nil {
 				t.Fatal(err)
 			}
-			e := newEngine(t, cfg, Options{Endpoints: src})
+			e := newDecider(t, cfg, Options{Endpoints: src})
 			hosts := func(body string, n int) map[string]bool {
 				t.Helper()
 				seen := map[string]bool{}
@@ -128,7 +128,7 @@ lb_mapping_rule: {default: {policy: %s}}
 	dead := httptest.NewServer(http.NotFoundHandler())
 	dead.Close()
 	cfg := configFor(t, dead.URL, "")
-	e := newEngine(t, cfg, Options{Endpoints: src})
+	e := newDecider(t, cfg, Options{Endpoints: src})
 	_, err := e.Decide(context.Background(), chatPath(), []byte(`{"model":"qwen","lora":"sql","messages":[{"role":"user","content":"x"}]}`))
 	var ee *Error
 	if err == nil || !asError(err, &ee) || ee.Status != http.StatusServiceUnavailable || !strings.Contains(ee.Message, "did not answer") {

@@ -1,4 +1,4 @@
-package engine
+package lifecycle
 
 import (
 	"context"
@@ -6,9 +6,12 @@ import (
 	"net/http/httptest"
 	"sync"
 	"testing"
+	"time"
 
 	"github.com/istio-llm-filter/istio-llm-filter/filter/balancer"
+	"github.com/istio-llm-filter/istio-llm-filter/filter/routing"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/api"
+	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/client"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/server"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/store/memstore"
 )
@@ -55,12 +58,16 @@ func TestEndedRequestLeavesItsPodBeforeTheDoneLands(t *testing.T) {
 	}))
 	t.Cleanup(ts.Close)
 	seen := &hostsSeen{}
-	e := newEngine(t, configFor(t, ts.URL, "lb_mapping_rule: {default: {policy: cache_aware, scorers: {hosts_seen: 1}}}"),
-		Options{Scorers: map[string]balancer.Scorer{"hosts_seen": seen}})
-	t.Cleanup(g.open) // before the engine's Close drains into it
+	e := newGateway(t, configFor(t, ts.URL, "lb_mapping_rule: {default: {policy: cache_aware, scorers: {hosts_seen: 1}}}"),
+		routing.Options{Scorers: map[string]balancer.Scorer{"hosts_seen": seen}}, nil)
+	t.Cleanup(g.open) // before the reporter's Close drains into it
 	system := "You answer questions about one long shared handbook. "
-	leases := func(d *Decision) int64 {
-		ans, err := e.router.Route(context.Background(), d.Cluster, d.Hashes)
+	mcc, err := client.New(client.Options{Address: ts.URL, QueryTimeout: 2 * time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	leases := func(d *Request) int64 {
+		ans, err := mcc.Route(context.Background(), d.Cluster, d.Hashes)
 		if err != nil {
 			t.Fatal(err)
 		}

@@ -1,0 +1,28 @@
+// Package headers names the HTTP headers the gateway (filter/), the worker
+// and the benchmarks share. It imports nothing, so a client reads the
+// gateway's headers without linking the gateway (or the Envoy SDK).
+// Names are lower case, as Envoy presents them; net/http canonicalizes them.
+package headers
+
+const (
+	// Cluster carries the chosen rule's cluster to Envoy's route, which
+	// forwards on it (route.cluster_header, istio/gateway.yaml). The
+	// gateway removes any value a client sent.
+	Cluster = "x-llm-cluster"
+
+	// UpstreamHost is the response header naming the "ip:port" of the pod
+	// that served a routed request.
+	UpstreamHost = "x-llm-upstream-host"
+
+	// RequestID carries a request's trace id: the gateway reads it (or
+	// sets a new one), the worker echoes it on every answer and names it in
+	// errors and logs.
+	RequestID = "x-request-id"
+
+	// TraceID and AmznTraceID are read for the trace id, after RequestID.
+	TraceID     = "x-trace-id"
+	AmznTraceID = "x-amzn-trace-id"
+)
+
+// TraceIDs are the headers a request's trace id is read from, in order.
+var TraceIDs = [...]string{RequestID, TraceID, AmznTraceID}
