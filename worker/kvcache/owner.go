@@ -405,6 +405,34 @@ func (o *Owner) Finish(id string) {
 	}
 }
 
+// Keep turns id's running entry into an idle cache entry as Finish does,
+// for a request that ended early (its client left, its time ran out): the
+// cells it wrote stay for the request that retries it, as vLLM's prefix
+// cache and SGLang's radix cache keep an aborted request's blocks. A
+// follower first takes what its leader wrote. An entry holding fewer cells
+// than the prompt's tokens gives up the prompt's hashes (reported
+// evicted where no other entry holds them): the router indexes whole
+// prompts, and must not send this prompt here on the strength of part of
+// it. An entry with no cells is released.
+func (o *Owner) Keep(id string, prompt int) {
+	e, ok := o.books.Get(id)
+	if !ok {
+		return
+	}
+	if e.leader != "" {
+		o.Follow(id)
+		e.leader, e.shareTo = "", 0
+	}
+	if len(e.Tokens) == 0 {
+		o.Release(id)
+		return
+	}
+	if len(e.Tokens) < prompt {
+		o.evicted(o.books.SetHashes(id, nil))
+	}
+	o.Finish(id)
+}
+
 // park moves idle entry e's cells to host memory if the cells can be
 // parked and the bound allows, after evicting idle parked entries in
 // Victim order (cause "park_bytes") until e fits. An entry that cannot fit

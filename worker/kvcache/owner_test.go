@@ -414,3 +414,62 @@ func TestEvictionsAreStampedWhenTheyHappen(t *testing.T) {
 		t.Fatalf("evicted %v at %v, want [11] between %v and %v", rep.evicted, rep.at, before, after)
 	}
 }
+
+func TestKeepLeavesAnEndedRequestsCellsCached(t *testing.T) {
+	f := newFixture(t, 4)
+	hs := []prefix.Hash{1, 2}
+	// Ended after its first token: the whole prompt stays, hashes and all.
+	a := prompt(400, 20, 1)
+	f.bind("a", a, hs...)
+	f.write("a", a, 0, len(a))
+	f.o.Keep("a", len(a))
+	f.check()
+	if e, ok := f.o.Books().Get("a"); !ok || e.InUse || len(e.Tokens) != len(a) || len(e.Hashes) != 2 {
+		t.Fatalf("kept entry %+v (%v)", e, ok)
+	}
+	if len(f.rep.evicted) != 0 {
+		t.Fatalf("evicted %v", f.rep.evicted)
+	}
+	if b := f.bind("retry", a, hs...); b.Reused != len(a)-1 {
+		t.Fatalf("the retry reused %d of %d", b.Reused, len(a))
+	}
+	f.write("retry", a, len(a)-1, len(a))
+	f.o.Finish("retry")
+
+	// Ended mid-prefill: the cells stay, the whole prompt's hashes go.
+	hb := []prefix.Hash{3, 4}
+	b := vt(900, 7)
+	f.bind("b", b, hb...)
+	f.write("b", b, 0, 512)
+	f.o.Keep("b", len(b))
+	f.check()
+	if e, ok := f.o.Books().Get("b"); !ok || e.InUse || len(e.Tokens) != 512 || len(e.Hashes) != 0 {
+		t.Fatalf("kept partial entry %+v (%v)", e, ok)
+	}
+	if !slices.Equal(f.rep.evicted, hb) {
+		t.Fatalf("evicted %v, want the partial prompt's %v", f.rep.evicted, hb)
+	}
+
+	// A follower ended while waiting keeps what its leader wrote so far.
+	lead := append(vt(1500, 20), vt(10, 1)...)
+	f.bind("lead", lead)
+	f.write("lead", lead, 0, 512)
+	fol := append(vt(1500, 20), vt(7, 2)...)
+	if bd := f.bind("fol", fol); bd.Leader != "lead" {
+		t.Fatalf("%+v", bd)
+	}
+	f.write("lead", lead, 512, 1024)
+	f.o.Keep("fol", len(fol))
+	f.check()
+	if e, ok := f.o.Books().Get("fol"); !ok || e.InUse || len(e.Tokens) != 1024 || f.o.Followers("lead") != 0 {
+		t.Fatalf("kept follower %+v (%v)", e, ok)
+	}
+
+	// Nothing written: nothing kept.
+	f.bind("empty", vt(40, 60000))
+	f.o.Keep("empty", 40)
+	f.check()
+	if f.o.Holds("empty") {
+		t.Fatal("an entry without cells was kept")
+	}
+}

@@ -196,6 +196,10 @@ type task struct {
 	// uncached: the prompt tokens it is expected to compute, estimated
 	// once while it waits to bind (0 until then); see publish.
 	uncached int
+	// detached: its client left during the prefill; it goes on writing
+	// its prompt's cells for a retry to find, unless requests queue
+	// (expire), and then ends CANCELLED keeping them.
+	detached bool
 }
 
 // New builds a scheduler over eng. The pool size is the engine's n_seq_max.
@@ -576,6 +580,12 @@ func (s *Scheduler) queueDeadline() (time.Time, bool) {
 func (s *Scheduler) expire(now time.Time) {
 	for _, t := range slices.Clone(s.set) {
 		switch {
+		case t.detached:
+			if s.backlog || now.Sub(t.admitted) > s.cfg.RequestTimeout {
+				s.finish(t, Result{State: Cancelled, Err: ErrCancelled})
+			}
+		case t.ctx.Err() != nil && s.fillsCache(t):
+			t.detached = true
 		case t.ctx.Err() != nil:
 			s.finish(t, Result{State: Cancelled, Err: ErrCancelled})
 		case now.Sub(t.admitted) > s.cfg.RequestTimeout:
@@ -589,6 +599,16 @@ func (s *Scheduler) expire(now time.Time) {
 			s.finish(t, Result{State: Completed, Finish: FinishStop})
 		}
 	}
+}
+
+// fillsCache tells whether t, whose client just left, should go on
+// prefilling its prompt: the client that left during a long prefill (its
+// own timeout, a user pressing stop) often sends the same prompt again at
+// once, and finds it cached instead of paying for it twice. Not while
+// requests queue for a running slot: they come first.
+func (s *Scheduler) fillsCache(t *task) bool {
+	return t.state == Processing && t.nGen == 0 && t.past < len(t.toks) && !s.backlog &&
+		t != s.asideOf && t.aside == 0
 }
 
 // assign gives PENDING requests seq ids in admission order; the first that
@@ -706,7 +726,7 @@ func (s *Scheduler) batch() ([]engine.Span, []*task) {
 	for _, t := range s.ready {
 		switch left := len(t.toks) - t.past; {
 		case left == 1 && budget > 0:
-			spans = append(spans, engine.Span{Seq: t.seq, Pos: t.past, Tokens: t.toks[t.past:], Sampler: t.sampler})
+			spans = append(spans, engine.Span{Seq: t.seq, Pos: t.past, Tokens: t.toks[t.past:], Sampler: t.samplerOf()})
 			tasks = append(tasks, t)
 			t.spanLen = 1
 			budget--
@@ -728,7 +748,7 @@ func (s *Scheduler) batch() ([]engine.Span, []*task) {
 		k := min(len(t.toks)-t.past, budget)
 		sp := engine.Span{Seq: t.seq, Pos: t.past, Tokens: t.toks[t.past : t.past+k]}
 		if t.past+k == len(t.toks) {
-			sp.Sampler = t.sampler
+			sp.Sampler = t.samplerOf()
 		}
 		spans = append(spans, sp)
 		tasks = append(tasks, t)
@@ -1052,6 +1072,10 @@ func (s *Scheduler) apply(spans []engine.Span, tasks []*task, out []int) {
 		}
 		t.past += len(sp.Tokens)
 		s.kv.Append(t.req.ID, sp.Tokens...)
+		if t.detached && t.past == len(t.toks) {
+			s.finish(t, Result{State: Cancelled, Err: ErrCancelled})
+			continue
+		}
 		tok := out[i]
 		if tok < 0 {
 			continue
@@ -1082,21 +1106,34 @@ func (s *Scheduler) apply(spans []engine.Span, tasks []*task, out []int) {
 }
 
 // finish ends a running request. COMPLETED keeps its cells as an idle cache
-// entry (the seq id passes to the entry); every other end removes the cells
-// and returns the id to the pool.
+// entry (the seq id passes to the entry), and so do CANCELLED and TIMEOUT
+// (Owner.Keep: what it computed stays for a retry); a failure removes the
+// cells and returns the id to the pool.
 func (s *Scheduler) finish(t *task, r Result) {
-	if t.state == Processing && r.State == Completed {
+	held := t.state == Processing && t.seq >= 0
+	switch {
+	case held && r.State == Completed:
 		s.kv.Finish(t.req.ID)
 		t.seq = -1
-	} else {
+	case held && (r.State == Cancelled || r.State == Timeout) && t != s.asideOf && t.aside == 0:
+		s.kv.Keep(t.req.ID, len(t.req.Prompt))
+		t.seq, t.following = -1, false
+	default:
 		s.release(t)
 	}
 	s.set = slices.DeleteFunc(s.set, func(x *task) bool { return x == t })
 	s.releases++
 	s.end(t, r)
-	if r.State == Completed {
-		s.kv.EvictOverThreshold("threshold")
+	s.kv.EvictOverThreshold("threshold")
+}
+
+// samplerOf is the sampler of t's next token, nil while it only writes
+// its prompt for the cache (detached).
+func (t *task) samplerOf() engine.Sampler {
+	if t.detached {
+		return nil
 	}
+	return t.sampler
 }
 
 // release drops t's cells and seq id.

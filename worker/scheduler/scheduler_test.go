@@ -272,10 +272,11 @@ func slow() sim.Config {
 	return sim.Config{Cost: sim.Cost{StepOverhead: 2 * time.Millisecond}}
 }
 
-func TestTimeoutReleasesTheSeqID(t *testing.T) {
+func TestTimeoutKeepsTheCells(t *testing.T) {
 	var logs syncBuffer
 	r := newRig(t, slow(), Config{RequestTimeout: 100 * time.Millisecond, Logger: slog.New(slog.NewTextHandler(&logs, nil))}, true)
-	out, res := run(t, r, context.Background(), &Request{ID: "slow", Prompt: prompt(r.eng, "go on forever")})
+	p := prompt(r.eng, "go on forever")
+	out, res := run(t, r, context.Background(), &Request{ID: "slow", Prompt: p})
 	if res.State != Timeout || !errors.Is(res.Err, ErrTimeout) || len(out) == 0 {
 		t.Fatalf("result %+v after %d tokens", res, len(out))
 	}
@@ -284,17 +285,34 @@ func TestTimeoutReleasesTheSeqID(t *testing.T) {
 		!strings.Contains(l, fmt.Sprintf("generated=%d", len(out))) {
 		t.Fatalf("log: %s", l)
 	}
-	r.inspect(t, func(v View) {
-		if v.Pool.InUse() != 0 || v.KV.Len() != 0 || r.eng.UsedCells() != 0 {
-			t.Fatalf("after timeout: ids %d entries %d cells %d", v.Pool.InUse(), v.KV.Len(), r.eng.UsedCells())
-		}
-	})
+	// Its seq id passed to an idle entry holding prompt and output.
+	r.expectKept(t, "slow", len(p)+len(out)-1)
 }
 
-func TestVanishedClientFreesItsSeqID(t *testing.T) {
+// expectKept checks that request id left exactly one idle entry holding
+// at least cells cells, and nothing else holds a seq id.
+func (r *rig) expectKept(t *testing.T, id string, cells int) {
+	t.Helper()
+	var msg string
+	r.inspect(t, func(v View) {
+		e, ok := v.KV.Get(id)
+		switch {
+		case !ok || e.InUse:
+			msg = fmt.Sprintf("%s left no idle entry (%v)", id, ok)
+		case v.Pool.InUse() != 1 || v.KV.Len() != 1 || len(e.Tokens) < cells || r.eng.UsedCells() != len(e.Tokens):
+			msg = fmt.Sprintf("ids %d entries %d, entry of %d tokens (want %d), cells %d", v.Pool.InUse(), v.KV.Len(), len(e.Tokens), cells, r.eng.UsedCells())
+		}
+	})
+	if msg != "" {
+		t.Fatal(msg)
+	}
+}
+
+func TestVanishedClientKeepsTheCells(t *testing.T) {
 	r := newRig(t, slow(), Config{}, true)
 	ctx, cancel := context.WithCancel(context.Background())
-	h, err := r.s.Submit(ctx, &Request{ID: "gone", Prompt: prompt(r.eng, "talk to me")})
+	p := prompt(r.eng, "talk to me")
+	h, err := r.s.Submit(ctx, &Request{ID: "gone", Prompt: p})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -308,11 +326,7 @@ func TestVanishedClientFreesItsSeqID(t *testing.T) {
 	if err != nil || res.State != Cancelled {
 		t.Fatalf("result %+v err %v", res, err)
 	}
-	r.inspect(t, func(v View) {
-		if v.Pool.InUse() != 0 || v.KV.Len() != 0 || r.eng.UsedCells() != 0 {
-			t.Fatalf("after cancel: ids %d entries %d cells %d", v.Pool.InUse(), v.KV.Len(), r.eng.UsedCells())
-		}
-	})
+	r.expectKept(t, "gone", len(p)+2)
 	// A client that leaves while its request is still queued never runs.
 	r2 := newRig(t, sim.Config{}, Config{}, false)
 	ctx2, cancel2 := context.WithCancel(context.Background())
@@ -699,11 +713,8 @@ func TestQueueWaitTimesOutAndLeaksNothing(t *testing.T) {
 	if res, _ := long.Wait(context.Background()); res.State != Cancelled {
 		t.Fatalf("long: %+v", res)
 	}
-	r.inspect(t, func(v View) {
-		if v.Pool.InUse() != 0 || r.eng.UsedCells() != 0 {
-			t.Fatalf("at the end: ids %d cells %d", v.Pool.InUse(), r.eng.UsedCells())
-		}
-	})
+	// Only the long request's cells stay, as an idle entry.
+	r.expectKept(t, "long", 1)
 }
 
 func TestQueueWaitUnboundedWhenNegative(t *testing.T) {
