@@ -47,6 +47,8 @@ import (
 func main() {
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
+	// The first signal drains; a second one kills at once.
+	go func() { <-ctx.Done(); stop() }()
 	if err := run(ctx, os.Args[1:], os.Stderr, nil); err != nil && !errors.Is(err, flag.ErrHelp) {
 		fmt.Fprintln(os.Stderr, "worker:", err)
 		os.Exit(2)
@@ -59,7 +61,7 @@ type options struct {
 	maxBatch, maxOutput, finishFirst, asideCells, asideChunk, prefillChunk                 int
 	kvMaxMB, kvMaxItems, parkMaxBytes                                                      int64
 	kvThreshold                                                                            float64
-	timeout, cleanup, queueTimeout, readyWait                                              time.Duration
+	timeout, cleanup, queueTimeout, readyWait, drainTimeout                                time.Duration
 	strictModel, flashAttn, parkIdle, compact                                              bool
 	simCost                                                                                sim.Cost
 	lora                                                                                   []llama.LoRA
@@ -89,6 +91,7 @@ func parse(args []string, stderr io.Writer) (*options, error) {
 	fs.IntVar(&o.finishFirst, "finish-first-tokens", 16, "while a request has at most this many tokens left before its max_tokens, long prompts wait with their prefill until it ends (its KV cells would crowd their attention); 0: off")
 	fs.IntVar(&o.maxQueue, "max-queue", 256, "request queue length; beyond it requests get 429")
 	fs.DurationVar(&o.timeout, "request-timeout", 60*time.Second, "time a request may spend in the running set before 408")
+	fs.DurationVar(&o.drainTimeout, "drain-timeout", 100*time.Second, "on SIGTERM: /readyz turns 503 and new requests get 503 with Retry-After at once, while running and queued requests get this long to finish before the rest fail (503) and the worker exits; keep it below the pod's terminationGracePeriodSeconds minus its preStop")
 	fs.DurationVar(&o.queueTimeout, "queue-timeout", scheduler.DefaultQueueTimeout, "longest wait in the request queue before 408 (0: no bound)")
 	fs.IntVar(&o.nCtx, "n-ctx", 0, "KV cells shared by all sequences (0: the model's training context; sim without a model: 16384)")
 	fs.IntVar(&o.nBatch, "n-batch", 512, "most tokens per decode step")
@@ -166,6 +169,8 @@ func parse(args []string, stderr io.Writer) (*options, error) {
 		return nil, fmt.Errorf("--kv-cache-type %s needs --flash-attention (llama.cpp quantizes the V cache only with it)", o.kvType)
 	case o.timeout <= 0 || o.cleanup <= 0:
 		return nil, errors.New("--request-timeout and --kv-cleanup-interval must be positive")
+	case o.drainTimeout < 0:
+		return nil, fmt.Errorf("--drain-timeout must not be negative, got %v", o.drainTimeout)
 	case o.readyWait < 0:
 		return nil, fmt.Errorf("--ready-wait must not be negative (0: no bound), got %v", o.readyWait)
 	case o.queueTimeout < 0:
@@ -258,7 +263,9 @@ func run(ctx context.Context, args []string, stderr io.Writer, ready func(addr s
 		KV:      kvcache.Limits{MaxItems: o.kvMaxItems, MaxBytes: o.kvMaxMB << 20, Threshold: o.kvThreshold},
 		Metrics: scheduler.NewMetrics(reg), Logger: log,
 	}
-	runCtx, cancel := context.WithCancel(ctx)
+	// The loop and the reporters outlive ctx: on SIGTERM they serve the
+	// drain, and stop when run returns.
+	runCtx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	if o.mcURL == "" && (len(o.podLabels) > 0 || len(o.lora) > 0) {
 		log.Warn("labels and LoRA adapters are registered with the metadata center only: without --metadata-center the router's selectors do not see them",
@@ -329,16 +336,36 @@ func run(ctx context.Context, args []string, stderr io.Writer, ready func(addr s
 		return err
 	case <-ctx.Done():
 	}
+	drain(srv, o.drainTimeout, log)
 	sctx, scancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer scancel()
-	// Stop the loop first: running requests end (503) and their handlers
-	// return, so Shutdown does not wait for long generations.
+	// Stop the loop first: what the drain left fails (503) and the
+	// handlers return, so Shutdown does not wait for long generations.
 	cancel()
 	<-schedDone
 	if err := hs.Shutdown(sctx); err != nil {
 		return err
 	}
+	log.Info("worker stopped")
 	return nil
+}
+
+// drain lets the requests the worker accepted finish, for at most timeout:
+// readiness turns false and new requests get 503 with Retry-After at once
+// (the gateway retries them on another replica), the listener stays open
+// so that none is refused a connection meanwhile.
+func drain(srv *server.Server, timeout time.Duration, log *slog.Logger) {
+	srv.Drain()
+	n := srv.InFlight()
+	log.Info("draining: new requests get 503, running and queued ones may finish", "in_flight", n, "drain_timeout", timeout.String())
+	ctx, cancel := context.WithTimeout(context.Background(), timeout)
+	defer cancel()
+	start := time.Now()
+	if err := srv.Drained(ctx); err != nil {
+		log.Warn("drain timeout: the requests still running end with 503", "in_flight", srv.InFlight(), "drain_timeout", timeout.String())
+		return
+	}
+	log.Info("drained", "requests", n, "took", time.Since(start).Round(time.Millisecond).String())
 }
 
 func openEngine(o *options, log *slog.Logger) (engine.Engine, openai.Template, error) {
