@@ -640,3 +640,28 @@ func (o *Owner) Check() error {
 	}
 	return nil
 }
+
+// RunningCells is how many KV cells running requests hold in the compute
+// cache, a prefix two of them share (copied or followed) counted once and
+// parked cells not at all: what vLLM counts as used KV blocks, where idle
+// cached cells are free for the taking.
+func (o *Owner) RunningCells() int {
+	p, _ := o.cells.(Parker)
+	var run [][]int
+	for _, e := range o.books.entries {
+		if e.InUse && (p == nil || !p.Parked(e.Seq)) {
+			run = append(run, e.Tokens)
+		}
+	}
+	// The size of their prefix tree: in lexicographic order each entry
+	// shares the most with a neighbour.
+	slices.SortFunc(run, slices.Compare)
+	n := 0
+	for i, toks := range run {
+		n += len(toks)
+		if i > 0 {
+			n -= commonPrefix(run[i-1], toks)
+		}
+	}
+	return n
+}

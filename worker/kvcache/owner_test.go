@@ -473,3 +473,24 @@ func TestKeepLeavesAnEndedRequestsCellsCached(t *testing.T) {
 		t.Fatal("an entry without cells was kept")
 	}
 }
+
+func TestRunningCellsCountSharedPrefixesOnceAndIdleEntriesNot(t *testing.T) {
+	f := newFixture(t, 4)
+	a := prompt(300, 20, 1)
+	f.bind("a", a)
+	f.write("a", a, 0, len(a))
+	b := prompt(300, 30, 2)
+	f.bind("b", b) // copies a's 300 shared cells
+	f.write("b", b, 300, len(b))
+	if got, want := f.o.RunningCells(), 300+20+30; got != want || f.eng.UsedCells() != want {
+		t.Fatalf("running cells %d (engine %d), want %d", got, f.eng.UsedCells(), want)
+	}
+	f.o.Finish("a")
+	if got := f.o.RunningCells(); got != len(b) {
+		t.Fatalf("running cells %d after a finished, want b's %d: idle cells count free", got, len(b))
+	}
+	f.o.Finish("b")
+	if got := f.o.RunningCells(); got != 0 || f.eng.UsedCells() == 0 {
+		t.Fatalf("running cells %d with nothing running (%d cells cached)", got, f.eng.UsedCells())
+	}
+}

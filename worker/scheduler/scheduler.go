@@ -132,6 +132,7 @@ type Scheduler struct {
 	aside engine.Aside   // nil: the engine has no room aside
 	kv    *kvcache.Owner // seq ids, cells, entries and reports, kept together
 	m     *Metrics
+	vllm  *vllmSeries // ExportVLLM's histograms; nil: not exported
 	log   *slog.Logger
 	wake  chan struct{}
 	ctl   chan func()
@@ -142,8 +143,9 @@ type Scheduler struct {
 	drain   drainRate // how fast the queue empties into the running set
 	running int       // published for Stats
 	// published for Stats (the pod's signals to the router): prompt tokens
-	// of the running set still to prefill, and KV cells in use.
-	setPrefill, kvUsed int
+	// of the running set still to prefill, KV cells in use, and those
+	// running requests hold.
+	setPrefill, kvUsed, kvRunning int
 
 	// loop-owned
 	set      []*task // the running set, in admission order
@@ -175,7 +177,8 @@ type task struct {
 	submitted   time.Time
 	admitted    time.Time
 	firstAt     time.Time
-	waitRel     uint64 // preempted: do not take a seq id before releases passes this
+	lastTokAt   time.Time // the last token sampled (vLLM's time per output token)
+	waitRel     uint64    // preempted: do not take a seq id before releases passes this
 	preemptions int
 	following   bool   // waits for a running request to write the prefix it shares
 	shareTo     int    // following: how far the leader's cells will be shared
@@ -356,6 +359,9 @@ type Stats struct {
 	// otherwise the KV-cache manager's tokens, which count a shared prefix
 	// once per entry), of KVCells.
 	KVCellsUsed, KVCells int
+	// KVCellsRunning are the cells running requests hold in the KV cache
+	// (a shared prefix once): KVCellsUsed without the idle cache entries'.
+	KVCellsRunning int
 }
 
 // Stats returns queue and running-set sizes, as of the last step for the
@@ -363,7 +369,8 @@ type Stats struct {
 func (s *Scheduler) Stats() Stats {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	st := Stats{Queued: len(s.queue), Running: s.running, PrefillTokens: s.setPrefill, KVCellsUsed: s.kvUsed, KVCells: s.info.NCtx}
+	st := Stats{Queued: len(s.queue), Running: s.running, PrefillTokens: s.setPrefill, KVCellsUsed: s.kvUsed, KVCells: s.info.NCtx,
+		KVCellsRunning: s.kvRunning}
 	for _, t := range s.queue {
 		if t.uncached > 0 {
 			st.PrefillTokens += t.uncached
@@ -1080,8 +1087,17 @@ func (s *Scheduler) apply(spans []engine.Span, tasks []*task, out []int) {
 		if tok < 0 {
 			continue
 		}
+		now := time.Now()
+		if s.vllm != nil {
+			if t.nGen == 0 {
+				s.vllm.ttft.Observe(now.Sub(t.submitted).Seconds())
+			} else {
+				s.vllm.tpot.Observe(now.Sub(t.lastTokAt).Seconds())
+			}
+		}
+		t.lastTokAt = now
 		if t.nGen == 0 {
-			t.firstAt = time.Now()
+			t.firstAt = now
 			s.m.ttft.Observe(t.firstAt.Sub(t.submitted).Seconds())
 			s.m.promptTokens.WithLabelValues("cached").Add(float64(t.cached))
 			s.m.promptTokens.WithLabelValues("computed").Add(float64(len(t.req.Prompt) - t.cached))
@@ -1207,13 +1223,13 @@ func (s *Scheduler) publish() {
 			prefill += max(0, len(t.toks)-done)
 		}
 	}
-	used := s.usedCells()
+	used, running := s.usedCells(), s.kv.RunningCells()
 	s.mu.Lock()
 	for _, t := range s.queue {
 		s.estimate(t, &ahead)
 	}
 	s.running = len(s.set)
-	s.setPrefill, s.kvUsed = prefill, used
+	s.setPrefill, s.kvUsed, s.kvRunning = prefill, used, running
 	s.mu.Unlock()
 	s.m.running.WithLabelValues("PENDING").Set(float64(pending))
 	s.m.running.WithLabelValues("PROCESSING").Set(float64(processing))

@@ -42,6 +42,7 @@ type opts struct {
 	sched      scheduler.Config
 	mc         *mcreport.Reporter
 	logger     *slog.Logger
+	vllm       bool // export the vLLM metrics (scheduler.ExportVLLM)
 }
 
 func startWorker(t *testing.T, o opts) *worker {
@@ -66,6 +67,11 @@ func startWorker(t *testing.T, o opts) *worker {
 	sched, err := scheduler.New(eng, o.sched)
 	if err != nil {
 		t.Fatal(err)
+	}
+	if o.vllm {
+		if err := sched.ExportVLLM(reg, "tiny", nil); err != nil {
+			t.Fatal(err)
+		}
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan struct{})

@@ -298,6 +298,10 @@ func run(ctx context.Context, args []string, stderr io.Writer, ready func(addr s
 	if err != nil {
 		return err
 	}
+	// Beside ours, the series a vLLM-reading endpoint picker scrapes.
+	if err := sched.ExportVLLM(reg, info.Name, o.adapterNames()); err != nil {
+		return err
+	}
 	if reporter != nil {
 		reporterDone = make(chan struct{})
 		go func() { reporter.Run(runCtx); close(reporterDone) }()
