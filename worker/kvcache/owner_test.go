@@ -266,24 +266,6 @@ func TestNoSeqWhenEveryIDRuns(t *testing.T) {
 	f.check()
 }
 
-func TestNoFollowSharesOnlyWrittenCells(t *testing.T) {
-	eng, err := sim.New(sim.Config{NSeqMax: 4, NCtx: 8192, Sleep: func(time.Duration) {}})
-	if err != nil {
-		t.Fatal(err)
-	}
-	o, err := NewOwner(OwnerConfig{Limits: Limits{Threshold: 0.8}, NSeqMax: 4, Cells: eng, NoFollow: true})
-	if err != nil {
-		t.Fatal(err)
-	}
-	f := &fixture{t: t, o: o, eng: eng, rep: &recorder{}}
-	lead := prompt(1000, 3, 1)
-	f.bind("lead", lead)
-	f.write("lead", lead, 0, 512)
-	if b := f.bind("fol", prompt(1000, 4, 2)); b.Leader != "" || b.Reused != 512 {
-		t.Fatalf("without following: %+v; want the 512 written cells and no leader", b)
-	}
-}
-
 // parking is the simulated engine plus a record of what the owner parked,
 // as the llama engine parks a finished entry's cells in host memory.
 type parking struct {

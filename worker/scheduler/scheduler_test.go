@@ -48,7 +48,7 @@ func newRig(t *testing.T, sc sim.Config, cfg Config, start bool) *rig {
 		r.evicts = append(r.evicts, slices.Clone(h))
 		r.mu.Unlock()
 	}
-	r.s, err = New(eng, cfg)
+	r.s, err = New(eng, cfg.WithDefaults())
 	if err != nil {
 		t.Fatal(err)
 	}

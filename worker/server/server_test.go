@@ -64,7 +64,7 @@ func startWorker(t *testing.T, o opts) *worker {
 		o.sched.OnEvictAt = o.mc.EvictAt
 		cfg.Evictions = o.mc.Recent
 	}
-	sched, err := scheduler.New(eng, o.sched)
+	sched, err := scheduler.New(eng, o.sched.WithDefaults())
 	if err != nil {
 		t.Fatal(err)
 	}
