@@ -553,8 +553,8 @@ func TestConcurrentChurnLeaksNothing(t *testing.T) {
 					return
 				}
 				if rng.IntN(4) == 0 {
-					time.Sleep(time.Duration(rng.IntN(2000)) * time.Microsecond)
-					cancel()
+					// The client leaves at a random moment of its request.
+					time.AfterFunc(time.Duration(rng.IntN(2000))*time.Microsecond, cancel)
 				}
 				res, _ := h.Wait(context.Background())
 				cancel()
@@ -660,9 +660,7 @@ func TestQueueWaitTimesOutAndLeaksNothing(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	for r.s.Stats().Running != 1 {
-		time.Sleep(time.Millisecond)
-	}
+	waitFor(t, "the long request to run", func() bool { return r.s.Stats().Running == 1 })
 	var queued []*Handle
 	for i := range 2 {
 		h, err := r.s.Submit(context.Background(), &Request{ID: fmt.Sprint("q", i), Prompt: prompt(r.eng, "wait"), MaxTokens: 1})
@@ -759,9 +757,7 @@ func TestARequestThatNeverRanReportsItsUnheldHashes(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	for r.s.Stats().Running != 1 {
-		time.Sleep(time.Millisecond)
-	}
+	waitFor(t, "the long request to run", func() bool { return r.s.Stats().Running == 1 })
 	r.inspect(t, func(View) {}) // "long" is bound: its entry holds 1 and 2
 	gctx, leave := context.WithCancel(context.Background())
 	gone, err := r.s.Submit(gctx, &Request{ID: "gone", Prompt: prompt(r.eng, "wait"), MaxTokens: 1, Hashes: []prefix.Hash{1, 3, 4}})
@@ -806,6 +802,8 @@ func TestQueueRefusesWhatItWouldTimeOut(t *testing.T) {
 	p := prompt(r.eng, "x")
 	var hs []*Handle
 	refusedAtSubmit := 0
+	arrivals := time.NewTicker(5 * time.Millisecond)
+	defer arrivals.Stop()
 	for i := range 40 {
 		h, err := r.s.Submit(context.Background(), &Request{ID: fmt.Sprint(i), Prompt: p, MaxTokens: 40, MinTokens: 40})
 		switch {
@@ -816,7 +814,7 @@ func TestQueueRefusesWhatItWouldTimeOut(t *testing.T) {
 		default:
 			hs = append(hs, h)
 		}
-		time.Sleep(5 * time.Millisecond) // arrivals, not one burst
+		<-arrivals.C // arrivals, not one burst
 	}
 	completed, shed, timedOut := 0, refusedAtSubmit, 0
 	for _, h := range hs {
