@@ -13,6 +13,7 @@ import (
 	"path/filepath"
 	"regexp"
 	"slices"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -485,6 +486,7 @@ func checkWorkerPod(t *testing.T, d *appsv1.Deployment) {
 	if c.Resources.Requests.Cpu().IsZero() || c.Resources.Limits.Memory().IsZero() {
 		t.Errorf("%s: resources not set", d.Name)
 	}
+	checkWorkerDrain(t, d.Name, spec, c)
 	ann := d.Spec.Template.Annotations
 	if ann["prometheus.io/scrape"] != "true" || ann["prometheus.io/path"] != "/metrics" {
 		t.Errorf("%s: Prometheus scrape annotations missing: %v", d.Name, ann)
@@ -505,6 +507,43 @@ func checkWorkerPod(t *testing.T, d *appsv1.Deployment) {
 	}
 	if e, _ := flagValue(c.Args, "engine"); e != "llama" && e != "sim" {
 		t.Errorf("%s: --engine=%q", d.Name, e)
+	}
+}
+
+// checkWorkerDrain checks that a worker pod drains before the kubelet
+// kills it: its preStop pause, then --drain-timeout (the worker's default,
+// 100s, when unset), both within terminationGracePeriodSeconds.
+func checkWorkerDrain(t *testing.T, name string, spec corev1.PodSpec, c corev1.Container) {
+	t.Helper()
+	if spec.TerminationGracePeriodSeconds == nil {
+		t.Errorf("%s: no terminationGracePeriodSeconds", name)
+		return
+	}
+	grace := time.Duration(*spec.TerminationGracePeriodSeconds) * time.Second
+	drain := 100 * time.Second
+	if v, ok := flagValue(c.Args, "drain-timeout"); ok {
+		var err error
+		if drain, err = time.ParseDuration(v); err != nil {
+			t.Errorf("%s: --drain-timeout=%s: %v", name, v, err)
+		}
+	}
+	var pause time.Duration
+	switch h := c.Lifecycle; {
+	case h == nil || h.PreStop == nil:
+		t.Errorf("%s: no preStop hook: the endpoint may still get requests after SIGTERM", name)
+	case h.PreStop.Sleep != nil:
+		pause = time.Duration(h.PreStop.Sleep.Seconds) * time.Second
+	case h.PreStop.Exec != nil && len(h.PreStop.Exec.Command) == 2 && strings.HasSuffix(h.PreStop.Exec.Command[0], "sleep"):
+		n, err := strconv.Atoi(h.PreStop.Exec.Command[1])
+		if err != nil {
+			t.Errorf("%s: preStop %v", name, h.PreStop.Exec.Command)
+		}
+		pause = time.Duration(n) * time.Second
+	default:
+		t.Errorf("%s: preStop %+v, want a pause (sleep)", name, h.PreStop)
+	}
+	if pause+drain >= grace || drain < 30*time.Second {
+		t.Errorf("%s: preStop %v + --drain-timeout %v, want at least 30s of drain and below the grace period %v", name, pause, drain, grace)
 	}
 }
 

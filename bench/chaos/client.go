@@ -54,7 +54,8 @@ type Record struct {
 
 // Client sends chat completions the way an SDK behind a client-side load
 // balancer does: a connection error before any answer is retried on the
-// next gateway at once, a 429 after its Retry-After (capped), at most
+// next gateway at once, a 429 (or a 503 with Retry-After: a draining
+// worker) after its Retry-After (capped), at most
 // MaxRetries times (the OpenAI SDKs' default is 2). Other statuses are
 // answers and are not retried, so that the run counts what faults do.
 // Every request asks for a fixed length (client.Request.FixedLength).
@@ -118,6 +119,12 @@ func retryable(res client.Result) (retry string, wait time.Duration) {
 			wait = time.Duration(s) * time.Second
 		}
 		return "429", min(wait, maxRetryAfter)
+	}
+	// A draining worker's 503 says when to come back, as the OpenAI SDKs
+	// (which retry 5xx) honour: retried like a 429. A 503 without
+	// Retry-After is an answer.
+	if s, err := strconv.Atoi(res.Header.Get("Retry-After")); res.Status == http.StatusServiceUnavailable && err == nil && s >= 0 {
+		return "503", min(time.Duration(s)*time.Second, maxRetryAfter)
 	}
 	return "", 0
 }

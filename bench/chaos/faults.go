@@ -2,6 +2,7 @@ package chaos
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"net/http"
 	"sync"
@@ -9,6 +10,10 @@ import (
 
 	"github.com/istio-llm-filter/istio-llm-filter/bench/fleet"
 )
+
+// rollingDrain bounds one worker's drain in the rolling restart: above the
+// workers' request timeout (30 s), as --drain-timeout is in deploy/.
+const rollingDrain = 45 * time.Second
 
 // inFlightAt reports whether r was outstanding at t.
 func inFlightAt(r Record, t time.Duration) bool { return r.Start <= t && t <= r.End }
@@ -50,6 +55,35 @@ func buildFaults(names []string, f *fleet.Fleet, load *Load, cfg Config, start t
 					// Streams known to be on it, and unstreamed requests in
 					// flight at the kill whose pod is unknown or it.
 					return ids[r.ID] || (inFlightAt(r, at) && (r.Worker == addr || r.Worker == ""))
+				},
+			}
+		case "rolling-restart":
+			// Every simulated worker in turn, as a Deployment rollout
+			// replaces pods one at a time: SIGTERM (the worker drains:
+			// streams finish, new requests get 503 + Retry-After), start
+			// it again on its address, wait until it answers, next. The
+			// aim: no stream cut, no request lost.
+			sims := len(f.Workers)
+			if cfg.Llama {
+				sims--
+			}
+			ft = Fault{Name: name,
+				What: fmt.Sprintf("restart the %d simulated workers one by one: SIGTERM (drain, up to %v), start again on the same address once it exited",
+					sims, rollingDrain),
+				Inject: func(ctx context.Context) error {
+					var errs []error
+					for i := range sims {
+						if ctx.Err() != nil {
+							break
+						}
+						if err := f.DrainWorker(i, rollingDrain); err != nil {
+							errs = append(errs, err)
+						}
+						if err := f.RestartWorker(context.WithoutCancel(ctx), i); err != nil {
+							errs = append(errs, err)
+						}
+					}
+					return errors.Join(errs...)
 				},
 			}
 		case "redis-restart":
@@ -133,7 +167,7 @@ func buildFaults(names []string, f *fleet.Fleet, load *Load, cfg Config, start t
 				},
 			}
 		default:
-			return nil, fmt.Errorf("unknown fault %q (known: %v)", name, FaultNames)
+			return nil, fmt.Errorf("unknown fault %q (known: %v, and %v)", name, FaultNames, OptInFaults)
 		}
 		out = append(out, ft)
 	}

@@ -90,11 +90,17 @@ func (c *Config) defaults() {
 // Names of every fault, in the default order.
 var FaultNames = []string{"worker-kill", "redis-restart", "redis-pause", "mc-restart", "gateway-kill", "slow-worker", "client-disconnect", "burst"}
 
+// OptInFaults run only when named (--faults): rolling-restart misses its
+// aim until the router stops sending new requests to a draining worker
+// (it answers them 503 with Retry-After; the gateway neither retries nor
+// avoids it).
+var OptInFaults = []string{"rolling-restart"}
+
 func (c Config) spec() fleet.Spec {
 	// The workers' own timeout (408) well inside the client's, so that a
 	// request the fleet gives up on still gets an answer.
 	wargs := append([]string{"--max-queue", fmt.Sprint(c.WorkerQueue), "--max-concurrent-requests", fmt.Sprint(c.WorkerRunning),
-		"--request-timeout", "30s", "--log-level", "warn"}, c.WorkerArgs...)
+		"--request-timeout", "30s", "--drain-timeout", "40s", "--log-level", "warn"}, c.WorkerArgs...)
 	s := fleet.Spec{
 		BinDir: c.Bin, LogDir: filepath.Join(c.Out, "logs"), Engine: "sim", Workers: c.SimWorkers,
 		Model: c.Model, ModelName: "tiny", Policy: "cache_aware", WorkerArgs: wargs,

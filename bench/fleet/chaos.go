@@ -7,6 +7,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"syscall"
+	"time"
 
 	"github.com/istio-llm-filter/istio-llm-filter/internal/cpulimit"
 )
@@ -47,6 +48,32 @@ func (f *Fleet) RestartWorker(ctx context.Context, i int) error {
 		return err
 	}
 	return waitHealthy(ctx, "http://"+f.Workers[i]+"/healthz")
+}
+
+// DrainWorker stops worker i the way the kubelet stops a pod: SIGTERM,
+// then its drain (running and queued requests finish, new ones get 503)
+// for at most within, then SIGKILL. It reports how the process ended: an
+// error unless it exited 0 by itself.
+func (f *Fleet) DrainWorker(i int, within time.Duration) error {
+	p := f.workers[i]
+	if p == nil {
+		return fmt.Errorf("worker %d is not running", i)
+	}
+	defer f.forget(p)
+	_ = p.Process.Signal(syscall.SIGTERM)
+	done := make(chan error, 1)
+	go func() { done <- p.Wait() }()
+	select {
+	case err := <-done:
+		if err != nil {
+			return fmt.Errorf("worker %d drained and exited: %w", i, err)
+		}
+		return nil
+	case <-time.After(within):
+		_ = p.Process.Kill()
+		<-done
+		return fmt.Errorf("worker %d still draining after %v: killed", i, within)
+	}
 }
 
 // SetWorkerCPUs changes worker i's CPU quota (a slow pod), giving it one

@@ -133,23 +133,3 @@ type Engine interface {
 
 	Close() error
 }
-
-// Aside is implemented by engines that can prefill one prompt away from the
-// sequences sharing the KV cache (engine/llama: a second llama.cpp context
-// on the same weights). In llama.cpp's unified cache a prefill attends over
-// every running sequence's cells; aside it attends over its own only, so a
-// long cold prompt can make progress beside requests that are decoding
-// without paying for their cells (docs/worker.md, "Prefill aside").
-type Aside interface {
-	// AsideCells is the most positions the sequence aside may hold; 0: the
-	// engine has no room aside.
-	AsideCells() int
-	// PrefillAside evaluates tokens at positions pos, pos+1, … of seq
-	// aside, at most NBatch of them. On the first call for a sequence, the
-	// pos cells it holds (an adopted prefix, pos may be 0) are copied aside
-	// and stay in the KV cache; a call for another sequence drops what the
-	// earlier one held aside. The next Step with seq first writes the cells
-	// computed aside into the KV cache after that prefix (ErrKVFull when
-	// there is no room, nothing lost); Remove drops them.
-	PrefillAside(seq, pos int, tokens []int) error
-}

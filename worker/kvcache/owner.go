@@ -4,7 +4,6 @@ import (
 	"errors"
 	"fmt"
 	"slices"
-	"strings"
 	"time"
 
 	"github.com/istio-llm-filter/istio-llm-filter/prefix"
@@ -20,33 +19,6 @@ type Cells interface {
 	Copy(src, dst, from, to int)
 	// Remove drops seq's cells at positions >= from.
 	Remove(seq, from int)
-}
-
-// Parker is implemented by Cells that can move an idle sequence's cells out
-// of the compute cache (llama.cpp: into host memory, where they no longer
-// slow down every other sequence's attention) and bring them back by
-// themselves when the sequence is used again.
-type Parker interface {
-	// Park moves seq's cells out; the next Step, Copy or Remove that
-	// touches seq sees them as before.
-	Park(seq int)
-	// Parked reports whether seq's cells are out: evicting its entry
-	// frees no room in the compute cache.
-	Parked(seq int) bool
-}
-
-// ParkBudget is implemented by Parkers whose parked host memory is bounded
-// (llama.cpp: --kv-park-max-bytes). The Owner keeps ParkedBytes within
-// ParkLimit when it parks an entry, evicting idle parked entries through
-// its normal eviction path (reports and all) first.
-type ParkBudget interface {
-	// ParkBytes is the host memory seq takes parked, or would take if
-	// parked now.
-	ParkBytes(seq int) int64
-	// ParkedBytes is the host memory all parked sequences take.
-	ParkedBytes() int64
-	// ParkLimit is the bound on ParkedBytes.
-	ParkLimit() int64
 }
 
 // Reports receives what the router's cache index must learn. Both are
@@ -85,9 +57,6 @@ type OwnerConfig struct {
 	// OnEvict counts an entry evicted to make room ("seq_ids", "kv_full",
 	// "threshold"); optional.
 	OnEvict func(cause string)
-	// NoFollow turns following off: a request shares only cells already
-	// written (benchmarks compare the two).
-	NoFollow bool
 }
 
 // Owner is the one owner of the KV state: seq ids (seqpool), the cells
@@ -106,7 +75,6 @@ type Owner struct {
 	cells   Cells
 	reports Reports
 	onEvict func(string)
-	follow  bool
 }
 
 // NewOwner validates cfg.
@@ -122,7 +90,7 @@ func NewOwner(cfg OwnerConfig) (*Owner, error) {
 	if err != nil {
 		return nil, err
 	}
-	return &Owner{books: books, pool: pool, cells: cfg.Cells, reports: cfg.Reports, onEvict: cfg.OnEvict, follow: !cfg.NoFollow}, nil
+	return &Owner{books: books, pool: pool, cells: cfg.Cells, reports: cfg.Reports, onEvict: cfg.OnEvict}, nil
 }
 
 // Books are the entries, for reading (metrics, inspection, tests).
@@ -252,141 +220,6 @@ func (o *Owner) add(id string, seq int, toks []int, hashes []prefix.Hash) {
 	}
 }
 
-// lead makes f follow the running entry, itself no follower, whose planned
-// prompt shares the longest prefix with f's beyond what f holds — if any.
-func (o *Owner) lead(f *Entry) {
-	f.leader, f.shareTo = "", 0
-	if !o.follow {
-		return
-	}
-	limit := len(f.planned) - 1
-	best, bestN := (*Entry)(nil), len(f.Tokens)
-	for _, e := range o.books.entries {
-		if e == f || !e.InUse || e.leader != "" || len(e.planned) <= len(e.Tokens) {
-			continue // only a prefill in progress will write more
-		}
-		n := min(commonPrefix(e.planned, f.planned), limit)
-		if n < bestN || n == 0 {
-			continue
-		}
-		// Ties: the one furthest ahead, then the id, so the choice does
-		// not depend on map order.
-		if best == nil || n > bestN || len(e.Tokens) > len(best.Tokens) ||
-			(len(e.Tokens) == len(best.Tokens) && e.ID < best.ID) {
-			best, bestN = e, n
-		}
-	}
-	if best != nil && bestN > len(f.Tokens) {
-		f.leader, f.shareTo = best.ID, bestN
-	}
-}
-
-// Shared is how much of toks a request bound next would not compute
-// itself: the longest prefix that the books hold or, with following on,
-// that a running request's prompt or one of ahead (prompts that bind
-// before it) will write. The last token is always evaluated.
-func (o *Owner) Shared(toks []int, ahead [][]int) int {
-	n := 0
-	for _, e := range o.books.entries {
-		n = max(n, commonPrefix(e.Tokens, toks))
-		if o.follow && e.InUse {
-			n = max(n, commonPrefix(e.planned, toks))
-		}
-	}
-	if o.follow {
-		for _, a := range ahead {
-			n = max(n, commonPrefix(a, toks))
-		}
-	}
-	return min(n, len(toks)-1)
-}
-
-// Follow catches request id up with its leader: the cells the leader wrote
-// since are shared into id's sequence. It returns how many cells id holds
-// and whether it still waits for more (the caller gives it no prefill work
-// meanwhile). A follower whose leader is gone, or no longer ahead, stops
-// following and computes the rest itself.
-func (o *Owner) Follow(id string) (held int, waiting bool) {
-	f, ok := o.books.Get(id)
-	if !ok {
-		return 0, false
-	}
-	if f.leader == "" {
-		return len(f.Tokens), false
-	}
-	l, ok := o.books.Get(f.leader)
-	if !ok {
-		f.leader, f.shareTo = "", 0
-		return len(f.Tokens), false
-	}
-	have := len(f.Tokens)
-	if upto := min(len(l.Tokens), f.shareTo); upto > have {
-		o.cells.Copy(l.Seq, f.Seq, have, upto)
-		o.books.Append(id, l.Tokens[have:upto]...)
-		o.books.Touch(l.ID)
-	}
-	if len(f.Tokens) >= f.shareTo || !l.InUse {
-		f.leader, f.shareTo = "", 0
-		return len(f.Tokens), false
-	}
-	return len(f.Tokens), true
-}
-
-// Followers counts the entries following id.
-func (o *Owner) Followers(id string) int {
-	n := 0
-	for _, e := range o.books.entries {
-		if e.leader == id {
-			n++
-		}
-	}
-	return n
-}
-
-// abdicate is the first half of a leader leaving: each follower takes
-// every cell the leader wrote that it shares and stops following. The
-// caller then changes the leader's entry and calls relead.
-func (o *Owner) abdicate(id string) []*Entry {
-	var fs []*Entry
-	for _, e := range o.books.entries {
-		if e.leader == id {
-			fs = append(fs, e)
-		}
-	}
-	for _, f := range fs {
-		o.Follow(f.ID)
-		f.leader, f.shareTo = "", 0
-	}
-	return fs
-}
-
-// relead finds the former followers new leaders: the one that will share
-// the most looks first, finds none among them and computes the rest
-// itself; the others then follow it. So a cancelled or preempted leader
-// loses nobody's work, and the shared prefix is still computed once.
-func (o *Owner) relead(fs []*Entry) {
-	slices.SortFunc(fs, func(a, b *Entry) int {
-		if c := len(b.planned) - len(a.planned); c != 0 {
-			return c
-		}
-		return strings.Compare(a.ID, b.ID)
-	})
-	// Those not placed yet can lead nobody (lead skips followers).
-	for _, f := range fs {
-		f.leader = unplaced
-	}
-	for _, f := range fs {
-		if _, ok := o.books.Get(f.ID); ok {
-			o.lead(f)
-		} else {
-			f.leader = ""
-		}
-	}
-}
-
-// unplaced marks a former follower relead has not placed yet.
-const unplaced = "\x00unplaced"
-
 // Append records tokens whose cells id just wrote after its last one.
 func (o *Owner) Append(id string, toks ...int) { o.books.Append(id, toks...) }
 
@@ -405,69 +238,32 @@ func (o *Owner) Finish(id string) {
 	}
 }
 
-// park moves idle entry e's cells to host memory if the cells can be
-// parked and the bound allows, after evicting idle parked entries in
-// Victim order (cause "park_bytes") until e fits. An entry that cannot fit
-// — larger than the bound alone, or the bound taken by sequences that are
-// not idle entries (a running request's copy of a parked prefix, restored
-// at its first step) — stays in the KV cache, still cached: it costs
-// attention time like with --kv-park-idle=false, and KV-full eviction
-// (EvictForRoom) takes it before any parked entry when room is needed.
-// Evicting it instead would throw away a conversation the cache still
-// holds.
-func (o *Owner) park(e *Entry) {
-	p, ok := o.cells.(Parker)
-	if !ok || p.Parked(e.Seq) {
+// Keep turns id's running entry into an idle cache entry as Finish does,
+// for a request that ended early (its client left, its time ran out): the
+// cells it wrote stay for the request that retries it, as vLLM's prefix
+// cache and SGLang's radix cache keep an aborted request's blocks. A
+// follower first takes what its leader wrote. An entry holding fewer cells
+// than the prompt's tokens gives up the prompt's hashes (reported
+// evicted where no other entry holds them): the router indexes whole
+// prompts, and must not send this prompt here on the strength of part of
+// it. An entry with no cells is released.
+func (o *Owner) Keep(id string, prompt int) {
+	e, ok := o.books.Get(id)
+	if !ok {
 		return
 	}
-	if b, ok := o.cells.(ParkBudget); ok {
-		need := b.ParkBytes(e.Seq)
-		limit := b.ParkLimit()
-		// What evicting every other idle parked entry could free: if even
-		// that is not enough, evict nothing.
-		var keep []string
-		var freeable int64
-		for _, x := range o.books.entries {
-			if x.InUse {
-				continue
-			}
-			if x != e && p.Parked(x.Seq) {
-				freeable += b.ParkBytes(x.Seq)
-			} else {
-				keep = append(keep, x.ID)
-			}
-		}
-		if need > limit || b.ParkedBytes()-freeable+need > limit {
-			return
-		}
-		// need is read again after each eviction: evicting the entry whose
-		// bytes e would be parked on (its root, docs/worker.md "Seq ids and
-		// the KV cache") makes e take all of its own.
-		for b.ParkedBytes()+need > limit {
-			if !o.evictOne("park_bytes", keep...) {
-				return
-			}
-			if need = b.ParkBytes(e.Seq); need > limit {
-				return
-			}
-		}
+	if e.leader != "" {
+		o.Follow(id)
+		e.leader, e.shareTo = "", 0
 	}
-	p.Park(e.Seq)
-}
-
-// Swap moves running entry id's cells to host memory, as park does for an
-// idle one, and reports whether they went: on KV full the scheduler
-// swaps out a request that has more work to do rather than drop cells it
-// would compute again (they come back with its next step). Entries that
-// lead or follow others keep their cells: followers copy from a leader's.
-func (o *Owner) Swap(id string) bool {
-	e, ok := o.books.Get(id)
-	p, can := o.cells.(Parker)
-	if !ok || !can || !e.InUse || p.Parked(e.Seq) || e.leader != "" || o.Followers(id) > 0 {
-		return false
+	if len(e.Tokens) == 0 {
+		o.Release(id)
+		return
 	}
-	o.park(e)
-	return p.Parked(e.Seq)
+	if len(e.Tokens) < prompt {
+		o.evicted(o.books.SetHashes(id, nil))
+	}
+	o.Finish(id)
 }
 
 // Release drops id's cells and frees its seq id (a request that failed,
@@ -611,4 +407,29 @@ func (o *Owner) Check() error {
 		}
 	}
 	return nil
+}
+
+// RunningCells is how many KV cells running requests hold in the compute
+// cache, a prefix two of them share (copied or followed) counted once and
+// parked cells not at all: what vLLM counts as used KV blocks, where idle
+// cached cells are free for the taking.
+func (o *Owner) RunningCells() int {
+	p, _ := o.cells.(Parker)
+	var run [][]int
+	for _, e := range o.books.entries {
+		if e.InUse && (p == nil || !p.Parked(e.Seq)) {
+			run = append(run, e.Tokens)
+		}
+	}
+	// The size of their prefix tree: in lexicographic order each entry
+	// shares the most with a neighbour.
+	slices.SortFunc(run, slices.Compare)
+	n := 0
+	for i, toks := range run {
+		n += len(toks)
+		if i > 0 {
+			n -= commonPrefix(run[i-1], toks)
+		}
+	}
+	return n
 }

@@ -266,24 +266,6 @@ func TestNoSeqWhenEveryIDRuns(t *testing.T) {
 	f.check()
 }
 
-func TestNoFollowSharesOnlyWrittenCells(t *testing.T) {
-	eng, err := sim.New(sim.Config{NSeqMax: 4, NCtx: 8192, Sleep: func(time.Duration) {}})
-	if err != nil {
-		t.Fatal(err)
-	}
-	o, err := NewOwner(OwnerConfig{Limits: Limits{Threshold: 0.8}, NSeqMax: 4, Cells: eng, NoFollow: true})
-	if err != nil {
-		t.Fatal(err)
-	}
-	f := &fixture{t: t, o: o, eng: eng, rep: &recorder{}}
-	lead := prompt(1000, 3, 1)
-	f.bind("lead", lead)
-	f.write("lead", lead, 0, 512)
-	if b := f.bind("fol", prompt(1000, 4, 2)); b.Leader != "" || b.Reused != 512 {
-		t.Fatalf("without following: %+v; want the 512 written cells and no leader", b)
-	}
-}
-
 // parking is the simulated engine plus a record of what the owner parked,
 // as the llama engine parks a finished entry's cells in host memory.
 type parking struct {
@@ -412,5 +394,85 @@ func TestEvictionsAreStampedWhenTheyHappen(t *testing.T) {
 	after := time.Now()
 	if !slices.Equal(rep.evicted, []prefix.Hash{11}) || len(rep.at) != 1 || rep.at[0].Before(before) || rep.at[0].After(after) {
 		t.Fatalf("evicted %v at %v, want [11] between %v and %v", rep.evicted, rep.at, before, after)
+	}
+}
+
+func TestKeepLeavesAnEndedRequestsCellsCached(t *testing.T) {
+	f := newFixture(t, 4)
+	hs := []prefix.Hash{1, 2}
+	// Ended after its first token: the whole prompt stays, hashes and all.
+	a := prompt(400, 20, 1)
+	f.bind("a", a, hs...)
+	f.write("a", a, 0, len(a))
+	f.o.Keep("a", len(a))
+	f.check()
+	if e, ok := f.o.Books().Get("a"); !ok || e.InUse || len(e.Tokens) != len(a) || len(e.Hashes) != 2 {
+		t.Fatalf("kept entry %+v (%v)", e, ok)
+	}
+	if len(f.rep.evicted) != 0 {
+		t.Fatalf("evicted %v", f.rep.evicted)
+	}
+	if b := f.bind("retry", a, hs...); b.Reused != len(a)-1 {
+		t.Fatalf("the retry reused %d of %d", b.Reused, len(a))
+	}
+	f.write("retry", a, len(a)-1, len(a))
+	f.o.Finish("retry")
+
+	// Ended mid-prefill: the cells stay, the whole prompt's hashes go.
+	hb := []prefix.Hash{3, 4}
+	b := vt(900, 7)
+	f.bind("b", b, hb...)
+	f.write("b", b, 0, 512)
+	f.o.Keep("b", len(b))
+	f.check()
+	if e, ok := f.o.Books().Get("b"); !ok || e.InUse || len(e.Tokens) != 512 || len(e.Hashes) != 0 {
+		t.Fatalf("kept partial entry %+v (%v)", e, ok)
+	}
+	if !slices.Equal(f.rep.evicted, hb) {
+		t.Fatalf("evicted %v, want the partial prompt's %v", f.rep.evicted, hb)
+	}
+
+	// A follower ended while waiting keeps what its leader wrote so far.
+	lead := append(vt(1500, 20), vt(10, 1)...)
+	f.bind("lead", lead)
+	f.write("lead", lead, 0, 512)
+	fol := append(vt(1500, 20), vt(7, 2)...)
+	if bd := f.bind("fol", fol); bd.Leader != "lead" {
+		t.Fatalf("%+v", bd)
+	}
+	f.write("lead", lead, 512, 1024)
+	f.o.Keep("fol", len(fol))
+	f.check()
+	if e, ok := f.o.Books().Get("fol"); !ok || e.InUse || len(e.Tokens) != 1024 || f.o.Followers("lead") != 0 {
+		t.Fatalf("kept follower %+v (%v)", e, ok)
+	}
+
+	// Nothing written: nothing kept.
+	f.bind("empty", vt(40, 60000))
+	f.o.Keep("empty", 40)
+	f.check()
+	if f.o.Holds("empty") {
+		t.Fatal("an entry without cells was kept")
+	}
+}
+
+func TestRunningCellsCountSharedPrefixesOnceAndIdleEntriesNot(t *testing.T) {
+	f := newFixture(t, 4)
+	a := prompt(300, 20, 1)
+	f.bind("a", a)
+	f.write("a", a, 0, len(a))
+	b := prompt(300, 30, 2)
+	f.bind("b", b) // copies a's 300 shared cells
+	f.write("b", b, 300, len(b))
+	if got, want := f.o.RunningCells(), 300+20+30; got != want || f.eng.UsedCells() != want {
+		t.Fatalf("running cells %d (engine %d), want %d", got, f.eng.UsedCells(), want)
+	}
+	f.o.Finish("a")
+	if got := f.o.RunningCells(); got != len(b) {
+		t.Fatalf("running cells %d after a finished, want b's %d: idle cells count free", got, len(b))
+	}
+	f.o.Finish("b")
+	if got := f.o.RunningCells(); got != 0 || f.eng.UsedCells() == 0 {
+		t.Fatalf("running cells %d with nothing running (%d cells cached)", got, f.eng.UsedCells())
 	}
 }

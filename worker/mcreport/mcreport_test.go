@@ -319,7 +319,7 @@ func testSupersede(t *testing.T, st store.Store) {
 		}
 	}
 	save(21, 22, 23)
-	time.Sleep(3 * time.Millisecond) // the evictions come strictly after those saves
+	clockPasses(t, time.Now()) // the evictions come strictly after those saves
 	down.Lock()
 	r.Evict([]prefix.Hash{21, 22, 23}) // the worker dropped all three prefixes
 	// Wait until that report has been refused: one still on its way when
@@ -330,7 +330,7 @@ func testSupersede(t *testing.T, st store.Store) {
 	case <-fctx.Done():
 		t.Fatal("the eviction report never reached the gate")
 	}
-	time.Sleep(3 * time.Millisecond)
+	clockPasses(t, time.Now())
 	// The gateway routes two of the prompts here again and saves them; the
 	// worker caches 21 again (the request bound an entry), 22 not yet.
 	save(21, 22)
@@ -367,9 +367,9 @@ func TestStartUpEvictAllKeepsSavesSinceTheStart(t *testing.T) {
 	}
 	held := func(h prefix.Hash) int { return heldLength(t, mc, cluster, host, prefix.Wire([]prefix.Hash{h})) }
 	save(30) // the earlier process's
-	time.Sleep(3 * time.Millisecond)
+	clockPasses(t, time.Now())
 	epoch := time.Now()
-	time.Sleep(3 * time.Millisecond)
+	clockPasses(t, epoch)
 	save(31) // routed to this process before its evict-all landed
 	r, err := New(Config{URL: srv.URL, Cluster: cluster, Host: host, Epoch: epoch, Registerer: prometheus.NewRegistry()})
 	if err != nil {
@@ -463,4 +463,16 @@ func heldLength(t *testing.T, mc *client.Client, cluster, host string, hashes []
 		}
 	}
 	return 0
+}
+
+// clockPasses waits until the wall clock is past t by more than the
+// metadata center's millisecond resolution, so that what happens next is
+// stamped strictly after t.
+func clockPasses(t *testing.T, after time.Time) {
+	t.Helper()
+	for deadline := time.Now().Add(time.Second); time.Now().UnixMilli() <= after.UnixMilli()+1; time.Sleep(100 * time.Microsecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("the clock did not advance")
+		}
+	}
 }

@@ -77,7 +77,12 @@ func TestRunSignalsRegisters(t *testing.T) {
 		}
 	}
 	waitFor("first registration")
-	time.Sleep(time.Second)
+	// About a second of signal reports (one every 20 ms) go by.
+	for deadline, start := time.Now().Add(10*time.Second), reports.Load(); reports.Load() < start+50; time.Sleep(5 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("%d signal reports in 10 s", reports.Load()-start)
+		}
+	}
 	n, m := regs.Load(), reports.Load()
 	// ~4 refreshes in 1.3 s against ~65 signal reports every 20 ms.
 	if n < 2 || n > 8 || m < 4*n {

@@ -67,8 +67,10 @@ func TestRunSignalsReachesTheRouteAnswer(t *testing.T) {
 	waiting.Store(4)
 	waitFor("a change", func(s api.PodSignals) bool { return s.Waiting == 4 && s.PrefillTokens == 400 })
 	// Unchanged for 4 max ages: still answered, and young.
+	tick := time.NewTicker(100 * time.Millisecond)
+	defer tick.Stop()
 	for range 10 {
-		time.Sleep(100 * time.Millisecond)
+		<-tick.C
 		if s := route(); s.Waiting != 4 || s.AgeMS > 200 {
 			t.Fatalf("steady pod: %+v (want it re-reported every 50 ms)", s)
 		}

@@ -21,7 +21,6 @@ type Metrics struct {
 	swaps         prometheus.Counter
 	stepDuration  prometheus.Histogram
 	stepBatchToks prometheus.Histogram
-	asideTokens   prometheus.Counter
 }
 
 // NewMetrics creates the series and registers them on reg (nil: unregistered).
@@ -51,12 +50,10 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 			Buckets: prometheus.ExponentialBuckets(0.0005, 2, 14)}),
 		stepBatchToks: prometheus.NewHistogram(prometheus.HistogramOpts{Name: "llmf_worker_step_batch_tokens", Help: "Tokens evaluated per decode step.",
 			Buckets: []float64{1, 2, 4, 8, 16, 32, 64, 128, 256, 512}}),
-		asideTokens: prometheus.NewCounter(prometheus.CounterOpts{Name: "llmf_worker_prefill_aside_tokens_total",
-			Help: "Prompt tokens prefilled aside, away from the running sequences' cells (--prefill-aside-cells)."}),
 	}
 	if reg != nil {
 		reg.MustRegister(m.queueDepth, m.running, m.seqInUse, m.kvItems, m.kvBytes, m.kvEntries, m.promptTokens,
-			m.generated, m.ttft, m.requests, m.evictions, m.preemptions, m.swaps, m.stepDuration, m.stepBatchToks, m.asideTokens)
+			m.generated, m.ttft, m.requests, m.evictions, m.preemptions, m.swaps, m.stepDuration, m.stepBatchToks)
 	}
 	for _, s := range []State{Completed, Timeout, Failed, Cancelled} {
 		m.requests.WithLabelValues(s.String())

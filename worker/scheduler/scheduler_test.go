@@ -48,7 +48,7 @@ func newRig(t *testing.T, sc sim.Config, cfg Config, start bool) *rig {
 		r.evicts = append(r.evicts, slices.Clone(h))
 		r.mu.Unlock()
 	}
-	r.s, err = New(eng, cfg)
+	r.s, err = New(eng, cfg.WithDefaults())
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -272,10 +272,11 @@ func slow() sim.Config {
 	return sim.Config{Cost: sim.Cost{StepOverhead: 2 * time.Millisecond}}
 }
 
-func TestTimeoutReleasesTheSeqID(t *testing.T) {
+func TestTimeoutKeepsTheCells(t *testing.T) {
 	var logs syncBuffer
 	r := newRig(t, slow(), Config{RequestTimeout: 100 * time.Millisecond, Logger: slog.New(slog.NewTextHandler(&logs, nil))}, true)
-	out, res := run(t, r, context.Background(), &Request{ID: "slow", Prompt: prompt(r.eng, "go on forever")})
+	p := prompt(r.eng, "go on forever")
+	out, res := run(t, r, context.Background(), &Request{ID: "slow", Prompt: p})
 	if res.State != Timeout || !errors.Is(res.Err, ErrTimeout) || len(out) == 0 {
 		t.Fatalf("result %+v after %d tokens", res, len(out))
 	}
@@ -284,17 +285,34 @@ func TestTimeoutReleasesTheSeqID(t *testing.T) {
 		!strings.Contains(l, fmt.Sprintf("generated=%d", len(out))) {
 		t.Fatalf("log: %s", l)
 	}
-	r.inspect(t, func(v View) {
-		if v.Pool.InUse() != 0 || v.KV.Len() != 0 || r.eng.UsedCells() != 0 {
-			t.Fatalf("after timeout: ids %d entries %d cells %d", v.Pool.InUse(), v.KV.Len(), r.eng.UsedCells())
-		}
-	})
+	// Its seq id passed to an idle entry holding prompt and output.
+	r.expectKept(t, "slow", len(p)+len(out)-1)
 }
 
-func TestVanishedClientFreesItsSeqID(t *testing.T) {
+// expectKept checks that request id left exactly one idle entry holding
+// at least cells cells, and nothing else holds a seq id.
+func (r *rig) expectKept(t *testing.T, id string, cells int) {
+	t.Helper()
+	var msg string
+	r.inspect(t, func(v View) {
+		e, ok := v.KV.Get(id)
+		switch {
+		case !ok || e.InUse:
+			msg = fmt.Sprintf("%s left no idle entry (%v)", id, ok)
+		case v.Pool.InUse() != 1 || v.KV.Len() != 1 || len(e.Tokens) < cells || r.eng.UsedCells() != len(e.Tokens):
+			msg = fmt.Sprintf("ids %d entries %d, entry of %d tokens (want %d), cells %d", v.Pool.InUse(), v.KV.Len(), len(e.Tokens), cells, r.eng.UsedCells())
+		}
+	})
+	if msg != "" {
+		t.Fatal(msg)
+	}
+}
+
+func TestVanishedClientKeepsTheCells(t *testing.T) {
 	r := newRig(t, slow(), Config{}, true)
 	ctx, cancel := context.WithCancel(context.Background())
-	h, err := r.s.Submit(ctx, &Request{ID: "gone", Prompt: prompt(r.eng, "talk to me")})
+	p := prompt(r.eng, "talk to me")
+	h, err := r.s.Submit(ctx, &Request{ID: "gone", Prompt: p})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -308,11 +326,7 @@ func TestVanishedClientFreesItsSeqID(t *testing.T) {
 	if err != nil || res.State != Cancelled {
 		t.Fatalf("result %+v err %v", res, err)
 	}
-	r.inspect(t, func(v View) {
-		if v.Pool.InUse() != 0 || v.KV.Len() != 0 || r.eng.UsedCells() != 0 {
-			t.Fatalf("after cancel: ids %d entries %d cells %d", v.Pool.InUse(), v.KV.Len(), r.eng.UsedCells())
-		}
-	})
+	r.expectKept(t, "gone", len(p)+2)
 	// A client that leaves while its request is still queued never runs.
 	r2 := newRig(t, sim.Config{}, Config{}, false)
 	ctx2, cancel2 := context.WithCancel(context.Background())
@@ -539,8 +553,8 @@ func TestConcurrentChurnLeaksNothing(t *testing.T) {
 					return
 				}
 				if rng.IntN(4) == 0 {
-					time.Sleep(time.Duration(rng.IntN(2000)) * time.Microsecond)
-					cancel()
+					// The client leaves at a random moment of its request.
+					time.AfterFunc(time.Duration(rng.IntN(2000))*time.Microsecond, cancel)
 				}
 				res, _ := h.Wait(context.Background())
 				cancel()
@@ -646,9 +660,7 @@ func TestQueueWaitTimesOutAndLeaksNothing(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	for r.s.Stats().Running != 1 {
-		time.Sleep(time.Millisecond)
-	}
+	waitFor(t, "the long request to run", func() bool { return r.s.Stats().Running == 1 })
 	var queued []*Handle
 	for i := range 2 {
 		h, err := r.s.Submit(context.Background(), &Request{ID: fmt.Sprint("q", i), Prompt: prompt(r.eng, "wait"), MaxTokens: 1})
@@ -699,11 +711,8 @@ func TestQueueWaitTimesOutAndLeaksNothing(t *testing.T) {
 	if res, _ := long.Wait(context.Background()); res.State != Cancelled {
 		t.Fatalf("long: %+v", res)
 	}
-	r.inspect(t, func(v View) {
-		if v.Pool.InUse() != 0 || r.eng.UsedCells() != 0 {
-			t.Fatalf("at the end: ids %d cells %d", v.Pool.InUse(), r.eng.UsedCells())
-		}
-	})
+	// Only the long request's cells stay, as an idle entry.
+	r.expectKept(t, "long", 1)
 }
 
 func TestQueueWaitUnboundedWhenNegative(t *testing.T) {
@@ -748,9 +757,7 @@ func TestARequestThatNeverRanReportsItsUnheldHashes(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	for r.s.Stats().Running != 1 {
-		time.Sleep(time.Millisecond)
-	}
+	waitFor(t, "the long request to run", func() bool { return r.s.Stats().Running == 1 })
 	r.inspect(t, func(View) {}) // "long" is bound: its entry holds 1 and 2
 	gctx, leave := context.WithCancel(context.Background())
 	gone, err := r.s.Submit(gctx, &Request{ID: "gone", Prompt: prompt(r.eng, "wait"), MaxTokens: 1, Hashes: []prefix.Hash{1, 3, 4}})
@@ -795,6 +802,8 @@ func TestQueueRefusesWhatItWouldTimeOut(t *testing.T) {
 	p := prompt(r.eng, "x")
 	var hs []*Handle
 	refusedAtSubmit := 0
+	arrivals := time.NewTicker(5 * time.Millisecond)
+	defer arrivals.Stop()
 	for i := range 40 {
 		h, err := r.s.Submit(context.Background(), &Request{ID: fmt.Sprint(i), Prompt: p, MaxTokens: 40, MinTokens: 40})
 		switch {
@@ -805,7 +814,7 @@ func TestQueueRefusesWhatItWouldTimeOut(t *testing.T) {
 		default:
 			hs = append(hs, h)
 		}
-		time.Sleep(5 * time.Millisecond) // arrivals, not one burst
+		<-arrivals.C // arrivals, not one burst
 	}
 	completed, shed, timedOut := 0, refusedAtSubmit, 0
 	for _, h := range hs {

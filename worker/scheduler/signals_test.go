@@ -113,64 +113,56 @@ func waitFor(t *testing.T, what string, cond func() bool) {
 // Questions queued behind a busy pod are reported by what they will
 // compute: the part of a cached document they share is not prefill, and
 // of two queued questions sharing more than the document the second
-// counts only its own tail, which the first will have written (with
-// following off, only what the cache holds already).
+// counts only its own tail, which the first will have written.
 func TestStatsCountQueuedRequestsByWhatTheyDoNotShare(t *testing.T) {
-	for _, noFollow := range []bool{false, true} {
-		t.Run(map[bool]string{false: "follow", true: "no-follow"}[noFollow], func(t *testing.T) {
-			r := newRig(t, sim.Config{Cost: sim.Cost{StepOverhead: 2 * time.Millisecond}}, Config{MaxRunning: 1, NoFollow: noFollow}, true)
-			doc := strings.Repeat("a document many users ask about. ", 20)
-			first := prompt(r.eng, doc+"first question?")
-			second := prompt(r.eng, doc+"what does the second part say?")
-			third := prompt(r.eng, doc+"what does the second part say, and the third?")
-			if _, res := run(t, r, context.Background(), &Request{ID: "first", Prompt: first, MaxTokens: 1}); res.State != Completed {
-				t.Fatalf("first: %+v", res)
-			}
-			// A long answer to something else holds the only running slot.
-			ctx, cancel := context.WithCancel(context.Background())
-			defer cancel()
-			blocker, err := r.s.Submit(ctx, &Request{ID: "blocker", Prompt: prompt(r.eng, "unrelated"), MaxTokens: 2000})
-			if err != nil {
-				t.Fatal(err)
-			}
-			var hs []*Handle
-			for _, q := range []struct {
-				id   string
-				toks []int
-			}{{"second", second}, {"third", third}} {
-				h, err := r.s.Submit(context.Background(), &Request{ID: q.id, Prompt: q.toks, MaxTokens: 1})
-				if err != nil {
-					t.Fatal(err)
-				}
-				hs = append(hs, h)
-			}
-			var cached []int
-			r.inspect(t, func(v View) {
-				e, _ := v.KV.Get("first")
-				cached = slices.Clone(e.Tokens)
-			})
-			fromCache := func(p []int) int { return len(p) - commonPrefix(cached, p) }
-			want := fromCache(second) + fromCache(third)
-			if !noFollow {
-				want = fromCache(second) + len(third) - commonPrefix(second, third)
-			}
-			waitFor(t, "the queued questions counted by what they do not share", func() bool {
-				st := r.s.Stats()
-				return st.Queued == 2 && st.PrefillTokens == want
-			})
-			if full := len(second) + len(third); want >= full/2 {
-				t.Fatalf("the questions share too little to tell: %d of %d", want, full)
-			}
-			cancel()
-			if res, _ := blocker.Wait(context.Background()); res.State != Cancelled {
-				t.Fatalf("blocker: %+v", res)
-			}
-			for _, h := range hs {
-				if res, _ := h.Wait(context.Background()); res.State != Completed || res.CachedTokens == 0 {
-					t.Fatalf("%s: %+v", h.ID(), res)
-				}
-			}
-		})
+	r := newRig(t, sim.Config{Cost: sim.Cost{StepOverhead: 2 * time.Millisecond}}, Config{MaxRunning: 1}, true)
+	doc := strings.Repeat("a document many users ask about. ", 20)
+	first := prompt(r.eng, doc+"first question?")
+	second := prompt(r.eng, doc+"what does the second part say?")
+	third := prompt(r.eng, doc+"what does the second part say, and the third?")
+	if _, res := run(t, r, context.Background(), &Request{ID: "first", Prompt: first, MaxTokens: 1}); res.State != Completed {
+		t.Fatalf("first: %+v", res)
+	}
+	// A long answer to something else holds the only running slot.
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	blocker, err := r.s.Submit(ctx, &Request{ID: "blocker", Prompt: prompt(r.eng, "unrelated"), MaxTokens: 2000})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var hs []*Handle
+	for _, q := range []struct {
+		id   string
+		toks []int
+	}{{"second", second}, {"third", third}} {
+		h, err := r.s.Submit(context.Background(), &Request{ID: q.id, Prompt: q.toks, MaxTokens: 1})
+		if err != nil {
+			t.Fatal(err)
+		}
+		hs = append(hs, h)
+	}
+	var cached []int
+	r.inspect(t, func(v View) {
+		e, _ := v.KV.Get("first")
+		cached = slices.Clone(e.Tokens)
+	})
+	fromCache := func(p []int) int { return len(p) - commonPrefix(cached, p) }
+	want := fromCache(second) + len(third) - commonPrefix(second, third)
+	waitFor(t, "the queued questions counted by what they do not share", func() bool {
+		st := r.s.Stats()
+		return st.Queued == 2 && st.PrefillTokens == want
+	})
+	if full := len(second) + len(third); want >= full/2 {
+		t.Fatalf("the questions share too little to tell: %d of %d", want, full)
+	}
+	cancel()
+	if res, _ := blocker.Wait(context.Background()); res.State != Cancelled {
+		t.Fatalf("blocker: %+v", res)
+	}
+	for _, h := range hs {
+		if res, _ := h.Wait(context.Background()); res.State != Completed || res.CachedTokens == 0 {
+			t.Fatalf("%s: %+v", h.ID(), res)
+		}
 	}
 }
 

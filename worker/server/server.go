@@ -71,6 +71,7 @@ type Server struct {
 	log     *slog.Logger
 	started time.Time
 	pending pending // accepted requests' hashes, for /debug/kv/prefixes
+	drain   drain   // the shutdown gate (drain.go)
 }
 
 // New wires the routes. The scheduler must be running (or about to).
@@ -114,6 +115,13 @@ func (s *Server) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		id = uuid.NewString()
 	}
 	w.Header().Set(headers.RequestID, id)
+	if generation(r) {
+		if !s.drain.begin() {
+			openai.WriteError(w, draining())
+			return
+		}
+		defer s.drain.end()
+	}
 	s.mux.ServeHTTP(w, r)
 }
 
@@ -130,8 +138,12 @@ func (s *Server) healthz(w http.ResponseWriter, r *http.Request) {
 }
 
 // readyz is the readiness probe: 200 once Config.Ready says so, else 503 in
-// the error format with the reason. /healthz stays the liveness probe.
+// the error format with the reason; 503 from Drain on. /healthz stays the liveness probe.
 func (s *Server) readyz(w http.ResponseWriter, r *http.Request) {
+	if s.drain.on() {
+		openai.WriteError(w, draining())
+		return
+	}
 	if s.cfg.Ready != nil {
 		if err := s.cfg.Ready(); err != nil {
 			openai.WriteError(w, &openai.Error{Status: http.StatusServiceUnavailable, Type: openai.TypeUnavailable,

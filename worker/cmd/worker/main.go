@@ -47,6 +47,8 @@ import (
 func main() {
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
+	// The first signal drains; a second one kills at once.
+	go func() { <-ctx.Done(); stop() }()
 	if err := run(ctx, os.Args[1:], os.Stderr, nil); err != nil && !errors.Is(err, flag.ErrHelp) {
 		fmt.Fprintln(os.Stderr, "worker:", err)
 		os.Exit(2)
@@ -56,10 +58,10 @@ func main() {
 type options struct {
 	model, listen, engine, modelName, advertise, cluster, mcURL, mcToken, kvType, logLevel string
 	nSeqMax, maxRunning, maxQueue, nCtx, nBatch, threads, hashChunk                        int
-	maxBatch, maxOutput, finishFirst, asideCells, asideChunk, prefillChunk                 int
+	maxBatch, maxOutput, finishFirst, prefillChunk                                         int
 	kvMaxMB, kvMaxItems, parkMaxBytes                                                      int64
 	kvThreshold                                                                            float64
-	timeout, cleanup, queueTimeout, readyWait                                              time.Duration
+	timeout, cleanup, queueTimeout, readyWait, drainTimeout                                time.Duration
 	strictModel, flashAttn, parkIdle, compact                                              bool
 	simCost                                                                                sim.Cost
 	lora                                                                                   []llama.LoRA
@@ -77,34 +79,37 @@ func (o *options) parkBound() int64 { return max(o.parkMaxBytes, 0) }
 
 func parse(args []string, stderr io.Writer) (*options, error) {
 	o := &options{}
+	def := scheduler.DefaultConfig()
 	fs := flag.NewFlagSet("worker", flag.ContinueOnError)
 	fs.SetOutput(stderr)
 	fs.StringVar(&o.model, "model", "", "GGUF model path (required for --engine llama; with sim it only lends its name, context and KV size)")
 	fs.StringVar(&o.listen, "listen", "127.0.0.1:9001", "HTTP listen address")
 	fs.StringVar(&o.engine, "engine", "llama", "compute engine: llama (llama.cpp) or sim (calibrated cost model, no compute)")
-	fs.IntVar(&o.nSeqMax, "n-seq-max", 16, "llama.cpp sequence ids (1-256): running requests plus idle KV-cache entries")
-	fs.IntVar(&o.maxRunning, "max-concurrent-requests", 8, "running-set size (requests decoding together)")
-	fs.IntVar(&o.maxBatch, "max-batch-size", 4, "most sequences one decode step evaluates; at most --max-concurrent-requests (unset: capped by it)")
-	fs.IntVar(&o.maxOutput, "max-output-tokens", 2048, "generated tokens of a request without max_tokens; a larger max_tokens is refused with 400")
-	fs.IntVar(&o.finishFirst, "finish-first-tokens", 16, "while a request has at most this many tokens left before its max_tokens, long prompts wait with their prefill until it ends (its KV cells would crowd their attention); 0: off")
-	fs.IntVar(&o.maxQueue, "max-queue", 256, "request queue length; beyond it requests get 429")
-	fs.DurationVar(&o.timeout, "request-timeout", 60*time.Second, "time a request may spend in the running set before 408")
-	fs.DurationVar(&o.queueTimeout, "queue-timeout", scheduler.DefaultQueueTimeout, "longest wait in the request queue before 408 (0: no bound)")
+	// Three counts of concurrency, from the widest: --n-seq-max seq ids
+	// (running requests + cached conversations), --max-concurrent-requests
+	// running requests, --max-batch-size sequences per step.
+	fs.IntVar(&o.nSeqMax, "n-seq-max", 16, "llama.cpp sequence ids (1-256), the widest of three counts: each running request holds one, and the rest keep finished conversations' KV cells for reuse; set it to --max-concurrent-requests plus the conversations to keep cached")
+	fs.IntVar(&o.maxRunning, "max-concurrent-requests", def.MaxRunning, "requests in the running set (admitted from the queue, holding or waiting for a seq id); more queue. Raise it for throughput while each request's tokens/s holds; it must leave --n-seq-max room for the cache")
+	fs.IntVar(&o.maxBatch, "max-batch-size", def.MaxBatch, "the narrowest count: most sequences one decode step evaluates, at most --max-concurrent-requests (unset: capped by it); with more ready they take turns. A step lasts longer with every sequence in it, and all of them wait for its end")
+	fs.IntVar(&o.maxOutput, "max-output-tokens", def.MaxOutputTokens, "generated tokens of a request without max_tokens; a larger max_tokens is refused with 400")
+	fs.IntVar(&o.finishFirst, "finish-first-tokens", def.FinishFirst, "while a request has at most this many tokens left before its max_tokens, long prompts wait with their prefill until it ends (its KV cells would crowd their attention); 0: off")
+	fs.IntVar(&o.maxQueue, "max-queue", def.MaxQueue, "request queue length; beyond it requests get 429")
+	fs.DurationVar(&o.timeout, "request-timeout", def.RequestTimeout, "time a request may spend in the running set before 408")
+	fs.DurationVar(&o.drainTimeout, "drain-timeout", 100*time.Second, "on SIGTERM: /readyz turns 503 and new requests get 503 with Retry-After at once, while running and queued requests get this long to finish before the rest fail (503) and the worker exits; keep it below the pod's terminationGracePeriodSeconds minus its preStop")
+	fs.DurationVar(&o.queueTimeout, "queue-timeout", def.QueueTimeout, "longest wait in the request queue before 408 (0: no bound)")
 	fs.IntVar(&o.nCtx, "n-ctx", 0, "KV cells shared by all sequences (0: the model's training context; sim without a model: 16384)")
 	fs.IntVar(&o.nBatch, "n-batch", 512, "most tokens per decode step")
 	fs.IntVar(&o.threads, "threads", 0, "llama.cpp threads (0: the CPUs this process may use: its affinity, capped by its cgroup CPU quota rounded down, at least 1)")
 	fs.StringVar(&o.kvType, "kv-cache-type", "f16", "KV cache type: f16, q8_0 or q4_0")
-	fs.IntVar(&o.asideCells, "prefill-aside-cells", 0, "KV cells of a second context where, while --finish-first-tokens holds long prompts back, the first of them is prefilled away from the running sequences' cells (a prompt longer than this waits as before); its cells move into the KV cache like a parked entry's; 0: off")
-	fs.IntVar(&o.prefillChunk, "prefill-chunk", 128, "at most this many prompt tokens per decode step while more than one request steps (a whole --n-batch for a request alone): a shorter step gives a cache hit its first token and the decoding requests their next sooner on a busy pod; 0: --n-batch")
-	fs.IntVar(&o.asideChunk, "prefill-aside-chunk", 0, "with --prefill-aside-cells: at most this many prompt tokens prefilled aside per step of the running requests, which each wait for that chunk (a whole --n-batch when nothing else runs); 0: --n-batch")
+	fs.IntVar(&o.prefillChunk, "prefill-chunk", def.PrefillChunk, "at most this many prompt tokens per decode step while more than one request steps (a whole --n-batch for a request alone): a shorter step gives a cache hit its first token and the decoding requests their next sooner on a busy pod; 0: --n-batch")
 	fs.BoolVar(&o.flashAttn, "flash-attention", false, "use llama.cpp's fused attention kernel: it skips other sequences' cells (faster on a crowded KV cache, e.g. with --kv-park-idle=false) but prefills ~1.6x slower on an uncrowded one; on by default with a quantized --kv-cache-type, which needs it")
 	fs.BoolVar(&o.compact, "kv-compact", true, "move KV cells down into the holes a parked, finished or cut sequence leaves, before the next step (llama.cpp attends over every cell up to the highest used one); only with --kv-park-idle")
 	fs.BoolVar(&o.parkIdle, "kv-park-idle", true, "keep finished conversations' KV cells in host memory instead of the KV cache, so they do not slow down other sequences' attention (restored, bit for bit, when reused)")
 	fs.Int64Var(&o.parkMaxBytes, "kv-park-max-bytes", -1, "host memory parked idle entries may take; parking one past it first evicts the least recently used parked entries (an entry larger than it alone stays in the KV cache); -1: the KV cache's own size (n-ctx x KV bytes per token); 0: never park")
-	fs.Int64Var(&o.kvMaxMB, "kv-max-memory-mb", 1024, "KV-cache memory limit in MiB; idle entries are evicted past threshold x limit")
-	fs.Int64Var(&o.kvMaxItems, "kv-max-items", 4*1024*1024, "KV-cache item (token) limit")
-	fs.Float64Var(&o.kvThreshold, "kv-eviction-threshold", 0.8, "fraction of a limit at which LRU eviction starts")
-	fs.DurationVar(&o.cleanup, "kv-cleanup-interval", time.Second, "period of the KV-cache threshold check")
+	fs.Int64Var(&o.kvMaxMB, "kv-max-memory-mb", def.KV.MaxBytes>>20, "KV-cache memory limit in MiB; idle entries are evicted past threshold x limit")
+	fs.Int64Var(&o.kvMaxItems, "kv-max-items", def.KV.MaxItems, "KV-cache item (token) limit")
+	fs.Float64Var(&o.kvThreshold, "kv-eviction-threshold", def.KV.Threshold, "fraction of a limit at which LRU eviction starts")
+	fs.DurationVar(&o.cleanup, "kv-cleanup-interval", def.CleanupInterval, "period of the KV-cache threshold check")
 	fs.StringVar(&o.mcURL, "metadata-center", "", "metadata center URL for eviction reports (empty: no reports)")
 	fs.StringVar(&o.mcToken, "metadata-center-token", "", "bearer token for the metadata center")
 	fs.DurationVar(&o.readyWait, "ready-wait", 10*time.Second, "with --metadata-center: longest time /readyz waits for the metadata center to acknowledge the start-up index reset before it reports ready anyway (0: no bound)")
@@ -128,11 +133,11 @@ func parse(args []string, stderr io.Writer) (*options, error) {
 	o.labelFlags = labelFlags{}
 	fs.Var(o.labelFlags, "label", "a label of this pod, key=value (repeatable); registered with the metadata center for the router's label selectors")
 	fs.StringVar(&o.labelsFile, "labels-file", "", "more labels, one key=\"value\" per line (the Kubernetes downward API's labels file); env "+LabelsEnv+"=k=v,... and --label override it")
-	def := sim.BenchCost()
-	fs.DurationVar(&o.simCost.StepOverhead, "sim-step-overhead", def.StepOverhead, "sim: cost of every decode step")
-	fs.DurationVar(&o.simCost.PerToken, "sim-per-token", def.PerToken, "sim: cost per evaluated token")
-	fs.DurationVar(&o.simCost.PerSample, "sim-per-sample", def.PerSample, "sim: cost per sampled sequence")
-	fs.DurationVar(&o.simCost.PerKCtxToken, "sim-per-kctx-token", def.PerKCtxToken, "sim: attention cost per token per 1000 cells of context")
+	simDef := sim.BenchCost()
+	fs.DurationVar(&o.simCost.StepOverhead, "sim-step-overhead", simDef.StepOverhead, "sim: cost of every decode step")
+	fs.DurationVar(&o.simCost.PerToken, "sim-per-token", simDef.PerToken, "sim: cost per evaluated token")
+	fs.DurationVar(&o.simCost.PerSample, "sim-per-sample", simDef.PerSample, "sim: cost per sampled sequence")
+	fs.DurationVar(&o.simCost.PerKCtxToken, "sim-per-kctx-token", simDef.PerKCtxToken, "sim: attention cost per token per 1000 cells of context")
 	fs.Int64Var(&o.simBytesPerToken, "sim-bytes-per-token", 0, "sim: KV bytes per token (0: from --model, else the bench preset's 8192)")
 	if err := fs.Parse(args); err != nil {
 		return nil, err
@@ -166,18 +171,16 @@ func parse(args []string, stderr io.Writer) (*options, error) {
 		return nil, fmt.Errorf("--kv-cache-type %s needs --flash-attention (llama.cpp quantizes the V cache only with it)", o.kvType)
 	case o.timeout <= 0 || o.cleanup <= 0:
 		return nil, errors.New("--request-timeout and --kv-cleanup-interval must be positive")
+	case o.drainTimeout < 0:
+		return nil, fmt.Errorf("--drain-timeout must not be negative, got %v", o.drainTimeout)
 	case o.readyWait < 0:
 		return nil, fmt.Errorf("--ready-wait must not be negative (0: no bound), got %v", o.readyWait)
 	case o.queueTimeout < 0:
 		return nil, fmt.Errorf("--queue-timeout must not be negative (0: no bound), got %v", o.queueTimeout)
 	case o.finishFirst < 0:
 		return nil, errors.New("--finish-first-tokens must not be negative")
-	case o.asideCells < 0:
-		return nil, errors.New("--prefill-aside-cells must not be negative")
-	case o.asideChunk < 0 || o.prefillChunk < 0:
-		return nil, errors.New("--prefill-aside-chunk and --prefill-chunk must not be negative")
-	case o.asideCells > 0 && o.engine == "llama" && (!o.parkIdle || o.parkMaxBytes == 0):
-		return nil, errors.New("--prefill-aside-cells hands its cells to the KV cache as a parked entry's; it needs --kv-park-idle and a --kv-park-max-bytes other than 0")
+	case o.prefillChunk < 0:
+		return nil, errors.New("--prefill-chunk must not be negative")
 	case o.nCtx < 0 || o.nBatch < 1 || o.threads < 0 || o.kvMaxMB < 0 || o.kvMaxItems < 0 || o.hashChunk < 1:
 		return nil, errors.New("--n-ctx, --n-batch, --threads, --kv-max-memory-mb, --kv-max-items and --prompt-hash-chunk-size must not be negative (n-batch and chunk size at least 1)")
 	case o.parkMaxBytes < -1:
@@ -253,12 +256,14 @@ func run(ctx context.Context, args []string, stderr io.Writer, ready func(addr s
 	}
 	cfg := scheduler.Config{
 		MaxQueue: o.maxQueue, MaxRunning: o.maxRunning, RequestTimeout: o.timeout, CleanupInterval: o.cleanup,
-		QueueTimeout: queueTimeout(o.queueTimeout),
-		MaxBatch:     o.maxBatch, MaxOutputTokens: o.maxOutput, FinishFirst: o.finishFirst, AsideChunk: o.asideChunk, PrefillChunk: o.prefillChunk,
+		QueueTimeout: o.queueTimeout,
+		MaxBatch:     o.maxBatch, MaxOutputTokens: o.maxOutput, FinishFirst: o.finishFirst, PrefillChunk: o.prefillChunk,
 		KV:      kvcache.Limits{MaxItems: o.kvMaxItems, MaxBytes: o.kvMaxMB << 20, Threshold: o.kvThreshold},
 		Metrics: scheduler.NewMetrics(reg), Logger: log,
 	}
-	runCtx, cancel := context.WithCancel(ctx)
+	// The loop and the reporters outlive ctx: on SIGTERM they serve the
+	// drain, and stop when run returns.
+	runCtx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	if o.mcURL == "" && (len(o.podLabels) > 0 || len(o.lora) > 0) {
 		log.Warn("labels and LoRA adapters are registered with the metadata center only: without --metadata-center the router's selectors do not see them",
@@ -289,6 +294,10 @@ func run(ctx context.Context, args []string, stderr io.Writer, ready func(addr s
 	}
 	sched, err := scheduler.New(eng, cfg)
 	if err != nil {
+		return err
+	}
+	// Beside ours, the series a vLLM-reading endpoint picker scrapes.
+	if err := sched.ExportVLLM(reg, info.Name, o.adapterNames()); err != nil {
 		return err
 	}
 	if reporter != nil {
@@ -329,16 +338,36 @@ func run(ctx context.Context, args []string, stderr io.Writer, ready func(addr s
 		return err
 	case <-ctx.Done():
 	}
+	drain(srv, o.drainTimeout, log)
 	sctx, scancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer scancel()
-	// Stop the loop first: running requests end (503) and their handlers
-	// return, so Shutdown does not wait for long generations.
+	// Stop the loop first: what the drain left fails (503) and the
+	// handlers return, so Shutdown does not wait for long generations.
 	cancel()
 	<-schedDone
 	if err := hs.Shutdown(sctx); err != nil {
 		return err
 	}
+	log.Info("worker stopped")
 	return nil
+}
+
+// drain lets the requests the worker accepted finish, for at most timeout:
+// readiness turns false and new requests get 503 with Retry-After at once
+// (the gateway retries them on another replica), the listener stays open
+// so that none is refused a connection meanwhile.
+func drain(srv *server.Server, timeout time.Duration, log *slog.Logger) {
+	srv.Drain()
+	n := srv.InFlight()
+	log.Info("draining: new requests get 503, running and queued ones may finish", "in_flight", n, "drain_timeout", timeout.String())
+	ctx, cancel := context.WithTimeout(context.Background(), timeout)
+	defer cancel()
+	start := time.Now()
+	if err := srv.Drained(ctx); err != nil {
+		log.Warn("drain timeout: the requests still running end with 503", "in_flight", srv.InFlight(), "drain_timeout", timeout.String())
+		return
+	}
+	log.Info("drained", "requests", n, "took", time.Since(start).Round(time.Millisecond).String())
 }
 
 func openEngine(o *options, log *slog.Logger) (engine.Engine, openai.Template, error) {
@@ -362,10 +391,10 @@ func openEngine(o *options, log *slog.Logger) (engine.Engine, openai.Template, e
 				"affinity_cpus", l.Affinity, "cgroup_quota_cpus", l.Quota, "quota_file", l.Source)
 		}
 		eng, err := llama.Open(llama.Config{ModelPath: o.model, Name: o.modelName, NCtx: o.nCtx, NBatch: o.nBatch,
-			NSeqMax: o.nSeqMax, Threads: o.threads, KVCacheType: o.kvType, FlashAttention: o.flashAttn, NoPark: !o.parkIdle || o.parkMaxBytes == 0, ParkMaxBytes: o.parkBound(), NoCompact: !o.compact, LoRA: o.lora, AsideCells: o.asideCells})
+			NSeqMax: o.nSeqMax, Threads: o.threads, KVCacheType: o.kvType, FlashAttention: o.flashAttn, NoPark: !o.parkIdle || o.parkMaxBytes == 0, ParkMaxBytes: o.parkBound(), NoCompact: !o.compact, LoRA: o.lora})
 		return eng, tmpl, err
 	}
-	cfg := sim.Config{Name: o.modelName, NCtx: o.nCtx, NBatch: o.nBatch, NSeqMax: o.nSeqMax, Cost: o.simCost, BytesPerToken: o.simBytesPerToken, AsideCells: o.asideCells}
+	cfg := sim.Config{Name: o.modelName, NCtx: o.nCtx, NBatch: o.nBatch, NSeqMax: o.nSeqMax, Cost: o.simCost, BytesPerToken: o.simBytesPerToken}
 	if o.model != "" {
 		meta, err := llama.ReadMeta(o.model)
 		if err != nil {
@@ -414,14 +443,6 @@ func readiness(rep *mcreport.Reporter, wait time.Duration, log *slog.Logger) fun
 		}
 		return errors.New("waiting for the metadata center to acknowledge the start-up index reset of this host")
 	}
-}
-
-// queueTimeout maps the flag (0: no bound) to scheduler.Config's (negative: no bound).
-func queueTimeout(d time.Duration) time.Duration {
-	if d == 0 {
-		return -1
-	}
-	return d
 }
 
 // schedulerSignals reads the pod's signals from the scheduler's stats.

@@ -15,6 +15,7 @@ import (
 
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/api"
 	"github.com/istio-llm-filter/istio-llm-filter/worker/engine/llama"
+	"github.com/istio-llm-filter/istio-llm-filter/worker/scheduler"
 	"github.com/istio-llm-filter/istio-llm-filter/worker/testmodel"
 )
 
@@ -37,9 +38,7 @@ func TestFlagValidation(t *testing.T) {
 		{"--engine", "sim", "--kv-cache-type", "q8_0", "--flash-attention=false"}, // llama.cpp needs FA for a quantized V
 		{"--engine", "sim", "--finish-first-tokens", "-1"},
 		{"--engine", "sim", "--kv-park-max-bytes", "-2"},
-		{"--engine", "sim", "--prefill-aside-cells", "-1"},
-		{"--engine", "llama", "--model", "m.gguf", "--prefill-aside-cells", "1024", "--kv-park-idle=false"}, // it hands cells over parked
-		{"--engine", "llama", "--model", "m.gguf", "--prefill-aside-cells", "1024", "--kv-park-max-bytes", "0"},
+		{"--engine", "sim", "--drain-timeout", "-1s"},
 	}
 	for _, args := range bad {
 		if _, err := parse(args, io.Discard); err == nil {
@@ -51,8 +50,11 @@ func TestFlagValidation(t *testing.T) {
 		o.maxBatch != 4 || o.maxOutput != 2048 || o.threads != 0 || o.flashAttn || !o.parkIdle || o.finishFirst != 16 || o.parkMaxBytes != -1 {
 		t.Fatalf("defaults: %+v %v", o, err)
 	}
-	if o, err := parse([]string{"--engine", "llama", "--model", "m.gguf", "--prefill-aside-cells", "1024"}, io.Discard); err != nil || o.asideCells != 1024 {
-		t.Fatalf("--prefill-aside-cells 1024 with parking: %v", err)
+	// The flags' defaults are the scheduler's DefaultConfig, which tests run.
+	def := scheduler.DefaultConfig()
+	if o.maxRunning != def.MaxRunning || o.maxBatch != def.MaxBatch || o.finishFirst != def.FinishFirst || o.prefillChunk != def.PrefillChunk ||
+		o.queueTimeout != def.QueueTimeout || o.kvMaxItems != def.KV.MaxItems || o.kvMaxMB<<20 != def.KV.MaxBytes || o.drainTimeout != 100*time.Second {
+		t.Fatalf("flag defaults %+v differ from scheduler.DefaultConfig %+v", o, def)
 	}
 	if o.parkBound() != 0 {
 		t.Fatalf("default park bound %d, want the engine's default 0", o.parkBound())

@@ -46,10 +46,6 @@ type Config struct {
 	// cut sequence) leave below other sequences' cells (park.go, compact).
 	// Only with parking.
 	NoCompact bool
-	// AsideCells > 0 opens a second context of that many cells (rounded up
-	// to 256) where one long prompt at a time is prefilled away from the
-	// running sequences (aside.go). Only with parking.
-	AsideCells int
 	// LoRA adapters applied to the whole context: every sequence this
 	// engine computes runs with them (an adapter pod serves one adapter set).
 	LoRA []LoRA
@@ -79,9 +75,8 @@ type Engine struct {
 	scratch     int // a seq id the pool never gives out (park.go)
 	parkedBytes atomic.Int64
 	parkLimit   int64
-	compact     bool   // compact after removals (Config.NoCompact off)
-	holes       bool   // cells were removed since the last compaction
-	side        *aside // nil without Config.AsideCells
+	compact     bool // compact after removals (Config.NoCompact off)
+	holes       bool // cells were removed since the last compaction
 }
 
 // Meta is what the GGUF header says about a model, read in pure Go before
@@ -127,9 +122,6 @@ func Open(cfg Config) (*Engine, error) {
 	}
 	if cfg.NSeqMax < 1 || cfg.NSeqMax > 256 {
 		return nil, fmt.Errorf("llama: n_seq_max must be within 1..256, got %d", cfg.NSeqMax)
-	}
-	if cfg.AsideCells > 0 && cfg.NoPark {
-		return nil, errors.New("llama: prefill aside writes its cells into the cache as parking does; it needs parking")
 	}
 	if cfg.NCtx <= 0 {
 		cfg.NCtx = meta.NCtxTrain
@@ -200,12 +192,6 @@ func Open(cfg Config) (*Engine, error) {
 		e.Close()
 		return nil, err
 	}
-	if cfg.AsideCells > 0 {
-		if e.side, err = openAside(model, cfg); err != nil {
-			e.Close()
-			return nil, err
-		}
-	}
 	if !cfg.NoPark {
 		e.initPark(cfg.NSeqMax)
 		e.compact = !cfg.NoCompact
@@ -262,9 +248,6 @@ func (e *Engine) Step(spans []engine.Span) ([]int, error) {
 		if s.Seq < 0 || s.Seq >= e.info.NSeqMax {
 			return nil, fmt.Errorf("llama: seq id %d outside 0..%d", s.Seq, e.info.NSeqMax-1)
 		}
-		if err := e.bringBack(s.Seq); err != nil {
-			return nil, err
-		}
 		if err := e.restore(s.Seq); err != nil {
 			return nil, err
 		}
@@ -309,10 +292,6 @@ func (e *Engine) Copy(src, dst, from, to int) {
 	if to <= from || src == dst {
 		return
 	}
-	if e.onlyAside(src, to) {
-		e.land(src)
-	}
-	e.land(dst)
 	if e.parked[src] != nil || e.parked[dst] != nil || e.lost[dst] {
 		e.copyParked(src, dst, from, to)
 		return
@@ -331,7 +310,7 @@ func (e *Engine) Copy(src, dst, from, to int) {
 
 // Remove implements engine.Engine.
 func (e *Engine) Remove(seq, from int) {
-	if e.removeAside(seq, from) || e.removeParked(seq, from) {
+	if e.removeParked(seq, from) {
 		return
 	}
 	e.cutRecords(seq, from)

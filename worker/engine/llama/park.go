@@ -145,7 +145,6 @@ func (e *Engine) initPark(nSeq int) {
 // Park implements kvcache.Parker: seq's cells leave the KV cache for host
 // memory. Without parking (Config.NoPark) it does nothing.
 func (e *Engine) Park(seq int) {
-	e.land(seq)
 	if e.parked == nil || e.parked[seq] != nil {
 		return
 	}

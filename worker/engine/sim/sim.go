@@ -80,10 +80,6 @@ type Config struct {
 	BytesPerToken int64
 	// Sleep replaces time.Sleep (tests count the modelled time instead).
 	Sleep func(time.Duration)
-	// AsideCells > 0: one sequence at a time may be prefilled aside
-	// (engine.Aside), at the cost of its own context only, as on the llama
-	// engine's second context.
-	AsideCells int
 }
 
 // Engine is the simulated engine.
@@ -95,9 +91,6 @@ type Engine struct {
 	refs []int32 // per cell: how many sequences hold it
 	free []int32
 	seqs [][]int32 // seq -> cell per position
-
-	asideCells       int
-	asideSeq, asideN int // the sequence aside and its positions; -1, 0: none
 }
 
 type sampler struct {
@@ -135,9 +128,6 @@ func New(cfg Config) (*Engine, error) {
 		refs:  make([]int32, cfg.NCtx),
 		free:  make([]int32, 0, cfg.NCtx),
 		seqs:  make([][]int32, cfg.NSeqMax),
-
-		asideCells: max(cfg.AsideCells, 0),
-		asideSeq:   -1,
 	}
 	for c := cfg.NCtx - 1; c >= 0; c-- {
 		e.free = append(e.free, int32(c))
@@ -233,17 +223,13 @@ func (s *sampler) next(prev, pos int) int {
 
 // Step implements engine.Engine.
 func (e *Engine) Step(spans []engine.Span) ([]int, error) {
-	n, sampled, landing := 0, 0, 0
+	n, sampled := 0, 0
 	var attn int64
 	for _, s := range spans {
 		if s.Seq < 0 || s.Seq >= len(e.seqs) {
 			return nil, fmt.Errorf("sim: seq id %d outside 0..%d", s.Seq, len(e.seqs)-1)
 		}
 		held := len(e.seqs[s.Seq])
-		if s.Seq == e.asideSeq {
-			held += e.asideN
-			landing = e.asideN
-		}
 		if s.Pos != held {
 			return nil, fmt.Errorf("sim: seq %d: span at position %d but the sequence holds %d cells", s.Seq, s.Pos, held)
 		}
@@ -265,11 +251,8 @@ func (e *Engine) Step(spans []engine.Span) ([]int, error) {
 	if n > e.info.NBatch {
 		return nil, fmt.Errorf("sim: batch of %d tokens exceeds n_batch %d", n, e.info.NBatch)
 	}
-	if n+landing > len(e.free) {
+	if n > len(e.free) {
 		return nil, engine.ErrKVFull
-	}
-	if landing > 0 {
-		e.land(e.asideSeq)
 	}
 	for _, s := range spans {
 		for range s.Tokens {
@@ -300,59 +283,10 @@ func (e *Engine) Step(spans []engine.Span) ([]int, error) {
 	return out, nil
 }
 
-// AsideCells implements engine.Aside.
-func (e *Engine) AsideCells() int { return e.asideCells }
-
-// PrefillAside implements engine.Aside: the cost of a Step of these tokens
-// alone (their attention over their own sequence only). The new positions
-// take cells when the sequence next steps; unlike llama.cpp, whose context
-// aside holds its own copy of an adopted prefix, the books keep that prefix
-// where it is (shared, as before).
-func (e *Engine) PrefillAside(seq, pos int, tokens []int) error {
-	switch {
-	case e.asideCells == 0:
-		return errors.New("sim: no room aside (Config.AsideCells is 0)")
-	case seq < 0 || seq >= len(e.seqs):
-		return fmt.Errorf("sim: seq id %d outside 0..%d", seq, len(e.seqs)-1)
-	case len(tokens) == 0 || len(tokens) > e.info.NBatch:
-		return fmt.Errorf("sim: %d tokens aside; want 1..%d", len(tokens), e.info.NBatch)
-	case pos+len(tokens) > e.asideCells:
-		return fmt.Errorf("sim: positions up to %d aside; %d fit", pos+len(tokens), e.asideCells)
-	}
-	if seq != e.asideSeq {
-		e.asideSeq, e.asideN = seq, 0
-	}
-	if held := len(e.seqs[seq]) + e.asideN; pos != held {
-		return fmt.Errorf("sim: seq %d holds %d positions, not %d", seq, held, pos)
-	}
-	k := int64(len(tokens))
-	c := e.cost
-	d := c.StepOverhead + time.Duration(k)*c.PerToken + time.Duration((k*int64(pos)+k*(k+1)/2)*int64(c.PerKCtxToken)/1000)
-	if d > 0 {
-		e.sleep(d)
-	}
-	e.asideN += len(tokens)
-	return nil
-}
-
-// land gives the positions aside cells of the cache; Step checked the room.
-func (e *Engine) land(seq int) {
-	for range e.asideN {
-		c := e.free[len(e.free)-1]
-		e.free = e.free[:len(e.free)-1]
-		e.refs[c] = 1
-		e.seqs[seq] = append(e.seqs[seq], c)
-	}
-	e.asideSeq, e.asideN = -1, 0
-}
-
 // Copy implements engine.Engine.
 func (e *Engine) Copy(src, dst, from, to int) {
 	if src == dst || to <= from {
 		return
-	}
-	if dst == e.asideSeq {
-		e.asideSeq, e.asideN = -1, 0 // overwritten from here on
 	}
 	from = max(from, 0)
 	e.Remove(dst, from)
@@ -368,13 +302,6 @@ func (e *Engine) Copy(src, dst, from, to int) {
 
 // Remove implements engine.Engine.
 func (e *Engine) Remove(seq, from int) {
-	if seq == e.asideSeq {
-		if from <= len(e.seqs[seq]) {
-			e.asideSeq, e.asideN = -1, 0
-		} else {
-			e.asideN = min(e.asideN, from-len(e.seqs[seq]))
-		}
-	}
 	cells := e.seqs[seq]
 	if from < 0 {
 		from = 0

@@ -83,59 +83,6 @@ func TestGreedyIsAFunctionOfContextAndCostIsModelled(t *testing.T) {
 	}
 }
 
-// A prompt prefilled aside costs its own attention only, takes no cells
-// until its sequence steps, then takes them all or (no room) none; an
-// adopted prefix stays in the cache, and Remove drops what is aside.
-func TestPrefillAsideTakesCellsWhenItsSequenceSteps(t *testing.T) {
-	var slept time.Duration
-	cost := Cost{StepOverhead: time.Millisecond, PerToken: 10 * time.Microsecond, PerKCtxToken: time.Millisecond}
-	e, _ := New(Config{NSeqMax: 3, NCtx: 100, AsideCells: 80, Cost: cost, Sleep: func(d time.Duration) { slept += d }})
-	p := make([]int, 70)
-	for i := range p {
-		p[i] = tokByte0 + 'a' + i%26
-	}
-	if _, err := e.Step([]engine.Span{{Seq: 1, Pos: 0, Tokens: p[:20]}}); err != nil {
-		t.Fatal(err)
-	}
-	e.Copy(1, 0, 0, 20) // seq 0 adopts 20 cells
-	slept = 0
-	if err := e.PrefillAside(0, 20, p[20:50]); err != nil {
-		t.Fatal(err)
-	}
-	// 30 tokens at positions 20..49 attend over 21..50 cells: 1065 cell-tokens.
-	if want := cost.StepOverhead + 30*cost.PerToken + 1065*cost.PerKCtxToken/1000; slept != want {
-		t.Fatalf("modelled %v aside, want %v", slept, want)
-	}
-	if e.UsedCells() != 20 || e.SeqLen(0) != 20 {
-		t.Fatalf("aside: %d cells used, seq 0 holds %d; want the shared 20 only", e.UsedCells(), e.SeqLen(0))
-	}
-	if err := e.PrefillAside(0, 60, p[60:69]); err == nil {
-		t.Fatal("a gap aside was accepted")
-	}
-	if err := e.PrefillAside(0, 50, p[50:69]); err != nil {
-		t.Fatal(err)
-	}
-	e.Copy(0, 2, 0, 20) // from the sequence aside: its prefix in the cache
-	if _, err := e.Step([]engine.Span{{Seq: 2, Pos: 20, Tokens: p[20:60]}}); err != nil {
-		t.Fatal(err)
-	}
-	// 49 positions aside + 1 new into 40 free: no room, nothing taken.
-	if _, err := e.Step([]engine.Span{{Seq: 0, Pos: 69, Tokens: p[69:]}}); !errors.Is(err, engine.ErrKVFull) || e.UsedCells() != 60 {
-		t.Fatalf("landing 50 cells in 40 free: %v, %d used", err, e.UsedCells())
-	}
-	e.Remove(2, 0)
-	if _, err := e.Step([]engine.Span{{Seq: 0, Pos: 69, Tokens: p[69:]}}); err != nil || e.SeqLen(0) != 70 || e.UsedCells() != 70 {
-		t.Fatalf("landing with room: %v, seq 0 holds %d, %d used; want 70 and 70", err, e.SeqLen(0), e.UsedCells())
-	}
-	if err := e.PrefillAside(2, 0, p[:10]); err != nil {
-		t.Fatal(err)
-	}
-	e.Remove(2, 0)
-	if _, err := e.Step([]engine.Span{{Seq: 2, Pos: 10, Tokens: p[10:11]}}); err == nil {
-		t.Fatal("seq 2 stepped past positions that were removed aside")
-	}
-}
-
 // The cost model has no logits: what needs them is refused, not faked.
 func TestSamplersNeedingLogitsAreRefused(t *testing.T) {
 	e, _ := New(Config{NSeqMax: 1})

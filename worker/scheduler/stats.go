@@ -1,0 +1,109 @@
+package scheduler
+
+import (
+	"github.com/istio-llm-filter/istio-llm-filter/worker/kvcache"
+	"github.com/istio-llm-filter/istio-llm-filter/worker/seqpool"
+)
+
+// Stats is a snapshot for health answers and the pod's signals.
+type Stats struct {
+	Queued, Running int
+	// PrefillTokens are prompt tokens not yet evaluated, queued or in the
+	// running set. A prefix is counted once: a follower counts only what
+	// it does not share with its leader, and a request still waiting to
+	// run only what neither the KV cache, a running request nor one ahead
+	// of it holds or will write (a request queued since the last step
+	// counts in full).
+	PrefillTokens int
+	// KVCellsUsed are the context's cells in use (engines that count them;
+	// otherwise the KV-cache manager's tokens, which count a shared prefix
+	// once per entry), of KVCells.
+	KVCellsUsed, KVCells int
+	// KVCellsRunning are the cells running requests hold in the KV cache
+	// (a shared prefix once): KVCellsUsed without the idle cache entries'.
+	KVCellsRunning int
+}
+
+// Stats returns queue and running-set sizes, as of the last step for the
+// running set.
+func (s *Scheduler) Stats() Stats {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	st := Stats{Queued: len(s.queue), Running: s.running, PrefillTokens: s.setPrefill, KVCellsUsed: s.kvUsed, KVCells: s.info.NCtx,
+		KVCellsRunning: s.kvRunning}
+	for _, t := range s.queue {
+		if t.uncached > 0 {
+			st.PrefillTokens += t.uncached
+		} else {
+			st.PrefillTokens += len(t.toks)
+		}
+	}
+	return st
+}
+
+func (s *Scheduler) publish() {
+	nPending, nProcessing, prefill := 0, 0, 0
+	var ahead [][]int // prompts waiting to bind, in the order they will bind
+	for _, t := range s.set {
+		if t.phase == pending {
+			nPending++
+		} else {
+			nProcessing++
+		}
+		if t.phase == pending && t.nGen == 0 {
+			prefill += s.estimate(t, &ahead)
+			continue
+		}
+		if t.nGen == 0 {
+			done := t.past
+			if t.phase == following {
+				// Its leader computes the shared part, and counts it.
+				done = max(done, t.shareTo)
+			}
+			prefill += max(0, len(t.toks)-done)
+		}
+	}
+	used, running := s.kv.UsedCells(), s.kv.RunningCells()
+	s.mu.Lock()
+	for _, t := range s.queue {
+		s.estimate(t, &ahead)
+	}
+	s.running = len(s.set)
+	s.setPrefill, s.kvUsed, s.kvRunning = prefill, used, running
+	s.mu.Unlock()
+	s.m.running.WithLabelValues("PENDING").Set(float64(nPending))
+	s.m.running.WithLabelValues("PROCESSING").Set(float64(nProcessing))
+	books := s.kv.Books()
+	idle := books.Idle()
+	s.m.seqInUse.WithLabelValues("request").Set(float64(s.kv.Pool().InUse() - idle))
+	s.m.seqInUse.WithLabelValues("cache").Set(float64(idle))
+	s.m.kvItems.Set(float64(books.Items()))
+	s.m.kvBytes.Set(float64(books.Bytes()))
+	s.m.kvEntries.WithLabelValues("in_use").Set(float64(books.Len() - idle))
+	s.m.kvEntries.WithLabelValues("idle").Set(float64(idle))
+}
+
+// View is a read-only look at the loop's books, valid only inside the
+// function given to Inspect.
+type View struct {
+	KV     *kvcache.Manager
+	Pool   *seqpool.Pool
+	States map[string]State // running set: request id -> PENDING / PROCESSING
+	Owner  *kvcache.Owner   // Check() verifies the seq-id/entry invariant
+}
+
+// estimate returns the prompt tokens t is expected to compute once bound:
+// its prompt minus the longest prefix that the KV cache holds, a running
+// request will write, or a request ahead of it (ahead, to which t's prompt
+// is appended) will write first. Without it the pod reports each queued
+// question about a cached document as a whole prefill, and looks busier
+// than a pod that holds nothing. It is estimated once: the cache may
+// evict that prefix before t binds, which is rare next to the cost of
+// matching every queued prompt at every step.
+func (s *Scheduler) estimate(t *task, ahead *[][]int) int {
+	if t.uncached == 0 {
+		t.uncached = len(t.toks) - s.kv.Shared(t.toks, *ahead)
+	}
+	*ahead = append(*ahead, t.toks)
+	return t.uncached
+}
