@@ -34,7 +34,7 @@ type Options struct {
 	// conversation's turns meet different gateways).
 	BaseURLs  []string
 	Model     string
-	MaxTokens int // fixed output length (ignore_eos), so policies compare on equal work
+	MaxTokens int // output length (ignore_eos) of turns that set none, so policies compare on equal work
 
 	// Arrival: Concurrency > 0 runs that many sessions at a time; otherwise
 	// sessions start as a Poisson process of Rate sessions per second.
@@ -97,12 +97,23 @@ func Run(ctx context.Context, sessions []workload.Session, o Options) []report.R
 			if ctx.Err() != nil {
 				return
 			}
+			if turn.Think > 0 { // the user reads the answer and types
+				select {
+				case <-time.After(turn.Think):
+				case <-ctx.Done():
+					return
+				}
+			}
 			history = append(history, message{Role: "user", Content: turn.User})
 			base := "http://" + worker
 			if !planned {
 				base = o.BaseURLs[(o.next.Add(1)-1)%uint64(len(o.BaseURLs))]
 			}
-			r, answer := o.do(ctx, base, history, start)
+			maxTokens := o.MaxTokens
+			if turn.MaxTokens > 0 {
+				maxTokens = turn.MaxTokens
+			}
+			r, answer := o.do(ctx, base, history, maxTokens, start)
 			if planned {
 				r.Worker = worker
 			}
@@ -169,14 +180,14 @@ type chunk struct {
 
 // do sends one streamed chat completion to base and returns its result and
 // the generated text.
-func (o Options) do(ctx context.Context, base string, msgs []message, runStart time.Time) (report.Result, string) {
+func (o Options) do(ctx context.Context, base string, msgs []message, maxTokens int, runStart time.Time) (report.Result, string) {
 	body, _ := json.Marshal(map[string]any{
 		"model":          o.Model,
 		"messages":       msgs,
 		"stream":         true,
 		"stream_options": map[string]any{"include_usage": true},
-		"max_tokens":     o.MaxTokens,
-		"min_tokens":     o.MaxTokens,
+		"max_tokens":     maxTokens,
+		"min_tokens":     maxTokens,
 		"ignore_eos":     true,
 		"temperature":    0,
 	})
@@ -198,6 +209,7 @@ func (o Options) do(ctx context.Context, base string, msgs []message, runStart t
 	defer resp.Body.Close()
 	r.Status = resp.StatusCode
 	r.Worker = resp.Header.Get(llmfilter.UpstreamHostHeader)
+	r.PredictedTTFTms = report.ParsePredictedTTFT(resp.Header.Get(report.PredictedTTFTHeader))
 	if resp.StatusCode/100 != 2 {
 		msg, _ := io.ReadAll(io.LimitReader(resp.Body, 512))
 		r.Err, r.Latency = fmt.Sprintf("status %d: %s", resp.StatusCode, bytes.TrimSpace(msg)), time.Since(t0)
