@@ -269,24 +269,41 @@ func Start(ctx context.Context, s Spec) (*Fleet, error) {
 	return f, nil
 }
 
-// startVLLMPods starts one vllmsim process serving s.Workers pods and
-// waits until each answers /health.
+// startVLLMPods starts one vllmsim process serving s.Workers pods on
+// ports it picks itself (no race for free ports between 64 listeners),
+// reads their addresses from its --addr-file and waits until each answers
+// /health.
 func (f *Fleet) startVLLMPods(ctx context.Context, s Spec) error {
-	addrs := make([]string, s.Workers)
-	for i := range addrs {
-		a, err := freeAddr()
-		if err != nil {
-			return err
-		}
-		addrs[i] = a
-	}
-	args := append([]string{"--listen", strings.Join(addrs, ","), "--model-name", s.ModelName}, s.WorkerArgs...)
-	if _, err := f.spawn(s, "vllmsim", "vllmsim", args...); err != nil {
+	file := filepath.Join(s.LogDir, "vllmsim.addrs")
+	_ = os.Remove(file)
+	args := append([]string{"--pods", fmt.Sprint(s.Workers), "--listen", "127.0.0.1:0", "--addr-file", file, "--model-name", s.ModelName}, s.WorkerArgs...)
+	p, err := f.spawn(s, "vllmsim", "vllmsim", args...)
+	if err != nil {
 		return err
+	}
+	logs := filepath.Join(s.LogDir, "vllmsim.log")
+	var addrs []string
+	for deadline := time.Now().Add(60 * time.Second); ; time.Sleep(50 * time.Millisecond) {
+		if b, err := os.ReadFile(file); err == nil {
+			addrs = strings.Fields(string(b))
+			break
+		}
+		if exited(p) {
+			return fmt.Errorf("vllmsim exited before listening, see %s", logs)
+		}
+		if ctx.Err() != nil {
+			return ctx.Err()
+		}
+		if time.Now().After(deadline) {
+			return fmt.Errorf("vllmsim: no pod addresses after 60s, see %s", logs)
+		}
+	}
+	if len(addrs) != s.Workers {
+		return fmt.Errorf("vllmsim listed %d pods, want %d (see %s)", len(addrs), s.Workers, file)
 	}
 	for _, a := range addrs {
 		if err := waitHealthy(ctx, "http://"+a+"/health"); err != nil {
-			return fmt.Errorf("vLLM-like pod %s: %w (see %s)", a, err, filepath.Join(s.LogDir, "vllmsim.log"))
+			return fmt.Errorf("vLLM-like pod %s: %w (see %s)", a, err, logs)
 		}
 	}
 	f.Workers = append(f.Workers, addrs...)
