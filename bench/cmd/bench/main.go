@@ -62,7 +62,7 @@ func run(ctx context.Context, args []string) error {
 		seeds       = fs.String("seeds", "", "comma-separated seeds, each a round of its own (replaces --seed): 1-3 for development, 4 and up held out for verdicts")
 		repeats     = fs.Int("repeats", 1, "runs of every policy per seed, interleaved (A B A B …); reports give the medians with the range")
 		ladder      = fs.String("ladder", "2,4,8,16,32", workload.Ladder+": offered loads (requests/s) of its steps, increasing; a policy stops once TTFT p90 passes 2 s")
-		ladderSecs  = fs.Duration("ladder-seconds", 30*time.Second, workload.Ladder+": each step sends rate × this many requests")
+		ladderDur   = fs.Duration("ladder-duration", 30*time.Second, workload.Ladder+": each step sends rate × duration requests (at most the workload's)")
 		workerCPUs  = fs.Float64("worker-cpus", 0, "CPU quota per worker via cgroups (e.g. 0.6), so that each pod has its own compute as on real accelerators (0: workers share the machine)")
 		kvCells     = fs.Int("kv-cells", 0, "sim: KV cells per worker (its --n-ctx), small enough that caches fill and evict as on a busy GPU (0: the worker's default)")
 		lbRule      = fs.String("lb-rule", "", `extra lb_mapping_rule keys for every policy, YAML flow style, e.g. "cache_ratio_weight: 4, prefill_load_weight: 1"`)
@@ -158,7 +158,7 @@ func run(ctx context.Context, args []string) error {
 		settings["scrape_interval"] = fleet.ScrapeInterval.String()
 	}
 	if slices.Contains(split(*workloads), workload.Ladder) {
-		settings["ladder"], settings["ladder_seconds"] = *ladder, ladderSecs.String()
+		settings["ladder"], settings["ladder_duration"] = *ladder, ladderDur.String()
 	}
 	machine := map[string]string{"cpus": fmt.Sprint(runtime.NumCPU()), "os": runtime.GOOS + "/" + runtime.GOARCH, "go": runtime.Version()}
 	started := time.Now().UTC().Format(time.RFC3339)
@@ -216,7 +216,7 @@ func run(ctx context.Context, args []string) error {
 				cell, arrival, cellSessions := wl, *rate, sessions
 				if lr > 0 {
 					cell, arrival = report.LadderStep(wl, lr), lr
-					cellSessions = sessions[:min(len(sessions), max(1, int(math.Ceil(lr*ladderSecs.Seconds()))))]
+					cellSessions = sessions[:min(len(sessions), max(1, int(math.Ceil(lr*ladderDur.Seconds()))))]
 				}
 				if ttfts[cell] == nil {
 					ttfts[cell] = map[string][]float64{}
