@@ -285,14 +285,14 @@ func TestMergedCellsShowTheirRange(t *testing.T) {
 // A rate ladder is reported as curves with each policy's saturation rate:
 // where TTFT p90 passes 2 s, interpolated between the steps around it.
 func TestLadderSaturationRate(t *testing.T) {
-	rate, below, above := Saturation([]float64{2, 4, 8}, []float64{500, 1000, 3000}, SaturationP90)
+	rate, below, above := Saturation([]float64{2, 4, 8}, []float64{500, 1000, 3000})
 	if below || above || math.Abs(rate-6) > 1e-9 {
 		t.Fatalf("saturation %v (%v %v), want 6", rate, below, above)
 	}
-	if _, below, _ := Saturation([]float64{2}, []float64{2500}, SaturationP90); !below {
+	if _, below, _ := Saturation([]float64{2}, []float64{2500}); !below {
 		t.Fatal("a first step past the limit is not 'at most'")
 	}
-	if r, _, above := Saturation([]float64{2, 4}, []float64{10, 20}, SaturationP90); !above || r != 4 {
+	if r, _, above := Saturation([]float64{2, 4}, []float64{10, 20}); !above || r != 4 {
 		t.Fatal("a ladder that never saturates is not 'more than' its last rate")
 	}
 	var run Run
@@ -314,5 +314,18 @@ func TestLadderSaturationRate(t *testing.T) {
 		if !strings.Contains(b.String(), want) {
 			t.Fatalf("report lacks %q:\n%s", want, b.String())
 		}
+	}
+	if got := run.Ladders(); len(got) != 1 || got[0] != "spl" {
+		t.Fatalf("ladders %v", got)
+	}
+	var svg strings.Builder
+	if err := run.LadderChart(&svg, "spl"); err != nil {
+		t.Fatal(err)
+	}
+	if err := xml.Unmarshal([]byte(svg.String()), new(struct{})); err != nil {
+		t.Fatalf("ladder chart is not XML: %v", err)
+	}
+	if n := strings.Count(svg.String(), "<polyline"); n != 2 || !strings.Contains(svg.String(), "stroke-dasharray") {
+		t.Fatalf("ladder chart: %d curves, want 2 and the dashed limit", n)
 	}
 }

@@ -340,6 +340,9 @@ func writeOutputs(out string, run report.Run, raw []report.Result) error {
 			return run.BarChart(w, "True cache-hit rate (cached_tokens / prompt_tokens)", "%", func(s report.Summary) float64 { return 100 * s.CacheHitRate })
 		},
 	}
+	for _, base := range run.Ladders() {
+		files["ladder_"+base+".svg"] = func(w *os.File) error { return run.LadderChart(w, base) }
+	}
 	for name, write := range files {
 		if err := writeFile(filepath.Join(out, name), write); err != nil {
 			return err
