@@ -16,13 +16,15 @@ import (
 	"github.com/istio-llm-filter/istio-llm-filter/worker/openai"
 )
 
-// Handler is a pod's HTTP API: POST /v1/chat/completions, GET /v1/models,
+// Handler is a pod's HTTP API: POST /v1/chat/completions and
+// /v1/completions, GET /v1/models,
 // GET /health and GET /metrics, as vLLM's OpenAI server has them.
 func (p *Pod) Handler() http.Handler {
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(newCollector(p))
 	mux := http.NewServeMux()
 	mux.HandleFunc("POST /v1/chat/completions", p.chat)
+	mux.HandleFunc("POST /v1/completions", p.completion)
 	mux.HandleFunc("GET /v1/models", func(w http.ResponseWriter, _ *http.Request) {
 		openai.WriteJSON(w, http.StatusOK, openai.NewModelList(time.Now(), "vllm", p.cfg.ModelName))
 	})
@@ -49,13 +51,33 @@ func (p *Pod) chat(w http.ResponseWriter, hr *http.Request) {
 		openai.WriteError(w, aerr)
 		return
 	}
-	if params.Model != p.cfg.ModelName {
-		openai.WriteError(w, openai.ModelNotFound(params.Model))
-		return
-	}
 	text, err := template.Render(req.Messages, true)
 	if err != nil {
 		openai.WriteError(w, err)
+		return
+	}
+	p.generate(w, hr, params, text, "messages", true)
+}
+
+func (p *Pod) completion(w http.ResponseWriter, hr *http.Request) {
+	body, aerr := openai.ReadBody(w, hr, 0)
+	if aerr != nil {
+		openai.WriteError(w, aerr)
+		return
+	}
+	req, params, aerr := openai.ParseCompletion(body)
+	if aerr != nil {
+		openai.WriteError(w, aerr)
+		return
+	}
+	p.generate(w, hr, params, req.PromptText(), "prompt", false)
+}
+
+// generate runs one request of prompt text through the engine and answers
+// it as a chat completion or a text completion, streamed or whole.
+func (p *Pod) generate(w http.ResponseWriter, hr *http.Request, params openai.Params, text, promptParam string, chat bool) {
+	if params.Model != p.cfg.ModelName {
+		openai.WriteError(w, openai.ModelNotFound(params.Model))
 		return
 	}
 	prompt := Tokenize(text)
@@ -63,16 +85,16 @@ func (p *Pod) chat(w http.ResponseWriter, hr *http.Request) {
 	if maxTokens == 0 {
 		maxTokens = p.cfg.MaxModelLen - len(prompt)
 	}
-	if len(prompt)+maxTokens > p.cfg.MaxModelLen || maxTokens < 1 {
-		openai.WriteError(w, openai.BadRequest("messages",
-			"this model's maximum context length is %d tokens; the request asks for %d (%d in the messages, %d in the completion)",
-			p.cfg.MaxModelLen, len(prompt)+maxTokens, len(prompt), maxTokens))
+	if len(prompt)+maxTokens > p.cfg.MaxModelLen || maxTokens < 1 || len(prompt) == 0 {
+		openai.WriteError(w, openai.BadRequest(promptParam,
+			"this model's maximum context length is %d tokens; the request asks for %d (%d in the %s, %d in the completion)",
+			p.cfg.MaxModelLen, len(prompt)+maxTokens, len(prompt), promptParam, maxTokens))
 		return
 	}
 	r := &request{tokens: prompt, promptLen: len(prompt), maxTokens: maxTokens, arrival: time.Now(),
 		notify: make(chan struct{}, 1)}
 	p.submit(r)
-	id, created := openai.NewChatID(), time.Now()
+	created := time.Now()
 	if !params.Stream {
 		if !p.wait(hr.Context(), r) {
 			return
@@ -80,13 +102,25 @@ func (p *Pod) chat(w http.ResponseWriter, hr *http.Request) {
 		p.mu.Lock()
 		content, usage := strings.Join(r.output, ""), openai.NewUsage(r.promptLen, len(r.output), r.cached)
 		p.mu.Unlock()
-		openai.WriteJSON(w, http.StatusOK, openai.NewChatCompletion(id, p.cfg.ModelName, created, content, openai.FinishLength, usage))
+		if chat {
+			openai.WriteJSON(w, http.StatusOK, openai.NewChatCompletion(openai.NewChatID(), p.cfg.ModelName, created, content, openai.FinishLength, usage))
+		} else {
+			openai.WriteJSON(w, http.StatusOK, openai.NewCompletion(openai.NewCompletionID(), p.cfg.ModelName, created, content, openai.FinishLength, usage))
+		}
 		return
 	}
-	s := openai.NewChatStream(w, id, p.cfg.ModelName, created, params.IncludeUsage)
-	if err := s.Begin(); err != nil {
-		p.abort(r)
-		return
+	var send func(string) error
+	var finish func(*openai.Usage) error
+	if chat {
+		s := openai.NewChatStream(w, openai.NewChatID(), p.cfg.ModelName, created, params.IncludeUsage)
+		if err := s.Begin(); err != nil {
+			p.abort(r)
+			return
+		}
+		send, finish = s.Content, func(u *openai.Usage) error { return s.Finish(openai.FinishLength, u) }
+	} else {
+		s := openai.NewCompletionStream(w, openai.NewCompletionID(), p.cfg.ModelName, created, params.IncludeUsage)
+		send, finish = s.Text, func(u *openai.Usage) error { return s.Finish(openai.FinishLength, u) }
 	}
 	sent := 0
 	for {
@@ -106,13 +140,13 @@ func (p *Pod) chat(w http.ResponseWriter, hr *http.Request) {
 		usage := openai.NewUsage(r.promptLen, n, r.cached)
 		p.mu.Unlock()
 		if text != "" {
-			if err := s.Content(text); err != nil {
+			if err := send(text); err != nil {
 				p.abort(r)
 				return
 			}
 		}
 		if done {
-			s.Finish(openai.FinishLength, usage)
+			finish(usage)
 			return
 		}
 	}

@@ -277,7 +277,25 @@ func TestBadRequestsGetJSONErrors(t *testing.T) {
 	if got := gauge(metrics(t, base), "vllm:prefix_cache_queries_total"); got != 0 {
 		t.Fatalf("bad requests reached the engine: %v tokens queried", got)
 	}
-	resp, err := http.Get(base + "/v1/models")
+	// A text completion, whole: the same engine, no chat template ("one",
+	// " two", " thre", "e", " four": five tokens).
+	resp, err := http.Post(base+"/v1/completions", "application/json", strings.NewReader(`{"model":"tiny","prompt":"one two three four","max_tokens":5}`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var c struct {
+		Choices []struct{ Text string } `json:"choices"`
+		Usage   struct {
+			PromptTokens     int `json:"prompt_tokens"`
+			CompletionTokens int `json:"completion_tokens"`
+		} `json:"usage"`
+	}
+	if err := json.NewDecoder(resp.Body).Decode(&c); err != nil || resp.StatusCode != 200 || len(c.Choices) != 1 ||
+		len(Tokenize(c.Choices[0].Text)) != 5 || c.Usage.PromptTokens != 5 || c.Usage.CompletionTokens != 5 {
+		t.Fatalf("completion: %d %+v %v", resp.StatusCode, c, err)
+	}
+	resp.Body.Close()
+	resp, err = http.Get(base + "/v1/models")
 	if err != nil {
 		t.Fatal(err)
 	}
