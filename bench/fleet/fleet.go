@@ -30,7 +30,7 @@ import (
 
 // Spec describes one fleet.
 type Spec struct {
-	BinDir     string   // holds metadata-center, worker, gateway
+	BinDir     string   // holds metadata-center, worker, gateway (and vllmsim for vllm)
 	LogDir     string   // one log file per process
 	Engine     string   // sim | llama | vllm (EngineVLLM)
 	Workers    int      // number of worker processes (vllm: pods, all in one vllmsim process)

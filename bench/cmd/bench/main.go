@@ -6,6 +6,15 @@
 //
 //	make build && go run ./bench/cmd/bench --engine sim --workers 8 --out bench/out/sim
 //	go run ./bench/cmd/bench --engine llama --workers 3 --model var/models/tiny.gguf --out bench/out/llama
+//	go run ./bench/cmd/bench --engine vllm --workers 64 --workloads generated-shared-prefix,shared-prefix-ladder \
+//	    --seeds 4,5,6 --repeats 5 --out bench/out/vllm
+//
+// With --seeds and --repeats every seed is run --repeats times, the
+// policies one after the other each time (A B A B …), and the report gives
+// each cell's median with its range; results.json keeps every request
+// (seed, repeat, ladder rate, predicted TTFT) so each figure can be derived
+// again. shared-prefix-ladder runs once per --ladder rate and is reported as
+// latency-against-load curves with each policy's saturation rate.
 package main
 
 import (
