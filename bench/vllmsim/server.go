@@ -112,11 +112,10 @@ func (p *Pod) generate(w http.ResponseWriter, hr *http.Request, params openai.Pa
 	var send func(string) error
 	var finish func(*openai.Usage) error
 	if chat {
+		// As vLLM's chat server, the assistant-role chunk goes out with the
+		// first token, not at admission: a proxy timing the first byte of
+		// the body sees the time to first token.
 		s := openai.NewChatStream(w, openai.NewChatID(), p.cfg.ModelName, created, params.IncludeUsage)
-		if err := s.Begin(); err != nil {
-			p.abort(r)
-			return
-		}
 		send, finish = s.Content, func(u *openai.Usage) error { return s.Finish(openai.FinishLength, u) }
 	} else {
 		s := openai.NewCompletionStream(w, openai.NewCompletionID(), p.cfg.ModelName, created, params.IncludeUsage)
