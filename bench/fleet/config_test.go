@@ -5,6 +5,7 @@ import (
 	"time"
 
 	"github.com/istio-llm-filter/istio-llm-filter/filter/config"
+	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/podsignals"
 )
 
 // The gateway file the fleet writes must parse with the filter's own
@@ -49,5 +50,26 @@ func TestCheckRuleRejectsWhatTheGatewayWould(t *testing.T) {
 		if err := CheckRule(Spec{ModelName: "tiny", Policy: "cache_aware", LBRule: rule}); err == nil {
 			t.Errorf("%q accepted", rule)
 		}
+	}
+}
+
+// A vLLM-like fleet's gateway rule says backend vllm, and the metadata
+// center's scrape config lists every pod as a vllm target.
+func TestVLLMFleetIsScrapedByItsRule(t *testing.T) {
+	pods := []string{"127.0.0.1:3", "127.0.0.1:4"}
+	doc := gatewayConfig("127.0.0.1:1", "http://127.0.0.1:2", Spec{ModelName: "tiny", Policy: "cache_aware", Engine: EngineVLLM}, pods)
+	if _, cfg, err := parseGatewayConfig(doc); err != nil || cfg.ModelMappingRule["tiny"][0].Backend != "vllm" {
+		t.Fatalf("vllm fleet rule: %v\n%s", err, doc)
+	}
+	targets, err := podsignals.ParseTargets(scrapeConfig(pods))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(targets) != 2 || targets[0].Host != pods[0] || targets[1].Host != pods[1] || targets[0].Backend != "vllm" || targets[0].Cluster != Cluster {
+		t.Fatalf("scrape targets %+v, want both pods as vllm", targets)
+	}
+	ours := gatewayConfig("127.0.0.1:1", "http://127.0.0.1:2", Spec{ModelName: "tiny", Policy: "cache_aware", Engine: "sim"}, pods)
+	if _, cfg, _ := parseGatewayConfig(ours); cfg.ModelMappingRule["tiny"][0].Backend != "llamacpp" {
+		t.Fatalf("our workers' rule: %s", ours)
 	}
 }

@@ -26,19 +26,20 @@ import (
 
 	"github.com/istio-llm-filter/istio-llm-filter/filter/config"
 	"github.com/istio-llm-filter/istio-llm-filter/internal/cpulimit"
+	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/podsignals"
 )
 
 // Spec describes one fleet.
 type Spec struct {
-	BinDir     string   // holds metadata-center, worker, gateway
+	BinDir     string   // holds metadata-center, worker, gateway (and vllmsim for vllm)
 	LogDir     string   // one log file per process
-	Engine     string   // sim | llama
-	Workers    int      // number of worker processes
+	Engine     string   // sim | llama | vllm (EngineVLLM)
+	Workers    int      // number of worker processes (vllm: pods, all in one vllmsim process)
 	Model      string   // GGUF path (llama; optional for sim)
 	ModelName  string   // the OpenAI model name clients send
 	Policy     string   // the filter's lb policy for the whole cluster
 	LBRule     string   // extra lb_mapping_rule keys, YAML flow style ("cache_ratio_weight: 4, ...")
-	WorkerArgs []string // extra worker flags (scheduler sizes, sim cost knobs)
+	WorkerArgs []string // extra worker flags (scheduler sizes, sim cost knobs), or vllmsim flags
 	WorkerCPUs float64  // if > 0, each worker's CPU quota (cgroups): pods with their own compute
 	Store      string   // metadata-center store: memory (default) | redis | redis-cluster
 	RedisAddr  string   // empty with redis / redis-cluster: the fleet starts its own
@@ -75,6 +76,17 @@ type WorkerSpec struct {
 
 // Cluster is the Envoy-style cluster name the fleet's workers form.
 const Cluster = "outbound|8000||bench-pool.local"
+
+// EngineVLLM is the engine of a fleet of vLLM-like pods (bench/vllmsim):
+// one vllmsim process serves them all, the gateway's rule says `backend:
+// vllm`, and the metadata center scrapes their /metrics every
+// ScrapeInterval instead of taking pushed reports.
+const EngineVLLM = "vllm"
+
+// ScrapeInterval is how often the metadata center scrapes vLLM-like pods,
+// as the llm-d endpoint picker scrapes its pods in the comparison of
+// docs/benchmarks.md (50 ms).
+const ScrapeInterval = 50 * time.Millisecond
 
 // Fleet is a running system.
 type Fleet struct {
@@ -134,12 +146,24 @@ func Start(ctx context.Context, s Spec) (*Fleet, error) {
 		}
 		redisAddr = a
 	}
+	if s.Engine == EngineVLLM {
+		if err := f.startVLLMPods(ctx, s); err != nil {
+			return nil, err
+		}
+	}
 	for i := range s.MetadataCenters {
 		mc, err := freeAddr()
 		if err != nil {
 			return nil, err
 		}
 		args := append([]string{"--listen", mc, "--store", s.Store}, s.MCArgs...)
+		if s.Engine == EngineVLLM {
+			scrape := filepath.Join(s.LogDir, fmt.Sprintf("scrape-%d.yaml", i))
+			if err := os.WriteFile(scrape, scrapeConfig(f.Workers), 0o644); err != nil {
+				return nil, err
+			}
+			args = append(args, "--scrape-config", scrape, "--scrape-interval", ScrapeInterval.String())
+		}
 		if s.Store == "redis-cluster" {
 			args[3] = "redis"
 			args = append(args, "--redis-cluster")
@@ -166,11 +190,14 @@ func Start(ctx context.Context, s Spec) (*Fleet, error) {
 		f.MCs = append(f.MCs, "http://"+mc)
 	}
 	kinds := make([]WorkerSpec, 0, s.Workers+len(s.Extra))
-	for range s.Workers {
-		kinds = append(kinds, WorkerSpec{Engine: s.Engine, Model: s.Model, Args: s.WorkerArgs, CPUs: s.WorkerCPUs})
+	if s.Engine != EngineVLLM {
+		for range s.Workers {
+			kinds = append(kinds, WorkerSpec{Engine: s.Engine, Model: s.Model, Args: s.WorkerArgs, CPUs: s.WorkerCPUs})
+		}
 	}
 	kinds = append(kinds, s.Extra...)
-	for i, k := range kinds {
+	for _, k := range kinds {
+		i := len(f.Workers)
 		addr, err := freeAddr()
 		if err != nil {
 			return nil, err
@@ -190,7 +217,7 @@ func Start(ctx context.Context, s Spec) (*Fleet, error) {
 			return nil, err
 		}
 	}
-	for _, w := range f.Workers {
+	for _, w := range f.Workers[len(f.Workers)-len(kinds):] {
 		if err := waitHealthy(ctx, "http://"+w+"/healthz"); err != nil {
 			return nil, fmt.Errorf("worker %s: %w", w, err)
 		}
@@ -243,6 +270,53 @@ func Start(ctx context.Context, s Spec) (*Fleet, error) {
 	return f, nil
 }
 
+// startVLLMPods starts one vllmsim process serving s.Workers pods on
+// ports it picks itself (no race for free ports between 64 listeners),
+// reads their addresses from its --addr-file and waits until each answers
+// /health.
+func (f *Fleet) startVLLMPods(ctx context.Context, s Spec) error {
+	file := filepath.Join(s.LogDir, "vllmsim.addrs")
+	_ = os.Remove(file)
+	args := append([]string{"--pods", fmt.Sprint(s.Workers), "--listen", "127.0.0.1:0", "--addr-file", file, "--model-name", s.ModelName}, s.WorkerArgs...)
+	p, err := f.spawn(s, "vllmsim", "vllmsim", args...)
+	if err != nil {
+		return err
+	}
+	logs := filepath.Join(s.LogDir, "vllmsim.log")
+	var addrs []string
+	for deadline := time.Now().Add(60 * time.Second); ; time.Sleep(50 * time.Millisecond) {
+		if b, err := os.ReadFile(file); err == nil {
+			addrs = strings.Fields(string(b))
+			break
+		}
+		if exited(p) {
+			return fmt.Errorf("vllmsim exited before listening, see %s", logs)
+		}
+		if ctx.Err() != nil {
+			return ctx.Err()
+		}
+		if time.Now().After(deadline) {
+			return fmt.Errorf("vllmsim: no pod addresses after 60s, see %s", logs)
+		}
+	}
+	if len(addrs) != s.Workers {
+		return fmt.Errorf("vllmsim listed %d pods, want %d (see %s)", len(addrs), s.Workers, file)
+	}
+	for _, a := range addrs {
+		if err := waitHealthy(ctx, "http://"+a+"/health"); err != nil {
+			return fmt.Errorf("vLLM-like pod %s: %w (see %s)", a, err, logs)
+		}
+	}
+	f.Workers = append(f.Workers, addrs...)
+	for range addrs {
+		f.workerArgs = append(f.workerArgs, nil)
+		f.workerCPUs = append(f.workerCPUs, 0)
+		f.workers = append(f.workers, nil)
+		f.workerLim = append(f.workerLim, nil)
+	}
+	return nil
+}
+
 // CheckRule parses the filter section of the gateway file Start would write
 // for s (its Policy and LBRule), so that a mistyped --variant or --lb-rule
 // fails before any fleet starts instead of as a gateway that never becomes
@@ -282,6 +356,10 @@ func gatewayConfig(listen, mc string, s Spec, workers []string) string {
 		mcExtra = fmt.Sprintf(", query_timeout: %q", s.QueryTimeout.String())
 	}
 	logLevel := cmp.Or(s.GatewayLogLevel, "warn")
+	backend := "llamacpp" // our workers speak llama-server's API and push their signals
+	if s.Engine == EngineVLLM {
+		backend = "vllm"
+	}
 	return fmt.Sprintf(`listen: %s
 log_level: %s
 filter:
@@ -289,13 +367,13 @@ filter:
   metadata_center: {address: %s%s}
   model_mapping_rule:
     %s:
-      - {cluster: %q, backend: llamacpp}
+      - {cluster: %q, backend: %s}
   lb_mapping_rule:
     default: {policy: %s%s}
   endpoints:
     static:
       %q: [%s]
-`, listen, logLevel, mc, mcExtra, s.ModelName, Cluster, s.Policy, extra, Cluster, strings.Join(workers, ", "))
+`, listen, logLevel, mc, mcExtra, s.ModelName, Cluster, backend, s.Policy, extra, Cluster, strings.Join(workers, ", "))
 }
 
 // StartMC (re)starts the metadata center on its address, e.g. after StopMC.
@@ -427,4 +505,14 @@ func waitHealthy(ctx context.Context, url string) error {
 		time.Sleep(100 * time.Millisecond)
 	}
 	return fmt.Errorf("%s not healthy after 60s: %w", url, last)
+}
+
+// scrapeConfig is the metadata center's scrape configuration
+// (podsignals.Config) for a vLLM-like fleet: every pod under the bench's
+// cluster, backend vllm.
+func scrapeConfig(pods []string) []byte {
+	b, _ := json.Marshal(podsignals.Config{Clusters: map[string]podsignals.ClusterTargets{
+		Cluster: {Backend: podsignals.BackendVLLM, Pods: pods},
+	}})
+	return b
 }

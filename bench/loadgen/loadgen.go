@@ -26,7 +26,7 @@ type Options struct {
 	// conversation's turns meet different gateways).
 	BaseURLs  []string
 	Model     string
-	MaxTokens int // fixed output length (ignore_eos), so policies compare on equal work
+	MaxTokens int // output length (ignore_eos) of turns that set none, so policies compare on equal work
 
 	// Arrival: Concurrency > 0 runs that many sessions at a time; otherwise
 	// sessions start as a Poisson process of Rate sessions per second.
@@ -88,12 +88,23 @@ func Run(ctx context.Context, sessions []workload.Session, o Options) []report.R
 			if ctx.Err() != nil {
 				return
 			}
+			if turn.Think > 0 { // the user reads the answer and types
+				select {
+				case <-time.After(turn.Think):
+				case <-ctx.Done():
+					return
+				}
+			}
 			history = append(history, client.Message{Role: "user", Content: turn.User})
 			base := "http://" + worker
 			if !planned {
 				base = o.BaseURLs[(o.next.Add(1)-1)%uint64(len(o.BaseURLs))]
 			}
-			r, answer := o.do(ctx, base, history, start)
+			maxTokens := o.MaxTokens
+			if turn.MaxTokens > 0 {
+				maxTokens = turn.MaxTokens
+			}
+			r, answer := o.do(ctx, base, history, maxTokens, start)
 			if planned {
 				r.Worker = worker
 			}
@@ -140,10 +151,13 @@ func Run(ctx context.Context, sessions []workload.Session, o Options) []report.R
 
 // do sends one streamed chat completion to base and returns its result and
 // the generated text.
-func (o Options) do(ctx context.Context, base string, msgs []client.Message, runStart time.Time) (report.Result, string) {
-	res := o.client.Do(ctx, base, client.Request{Model: o.Model, Messages: msgs, Stream: true, MaxTokens: o.MaxTokens, FixedLength: true, Usage: true})
+func (o Options) do(ctx context.Context, base string, msgs []client.Message, maxTokens int, runStart time.Time) (report.Result, string) {
+	res := o.client.Do(ctx, base, client.Request{Model: o.Model, Messages: msgs, Stream: true, MaxTokens: maxTokens, FixedLength: true, Usage: true})
 	r := report.Result{Start: res.Sent.Sub(runStart), TTFT: res.TTFT, Latency: res.Latency, Status: res.Status, Worker: res.Worker,
 		PromptTokens: res.PromptTokens, CompletionTokens: res.CompletionTokens, CachedTokens: res.CachedTokens}
+	if res.Header != nil {
+		r.PredictedTTFTms = report.ParsePredictedTTFT(res.Header.Get(report.PredictedTTFTHeader))
+	}
 	if res.Outcome != client.OK {
 		r.Err = res.Err
 	}

@@ -7,15 +7,17 @@ import (
 	"io"
 	"net/http"
 	"net/http/httptest"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
 
-	"github.com/istio-llm-filter/istio-llm-filter/internal/headers"
-
+	"github.com/istio-llm-filter/istio-llm-filter/bench/report"
+	"github.com/istio-llm-filter/istio-llm-filter/bench/vllmsim"
 	"github.com/istio-llm-filter/istio-llm-filter/bench/workload"
+	"github.com/istio-llm-filter/istio-llm-filter/internal/headers"
 	"github.com/istio-llm-filter/istio-llm-filter/worker/openai"
 )
 
@@ -205,5 +207,45 @@ func TestPlannedSessionsGoStraightToTheirWorker(t *testing.T) {
 		if !r.OK() || r.Worker != want {
 			t.Fatalf("%s: ok %v, worker %q; want %q", r.Session, r.OK(), r.Worker, want)
 		}
+	}
+}
+
+// Against a real vLLM-like pod: each turn asks for its own output length,
+// a turn's think time passes between the previous answer and it, and the
+// gateway's predicted TTFT header (added here as the gateway adds it) is
+// recorded.
+func TestPerTurnOutputsThinkTimeAndPredictedTTFT(t *testing.T) {
+	cfg := vllmsim.DefaultConfig()
+	cfg.StepTime, cfg.PrefillPerToken, cfg.DecodePerSeq = time.Millisecond, 0, 0
+	pod, err := vllmsim.NewPod(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	go pod.Run(ctx)
+	api := pod.Handler()
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set(report.PredictedTTFTHeader, "42.5")
+		api.ServeHTTP(w, r)
+	}))
+	defer srv.Close()
+	sess := workload.Session{ID: "s", System: "a system prompt", Turns: []workload.Turn{
+		{User: "first", MaxTokens: 7}, {User: "second", MaxTokens: 19, Think: 300 * time.Millisecond}, {User: "third"}}}
+	rs := Run(ctx, []workload.Session{sess}, Options{BaseURL: srv.URL, Model: cfg.ModelName, MaxTokens: 5, Concurrency: 1})
+	if len(rs) != 3 {
+		t.Fatalf("%d results", len(rs))
+	}
+	slices.SortFunc(rs, func(a, b report.Result) int { return a.Turn - b.Turn })
+	for i, want := range []int{7, 19, 5} {
+		if !rs[i].OK() || rs[i].CompletionTokens != want || rs[i].PredictedTTFTms != 42.5 {
+			t.Fatalf("turn %d: %+v, want %d tokens and the predicted 42.5 ms", i, rs[i], want)
+		}
+	}
+	if gap := rs[1].Start - (rs[0].Start + rs[0].Latency); gap < 300*time.Millisecond {
+		t.Fatalf("the second turn came %v after the first answer, want at least its 300ms think time", gap)
+	}
+	if rs[1].CachedTokens == 0 {
+		t.Fatal("the second turn hit nothing of the first turn's history")
 	}
 }

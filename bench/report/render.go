@@ -11,11 +11,13 @@ import (
 
 // Run is one whole benchmark run: the setting and every summary.
 type Run struct {
-	Title     string            `json:"title"`
-	Started   string            `json:"started"`
-	Machine   map[string]string `json:"machine"`
-	Settings  map[string]string `json:"settings"`
-	Summaries []Summary         `json:"summaries"`
+	Title    string            `json:"title"`
+	Started  string            `json:"started"`
+	Machine  map[string]string `json:"machine"`
+	Settings map[string]string `json:"settings"`
+	// Label names a run among the rounds of a merge (seed and repeat).
+	Label     string    `json:"label,omitempty"`
+	Summaries []Summary `json:"summaries"`
 	// Repeats are the runs a merge took medians over (see repeats.go).
 	Repeats []Run `json:"repeats,omitempty"`
 }
@@ -82,10 +84,14 @@ func (r Run) WriteMarkdown(w io.Writer) error {
 	fmt.Fprintf(&b, "Started %s.\n\n", r.Started)
 	writeKV(&b, "Machine", r.Machine)
 	writeKV(&b, "Settings", r.Settings)
+	if len(r.Repeats) > 1 {
+		b.WriteString("Cells of runs repeated are medians, with the range over the runs in parentheses.\n\n")
+	}
+	writeLadders(&b, r)
 	for _, wl := range r.Workloads() {
 		fmt.Fprintf(&b, "## %s\n\n", wl)
-		b.WriteString("| policy | TTFT p50 ms | TTFT p90 ms | TTFT p99 ms | E2E p50 ms | E2E p99 ms | req/s | success | cache hit | imbalance |\n")
-		b.WriteString("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n")
+		b.WriteString("| policy | TTFT p50 ms | TTFT p90 ms | TTFT p99 ms | E2E p50 ms | E2E p99 ms | req/s | success | cache hit | imbalance | TTFT pred. error p50 / p90 |\n")
+		b.WriteString("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n")
 		var ran []string // the policies this workload ran
 		for _, p := range r.Policies() {
 			s, ok := r.find(wl, p)
@@ -93,9 +99,23 @@ func (r Run) WriteMarkdown(w io.Writer) error {
 				continue
 			}
 			ran = append(ran, p)
-			fmt.Fprintf(&b, "| %s | %.1f | %.1f | %.1f | %.1f | %.1f | %.2f | %.1f%% | %.1f%% | %.2f |\n",
-				p, s.TTFT.P50, s.TTFT.P90, s.TTFT.P99, s.Latency.P50, s.Latency.P99,
-				s.Throughput, 100*s.SuccessRate, 100*s.CacheHitRate, s.Imbalance)
+			// Merged cells: the median over the runs, their range beside it.
+			p50, p90, p99 := fmt.Sprintf("%.1f", s.TTFT.P50), fmt.Sprintf("%.1f", s.TTFT.P90), fmt.Sprintf("%.1f", s.TTFT.P99)
+			hit := fmt.Sprintf("%.1f%%", 100*s.CacheHitRate)
+			if sp := s.Spread; sp != nil && s.Runs > 1 {
+				rng := func(v [2]float64, scale float64) string { return fmt.Sprintf(" (%.1f–%.1f)", scale*v[0], scale*v[1]) }
+				p50 += rng(sp.TTFTP50, 1)
+				p90 += rng(sp.TTFTP90, 1)
+				p99 += rng(sp.TTFTP99, 1)
+				hit += rng(sp.CacheHit, 100)
+			}
+			pred := "–"
+			if pe := s.PredictionError; pe != nil {
+				pred = fmt.Sprintf("%.0f%% / %.0f%%", 100*pe.Median, 100*pe.P90)
+			}
+			fmt.Fprintf(&b, "| %s | %s | %s | %s | %.1f | %.1f | %.2f | %.1f%% | %s | %.2f | %s |\n",
+				p, p50, p90, p99, s.Latency.P50, s.Latency.P99,
+				s.Throughput, 100*s.SuccessRate, hit, s.Imbalance, pred)
 		}
 		if g, rival, ok := r.Gain(wl, "cache_aware"); ok {
 			fmt.Fprintf(&b, "\ncache_aware TTFT p90 vs the best other policy (%s): %+.1f%%\n", rival, -100*g)

@@ -1,7 +1,9 @@
 package report
 
 import (
+	"cmp"
 	"fmt"
+	"math"
 	"slices"
 	"strings"
 )
@@ -49,6 +51,40 @@ func medianOf(ss []Summary) Summary {
 	m.OutputTokensS = med(func(s Summary) float64 { return s.OutputTokensS })
 	m.CacheHitRate = med(func(s Summary) float64 { return s.CacheHitRate })
 	m.Imbalance = med(func(s Summary) float64 { return s.Imbalance })
+	m.Rate = ss[0].Rate
+	m.Runs = len(ss)
+	span := func(f func(Summary) float64) [2]float64 {
+		lo, hi := math.Inf(1), math.Inf(-1)
+		for _, s := range ss {
+			lo, hi = min(lo, f(s)), max(hi, f(s))
+		}
+		return [2]float64{lo, hi}
+	}
+	m.Spread = &Spread{
+		TTFTP50:  span(func(s Summary) float64 { return s.TTFT.P50 }),
+		TTFTP90:  span(func(s Summary) float64 { return s.TTFT.P90 }),
+		TTFTP99:  span(func(s Summary) float64 { return s.TTFT.P99 }),
+		CacheHit: span(func(s Summary) float64 { return s.CacheHitRate }),
+	}
+	// The prediction error's median over the runs that had predictions.
+	var withPred []Summary
+	for _, s := range ss {
+		if s.PredictionError != nil {
+			withPred = append(withPred, s)
+		}
+	}
+	if len(withPred) > 0 {
+		pe := &PredictionError{}
+		var med50, med90 []float64
+		for _, s := range withPred {
+			pe.Requests += s.PredictionError.Requests
+			med50, med90 = append(med50, s.PredictionError.Median), append(med90, s.PredictionError.P90)
+		}
+		slices.Sort(med50)
+		slices.Sort(med90)
+		pe.Median, pe.P90 = Quantile(med50, 0.5), Quantile(med90, 0.5)
+		m.PredictionError = pe
+	}
 	return m
 }
 
@@ -69,7 +105,7 @@ func writeRounds(b *strings.Builder, workload string, policies []string, rounds 
 	fmt.Fprintf(b, "\nThe table above is each policy's median over the %d runs below that ran it. Each run (TTFT p90 / p99 ms, cache hit):\n\n", len(rounds))
 	b.WriteString("| run | " + strings.Join(policies, " | ") + " |\n|---|" + strings.Repeat("---|", len(policies)) + "\n")
 	for i, rr := range rounds {
-		fmt.Fprintf(b, "| %d (%s) |", i+1, rr.Started)
+		fmt.Fprintf(b, "| %d (%s) |", i+1, cmp.Or(rr.Label, rr.Started))
 		for _, p := range policies {
 			s, ok := rr.find(workload, p)
 			if !ok {

@@ -7,6 +7,8 @@ import (
 	"math"
 	"slices"
 	"sort"
+	"strconv"
+	"strings"
 	"time"
 )
 
@@ -26,6 +28,32 @@ type Result struct {
 	PromptTokens     int `json:"prompt_tokens"`
 	CachedTokens     int `json:"cached_tokens"`
 	CompletionTokens int `json:"completion_tokens"`
+
+	// PredictedTTFTms is the TTFT the gateway predicted for the pod it
+	// chose (PredictedTTFTHeader), 0 when it said none.
+	PredictedTTFTms float64 `json:"predicted_ttft_ms,omitempty"`
+
+	// Where the request ran in a repeated run: the workload's seed, the
+	// repeat (1-based) and, on a rate ladder, the step's offered load in
+	// requests per second.
+	Seed   uint64  `json:"seed,omitempty"`
+	Repeat int     `json:"repeat,omitempty"`
+	Rate   float64 `json:"rate,omitempty"`
+}
+
+// PredictedTTFTHeader is the response header in which the gateway states
+// the time to first token, in milliseconds, it predicted for the pod it
+// chose; the report compares it with the TTFT the client observed.
+const PredictedTTFTHeader = "x-llm-predicted-ttft-ms"
+
+// ParsePredictedTTFT reads PredictedTTFTHeader's value: 0 when absent or
+// not a positive number.
+func ParsePredictedTTFT(v string) float64 {
+	f, err := strconv.ParseFloat(strings.TrimSpace(v), 64)
+	if err != nil || f <= 0 || math.IsInf(f, 0) || math.IsNaN(f) {
+		return 0
+	}
+	return f
 }
 
 // OK reports whether the request succeeded.
@@ -63,6 +91,35 @@ type Summary struct {
 	// Imbalance is max/mean of requests per worker (1 = perfectly even).
 	Imbalance float64        `json:"load_imbalance"`
 	PerWorker map[string]int `json:"per_worker"`
+
+	// PredictionError compares the gateway's predicted TTFT for the chosen
+	// pod with the observed one; nil when no answer carried a prediction.
+	PredictionError *PredictionError `json:"prediction_error,omitempty"`
+
+	// Rate is a rate-ladder step's offered load (requests per second).
+	Rate float64 `json:"rate,omitempty"`
+
+	// Runs is how many runs a merged summary is the median of (0 or 1: a
+	// single run); Spread their range.
+	Runs   int     `json:"runs,omitempty"`
+	Spread *Spread `json:"spread,omitempty"`
+}
+
+// PredictionError is the absolute relative error |predicted − observed| /
+// observed of the chosen pod's predicted TTFT over the requests that had a
+// prediction and a first token.
+type PredictionError struct {
+	Requests int     `json:"requests"`
+	Median   float64 `json:"median"`
+	P90      float64 `json:"p90"`
+}
+
+// Spread is the range (min, max) of a merged summary's measures over its runs.
+type Spread struct {
+	TTFTP50  [2]float64 `json:"ttft_p50_ms"`
+	TTFTP90  [2]float64 `json:"ttft_p90_ms"`
+	TTFTP99  [2]float64 `json:"ttft_p99_ms"`
+	CacheHit [2]float64 `json:"cache_hit_rate"`
 }
 
 // Summarize aggregates results; workers lists the fleet so idle workers count
@@ -108,7 +165,23 @@ func Summarize(workload, policy string, rs []Result, workers []string) Summary {
 		s.CacheHitRate = float64(cached) / float64(prompt)
 	}
 	s.Imbalance = imbalance(s.PerWorker)
+	s.PredictionError = predictionError(rs)
 	return s
+}
+
+func predictionError(rs []Result) *PredictionError {
+	var errs []float64
+	for _, r := range rs {
+		if r.OK() && r.TTFT > 0 && r.PredictedTTFTms > 0 {
+			obs := ms(r.TTFT)
+			errs = append(errs, math.Abs(r.PredictedTTFTms-obs)/obs)
+		}
+	}
+	if len(errs) == 0 {
+		return nil
+	}
+	sort.Float64s(errs)
+	return &PredictionError{Requests: len(errs), Median: Quantile(errs, 0.5), P90: Quantile(errs, 0.9)}
 }
 
 func ms(d time.Duration) float64 { return float64(d) / float64(time.Millisecond) }

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"encoding/json"
 	"encoding/xml"
+	"fmt"
 	"math"
 	"slices"
 	"strings"
@@ -233,5 +234,98 @@ func TestRoundsTableHasTheWorkloadsOwnPolicies(t *testing.T) {
 	}
 	if strings.Contains(b.String(), " — |") {
 		t.Fatalf("a column for a policy the workload did not run:\n%s", b.String())
+	}
+}
+
+// The prediction error column reads the gateway's predicted TTFT against the
+// observed one; without predictions it shows a dash.
+func TestPredictionErrorFromTheHeader(t *testing.T) {
+	if ParsePredictedTTFT(" 120.5 ") != 120.5 || ParsePredictedTTFT("") != 0 || ParsePredictedTTFT("-3") != 0 || ParsePredictedTTFT("NaN") != 0 {
+		t.Fatal("ParsePredictedTTFT")
+	}
+	var rs []Result
+	for i, pred := range []float64{100, 110, 80, 150, 0} { // errors 0, 0.1, 0.2, 0.5, none
+		rs = append(rs, Result{Session: fmt.Sprint(i), Status: 200, TTFT: 100 * time.Millisecond, Latency: time.Second, PredictedTTFTms: pred})
+	}
+	rs = append(rs, Result{Status: 500, Err: "x", PredictedTTFTms: 1}) // failed: not counted
+	s := Summarize("w", "cache_aware", rs, nil)
+	if pe := s.PredictionError; pe == nil || pe.Requests != 4 || math.Abs(pe.Median-0.15) > 1e-9 || math.Abs(pe.P90-(0.2+0.7*0.3)) > 1e-9 {
+		t.Fatalf("prediction error %+v, want 4 requests, median 0.15, p90 0.41", s.PredictionError)
+	}
+	none := Summarize("w", "round_robin", rs[4:5], nil)
+	run := Run{Summaries: []Summary{s, none}}
+	var b strings.Builder
+	if err := run.WriteMarkdown(&b); err != nil {
+		t.Fatal(err)
+	}
+	if !strings.Contains(b.String(), "| 15% / 41% |") || !strings.Contains(b.String(), "| – |") {
+		t.Fatalf("report lacks the prediction error cells:\n%s", b.String())
+	}
+}
+
+// Repeated runs show the median with the range beside it.
+func TestMergedCellsShowTheirRange(t *testing.T) {
+	round := func(p90 float64) Run {
+		return Run{Summaries: []Summary{{Workload: "w", Policy: "a", Requests: 1, Succeeded: 1, TTFT: Percentiles{P90: p90}, CacheHitRate: p90 / 1000}}}
+	}
+	m := Merge(round(300), round(100), round(200))
+	s, _ := m.find("w", "a")
+	if s.Runs != 3 || s.Spread == nil || s.Spread.TTFTP90 != [2]float64{100, 300} || s.TTFT.P90 != 200 {
+		t.Fatalf("merged %+v", s)
+	}
+	var b strings.Builder
+	if err := m.WriteMarkdown(&b); err != nil {
+		t.Fatal(err)
+	}
+	if !strings.Contains(b.String(), "| 200.0 (100.0–300.0) |") || !strings.Contains(b.String(), "20.0% (10.0–30.0)") {
+		t.Fatalf("report lacks the ranges:\n%s", b.String())
+	}
+}
+
+// A rate ladder is reported as curves with each policy's saturation rate:
+// where TTFT p90 passes 2 s, interpolated between the steps around it.
+func TestLadderSaturationRate(t *testing.T) {
+	rate, below, above := Saturation([]float64{2, 4, 8}, []float64{500, 1000, 3000})
+	if below || above || math.Abs(rate-6) > 1e-9 {
+		t.Fatalf("saturation %v (%v %v), want 6", rate, below, above)
+	}
+	if _, below, _ := Saturation([]float64{2}, []float64{2500}); !below {
+		t.Fatal("a first step past the limit is not 'at most'")
+	}
+	if r, _, above := Saturation([]float64{2, 4}, []float64{10, 20}); !above || r != 4 {
+		t.Fatal("a ladder that never saturates is not 'more than' its last rate")
+	}
+	var run Run
+	for _, st := range []struct {
+		rate   float64
+		p, q   string
+		pv, qv float64
+	}{{2, "a", "b", 500, 400}, {4, "a", "b", 1000, 2400}, {8, "a", "", 3000, 0}} {
+		run.Summaries = append(run.Summaries, Summary{Workload: LadderStep("spl", st.rate), Policy: st.p, Rate: st.rate, TTFT: Percentiles{P90: st.pv}})
+		if st.q != "" {
+			run.Summaries = append(run.Summaries, Summary{Workload: LadderStep("spl", st.rate), Policy: st.q, Rate: st.rate, TTFT: Percentiles{P90: st.qv}})
+		}
+	}
+	var b strings.Builder
+	if err := run.WriteMarkdown(&b); err != nil {
+		t.Fatal(err)
+	}
+	for _, want := range []string{"## spl: latency against load", "| 8 | 3000 / 0 | – |", "| saturation req/s | 6.00 | 3.60 |"} {
+		if !strings.Contains(b.String(), want) {
+			t.Fatalf("report lacks %q:\n%s", want, b.String())
+		}
+	}
+	if got := run.Ladders(); len(got) != 1 || got[0] != "spl" {
+		t.Fatalf("ladders %v", got)
+	}
+	var svg strings.Builder
+	if err := run.LadderChart(&svg, "spl"); err != nil {
+		t.Fatal(err)
+	}
+	if err := xml.Unmarshal([]byte(svg.String()), new(struct{})); err != nil {
+		t.Fatalf("ladder chart is not XML: %v", err)
+	}
+	if n := strings.Count(svg.String(), "<polyline"); n != 2 || !strings.Contains(svg.String(), "stroke-dasharray") {
+		t.Fatalf("ladder chart: %d curves, want 2 and the dashed limit", n)
 	}
 }

@@ -9,14 +9,22 @@ package workload
 
 import (
 	"fmt"
+	"math"
 	"math/rand/v2"
 	"strings"
+	"time"
 )
 
 // Turn is one user message of a session; the executor appends the model's
 // answers between turns.
 type Turn struct {
 	User string
+	// MaxTokens is this turn's output length (max_tokens with ignore_eos);
+	// 0 leaves it to the run's fixed length.
+	MaxTokens int
+	// Think is the pause before this turn is sent, after the previous
+	// answer arrived (a user reading and typing); 0 sends it at once.
+	Think time.Duration
 }
 
 // Session is a conversation: an optional system prompt and its user turns.
@@ -31,7 +39,7 @@ type Session struct {
 
 // Spec describes a workload.
 type Spec struct {
-	Kind string // shared-prefix | multi-turn | no-sharing | hot-prompt | kv-pressure
+	Kind string // one of Kinds
 	Seed uint64
 
 	// shared-prefix: Systems × Users × Questions single-turn requests.
@@ -45,10 +53,42 @@ type Spec struct {
 	SystemBytes   int // length of a system prompt
 	UserBytes     int // length of a user's context (shared-prefix) or a turn (multi-turn)
 	QuestionBytes int // length of the final question
+
+	// The field's standard workloads (Standard) give their sizes in tokens,
+	// as their sources do; BytesPerToken (default 1, a byte-level
+	// vocabulary) converts them to text of the engine's tokenizer. A byte
+	// size set above wins over the token size.
+	BytesPerToken                            float64
+	SystemTokens, UserTokens, QuestionTokens int
+	// OutputTokens is each request's output length; multi-turn-think draws
+	// each turn's from [OutputMin, OutputMax] instead.
+	OutputTokens, OutputMin, OutputMax int
+	// ThinkTime is multi-turn-think's mean pause between a turn's answer
+	// and the next turn (exponential, at most 4× the mean).
+	ThinkTime time.Duration
 }
 
-// Kinds lists the workloads Generate knows, in report order.
-var Kinds = []string{"shared-prefix", "multi-turn", "no-sharing", "hot-prompt", "kv-pressure"}
+// Classic are the project's own workloads; Standard the field's:
+//
+//   - generated-shared-prefix is SGLang bench_serving's
+//     `--dataset-name generated-shared-prefix`: Systems groups × Questions
+//     prompts, each a long system prompt shared by its group and a unique
+//     question (its defaults: 64 × 16, 2,048 / 128 tokens, 256 out);
+//   - shared-prefix-ladder is llm-d / inference-perf's `shared_prefix`
+//     synthetic data (groups × prompts per group, system prompt and question
+//     lengths, output length), meant to run as a rate ladder: the bench runs
+//     it at increasing Poisson rates (bench --ladder) up to saturation;
+//   - multi-turn-think: conversations whose users pause between turns and
+//     whose answers are 128–512 tokens, as chat traffic is.
+var (
+	Classic  = []string{"shared-prefix", "multi-turn", "no-sharing", "hot-prompt", "kv-pressure"}
+	Standard = []string{"generated-shared-prefix", "shared-prefix-ladder", "multi-turn-think"}
+	// Kinds lists the workloads Generate knows, in report order.
+	Kinds = append(append([]string{}, Classic...), Standard...)
+)
+
+// Ladder is the kind the bench runs as a rate ladder.
+const Ladder = "shared-prefix-ladder"
 
 // Defaults fills unset sizes with the workload's own defaults. They are
 // chosen against the prompt hash's 512-byte blocks: shared parts span whole
@@ -85,6 +125,31 @@ func (s Spec) Defaults() Spec {
 		def(&s.Turns, 6)
 		def(&s.SystemBytes, 1024)
 		def(&s.UserBytes, 128)
+	case "generated-shared-prefix": // SGLang bench_serving's defaults
+		def(&s.Systems, 64)
+		def(&s.Questions, 16)
+		def(&s.SystemTokens, 2048)
+		def(&s.QuestionTokens, 128)
+		def(&s.OutputTokens, 256)
+	case Ladder:
+		// llm-d's prefix-cache guide runs 150 groups × 5 prompts of 6,000 /
+		// 1,200 tokens with 1,000 out on GPUs; scaled to the simulated
+		// fleet: 32 groups × 16, 2,048 / 256 tokens, 256 out.
+		def(&s.Systems, 32)
+		def(&s.Questions, 16)
+		def(&s.SystemTokens, 2048)
+		def(&s.QuestionTokens, 256)
+		def(&s.OutputTokens, 256)
+	case "multi-turn-think":
+		def(&s.Sessions, 32)
+		def(&s.Turns, 8)
+		def(&s.SystemTokens, 1024)
+		def(&s.UserTokens, 128)
+		def(&s.OutputMin, 128)
+		def(&s.OutputMax, 512)
+		if s.ThinkTime <= 0 {
+			s.ThinkTime = 3 * time.Second
+		}
 	default: // no-sharing, hot-prompt
 		def(&s.Requests, 128)
 		def(&s.SystemBytes, 1024)
@@ -92,6 +157,20 @@ func (s Spec) Defaults() Spec {
 	}
 	if s.Seed == 0 {
 		s.Seed = 1
+	}
+	if s.BytesPerToken <= 0 {
+		s.BytesPerToken = 1
+	}
+	bytes := func(v *int, tokens int) {
+		if *v <= 0 && tokens > 0 {
+			*v = int(math.Round(float64(tokens) * s.BytesPerToken))
+		}
+	}
+	bytes(&s.SystemBytes, s.SystemTokens)
+	bytes(&s.UserBytes, s.UserTokens)
+	bytes(&s.QuestionBytes, s.QuestionTokens)
+	if s.OutputMax < s.OutputMin {
+		s.OutputMax = s.OutputMin
 	}
 	return s
 }
@@ -135,6 +214,31 @@ func Generate(spec Spec) ([]Session, error) {
 				}
 				out = append(out, sess)
 			}
+		}
+	case "generated-shared-prefix", Ladder:
+		prefix := map[string]string{"generated-shared-prefix": "gsp", Ladder: "spl"}[s.Kind]
+		systems := texts(r, "system", s.Systems, s.SystemBytes)
+		for g := range systems {
+			for q := 0; q < s.Questions; q++ {
+				out = append(out, Session{
+					ID:     fmt.Sprintf("%s-%d-%d", prefix, g, q),
+					Group:  fmt.Sprintf("g%d", g),
+					System: systems[g],
+					Turns:  []Turn{{User: Text(r, s.QuestionBytes), MaxTokens: s.OutputTokens}},
+				})
+			}
+		}
+	case "multi-turn-think":
+		for i := 0; i < s.Sessions; i++ {
+			sess := Session{ID: fmt.Sprintf("mtt-%d", i), Group: fmt.Sprintf("mtt-%d", i), System: Text(r, s.SystemBytes)}
+			for t := 0; t < s.Turns; t++ {
+				turn := Turn{User: Text(r, s.UserBytes), MaxTokens: s.OutputMin + r.IntN(s.OutputMax-s.OutputMin+1)}
+				if t > 0 {
+					turn.Think = time.Duration(min(r.ExpFloat64(), 4) * float64(s.ThinkTime))
+				}
+				sess.Turns = append(sess.Turns, turn)
+			}
+			out = append(out, sess)
 		}
 	case "no-sharing":
 		for i := 0; i < s.Requests; i++ {

@@ -4,6 +4,7 @@ import (
 	"reflect"
 	"strings"
 	"testing"
+	"time"
 )
 
 func TestGenerateShapes(t *testing.T) {
@@ -131,5 +132,77 @@ func TestKVPressureSharesSystemsOnly(t *testing.T) {
 	}
 	if bySystem["s0"][0].System == bySystem["s1"][0].System {
 		t.Fatal("two groups share a system prompt")
+	}
+}
+
+// The field's standard shapes: SGLang's generated-shared-prefix defaults
+// (64 groups × 16 prompts, 2,048 / 128 tokens, 256 out) sized in tokens of
+// the engine's vocabulary; every prompt of a group shares its system
+// prompt and nothing else.
+func TestGeneratedSharedPrefixIsSGLangsShapeInTokens(t *testing.T) {
+	got, err := Generate(Spec{Kind: "generated-shared-prefix", BytesPerToken: 3.5})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(got) != 64*16 {
+		t.Fatalf("%d sessions, want 1024", len(got))
+	}
+	systems := map[string]string{}
+	questions := map[string]bool{}
+	for _, s := range got {
+		if len(s.Turns) != 1 || s.Turns[0].MaxTokens != 256 || s.Turns[0].Think != 0 {
+			t.Fatalf("session %s: %+v, want one turn of 256 tokens out", s.ID, s.Turns)
+		}
+		if n := len(s.System); n < 7168 || n > 7168+32 {
+			t.Fatalf("system prompt %d bytes, want 2048 tokens × 3.5 bytes (plus its label)", n)
+		}
+		if len(s.Turns[0].User) != 448 {
+			t.Fatalf("question %d bytes, want 128 × 3.5", len(s.Turns[0].User))
+		}
+		if old, ok := systems[s.Group]; ok && old != s.System {
+			t.Fatalf("group %s has two system prompts", s.Group)
+		}
+		systems[s.Group] = s.System
+		if questions[s.Turns[0].User] {
+			t.Fatalf("question repeated: %.30q", s.Turns[0].User)
+		}
+		questions[s.Turns[0].User] = true
+	}
+	if len(systems) != 64 {
+		t.Fatalf("%d groups, want 64", len(systems))
+	}
+	ladder, err := Generate(Spec{Kind: Ladder, Systems: 3, Questions: 2, OutputTokens: 64})
+	if err != nil || len(ladder) != 6 || ladder[0].Turns[0].MaxTokens != 64 {
+		t.Fatalf("ladder: %d sessions, err %v", len(ladder), err)
+	}
+}
+
+// multi-turn-think: answers of 128–512 tokens, users pausing between turns
+// (never before the first), the same draw for the same seed.
+func TestMultiTurnThinkPausesAndVariesOutputs(t *testing.T) {
+	a, err := Generate(Spec{Kind: "multi-turn-think", Seed: 4})
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, _ := Generate(Spec{Kind: "multi-turn-think", Seed: 4})
+	if !reflect.DeepEqual(a, b) {
+		t.Fatal("the same seed gave two workloads")
+	}
+	lengths := map[int]bool{}
+	var think time.Duration
+	for _, s := range a {
+		for i, turn := range s.Turns {
+			if turn.MaxTokens < 128 || turn.MaxTokens > 512 {
+				t.Fatalf("output %d tokens", turn.MaxTokens)
+			}
+			lengths[turn.MaxTokens] = true
+			if i == 0 && turn.Think != 0 || i > 0 && (turn.Think <= 0 || turn.Think > 12*time.Second) {
+				t.Fatalf("turn %d thinks %v", i, turn.Think)
+			}
+			think += turn.Think
+		}
+	}
+	if mean := think / time.Duration(32*7); len(lengths) < 50 || mean < 2*time.Second || mean > 4*time.Second {
+		t.Fatalf("%d distinct lengths, mean think %v (want ~3s)", len(lengths), mean)
 	}
 }

@@ -6,18 +6,31 @@
 //
 //	make build && go run ./bench/cmd/bench --engine sim --workers 8 --out bench/out/sim
 //	go run ./bench/cmd/bench --engine llama --workers 3 --model var/models/tiny.gguf --out bench/out/llama
+//	go run ./bench/cmd/bench --engine vllm --workers 64 --workloads generated-shared-prefix,shared-prefix-ladder \
+//	    --seeds 4,5,6 --repeats 5 --out bench/out/vllm
+//
+// With --seeds and --repeats every seed is run --repeats times, the
+// policies one after the other each time (A B A B …), and the report gives
+// each cell's median with its range; results.json keeps every request
+// (seed, repeat, ladder rate, predicted TTFT) so each figure can be derived
+// again. shared-prefix-ladder runs once per --ladder rate and is reported as
+// latency-against-load curves with each policy's saturation rate.
 package main
 
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"flag"
 	"fmt"
 	"log/slog"
+	"maps"
+	"math"
 	"os"
 	"os/signal"
 	"path/filepath"
 	"runtime"
+	"slices"
 	"strconv"
 	"strings"
 	"syscall"
@@ -26,6 +39,7 @@ import (
 	"github.com/istio-llm-filter/istio-llm-filter/bench/fleet"
 	"github.com/istio-llm-filter/istio-llm-filter/bench/loadgen"
 	"github.com/istio-llm-filter/istio-llm-filter/bench/report"
+	"github.com/istio-llm-filter/istio-llm-filter/bench/vllmsim"
 	"github.com/istio-llm-filter/istio-llm-filter/bench/workload"
 )
 
@@ -43,17 +57,21 @@ func run(ctx context.Context, args []string) error {
 	var (
 		bin         = fs.String("bin", "bin", "directory with the metadata-center, worker and gateway binaries (make build)")
 		out         = fs.String("out", "bench/out/run", "output directory")
-		engine      = fs.String("engine", "sim", "worker engine: sim (calibrated cost model) or llama (real compute)")
+		engine      = fs.String("engine", "sim", "worker engine: sim (our worker, calibrated cost model), llama (our worker, real compute) or vllm (vLLM-like pods, bench/vllmsim, scraped by the metadata center)")
 		workers     = fs.Int("workers", 8, "number of workers")
 		model       = fs.String("model", "", "GGUF model (required for llama; gives sim its context size)")
 		modelName   = fs.String("model-name", "tiny", "model name clients send")
-		workerArgs  = fs.String("worker-args", "", "extra worker flags, space-separated")
+		workerArgs  = fs.String("worker-args", "", "extra worker flags (vllm: vllmsim flags such as --max-num-seqs 8), space-separated")
 		policies    = fs.String("policies", "cache_aware,epp,sglang,round_robin,random,least_request,prefix_only", "policies to compare (epp and sglang stand for llm-d's endpoint picker and SGLang's router)")
-		workloads   = fs.String("workloads", strings.Join(workload.Kinds, ","), "workloads to run")
+		workloads   = fs.String("workloads", strings.Join(workload.Classic, ","), "workloads to run: "+strings.Join(workload.Kinds, ", "))
 		concurrency = fs.Int("concurrency", 0, "sessions in flight at once (0: Poisson arrivals at --rate)")
 		rate        = fs.Float64("rate", 2, "Poisson session arrival rate per second (when --concurrency is 0)")
-		maxTokens   = fs.Int("max-tokens", 16, "output tokens per request (fixed with ignore_eos)")
+		maxTokens   = fs.Int("max-tokens", 16, "output tokens per request (fixed with ignore_eos) where the workload sets none")
 		seed        = fs.Uint64("seed", 1, "workload and arrival seed")
+		seeds       = fs.String("seeds", "", "comma-separated seeds, each a round of its own (replaces --seed): 1-3 for development, 4 and up held out for verdicts")
+		repeats     = fs.Int("repeats", 1, "runs of every policy per seed, interleaved (A B A B …); reports give the medians with the range")
+		ladder      = fs.String("ladder", "2,4,8,16,32", workload.Ladder+": offered loads (requests/s) of its steps, increasing; a policy stops once TTFT p90 passes 2 s")
+		ladderDur   = fs.Duration("ladder-duration", 30*time.Second, workload.Ladder+": each step sends rate × duration requests (at most the workload's)")
 		workerCPUs  = fs.Float64("worker-cpus", 0, "CPU quota per worker via cgroups (e.g. 0.6), so that each pod has its own compute as on real accelerators (0: workers share the machine)")
 		kvCells     = fs.Int("kv-cells", 0, "sim: KV cells per worker (its --n-ctx), small enough that caches fill and evict as on a busy GPU (0: the worker's default)")
 		lbRule      = fs.String("lb-rule", "", `extra lb_mapping_rule keys for every policy, YAML flow style, e.g. "cache_ratio_weight: 4, prefill_load_weight: 1"`)
@@ -79,6 +97,13 @@ func run(ctx context.Context, args []string) error {
 	fs.IntVar(&spec.SystemBytes, "system-bytes", 0, "system prompt bytes (= tokens on byte-level vocabularies); default 2048 shared-prefix, else 1024")
 	fs.IntVar(&spec.UserBytes, "user-bytes", 0, "user history (shared-prefix, default 1024) / turn (multi-turn, default 256) bytes")
 	fs.IntVar(&spec.QuestionBytes, "question-bytes", 0, "question bytes (default 64 shared-prefix, else 96)")
+	fs.IntVar(&spec.SystemTokens, "system-tokens", 0, "standard workloads: system prompt tokens (default 2048, multi-turn-think 1024)")
+	fs.IntVar(&spec.QuestionTokens, "question-tokens", 0, "generated-shared-prefix / shared-prefix-ladder: question tokens (default 128 / 256)")
+	fs.IntVar(&spec.UserTokens, "user-tokens", 0, "multi-turn-think: tokens per user turn (default 128)")
+	fs.IntVar(&spec.OutputTokens, "output-tokens", 0, "generated-shared-prefix / shared-prefix-ladder: output tokens per request (default 256)")
+	fs.IntVar(&spec.OutputMin, "output-min", 0, "multi-turn-think: shortest answer in tokens (default 128)")
+	fs.IntVar(&spec.OutputMax, "output-max", 0, "multi-turn-think: longest answer in tokens (default 512)")
+	fs.DurationVar(&spec.ThinkTime, "think-time", 0, "multi-turn-think: mean pause between an answer and the next turn (default 3s)")
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
@@ -97,22 +122,71 @@ func run(ctx context.Context, args []string) error {
 	if err := plans.check(*workers); err != nil {
 		return err
 	}
-	spec.Seed = *seed
-	wargs := strings.Fields(*workerArgs)
-	if *kvCells > 0 {
-		wargs = append(wargs, "--n-ctx", fmt.Sprint(*kvCells))
+	seedList, err := parseSeeds(*seeds, *seed)
+	if err != nil {
+		return err
 	}
-	run := report.Run{
-		Title:   fmt.Sprintf("Routing policies on %d %s workers", *workers, *engine),
-		Started: time.Now().UTC().Format(time.RFC3339),
-		Machine: map[string]string{"cpus": fmt.Sprint(runtime.NumCPU()), "os": runtime.GOOS + "/" + runtime.GOARCH, "go": runtime.Version()},
-		Settings: map[string]string{
-			"engine": *engine, "workers": fmt.Sprint(*workers), "max_tokens": fmt.Sprint(*maxTokens),
-			"concurrency": fmt.Sprint(*concurrency), "rate": fmt.Sprint(*rate), "seed": fmt.Sprint(*seed),
-			"worker_args": *workerArgs, "kv_cells": fmt.Sprint(*kvCells), "model": *model, "lb_rule": *lbRule, "worker_cpus": fmt.Sprint(*workerCPUs),
-			"variants": variants.String(), "plans": plans.String(), "gateways": fmt.Sprint(*gateways), "metadata_centers": fmt.Sprint(*mcs), "store": *store,
-			"query_timeout": queryTO.String(),
-		},
+	ladderRates, err := parseRates(*ladder)
+	if err != nil {
+		return err
+	}
+	if *repeats < 1 {
+		return fmt.Errorf("--repeats must be at least 1, got %d", *repeats)
+	}
+	spec.BytesPerToken = 1 // our workers' byte-level vocabulary
+	wargs := strings.Fields(*workerArgs)
+	switch *engine {
+	case "sim", "llama":
+		if *kvCells > 0 {
+			wargs = append(wargs, "--n-ctx", fmt.Sprint(*kvCells))
+		}
+	case fleet.EngineVLLM:
+		spec.BytesPerToken = vllmsim.BytesPerToken
+		if *workerCPUs > 0 {
+			return errors.New("--worker-cpus does not apply to --engine vllm: its pods share one process and sleep instead of computing")
+		}
+		if *kvCells > 0 {
+			c := vllmsim.DefaultConfig()
+			wargs = append(wargs, "--num-gpu-blocks", fmt.Sprint(*kvCells/c.BlockSize), "--max-model-len", fmt.Sprint(min(c.MaxModelLen, *kvCells)))
+		}
+	default:
+		return fmt.Errorf("--engine %q: want sim, llama or %s", *engine, fleet.EngineVLLM)
+	}
+	title := fmt.Sprintf("Routing policies on %d %s workers", *workers, *engine)
+	settings := map[string]string{
+		"engine": *engine, "workers": fmt.Sprint(*workers), "max_tokens": fmt.Sprint(*maxTokens),
+		"concurrency": fmt.Sprint(*concurrency), "rate": fmt.Sprint(*rate), "seeds": *seeds, "repeats": fmt.Sprint(*repeats),
+		"worker_args": *workerArgs, "kv_cells": fmt.Sprint(*kvCells), "model": *model, "lb_rule": *lbRule, "worker_cpus": fmt.Sprint(*workerCPUs),
+		"variants": variants.String(), "plans": plans.String(), "gateways": fmt.Sprint(*gateways), "metadata_centers": fmt.Sprint(*mcs), "store": *store,
+		"query_timeout": queryTO.String(), "bytes_per_token": fmt.Sprint(spec.BytesPerToken),
+	}
+	if settings["seeds"] == "" {
+		settings["seeds"] = fmt.Sprint(*seed)
+	}
+	if *engine == fleet.EngineVLLM {
+		settings["scrape_interval"] = fleet.ScrapeInterval.String()
+	}
+	if slices.Contains(split(*workloads), workload.Ladder) {
+		settings["ladder"], settings["ladder_duration"] = *ladder, ladderDur.String()
+	}
+	machine := map[string]string{"cpus": fmt.Sprint(runtime.NumCPU()), "os": runtime.GOOS + "/" + runtime.GOARCH, "go": runtime.Version()}
+	started := time.Now().UTC().Format(time.RFC3339)
+	// One round per seed and repeat: the policies of a round run one after
+	// the other on the same sessions (A B A B … over the rounds).
+	rounds := make([]report.Run, len(seedList)**repeats)
+	for i := range rounds {
+		sd, rep := seedList[i / *repeats], i%*repeats+1
+		rounds[i] = report.Run{Title: title, Started: started, Machine: machine, Settings: maps.Clone(settings),
+			Label: fmt.Sprintf("seed %d, repeat %d", sd, rep)}
+		rounds[i].Settings["seed"] = fmt.Sprint(sd)
+	}
+	joint := func() report.Run {
+		if len(rounds) == 1 {
+			return rounds[0]
+		}
+		m := report.Merge(rounds...)
+		m.Started, m.Settings["seed"] = started, settings["seeds"]
+		return m
 	}
 	var raw []report.Result
 	pols := split(*policies)
@@ -123,67 +197,105 @@ func run(ctx context.Context, args []string) error {
 			return fmt.Errorf("--policies %s: %w", p, err)
 		}
 	}
-	step, steps := 0, len(pols)*len(wls)
+	cells := 0
 	for _, wl := range wls {
-		s := spec
-		s.Kind = wl
-		sessions, err := workload.Generate(s)
-		if err != nil {
-			return err
+		if wl == workload.Ladder {
+			cells += len(ladderRates)
+		} else {
+			cells++
 		}
-		ttfts := map[string][]float64{}
-		for _, p := range pols {
-			step++
-			label := fmt.Sprintf("[%d/%d] %s × %s", step, steps, wl, p)
-			policy, rule := variants.resolve(p, *lbRule)
-			plan, planned := plans[p]
-			if planned {
-				if err := plan.covers(sessions); err != nil {
-					return fmt.Errorf("%s: %w", label, err)
-				}
-				policy = "round_robin" // the gateway runs but takes no request
-			}
-			f, err := fleet.Start(ctx, fleet.Spec{
-				BinDir: *bin, LogDir: filepath.Join(*out, "logs", wl, p), Engine: *engine, Workers: *workers,
-				Model: *model, ModelName: *modelName, Policy: policy, LBRule: rule, WorkerCPUs: *workerCPUs, WorkerArgs: wargs,
-				Gateways: *gateways, MetadataCenters: *mcs, Store: *store, QueryTimeout: *queryTO,
-				GatewayLogLevel: *gwLog,
-			})
+	}
+	step, steps := 0, cells*len(pols)*len(rounds)
+	ttfts := map[string]map[string][]float64{} // cell → policy → TTFTs (ms)
+	for _, wl := range wls {
+		// A ladder runs the workload at each rate; anything else once at --rate.
+		rates := []float64{0}
+		if wl == workload.Ladder {
+			rates = ladderRates
+		}
+		for si, sd := range seedList {
+			s := spec
+			s.Kind, s.Seed = wl, sd
+			sessions, err := workload.Generate(s)
 			if err != nil {
-				return fmt.Errorf("%s: %w", label, err)
+				return err
 			}
-			t0 := time.Now()
-			rs := loadgen.Run(ctx, sessions, loadgen.Options{
-				BaseURLs: f.Gateways, Model: *modelName, MaxTokens: *maxTokens,
-				Concurrency: *concurrency, Rate: *rate, Seed: *seed, Plan: plan.addresses(f.Workers),
-				Progress: func(done, total int) {
-					fmt.Fprintf(os.Stderr, "\r%s: %d/%d requests, %.0fs   ", label, done, total, time.Since(t0).Seconds())
-				},
-			})
-			f.Stop()
-			for i := range rs {
-				rs[i].Workload, rs[i].Policy = wl, p
-				if rs[i].OK() && rs[i].TTFT > 0 {
-					ttfts[p] = append(ttfts[p], float64(rs[i].TTFT)/float64(time.Millisecond))
+			saturated := map[string]bool{} // repeat/policy past the ladder's limit
+			for _, lr := range rates {
+				cell, arrival, cellSessions := wl, *rate, sessions
+				if lr > 0 {
+					cell, arrival = report.LadderStep(wl, lr), lr
+					cellSessions = sessions[:min(len(sessions), max(1, int(math.Ceil(lr*ladderDur.Seconds()))))]
 				}
-			}
-			raw = append(raw, rs...)
-			sum := report.Summarize(wl, p, rs, f.Workers)
-			run.Summaries = append(run.Summaries, sum)
-			fmt.Fprintf(os.Stderr, "\r%s: TTFT p90 %.1f ms, success %.0f%%, cache hit %.0f%%, imbalance %.2f\n",
-				label, sum.TTFT.P90, 100*sum.SuccessRate, 100*sum.CacheHitRate, sum.Imbalance)
-			// Rewrite every output after each pair: a long real-compute run
-			// can be read (and survives an interrupt) while it goes on.
-			if err := writeOutputs(*out, run, raw); err != nil {
-				return err
-			}
-			if err := writeFile(filepath.Join(*out, "ttft_cdf_"+wl+".svg"), func(w *os.File) error {
-				return report.CDF(w, "TTFT distribution — "+wl, "TTFT (ms)", ttfts, pols)
-			}); err != nil {
-				return err
-			}
-			if ctx.Err() != nil {
-				return ctx.Err()
+				if ttfts[cell] == nil {
+					ttfts[cell] = map[string][]float64{}
+				}
+				for rep := 1; rep <= *repeats; rep++ {
+					round := &rounds[si**repeats+rep-1]
+					for _, p := range pols {
+						step++
+						label := fmt.Sprintf("[%d/%d] %s × %s (seed %d, repeat %d)", step, steps, cell, p, sd, rep)
+						key := fmt.Sprintf("%d/%s", rep, p)
+						if saturated[key] {
+							fmt.Fprintf(os.Stderr, "%s: skipped, saturated at a lower rate\n", label)
+							continue
+						}
+						policy, rule := variants.resolve(p, *lbRule)
+						plan, planned := plans[p]
+						if planned {
+							if err := plan.covers(cellSessions); err != nil {
+								return fmt.Errorf("%s: %w", label, err)
+							}
+							policy = "round_robin" // the gateway runs but takes no request
+						}
+						f, err := fleet.Start(ctx, fleet.Spec{
+							BinDir: *bin, LogDir: filepath.Join(*out, "logs", cell, p, fmt.Sprintf("seed%d-r%d", sd, rep)), Engine: *engine, Workers: *workers,
+							Model: *model, ModelName: *modelName, Policy: policy, LBRule: rule, WorkerCPUs: *workerCPUs, WorkerArgs: wargs,
+							Gateways: *gateways, MetadataCenters: *mcs, Store: *store, QueryTimeout: *queryTO,
+							GatewayLogLevel: *gwLog,
+						})
+						if err != nil {
+							return fmt.Errorf("%s: %w", label, err)
+						}
+						t0 := time.Now()
+						rs := loadgen.Run(ctx, cellSessions, loadgen.Options{
+							BaseURLs: f.Gateways, Model: *modelName, MaxTokens: *maxTokens,
+							Concurrency: *concurrency, Rate: arrival, Seed: sd, Plan: plan.addresses(f.Workers),
+							Progress: func(done, total int) {
+								fmt.Fprintf(os.Stderr, "\r%s: %d/%d requests, %.0fs   ", label, done, total, time.Since(t0).Seconds())
+							},
+						})
+						f.Stop()
+						for i := range rs {
+							rs[i].Workload, rs[i].Policy, rs[i].Seed, rs[i].Repeat, rs[i].Rate = cell, p, sd, rep, lr
+							if rs[i].OK() && rs[i].TTFT > 0 {
+								ttfts[cell][p] = append(ttfts[cell][p], float64(rs[i].TTFT)/float64(time.Millisecond))
+							}
+						}
+						raw = append(raw, rs...)
+						sum := report.Summarize(cell, p, rs, f.Workers)
+						sum.Rate = lr
+						round.Summaries = append(round.Summaries, sum)
+						if lr > 0 && sum.TTFT.P90 > report.SaturationP90 {
+							saturated[key] = true
+						}
+						fmt.Fprintf(os.Stderr, "\r%s: TTFT p90 %.1f ms, success %.0f%%, cache hit %.0f%%, imbalance %.2f\n",
+							label, sum.TTFT.P90, 100*sum.SuccessRate, 100*sum.CacheHitRate, sum.Imbalance)
+						// Rewrite every output after each pair: a long real-compute run
+						// can be read (and survives an interrupt) while it goes on.
+						if err := writeOutputs(*out, joint(), raw); err != nil {
+							return err
+						}
+						if err := writeFile(filepath.Join(*out, "ttft_cdf_"+cell+".svg"), func(w *os.File) error {
+							return report.CDF(w, "TTFT distribution — "+cell, "TTFT (ms)", ttfts[cell], pols)
+						}); err != nil {
+							return err
+						}
+						if ctx.Err() != nil {
+							return ctx.Err()
+						}
+					}
+				}
 			}
 		}
 	}
@@ -237,6 +349,9 @@ func writeOutputs(out string, run report.Run, raw []report.Result) error {
 			return run.BarChart(w, "True cache-hit rate (cached_tokens / prompt_tokens)", "%", func(s report.Summary) float64 { return 100 * s.CacheHitRate })
 		},
 	}
+	for _, base := range run.Ladders() {
+		files["ladder_"+base+".svg"] = func(w *os.File) error { return run.LadderChart(w, base) }
+	}
 	for name, write := range files {
 		if err := writeFile(filepath.Join(out, name), write); err != nil {
 			return err
@@ -258,6 +373,44 @@ func writeFile(path string, write func(*os.File) error) error {
 		return err
 	}
 	return f.Close()
+}
+
+// parseSeeds reads --seeds, or returns --seed alone when it is empty.
+func parseSeeds(list string, single uint64) ([]uint64, error) {
+	if strings.TrimSpace(list) == "" {
+		return []uint64{single}, nil
+	}
+	var out []uint64
+	for _, f := range split(list) {
+		v, err := strconv.ParseUint(f, 10, 64)
+		if err != nil || v == 0 {
+			return nil, fmt.Errorf("--seeds: %q is not a positive integer", f)
+		}
+		if slices.Contains(out, v) {
+			return nil, fmt.Errorf("--seeds: %d twice", v)
+		}
+		out = append(out, v)
+	}
+	return out, nil
+}
+
+// parseRates reads --ladder: positive, strictly increasing rates.
+func parseRates(list string) ([]float64, error) {
+	var out []float64
+	for _, f := range split(list) {
+		v, err := strconv.ParseFloat(f, 64)
+		if err != nil || !(v > 0) || math.IsInf(v, 0) {
+			return nil, fmt.Errorf("--ladder: %q is not a positive rate", f)
+		}
+		if len(out) > 0 && v <= out[len(out)-1] {
+			return nil, fmt.Errorf("--ladder: rates must increase (%g after %g)", v, out[len(out)-1])
+		}
+		out = append(out, v)
+	}
+	if len(out) == 0 {
+		return nil, errors.New("--ladder: no rate")
+	}
+	return out, nil
 }
 
 func split(s string) []string {

@@ -67,3 +67,26 @@ func TestPlanFlagPlacesGroupsOnWorkers(t *testing.T) {
 		t.Error("no plan gave addresses")
 	}
 }
+
+// --seeds and --ladder refuse what would make a meaningless run.
+func TestSeedsAndLadderFlags(t *testing.T) {
+	if s, err := parseSeeds("", 3); err != nil || len(s) != 1 || s[0] != 3 {
+		t.Fatalf("no --seeds: %v %v", s, err)
+	}
+	if s, err := parseSeeds("4, 5,6", 1); err != nil || len(s) != 3 || s[2] != 6 {
+		t.Fatalf("--seeds 4,5,6: %v %v", s, err)
+	}
+	for _, bad := range []string{"4,4", "x", "0"} {
+		if _, err := parseSeeds(bad, 1); err == nil {
+			t.Errorf("--seeds %q accepted", bad)
+		}
+	}
+	if r, err := parseRates("1, 2.5,8"); err != nil || len(r) != 3 || r[1] != 2.5 {
+		t.Fatalf("--ladder: %v %v", r, err)
+	}
+	for _, bad := range []string{"", "2,2", "4,2", "-1", "inf"} {
+		if _, err := parseRates(bad); err == nil {
+			t.Errorf("--ladder %q accepted", bad)
+		}
+	}
+}
