@@ -95,9 +95,6 @@ type State struct {
 	floats []float64
 	idx    []int
 	kept   []Host
-	// cluster is every pod of the decision; Profile.run narrows Hosts to
-	// the survivors of each filter in turn.
-	cluster []Host
 }
 
 // scratch returns two empty float slices of capacity n.

@@ -454,26 +454,6 @@ func TestFilterAndNoEndpoint(t *testing.T) {
 	}
 }
 
-func BenchmarkChoose(b *testing.B) {
-	for _, n := range []int{8, 64, 256} {
-		b.Run(fmt.Sprintf("cache_aware/%d", n), func(b *testing.B) {
-			cands := eps(n)
-			view := View{Load: api.LoadStats{}, Cache: map[string]int{}}
-			for i, e := range cands {
-				view.Load[e.Address] = api.EndpointStats{TotalReqs: int64(i % 7), PromptLength: int64(i * 100)}
-				view.Cache[e.Address] = i % 16
-			}
-			bal := New(Options{})
-			b.ReportAllocs()
-			for b.Loop() {
-				if _, err := bal.Choose("c", seedRule, cands, view, Request{Blocks: 16}); err != nil {
-					b.Fatal(err)
-				}
-			}
-		})
-	}
-}
-
 // nthSmallest must find what sorting finds, whatever the order and however
 // many ties, infinities and NaNs: the picker's threshold depends on it.
 func TestNthSmallestMatchesSort(t *testing.T) {

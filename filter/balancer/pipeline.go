@@ -126,7 +126,6 @@ func (p *Profile) run(s *State, obs *stageObserver) int {
 		t0 = time.Now()
 	}
 	all := s.Hosts
-	s.cluster = all
 	idx := s.ints(len(all))
 	for i := range all {
 		idx = append(idx, i)

@@ -324,4 +324,3 @@ func TestSignalsFilledOnlyWhenRead(t *testing.T) {
 		t.Error("signals read for a kv_cache scorer of weight 0")
 	}
 }
-
