@@ -12,7 +12,13 @@ package balancer
 //                + KV fit(r, p)                    (recomputing what r evicts)
 //
 //     in tokens throughout: prompt bytes become tokens through the bytes per
-//     token learnt per model (BytesPerToken);
+//     token learnt per model (BytesPerToken). Inputs: the metadata center's
+//     leases and prefix matches (every gateway's requests), this gateway's
+//     requests not counted there yet (Tracker), and the pod's own report
+//     when fresh: our worker's push, or a vLLM-like pod's scrape, whose
+//     waiting, running and kv_cache_usage_perc are enough (waiting requests
+//     at the fleet's mean size stand for queued tokens; waiting > 0 means
+//     no free slot; utilization and running give the free KV);
 //  2. the pick (CacheAware.Choose): uniform among the pods within
 //     tie_epsilon of the lowest prediction;
 //  3. the check (Balancer.Observe): the first token's observed TTFT against
@@ -89,8 +95,11 @@ type Cost struct {
 	QueuedTokens, UncachedTokens float64
 	Prefill                      float64
 	Step                         float64 // one decode step: the first token
-	Fit                          float64 // recomputing what the request evicts or preempts
-	Total                        float64 // the predicted TTFT
+	// FitTokens are the request's new tokens the pod's free KV cannot
+	// hold; Fit is recomputing them (what the pod evicts or preempts to
+	// make room) at its prefill rate.
+	FitTokens, Fit float64
+	Total          float64 // the predicted TTFT
 }
 
 // Prediction is what a decision predicted for its chosen pod
@@ -104,10 +113,11 @@ type Prediction struct {
 	defRate, defStep float64
 }
 
-// podFit is what the gateway has learnt of one pod from the TTFTs it
-// observed there: a line observed ≈ step + work·secPerToken through the
-// pod's recent (work tokens, TTFT less slot wait and fit) points, and how
-// long its requests hold a running slot. Zero fields are unknown.
+// podFit is what the gateway has learnt of one pod: from the TTFTs it
+// observed there, its decode step and seconds per prefill token (TTFT less
+// slot wait ≈ step + tokens·secPerToken, observe); from the requests that
+// ended there, how long one holds a running slot (held). Zero fields are
+// unknown: the rule's defaults stand in.
 type podFit struct {
 	step, secPerToken float64
 	hold              float64 // mean seconds from a request's start to its end
@@ -247,9 +257,8 @@ func (p *predictor) predict(h *Host) Cost {
 	if h.Signals && h.Running > 0 && h.KVUtil > 0 && p.meanPrompt > 0 {
 		u := min(h.KVUtil, 1)
 		free := float64(h.Running) * p.meanPrompt * (1 - u) / u
-		if over := c.UncachedTokens - free; over > 0 {
-			c.Fit = over * secPerToken
-		}
+		c.FitTokens = max(0, c.UncachedTokens-free)
+		c.Fit = c.FitTokens * secPerToken
 	}
 	c.Total = c.SlotWait + c.Prefill + c.Step + c.Fit
 	return c
@@ -312,10 +321,13 @@ func (m *ttftModel) held(host string, d time.Duration) {
 	f.hold += fitRate * (d.Seconds() - f.hold)
 }
 
-// observe refits p's pod from its observed TTFT. The part that scales with
-// work (prefill) and the part that does not (decode step) share the error
-// in proportion to their share of the prediction, so both stay positive
-// and a pod seen only at one size is still predicted right at that size.
+// observe refits p's pod from its observed TTFT. The part of the
+// prediction that scales with tokens (prefill and KV fit, at the pod's
+// seconds per token) and the part that does not (the decode step) share
+// the error in proportion to their share of the prediction, so both stay
+// positive and a pod seen at one request size only is still predicted
+// right at that size. The slot wait is left out: it comes from request
+// durations the tracker measures (held), not from this TTFT.
 func (m *ttftModel) observe(p Prediction, observed time.Duration) {
 	obs := observed.Seconds()
 	if p.Host == "" || obs <= 0 || p.Total <= 0 || p.defRate <= 0 || p.defStep <= 0 {
@@ -325,25 +337,27 @@ func (m *ttftModel) observe(p Prediction, observed time.Duration) {
 	m.log.LogAttrs(context.Background(), slog.LevelDebug, "ttft",
 		slog.String("cluster", p.Cluster), slog.String("host", p.Host),
 		slog.Float64("predicted", p.Total), slog.Float64("observed", obs))
-	work := p.QueuedTokens + p.UncachedTokens
-	y := obs - p.SlotWait - p.Fit // what prefill and step account for
+	tokens := p.QueuedTokens + p.UncachedTokens + p.FitTokens
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	f := m.fit(p.Host)
 	if f.secPerToken <= 0 {
 		f.secPerToken, f.step = 1/p.defRate, p.defStep
 	}
-	prefill, step := work*f.secPerToken, f.step
-	if y <= 0 {
-		y = minStep
-	}
-	scale := y / (prefill + step)
-	// Each part moves fitRate of the way towards its share of y.
-	f.step = min(max(step+fitRate*(step*scale-step), minStep), maxStep)
-	if work > 0 {
-		f.secPerToken = min(max(f.secPerToken+fitRate*(f.secPerToken*scale-f.secPerToken), minSecPerToken), maxSecPerToken)
+	// What prefill and step account for, over what the fit predicts for
+	// them now; one observation moves the fit by at most a factor
+	// maxScale towards it, so that a TTFT that mostly waited for a slot
+	// the model did not foresee (or a slot wait it foresaw that did not
+	// happen) cannot undo many good observations.
+	scale := min(max((obs-p.SlotWait)/(tokens*f.secPerToken+f.step), 1/maxScale), maxScale)
+	f.step = min(max(f.step+fitRate*(scale-1)*f.step, minStep), maxStep)
+	if tokens > 0 {
+		f.secPerToken = min(max(f.secPerToken+fitRate*(scale-1)*f.secPerToken, minSecPerToken), maxSecPerToken)
 	}
 }
+
+// maxScale bounds one observation's pull on a pod's fit (observe).
+const maxScale = 4
 
 // CacheAware is the cache_aware policy: the lowest predicted TTFT, near-ties
 // spread.
@@ -404,7 +418,8 @@ func (c *CacheAware) debug(s *State, p *predictor, pick, ties int) {
 		costs = append(costs, slog.Group(k.Host,
 			slog.Float64("total", k.Total), slog.Float64("slot_wait", k.SlotWait),
 			slog.Float64("queued_tokens", k.QueuedTokens), slog.Float64("uncached_tokens", k.UncachedTokens),
-			slog.Float64("prefill", k.Prefill), slog.Float64("step", k.Step), slog.Float64("fit", k.Fit)))
+			slog.Float64("prefill", k.Prefill), slog.Float64("step", k.Step),
+			slog.Float64("fit_tokens", k.FitTokens), slog.Float64("fit", k.Fit)))
 	}
 	c.m.mu.RUnlock()
 	c.m.log.LogAttrs(context.Background(), slog.LevelDebug, "cache_aware",
