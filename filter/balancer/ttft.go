@@ -19,8 +19,9 @@ package balancer
 //     waiting, running and kv_cache_usage_perc are enough (waiting requests
 //     at the fleet's mean size stand for queued tokens; waiting > 0 means
 //     no free slot; utilization and running give the free KV);
-//  2. the pick (CacheAware.Choose): uniform among the pods within
-//     tie_epsilon of the lowest prediction;
+//  2. the pick (CacheAware.Choose): among the pods within tie_epsilon of
+//     the lowest prediction, the fewest of the request's tokens computed,
+//     uniformly among equals;
 //  3. the check (Balancer.Observe): the first token's observed TTFT against
 //     the prediction, which exports the relative error and refits the pod's
 //     prefill rate and decode step (podFit).
@@ -366,36 +367,53 @@ type CacheAware struct{ m *ttftModel }
 func (*CacheAware) NeedsMetadata() bool { return true }
 func (*CacheAware) ReadsSignals() bool  { return true }
 
-// Choose picks uniformly among the pods whose predicted TTFT is within
-// tie_epsilon of the lowest. Why uniform within ε rather than a softmax:
-// the inputs are up to a report old and shared by every gateway, so the
-// best-looking pod is the same for all of them until the next report; a
-// uniform choice among the near-best spreads such a burst while never
-// taking a pod more than ε worse than the best, where a softmax keeps a
+// Choose picks among the pods whose predicted TTFT is within tie_epsilon of
+// the lowest (near-ties) the one that computes the fewest of the request's
+// tokens, uniformly among those that compute equally many.
+//
+// Why near-ties at all: the inputs are up to a report old and shared by
+// every gateway, so the best-looking pod is the same for all of them until
+// the next report; spreading among pods the model cannot tell apart stops
+// such a burst from herding, while never taking a pod more than ε worse
+// than the best. Uniform within ε rather than a softmax: a softmax keeps a
 // small chance on every pod however bad and needs a temperature in no unit.
+//
+// Why the fewest computed tokens first: a pod still prefilling a prompt
+// predicts about the same TTFT for the prompt's next request as a cold pod
+// (it waits for the prefill where the cold pod repeats it), but the cold
+// pod spends that compute and KV on a second copy, which the next requests
+// there then wait for. The request's own TTFT cannot see that cost; the
+// tie-break does, within ε. Pods that hold the same share (every cold pod
+// for a new prompt, the holders of a shared one) are still drawn
+// uniformly, so the spread against herding stays.
+//
 // One debug line gives every pod's breakdown: why not pod X is there.
 func (c *CacheAware) Choose(s *State) int {
 	p := c.m.predictor(s)
-	totals, _ := s.scratch(len(s.Hosts))
+	totals, work := s.scratch(len(s.Hosts))
 	best := math.Inf(1)
 	c.m.mu.RLock()
 	for i := range s.Hosts {
-		t := p.predict(&s.Hosts[i]).Total
-		totals = append(totals, t)
-		best = min(best, t)
+		k := p.predict(&s.Hosts[i])
+		totals, work = append(totals, k.Total), append(work, k.UncachedTokens)
+		best = min(best, k.Total)
 	}
 	c.m.mu.RUnlock()
 	limit := best*(1+s.Rule.TieEpsilon) + tieEpsilon
-	n := 0
-	for _, t := range totals {
-		if t <= limit {
+	least, n := math.Inf(1), 0
+	for i, t := range totals {
+		switch {
+		case t > limit:
+		case work[i] < least-tieEpsilon:
+			least, n = work[i], 1
+		case work[i] <= least+tieEpsilon:
 			n++
 		}
 	}
 	r := s.IntN(n)
 	pick := 0
 	for i, t := range totals {
-		if t <= limit {
+		if t <= limit && work[i] <= least+tieEpsilon {
 			if r == 0 {
 				pick = i
 				break

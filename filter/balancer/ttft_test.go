@@ -119,13 +119,13 @@ func TestKVFitChargesWhatDoesNotFit(t *testing.T) {
 	}
 }
 
-// Pods predicted within tie_epsilon of the best share the traffic evenly;
-// a pod past it gets none.
+// Pods predicted within tie_epsilon of the best that compute equally many
+// of the request's tokens share the traffic evenly; a pod past it gets none.
 func TestNearTiesSpread(t *testing.T) {
 	ca := &CacheAware{m: newTTFTModel(prometheus.NewHistogram(prometheus.HistogramOpts{Name: "x"}), slog.Default())}
-	// Idle pods predict the step plus 1000 tokens' prefill (0.225 s); 50
-	// tokens queued add 0.01 s (4%, a near-tie); 500 add 0.1 s (44%).
-	hosts := []Host{{Address: "a"}, {Address: "b", Prompt: 50}, {Address: "c"}, {Address: "d", Prompt: 500}}
+	// Idle pods predict the step plus 1000 tokens' prefill (0.225 s); 40
+	// tokens queued add 0.008 s (3.6%, a near-tie); 500 add 0.1 s (44%).
+	hosts := []Host{{Address: "a"}, {Address: "b", Prompt: 40}, {Address: "c"}, {Address: "d", Prompt: 500}}
 	s := hostsState(t, hosts, 1000, 7)
 	counts := make([]int, len(hosts))
 	for range 3000 {
@@ -147,6 +147,31 @@ func TestNearTiesSpread(t *testing.T) {
 	}
 	if counts[1] != 0 || counts[3] != 0 || counts[0] < 400 || counts[2] < 400 {
 		t.Fatalf("tie_epsilon 0: %v", counts)
+	}
+}
+
+// Among near-ties the pod that computes the fewest of the request's tokens
+// wins: a pod prefilling the prompt's prefix predicts about what a cold pod
+// does for the next request, and only the cold pod spends a second copy.
+// Past tie_epsilon the prediction decides.
+func TestNearTiesPreferTheFewestComputedTokens(t *testing.T) {
+	ca := &CacheAware{m: newTTFTModel(prometheus.NewHistogram(prometheus.HistogramOpts{Name: "x"}), slog.Default())}
+	// The cold pods predict 0.025 + 2000/5000 = 0.425 s; the holder, with
+	// 100 of the prompt's tokens to compute, 0.025 + (queued+100)/5000.
+	for _, tc := range []struct {
+		queued int64
+		want   string
+	}{
+		{1900, "holder"}, // 0.425 s: a tie
+		{1990, "holder"}, // 0.443 s: 4% above
+		{2050, "cold"},   // 0.455 s: 7% above
+	} {
+		hosts := []Host{{Address: "cold1"}, {Address: "holder", CacheRatio: 0.95, Prompt: tc.queued}, {Address: "cold2"}}
+		for seed := range uint64(20) {
+			if got := hosts[ca.Choose(hostsState(t, hosts, 2000, seed))].Address; !strings.HasPrefix(got, tc.want) {
+				t.Fatalf("holder %d tokens queued: chose %s, want %s", tc.queued, got, tc.want)
+			}
+		}
 	}
 }
 

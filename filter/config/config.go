@@ -28,7 +28,7 @@ const (
 	DefaultPrefillLoadW     = 3.0
 	DefaultCandidatePercent = 10
 	// cache_aware's defaults (filter/balancer/ttft.go says why each).
-	DefaultTieEpsilon   = 0.1
+	DefaultTieEpsilon   = 0.05
 	DefaultPrefillRate  = 5000.0
 	DefaultDecodeStep   = 0.025
 	DefaultAdminRefresh = time.Second
@@ -199,12 +199,15 @@ type LBRule struct {
 	// CandidatePercent (key `candidate_percent`, default 10, 1..100): the
 	// pick is uniform among the top max(1, n·percent/100) scores.
 	CandidatePercent int
-	// TieEpsilon (key `tie_epsilon`, default 0.1, 0..1) is cache_aware's
+	// TieEpsilon (key `tie_epsilon`, default 0.05, 0..1) is cache_aware's
 	// near-tie window, a fraction of the lowest predicted time to first
-	// token: the pick is uniform among the pods predicted within
-	// (1+TieEpsilon) times the best. About the model's median error, so
-	// pods it cannot tell apart share the traffic instead of every gateway
-	// sending the next burst to the same one.
+	// token: among the pods predicted within (1+TieEpsilon) times the best
+	// the pick takes the one that computes the fewest of the request's
+	// tokens, uniformly among equals. About the model's median error in
+	// steady state (2–5% on the simulated fleet), so that pods it cannot
+	// tell apart share the traffic instead of every gateway sending the
+	// next burst to the same one, while a one-request difference in queue
+	// still counts.
 	TieEpsilon float64
 	// DefaultPrefillRate (key `default_prefill_rate`, tokens per second,
 	// default 5000, 10..1e7) is a pod's prefill rate until the TTFTs

@@ -74,7 +74,7 @@ func TestDefaults(t *testing.T) {
 	if r := cfg.ModelMappingRule["m"][0]; r.Backend != "vllm" {
 		t.Fatalf("backend default: %q", r.Backend)
 	}
-	want := LBRule{Policy: "cache_aware", CacheRatioWeight: 2, RequestLoadWeight: 1, PrefillLoadWeight: 3, CandidatePercent: 10, TieEpsilon: 0.1, DefaultPrefillRate: 5000, DefaultDecodeStep: 0.025}
+	want := LBRule{Policy: "cache_aware", CacheRatioWeight: 2, RequestLoadWeight: 1, PrefillLoadWeight: 3, CandidatePercent: 10, TieEpsilon: 0.05, DefaultPrefillRate: 5000, DefaultDecodeStep: 0.025}
 	if !reflect.DeepEqual(cfg.LBMappingRule.For("anything"), want) {
 		t.Fatalf("lb default: %+v", cfg.LBMappingRule.For("anything"))
 	}
@@ -92,7 +92,7 @@ lb_mapping_rule:
 		t.Fatal(err)
 	}
 	a := cfg.LBMappingRule.For("outbound|8000||a")
-	if a.Policy != PolicyRoundRobin || a.CacheRatioWeight != 4 || a.CandidatePercent != 10 || a.TieEpsilon != 0.1 {
+	if a.Policy != PolicyRoundRobin || a.CacheRatioWeight != 4 || a.CandidatePercent != 10 || a.TieEpsilon != 0.05 {
 		t.Fatalf("a: %+v", a)
 	}
 	b := cfg.LBMappingRule.For("b")
