@@ -89,6 +89,9 @@ type State struct {
 	// BytesPerToken is the request's model's (1 for a byte-level
 	// vocabulary): prompt bytes over it are tokens.
 	BytesPerToken float64
+	// Model and Prompt are the request's (Request); Prompt may be nil.
+	Model  string
+	Prompt []byte
 
 	// Scratch for the policies (Balancer.Choose pools it): a decision at 64
 	// pods would otherwise allocate a few KiB.
@@ -219,6 +222,8 @@ func New(opts Options) *Balancer {
 		b.policies[p.Name] = p
 	}
 	b.scorers = builtinScorers()
+	// Rules that name epp_prefix share the epp stand-in's index.
+	b.scorers[ScorerEPPPrefix] = b.policies[ProfileEPP].(*Profile).Scorers[0].Scorer
 	b.filters = map[string]PodFilter{}
 	b.pickers = map[string]Picker{PickerTopPercent: TopPercent{}, PickerMaxScore: MaxScore{}}
 	for name, p := range opts.Policies {
@@ -403,6 +408,10 @@ type Request struct {
 	// Model names the request's model, whose bytes per token
 	// (BytesPerToken) turn PromptLength into tokens.
 	Model string
+	// Prompt is the canonical prompt's bytes, for policies that hash it
+	// themselves (the epp stand-in's own prefix index); nil: they read the
+	// metadata center's match. Not kept past Choose.
+	Prompt []byte
 }
 
 // Choose picks a candidate with the rule's policy. cands must already be
@@ -437,7 +446,8 @@ func (b *Balancer) Choose(cluster string, rule config.LBRule, cands []endpoints.
 	hosts := slices.Grow(sc.hosts[:0], len(cands))[:len(cands)]
 	smp := b.tracker.fill(cluster, cands, view, req.Blocks, hosts)
 	sc.state = State{Cluster: cluster, Hosts: hosts, Rule: rule, PromptLength: req.PromptLength, IntN: b.intn,
-		BytesPerToken: b.BytesPerToken(req.Model).Value(), floats: sc.floats, idx: sc.idx, kept: sc.kept}
+		BytesPerToken: b.BytesPerToken(req.Model).Value(), Model: req.Model, Prompt: req.Prompt,
+		floats: sc.floats, idx: sc.idx, kept: sc.kept}
 	var i int
 	if isProfile {
 		sc.obs = stageObserver{b: b, log: b.log, debug: b.log.Enabled(context.Background(), slog.LevelDebug)}

@@ -32,6 +32,13 @@ type PodFilter interface {
 	Keep(s *State, h *Host) bool
 }
 
+// Recorder is implemented by a scorer that learns from each decision of its
+// profile (the EPP's prefix index): Chosen is called with the decision's
+// State and the chosen host once the profile has picked.
+type Recorder interface {
+	Chosen(s *State, host string)
+}
+
 // Picker chooses one index of scores (one per s.Hosts).
 type Picker interface {
 	Name() string
@@ -198,6 +205,11 @@ func (p *Profile) run(s *State, obs *stageObserver) int {
 		}
 	}
 	i := p.Picker.Pick(s, total)
+	for _, w := range p.Scorers {
+		if r, ok := w.Scorer.(Recorder); ok && w.weight(s.Rule) != 0 {
+			r.Chosen(s, s.Hosts[i].Address)
+		}
+	}
 	if obs != nil {
 		if obs.debug {
 			obs.log.LogAttrs(context.Background(), slog.LevelDebug, "pick",
@@ -380,7 +392,7 @@ func builtinProfiles() []*Profile {
 			Picker:   TopPercent{},
 			Metadata: true,
 		},
-		eppProfile(),
+		eppProfile(NewEPPPrefix()),
 	}
 }
 

@@ -8,21 +8,22 @@ package balancer
 // epp — llm-d's inference scheduler (the Gateway API Inference Extension's
 // endpoint picker) in its default profile: prefix-cache scorer ×3, queue
 // scorer ×2, KV-cache-utilization scorer ×2, max-score picker.
-//   - Prefix: the real scorer rates a pod by the share of the prompt's
-//     blocks it matched, longest prefix first, in blocks of 16 tokens × 4
-//     characters = 64 bytes (DefaultBlockSizeTokens and
+//   - Prefix: as the real scorer (EPPPrefix): the share of the prompt's
+//     blocks a pod matched, longest prefix first, in blocks of 16 tokens ×
+//     4 characters = 64 bytes (DefaultBlockSizeTokens and
 //     averageCharactersPerToken in gateway-api-inference-extension
 //     pkg/epp/framework/plugins/scheduling/scorer/prefix/plugin.go; earlier
 //     releases: DefaultHashBlockSize = 64 in
 //     pkg/epp/scheduling/framework/plugins/multi/prefix/plugin.go), at most
 //     256 blocks, against its own LRU index of where it sent each block
-//     (31,250 blocks per pod). The stand-in reads the metadata center's
-//     match instead: the blocks each pod is recorded to hold, in blocks of
-//     the gateway's prompt_hash.chunk_size (512 bytes by default, so up to
-//     448 bytes of a partly shared block go unmatched where the real one
-//     matches them), the whole prompt, and every gateway's decisions.
-//     llm-d's guides often set hashBlockSize 256 (4 × vLLM's 64-token
-//     blocks); chunk_size 256 reproduces those.
+//     (31,250 blocks per pod), learnt at each decision. Differences: the
+//     block hash (maphash where the real one uses xxhash; only equality
+//     matters), the prompt it hashes (the gateway's canonical prompt where
+//     the real one hashes the request's prompt text), and one index per
+//     gateway as one per EPP replica. Until the caller passes the prompt's
+//     bytes (Request.Prompt) it reads the metadata center's match instead,
+//     in prompt_hash.chunk_size blocks (512 bytes by default). llm-d's
+//     guides often set hashBlockSize 256 (4 × vLLM's 64-token blocks).
 //   - Queue: (max − waiting)/(max − min) over the pods' scraped waiting
 //     requests, 1 for all when equal, as the real one; a pod without a
 //     fresh report counts as the longest queue (the real one reads its last
@@ -68,6 +69,13 @@ package balancer
 //   - The real router's retries, circuit breaker and rate limiting are not
 //     modelled.
 
+import (
+	"container/list"
+	"encoding/binary"
+	"hash/maphash"
+	"sync"
+)
+
 // PolicySGLang names the sglang stand-in.
 const PolicySGLang = "sglang"
 
@@ -112,11 +120,12 @@ func (SGLang) Choose(s *State) int {
 	})
 }
 
-// eppProfile is the epp stand-in (see the top of this file).
-func eppProfile() *Profile {
+// eppProfile is the epp stand-in (see the top of this file), with its own
+// prefix index.
+func eppProfile(prefix *EPPPrefix) *Profile {
 	return &Profile{
 		Name:     ProfileEPP,
-		Scorers:  []Weighted{{Scorer: PrefixScorer{}, Weight: 3}, {Scorer: QueueScorer{}, Weight: 2}, {Scorer: KVCacheScorer{}, Weight: 2}},
+		Scorers:  []Weighted{{Scorer: prefix, Weight: 3}, {Scorer: QueueScorer{}, Weight: 2}, {Scorer: KVCacheScorer{}, Weight: 2}},
 		Picker:   MaxScore{},
 		Metadata: true,
 	}
@@ -154,6 +163,144 @@ func (KVCacheScorer) Score(s *State, out []float64) {
 			out[i] = 1 - min(1, max(0, s.Hosts[i].KVUtil))
 		} else {
 			out[i] = 0
+		}
+	}
+}
+
+// The real EPP's prefix index (gateway-api-inference-extension, the prefix
+// plugin's plugin.go and indexer.go): the prompt in blocks of
+// eppBlockBytes, each block's hash chained to the one before and the first
+// to the model's name, at most eppMaxBlocks blocks (longer prompts are cut,
+// a final partial block is left out); per pod an LRU of the blocks routed
+// there, eppPodCapacity entries; a pod's score is its longest run of
+// leading blocks in the index over the prompt's blocks (the model's block
+// included, which every pod that served the model matches).
+const (
+	eppBlockBytes  = 16 * 4 // DefaultBlockSizeTokens × averageCharactersPerToken
+	eppMaxBlocks   = 256    // DefaultMaxPrefixBlocks
+	eppPodCapacity = 31250  // DefaultLRUCapacityPerServer
+)
+
+// ScorerEPPPrefix names the epp stand-in's prefix scorer.
+const ScorerEPPPrefix = "epp_prefix"
+
+// EPPPrefix is the EPP's prefix-cache scorer over its own index of where it
+// sent each block (Recorder: the index learns a decision when it is made,
+// as the real one's PreRequest). Without the prompt's bytes (Request.Prompt
+// unset) it scores the metadata center's match instead, as PrefixScorer.
+// Safe for concurrent use.
+type EPPPrefix struct {
+	mu     sync.Mutex
+	seed   maphash.Seed
+	owners map[uint64]map[string]struct{} // block -> pods it was sent to
+	pods   map[string]*eppLRU
+}
+
+// eppLRU is one pod's blocks, most recently routed first.
+type eppLRU struct {
+	order *list.List // of uint64, front = most recent
+	at    map[uint64]*list.Element
+}
+
+// NewEPPPrefix returns an empty index.
+func NewEPPPrefix() *EPPPrefix {
+	return &EPPPrefix{seed: maphash.MakeSeed(), owners: map[uint64]map[string]struct{}{}, pods: map[string]*eppLRU{}}
+}
+
+func (*EPPPrefix) Name() string       { return ScorerEPPPrefix }
+func (*EPPPrefix) ReadsSignals() bool { return false }
+
+// hashes returns the prompt's chained block hashes into buf, the model's
+// first; nil when the prompt is shorter than a block.
+func (p *EPPPrefix) hashes(s *State, buf []uint64) []uint64 {
+	prompt := s.Prompt
+	if len(prompt) < eppBlockBytes {
+		return nil
+	}
+	prompt = prompt[:min(len(prompt), eppBlockBytes*eppMaxBlocks)]
+	out := append(buf[:0], maphash.String(p.seed, s.Model))
+	var h maphash.Hash
+	h.SetSeed(p.seed)
+	var prev [8]byte
+	for i := 0; i+eppBlockBytes <= len(prompt); i += eppBlockBytes {
+		h.Reset()
+		_, _ = h.Write(prompt[i : i+eppBlockBytes])
+		binary.LittleEndian.PutUint64(prev[:], out[len(out)-1])
+		_, _ = h.Write(prev[:])
+		out = append(out, h.Sum64())
+	}
+	return out
+}
+
+func (p *EPPPrefix) Score(s *State, out []float64) {
+	if s.Prompt == nil {
+		PrefixScorer{}.Score(s, out)
+		return
+	}
+	var buf [eppMaxBlocks + 1]uint64
+	hs := p.hashes(s, buf[:0])
+	clear(out)
+	if len(hs) == 0 {
+		return
+	}
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	// The longest run of leading blocks per pod: block i counts for the
+	// pods that hold it, until a block no pod holds (matchLongestPrefix).
+	for _, bh := range hs {
+		owners := p.owners[bh]
+		if len(owners) == 0 {
+			break
+		}
+		for i := range s.Hosts {
+			if _, ok := owners[s.Hosts[i].Address]; ok {
+				out[i]++
+			}
+		}
+	}
+	for i := range out {
+		out[i] /= float64(len(hs))
+	}
+}
+
+// Chosen records that the prompt's blocks went to host (the real one's
+// PreRequest).
+func (p *EPPPrefix) Chosen(s *State, host string) {
+	if s.Prompt == nil {
+		return
+	}
+	var buf [eppMaxBlocks + 1]uint64
+	hs := p.hashes(s, buf[:0])
+	if len(hs) == 0 {
+		return
+	}
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	l := p.pods[host]
+	if l == nil {
+		l = &eppLRU{order: list.New(), at: map[uint64]*list.Element{}}
+		p.pods[host] = l
+	}
+	for _, bh := range hs {
+		if e, ok := l.at[bh]; ok {
+			l.order.MoveToFront(e)
+			continue
+		}
+		l.at[bh] = l.order.PushFront(bh)
+		o := p.owners[bh]
+		if o == nil {
+			o = map[string]struct{}{}
+			p.owners[bh] = o
+		}
+		o[host] = struct{}{}
+		if l.order.Len() > eppPodCapacity {
+			old := l.order.Remove(l.order.Back()).(uint64)
+			delete(l.at, old)
+			if o := p.owners[old]; o != nil {
+				if delete(o, host); len(o) == 0 {
+					delete(p.owners, old)
+				}
+			}
 		}
 	}
 }

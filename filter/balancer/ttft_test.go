@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"log/slog"
 	"math"
+	"slices"
 	"sort"
 	"strings"
 	"sync"
@@ -370,7 +371,7 @@ func BenchmarkDecide(b *testing.B) {
 				rule := defaultRule(b)
 				rule.Policy = policy
 				bal := New(Options{})
-				req := Request{Blocks: 16, PromptLength: 8 << 10, Model: "m"}
+				req := Request{Blocks: 16, PromptLength: 8 << 10, Model: "m", Prompt: bytes.Repeat([]byte("an 8 KiB prompt "), 512)}
 				times := make([]time.Duration, 0, b.N)
 				b.ReportAllocs()
 				for b.Loop() {
@@ -385,6 +386,85 @@ func BenchmarkDecide(b *testing.B) {
 					b.ReportMetric(float64(times[len(times)*99/100].Nanoseconds()), "p99-ns")
 				}
 			})
+		}
+	}
+}
+
+// The epp stand-in's prefix scorer keeps the real EPP's own index: 64-byte
+// blocks chained from the model's name, the longest run of leading blocks
+// per pod over the prompt's blocks, learnt from its own decisions, an LRU
+// of 31,250 blocks per pod.
+func TestEPPPrefixIndexesItsOwnDecisions(t *testing.T) {
+	p := NewEPPPrefix()
+	hosts := []Host{{Address: "a"}, {Address: "b"}, {Address: "c"}}
+	prompt := func(shared, own int) []byte {
+		return append(bytes.Repeat([]byte("s"), shared), bytes.Repeat([]byte("u"), own)...)
+	}
+	score := func(model string, pr []byte) []float64 {
+		out := make([]float64, len(hosts))
+		p.Score(&State{Hosts: hosts, Model: model, Prompt: pr}, out)
+		return out
+	}
+	ten := prompt(640, 0) // 10 blocks + the model's
+	if s := score("m", ten); !slices.Equal(s, []float64{0, 0, 0}) {
+		t.Fatalf("empty index: %v", s)
+	}
+	p.Chosen(&State{Model: "m", Prompt: ten}, "a")
+	if s := score("m", ten); !slices.Equal(s, []float64{1, 0, 0}) {
+		t.Fatalf("after routing the prompt to a: %v", s)
+	}
+	// Three leading blocks shared, then another user's part; a partial
+	// final block is left out.
+	other := prompt(3*64, 7*64+10)
+	if s := score("m", other); !slices.Equal(s, []float64{4.0 / 11, 0, 0}) {
+		t.Fatalf("three shared blocks: %v, want 4/11 for a", s)
+	}
+	// Another model's prompt matches nothing, not even its first block.
+	if s := score("n", ten); !slices.Equal(s, []float64{0, 0, 0}) {
+		t.Fatalf("another model: %v", s)
+	}
+	// A pod that served only another prompt of the model matches the
+	// model's block.
+	p.Chosen(&State{Model: "m", Prompt: prompt(0, 640)}, "b")
+	if s := score("m", ten); !slices.Equal(s, []float64{1, 1.0 / 11, 0}) {
+		t.Fatalf("b served the model: %v", s)
+	}
+	// Shorter than a block: nothing to match.
+	if s := score("m", []byte("short")); !slices.Equal(s, []float64{0, 0, 0}) {
+		t.Fatalf("short prompt: %v", s)
+	}
+	// Past 31,250 blocks on a pod its least recently routed go: 250
+	// distinct 128-block prompts push out the first prompt's blocks.
+	for i := range 250 {
+		p.Chosen(&State{Model: "m", Prompt: []byte(strings.Repeat(fmt.Sprintf("%07d|", i), 1024))}, "c")
+	}
+	if n := p.pods["c"].order.Len(); n != eppPodCapacity {
+		t.Fatalf("pod c holds %d blocks, want the capacity %d", n, eppPodCapacity)
+	}
+	first := []byte(strings.Repeat(fmt.Sprintf("%07d|", 0), 1024))
+	if s := score("m", first); s[2] != 1.0/129 {
+		t.Fatalf("the oldest prompt after eviction scores %v on c, want the model's block only", s[2])
+	}
+
+	// Through the balancer: the epp stand-in sends the prompt's next
+	// request where it sent the first, on its own index alone (the
+	// metadata center knows of no cache).
+	b := New(Options{IntN: seededIntN(4)})
+	rule := defaultRule(t)
+	rule.Policy = ProfileEPP
+	view := View{Load: api.LoadStats{}, Signals: map[string]api.PodSignals{}}
+	pods := eps(4)
+	for _, e := range pods {
+		view.Signals[e.Address] = api.PodSignals{KVCacheUtil: 0.2}
+	}
+	first1, err := b.Choose("c", rule, pods, view, Request{PromptLength: 640, Prompt: ten, Model: "m"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for range 10 {
+		ch, err := b.Choose("c", rule, pods, view, Request{PromptLength: 640, Prompt: ten, Model: "m"})
+		if err != nil || ch.Host.Address != first1.Host.Address {
+			t.Fatalf("chose %+v %v, want %s, where the first went", ch.Host, err, first1.Host.Address)
 		}
 	}
 }
