@@ -59,8 +59,11 @@ type Tracker struct {
 	reserved map[string][]reservation     // cluster -> decisions not yet begun, oldest first (kept when empty)
 	seed     maphash.Seed                 // of setHash
 	now      func() time.Time             // the clock (tests)
-	// held, if set, learns how long a request held its pod (Begin to
-	// End): cache_aware's slot wait.
+	// held, if set, learns how long a request held its running slot after
+	// its first token (FirstToken to End): cache_aware's slot wait. From
+	// the first token, not from Begin: time spent queued does not hold a
+	// slot, and on a busy pod it would make every wait for a slot look
+	// longer the longer the queue, a loop.
 	held func(host string, d time.Duration)
 }
 
@@ -260,7 +263,7 @@ type Flight struct {
 	l             *local // the entry lives while inflight or ending > 0
 	cluster, host string
 	prompt        int64
-	begun         time.Time
+	firstToken    time.Time
 	acked         bool
 	filled        bool // first token seen: its prompt no longer loads the pod
 	ended         bool
@@ -275,7 +278,6 @@ func (f *Flight) ending() bool { return f.acked && f.ended && !f.released }
 func (t *Tracker) Begin(cluster, host string, promptLength int) *Flight {
 	f := &Flight{t: t, cluster: cluster, host: host, prompt: int64(promptLength)}
 	t.mu.Lock()
-	f.begun = t.now()
 	l := t.local(cluster, host)
 	f.l = l
 	t.unreserve(cluster, host, l)
@@ -328,6 +330,7 @@ func (f *Flight) FirstToken() {
 		return
 	}
 	f.filled = true
+	f.firstToken = f.t.now()
 	l := f.l
 	l.prefill -= f.prompt
 	if !f.acked {
@@ -351,8 +354,8 @@ func (f *Flight) End() {
 		c.read(now)
 		c.live--
 	}
-	if f.t.held != nil {
-		f.t.held(f.host, now.Sub(f.begun))
+	if f.t.held != nil && f.filled {
+		f.t.held(f.host, now.Sub(f.firstToken))
 	}
 	l := f.l
 	l.inflight--

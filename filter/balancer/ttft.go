@@ -121,7 +121,7 @@ type Prediction struct {
 // unknown: the rule's defaults stand in.
 type podFit struct {
 	step, secPerToken float64
-	hold              float64 // mean seconds from a request's start to its end
+	hold              float64 // mean seconds from a request's first token to its end
 }
 
 // fitRate weighs each new observation in the pod's fit: the last ~5
@@ -306,8 +306,8 @@ func (m *ttftModel) fit(host string) *podFit {
 	return f
 }
 
-// held records how long a request held its slot on host (Tracker: Begin to
-// End).
+// held records how long a request held its slot on host after its first
+// token (Tracker: FirstToken to End).
 func (m *ttftModel) held(host string, d time.Duration) {
 	if d <= 0 {
 		return

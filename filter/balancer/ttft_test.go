@@ -220,12 +220,17 @@ func TestVLLMSignalsOnlyGiveSanePredictions(t *testing.T) {
 			t.Fatalf("predictions %+v: want positive seconds growing with the queue", costs)
 		}
 	}
-	// A request that ended after 2 s there replaces the assumed hold.
+	// A request that decoded for 2 s there replaces the assumed hold; its
+	// time before the first token does not count, nor does a request that
+	// ended without one.
 	now := time.Unix(100, 0)
 	b.tracker.now = func() time.Time { return now }
 	f := b.tracker.Begin("c", pods[1].Address, 0)
+	now = now.Add(5 * time.Second)
+	f.FirstToken()
 	now = now.Add(2 * time.Second)
 	f.End()
+	b.tracker.Begin("c", pods[1].Address, 0).End()
 	b.ttft.mu.RLock()
 	h := Host{Address: pods[1].Address, Signals: true, Waiting: 2, Running: 4}
 	if c := p.predict(&h); !within(c.SlotWait, 3*2.0/4, 1e-9) {
