@@ -30,9 +30,10 @@ package balancer
 //     scrape, however old).
 //   - KV cache: 1 − utilization. vLLM's kv_cache_usage_perc counts the
 //     blocks of running requests; idle cached blocks are free until reused.
-//     Scraped vLLM-like pods report exactly that; our worker reports the
-//     cells its live sequences hold (cells parked for reuse not at all,
-//     engines that count cells: worker/scheduler.Stats), the same reading.
+//     Scraped vLLM-like pods report exactly that. Our worker reports the
+//     cells in use where its engine counts cells (cells parked for reuse
+//     not at all: the same reading), else the KV-cache manager's tokens
+//     (worker/scheduler.Stats), which count idle cached entries as used.
 //   - Picker: the best total, ties at random (max-score-picker with one
 //     endpoint shuffles its candidates before it picks).
 //   - Not modelled: the real EPP's saturation detector and flow control
