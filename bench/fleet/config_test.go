@@ -43,10 +43,10 @@ func TestGatewayConfigCarriesTheQueryTimeoutAndLogLevel(t *testing.T) {
 // the variant that once read "holder_fair: 1.5; holder_wait: 2" (a
 // semicolon inside the flow mapping) cost a run its last two policies.
 func TestCheckRuleRejectsWhatTheGatewayWould(t *testing.T) {
-	if err := CheckRule(Spec{ModelName: "tiny", Policy: "cache_aware", LBRule: "herd_wait: 1, holder_wait: 3"}); err != nil {
+	if err := CheckRule(Spec{ModelName: "tiny", Policy: "cache_aware", LBRule: "tie_epsilon: 0.2, default_decode_step: 0.01"}); err != nil {
 		t.Fatalf("a valid rule rejected: %v", err)
 	}
-	for _, rule := range []string{"herd_wait: 1; holder_wait: 3", "holder_wiat: 3", "holder_wait: 0.5"} {
+	for _, rule := range []string{"tie_epsilon: 0.2; default_decode_step: 0.01", "tie_epsilom: 0.2", "tie_epsilon: 2", "herd_wait: 1"} {
 		if err := CheckRule(Spec{ModelName: "tiny", Policy: "cache_aware", LBRule: rule}); err == nil {
 			t.Errorf("%q accepted", rule)
 		}

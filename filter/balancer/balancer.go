@@ -4,33 +4,27 @@
 // corrected by this gateway's own in-flight requests that the metadata
 // center does not know about yet (Tracker).
 //
-// Most policies are Profiles: pod filters → scorers (each rates every pod in
-// [0,1] and names itself) → a picker, composed from the lb rule (weights per
-// scorer, picker, filters), with per-stage latency histograms and per-scorer
-// debug logs. Scorers, filters, pickers and whole policies can be registered
-// from Go (Options, Balancer.Register*). Built in:
+// Built in:
 //
+//   - cache_aware (the default): the pod with the lowest predicted time to
+//     first token for this request, near-ties spread (ttft.go, one file);
+//     every decision records its prediction (Choice.Prediction) and the
+//     first token checks it (Balancer.Observe).
 //   - seed: the seed's formula exactly,
 //     W1·cacheRatio − W2'·(reqs−minReqs)/delta − W3·prompt/maxPrompt with
 //     delta = max(2, maxReqs−minReqs), W2' = W2·delta/5 when delta > 5, as
 //     the weighted sum of three [0,1] scorers (which differs from it by the
 //     constant W2'+W3), uniform pick among the top candidate_percent.
-//   - cache_aware (the default): the seed plus herd control (a pod that took
-//     more than herd_share times its fair share of recent decisions and is
-//     busier than the idlest gets no cache credit, unless waiting there
-//     costs at most herd_wait times a copy of the prefix on the cheapest
-//     other pod), a holder filter (a user's next question goes where its
-//     history is) and a reserve (the last idle pod is kept from a third
-//     copy of a prompt), the request's own
-//     uncached prefill in the prompt term while any pod prefills, the pod's
-//     free KV cache as far as the request adds cells there (kv_fit), for a
-//     prompt no pod holds the prefill each pod reports left
-//     (cold_progress), and ties ordered by recent share.
-//     docs/configuration.md says why each is there.
-//   - epp: llm-d's endpoint picker's default profile, a baseline: prefix ×3,
-//     queue ×2, KV-cache utilization ×2 (pod signals), max-score pick.
-//   - sglang: SGLang router's cache_aware, a baseline (SGLang).
+//   - epp and sglang: stand-ins for llm-d's endpoint picker and SGLang's
+//     router, baselines (standins.go lists how they differ from the real
+//     ones).
 //   - round_robin, random, least_request, prefix_only: baselines.
+//
+// seed and epp are Profiles: pod filters → scorers (each rates every pod in
+// [0,1] and names itself) → a picker, composed from the lb rule (weights per
+// scorer, picker, filters), with per-stage latency histograms and per-scorer
+// debug logs. Scorers, filters, pickers and whole policies can be registered
+// from Go (Options, Balancer.Register*).
 package balancer
 
 import (
@@ -59,12 +53,15 @@ var ErrNoEndpoint = errors.New("no available endpoint")
 
 // Host is one candidate as a policy sees it.
 type Host struct {
-	Address    string
-	Reqs       int64   // live requests: metadata center + unreported local ones
-	Prompt     int64   // prompt bytes not yet prefilled, likewise
-	CacheRatio float64 // matched leading blocks / total blocks
+	Address string
+	Reqs    int64 // live requests: metadata center + unreported local ones
+	Prompt  int64 // prompt bytes not yet prefilled, likewise
+	// LocalPrefill is the part of Prompt this gateway sent that the
+	// metadata center does not count yet (nor, then, the pod's report).
+	LocalPrefill int64
+	CacheRatio   float64 // matched leading blocks / total blocks
 	// Share is the fraction of the cluster's recent routing decisions that
-	// chose this pod, for herd control and cache_aware's tie-break; 0 until
+	// chose this pod, for the sglang stand-in; 0 until
 	// the window stands for 2n of the cluster's decisions (Tracker: with
 	// several gateways, fewer of this gateway's own).
 	Share float64
@@ -89,135 +86,18 @@ type State struct {
 	// IntN returns a uniform int in [0, n); safe for concurrent use.
 	IntN func(n int) int
 
+	// BytesPerToken is the request's model's (1 for a byte-level
+	// vocabulary): prompt bytes over it are tokens.
+	BytesPerToken float64
+	// Model and Prompt are the request's (Request); Prompt may be nil.
+	Model  string
+	Prompt []byte
+
 	// Scratch for the policies (Balancer.Choose pools it): a decision at 64
 	// pods would otherwise allocate a few KiB.
 	floats []float64
 	idx    []int
 	kept   []Host
-	// cluster is every pod of the decision; Profile.run narrows Hosts to
-	// the survivors of each filter in turn.
-	cluster []Host
-	// For the holder filter, once holdKnown: the largest cache ratio among
-	// the pods that can take a continuation, 0 when none can.
-	hold      float64
-	holdKnown bool
-	// For holder_wait, once holdKnown: the two lowest prefill costs
-	// among State.Hosts.
-	costs costFloor
-	// For the reserve filter, once reserveKnown: the index in cluster of
-	// the idle pod it keeps, -1 for none.
-	reserve      int
-	reserveKnown bool
-}
-
-// holderQueue is the queue (requests a pod has not yet admitted to its
-// running set) at which a holder stops counting. A request can sit in a
-// busy pod's queue for one step before the pod admits it; more than one
-// means the pod is not keeping up. On a hot prompt that overloaded the
-// fleet, holders kept until four were queued refused a request (429) that
-// the scorers would have placed elsewhere.
-const holderQueue = 2
-
-// hotShare is how many times their fair share of the cluster's recent
-// decisions (k/n for k holders of n pods) a prompt's holders must take for
-// the prompt to count as hot. Against a fixed half, two holders of three
-// pods serving their users' histories (two thirds of the requests is their
-// fair share) were taken for a hot prompt and their users moved off their
-// histories.
-const hotShare = 1.5
-
-// holders computes s.hold once per decision: the largest cache ratio among
-// the pods holding at least holder_ratio of the prompt that count (see
-// counts) and survived the filters before this one, unless the prompt is
-// hot: its k holders of the cluster's n pods together took more than
-// hotShare·k/n of its recent decisions (and over half) and one of them is
-// busier than its idlest pod. A prompt many requests share (a hot system
-// prompt) is worth copying, where a user's history serves that user alone.
-// Until the cluster's window of decisions can tell (Host.Share is 0 for
-// all), the choice is the scorers': a hot prompt's first requests arrive
-// while its first copy is still prefilling.
-func (s *State) holders() {
-	if s.holdKnown {
-		return
-	}
-	s.holdKnown = true
-	cluster := s.cluster
-	if cluster == nil {
-		cluster = s.Hosts
-	}
-	share, all, busiest, idlest, k := 0.0, 0.0, int64(0), int64(math.MaxInt64), 0
-	for i := range cluster {
-		h := &cluster[i]
-		idlest, all = min(idlest, h.Reqs), all+h.Share
-		if h.CacheRatio >= s.Rule.HolderRatio {
-			share, busiest, k = share+h.Share, max(busiest, h.Reqs), k+1
-		}
-	}
-	hot := max(0.5, hotShare*float64(k)/float64(len(cluster)))
-	if all == 0 || share > hot && busiest > idlest {
-		return
-	}
-	if s.Rule.HolderWait > 0 {
-		s.costs = lowestCosts(s.Hosts, float64(s.PromptLength))
-	}
-	for i := range s.Hosts {
-		h := &s.Hosts[i]
-		if h.CacheRatio >= s.Rule.HolderRatio && h.CacheRatio > s.hold && s.counts(h) {
-			s.hold = h.CacheRatio
-		}
-	}
-}
-
-// counts says whether holder h may keep the prompt: it reports fewer than
-// holderQueue requests queued, and the prefill standing before the request
-// there is at most holder_wait times that on the cheapest other pod.
-func (s *State) counts(h *Host) bool {
-	if h.Signals && h.Waiting >= holderQueue {
-		return false
-	}
-	if s.Rule.HolderWait <= 0 {
-		return true
-	}
-	return !s.costs.exceeds(prefillCost(h, float64(s.PromptLength)), s.Rule.HolderWait)
-}
-
-// reserveRatio and reserveHolders: a prompt is a copied document when at
-// least reserveHolders pods hold reserveRatio of it.
-const (
-	reserveRatio   = 0.5
-	reserveHolders = 2
-)
-
-// reserved computes s.reserve once per decision (Reserve): the only idle
-// pod that does not hold the prompt, when reserveHolders pods hold it and
-// one of them reports fewer than holderQueue requests queued (it keeps up;
-// without a report nothing says so). The queue, not the reported prefill:
-// a first form released the idle pod when the cheapest holder's prefill
-// exceeded twice a copy's, and let go too early, while the holders
-// still kept up.
-func (s *State) reserved() {
-	if s.reserveKnown {
-		return
-	}
-	s.reserveKnown, s.reserve = true, -1
-	idle, holders, keepsUp := -1, 0, false
-	for i := range s.cluster {
-		h := &s.cluster[i]
-		if h.CacheRatio >= reserveRatio {
-			holders++
-			keepsUp = keepsUp || h.Signals && h.Waiting < holderQueue
-			continue
-		}
-		if h.Reqs == 0 && (!h.Signals || h.Running+h.Waiting == 0) {
-			if idle >= 0 {
-				return
-			}
-			idle = i
-		}
-	}
-	if holders >= reserveHolders && keepsUp {
-		s.reserve = idle
-	}
 }
 
 // scratch returns two empty float slices of capacity n.
@@ -286,7 +166,8 @@ type Options struct {
 	// Logger receives per-scorer debug lines (at Debug level). Default
 	// slog.Default().
 	Logger *slog.Logger
-	// Registerer, if set, gets llm_filter_balancer_stage_seconds{stage}.
+	// Registerer, if set, gets llm_filter_balancer_stage_seconds{stage}
+	// and llm_filter_balancer_ttft_prediction_error (Observe).
 	Registerer prometheus.Registerer
 }
 
@@ -303,6 +184,8 @@ type Balancer struct {
 	scratch  sync.Pool // *chooseScratch: 2.5 KiB at 64 pods, per decision
 	log      *slog.Logger
 	stages   *prometheus.HistogramVec
+	ttft     *ttftModel
+	tokens   sync.Map // model -> *BytesPerToken
 	// stageObs and scorerObs cache stage name -> prometheus.Observer.
 	stageObs, scorerObs sync.Map
 }
@@ -339,7 +222,9 @@ func New(opts Options) *Balancer {
 		b.policies[p.Name] = p
 	}
 	b.scorers = builtinScorers()
-	b.filters = map[string]PodFilter{FilterKVFull: KVFull{}, FilterHolder: Holder{}, FilterReserve: Reserve{}}
+	// Rules that name epp_prefix share the epp stand-in's index.
+	b.scorers[ScorerEPPPrefix] = b.policies[ProfileEPP].(*Profile).Scorers[0].Scorer
+	b.filters = map[string]PodFilter{}
 	b.pickers = map[string]Picker{PickerTopPercent: TopPercent{}, PickerMaxScore: MaxScore{}}
 	for name, p := range opts.Policies {
 		b.policies[name] = p
@@ -358,19 +243,59 @@ func New(opts Options) *Balancer {
 		Help:    "Time spent per decision in each balancer stage: filters, scorer:<name>, picker for scoring profiles; the policy's name for the others.",
 		Buckets: prometheus.ExponentialBuckets(100e-9, 2, 14),
 	}, []string{"stage"})
+	errs := prometheus.NewHistogram(prometheus.HistogramOpts{
+		Name: "llm_filter_balancer_ttft_prediction_error",
+		Help: "Relative error of the chosen pod's predicted time to first token, (observed - predicted) / observed: negative when the prediction was too long.",
+		// Symmetric in the ratio predicted/observed down to a third and up
+		// to a quarter (−3 is a prediction four times too long), finer where
+		// the aims lie (|error| ≤ 0.2 median, ≤ 0.5 p90).
+		Buckets: []float64{-3, -1, -0.5, -0.35, -0.2, -0.1, -0.05, 0, 0.05, 0.1, 0.2, 0.35, 0.5, 0.75},
+	})
 	if opts.Registerer != nil {
 		// A second engine on the same registry (a config reload) shares the
-		// first one's histogram.
-		if err := opts.Registerer.Register(b.stages); err != nil {
-			var are prometheus.AlreadyRegisteredError
-			if errors.As(err, &are) {
-				if h, ok := are.ExistingCollector.(*prometheus.HistogramVec); ok {
-					b.stages = h
-				}
+		// first one's histograms.
+		b.stages = register(opts.Registerer, b.stages)
+		errs = register(opts.Registerer, errs)
+	}
+	b.ttft = newTTFTModel(errs, b.log)
+	b.tracker.held = b.ttft.held
+	b.policies[config.PolicyCacheAware] = &CacheAware{m: b.ttft}
+	if p, ok := opts.Policies[config.PolicyCacheAware]; ok {
+		b.policies[config.PolicyCacheAware] = p
+	}
+	return b
+}
+
+// register registers c, or returns the collector already registered in its
+// place.
+func register[C prometheus.Collector](r prometheus.Registerer, c C) C {
+	if err := r.Register(c); err != nil {
+		var are prometheus.AlreadyRegisteredError
+		if errors.As(err, &are) {
+			if old, ok := are.ExistingCollector.(C); ok {
+				return old
 			}
 		}
 	}
-	return b
+	return c
+}
+
+// BytesPerToken returns a model's learnt bytes per token (made on first
+// use): the response path observes usage.prompt_tokens into it.
+func (b *Balancer) BytesPerToken(model string) *BytesPerToken {
+	if v, ok := b.tokens.Load(model); ok {
+		return v.(*BytesPerToken)
+	}
+	v, _ := b.tokens.LoadOrStore(model, new(BytesPerToken))
+	return v.(*BytesPerToken)
+}
+
+// Observe checks a decision's prediction against the TTFT observed at its
+// first token: it exports the relative error, logs both at debug and
+// refits the pod's prefill rate and decode step. A zero Prediction is
+// ignored.
+func (b *Balancer) Observe(p Prediction, observed time.Duration) {
+	b.ttft.observe(p, observed)
 }
 
 // RegisterPolicy adds or replaces a policy (a *Profile is one).
@@ -470,12 +395,23 @@ type Choice struct {
 	// PromptLength·(1−Host.CacheRatio) rounded: the tracker reserves it,
 	// and the caller's Begin and the metadata center count it.
 	Prefill int64
+	// Prediction is the chosen pod's predicted time to first token with
+	// its parts (whatever the policy), for the decision record and for
+	// Observe at the first token.
+	Prediction Prediction
 }
 
 // Request is what a policy knows of the request being routed.
 type Request struct {
 	Blocks       int   // prompt hash blocks (for cache ratios)
 	PromptLength int64 // prompt bytes
+	// Model names the request's model, whose bytes per token
+	// (BytesPerToken) turn PromptLength into tokens.
+	Model string
+	// Prompt is the canonical prompt's bytes, for policies that hash it
+	// themselves (the epp stand-in's own prefix index); nil: they read the
+	// metadata center's match. Not kept past Choose.
+	Prompt []byte
 }
 
 // Choose picks a candidate with the rule's policy. cands must already be
@@ -510,6 +446,7 @@ func (b *Balancer) Choose(cluster string, rule config.LBRule, cands []endpoints.
 	hosts := slices.Grow(sc.hosts[:0], len(cands))[:len(cands)]
 	smp := b.tracker.fill(cluster, cands, view, req.Blocks, hosts)
 	sc.state = State{Cluster: cluster, Hosts: hosts, Rule: rule, PromptLength: req.PromptLength, IntN: b.intn,
+		BytesPerToken: b.BytesPerToken(req.Model).Value(), Model: req.Model, Prompt: req.Prompt,
 		floats: sc.floats, idx: sc.idx, kept: sc.kept}
 	var i int
 	if isProfile {
@@ -522,6 +459,7 @@ func (b *Balancer) Choose(cluster string, rule config.LBRule, cands []endpoints.
 	}
 	ch := Choice{Host: hosts[i], Index: i, Candidates: len(hosts),
 		Prefill: int64(math.Round(float64(req.PromptLength) * (1 - hosts[i].CacheRatio)))}
+	ch.Prediction = b.ttft.chosen(&sc.state, i)
 	b.tracker.routed(smp, ch.Host.Address, len(hosts))
 	b.tracker.reserve(cluster, ch.Host.Address, ch.Prefill)
 	clear(hosts) // do not pin endpoint addresses

@@ -15,7 +15,18 @@ import (
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/api"
 )
 
-var seedRule = config.LBRule{Policy: config.PolicyCacheAware, CacheRatioWeight: 2, RequestLoadWeight: 1, PrefillLoadWeight: 3, CandidatePercent: 10}
+var seedRule = config.LBRule{Policy: ProfileSeed, CacheRatioWeight: 2, RequestLoadWeight: 1, PrefillLoadWeight: 3, CandidatePercent: 10}
+
+// defaultRule is the lb rule a configuration without lb_mapping_rule gets:
+// cache_aware with its defaults.
+func defaultRule(t testing.TB) config.LBRule {
+	t.Helper()
+	cfg, err := config.Parse([]byte("model_mapping_rule: {m: [{cluster: c}]}"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	return cfg.LBMappingRule.Default
+}
 
 // seededIntN is a deterministic, concurrency-safe random source.
 func seededIntN(seed uint64) func(int) int {
@@ -25,37 +36,6 @@ func seededIntN(seed uint64) func(int) int {
 		mu.Lock()
 		defer mu.Unlock()
 		return r.IntN(n)
-	}
-}
-
-// A pod that holds the whole prefix but is prefilling someone's cold prompt
-// of the same size, against an idle pod that holds nothing: in both the
-// request waits for about one prompt's prefill before its first token, and
-// only the idle pod makes the fleet prefill it twice. The seed's prompt term
-// sees only the others' pending prefill and sends it to the idle pod.
-func TestOwnPrefillKeepsAFollowerOnThePodThatHoldsItsPrefix(t *testing.T) {
-	hosts := []Host{
-		{Address: "holder", Reqs: 1, Prompt: 3000, CacheRatio: 1},
-		{Address: "idle", Reqs: 0, Prompt: 0, CacheRatio: 0},
-	}
-	seed := Scores(hosts, seedRule, 0, nil)
-	if seed[1] <= seed[0] {
-		t.Fatalf("seed score %v: expected the idle pod to win without the request's own prefill", seed)
-	}
-	own := Scores(hosts, seedRule, 3000, nil)
-	if own[0] <= own[1] {
-		t.Fatalf("scores with own prefill %v: want the holder", own)
-	}
-	// With no prefill pending anywhere the own prefill would only repeat the
-	// cache term: the score is the seed's.
-	hot := []Host{{Reqs: 3, CacheRatio: 1}, {Reqs: 0}, {Reqs: 1, CacheRatio: 1}}
-	if got, want := Scores(hot, seedRule, 3000, nil), Scores(hot, seedRule, 0, nil); !slices.Equal(got, want) {
-		t.Fatalf("no pending prefill: scores %v, want the seed's %v", got, want)
-	}
-	// When the holder's queue is much longer than the prompt, going elsewhere wins again.
-	hosts[0].Prompt = 12000
-	if s := Scores(hosts, seedRule, 3000, nil); s[1] <= s[0] {
-		t.Fatalf("scores %v: a holder four prompts deep should lose to an idle pod", s)
 	}
 }
 
@@ -77,7 +57,7 @@ func TestSeedWorkedExample(t *testing.T) {
 		{Address: "B", Reqs: 2, Prompt: 1024, CacheRatio: 0.67},
 		{Address: "C", Reqs: 5, Prompt: 2048, CacheRatio: 0.33},
 	}
-	s := Scores(rounded, seedRule, 0, nil)
+	s := Scores(rounded, seedRule, nil)
 	if !near(s[0], -4.2) || !near(s[1], 0.59) || !near(s[2], -1.44) {
 		t.Fatalf("seed-rounded scores = %v, want [-4.2 0.59 -1.44]", s)
 	}
@@ -94,7 +74,7 @@ func TestSeedWorkedExample(t *testing.T) {
 	}
 	var hosts [3]Host
 	NewTracker().fill("c", cands, view, 3, hosts[:])
-	exact := Scores(hosts[:], seedRule, 0, nil)
+	exact := Scores(hosts[:], seedRule, nil)
 	if !near(exact[0], -4.2) || !near(exact[1], 2.0*2/3-0.75) || !near(exact[2], 2.0/3-0.6-1.5) {
 		t.Fatalf("exact scores = %v", exact)
 	}
@@ -111,35 +91,33 @@ func TestSeedWorkedExample(t *testing.T) {
 			t.Fatalf("cache ratio %v", ch.Host.CacheRatio)
 		}
 	}
-	// With the request's own prefill in the prompt term (3 blocks of 512
-	// bytes, 2 and 1 of them cached on B and C) the scores move
-	// (A −4.2, B 0.515, C −1.57) and B is still the choice.
+	// The request's own prompt length does not enter the seed's score.
 	for seed := uint64(0); seed < 50; seed++ {
 		ch, err := New(Options{IntN: seededIntN(seed)}).Choose("c", seedRule, cands, view, Request{Blocks: 3, PromptLength: 1536})
 		if err != nil || ch.Host.Address != "10.0.1.2:8000" {
-			t.Fatalf("seed %d with the request's own prefill: chose %+v %v, want pod B", seed, ch, err)
+			t.Fatalf("seed %d with a prompt length: chose %+v %v, want pod B", seed, ch, err)
 		}
 	}
 }
 
 func TestDynamicRequestWeight(t *testing.T) {
 	// delta = 4 (≤ 5): W2 stays 1; the busiest pod loses exactly W2.
-	s := Scores([]Host{{Reqs: 0}, {Reqs: 4}}, seedRule, 0, nil)
+	s := Scores([]Host{{Reqs: 0}, {Reqs: 4}}, seedRule, nil)
 	if !near(s[0], 0) || !near(s[1], -1) {
 		t.Fatalf("delta 4: %v", s)
 	}
 	// delta = 10 (> 5): W2' = 1·10/5 = 2.
-	s = Scores([]Host{{Reqs: 0}, {Reqs: 10}}, seedRule, 0, nil)
+	s = Scores([]Host{{Reqs: 0}, {Reqs: 10}}, seedRule, nil)
 	if !near(s[1], -2) {
 		t.Fatalf("delta 10: %v", s)
 	}
 	// delta floors at 2: one extra request costs half of W2.
-	s = Scores([]Host{{Reqs: 3}, {Reqs: 4}}, seedRule, 0, nil)
+	s = Scores([]Host{{Reqs: 3}, {Reqs: 4}}, seedRule, nil)
 	if !near(s[1], -0.5) {
 		t.Fatalf("delta floor: %v", s)
 	}
 	// No prompt anywhere: the prefill term is zero, not NaN.
-	for _, v := range Scores([]Host{{}, {}}, seedRule, 0, nil) {
+	for _, v := range Scores([]Host{{}, {}}, seedRule, nil) {
 		if v != 0 {
 			t.Fatalf("idle scores %v", v)
 		}
@@ -223,7 +201,7 @@ func TestBurstSpreadsWithLocalInFlight(t *testing.T) {
 	for _, policy := range []string{config.PolicyCacheAware, config.PolicyLeastRequest} {
 		cands := eps(4)
 		b := New(Options{IntN: seededIntN(4)})
-		rule := seedRule
+		rule := defaultRule(t)
 		rule.Policy = policy
 		per := map[string]int{}
 		for range 40 {
@@ -310,7 +288,7 @@ func TestNextTurnStaysOnItsIdleHolder(t *testing.T) {
 		last.Acked()
 		last.FirstToken()
 		last.End() // its done is on its way
-		ch, err := b.Choose("c", herdRule, eps(3), view, Request{Blocks: 26, PromptLength: 1700})
+		ch, err := b.Choose("c", defaultRule(t), eps(3), view, Request{Blocks: 26, PromptLength: 1700})
 		if err != nil || ch.Host.Address != holder {
 			t.Fatalf("draw seed %d: chose %+v %v, want the idle holder %s", seed, ch.Host, err, holder)
 		}
@@ -473,26 +451,6 @@ func TestFilterAndNoEndpoint(t *testing.T) {
 	none := Filter(append([]endpoints.Endpoint(nil), all...), map[string]string{"lora": "vision"})
 	if _, err := New(Options{}).Choose("c", seedRule, none, View{}, Request{}); !errors.Is(err, ErrNoEndpoint) {
 		t.Fatalf("err = %v", err)
-	}
-}
-
-func BenchmarkChoose(b *testing.B) {
-	for _, n := range []int{8, 64, 256} {
-		b.Run(fmt.Sprintf("cache_aware/%d", n), func(b *testing.B) {
-			cands := eps(n)
-			view := View{Load: api.LoadStats{}, Cache: map[string]int{}}
-			for i, e := range cands {
-				view.Load[e.Address] = api.EndpointStats{TotalReqs: int64(i % 7), PromptLength: int64(i * 100)}
-				view.Cache[e.Address] = i % 16
-			}
-			bal := New(Options{})
-			b.ReportAllocs()
-			for b.Loop() {
-				if _, err := bal.Choose("c", seedRule, cands, view, Request{Blocks: 16}); err != nil {
-					b.Fatal(err)
-				}
-			}
-		})
 	}
 }
 

@@ -9,12 +9,12 @@ import (
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/api"
 )
 
-// TestChooseManyHostsPooledScratch: past 64 hosts cache_aware scores into
+// TestChooseManyHostsPooledScratch: past 64 hosts the seed profile scores into
 // pooled scratch; choices through one Balancer at varying sizes (growing,
 // shrinking, reusing it) must equal the seed's score and pick computed
 // afresh for each.
 func TestChooseManyHostsPooledScratch(t *testing.T) {
-	rule := config.LBRule{Policy: config.PolicyCacheAware, CacheRatioWeight: 2, RequestLoadWeight: 1, PrefillLoadWeight: 3, CandidatePercent: 10}
+	rule := config.LBRule{Policy: ProfileSeed, CacheRatioWeight: 2, RequestLoadWeight: 1, PrefillLoadWeight: 3, CandidatePercent: 10}
 	for _, draw := range []int{0, 3, 7} {
 		intn := func(n int) int { return min(draw, n-1) }
 		b := New(Options{IntN: intn})
@@ -36,7 +36,7 @@ func TestChooseManyHostsPooledScratch(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			wantIdx := pickTop(Scores(want, rule, 0, nil), rule.CandidatePercent, intn)
+			wantIdx := pickTop(Scores(want, rule, nil), rule.CandidatePercent, intn)
 			if ch.Index != wantIdx || ch.Host != want[wantIdx] {
 				t.Fatalf("n=%d draw=%d: chose %d %+v, want %d %+v", n, draw, ch.Index, ch.Host, wantIdx, want[wantIdx])
 			}

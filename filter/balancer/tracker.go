@@ -36,8 +36,8 @@ import (
 // never starts (the client left, an error) lets it lapse after reserveTTL.
 //
 // It also remembers, per cluster and candidate set, where the last requests
-// went (Host.Share): cache_aware's herd control needs to know which pods have
-// been taking more than their share. The window is keyed by the set as well
+// went (Host.Share): the sglang stand-in reads it as the size of each pod's
+// share of the routing history. The window is keyed by the set as well
 // as the cluster because rules and requests with different label selectors
 // choose among different pods of one cluster: one window for all would
 // restart each time the candidate count changed, and shares among 4 pods
@@ -59,6 +59,12 @@ type Tracker struct {
 	reserved map[string][]reservation     // cluster -> decisions not yet begun, oldest first (kept when empty)
 	seed     maphash.Seed                 // of setHash
 	now      func() time.Time             // the clock (tests)
+	// held, if set, learns how long a request held its running slot after
+	// its first token (FirstToken to End): cache_aware's slot wait. From
+	// the first token, not from Begin: time spent queued does not hold a
+	// slot, and on a busy pod it would make every wait for a slot look
+	// longer the longer the queue, a loop.
+	held func(host string, d time.Duration)
 }
 
 // liveClock integrates this gateway's live requests of a cluster over
@@ -257,6 +263,7 @@ type Flight struct {
 	l             *local // the entry lives while inflight or ending > 0
 	cluster, host string
 	prompt        int64
+	firstToken    time.Time
 	acked         bool
 	filled        bool // first token seen: its prompt no longer loads the pod
 	ended         bool
@@ -323,6 +330,7 @@ func (f *Flight) FirstToken() {
 		return
 	}
 	f.filled = true
+	f.firstToken = f.t.now()
 	l := f.l
 	l.prefill -= f.prompt
 	if !f.acked {
@@ -341,9 +349,13 @@ func (f *Flight) End() {
 		return
 	}
 	f.ended = true
+	now := f.t.now()
 	if c := f.t.live[f.cluster]; c != nil {
-		c.read(f.t.now())
+		c.read(now)
 		c.live--
+	}
+	if f.t.held != nil && f.filled {
+		f.t.held(f.host, now.Sub(f.firstToken))
 	}
 	l := f.l
 	l.inflight--
@@ -495,13 +507,15 @@ func (t *Tracker) fill(cluster string, cands []endpoints.Endpoint, v View, block
 		if v.Degraded {
 			if l != nil {
 				h.Reqs, h.Prompt = l.inflight+l.reserved, l.prefill+l.reservedPrefill
+				h.LocalPrefill = h.Prompt
 			}
 		} else {
 			st := v.Load[e.Address]
 			h.Reqs, h.Prompt = st.TotalReqs, st.PromptLength
 			if l != nil {
 				h.Reqs = max(0, h.Reqs-l.ending) + l.unacked + l.reserved
-				h.Prompt += l.unackedPrefill + l.reservedPrefill
+				h.LocalPrefill = l.unackedPrefill + l.reservedPrefill
+				h.Prompt += h.LocalPrefill
 				own += l.inflight
 			}
 			all += h.Reqs

@@ -27,23 +27,22 @@ const (
 	DefaultRequestLoadW     = 1.0
 	DefaultPrefillLoadW     = 3.0
 	DefaultCandidatePercent = 10
-	DefaultHerdShare        = 2.0
-	DefaultHerdWait         = 1.0
-	DefaultCacheWait        = 0.0
-	DefaultHolderRatio      = 0.8
-	DefaultHolderWait       = 3.0
-	DefaultAdminRefresh     = time.Second
-	DefaultQueueSize        = 4096
-	DefaultWorkers          = 4
-	DefaultDrainTimeout     = 2 * time.Second
-	DefaultBatchWindow      = 5 * time.Millisecond
-	DefaultBatchMaxOps      = 256
-	DefaultMaxBodyBytes     = 8 << 20
+	// cache_aware's defaults (filter/balancer/ttft.go says why each).
+	DefaultTieEpsilon   = 0.05
+	DefaultPrefillRate  = 5000.0
+	DefaultDecodeStep   = 0.025
+	DefaultAdminRefresh = time.Second
+	DefaultQueueSize    = 4096
+	DefaultWorkers      = 4
+	DefaultDrainTimeout = 2 * time.Second
+	DefaultBatchWindow  = 5 * time.Millisecond
+	DefaultBatchMaxOps  = 256
+	DefaultMaxBodyBytes = 8 << 20
 )
 
 // Load-balancing policies (lb_mapping_rule.*.policy).
 const (
-	PolicyCacheAware   = "cache_aware"   // docs/configuration.md score, top N%, random pick
+	PolicyCacheAware   = "cache_aware"   // the lowest predicted time to first token, near-ties spread
 	PolicyRoundRobin   = "round_robin"   // baseline: ignores load and cache
 	PolicyRandom       = "random"        // baseline: uniform
 	PolicyLeastRequest = "least_request" // fewest live requests, ties random
@@ -171,8 +170,10 @@ func (m LBMapping) For(cluster string) LBRule {
 	return m.Default
 }
 
-// LBRule is one entry of lb_mapping_rule. Weights are those of the score in docs/configuration.md:
-// score = W1·cacheRatio − W2'·(reqs−minReqs)/delta − W3·prompt/maxPrompt.
+// LBRule is one entry of lb_mapping_rule. The weights and candidate_percent
+// are the seed profile's score (docs/configuration.md):
+// score = W1·cacheRatio − W2'·(reqs−minReqs)/delta − W3·prompt/maxPrompt;
+// tie_epsilon, default_prefill_rate and default_decode_step are cache_aware's.
 type LBRule struct {
 	// Policy (key `policy`, default "cache_aware") names a policy or scoring
 	// profile of the balancer: cache_aware, seed, epp, sglang, round_robin,
@@ -198,41 +199,28 @@ type LBRule struct {
 	// CandidatePercent (key `candidate_percent`, default 10, 1..100): the
 	// pick is uniform among the top max(1, n·percent/100) scores.
 	CandidatePercent int
-	// HerdShare (key `herd_share`, default 2, 0 or 1..100; 0 disables) is
-	// cache_aware's herd control: a pod that took more than HerdShare times
-	// its fair share (1/n) of the cluster's recent requests, and is busier
-	// than the idlest pod, gets no cache credit. The seed's score keeps a
-	// hot prefix on its pod until that pod has ~10 more requests than the
-	// idlest; this lets a prefix everyone wants spread to more pods early.
-	HerdShare float64
-	// HerdWait (key `herd_wait`, default 1, 0 or 0.1..100; 0: herd control acts on
-	// shares alone) gates herd control by cost: a pod herd control would
-	// stop keeps its cache credit unless the prefill standing before this
-	// request there (its queued prefill plus the request's uncached part)
-	// exceeds HerdWait times that on the cheapest other pod, i.e. unless
-	// waiting on the holder costs more than making a replica. Every
-	// replica is one cold prefill: a miss.
-	HerdWait float64
-	// CacheWait (key `cache_wait`, 0 or 1..100; 0 off) takes the cache
-	// credit from any pod where the prefill standing before this request
-	// exceeds CacheWait times that on the cheapest other pod: a pod still
-	// prefilling someone's cold prompt that shares only part of this one
-	// makes the request wait longer than a cold prefill elsewhere.
-	CacheWait float64
-	// HolderRatio (key `holder_ratio`, default 0.8, 0 or 0.5..1; 0 off) is
-	// cache_aware's `holder` filter: when some pod holds at least this share
-	// of the prompt's blocks, only the pods holding the most of it stay
-	// candidates. A user's next question or a conversation's next turn
-	// stays with its history instead of computing it again on a pod that
-	// looks less busy.
-	HolderRatio float64
-	// HolderWait (key `holder_wait`, default 3, 0 or 1..100; 0 off): a
-	// holder where the prefill standing before this request, plus the part
-	// of the prompt it lacks, exceeds HolderWait times that on the cheapest
-	// other pod does not count for the holder filter. A pod still computing
-	// other users' cold prompts would keep its users' next questions waiting
-	// behind them longer than recomputing the history elsewhere takes.
-	HolderWait float64
+	// TieEpsilon (key `tie_epsilon`, default 0.05, 0..1) is cache_aware's
+	// near-tie window, a fraction of the lowest predicted time to first
+	// token: among the pods predicted within (1+TieEpsilon) times the best
+	// the pick takes the one that computes the fewest of the request's
+	// tokens, uniformly among equals. About the model's median error in
+	// steady state (2–5% on the simulated fleet), so that pods it cannot
+	// tell apart share the traffic instead of every gateway sending the
+	// next burst to the same one, while a one-request difference in queue
+	// still counts.
+	TieEpsilon float64
+	// DefaultPrefillRate (key `default_prefill_rate`, tokens per second,
+	// default 5000, 10..1e7) is a pod's prefill rate until the TTFTs
+	// observed there give its own. The low end of a mid-size model on one
+	// GPU (5–20k tokens/s), so that an unknown pod's queue is not taken
+	// for cheaper than it is.
+	DefaultPrefillRate float64
+	// DefaultDecodeStep (key `default_decode_step`, seconds, default
+	// 0.025, 0.0001..10) is a pod's decode step (the first token after
+	// prefill; 128 of them are a request's assumed hold on its running
+	// slot) until observed TTFTs and request ends give its own: a 7–8B
+	// model's step at a moderate batch on one GPU is 20–30 ms.
+	DefaultDecodeStep float64
 }
 
 // Endpoints is key `endpoints`: where the pods of a cluster come from. Both

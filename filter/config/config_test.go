@@ -69,7 +69,7 @@ func TestDefaults(t *testing.T) {
 	if r := cfg.ModelMappingRule["m"][0]; r.Backend != "vllm" {
 		t.Fatalf("backend default: %q", r.Backend)
 	}
-	want := LBRule{Policy: "cache_aware", CacheRatioWeight: 2, RequestLoadWeight: 1, PrefillLoadWeight: 3, CandidatePercent: 10, HerdShare: 2, HerdWait: 1, HolderRatio: 0.8, HolderWait: 3}
+	want := LBRule{Policy: "cache_aware", CacheRatioWeight: 2, RequestLoadWeight: 1, PrefillLoadWeight: 3, CandidatePercent: 10, TieEpsilon: 0.05, DefaultPrefillRate: 5000, DefaultDecodeStep: 0.025}
 	if !reflect.DeepEqual(cfg.LBMappingRule.For("anything"), want) {
 		t.Fatalf("lb default: %+v", cfg.LBMappingRule.For("anything"))
 	}
@@ -81,17 +81,17 @@ model_mapping_rule: {m: [{cluster: c}]}
 lb_mapping_rule:
   default: {cache_ratio_weight: 4}
   "outbound|8000||a": {policy: round_robin}
-  b: {candidate_percent: 50, request_load_weight: 0, herd_share: 0, herd_wait: 1.5, cache_wait: 1.25, holder_ratio: 0, holder_wait: 4}
+  b: {candidate_percent: 50, request_load_weight: 0, tie_epsilon: 0, default_prefill_rate: 12000, default_decode_step: 0.01}
 `))
 	if err != nil {
 		t.Fatal(err)
 	}
 	a := cfg.LBMappingRule.For("outbound|8000||a")
-	if a.Policy != PolicyRoundRobin || a.CacheRatioWeight != 4 || a.CandidatePercent != 10 || a.HerdShare != 2 {
+	if a.Policy != PolicyRoundRobin || a.CacheRatioWeight != 4 || a.CandidatePercent != 10 || a.TieEpsilon != 0.05 {
 		t.Fatalf("a: %+v", a)
 	}
 	b := cfg.LBMappingRule.For("b")
-	if b.Policy != PolicyCacheAware || b.CandidatePercent != 50 || b.RequestLoadWeight != 0 || b.CacheRatioWeight != 4 || b.HerdShare != 0 || b.HerdWait != 1.5 || b.CacheWait != 1.25 || b.HolderRatio != 0 || b.HolderWait != 4 {
+	if b.Policy != PolicyCacheAware || b.CandidatePercent != 50 || b.RequestLoadWeight != 0 || b.CacheRatioWeight != 4 || b.TieEpsilon != 0 || b.DefaultPrefillRate != 12000 || b.DefaultDecodeStep != 0.01 {
 		t.Fatalf("b: %+v", b)
 	}
 }
@@ -102,14 +102,11 @@ func TestInvalidValuesNameTheirKey(t *testing.T) {
 		{base + "lb_mapping_rule: {default: {candidate_percent: 0}}", "lb_mapping_rule.default.candidate_percent: must be in 1..100"},
 		{base + "lb_mapping_rule: {default: {candidate_percent: 101}}", "lb_mapping_rule.default.candidate_percent: must be in 1..100"},
 		{base + "lb_mapping_rule: {default: {candidate_percent: 1.5}}", "lb_mapping_rule.default.candidate_percent: must be an integer"},
-		{base + "lb_mapping_rule: {default: {herd_share: 0.5}}", "lb_mapping_rule.default.herd_share: must be 0 (off) or in 1..100, got 0.5"},
-		{base + "lb_mapping_rule: {default: {herd_share: -1}}", "lb_mapping_rule.default.herd_share: must be in 0..100"},
-		{base + "lb_mapping_rule: {default: {herd_wait: 0.05}}", "lb_mapping_rule.default.herd_wait: must be 0 (off) or in 0.1..100, got 0.05"},
-		{base + "lb_mapping_rule: {default: {herd_wait: 101}}", "lb_mapping_rule.default.herd_wait: must be in 0..100"},
-		{base + "lb_mapping_rule: {default: {cache_wait: 0.9}}", "lb_mapping_rule.default.cache_wait: must be 0 (off) or in 1..100, got 0.9"},
-		{base + "lb_mapping_rule: {default: {holder_ratio: 0.3}}", "lb_mapping_rule.default.holder_ratio: must be 0 (off) or in 0.5..1, got 0.3"},
-		{base + "lb_mapping_rule: {default: {holder_ratio: 1.5}}", "lb_mapping_rule.default.holder_ratio: must be in 0..1"},
-		{base + "lb_mapping_rule: {default: {holder_wait: 0.5}}", "lb_mapping_rule.default.holder_wait: must be 0 (off) or in 1..100, got 0.5"},
+		{base + "lb_mapping_rule: {default: {tie_epsilon: 1.5}}", "lb_mapping_rule.default.tie_epsilon: must be in 0..1"},
+		{base + "lb_mapping_rule: {default: {tie_epsilon: -0.1}}", "lb_mapping_rule.default.tie_epsilon: must be in 0..1"},
+		{base + "lb_mapping_rule: {default: {default_prefill_rate: 5}}", "lb_mapping_rule.default.default_prefill_rate: must be in 10..1e+07"},
+		{base + "lb_mapping_rule: {default: {default_decode_step: 0}}", "lb_mapping_rule.default.default_decode_step: must be in 0.0001..10"},
+		{base + "lb_mapping_rule: {default: {herd_share: 2}}", "herd_share"},
 		{base + "lb_mapping_rule: {default: {cache_ratio_weight: -1}}", "lb_mapping_rule.default.cache_ratio_weight: must be in 0..1000"},
 		{base + "lb_mapping_rule: {default: {prefill_load_weight: x}}", "lb_mapping_rule.default.prefill_load_weight: must be a number"},
 		{base + "lb_mapping_rule: {default: {policy: Fastest!}}", "lb_mapping_rule.default.policy: must be a policy name"},

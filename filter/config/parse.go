@@ -428,8 +428,8 @@ func headerKey(h map[string]string) string {
 	return b.String()
 }
 
-var lbKeys = []string{"policy", "cache_ratio_weight", "request_load_weight", "prefill_load_weight", "candidate_percent", "herd_share", "herd_wait", "cache_wait",
-	"holder_ratio", "holder_wait", "scorers", "filters", "picker"}
+var lbKeys = []string{"policy", "cache_ratio_weight", "request_load_weight", "prefill_load_weight", "candidate_percent",
+	"tie_epsilon", "default_prefill_rate", "default_decode_step", "scorers", "filters", "picker"}
 
 // validName is the shape of policy, scorer, filter and picker names.
 func validName(s string) bool {
@@ -492,47 +492,25 @@ func (d *decoder) lbRule(path string, v any, base LBRule) LBRule {
 	r.RequestLoadWeight = d.float(path, m, "request_load_weight", base.RequestLoadWeight, 0, 1000)
 	r.PrefillLoadWeight = d.float(path, m, "prefill_load_weight", base.PrefillLoadWeight, 0, 1000)
 	r.CandidatePercent = d.integer(path, m, "candidate_percent", base.CandidatePercent, 1, 100)
-	r.HerdShare = d.float(path, m, "herd_share", base.HerdShare, 0, 100)
-	if r.HerdShare > 0 && r.HerdShare < 1 {
-		// Below 1 every pod that took its fair share would lose its cache.
-		d.fail(join(path, "herd_share"), "must be 0 (off) or in 1..100, got %g", r.HerdShare)
-	}
-	r.HerdWait = d.float(path, m, "herd_wait", base.HerdWait, 0, 100)
-	if r.HerdWait > 0 && r.HerdWait < 0.1 {
-		// Below 0.1 it is herd control on shares alone with extra steps.
-		d.fail(join(path, "herd_wait"), "must be 0 (off) or in 0.1..100, got %g", r.HerdWait)
-	}
-	r.CacheWait = d.float(path, m, "cache_wait", base.CacheWait, 0, 100)
-	if r.CacheWait > 0 && r.CacheWait < 1 {
-		// Below 1 even the cheapest pod would lose its cache credit.
-		d.fail(join(path, "cache_wait"), "must be 0 (off) or in 1..100, got %g", r.CacheWait)
-	}
-	r.HolderRatio = d.float(path, m, "holder_ratio", base.HolderRatio, 0, 1)
-	if r.HolderRatio > 0 && r.HolderRatio < 0.5 {
-		// Below half a prompt a pod holding a shared document would keep
-		// every new user of it: prefix_only with extra steps.
-		d.fail(join(path, "holder_ratio"), "must be 0 (off) or in 0.5..1, got %g", r.HolderRatio)
-	}
-	r.HolderWait = d.float(path, m, "holder_wait", base.HolderWait, 0, 100)
-	if r.HolderWait > 0 && r.HolderWait < 1 {
-		// Below 1 even the cheapest holder would let its prompt go.
-		d.fail(join(path, "holder_wait"), "must be 0 (off) or in 1..100, got %g", r.HolderWait)
-	}
+	// cache_aware's keys (filter/balancer/ttft.go). A tie window of a
+	// whole prediction or more would make the choice random; prefill rates
+	// and decode steps outside these bounds are no accelerator's.
+	r.TieEpsilon = d.float(path, m, "tie_epsilon", base.TieEpsilon, 0, 1)
+	r.DefaultPrefillRate = d.float(path, m, "default_prefill_rate", base.DefaultPrefillRate, 10, 1e7)
+	r.DefaultDecodeStep = d.float(path, m, "default_decode_step", base.DefaultDecodeStep, 1e-4, 10)
 	return r
 }
 
 func (d *decoder) lbMapping(v any) LBMapping {
 	def := LBRule{
-		Policy:            DefaultPolicy,
-		CacheRatioWeight:  DefaultCacheRatioW,
-		RequestLoadWeight: DefaultRequestLoadW,
-		PrefillLoadWeight: DefaultPrefillLoadW,
-		CandidatePercent:  DefaultCandidatePercent,
-		HerdShare:         DefaultHerdShare,
-		HerdWait:          DefaultHerdWait,
-		CacheWait:         DefaultCacheWait,
-		HolderRatio:       DefaultHolderRatio,
-		HolderWait:        DefaultHolderWait,
+		Policy:             DefaultPolicy,
+		CacheRatioWeight:   DefaultCacheRatioW,
+		RequestLoadWeight:  DefaultRequestLoadW,
+		PrefillLoadWeight:  DefaultPrefillLoadW,
+		CandidatePercent:   DefaultCandidatePercent,
+		TieEpsilon:         DefaultTieEpsilon,
+		DefaultPrefillRate: DefaultPrefillRate,
+		DefaultDecodeStep:  DefaultDecodeStep,
 	}
 	out := LBMapping{Default: def}
 	if v == nil {

@@ -85,7 +85,7 @@ func run(ctx context.Context, args []string) error {
 		variants    = variantFlag{}
 		plans       = planFlag{}
 	)
-	fs.Var(variants, "variant", `a named policy variant for --policies, "label=policy; rule keys" (repeatable; keys separated by commas, checked before anything starts), e.g. "ca-noherd=cache_aware; herd_share: 0, herd_wait: 0": an A/B of a policy against itself with other lb-rule keys in one run`)
+	fs.Var(variants, "variant", `a named policy variant for --policies, "label=policy; rule keys" (repeatable; keys separated by commas, checked before anything starts), e.g. "ca-tie0=cache_aware; tie_epsilon: 0": an A/B of a policy against itself with other lb-rule keys in one run`)
 	fs.Var(plans, "plan", `a fixed placement for --policies, "label=group:worker, ..." (repeatable), e.g. "halves=s0/u0:0, s0/u1:0, s1/u0:1, s1/u1:1": every session of a group goes straight to worker N (0-based, in start order), past the gateway, to measure what a placement gives beside the policies; it must name every group of the workloads it runs`)
 	// Sizes default to 0: each workload's own defaults (workload.Spec.Defaults).
 	fs.IntVar(&spec.Systems, "systems", 0, "shared-prefix / kv-pressure: system prompts (default 2 / 12)")

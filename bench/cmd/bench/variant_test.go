@@ -10,17 +10,17 @@ import (
 
 func TestVariantFlagResolvesLabelsToAPolicyAndItsRuleKeys(t *testing.T) {
 	v := variantFlag{}
-	if err := v.Set("ca-w1=cache_aware; herd_wait: 1, herd_share: 3"); err != nil {
+	if err := v.Set("ca-w1=cache_aware; tie_epsilon: 0.2, default_decode_step: 0.01"); err != nil {
 		t.Fatal(err)
 	}
-	for _, bad := range []string{"nolabel", "=cache_aware", "x=", "x= ; herd_wait: 1"} {
+	for _, bad := range []string{"nolabel", "=cache_aware", "x=", "x= ; tie_epsilon: 0.2"} {
 		if err := v.Set(bad); err == nil {
 			t.Errorf("Set(%q) accepted", bad)
 		}
 	}
 	cases := []struct{ name, global, policy, rule string }{
-		{"ca-w1", "", "cache_aware", "herd_wait: 1, herd_share: 3"},
-		{"ca-w1", "candidate_percent: 20", "cache_aware", "candidate_percent: 20, herd_wait: 1, herd_share: 3"},
+		{"ca-w1", "", "cache_aware", "tie_epsilon: 0.2, default_decode_step: 0.01"},
+		{"ca-w1", "candidate_percent: 20", "cache_aware", "candidate_percent: 20, tie_epsilon: 0.2, default_decode_step: 0.01"},
 		{"epp", "candidate_percent: 20", "epp", "candidate_percent: 20"},
 	}
 	for _, c := range cases {

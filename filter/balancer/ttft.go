@@ -1,0 +1,446 @@
+package balancer
+
+// cache_aware: route each request to the pod with the lowest predicted time
+// to first token (TTFT), in seconds. This file is the whole policy, read top
+// to bottom:
+//
+//  1. the prediction for request r on pod p (predict):
+//
+//     TTFT(r, p) = slot wait                      (waiting for a running slot)
+//                + (queued(p) + uncached(r, p)) / prefill rate(p)
+//                + decode step(p)                  (the first token itself)
+//                + KV fit(r, p)                    (recomputing what r evicts)
+//
+//     in tokens throughout: prompt bytes become tokens through the bytes per
+//     token learnt per model (BytesPerToken). Inputs: the metadata center's
+//     leases and prefix matches (every gateway's requests), this gateway's
+//     requests not counted there yet (Tracker), and the pod's own report
+//     when fresh: our worker's push, or a vLLM-like pod's scrape, whose
+//     waiting, running and kv_cache_usage_perc are enough (waiting requests
+//     at the fleet's mean size stand for queued tokens; waiting > 0 means
+//     no free slot; utilization and running give the free KV);
+//  2. the pick (CacheAware.Choose): among the pods within tie_epsilon of
+//     the lowest prediction, the fewest of the request's tokens computed,
+//     uniformly among equals;
+//  3. the check (Balancer.Observe): the first token's observed TTFT against
+//     the prediction, which exports the relative error and refits the pod's
+//     prefill rate and decode step (podFit).
+//
+// The routing keys (lb_mapping_rule, filter/config) are three:
+// tie_epsilon (a fraction of the lowest prediction), default_prefill_rate
+// (tokens per second) and default_decode_step (seconds), the latter two only
+// until a pod's first observed TTFTs replace them.
+
+import (
+	"context"
+	"log/slog"
+	"math"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/istio-llm-filter/istio-llm-filter/filter/config"
+)
+
+// BytesPerToken learns a model's prompt bytes per token from the
+// usage.prompt_tokens its answers report, so that every figure of the model
+// is in tokens whatever the vocabulary (1 on the byte-level test model, about
+// 4 on English text with a BPE vocabulary). Safe for concurrent use; the zero
+// value reads 1 until the first observation.
+type BytesPerToken struct {
+	mu            sync.Mutex
+	bytes, tokens float64 // decayed sums
+	value         atomic.Uint64
+}
+
+// bptMemory is how many observations the ratio mostly remembers: the sums
+// decay by 1/bptMemory per observation, so a change of traffic (another
+// language, another chat template) is followed within a few hundred
+// requests while one odd request moves the ratio by well under 1%.
+const bptMemory = 256
+
+// Observe records one request: its prompt bytes as the gateway measured them
+// and the prompt tokens the model server counted. Non-positive values are
+// ignored.
+func (b *BytesPerToken) Observe(bytes, tokens int64) {
+	if bytes <= 0 || tokens <= 0 {
+		return
+	}
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	const keep = 1 - 1.0/bptMemory
+	b.bytes = b.bytes*keep + float64(bytes)
+	b.tokens = b.tokens*keep + float64(tokens)
+	b.value.Store(math.Float64bits(b.bytes / b.tokens))
+}
+
+// Value returns the bytes per token, 1 until something was observed.
+func (b *BytesPerToken) Value() float64 {
+	if b == nil {
+		return 1
+	}
+	if v := math.Float64frombits(b.value.Load()); v > 0 {
+		return v
+	}
+	return 1
+}
+
+// Cost is one pod's predicted TTFT for the request being routed, by part,
+// in seconds (tokens where named so).
+type Cost struct {
+	Host     string
+	SlotWait float64 // until a running slot frees (the pod reports a queue)
+	// QueuedTokens are the prefill tokens standing before the request on
+	// the pod; UncachedTokens the request's own tokens the pod does not
+	// hold. Prefill is both over the pod's prefill rate.
+	QueuedTokens, UncachedTokens float64
+	Prefill                      float64
+	Step                         float64 // one decode step: the first token
+	// FitTokens are the request's new tokens the pod's free KV cannot
+	// hold; Fit is recomputing them (what the pod evicts or preempts to
+	// make room) at its prefill rate.
+	FitTokens, Fit float64
+	Total          float64 // the predicted TTFT
+}
+
+// Prediction is what a decision predicted for its chosen pod
+// (Choice.Prediction); the lifecycle hands it back to Balancer.Observe with
+// the observed TTFT at the first token. The zero value predicts nothing.
+type Prediction struct {
+	Cost
+	Cluster string
+	// The rule's defaults the prediction used where the pod had no fit
+	// yet: Observe starts the pod's fit from them.
+	defRate, defStep float64
+}
+
+// podFit is what the gateway has learnt of one pod: from the TTFTs it
+// observed there, its decode step and seconds per prefill token (TTFT less
+// slot wait ≈ step + tokens·secPerToken, observe); from the requests that
+// ended there, how long one holds a running slot (held). Zero fields are
+// unknown: the rule's defaults stand in.
+type podFit struct {
+	step, secPerToken float64
+	hold              float64 // mean seconds from a request's first token to its end
+}
+
+// fitRate weighs each new observation in the pod's fit: the last ~5
+// observations dominate, so a pod whose speed changes (its batch fills,
+// another model shares its GPU) is followed within a second of traffic,
+// while one outlier TTFT moves the estimate by a fifth of its error.
+const fitRate = 0.2
+
+// Bounds of the fitted figures, so that a burst of odd observations (a
+// client that read slowly, a clock step) cannot drive a pod's prediction
+// to zero or infinity: no accelerator prefills faster than 10M tokens/s or
+// slower than 10 tokens/s, and no decode step is under 0.1 ms or over 10 s.
+const (
+	minSecPerToken = 1e-7
+	maxSecPerToken = 0.1
+	minStep        = 1e-4
+	maxStep        = 10
+)
+
+// assumedSlotSteps is how many decode steps a request is assumed to hold
+// its running slot before the gateway has seen one end on the pod: about
+// the mean answer length of chat traffic (ShareGPT's is ~200 tokens, the
+// shorter benchmarks' 128); replaced by the observed hold at the first end.
+const assumedSlotSteps = 128
+
+// meanRate weighs each routed request in a cluster's mean prompt tokens
+// (fleetMeans): the last ~20 decisions, long enough to smooth one long
+// document, short enough to follow a change of workload.
+const meanRate = 0.05
+
+// fleetMeans are a cluster's recent request sizes in tokens, for the pods
+// whose queue the gateway knows only as a count of waiting requests.
+type fleetMeans struct {
+	prompt   float64 // whole prompts: what a running request holds in KV
+	uncached float64 // what a request left to prefill where it went
+}
+
+// ttftModel holds what cache_aware learns: per pod fits and per cluster
+// means, and the relative-error histogram. Safe for concurrent use.
+type ttftModel struct {
+	mu    sync.RWMutex
+	pods  map[string]*podFit     // host -> fit
+	means map[string]*fleetMeans // cluster -> means
+	errs  errObserver
+	log   *slog.Logger
+}
+
+// maxFitPods bounds the pods remembered: past it the fits start afresh
+// (endpoint churn would otherwise grow the map without end; ten thousand
+// pods is far beyond one gateway's fleet).
+const maxFitPods = 10000
+
+// errObserver receives relative errors (a Prometheus histogram).
+type errObserver interface{ Observe(float64) }
+
+func newTTFTModel(errs errObserver, log *slog.Logger) *ttftModel {
+	return &ttftModel{pods: map[string]*podFit{}, means: map[string]*fleetMeans{}, errs: errs, log: log}
+}
+
+// predictor is one decision's view of the model: its inputs read once
+// under the read lock, so predicting n pods costs n map lookups.
+type predictor struct {
+	m                  *ttftModel
+	bpt                float64 // bytes per token of the request's model
+	promptTokens       float64
+	rate, step         float64 // the rule's defaults
+	meanPrompt, meanUn float64
+}
+
+func (m *ttftModel) predictor(s *State) predictor {
+	p := predictor{m: m, bpt: max(s.BytesPerToken, 1e-3), rate: s.Rule.DefaultPrefillRate, step: s.Rule.DefaultDecodeStep}
+	if p.rate <= 0 {
+		p.rate = config.DefaultPrefillRate
+	}
+	if p.step <= 0 {
+		p.step = config.DefaultDecodeStep
+	}
+	p.promptTokens = float64(s.PromptLength) / p.bpt
+	m.mu.RLock()
+	if f := m.means[s.Cluster]; f != nil {
+		p.meanPrompt, p.meanUn = f.prompt, f.uncached
+	}
+	m.mu.RUnlock()
+	return p
+}
+
+// predict returns h's predicted TTFT for the request. Callers hold m.mu
+// for reading.
+func (p *predictor) predict(h *Host) Cost {
+	c := Cost{Host: h.Address}
+	secPerToken, step, hold := 1/p.rate, p.step, 0.0
+	if f := p.m.pods[h.Address]; f != nil {
+		if f.secPerToken > 0 {
+			secPerToken, step = f.secPerToken, f.step
+		}
+		hold = f.hold
+	}
+	if hold <= 0 {
+		hold = assumedSlotSteps * step
+	}
+	c.UncachedTokens = p.promptTokens * (1 - h.CacheRatio)
+
+	// The prefill standing before the request. Three counts of it, each
+	// short of the truth in its own way, so the largest is taken:
+	//   - the leases' prompt bytes before first token (every gateway's
+	//     requests, uncached parts only, plus this gateway's own not yet
+	//     counted: Tracker), which miss requests from outside the mesh;
+	//   - the pod's own report of tokens left to prefill (our worker),
+	//     plus this gateway's requests sent since;
+	//   - a vLLM-like pod's waiting requests at the fleet's mean uncached
+	//     size: its scrape gives counts, not tokens.
+	queued := float64(h.Prompt) / p.bpt
+	if h.Signals {
+		queued = max(queued, float64(h.PrefillQueued)+float64(h.LocalPrefill)/p.bpt, float64(h.Waiting)*p.meanUn)
+	}
+	c.QueuedTokens = queued
+
+	// A pod that reports requests waiting has no free running slot: the
+	// request starts once Waiting+1 of its running requests have ended,
+	// one every hold/Running seconds.
+	if h.Signals && h.Waiting > 0 {
+		c.SlotWait = float64(h.Waiting+1) * hold / float64(max(h.Running, 1))
+	}
+	c.Prefill = (c.QueuedTokens + c.UncachedTokens) * secPerToken
+	c.Step = step
+
+	// KV fit. A vLLM-like utilization counts the blocks of running
+	// requests (idle cached blocks are free), so the pod's KV capacity is
+	// about Running·meanPrompt/util tokens and (1−util) of it is free.
+	// Where the request's new tokens do not fit, the pod evicts or
+	// preempts the rest, which someone computes again: that many tokens at
+	// the pod's prefill rate. Without a running request or a mean there is
+	// no estimate of the capacity, and no term.
+	if h.Signals && h.Running > 0 && h.KVUtil > 0 && p.meanPrompt > 0 {
+		u := min(h.KVUtil, 1)
+		free := float64(h.Running) * p.meanPrompt * (1 - u) / u
+		c.FitTokens = max(0, c.UncachedTokens-free)
+		c.Fit = c.FitTokens * secPerToken
+	}
+	c.Total = c.SlotWait + c.Prefill + c.Step + c.Fit
+	return c
+}
+
+// chosen returns the prediction for s.Hosts[i], the pod a policy chose,
+// and counts the request in the cluster's means.
+func (m *ttftModel) chosen(s *State, i int) Prediction {
+	p := m.predictor(s)
+	m.mu.RLock()
+	c := p.predict(&s.Hosts[i])
+	m.mu.RUnlock()
+	m.routed(s.Cluster, p.promptTokens, c.UncachedTokens)
+	return Prediction{Cost: c, Cluster: s.Cluster, defRate: p.rate, defStep: p.step}
+}
+
+// routed updates the cluster's means with a decision's request.
+func (m *ttftModel) routed(cluster string, promptTokens, uncachedTokens float64) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	f := m.means[cluster]
+	if f == nil {
+		if len(m.means) >= maxFitPods {
+			clear(m.means)
+		}
+		f = &fleetMeans{prompt: promptTokens, uncached: uncachedTokens}
+		m.means[cluster] = f
+		return
+	}
+	f.prompt += meanRate * (promptTokens - f.prompt)
+	f.uncached += meanRate * (uncachedTokens - f.uncached)
+}
+
+// fit returns host's entry, made if missing. Callers hold m.mu.
+func (m *ttftModel) fit(host string) *podFit {
+	f := m.pods[host]
+	if f == nil {
+		if len(m.pods) >= maxFitPods {
+			clear(m.pods)
+		}
+		f = &podFit{}
+		m.pods[host] = f
+	}
+	return f
+}
+
+// held records how long a request held its slot on host after its first
+// token (Tracker: FirstToken to End).
+func (m *ttftModel) held(host string, d time.Duration) {
+	if d <= 0 {
+		return
+	}
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	f := m.fit(host)
+	if f.hold == 0 {
+		f.hold = d.Seconds()
+		return
+	}
+	f.hold += fitRate * (d.Seconds() - f.hold)
+}
+
+// observe refits p's pod from its observed TTFT. The part of the
+// prediction that scales with tokens (prefill and KV fit, at the pod's
+// seconds per token) and the part that does not (the decode step) share
+// the error in proportion to their share of the prediction, so both stay
+// positive and a pod seen at one request size only is still predicted
+// right at that size. The slot wait is left out: it comes from request
+// durations the tracker measures (held), not from this TTFT.
+func (m *ttftModel) observe(p Prediction, observed time.Duration) {
+	obs := observed.Seconds()
+	if p.Host == "" || obs <= 0 || p.Total <= 0 || p.defRate <= 0 || p.defStep <= 0 {
+		return
+	}
+	m.errs.Observe((obs - p.Total) / obs)
+	m.log.LogAttrs(context.Background(), slog.LevelDebug, "ttft",
+		slog.String("cluster", p.Cluster), slog.String("host", p.Host),
+		slog.Float64("predicted", p.Total), slog.Float64("observed", obs))
+	tokens := p.QueuedTokens + p.UncachedTokens + p.FitTokens
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	f := m.fit(p.Host)
+	if f.secPerToken <= 0 {
+		f.secPerToken, f.step = 1/p.defRate, p.defStep
+	}
+	// What prefill and step account for, over what the fit predicts for
+	// them now; one observation moves the fit by at most a factor
+	// maxScale towards it, so that a TTFT that mostly waited for a slot
+	// the model did not foresee (or a slot wait it foresaw that did not
+	// happen) cannot undo many good observations.
+	scale := min(max((obs-p.SlotWait)/(tokens*f.secPerToken+f.step), 1/maxScale), maxScale)
+	f.step = min(max(f.step+fitRate*(scale-1)*f.step, minStep), maxStep)
+	if tokens > 0 {
+		f.secPerToken = min(max(f.secPerToken+fitRate*(scale-1)*f.secPerToken, minSecPerToken), maxSecPerToken)
+	}
+}
+
+// maxScale bounds one observation's pull on a pod's fit (observe).
+const maxScale = 4
+
+// CacheAware is the cache_aware policy: the lowest predicted TTFT, near-ties
+// spread.
+type CacheAware struct{ m *ttftModel }
+
+func (*CacheAware) NeedsMetadata() bool { return true }
+func (*CacheAware) ReadsSignals() bool  { return true }
+
+// Choose picks among the pods whose predicted TTFT is within tie_epsilon of
+// the lowest (near-ties) the one that computes the fewest of the request's
+// tokens, uniformly among those that compute equally many.
+//
+// Why near-ties at all: the inputs are up to a report old and shared by
+// every gateway, so the best-looking pod is the same for all of them until
+// the next report; spreading among pods the model cannot tell apart stops
+// such a burst from herding, while never taking a pod more than ε worse
+// than the best. Uniform within ε rather than a softmax: a softmax keeps a
+// small chance on every pod however bad and needs a temperature in no unit.
+//
+// Why the fewest computed tokens first: a pod still prefilling a prompt
+// predicts about the same TTFT for the prompt's next request as a cold pod
+// (it waits for the prefill where the cold pod repeats it), but the cold
+// pod spends that compute and KV on a second copy, which the next requests
+// there then wait for. The request's own TTFT cannot see that cost; the
+// tie-break does, within ε. Pods that hold the same share (every cold pod
+// for a new prompt, the holders of a shared one) are still drawn
+// uniformly, so the spread against herding stays.
+//
+// One debug line gives every pod's breakdown: why not pod X is there.
+func (c *CacheAware) Choose(s *State) int {
+	p := c.m.predictor(s)
+	totals, work := s.scratch(len(s.Hosts))
+	best := math.Inf(1)
+	c.m.mu.RLock()
+	for i := range s.Hosts {
+		k := p.predict(&s.Hosts[i])
+		totals, work = append(totals, k.Total), append(work, k.UncachedTokens)
+		best = min(best, k.Total)
+	}
+	c.m.mu.RUnlock()
+	limit := best*(1+s.Rule.TieEpsilon) + tieEpsilon
+	least, n := math.Inf(1), 0
+	for i, t := range totals {
+		switch {
+		case t > limit:
+		case work[i] < least-tieEpsilon:
+			least, n = work[i], 1
+		case work[i] <= least+tieEpsilon:
+			n++
+		}
+	}
+	r := s.IntN(n)
+	pick := 0
+	for i, t := range totals {
+		if t <= limit && work[i] <= least+tieEpsilon {
+			if r == 0 {
+				pick = i
+				break
+			}
+			r--
+		}
+	}
+	if c.m.log.Enabled(context.Background(), slog.LevelDebug) {
+		c.debug(s, &p, pick, n)
+	}
+	return pick
+}
+
+// debug logs one line with every pod's predicted TTFT by part.
+func (c *CacheAware) debug(s *State, p *predictor, pick, ties int) {
+	costs := make([]any, 0, len(s.Hosts))
+	c.m.mu.RLock()
+	for i := range s.Hosts {
+		k := p.predict(&s.Hosts[i])
+		costs = append(costs, slog.Group(k.Host,
+			slog.Float64("total", k.Total), slog.Float64("slot_wait", k.SlotWait),
+			slog.Float64("queued_tokens", k.QueuedTokens), slog.Float64("uncached_tokens", k.UncachedTokens),
+			slog.Float64("prefill", k.Prefill), slog.Float64("step", k.Step),
+			slog.Float64("fit_tokens", k.FitTokens), slog.Float64("fit", k.Fit)))
+	}
+	c.m.mu.RUnlock()
+	c.m.log.LogAttrs(context.Background(), slog.LevelDebug, "cache_aware",
+		slog.String("cluster", s.Cluster), slog.String("host", s.Hosts[pick].Address),
+		slog.Int("near_ties", ties), slog.Float64("bytes_per_token", p.bpt), slog.Group("pods", costs...))
+}

@@ -1,0 +1,475 @@
+package balancer
+
+import (
+	"bytes"
+	"fmt"
+	"log/slog"
+	"math"
+	"slices"
+	"sort"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/istio-llm-filter/istio-llm-filter/filter/config"
+	"github.com/istio-llm-filter/istio-llm-filter/filter/endpoints"
+	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/api"
+)
+
+// within says whether got is within frac of want.
+func within(got, want, frac float64) bool { return math.Abs(got-want) <= frac*math.Abs(want) }
+
+// A pod holding the whole prompt beats a pod holding none of it until the
+// prefill queued on it costs more than the prompt's prefill on the cold pod
+// (both pods otherwise alike, the default rate of 5000 tokens/s); in tokens,
+// whatever the bytes per token.
+func TestCachedPodWinsUntilItsQueueCostsMoreThanTheUncachedPrefill(t *testing.T) {
+	const promptTokens = 4000
+	for _, bpt := range []float64{1, 4} {
+		for _, tc := range []struct {
+			queuedTokens int64
+			want         string
+		}{
+			{0, "holder"}, {2000, "holder"}, {3000, "holder"},
+			// Past the tie window: 5000 queued tokens cost 1 s against the
+			// cold pod's 0.8 s.
+			{5000, "cold"}, {8000, "cold"},
+		} {
+			holder, cold := "10.0.0.1:8000", "10.0.0.2:8000"
+			view := View{
+				Load:  api.LoadStats{holder: {TotalReqs: 2, PromptLength: int64(float64(tc.queuedTokens) * bpt)}, cold: {}},
+				Cache: map[string]int{holder: 8},
+			}
+			for seed := range uint64(20) {
+				b := New(Options{IntN: seededIntN(seed)})
+				if bpt != 1 {
+					b.BytesPerToken("qwen").Observe(int64(promptTokens*bpt), promptTokens)
+				}
+				cands := []endpoints.Endpoint{{Address: holder}, {Address: cold}}
+				ch, err := b.Choose("c", defaultRule(t), cands, view, Request{Blocks: 8, PromptLength: int64(promptTokens * bpt), Model: "qwen"})
+				if err != nil {
+					t.Fatal(err)
+				}
+				if got := map[string]string{holder: "holder", cold: "cold"}[ch.Host.Address]; got != tc.want {
+					t.Fatalf("%g bytes/token, %d tokens queued on the holder: chose the %s pod (%+v), want the %s", bpt, tc.queuedTokens, got, ch.Prediction, tc.want)
+				}
+				// The prediction is the chosen pod's, in seconds.
+				p := ch.Prediction
+				wantTotal := 0.025 + float64(tc.queuedTokens)/5000
+				if tc.want == "cold" {
+					wantTotal = 0.025 + promptTokens/5000.0
+				}
+				if p.Host != ch.Host.Address || !within(p.Total, wantTotal, 1e-9) || !within(p.Total, p.SlotWait+p.Prefill+p.Step+p.Fit, 1e-12) {
+					t.Fatalf("prediction %+v, want %g s", p, wantTotal)
+				}
+			}
+		}
+	}
+}
+
+// hostsState is a decision over hosts under the default rule.
+func hostsState(t *testing.T, hosts []Host, promptLength int64, seed uint64) *State {
+	return &State{Cluster: "c", Hosts: hosts, Rule: defaultRule(t), PromptLength: promptLength, BytesPerToken: 1, IntN: seededIntN(seed)}
+}
+
+// A pod whose free KV cannot hold the request's new tokens pays for the
+// tokens it would evict or preempt. The free KV comes from vLLM's reading of
+// utilization (the blocks of running requests) and the fleet's mean prompt.
+func TestKVFitChargesWhatDoesNotFit(t *testing.T) {
+	m := newTTFTModel(prometheus.NewHistogram(prometheus.HistogramOpts{Name: "x"}), slog.Default())
+	m.means["c"] = &fleetMeans{prompt: 1000, uncached: 500}
+	for _, tc := range []struct {
+		name    string
+		h       Host
+		wantFit float64
+	}{
+		{"no signals: no estimate", Host{Address: "a"}, 0},
+		{"half full: 4000 tokens free", Host{Address: "a", Signals: true, Running: 4, KVUtil: 0.5}, 0},
+		// 4 running × 1000 tokens are 95%: 210.5 tokens free of the 2000
+		// the request adds.
+		{"95% full", Host{Address: "a", Signals: true, Running: 4, KVUtil: 0.95}, (2000 - 4000*0.05/0.95) / 5000},
+		{"95% full, half the prompt held", Host{Address: "a", Signals: true, Running: 4, KVUtil: 0.95, CacheRatio: 0.5}, (1000 - 4000*0.05/0.95) / 5000},
+		{"full, nothing running: no estimate", Host{Address: "a", Signals: true, KVUtil: 1}, 0},
+	} {
+		p := m.predictor(hostsState(t, []Host{tc.h}, 2000, 1))
+		c := p.predict(&tc.h)
+		if !within(c.Fit, tc.wantFit, 1e-9) {
+			t.Errorf("%s: fit %g s, want %g", tc.name, c.Fit, tc.wantFit)
+		}
+	}
+	// Through the policy: a pod holding a quarter of the prompt wins over a
+	// cold one while it has room, and loses once its KV is full.
+	ca := &CacheAware{m: m}
+	for _, util := range []float64{0.5, 0.99} {
+		hosts := []Host{
+			{Address: "holder", CacheRatio: 0.25, Signals: true, Running: 4, KVUtil: util},
+			{Address: "cold", Signals: true, Running: 4, KVUtil: 0.5},
+		}
+		want := 0
+		if util > 0.9 {
+			want = 1
+		}
+		for seed := range uint64(20) {
+			if got := ca.Choose(hostsState(t, hosts, 2000, seed)); got != want {
+				t.Fatalf("holder's KV %g%% used: chose %s", util*100, hosts[got].Address)
+			}
+		}
+	}
+}
+
+// Pods predicted within tie_epsilon of the best that compute equally many
+// of the request's tokens share the traffic evenly; a pod past it gets none.
+func TestNearTiesSpread(t *testing.T) {
+	ca := &CacheAware{m: newTTFTModel(prometheus.NewHistogram(prometheus.HistogramOpts{Name: "x"}), slog.Default())}
+	// Idle pods predict the step plus 1000 tokens' prefill (0.225 s); 40
+	// tokens queued add 0.008 s (3.6%, a near-tie); 500 add 0.1 s (44%).
+	hosts := []Host{{Address: "a"}, {Address: "b", Prompt: 40}, {Address: "c"}, {Address: "d", Prompt: 500}}
+	s := hostsState(t, hosts, 1000, 7)
+	counts := make([]int, len(hosts))
+	for range 3000 {
+		counts[ca.Choose(s)]++
+	}
+	for i, n := range counts[:3] {
+		if n < 850 || n > 1150 {
+			t.Fatalf("near-ties %v: pod %d got %d of 3000", counts, i, n)
+		}
+	}
+	if counts[3] != 0 {
+		t.Fatalf("a pod 44%% slower was chosen %d times", counts[3])
+	}
+	// tie_epsilon 0: only exact ties share.
+	s.Rule.TieEpsilon = 0
+	clear(counts)
+	for range 1000 {
+		counts[ca.Choose(s)]++
+	}
+	if counts[1] != 0 || counts[3] != 0 || counts[0] < 400 || counts[2] < 400 {
+		t.Fatalf("tie_epsilon 0: %v", counts)
+	}
+}
+
+// Among near-ties the pod that computes the fewest of the request's tokens
+// wins: a pod prefilling the prompt's prefix predicts about what a cold pod
+// does for the next request, and only the cold pod spends a second copy.
+// Past tie_epsilon the prediction decides.
+func TestNearTiesPreferTheFewestComputedTokens(t *testing.T) {
+	ca := &CacheAware{m: newTTFTModel(prometheus.NewHistogram(prometheus.HistogramOpts{Name: "x"}), slog.Default())}
+	// The cold pods predict 0.025 + 2000/5000 = 0.425 s; the holder, with
+	// 100 of the prompt's tokens to compute, 0.025 + (queued+100)/5000.
+	for _, tc := range []struct {
+		queued int64
+		want   string
+	}{
+		{1900, "holder"}, // 0.425 s: a tie
+		{1990, "holder"}, // 0.443 s: 4% above
+		{2050, "cold"},   // 0.455 s: 7% above
+	} {
+		hosts := []Host{{Address: "cold1"}, {Address: "holder", CacheRatio: 0.95, Prompt: tc.queued}, {Address: "cold2"}}
+		for seed := range uint64(20) {
+			if got := hosts[ca.Choose(hostsState(t, hosts, 2000, seed))].Address; !strings.HasPrefix(got, tc.want) {
+				t.Fatalf("holder %d tokens queued: chose %s, want %s", tc.queued, got, tc.want)
+			}
+		}
+	}
+}
+
+// Pods that report only what vLLM's /metrics give (waiting, running,
+// kv_cache_usage_perc) get predictions in seconds that grow with their
+// queue, and the idle one gets the request. Waiting requests cost a slot
+// wait ((waiting+1) requests to end, one every hold/running seconds: 128
+// steps each until a request has ended there) and the fleet's mean
+// uncached prompt each.
+func TestVLLMSignalsOnlyGiveSanePredictions(t *testing.T) {
+	b := New(Options{IntN: seededIntN(1)})
+	pods := eps(3)
+	view := View{
+		Load: api.LoadStats{},
+		Signals: map[string]api.PodSignals{
+			pods[0].Address: {Waiting: 0, Running: 1, KVCacheUtil: 0.1},
+			pods[1].Address: {Waiting: 2, Running: 4, KVCacheUtil: 0.7},
+			pods[2].Address: {Waiting: 6, Running: 4, KVCacheUtil: 0.9},
+		},
+	}
+	rule := defaultRule(t)
+	ch, err := b.Choose("c", rule, pods, view, Request{PromptLength: 1000})
+	if err != nil || ch.Host.Address != pods[0].Address {
+		t.Fatalf("chose %+v %v, want the idle pod", ch, err)
+	}
+	// The first decision set the fleet's means: 1000 tokens, all uncached.
+	p := b.ttft.predictor(&State{Cluster: "c", Rule: rule, PromptLength: 1000, BytesPerToken: 1})
+	var costs []Cost
+	for _, a := range pods {
+		sig := view.Signals[a.Address]
+		h := Host{Address: a.Address, Signals: true, Waiting: sig.Waiting, Running: sig.Running, KVUtil: sig.KVCacheUtil}
+		costs = append(costs, p.predict(&h))
+	}
+	hold := 128 * 0.025
+	want := []Cost{
+		{SlotWait: 0, QueuedTokens: 0},
+		{SlotWait: 3 * hold / 4, QueuedTokens: 2 * 1000},
+		{SlotWait: 7 * hold / 4, QueuedTokens: 6 * 1000},
+	}
+	for i, c := range costs {
+		if !within(c.SlotWait, want[i].SlotWait, 1e-9) || !within(c.QueuedTokens, want[i].QueuedTokens, 1e-9) || c.UncachedTokens != 1000 {
+			t.Fatalf("pod %d: %+v, want slot wait %g s and %g tokens queued", i, c, want[i].SlotWait, want[i].QueuedTokens)
+		}
+		if math.IsNaN(c.Total) || c.Total <= 0 || c.Total > 30 || i > 0 && c.Total <= costs[i-1].Total {
+			t.Fatalf("predictions %+v: want positive seconds growing with the queue", costs)
+		}
+	}
+	// A request that decoded for 2 s there replaces the assumed hold; its
+	// time before the first token does not count, nor does a request that
+	// ended without one.
+	now := time.Unix(100, 0)
+	b.tracker.now = func() time.Time { return now }
+	f := b.tracker.Begin("c", pods[1].Address, 0)
+	now = now.Add(5 * time.Second)
+	f.FirstToken()
+	now = now.Add(2 * time.Second)
+	f.End()
+	b.tracker.Begin("c", pods[1].Address, 0).End()
+	b.ttft.mu.RLock()
+	h := Host{Address: pods[1].Address, Signals: true, Waiting: 2, Running: 4}
+	if c := p.predict(&h); !within(c.SlotWait, 3*2.0/4, 1e-9) {
+		t.Fatalf("slot wait %g s after a 2 s request, want 1.5", c.SlotWait)
+	}
+	b.ttft.mu.RUnlock()
+}
+
+// Requests this gateway sent that neither the metadata center nor the
+// pod's report counts yet stand in the pod's queue.
+func TestUnreportedLocalRequestsQueue(t *testing.T) {
+	b := New(Options{IntN: seededIntN(1)})
+	pods := eps(2)
+	view := View{Load: api.LoadStats{}, Signals: map[string]api.PodSignals{pods[0].Address: {}, pods[1].Address: {}}}
+	b.Tracker().Begin("c", pods[0].Address, 3000) // not acknowledged
+	for range 10 {
+		ch, err := b.Choose("c", defaultRule(t), pods, view, Request{PromptLength: 100})
+		if err != nil || ch.Host.Address != pods[1].Address {
+			t.Fatalf("chose %+v %v, want the pod without the unreported 3000 tokens", ch, err)
+		}
+		b.Tracker().Begin("c", ch.Host.Address, 100).End()
+	}
+	hs := make([]Host, 2)
+	b.tracker.fill("c", pods, view, 0, hs)
+	s := &State{Cluster: "c", Hosts: hs, Rule: defaultRule(t), PromptLength: 100, BytesPerToken: 1}
+	if c := b.ttft.chosen(s, 0); c.QueuedTokens != 3000 {
+		t.Fatalf("queued %g tokens, want the 3000 sent and not reported", c.QueuedTokens)
+	}
+}
+
+// The first token checks the prediction: the relative error lands in the
+// histogram, both figures in one debug line, and the pod's fit moves to
+// what it observes. A pod that prefills 20000 tokens/s with 10 ms steps is
+// predicted within 10% after a few dozen requests of varied sizes.
+func TestObserveChecksAndRefitsThePrediction(t *testing.T) {
+	reg := prometheus.NewRegistry()
+	var logs bytes.Buffer
+	b := New(Options{IntN: seededIntN(1), Registerer: reg, Logger: slog.New(slog.NewTextHandler(&logs, &slog.HandlerOptions{Level: slog.LevelDebug}))})
+	pods := eps(1)
+	view := View{Load: api.LoadStats{}}
+	truth := func(p Prediction) time.Duration {
+		return time.Duration((0.01 + (p.QueuedTokens+p.UncachedTokens)/20000) * float64(time.Second))
+	}
+	var lastErr float64
+	for i := range 60 {
+		n := int64(200 + (i*733)%4000)
+		ch, err := b.Choose("c", defaultRule(t), pods, view, Request{PromptLength: n})
+		if err != nil {
+			t.Fatal(err)
+		}
+		obs := truth(ch.Prediction)
+		lastErr = (obs.Seconds() - ch.Prediction.Total) / obs.Seconds()
+		if i == 0 && !within(lastErr, (obs.Seconds()-(0.025+float64(n)/5000))/obs.Seconds(), 1e-9) {
+			t.Fatalf("first prediction %+v: not the defaults'", ch.Prediction)
+		}
+		b.Observe(ch.Prediction, obs)
+	}
+	if math.Abs(lastErr) > 0.1 {
+		t.Fatalf("after 60 observations the error is %.0f%%", lastErr*100)
+	}
+	mfs, err := reg.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var count uint64
+	for _, mf := range mfs {
+		if mf.GetName() == "llm_filter_balancer_ttft_prediction_error" {
+			count = mf.GetMetric()[0].GetHistogram().GetSampleCount()
+		}
+	}
+	if count != 60 {
+		t.Fatalf("histogram holds %d errors, want 60", count)
+	}
+	if !strings.Contains(logs.String(), "msg=ttft") || !strings.Contains(logs.String(), "observed=") || !strings.Contains(logs.String(), "msg=cache_aware") {
+		t.Fatalf("debug lines missing:\n%.2000s", logs.String())
+	}
+	// A zero prediction (a decision without one) is ignored.
+	b.Observe(Prediction{}, time.Second)
+	b.Observe(Prediction{Cost: Cost{Host: "x", Total: 1}}, time.Second)
+}
+
+// Bytes per token: 1 until observed, then the ratio of what was observed,
+// following a change over a few hundred requests.
+func TestBytesPerToken(t *testing.T) {
+	var nilRate *BytesPerToken
+	var r BytesPerToken
+	if nilRate.Value() != 1 || r.Value() != 1 {
+		t.Fatal("unobserved rate is not 1")
+	}
+	r.Observe(0, 10)
+	r.Observe(10, -1)
+	if r.Value() != 1 {
+		t.Fatalf("bad observations counted: %g", r.Value())
+	}
+	r.Observe(4000, 1000)
+	r.Observe(300, 100)
+	if !within(r.Value(), (4000*(1-1.0/256)+300)/(1000*(1-1.0/256)+100), 1e-12) {
+		t.Fatalf("value %g", r.Value())
+	}
+	for range 2000 {
+		r.Observe(200, 100)
+	}
+	if !within(r.Value(), 2, 1e-3) {
+		t.Fatalf("after the traffic changed: %g, want 2", r.Value())
+	}
+	b := New(Options{})
+	var wg sync.WaitGroup
+	for i := range 4 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for range 200 {
+				b.BytesPerToken(fmt.Sprint("m", i%2)).Observe(3, 1)
+			}
+		}()
+	}
+	wg.Wait()
+	if !within(b.BytesPerToken("m0").Value(), 3, 1e-12) || b.BytesPerToken("m1") == b.BytesPerToken("m0") {
+		t.Fatal("per-model rates")
+	}
+}
+
+// BenchmarkDecide is one routing decision of the default policy (and of
+// the epp stand-in, for comparison) for an 8 KiB prompt at 64 and 256 pods,
+// every pod with load, a cached prefix and signals. It reports the p99 of
+// single decisions besides the mean.
+//
+//	go test -run '^$' -bench BenchmarkDecide -benchtime 20000x ./filter/balancer/
+func BenchmarkDecide(b *testing.B) {
+	for _, policy := range []string{config.PolicyCacheAware, ProfileEPP} {
+		for _, n := range []int{64, 256} {
+			b.Run(fmt.Sprintf("%s/%d", policy, n), func(b *testing.B) {
+				cands := eps(n)
+				for i := range cands {
+					cands[i].Address = fmt.Sprintf("10.0.%d.%d:8000", i/250, i%250+1)
+				}
+				view := View{Load: api.LoadStats{}, Cache: map[string]int{}, Signals: map[string]api.PodSignals{}}
+				for i, e := range cands {
+					view.Load[e.Address] = api.EndpointStats{TotalReqs: int64(i % 7), PromptLength: int64(i%5) * 2048}
+					view.Cache[e.Address] = i % 17
+					view.Signals[e.Address] = api.PodSignals{Waiting: int64(i % 3), Running: int64(1 + i%4), KVCacheUtil: float64(i%10) / 10, PrefillTokens: int64(i%4) * 1000}
+				}
+				rule := defaultRule(b)
+				rule.Policy = policy
+				bal := New(Options{})
+				req := Request{Blocks: 16, PromptLength: 8 << 10, Model: "m", Prompt: bytes.Repeat([]byte("an 8 KiB prompt "), 512)}
+				times := make([]time.Duration, 0, b.N)
+				b.ReportAllocs()
+				for b.Loop() {
+					t0 := time.Now()
+					if _, err := bal.Choose("c", rule, cands, view, req); err != nil {
+						b.Fatal(err)
+					}
+					times = append(times, time.Since(t0))
+				}
+				sort.Slice(times, func(i, j int) bool { return times[i] < times[j] })
+				if len(times) > 0 {
+					b.ReportMetric(float64(times[len(times)*99/100].Nanoseconds()), "p99-ns")
+				}
+			})
+		}
+	}
+}
+
+// The epp stand-in's prefix scorer keeps the real EPP's own index: 64-byte
+// blocks chained from the model's name, the longest run of leading blocks
+// per pod over the prompt's blocks, learnt from its own decisions, an LRU
+// of 31,250 blocks per pod.
+func TestEPPPrefixIndexesItsOwnDecisions(t *testing.T) {
+	p := NewEPPPrefix()
+	hosts := []Host{{Address: "a"}, {Address: "b"}, {Address: "c"}}
+	prompt := func(shared, own int) []byte {
+		return append(bytes.Repeat([]byte("s"), shared), bytes.Repeat([]byte("u"), own)...)
+	}
+	score := func(model string, pr []byte) []float64 {
+		out := make([]float64, len(hosts))
+		p.Score(&State{Hosts: hosts, Model: model, Prompt: pr}, out)
+		return out
+	}
+	ten := prompt(640, 0) // 10 blocks + the model's
+	if s := score("m", ten); !slices.Equal(s, []float64{0, 0, 0}) {
+		t.Fatalf("empty index: %v", s)
+	}
+	p.Chosen(&State{Model: "m", Prompt: ten}, "a")
+	if s := score("m", ten); !slices.Equal(s, []float64{1, 0, 0}) {
+		t.Fatalf("after routing the prompt to a: %v", s)
+	}
+	// Three leading blocks shared, then another user's part; a partial
+	// final block is left out.
+	other := prompt(3*64, 7*64+10)
+	if s := score("m", other); !slices.Equal(s, []float64{4.0 / 11, 0, 0}) {
+		t.Fatalf("three shared blocks: %v, want 4/11 for a", s)
+	}
+	// Another model's prompt matches nothing, not even its first block.
+	if s := score("n", ten); !slices.Equal(s, []float64{0, 0, 0}) {
+		t.Fatalf("another model: %v", s)
+	}
+	// A pod that served only another prompt of the model matches the
+	// model's block.
+	p.Chosen(&State{Model: "m", Prompt: prompt(0, 640)}, "b")
+	if s := score("m", ten); !slices.Equal(s, []float64{1, 1.0 / 11, 0}) {
+		t.Fatalf("b served the model: %v", s)
+	}
+	// Shorter than a block: nothing to match.
+	if s := score("m", []byte("short")); !slices.Equal(s, []float64{0, 0, 0}) {
+		t.Fatalf("short prompt: %v", s)
+	}
+	// Past 31,250 blocks on a pod its least recently routed go: 250
+	// distinct 128-block prompts push out the first prompt's blocks.
+	for i := range 250 {
+		p.Chosen(&State{Model: "m", Prompt: []byte(strings.Repeat(fmt.Sprintf("%07d|", i), 1024))}, "c")
+	}
+	if n := p.pods["c"].order.Len(); n != eppPodCapacity {
+		t.Fatalf("pod c holds %d blocks, want the capacity %d", n, eppPodCapacity)
+	}
+	first := []byte(strings.Repeat(fmt.Sprintf("%07d|", 0), 1024))
+	if s := score("m", first); s[2] != 1.0/129 {
+		t.Fatalf("the oldest prompt after eviction scores %v on c, want the model's block only", s[2])
+	}
+
+	// Through the balancer: the epp stand-in sends the prompt's next
+	// request where it sent the first, on its own index alone (the
+	// metadata center knows of no cache).
+	b := New(Options{IntN: seededIntN(4)})
+	rule := defaultRule(t)
+	rule.Policy = ProfileEPP
+	view := View{Load: api.LoadStats{}, Signals: map[string]api.PodSignals{}}
+	pods := eps(4)
+	for _, e := range pods {
+		view.Signals[e.Address] = api.PodSignals{KVCacheUtil: 0.2}
+	}
+	first1, err := b.Choose("c", rule, pods, view, Request{PromptLength: 640, Prompt: ten, Model: "m"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for range 10 {
+		ch, err := b.Choose("c", rule, pods, view, Request{PromptLength: 640, Prompt: ten, Model: "m"})
+		if err != nil || ch.Host.Address != first1.Host.Address {
+			t.Fatalf("chose %+v %v, want %s, where the first went", ch.Host, err, first1.Host.Address)
+		}
+	}
+}
