@@ -91,7 +91,7 @@ func TestColdPlacementReachesOtherGateways(t *testing.T) {
 	}{{"memory", 1}, {"redis", 2}} {
 		t.Run(fmt.Sprintf("%s/%d_centers", tc.store, tc.mcs), func(t *testing.T) {
 			gws := gateways(t, sharedCenters(t, tc.store, tc.mcs), 3, time.Hour)
-			system := strings.Repeat("A long shared document that every user of this tenant asks about. ", 16)
+			system := strings.Repeat("A long shared document that every user of this tenant asks about. ", 128)
 			var ds []*Request
 			route := func(e gateway, q string) *Request {
 				d, err := e.Decide(context.Background(), chatPath(), chatBody(system, q))

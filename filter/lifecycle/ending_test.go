@@ -58,7 +58,7 @@ func TestEndedRequestLeavesItsPodBeforeTheDoneLands(t *testing.T) {
 	}))
 	t.Cleanup(ts.Close)
 	seen := &hostsSeen{}
-	e := newGateway(t, configFor(t, ts.URL, "lb_mapping_rule: {default: {policy: cache_aware, scorers: {hosts_seen: 1}}}"),
+	e := newGateway(t, configFor(t, ts.URL, "lb_mapping_rule: {default: {policy: seed, scorers: {hosts_seen: 1}}}"),
 		routing.Options{Scorers: map[string]balancer.Scorer{"hosts_seen": seen}}, nil)
 	t.Cleanup(g.open) // before the reporter's Close drains into it
 	system := "You answer questions about one long shared handbook. "
