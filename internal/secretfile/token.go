@@ -115,3 +115,14 @@ func match(toks []string, got string) bool {
 	}
 	return ok == 1 && got != ""
 }
+
+// Password is a secret read whole from path, without its trailing line
+// break (a password for Redis); the file must exist.
+func Password(path string, opts Options[string]) (*Watched[string], error) {
+	return Watch([]string{path}, func(data [][]byte) (string, error) {
+		if data[0] == nil {
+			return "", absent(path)
+		}
+		return strings.TrimRight(string(data[0]), "\r\n"), nil
+	}, opts)
+}
