@@ -183,10 +183,6 @@ func TestMetadataCenterDeployment(t *testing.T) {
 	for _, e := range c.Env {
 		env[e.Name] = e
 	}
-	tok := env["LLMF_MC_AUTH_TOKEN"].ValueFrom
-	if tok == nil || tok.SecretKeyRef == nil || tok.SecretKeyRef.Name != "metadata-center-auth" || tok.SecretKeyRef.Key != "token" {
-		t.Errorf("auth token not from Secret metadata-center-auth/token: %+v", tok)
-	}
 	// --redis-addr=$(LLMF_REDIS_ADDR) must resolve to the generated ConfigMap
 	// (name with hash suffix, rewritten by kustomize) pointing at the Redis Service.
 	if v, _ := flagValue(c.Args, "redis-addr"); v != "$(LLMF_REDIS_ADDR)" {
@@ -320,6 +316,10 @@ var clusterRE = regexp.MustCompile(`^outbound\|(\d+)\|\|([a-z0-9-]+)\.([a-z0-9-]
 // filterDoc is the part of the built EnvoyFilter's filter document these
 // checks compare with the worker manifests.
 type filterDoc struct {
+	MetadataCenter struct {
+		AuthToken     string `json:"auth_token"`
+		AuthTokenFile string `json:"auth_token_file"`
+	} `json:"metadata_center"`
 	ModelMappingRule map[string][]struct {
 		Cluster string `json:"cluster"`
 	} `json:"model_mapping_rule"`
@@ -712,5 +712,87 @@ func TestGatewayImagePairsSDKWithIstioAndShipsTheLibrary(t *testing.T) {
 	}
 	if !shipped {
 		t.Errorf("gateway image does not COPY a .so to the EnvoyFilter's library_path %s (final stage COPYs: %v)", libPath, df.copies)
+	}
+}
+
+// secretFile checks that path, a file a container reads, lies in a volume
+// of Secret secret, key key, mounted into the container.
+func secretFile(t *testing.T, what string, spec corev1.PodSpec, c corev1.Container, path, secret, key string) {
+	t.Helper()
+	for _, m := range c.VolumeMounts {
+		rel, ok := strings.CutPrefix(path, strings.TrimSuffix(m.MountPath, "/")+"/")
+		if !ok {
+			continue
+		}
+		for _, v := range spec.Volumes {
+			if v.Name != m.Name {
+				continue
+			}
+			if v.Secret == nil || v.Secret.SecretName != secret {
+				t.Errorf("%s: %s is in volume %s, not in Secret %s", what, path, v.Name, secret)
+				return
+			}
+			if m.SubPath != "" {
+				// A subPath mount is never updated: the Secret could not rotate.
+				t.Errorf("%s: %s is mounted with subPath, which kubelet never updates", what, path)
+			}
+			if rel != key && !slices.ContainsFunc(v.Secret.Items, func(i corev1.KeyToPath) bool { return i.Key == key && i.Path == rel }) {
+				t.Errorf("%s: %s is not where Secret %s's key %s lands", what, path, secret, key)
+			}
+			return
+		}
+		t.Errorf("%s: volume %s mounted at %s does not exist", what, m.Name, m.MountPath)
+		return
+	}
+	t.Errorf("%s: %s is on no mounted volume", what, path)
+}
+
+// The metadata center, the workers and the gateway's filter all read the
+// bearer token from the Secret metadata-center-auth mounted as a volume
+// (so it rotates without a restart); the EnvoyFilter carries only the path.
+func TestAuthTokenIsAMountedSecret(t *testing.T) {
+	s := build(t, ".")
+	mc := must[*appsv1.Deployment](t, s, "llm", "metadata-center")
+	mcC := container(t, mc.Spec.Template.Spec, "metadata-center")
+	path, ok := flagValue(mcC.Args, "auth-token-file")
+	if !ok {
+		t.Fatal("the metadata center has no --auth-token-file")
+	}
+	secretFile(t, "metadata center", mc.Spec.Template.Spec, mcC, path, "metadata-center-auth", "token")
+
+	for _, d := range all[*appsv1.Deployment](s) {
+		spec := d.Spec.Template.Spec
+		for _, c := range spec.Containers {
+			if _, ok := flagValue(c.Args, "metadata-center"); !ok {
+				continue
+			}
+			if _, inline := flagValue(c.Args, "metadata-center-token"); inline {
+				t.Errorf("%s: the token is inline (--metadata-center-token), not a mounted Secret", d.Name)
+			}
+			path, ok := flagValue(c.Args, "metadata-center-token-file")
+			if !ok {
+				t.Errorf("%s: no --metadata-center-token-file", d.Name)
+				continue
+			}
+			secretFile(t, d.Name, spec, c, path, "metadata-center-auth", "token")
+		}
+	}
+
+	doc := pluginDoc(t, s)
+	if doc.MetadataCenter.AuthToken != "" {
+		t.Error("the EnvoyFilter carries the token itself (metadata_center.auth_token)")
+	}
+	if doc.MetadataCenter.AuthTokenFile == "" {
+		t.Fatal("the EnvoyFilter has no metadata_center.auth_token_file")
+	}
+	gw := must[*appsv1.Deployment](t, s, "istio-ingress", "llm-gateway")
+	secretFile(t, "gateway", gw.Spec.Template.Spec, container(t, gw.Spec.Template.Spec, "istio-proxy"),
+		doc.MetadataCenter.AuthTokenFile, "metadata-center-auth", "token")
+	for _, d := range []*appsv1.Deployment{mc, gw} {
+		for _, v := range d.Spec.Template.Spec.Volumes {
+			if v.Secret != nil && (v.Secret.Optional == nil || !*v.Secret.Optional) {
+				t.Errorf("%s: Secret %s is required but no Secret is shipped", d.Name, v.Secret.SecretName)
+			}
+		}
 	}
 }
