@@ -209,13 +209,16 @@ func (p *proc) await(t *testing.T, want string, within time.Duration) string {
 	}
 }
 
-func httpGet(t *testing.T, url string) (int, string) {
+func httpGet(t *testing.T, url string, bearer ...string) (int, string) {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
 	req, err := http.NewRequestWithContext(ctx, http.MethodGet, url, nil)
 	if err != nil {
 		t.Fatal(err)
+	}
+	for _, tok := range bearer {
+		req.Header.Set("Authorization", "Bearer "+tok)
 	}
 	resp, err := http.DefaultClient.Do(req)
 	if err != nil {
@@ -264,8 +267,16 @@ func TestManifestArgsRunTheRealBinaries(t *testing.T) {
 		t.Fatal("LLMF_REDIS_ADDR did not resolve from the ConfigMap")
 	}
 	mcEnv["LLMF_REDIS_ADDR"] = redis.Addr
+	// The Secret metadata-center-auth, as kubelet mounts it for the
+	// metadata center and the worker.
+	const token = "deploy-test-token"
+	auth := t.TempDir()
+	if err := os.WriteFile(filepath.Join(auth, "token"), []byte(token+"\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	const authMount = "/etc/llm-filter/mc-auth"
 	mc := startProc(t, filepath.Join(bin, "metadata-center"),
-		commandLine(mcC, mcEnv, map[string]string{"listen": "127.0.0.1:0", "redis-key-prefix": redis.Prefix}, nil), mcEnv)
+		commandLine(mcC, mcEnv, map[string]string{"listen": "127.0.0.1:0", "redis-key-prefix": redis.Prefix}, map[string]string{authMount: auth}), mcEnv)
 	mcAddr := mc.await(t, "metadata center listening", 30*time.Second)
 	for _, probe := range []*corev1.Probe{mcC.LivenessProbe, mcC.ReadinessProbe, mcC.StartupProbe} {
 		if code, body := httpGet(t, "http://"+mcAddr+probePath(t, probe)); code != http.StatusOK {
@@ -278,7 +289,7 @@ func TestManifestArgsRunTheRealBinaries(t *testing.T) {
 	wDep := must[*appsv1.Deployment](t, s, "llm", "worker-tiny")
 	spec := wDep.Spec.Template.Spec
 	models, podinfo := t.TempDir(), t.TempDir()
-	mounts := map[string]string{"/models": models, "/etc/podinfo": podinfo}
+	mounts := map[string]string{"/models": models, "/etc/podinfo": podinfo, authMount: auth}
 	// The downward API volume, as the kubelet writes it: the pod's labels,
 	// key="value" per line.
 	var labelsFile strings.Builder
@@ -367,8 +378,11 @@ func TestManifestArgsRunTheRealBinaries(t *testing.T) {
 	// The worker registered the pod's labels (from the downward API file)
 	// under the manifest's --cluster, so the router's selectors see them.
 	cluster, _ := flagValue(wC.Args, "cluster")
+	if code, _ := httpGet(t, "http://"+mcAddr+"/v1/pods?cluster="+url.QueryEscape(cluster)); code != http.StatusUnauthorized {
+		t.Fatalf("without the token from the mounted Secret: %d, want 401", code)
+	}
 	for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(200 * time.Millisecond) {
-		_, body := httpGet(t, "http://"+mcAddr+"/v1/pods?cluster="+url.QueryEscape(cluster))
+		_, body := httpGet(t, "http://"+mcAddr+"/v1/pods?cluster="+url.QueryEscape(cluster), token)
 		var pods map[string]struct {
 			Labels map[string]string `json:"labels"`
 			Models []string          `json:"models"`

@@ -128,7 +128,7 @@ func must[T any](t *testing.T, s stack, namespace, name string) T {
 }
 
 func TestEveryKustomizationBuilds(t *testing.T) {
-	for _, dir := range []string{".", "base", "gateway", "overlays/external-redis", "overlays/model-pvc", "../istio"} {
+	for _, dir := range []string{".", "base", "gateway", "overlays/external-redis", "overlays/model-pvc", "overlays/metadata-center-tls", "../istio"} {
 		t.Run(dir, func(t *testing.T) {
 			if s := build(t, dir); len(s.objs) == 0 {
 				t.Fatal("empty build")
@@ -183,10 +183,6 @@ func TestMetadataCenterDeployment(t *testing.T) {
 	env := map[string]corev1.EnvVar{}
 	for _, e := range c.Env {
 		env[e.Name] = e
-	}
-	tok := env["LLMF_MC_AUTH_TOKEN"].ValueFrom
-	if tok == nil || tok.SecretKeyRef == nil || tok.SecretKeyRef.Name != "metadata-center-auth" || tok.SecretKeyRef.Key != "token" {
-		t.Errorf("auth token not from Secret metadata-center-auth/token: %+v", tok)
 	}
 	// --redis-addr=$(LLMF_REDIS_ADDR) must resolve to the generated ConfigMap
 	// (name with hash suffix, rewritten by kustomize) pointing at the Redis Service.
@@ -273,8 +269,8 @@ func TestComponentsCombine(t *testing.T) {
 		}
 		return r
 	}
-	k := fmt.Sprintf("apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\nresources:\n  - %s\ncomponents:\n  - %s\n  - %s\n",
-		rel("base"), rel("components/external-redis"), rel("components/model-pvc"))
+	k := fmt.Sprintf("apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\nresources:\n  - %s\n  - %s\n  - %s\ncomponents:\n  - %s\n  - %s\n  - %s\n",
+		rel("base"), rel("gateway"), rel("../istio"), rel("components/external-redis"), rel("components/model-pvc"), rel("components/metadata-center-tls"))
 	if err := os.WriteFile(filepath.Join(overlay, "kustomization.yaml"), []byte(k), 0o644); err != nil {
 		t.Fatal(err)
 	}
@@ -285,6 +281,9 @@ func TestComponentsCombine(t *testing.T) {
 	d := must[*appsv1.Deployment](t, s, "llm", "worker-tiny")
 	if len(d.Spec.Template.Spec.InitContainers) != 0 {
 		t.Error("model-pvc did not apply")
+	}
+	if v, _ := flagValue(container(t, d.Spec.Template.Spec, "worker").Args, "metadata-center-ca-file"); v == "" {
+		t.Error("metadata-center-tls did not apply")
 	}
 }
 
@@ -321,6 +320,14 @@ var clusterRE = regexp.MustCompile(`^outbound\|(\d+)\|\|([a-z0-9-]+)\.([a-z0-9-]
 // filterDoc is the part of the built EnvoyFilter's filter document these
 // checks compare with the worker manifests.
 type filterDoc struct {
+	MetadataCenter struct {
+		Address       string `json:"address"`
+		AuthToken     string `json:"auth_token"`
+		AuthTokenFile string `json:"auth_token_file"`
+		TLS           struct {
+			CAFile string `json:"ca_file"`
+		} `json:"tls"`
+	} `json:"metadata_center"`
 	ModelMappingRule map[string][]struct {
 		Cluster string `json:"cluster"`
 	} `json:"model_mapping_rule"`
@@ -752,4 +759,176 @@ func TestGatewayImagePairsSDKWithIstioAndShipsTheLibrary(t *testing.T) {
 	if !shipped {
 		t.Errorf("gateway image does not COPY a .so to the EnvoyFilter's library_path %s (final stage COPYs: %v)", libPath, df.copies)
 	}
+}
+
+// secretFile checks that path, a file a container reads, lies in a volume
+// of Secret secret, key key, mounted into the container.
+func secretFile(t *testing.T, what string, spec corev1.PodSpec, c corev1.Container, path, secret, key string) {
+	t.Helper()
+	for _, m := range c.VolumeMounts {
+		rel, ok := strings.CutPrefix(path, strings.TrimSuffix(m.MountPath, "/")+"/")
+		if !ok {
+			continue
+		}
+		for _, v := range spec.Volumes {
+			if v.Name != m.Name {
+				continue
+			}
+			if v.Secret == nil || v.Secret.SecretName != secret {
+				t.Errorf("%s: %s is in volume %s, not in Secret %s", what, path, v.Name, secret)
+				return
+			}
+			if m.SubPath != "" {
+				// A subPath mount is never updated: the Secret could not rotate.
+				t.Errorf("%s: %s is mounted with subPath, which kubelet never updates", what, path)
+			}
+			if rel != key && !slices.ContainsFunc(v.Secret.Items, func(i corev1.KeyToPath) bool { return i.Key == key && i.Path == rel }) {
+				t.Errorf("%s: %s is not where Secret %s's key %s lands", what, path, secret, key)
+			}
+			return
+		}
+		t.Errorf("%s: volume %s mounted at %s does not exist", what, m.Name, m.MountPath)
+		return
+	}
+	t.Errorf("%s: %s is on no mounted volume", what, path)
+}
+
+// The metadata center, the workers and the gateway's filter all read the
+// bearer token from the Secret metadata-center-auth mounted as a volume
+// (so it rotates without a restart); the EnvoyFilter carries only the path.
+func TestAuthTokenIsAMountedSecret(t *testing.T) {
+	s := build(t, ".")
+	mc := must[*appsv1.Deployment](t, s, "llm", "metadata-center")
+	mcC := container(t, mc.Spec.Template.Spec, "metadata-center")
+	path, ok := flagValue(mcC.Args, "auth-token-file")
+	if !ok {
+		t.Fatal("the metadata center has no --auth-token-file")
+	}
+	secretFile(t, "metadata center", mc.Spec.Template.Spec, mcC, path, "metadata-center-auth", "token")
+
+	for _, d := range all[*appsv1.Deployment](s) {
+		spec := d.Spec.Template.Spec
+		for _, c := range spec.Containers {
+			if _, ok := flagValue(c.Args, "metadata-center"); !ok {
+				continue
+			}
+			if _, inline := flagValue(c.Args, "metadata-center-token"); inline {
+				t.Errorf("%s: the token is inline (--metadata-center-token), not a mounted Secret", d.Name)
+			}
+			path, ok := flagValue(c.Args, "metadata-center-token-file")
+			if !ok {
+				t.Errorf("%s: no --metadata-center-token-file", d.Name)
+				continue
+			}
+			secretFile(t, d.Name, spec, c, path, "metadata-center-auth", "token")
+		}
+	}
+
+	doc := pluginDoc(t, s)
+	if doc.MetadataCenter.AuthToken != "" {
+		t.Error("the EnvoyFilter carries the token itself (metadata_center.auth_token)")
+	}
+	if doc.MetadataCenter.AuthTokenFile == "" {
+		t.Fatal("the EnvoyFilter has no metadata_center.auth_token_file")
+	}
+	gw := must[*appsv1.Deployment](t, s, "istio-ingress", "llm-gateway")
+	secretFile(t, "gateway", gw.Spec.Template.Spec, container(t, gw.Spec.Template.Spec, "istio-proxy"),
+		doc.MetadataCenter.AuthTokenFile, "metadata-center-auth", "token")
+	for _, d := range []*appsv1.Deployment{mc, gw} {
+		for _, v := range d.Spec.Template.Spec.Volumes {
+			if v.Secret != nil && (v.Secret.Optional == nil || !*v.Secret.Optional) {
+				t.Errorf("%s: Secret %s is required but no Secret is shipped", d.Name, v.Secret.SecretName)
+			}
+		}
+	}
+}
+
+// The metadata-center-tls overlay serves the metadata center over HTTPS from
+// the Secret metadata-center-tls, and its clients verify it: the workers
+// against that Secret's ca.crt alone, the gateway's filter against the CA
+// Secret of its own namespace; the filter document still parses.
+func TestMetadataCenterTLSOverlay(t *testing.T) {
+	s := build(t, "overlays/metadata-center-tls")
+	mc := must[*appsv1.Deployment](t, s, "llm", "metadata-center")
+	spec := mc.Spec.Template.Spec
+	c := container(t, spec, "metadata-center")
+	for flag, key := range map[string]string{"tls-cert-file": "tls.crt", "tls-key-file": "tls.key"} {
+		path, ok := flagValue(c.Args, flag)
+		if !ok {
+			t.Fatalf("the metadata center has no --%s", flag)
+		}
+		secretFile(t, "metadata center", spec, c, path, "metadata-center-tls", key)
+	}
+	for _, p := range []*corev1.Probe{c.StartupProbe, c.LivenessProbe, c.ReadinessProbe} {
+		if p == nil || p.HTTPGet == nil || p.HTTPGet.Scheme != corev1.URISchemeHTTPS {
+			t.Errorf("probe %+v does not use HTTPS", p)
+		}
+	}
+	if mc.Spec.Template.Annotations["prometheus.io/scheme"] != "https" {
+		t.Error("Prometheus would scrape the metadata center in plain HTTP")
+	}
+
+	w := must[*appsv1.Deployment](t, s, "llm", "worker-tiny")
+	wc := container(t, w.Spec.Template.Spec, "worker")
+	var urls []string
+	for _, a := range wc.Args {
+		if v, ok := strings.CutPrefix(a, "--metadata-center="); ok {
+			urls = append(urls, v)
+		}
+	}
+	if len(urls) != 1 || !strings.HasPrefix(urls[0], "https://") {
+		t.Errorf("worker --metadata-center %v, want one https:// URL", urls)
+	}
+	ca, ok := flagValue(wc.Args, "metadata-center-ca-file")
+	if !ok {
+		t.Fatal("the worker has no --metadata-center-ca-file")
+	}
+	secretFile(t, "worker", w.Spec.Template.Spec, wc, ca, "metadata-center-tls", "ca.crt")
+	for _, v := range w.Spec.Template.Spec.Volumes {
+		if v.Secret != nil && v.Secret.SecretName == "metadata-center-tls" && (len(v.Secret.Items) != 1 || v.Secret.Items[0].Key != "ca.crt") {
+			t.Errorf("the worker mounts more of metadata-center-tls than ca.crt: %+v", v.Secret)
+		}
+	}
+
+	doc := pluginDoc(t, s)
+	if !strings.HasPrefix(doc.MetadataCenter.Address, "https://") || doc.MetadataCenter.TLS.CAFile == "" {
+		t.Fatalf("the filter's metadata_center is %+v, want https:// and tls.ca_file", doc.MetadataCenter)
+	}
+	gw := must[*appsv1.Deployment](t, s, "istio-ingress", "llm-gateway")
+	secretFile(t, "gateway", gw.Spec.Template.Spec, container(t, gw.Spec.Template.Spec, "istio-proxy"),
+		doc.MetadataCenter.TLS.CAFile, "metadata-center-ca", "ca.crt")
+	secretFile(t, "gateway", gw.Spec.Template.Spec, container(t, gw.Spec.Template.Spec, "istio-proxy"),
+		doc.MetadataCenter.AuthTokenFile, "metadata-center-auth", "token")
+	if _, err := config.FromValue(pluginValue(t, s)); err != nil {
+		t.Fatalf("the filter refuses the overlay's document: %v", err)
+	}
+}
+
+// pluginValue is the filter document of the built EnvoyFilter, decoded as
+// the parser gets it.
+func pluginValue(t *testing.T, s stack) any {
+	t.Helper()
+	ef := must[*networkingv1alpha3.EnvoyFilter](t, s, "istio-ingress", "llm-filter")
+	for _, p := range ef.Spec.ConfigPatches {
+		if p.GetApplyTo().String() != "HTTP_FILTER" {
+			continue
+		}
+		js, err := p.GetPatch().GetValue().MarshalJSON()
+		if err != nil {
+			t.Fatal(err)
+		}
+		var v struct {
+			TypedConfig struct {
+				PluginConfig struct {
+					Value any `json:"value"`
+				} `json:"plugin_config"`
+			} `json:"typed_config"`
+		}
+		if err := json.Unmarshal(js, &v); err != nil {
+			t.Fatal(err)
+		}
+		return v.TypedConfig.PluginConfig.Value
+	}
+	t.Fatal("no HTTP_FILTER patch")
+	return nil
 }

@@ -214,6 +214,12 @@ func TestPluginConfigGoesThroughTheRealParser(t *testing.T) {
 	if cfg.MetadataCenter.Address != "http://metadata-center.llm.svc.cluster.local:8080" {
 		t.Errorf("metadata_center.address %q", cfg.MetadataCenter.Address)
 	}
+	// The token is read from a mounted Secret: the EnvoyFilter names the
+	// file, never the token (deploy's TestAuthTokenIsAMountedSecret checks
+	// the gateway mounts it there).
+	if cfg.MetadataCenter.AuthToken != "" || cfg.MetadataCenter.AuthTokenFile != "/etc/llm-filter/mc-auth/token" {
+		t.Errorf("metadata_center auth_token %q, auth_token_file %q: want only the file", cfg.MetadataCenter.AuthToken, cfg.MetadataCenter.AuthTokenFile)
+	}
 	svcDocs, err := manifesttest.ReadDocuments("../deploy/base/metadata-center.yaml")
 	if err != nil {
 		t.Fatal(err)

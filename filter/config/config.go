@@ -125,6 +125,25 @@ type MetadataCenter struct {
 	UpdateTimeout time.Duration
 	// AuthToken (key `auth_token`, optional) is sent as "Authorization: Bearer <token>".
 	AuthToken string
+	// AuthTokenFile (key `auth_token_file`, optional, instead of
+	// AuthToken) is the path of a file holding the token, e.g. a mounted
+	// Secret; it is read again when it changes.
+	AuthTokenFile string
+	// TLS (key `tls`, optional) verifies an https:// metadata center.
+	TLS *MetadataCenterTLS
+}
+
+// MetadataCenterTLS is key `metadata_center.tls`.
+type MetadataCenterTLS struct {
+	// CAFile (key `ca_file`) is the PEM CA bundle the metadata center's
+	// certificate is verified against; empty: the system's roots.
+	CAFile string
+	// ServerName (key `server_name`) is the name the certificate must
+	// carry; empty: the address's host.
+	ServerName string
+	// InsecureSkipVerify (key `insecure_skip_verify`, default false) skips
+	// verification: encryption without knowing who answers.
+	InsecureSkipVerify bool
 }
 
 // PromptHash is key `prompt_hash`.

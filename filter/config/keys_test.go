@@ -20,6 +20,7 @@ func allowedKeys(t *testing.T) []string {
 	levels := map[string]string{ // object level -> its path to probe at
 		"":                              "",
 		"metadata_center":               "metadata_center",
+		"metadata_center.tls":           "metadata_center.tls",
 		"prompt_hash":                   "prompt_hash",
 		"model_mapping_rule.<model>[i]": "model_mapping_rule.<model>[i]",
 		"lb_mapping_rule.<cluster>":     "lb_mapping_rule.<cluster>",
@@ -40,7 +41,7 @@ func allowedKeys(t *testing.T) []string {
 		for _, k := range strings.Split(m[1], ", ") {
 			p := join(level, k)
 			switch p {
-			case "metadata_center", "prompt_hash", "endpoints", "async", "endpoints.envoy_admin":
+			case "metadata_center", "prompt_hash", "endpoints", "async", "endpoints.envoy_admin", "metadata_center.tls":
 				continue // object levels probed above
 			case "model_mapping_rule", "lb_mapping_rule", "endpoints.static":
 				continue // maps of models and clusters, probed above
@@ -144,6 +145,12 @@ func TestKeysMatchTheParser(t *testing.T) {
 func typed(t *testing.T, k Key, s string) any {
 	t.Helper()
 	switch k.Type {
+	case "boolean":
+		b, err := strconv.ParseBool(s)
+		if err != nil {
+			t.Fatalf("%s: %q is not a boolean: %v", k.Path, s, err)
+		}
+		return b
 	case "integer", "number":
 		f, err := strconv.ParseFloat(s, 64)
 		if err != nil {

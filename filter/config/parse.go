@@ -153,6 +153,19 @@ func (d *decoder) str(path string, m map[string]any, key, def string) string {
 	return s
 }
 
+func (d *decoder) boolean(path string, m map[string]any, key string, def bool) bool {
+	v, ok := m[key]
+	if !ok || v == nil {
+		return def
+	}
+	b, ok := v.(bool)
+	if !ok {
+		d.fail(join(path, key), "must be true or false, got %s", describe(v))
+		return def
+	}
+	return b
+}
+
 func number(v any) (float64, bool) {
 	switch n := v.(type) {
 	case float64:
@@ -316,7 +329,7 @@ func (d *decoder) metadataCenter(v any) MetadataCenter {
 		return mc
 	}
 	const p = "metadata_center"
-	m, ok := d.object(p, v, "address", "query_timeout", "update_timeout", "auth_token")
+	m, ok := d.object(p, v, "address", "query_timeout", "update_timeout", "auth_token", "auth_token_file", "tls")
 	if !ok {
 		return mc
 	}
@@ -331,6 +344,25 @@ func (d *decoder) metadataCenter(v any) MetadataCenter {
 	mc.AuthToken = d.str(p, m, "auth_token", "")
 	if strings.ContainsAny(mc.AuthToken, "\r\n") {
 		d.fail(p+".auth_token", "must not contain line breaks")
+	}
+	mc.AuthTokenFile = d.str(p, m, "auth_token_file", "")
+	if mc.AuthToken != "" && mc.AuthTokenFile != "" {
+		d.fail(p+".auth_token_file", "set auth_token or auth_token_file, not both")
+	}
+	if v, ok := m["tls"]; ok && v != nil {
+		if tm, ok := d.object(p+".tls", v, "ca_file", "server_name", "insecure_skip_verify"); ok {
+			mc.TLS = &MetadataCenterTLS{
+				CAFile:             d.str(p+".tls", tm, "ca_file", ""),
+				ServerName:         d.str(p+".tls", tm, "server_name", ""),
+				InsecureSkipVerify: d.boolean(p+".tls", tm, "insecure_skip_verify", false),
+			}
+			if mc.TLS.InsecureSkipVerify && mc.TLS.CAFile != "" {
+				d.fail(p+".tls.insecure_skip_verify", "skips the verification ca_file is for: set one")
+			}
+			if mc.Address != "" && !strings.HasPrefix(mc.Address, "https://") {
+				d.fail(p+".tls", "needs an https:// address")
+			}
+		}
 	}
 	return mc
 }

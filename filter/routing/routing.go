@@ -41,6 +41,7 @@ import (
 	"github.com/istio-llm-filter/istio-llm-filter/filter/transcode/triton"
 	"github.com/istio-llm-filter/istio-llm-filter/internal/headers"
 	"github.com/istio-llm-filter/istio-llm-filter/internal/ratelog"
+	"github.com/istio-llm-filter/istio-llm-filter/internal/secretfile"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/api"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/client"
 	"github.com/istio-llm-filter/istio-llm-filter/prefix"
@@ -230,13 +231,23 @@ func MetadataCenter(cfg *config.Config, hc *http.Client) (*client.Client, error)
 	if cfg.MetadataCenter.Address == "" {
 		return nil, nil
 	}
-	c, err := client.New(client.Options{
-		Address:       cfg.MetadataCenter.Address,
-		AuthToken:     cfg.MetadataCenter.AuthToken,
-		QueryTimeout:  cfg.MetadataCenter.QueryTimeout,
-		UpdateTimeout: cfg.MetadataCenter.UpdateTimeout,
+	mc := cfg.MetadataCenter
+	o := client.Options{
+		Address:       mc.Address,
+		AuthToken:     mc.AuthToken,
+		AuthTokenFile: mc.AuthTokenFile,
+		QueryTimeout:  mc.QueryTimeout,
+		UpdateTimeout: mc.UpdateTimeout,
 		HTTPClient:    hc,
-	})
+	}
+	if mc.TLS != nil {
+		tc, err := secretfile.ClientTLS(mc.TLS.CAFile, mc.TLS.ServerName, mc.TLS.InsecureSkipVerify)
+		if err != nil {
+			return nil, fmt.Errorf("metadata center: tls: %w", err)
+		}
+		o.TLS = tc
+	}
+	c, err := client.New(o)
 	if err != nil {
 		return nil, fmt.Errorf("metadata center: %w", err)
 	}

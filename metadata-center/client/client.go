@@ -9,6 +9,8 @@ package client
 import (
 	"bytes"
 	"context"
+	"crypto/tls"
+	"crypto/x509"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -19,6 +21,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/istio-llm-filter/istio-llm-filter/internal/secretfile"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/api"
 )
 
@@ -35,7 +38,8 @@ const maxAnswer = 4 << 20
 // Client is a metadata-center client. Safe for concurrent use.
 type Client struct {
 	base          string
-	token         string
+	token         func() string
+	tokenFile     *secretfile.Watched[string] // nil without AuthTokenFile
 	hc            *http.Client
 	queryTimeout  time.Duration
 	updateTimeout time.Duration
@@ -44,8 +48,16 @@ type Client struct {
 
 // Options of a client.
 type Options struct {
-	Address       string // base URL, http:// or https://
-	AuthToken     string // bearer token, if the metadata center wants one
+	Address   string // base URL, http:// or https://
+	AuthToken string // bearer token, if the metadata center wants one
+	// AuthTokenFile, instead of AuthToken, names a file holding the token
+	// (its first line; absent or empty: none), re-read when it changes
+	// (internal/secretfile); a 401 makes it be looked at again at once.
+	AuthTokenFile string
+	// TLS configures https:// addresses (secretfile.ClientTLS); nil: the
+	// system's roots. It applies to the transport New makes, so it cannot
+	// be combined with HTTPClient.
+	TLS           *tls.Config
 	QueryTimeout  time.Duration
 	UpdateTimeout time.Duration
 	// HTTPClient nil means a client over NewTransport; timeouts always
@@ -90,16 +102,34 @@ func New(o Options) (*Client, error) {
 	if err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
 		return nil, fmt.Errorf("metadata-center client: bad address %q (want http://host:port or https://...)", o.Address)
 	}
+	if o.TLS != nil && u.Scheme != "https" {
+		return nil, fmt.Errorf("metadata-center client: TLS is configured but the address %q is not https://", o.Address)
+	}
+	if o.AuthToken != "" && o.AuthTokenFile != "" {
+		return nil, errors.New("metadata-center client: set the auth token or its file, not both")
+	}
 	hc := o.HTTPClient
-	if hc == nil {
-		hc = &http.Client{Transport: NewTransport()}
+	switch {
+	case hc == nil:
+		tr := NewTransport()
+		tr.TLSClientConfig = o.TLS
+		hc = &http.Client{Transport: tr}
+	case o.TLS != nil:
+		return nil, errors.New("metadata-center client: TLS goes into the HTTPClient's transport when one is given")
 	}
 	c := &Client{
 		base:          u.Scheme + "://" + u.Host + trimSlash(u.Path),
-		token:         o.AuthToken,
+		token:         func() string { return o.AuthToken },
 		hc:            hc,
 		queryTimeout:  o.QueryTimeout,
 		updateTimeout: o.UpdateTimeout,
+	}
+	if o.AuthTokenFile != "" {
+		w, err := secretfile.ClientToken(o.AuthTokenFile, secretfile.Options[string]{})
+		if err != nil {
+			return nil, fmt.Errorf("metadata-center client: auth token file: %w", err)
+		}
+		c.tokenFile, c.token = w, w.Get
 	}
 	if c.queryTimeout <= 0 {
 		c.queryTimeout = DefaultQueryTimeout
@@ -246,15 +276,15 @@ func (c *Client) do(ctx context.Context, op, method, path string, in, out any) e
 	} else {
 		req.Header.Set("Accept", "application/json")
 	}
-	if c.token != "" {
-		req.Header.Set("Authorization", "Bearer "+c.token)
+	if tok := c.token(); tok != "" {
+		req.Header.Set("Authorization", "Bearer "+tok)
 	}
 	if id, ok := ctx.Value(traceKey{}).(string); ok {
 		req.Header.Set("X-Request-Id", id)
 	}
 	resp, err := c.hc.Do(req)
 	if err != nil {
-		return fmt.Errorf("metadata center %s: %w", op, err)
+		return fmt.Errorf("metadata center %s: %s%w", op, tlsHint(err), err)
 	}
 	defer resp.Body.Close()
 	data, err := io.ReadAll(io.LimitReader(resp.Body, maxAnswer))
@@ -262,6 +292,9 @@ func (c *Client) do(ctx context.Context, op, method, path string, in, out any) e
 		return fmt.Errorf("metadata center %s: read answer: %w", op, err)
 	}
 	if resp.StatusCode < 200 || resp.StatusCode > 299 {
+		if resp.StatusCode == http.StatusUnauthorized && c.tokenFile != nil {
+			c.tokenFile.Fresh(time.Second) // the Secret may have been rotated
+		}
 		se := &StatusError{Status: resp.StatusCode, Op: op}
 		_ = json.Unmarshal(data, &se.Body)
 		return se
@@ -278,4 +311,21 @@ func (c *Client) do(ctx context.Context, op, method, path string, in, out any) e
 		return fmt.Errorf("metadata center %s: bad answer: %w", op, err)
 	}
 	return nil
+}
+
+// tlsHint names what to check when the metadata center's certificate was
+// not accepted, before the TLS library's own words.
+func tlsHint(err error) string {
+	var unknown x509.UnknownAuthorityError
+	var host x509.HostnameError
+	var invalid x509.CertificateInvalidError
+	switch {
+	case errors.As(err, &unknown):
+		return "TLS: the server's certificate is not signed by a trusted CA (check the CA file): "
+	case errors.As(err, &host):
+		return "TLS: the server's certificate is not for this name (check the address or the server name): "
+	case errors.As(err, &invalid):
+		return "TLS: the server's certificate is not valid: "
+	}
+	return ""
 }

@@ -37,7 +37,10 @@ type Options struct {
 	// AuthToken, when set, is required as "Authorization: Bearer <token>"
 	// on every call except /healthz, /readyz and /metrics.
 	AuthToken string
-	Logger    *slog.Logger // default slog.Default()
+	// Tokens, when set instead of AuthToken, decides which bearer tokens
+	// are accepted (secretfile.Tokens: a rotated token file).
+	Tokens TokenChecker
+	Logger *slog.Logger // default slog.Default()
 	// Registry receives the server's metrics and is what /metrics serves;
 	// default a fresh registry (never the process-global one, so several
 	// servers can live in one test binary).
@@ -47,6 +50,19 @@ type Options struct {
 	MaxBodyBytes int64
 	// StoreTimeout bounds each store call; past it the call answers 503.
 	StoreTimeout time.Duration
+}
+
+// TokenChecker decides whether a bearer token ("" when the call carries
+// none) is accepted; it accepts every call while authentication is off.
+type TokenChecker interface {
+	Accept(token string) bool
+}
+
+// staticToken is AuthToken as a TokenChecker.
+type staticToken string
+
+func (s staticToken) Accept(got string) bool {
+	return s == "" || subtle.ConstantTimeCompare([]byte(got), []byte(s)) == 1
 }
 
 // Server is the metadata-center HTTP API over one store.
@@ -77,6 +93,9 @@ func New(st store.Store, opts Options) *Server {
 	}
 	if opts.StoreTimeout <= 0 {
 		opts.StoreTimeout = DefaultStoreTimeout
+	}
+	if opts.Tokens == nil {
+		opts.Tokens = staticToken(opts.AuthToken)
 	}
 	s := &Server{st: st.Parts(), opts: opts, log: opts.Logger}
 	s.metrics = newMetrics(opts.Registry, s.st.Health, opts.StoreTimeout)
@@ -127,11 +146,14 @@ func open(path string) bool {
 }
 
 func (s *Server) authenticate(c *gin.Context) {
-	if s.opts.AuthToken == "" || open(c.Request.URL.Path) {
+	if open(c.Request.URL.Path) {
 		return
 	}
 	got, ok := strings.CutPrefix(c.GetHeader("Authorization"), "Bearer ")
-	if !ok || subtle.ConstantTimeCompare([]byte(got), []byte(s.opts.AuthToken)) != 1 {
+	if !ok {
+		got = ""
+	}
+	if !s.opts.Tokens.Accept(got) {
 		c.Header("WWW-Authenticate", `Bearer realm="metadata-center"`)
 		s.fail(c, http.StatusUnauthorized, "unauthorized", "missing or wrong bearer token")
 	}

@@ -24,6 +24,7 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 
+	"github.com/istio-llm-filter/istio-llm-filter/internal/secretfile"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/api"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/client"
 	"github.com/istio-llm-filter/istio-llm-filter/prefix"
@@ -39,6 +40,13 @@ type Config struct {
 	Cluster   string // the Envoy cluster name the router indexes this host under
 	Host      string // this worker as ip:port, as the router addresses it
 	AuthToken string // optional bearer token
+	// AuthTokenFile, instead of AuthToken, is a file holding the token
+	// (a mounted Secret), read again when it changes.
+	AuthTokenFile string
+	// CAFile and ServerName verify an https:// metadata center
+	// (secretfile.ClientTLS): the PEM CA bundle (empty: the system's roots)
+	// and the name its certificate must carry (empty: the URL's host).
+	CAFile, ServerName string
 	// ChunkSize is the prompt-hash chunk size the hashes were made with;
 	// the metadata center refuses reports whose size its gateways do not use.
 	ChunkSize  int
@@ -89,7 +97,15 @@ func New(cfg Config) (*Reporter, error) {
 	if cfg.URL == "" || cfg.Cluster == "" || cfg.Host == "" {
 		return nil, errors.New("mcreport: metadata center URL, cluster and host are all required")
 	}
-	mc, err := client.New(client.Options{Address: cfg.URL, AuthToken: cfg.AuthToken, HTTPClient: cfg.Client, UpdateTimeout: sendTimeout})
+	o := client.Options{Address: cfg.URL, AuthToken: cfg.AuthToken, AuthTokenFile: cfg.AuthTokenFile, HTTPClient: cfg.Client, UpdateTimeout: sendTimeout}
+	if cfg.CAFile != "" || cfg.ServerName != "" {
+		tc, err := secretfile.ClientTLS(cfg.CAFile, cfg.ServerName, false)
+		if err != nil {
+			return nil, fmt.Errorf("mcreport: %w", err)
+		}
+		o.TLS = tc
+	}
+	mc, err := client.New(o)
 	if err != nil {
 		return nil, fmt.Errorf("mcreport: %w", err)
 	}

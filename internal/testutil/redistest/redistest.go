@@ -1,5 +1,8 @@
 // Package redistest gives tests a real redis-server on loopback.
 //
+// StartTLS (tls.go) launches a private server that speaks TLS only and
+// knows one ACL user.
+//
 // Shared returns the server that `make test` (scripts/test.sh) started for the
 // whole run, with a key prefix private to the calling test, so packages running
 // in parallel never see each other's keys. Start launches a private server the
@@ -80,16 +83,22 @@ func (s *Server) Restart() {
 
 func (s *Server) launch() {
 	s.t.Helper()
-	cmd := exec.Command("redis-server",
-		"--port", fmt.Sprint(s.port), "--bind", "127.0.0.1",
+	s.cmd = spawn(s.t, "--port", fmt.Sprint(s.port), "--bind", "127.0.0.1",
 		"--save", "", "--appendonly", "no", "--dir", s.dir,
 		"--protected-mode", "no")
+}
+
+// spawn starts redis-server with args and returns once it accepts
+// connections.
+func spawn(t testing.TB, args ...string) *exec.Cmd {
+	t.Helper()
+	cmd := exec.Command("redis-server", args...)
 	stdout, err := cmd.StdoutPipe()
 	if err != nil {
-		s.t.Fatal(err)
+		t.Fatal(err)
 	}
 	if err := cmd.Start(); err != nil {
-		s.t.Fatalf("start redis-server: %v", err)
+		t.Fatalf("start redis-server: %v", err)
 	}
 	ready := make(chan struct{})
 	go func() {
@@ -106,9 +115,10 @@ func (s *Server) launch() {
 	case <-ready:
 	case <-time.After(10 * time.Second):
 		_ = cmd.Process.Kill()
-		s.t.Fatal("redis-server did not become ready in 10s")
+		_ = cmd.Wait()
+		t.Fatal("redis-server did not become ready in 10s")
 	}
-	s.cmd = cmd
+	return cmd
 }
 
 func freePort(t testing.TB) int {

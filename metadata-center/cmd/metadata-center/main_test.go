@@ -108,6 +108,12 @@ func TestFlags(t *testing.T) {
 		{"--store", "redis", "--redis-cluster", "--redis-db", "1"},
 		{"--store", "redis", "--redis-cluster", "--redis-addr", ","},
 		{"--log-level", "loud"},
+		{"--tls-cert-file", "/nonexistent/tls.crt"},
+		{"--tls-cert-file", "/nonexistent/tls.crt", "--tls-key-file", "/nonexistent/tls.key"},
+		{"--auth-token", "t", "--auth-token-file", "/nonexistent/token"},
+		{"--redis-password", "p", "--redis-password-file", "/nonexistent/password"},
+		{"--store", "redis", "--redis-password-file", "/nonexistent/password"},
+		{"--store", "redis", "--redis-tls-ca-file", "/nonexistent/ca.crt"},
 		{"extra"},
 		{"--no-such-flag"},
 	} {

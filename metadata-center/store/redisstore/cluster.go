@@ -55,6 +55,8 @@ func newClusterClient(o Options, seeds []string) *redis.ClusterClient {
 		Addrs:                      seeds,
 		Username:                   o.Username,
 		Password:                   o.Password,
+		CredentialsProvider:        o.Credentials,
+		TLSConfig:                  o.TLS,
 		DialTimeout:                o.DialTimeout,
 		DialerRetries:              1,
 		ReadTimeout:                o.IOTimeout,

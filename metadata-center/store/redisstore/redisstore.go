@@ -22,6 +22,7 @@ package redisstore
 
 import (
 	"context"
+	"crypto/tls"
 	"errors"
 	"fmt"
 	"strconv"
@@ -55,9 +56,16 @@ type Options struct {
 	// Cluster talks to a Redis Cluster (go-redis ClusterClient) whose
 	// nodes Addr lists some of; the rest are discovered.
 	Cluster  bool
-	Username string
+	Username string // ACL user; empty: "default"
 	Password string
-	DB       int
+	// Credentials, when set, is asked for the ACL username and password at
+	// every new connection (a rotated password file), instead of Username
+	// and Password.
+	Credentials func() (username, password string)
+	// TLS, when set, is how connections to Redis are encrypted and the
+	// server verified (a managed Redis with in-transit encryption).
+	TLS *tls.Config
+	DB  int
 
 	// KeyPrefix namespaces every key (tests use a private one per test).
 	// It must not contain '{' or '}', which would break the hash tags.
@@ -158,6 +166,8 @@ func New(o Options) (*Store, error) {
 		Addr:                  o.Addr,
 		Username:              o.Username,
 		Password:              o.Password,
+		CredentialsProvider:   o.Credentials,
+		TLSConfig:             o.TLS,
 		DB:                    o.DB,
 		DialTimeout:           o.DialTimeout,
 		DialerRetries:         1,

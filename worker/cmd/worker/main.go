@@ -57,6 +57,7 @@ func main() {
 
 type options struct {
 	model, listen, engine, modelName, advertise, cluster, mcURL, mcToken, kvType, logLevel string
+	mcTokenFile, mcCAFile, mcServerName                                                    string
 	nSeqMax, maxRunning, maxQueue, nCtx, nBatch, threads, hashChunk                        int
 	maxBatch, maxOutput, finishFirst, prefillChunk                                         int
 	kvMaxMB, kvMaxItems, parkMaxBytes                                                      int64
@@ -112,6 +113,9 @@ func parse(args []string, stderr io.Writer) (*options, error) {
 	fs.DurationVar(&o.cleanup, "kv-cleanup-interval", def.CleanupInterval, "period of the KV-cache threshold check")
 	fs.StringVar(&o.mcURL, "metadata-center", "", "metadata center URL for eviction reports (empty: no reports)")
 	fs.StringVar(&o.mcToken, "metadata-center-token", "", "bearer token for the metadata center")
+	fs.StringVar(&o.mcTokenFile, "metadata-center-token-file", "", "file holding the metadata center's bearer token (a mounted Secret), read again when it changes; instead of --metadata-center-token")
+	fs.StringVar(&o.mcCAFile, "metadata-center-ca-file", "", "PEM CA bundle an https:// metadata center's certificate is verified against (empty: the system's roots)")
+	fs.StringVar(&o.mcServerName, "metadata-center-server-name", "", "name an https:// metadata center's certificate must carry (empty: the URL's host)")
 	fs.DurationVar(&o.readyWait, "ready-wait", 10*time.Second, "with --metadata-center: longest time /readyz waits for the metadata center to acknowledge the start-up index reset before it reports ready anyway (0: no bound)")
 	fs.StringVar(&o.cluster, "cluster", "", "Envoy cluster name the router knows this worker under (with --metadata-center)")
 	fs.StringVar(&o.advertise, "advertise-host", "", "this worker's ip:port as the router addresses it (default: --listen when it names an IP)")
@@ -283,6 +287,7 @@ func run(ctx context.Context, args []string, stderr io.Writer, ready func(addr s
 	var reporter *mcreport.Reporter
 	if o.mcURL != "" {
 		rep, err := mcreport.New(mcreport.Config{URL: o.mcURL, Cluster: o.cluster, Host: o.advertise, AuthToken: o.mcToken, ChunkSize: o.hashChunk,
+			AuthTokenFile: o.mcTokenFile, CAFile: o.mcCAFile, ServerName: o.mcServerName,
 			Logger: log, Registerer: reg,
 			Registration: &api.PodRegistration{Models: []string{info.Name}, Labels: o.podLabels, Adapters: o.adapterNames()}})
 		if err != nil {
