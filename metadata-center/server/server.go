@@ -468,7 +468,7 @@ func (s *Server) announcePods(c *gin.Context) {
 		return
 	}
 	s.opts.Discovered.Announce(cluster, req.Backend, hosts, ttl)
-	c.Status(http.StatusNoContent)
+	s.ok(c, struct{}{})
 }
 
 // reportSignals is a pod's report about itself (our worker pushes it; the
