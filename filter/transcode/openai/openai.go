@@ -170,7 +170,6 @@ func (t Transcoder) ParseHTTP(path, contentType string, raw []byte, texts *[]byt
 		}
 	}
 	req.Kind = kind
-	req.Preamble = prefix.Preamble(b.tools, b.responseFormat)
 	switch kind {
 	case transcode.Chat:
 		if !hasMessages {
@@ -187,6 +186,7 @@ func (t Transcoder) ParseHTTP(path, contentType string, raw []byte, texts *[]byt
 			return nil, err
 		}
 		req.Messages = msgs
+		req.Preamble = prefix.Preamble(b.tools, b.responseFormat)
 		if !t.LazyCanonical {
 			req.Canonical = req.AppendCanonical(nil)
 		}
@@ -198,6 +198,8 @@ func (t Transcoder) ParseHTTP(path, contentType string, raw []byte, texts *[]byt
 			return nil, transcode.BadRequest("completion request must not carry \"messages\"")
 		}
 		req.Prompt = b.prompt.text
+		// A completion has no chat template to render tools into.
+		req.Preamble = prefix.Preamble(nil, b.responseFormat)
 		if !t.LazyCanonical {
 			req.Canonical = req.AppendCanonical(nil)
 		}

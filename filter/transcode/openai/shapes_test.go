@@ -203,3 +203,8 @@ func TestUnknownPathWithModelPassesThrough(t *testing.T) {
 		t.Fatal("embeddings translated for triton")
 	}
 }
+
+func TestCompletionIgnoresTools(t *testing.T) {
+	a := parse(t, "/v1/completions", `{"model":"m","prompt":"p","tools":[{"type":"function"}]}`)
+	wantCanonical(t, a, prefix.CanonicalCompletion("p"))
+}
