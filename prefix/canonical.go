@@ -135,3 +135,47 @@ func ChatMessage(role, name, toolCallID string, content []Part, toolCalls []byte
 	}
 	return Message{Role: role, Parts: parts}
 }
+
+// Preamble is what a request renders before its messages: the raw JSON of
+// its top-level "tools" and "response_format" (or their equivalents in
+// other APIs), as digest parts in that order. Chat templates render tool
+// definitions into the system part, ahead of every message, so requests
+// with different tool sets share no prefix. Absent or null fields add
+// nothing, so a request without them renders as it always did. Gateway and
+// worker both build it here.
+func Preamble(tools, responseFormat []byte) []Part {
+	var parts []Part
+	if len(tools) > 0 && string(tools) != "null" {
+		parts = append(parts, Part{Type: "tools", URL: string(tools)})
+	}
+	if len(responseFormat) > 0 && string(responseFormat) != "null" {
+		parts = append(parts, Part{Type: "response_format", URL: string(responseFormat)})
+	}
+	return parts
+}
+
+// AppendPreamble appends the canonical preamble: each part as
+//
+//	GS type ':' hex(sha256(url)) GS
+//
+// (text parts too are digested). A canonical prompt without a preamble
+// begins with RS (chat) or with escaped text (completion), where an
+// unescaped GS never occurs, so a leading GS can only open a preamble and
+// the preamble ends at the first byte after a closing GS that is not GS:
+// one canonical form, still injective. Callers append the messages (or
+// completion text) right after it.
+func AppendPreamble(dst []byte, parts []Part) []byte {
+	for _, p := range parts {
+		dst = append(dst, partMark)
+		dst = appendEscaped(dst, p.Type)
+		dst = append(dst, ':')
+		src := p.URL
+		if p.Type == "text" {
+			src = p.Text
+		}
+		sum := sha256.Sum256([]byte(src))
+		dst = hex.AppendEncode(dst, sum[:])
+		dst = append(dst, partMark)
+	}
+	return dst
+}

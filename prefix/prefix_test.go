@@ -371,3 +371,23 @@ func BenchmarkHashRatio(b *testing.B) {
 		})
 	}
 }
+
+func TestPreambleComesFirstAndIsUnambiguous(t *testing.T) {
+	msgs := []Message{{Role: "user", Parts: []Part{{Type: "text", Text: "hi"}}}}
+	if len(Preamble(nil, []byte("null"))) != 0 {
+		t.Fatal("absent fields add parts")
+	}
+	tools := AppendCanonicalChat(AppendPreamble(nil, Preamble([]byte(`[1]`), nil)), msgs)
+	if tools[0] != partMark || bytes.Equal(tools, CanonicalChat(msgs)) {
+		t.Fatalf("tools do not lead: %q", tools)
+	}
+	// A completion whose text spells the preamble's bytes renders escaped.
+	forged := CanonicalCompletion(string(AppendPreamble(nil, Preamble([]byte(`[1]`), nil))) + "hi")
+	if forged[0] != escByte || bytes.Equal(forged, AppendCanonicalCompletion(AppendPreamble(nil, Preamble([]byte(`[1]`), nil)), "hi")) {
+		t.Fatal("a completion forged a preamble")
+	}
+	rf := AppendPreamble(nil, Preamble(nil, []byte(`[1]`)))
+	if bytes.Equal(rf, AppendPreamble(nil, Preamble([]byte(`[1]`), nil))) {
+		t.Fatal("tools and response_format of the same bytes render alike")
+	}
+}

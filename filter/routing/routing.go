@@ -119,10 +119,11 @@ type scratch struct {
 	eps   []endpoints.Endpoint // the cluster's endpoints (endpoints.Append)
 }
 
-// bufferedParser is a transcoder that decodes prompt texts into a buffer
-// the caller owns (openai.Transcoder.ParseBuffered).
+// bufferedParser is a transcoder that reads the content-type (a multipart
+// body's boundary) and decodes prompt texts into a buffer the caller owns
+// (openai.Transcoder.ParseHTTP).
 type bufferedParser interface {
-	ParseBuffered(path string, body []byte, texts *[]byte) (*transcode.Request, error)
+	ParseHTTP(path, contentType string, body []byte, texts *[]byte) (*transcode.Request, error)
 }
 
 // maxPooledCanonical keeps one huge prompt from pinning its buffers forever.
@@ -367,7 +368,8 @@ func (e *Decider) Decide(ctx context.Context, h Headers, body []byte) (*Decision
 		// The prompt texts live in sc.texts: nothing of them outlives this
 		// call, as the decision keeps the hashes, the model (decoded apart)
 		// and upstream's own body.
-		req, err = bp.ParseBuffered(path, body, &sc.texts)
+		ct, _ := h.Get("content-type")
+		req, err = bp.ParseHTTP(path, ct, body, &sc.texts)
 	} else {
 		req, err = codec.Parse(path, body)
 	}

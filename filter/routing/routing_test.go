@@ -82,7 +82,9 @@ func TestRefusals(t *testing.T) {
 		{chatPath(), `{"model":"ghost","messages":[{"role":"user","content":"x"}]}`, 404, "not_found", `no available endpoint in cluster "empty"`},
 		{chatPath(), `{"model":"qwen","lora":"sql","messages":[{"role":"user","content":"x"}]}`, 404, "not_found", `matching label selector {"lora":"sql"}`},
 		{chatPath(), `{"model":"qwen","messages":[{"role":"user","content":"` + strings.Repeat("x", 5000) + `"}]}`, 413, "payload_too_large", "exceeds max_body_bytes (4096)"},
-		{hdr{":path": "/v1/embeddings"}, `{"model":"qwen","input":"x"}`, 404, "not_found", "unsupported path"},
+		{hdr{":path": "/v1/files"}, `{"purpose":"batch"}`, 404, "not_found", "unsupported path"},
+		{hdr{":path": "/v1/embeddings"}, `{"model":"llama","input":"x"}`, 404, "not_found", `model not found: "llama"`},
+		{hdr{":path": "/v1/responses"}, `{"model":"qwen","input":`, 400, "bad_request", "invalid JSON"},
 	}
 	for _, c := range cases {
 		d, err := e.Decide(context.Background(), c.h, []byte(c.body))
@@ -312,5 +314,46 @@ func TestLBRuleNamesAreCheckedAtStart(t *testing.T) {
 		if d.Host != eps[len(eps)-1].Address {
 			t.Fatalf("chose %s, want the last pod %s", d.Host, eps[len(eps)-1].Address)
 		}
+	}
+}
+
+// Every OpenAI-compatible path goes to the model's cluster; a body with a
+// prompt is hashed, one without is routed by load (no hashes).
+func TestEveryOpenAIPathRoutesByModel(t *testing.T) {
+	e := newDecider(t, configFor(t, "", ""), Options{})
+	want, err := e.Decide(context.Background(), chatPath(), chatBody("s", "u"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	audio := "--XyZ\r\nContent-Disposition: form-data; name=\"file\"; filename=\"a.wav\"\r\n\r\nRIFF....\r\n" +
+		"--XyZ\r\nContent-Disposition: form-data; name=\"model\"\r\n\r\nqwen\r\n--XyZ--\r\n"
+	for _, c := range []struct {
+		h      hdr
+		body   string
+		hashed bool
+	}{
+		{hdr{":path": "/v1/responses"}, `{"model":"qwen","instructions":"s","input":"u"}`, true},
+		{hdr{":path": "/v1/messages"}, `{"model":"qwen","max_tokens":8,"system":"s","messages":[{"role":"user","content":"u"}]}`, true},
+		{hdr{":path": "/v1/embeddings"}, `{"model":"qwen","input":["a","b"]}`, true},
+		{hdr{":path": "/rerank"}, `{"model":"qwen","query":"q","documents":["a"]}`, true},
+		{hdr{":path": "/v1/score"}, `{"model":"qwen","text_1":"q","text_2":"a"}`, true},
+		{hdr{":path": "/v1/audio/transcriptions", "content-type": "multipart/form-data; boundary=XyZ"}, audio, false},
+		{hdr{":path": "/v1/messages/count_tokens"}, `{"model":"qwen","messages":[]}`, false},
+	} {
+		d, err := e.Decide(context.Background(), c.h, []byte(c.body))
+		if err != nil {
+			t.Fatalf("%s: %v", c.h[":path"], err)
+		}
+		if d.Cluster != want.Cluster || d.Model != "qwen" || d.Host == "" || d.Body != nil || d.Path != "" {
+			t.Fatalf("%s: decision %+v", c.h[":path"], d)
+		}
+		if (len(d.Hashes) > 0) != c.hashed || (d.PromptLength > 0) != c.hashed {
+			t.Fatalf("%s: hashes %v, want hashed=%v", c.h[":path"], d.Hashes, c.hashed)
+		}
+	}
+	// The same prompt through the Responses API hashes as the chat request.
+	d, err := e.Decide(context.Background(), hdr{":path": "/v1/responses"}, []byte(`{"model":"qwen","instructions":"s","input":"u"}`))
+	if err != nil || fmt.Sprint(d.Hashes) != fmt.Sprint(want.Hashes) {
+		t.Fatalf("responses hashes %v, chat %v (%v)", d.Hashes, want.Hashes, err)
 	}
 }

@@ -22,16 +22,33 @@ type Kind int
 const (
 	Chat       Kind = iota + 1 // /v1/chat/completions
 	Completion                 // /v1/completions
+	Responses                  // /v1/responses: instructions + input
+	Messages                   // /v1/messages (Anthropic): system + messages
+	Embeddings                 // /v1/embeddings: input
+	Rerank                     // /v1/rerank, /rerank, /v2/rerank: query + documents
+	Score                      // /v1/score: text_1 (queries) + text_2 (documents)
+	Audio                      // /v1/audio/transcriptions, /v1/audio/translations (multipart)
+	Other                      // any other path whose JSON body names a model
 )
 
+var kindNames = [...]string{Chat: "chat", Completion: "completion", Responses: "responses", Messages: "messages",
+	Embeddings: "embeddings", Rerank: "rerank", Score: "score", Audio: "audio", Other: "other"}
+
 func (k Kind) String() string {
-	switch k {
-	case Chat:
-		return "chat"
-	case Completion:
-		return "completion"
+	if k > 0 && int(k) < len(kindNames) {
+		return kindNames[k]
 	}
 	return fmt.Sprintf("Kind(%d)", int(k))
+}
+
+// Conversational reports whether the kind's prompt is Messages (rendered
+// in chat form); otherwise it is Prompt (completion form), or nothing.
+func (k Kind) Conversational() bool {
+	switch k {
+	case Chat, Responses, Messages, Rerank, Score:
+		return true
+	}
+	return false
 }
 
 // Request is what the engine needs to know about one client request.
@@ -39,9 +56,14 @@ type Request struct {
 	Kind   Kind
 	Model  string
 	Stream bool
-	// Messages of a chat request, in order.
+	// Preamble renders before the prompt: the request's tools and
+	// response format (prefix.Preamble).
+	Preamble []prefix.Part
+	// Messages of a conversational request (Kind.Conversational), in order.
 	Messages []prefix.Message
-	// Prompt of a completion request (the first one of a batch).
+	// Prompt of a completion or embeddings request (the first one of a
+	// batch). Kinds without either (audio, other) have no prompt: they are
+	// routed by load alone.
 	Prompt string
 	// Selector holds the labels every chosen endpoint must carry: the body's
 	// "label_selector" object plus, if "lora" names an adapter, lora=<name>.
@@ -56,15 +78,32 @@ type Request struct {
 }
 
 // AppendCanonical appends the canonical prompt to dst: Canonical if set,
-// else rendered from Messages or Prompt (so a caller can use a pooled buffer).
+// else the Preamble followed by Messages or Prompt rendered (so a caller can
+// use a pooled buffer). A request without a prompt appends nothing.
 func (r *Request) AppendCanonical(dst []byte) []byte {
 	switch {
 	case r.Canonical != nil:
 		return append(dst, r.Canonical...)
-	case r.Kind == Chat:
-		return prefix.AppendCanonicalChat(dst, r.Messages)
+	case r.Kind.Conversational():
+		if len(r.Messages) == 0 {
+			return dst
+		}
+		return prefix.AppendCanonicalChat(prefix.AppendPreamble(dst, r.Preamble), r.Messages)
+	case r.Kind == Completion || r.Kind == Embeddings:
+		return prefix.AppendCanonicalCompletion(prefix.AppendPreamble(dst, r.Preamble), r.Prompt)
 	}
-	return prefix.AppendCanonicalCompletion(dst, r.Prompt)
+	return dst
+}
+
+// HasPrompt reports whether the request carries a prompt to hash.
+func (r *Request) HasPrompt() bool {
+	switch {
+	case r.Canonical != nil:
+		return len(r.Canonical) > 0
+	case r.Kind.Conversational():
+		return len(r.Messages) > 0
+	}
+	return r.Kind == Completion || r.Kind == Embeddings
 }
 
 // Upstream says how to rewrite a request for its backend. The zero value

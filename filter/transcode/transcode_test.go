@@ -26,7 +26,7 @@ func TestErrorsAndKinds(t *testing.T) {
 	if e := NotFound("no %s", "x"); e.Status != 404 || e.Type != TypeNotFound || e.Error() != "no x" {
 		t.Fatalf("%#v", e)
 	}
-	if Chat.String() != "chat" || Completion.String() != "completion" || Kind(9).String() != "Kind(9)" {
+	if Chat.String() != "chat" || Completion.String() != "completion" || Kind(99).String() != "Kind(99)" || Responses.String() != "responses" {
 		t.Fatal("kind names")
 	}
 }

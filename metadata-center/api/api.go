@@ -21,8 +21,9 @@ const (
 	PathCacheEvict      = "/v1/cache/evict"
 	PathCacheRetract    = "/v1/cache/retract" // POST: withdraw a save (the request failed before its first token)
 	PathRouteQuery      = "/v1/route/query"
-	PathPodSignals      = "/v1/pods/signals" // POST: a pod reports itself; GET ?cluster=C: fresh reports
-	PathPods            = "/v1/pods"         // GET ?cluster=C: the pods' live registrations
+	PathPodSignals      = "/v1/pods/signals"    // POST: a pod reports itself; GET ?cluster=C: fresh reports
+	PathPods            = "/v1/pods"            // GET ?cluster=C: the pods' live registrations
+	PathPodsDiscovered  = "/v1/pods/discovered" // POST: a gateway announces the pods it routes to
 	PathHealthz         = "/healthz"
 	PathReadyz          = "/readyz"
 	PathMetrics         = "/metrics"
@@ -264,6 +265,28 @@ type PodRegistration struct {
 func (r PodRegistration) PodLabels() PodLabels {
 	return PodLabels{Labels: r.Labels, Adapters: r.Adapters}
 }
+
+// PodsAnnouncement is the body of POST /v1/pods/discovered: the pods a
+// gateway routes to in one cluster (from its endpoint source: Envoy's
+// admin API in the mesh, a static list otherwise) and the backend its rule
+// names. The metadata center scrapes the /metrics of those that run a
+// backend it can read (vllm, sglang, llamacpp) and do not push their own
+// signals (docs/metadata-center.md, "Pod signals").
+type PodsAnnouncement struct {
+	Cluster string   `json:"cluster"`
+	Backend string   `json:"backend"`
+	Hosts   []string `json:"hosts"`
+	// TTLMS is how long the announcement holds without a refresh (0:
+	// DefaultAnnouncementTTLMS).
+	TTLMS int64 `json:"ttl_ms,omitempty"`
+}
+
+// Limits of an announcement; a bigger one is refused with 400.
+const (
+	DefaultAnnouncementTTLMS = 30_000
+	MaxAnnouncementTTLMS     = 600_000
+	MaxAnnouncedHosts        = 4096
+)
 
 // Limits of a registration; a bigger one is refused with 400.
 const (

@@ -258,6 +258,12 @@ func (c *Client) Pods(ctx context.Context, cluster string) (map[string]api.PodRe
 	return out, nil
 }
 
+// AnnouncePods tells the metadata center which pods this gateway routes to
+// in a cluster, so that it scrapes their signals (api.PodsAnnouncement).
+func (c *Client) AnnouncePods(ctx context.Context, a api.PodsAnnouncement) error {
+	return c.do(ctx, "announce pods", http.MethodPost, api.PathPodsDiscovered, a, nil)
+}
+
 func (c *Client) do(ctx context.Context, op, method, path string, in, out any) error {
 	body, err := json.Marshal(in)
 	if err != nil {

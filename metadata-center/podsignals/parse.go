@@ -11,12 +11,13 @@
 package podsignals
 
 import (
-	"bufio"
 	"fmt"
 	"io"
 	"math"
-	"strconv"
-	"strings"
+
+	dto "github.com/prometheus/client_model/go"
+	"github.com/prometheus/common/expfmt"
+	"github.com/prometheus/common/model"
 
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/api"
 )
@@ -60,7 +61,8 @@ func Scrapable(backend string) bool {
 	return ok
 }
 
-// Parse reads a Prometheus text exposition of backend and returns its
+// Parse reads a Prometheus text exposition of backend (with
+// prometheus/common/expfmt, the format's reference parser) and returns its
 // signals. Series of one metric with different labels (vLLM labels by
 // model) are summed; utilization takes their maximum. The running count is
 // required: a body without it is not the backend's /metrics.
@@ -75,28 +77,27 @@ func Parse(backend string, r io.Reader) (api.PodSignals, error) {
 			want[n] = true
 		}
 	}
-	sum, peak := map[string]float64{}, map[string]float64{}
-	sc := bufio.NewScanner(r)
-	sc.Buffer(make([]byte, 64<<10), 1<<20)
-	for sc.Scan() {
-		line := strings.TrimSpace(sc.Text())
-		if line == "" || line[0] == '#' {
-			continue
-		}
-		name, value, err := sample(line)
-		if err != nil {
-			return api.PodSignals{}, fmt.Errorf("podsignals: %w", err)
-		}
-		if !want[name] || math.IsNaN(value) {
-			continue
-		}
-		if _, seen := peak[name]; !seen || value > peak[name] {
-			peak[name] = value
-		}
-		sum[name] += value
+	parser := expfmt.NewTextParser(model.UTF8Validation)
+	families, err := parser.TextToMetricFamilies(r)
+	if err != nil {
+		return api.PodSignals{}, fmt.Errorf("podsignals: %w", err)
 	}
-	if err := sc.Err(); err != nil {
-		return api.PodSignals{}, fmt.Errorf("podsignals: reading /metrics: %w", err)
+	sum, peak := map[string]float64{}, map[string]float64{}
+	for name := range want {
+		f := families[name]
+		if f == nil {
+			continue
+		}
+		for _, m := range f.GetMetric() {
+			value, ok := sampleValue(m)
+			if !ok || math.IsNaN(value) {
+				continue
+			}
+			if _, seen := peak[name]; !seen || value > peak[name] {
+				peak[name] = value
+			}
+			sum[name] += value
+		}
 	}
 	first := func(ns []string, m map[string]float64) (float64, bool) {
 		for _, n := range ns {
@@ -119,40 +120,15 @@ func Parse(backend string, r io.Reader) (api.PodSignals, error) {
 	}, nil
 }
 
-// sample splits "name{labels} value [timestamp]".
-func sample(line string) (string, float64, error) {
-	i := strings.IndexAny(line, "{ \t")
-	if i <= 0 {
-		return "", 0, fmt.Errorf("malformed sample %q", line)
+// sampleValue is the value of a gauge, counter or untyped sample.
+func sampleValue(m *dto.Metric) (float64, bool) {
+	switch {
+	case m.GetGauge() != nil:
+		return m.GetGauge().GetValue(), true
+	case m.GetCounter() != nil:
+		return m.GetCounter().GetValue(), true
+	case m.GetUntyped() != nil:
+		return m.GetUntyped().GetValue(), true
 	}
-	name, rest := line[:i], line[i:]
-	if rest[0] == '{' {
-		end, quoted := -1, false
-		for j := 1; j < len(rest); j++ {
-			switch c := rest[j]; {
-			case c == '\\' && quoted:
-				j++
-			case c == '"':
-				quoted = !quoted
-			case c == '}' && !quoted:
-				end = j
-			}
-			if end >= 0 {
-				break
-			}
-		}
-		if end < 0 {
-			return "", 0, fmt.Errorf("unterminated labels in %q", line)
-		}
-		rest = rest[end+1:]
-	}
-	f := strings.Fields(rest)
-	if len(f) < 1 || len(f) > 2 {
-		return "", 0, fmt.Errorf("malformed sample %q", line)
-	}
-	v, err := strconv.ParseFloat(f[0], 64)
-	if err != nil {
-		return "", 0, fmt.Errorf("sample %q: %w", line, err)
-	}
-	return name, v, nil
+	return 0, false
 }

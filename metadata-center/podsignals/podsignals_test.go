@@ -93,8 +93,8 @@ func TestParse(t *testing.T) {
 	for _, bad := range []struct{ backend, body, msg string }{
 		{"triton", vllmMetrics, `backend "triton"`},
 		{BackendVLLM, sglangMetrics, "no vllm:num_requests_running"},
-		{BackendVLLM, "vllm:num_requests_running{model_name=\"x\" 3\n", "unterminated labels"},
-		{BackendVLLM, "vllm:num_requests_running three\n", "invalid syntax"},
+		{BackendVLLM, "vllm:num_requests_running{model_name=\"x\" 3\n", "unexpected end of label value"},
+		{BackendVLLM, "vllm:num_requests_running three\n", "expected float as value"},
 	} {
 		if _, err := Parse(bad.backend, strings.NewReader(bad.body)); err == nil || !strings.Contains(err.Error(), bad.msg) {
 			t.Errorf("%s %q: err %v, want one containing %q", bad.backend, bad.body, err, bad.msg)

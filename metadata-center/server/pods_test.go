@@ -1,10 +1,12 @@
 package server_test
 
 import (
+	"reflect"
 	"strings"
 	"testing"
 
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/api"
+	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/podsignals"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/server"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/store/storetest"
 )
@@ -63,4 +65,35 @@ func TestPodRegistrations(t *testing.T) {
 			}
 		})
 	}
+}
+
+// TestPodsAnnouncements: a gateway's announcement reaches the scraper's
+// book, hosts in canonical form; bad announcements get 400 in the error
+// format and record nothing; a server without a book answers 404.
+func TestPodsAnnouncements(t *testing.T) {
+	st := storetest.Stores()[0]
+	book := podsignals.NewDiscovered()
+	c := serve(t, st.New(t), server.Options{Discovered: book})
+	c.ok("POST", api.PathPodsDiscovered, api.PodsAnnouncement{Cluster: cl, Backend: "vllm", Hosts: []string{"10.0.0.1:08000", "10.0.0.2:8000"}}, nil)
+	want := []podsignals.Target{{Cluster: cl, Host: "10.0.0.1:8000", Backend: "vllm"}, {Cluster: cl, Host: "10.0.0.2:8000", Backend: "vllm"}}
+	if got := book.Targets(); !reflect.DeepEqual(got, want) {
+		t.Fatalf("book %+v, want %+v", got, want)
+	}
+	for _, bad := range []struct {
+		a   map[string]any
+		msg string
+	}{
+		{map[string]any{"backend": "vllm", "hosts": []string{"10.0.0.3:8000"}}, "cluster is required"},
+		{map[string]any{"cluster": cl, "backend": "triton", "hosts": []string{"10.0.0.3:8000"}}, `backend "triton"`},
+		{map[string]any{"cluster": cl, "backend": "vllm"}, "hosts: list 1 to 4096"},
+		{map[string]any{"cluster": cl, "backend": "vllm", "hosts": []string{"pod-a:8000"}}, "hosts[0]"},
+		{map[string]any{"cluster": cl, "backend": "vllm", "hosts": []string{"10.0.0.3:8000"}, "ttl_ms": 5}, "ttl_ms must be within"},
+	} {
+		c.fails("POST", api.PathPodsDiscovered, bad.a, 400, "bad_request", bad.msg)
+	}
+	if got := book.Targets(); len(got) != 2 {
+		t.Fatalf("refused announcements recorded: %+v", got)
+	}
+	off := serve(t, st.New(t), server.Options{})
+	off.fails("POST", api.PathPodsDiscovered, api.PodsAnnouncement{Cluster: cl, Backend: "vllm", Hosts: []string{"10.0.0.1:8000"}}, 404, "not_found", "does not scrape")
 }

@@ -50,6 +50,15 @@ type Options struct {
 	MaxBodyBytes int64
 	// StoreTimeout bounds each store call; past it the call answers 503.
 	StoreTimeout time.Duration
+	// Discovered records the pods gateways announce (POST
+	// /v1/pods/discovered) for the scraper; nil answers that path 404.
+	Discovered Announcements
+}
+
+// Announcements keeps the pods gateways announce; *podsignals.Discovered
+// is the real one.
+type Announcements interface {
+	Announce(cluster, backend string, hosts []string, ttl time.Duration)
 }
 
 // TokenChecker decides whether a bearer token ("" when the call carries
@@ -126,6 +135,7 @@ func New(st store.Store, opts Options) *Server {
 	e.POST(api.PathPodSignals, s.reportSignals)
 	e.GET(api.PathPodSignals, s.podSignals)
 	e.GET(api.PathPods, s.pods)
+	e.POST(api.PathPodsDiscovered, s.announcePods)
 	e.GET(api.PathHealthz, s.healthz)
 	e.GET(api.PathReadyz, s.readyz)
 	e.GET(api.PathDebugCacheIndex, s.cacheIndex)
@@ -461,6 +471,26 @@ func (s *Server) routeQuery(c *gin.Context) {
 	}
 	*buf = appendRoute((*buf)[:0], ans)
 	s.raw(c, *buf)
+}
+
+// announcePods records the pods a gateway routes to in a cluster, for the
+// scraper (docs/metadata-center.md, "Pod signals").
+func (s *Server) announcePods(c *gin.Context) {
+	if s.opts.Discovered == nil {
+		s.fail(c, http.StatusNotFound, "not_found", "this metadata center does not scrape announced pods")
+		return
+	}
+	var req api.PodsAnnouncement
+	if !s.decode(c, &req) {
+		return
+	}
+	cluster, hosts, ttl, err := validAnnouncement(req)
+	if err != nil {
+		s.badRequest(c, err)
+		return
+	}
+	s.opts.Discovered.Announce(cluster, req.Backend, hosts, ttl)
+	s.ok(c, struct{}{})
 }
 
 // reportSignals is a pod's report about itself (our worker pushes it; the

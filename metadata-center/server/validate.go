@@ -7,6 +7,7 @@ import (
 	"unicode/utf8"
 
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/api"
+	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/podsignals"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/store"
 	"github.com/istio-llm-filter/istio-llm-filter/prefix"
 )
@@ -174,4 +175,35 @@ func savedAt(ageMS int64, received time.Time) (int64, error) {
 		return 0, nil
 	}
 	return received.UnixMilli() - ageMS, nil
+}
+
+// validAnnouncement checks a gateway's announcement: a cluster, a backend
+// whose /metrics the scraper reads, 1..MaxAnnouncedHosts ip:port hosts
+// (canonical spelling returned) and a TTL within bounds.
+func validAnnouncement(a api.PodsAnnouncement) (string, []string, time.Duration, error) {
+	c, err := validCluster(a.Cluster)
+	if err != nil {
+		return "", nil, 0, err
+	}
+	if !podsignals.Scrapable(a.Backend) {
+		return "", nil, 0, fmt.Errorf("backend %q has no /metrics this metadata center reads (want %s, %s or %s)",
+			a.Backend, podsignals.BackendVLLM, podsignals.BackendSGLang, podsignals.BackendLlamaCpp)
+	}
+	if len(a.Hosts) == 0 || len(a.Hosts) > api.MaxAnnouncedHosts {
+		return "", nil, 0, fmt.Errorf("hosts: list 1 to %d pods", api.MaxAnnouncedHosts)
+	}
+	hosts := make([]string, len(a.Hosts))
+	for i, h := range a.Hosts {
+		if hosts[i], err = validHost(h); err != nil {
+			return "", nil, 0, fmt.Errorf("hosts[%d]: %w", i, err)
+		}
+	}
+	ttl := a.TTLMS
+	if ttl == 0 {
+		ttl = api.DefaultAnnouncementTTLMS
+	}
+	if ttl < api.MinRegistrationTTLMS || ttl > api.MaxAnnouncementTTLMS {
+		return "", nil, 0, fmt.Errorf("ttl_ms must be within %d..%d", api.MinRegistrationTTLMS, api.MaxAnnouncementTTLMS)
+	}
+	return c, hosts, time.Duration(ttl) * time.Millisecond, nil
 }

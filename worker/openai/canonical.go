@@ -34,12 +34,23 @@ func CanonicalMessages(msgs []Message) []prefix.Message {
 	return out
 }
 
-// Canonical is the canonical prompt bytes of a chat request.
+// Canonical is the canonical prompt bytes of a chat request: its tools and
+// response_format first (prefix.Preamble), then its messages.
 func (r *ChatRequest) Canonical() []byte {
-	return prefix.CanonicalChat(CanonicalMessages(r.Messages))
+	pre := prefix.AppendPreamble(nil, prefix.Preamble(r.Tools, r.rawResponseFormat()))
+	return prefix.AppendCanonicalChat(pre, CanonicalMessages(r.Messages))
 }
 
-// Canonical is the canonical prompt bytes of a completion request.
+// Canonical is the canonical prompt bytes of a completion request: its
+// response_format first (prefix.Preamble), then its prompt.
 func (r *CompletionRequest) Canonical() []byte {
-	return prefix.CanonicalCompletion(r.PromptText())
+	pre := prefix.AppendPreamble(nil, prefix.Preamble(nil, r.rawResponseFormat()))
+	return prefix.AppendCanonicalCompletion(pre, r.PromptText())
+}
+
+func (c *common) rawResponseFormat() []byte {
+	if c.ResponseFormat == nil {
+		return nil
+	}
+	return c.ResponseFormat.Raw
 }

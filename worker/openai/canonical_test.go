@@ -26,6 +26,9 @@ var canonicalBodies = []string{
 	`{"model":"m","messages":[{"role":"user","name":"ann","content":"q"},{"role":"assistant","content":null,"tool_calls": [ {"id":"c1","type":"function","function":{"name":"f","arguments":"{}"}} ]},{"role":"tool","tool_call_id":"c1","content":"42"}]}`,
 	`{"model":"m","messages":[{"role":"assistant","tool_calls":null},{"role":"developer","content":"d"},{"role":"user","content":"\u001e\u001f\u001b escapes"}]}`,
 	`{"model":"m","messages":[{"role":"user","content":[]}],"stream":true}`,
+	`{"model":"m","tools": [ {"type":"function","function":{"name":"f","parameters":{"type":"object"}}} ],"messages":[{"role":"user","content":"hi"}]}`,
+	`{"model":"m","messages":[{"role":"user","content":"hi"}],"response_format": {"type":"json_schema", "json_schema":{"name":"x","schema":{"type":"object"}}},"tools":null}`,
+	`{"model":"m","messages":[{"role":"user","content":"hi"}],"response_format":null}`,
 }
 
 func TestCanonicalMatchesGateway(t *testing.T) {
@@ -47,7 +50,8 @@ func TestCanonicalMatchesGateway(t *testing.T) {
 			t.Errorf("body %d: hashes differ", i)
 		}
 	}
-	for _, body := range []string{`{"model":"m","prompt":"Once"}`, `{"model":"m","prompt":["Once upon"]}`} {
+	for _, body := range []string{`{"model":"m","prompt":"Once"}`, `{"model":"m","prompt":["Once upon"]}`,
+		`{"model":"m","prompt":"Once","response_format":{"type":"json_object"}}`} {
 		req, _, err := ParseCompletion([]byte(body))
 		if err != nil {
 			t.Fatal(err)

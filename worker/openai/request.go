@@ -207,6 +207,21 @@ type common struct {
 type ResponseFormat struct {
 	Type       string      `json:"type"`
 	JSONSchema *JSONSchema `json:"json_schema,omitempty"`
+	// Raw is the object's JSON as received: the gateway hashes these very
+	// bytes into the prompt's prefix (prefix.Preamble), and so must we.
+	Raw json.RawMessage `json:"-"`
+}
+
+// UnmarshalJSON decodes the object and keeps its bytes in Raw.
+func (f *ResponseFormat) UnmarshalJSON(b []byte) error {
+	type plain ResponseFormat
+	var p plain
+	if err := json.Unmarshal(b, &p); err != nil {
+		return err
+	}
+	*f = ResponseFormat(p)
+	f.Raw = append(json.RawMessage(nil), b...)
+	return nil
 }
 
 // JSONSchema is response_format.json_schema.

@@ -16,6 +16,9 @@ type body struct {
 	stream        *bool
 	labelSelector map[string]string
 	lora          *string
+	// tools and responseFormat are the raw JSON of those fields (nil when
+	// absent): they render into the prompt's preamble.
+	tools, responseFormat []byte
 }
 
 type message struct {
@@ -161,6 +164,14 @@ func decodeBodyTexts(raw []byte, texts *[]byte) (*body, error) {
 		case "label_selector":
 			var err error
 			b.labelSelector, err = s.stringMap("label_selector")
+			return err
+		case "tools":
+			var err error
+			b.tools, err = s.skip()
+			return err
+		case "response_format":
+			var err error
+			b.responseFormat, err = s.skip()
 			return err
 		}
 		_, err := s.skip()

@@ -1,6 +1,9 @@
-// Package openai parses OpenAI chat/completions and completions requests
-// (docs/envoy-filter.md) and passes them through to OpenAI-speaking backends,
-// translating only for Triton backends.
+// Package openai parses the requests of the OpenAI-compatible APIs
+// (docs/envoy-filter.md, "Paths") — chat/completions and completions with
+// a fast decoder of their own, responses, Anthropic messages, embeddings,
+// rerank, score and audio with encoding/json and mime/multipart — and
+// passes them through to OpenAI-speaking backends, translating chat and
+// completions for Triton backends.
 //
 // Beyond the OpenAI schema it reads two optional body fields that steer
 // endpoint selection: "label_selector" (object of label -> value every chosen
@@ -20,11 +23,35 @@ import (
 	"github.com/istio-llm-filter/istio-llm-filter/prefix"
 )
 
-// Paths of the two endpoints; any API prefix before them is accepted.
+// Paths of the endpoints, matched as suffixes: any API prefix before them
+// is accepted ("/v1", "/v2", none, a proxy's own prefix).
 const (
-	ChatPath       = "/chat/completions"
-	CompletionPath = "/completions"
+	ChatPath           = "/chat/completions"
+	CompletionPath     = "/completions"
+	ResponsesPath      = "/responses"
+	MessagesPath       = "/messages"
+	EmbeddingsPath     = "/embeddings"
+	RerankPath         = "/rerank"
+	ScorePath          = "/score"
+	TranscriptionsPath = "/audio/transcriptions"
+	TranslationsPath   = "/audio/translations"
 )
+
+// paths maps path suffixes to kinds, longest first where one ends another.
+var paths = []struct {
+	suffix string
+	kind   transcode.Kind
+}{
+	{ChatPath, transcode.Chat},
+	{CompletionPath, transcode.Completion},
+	{ResponsesPath, transcode.Responses},
+	{MessagesPath, transcode.Messages},
+	{EmbeddingsPath, transcode.Embeddings},
+	{RerankPath, transcode.Rerank},
+	{ScorePath, transcode.Score},
+	{TranscriptionsPath, transcode.Audio},
+	{TranslationsPath, transcode.Audio},
+}
 
 // LoRALabel is the endpoint label a "lora" request field selects on.
 const LoRALabel = "lora"
@@ -40,22 +67,22 @@ type Transcoder struct {
 // New returns the openai transcoder.
 func New() Transcoder { return Transcoder{} }
 
-// kindOf maps a :path to its endpoint. ok is false for a path that is
-// neither; an empty path returns kind 0: the body decides.
-func kindOf(path string) (transcode.Kind, bool) {
+// kindOf maps a :path to its endpoint: an empty path returns kind 0 (the
+// body decides between chat and completion), an unknown one Other.
+func kindOf(path string) transcode.Kind {
 	if i := strings.IndexByte(path, '?'); i >= 0 {
 		path = path[:i]
 	}
 	path = strings.TrimRight(path, "/")
-	switch {
-	case path == "":
-		return 0, true
-	case strings.HasSuffix(path, ChatPath):
-		return transcode.Chat, true
-	case strings.HasSuffix(path, CompletionPath):
-		return transcode.Completion, true
+	if path == "" {
+		return 0
 	}
-	return 0, false
+	for _, p := range paths {
+		if strings.HasSuffix(path, p.suffix) {
+			return p.kind
+		}
+	}
+	return transcode.Other
 }
 
 // Parse implements transcode.Transcoder.
@@ -71,14 +98,39 @@ func (t Transcoder) Parse(path string, raw []byte) (*transcode.Request, error) {
 // passes a pooled buffer that it recycles after its decision: the texts
 // were two thirds of a decision's garbage, and garbage sets its tail.
 func (t Transcoder) ParseBuffered(path string, raw []byte, texts *[]byte) (*transcode.Request, error) {
+	return t.ParseHTTP(path, "", raw, texts)
+}
+
+// ParseHTTP is ParseBuffered knowing the request's content-type ("" if
+// unknown), which carries a multipart body's boundary.
+func (t Transcoder) ParseHTTP(path, contentType string, raw []byte, texts *[]byte) (*transcode.Request, error) {
+	kind := kindOf(path)
+	switch kind {
+	case 0, transcode.Chat, transcode.Completion:
+	case transcode.Audio:
+		return parseAudio(contentType, raw)
+	case transcode.Other:
+		// Unknown shapes pass through untouched, to the model's cluster
+		// when the body names a model.
+		req, ok := parseOther(raw)
+		if !ok {
+			return nil, transcode.NotFound("unsupported path %q: the body names no model to route on", path)
+		}
+		return req, nil
+	default:
+		if len(bytes.TrimLeft(raw, " \t\r\n")) == 0 {
+			return nil, transcode.BadRequest("empty request body")
+		}
+		req, err := parseShape(kind, raw)
+		if err == nil && !t.LazyCanonical {
+			req.Canonical = req.AppendCanonical(nil)
+		}
+		return req, err
+	}
 	if texts != nil {
 		// Decoded texts are at most the body's size unless invalid UTF-8
 		// grows into U+FFFD; growing mid-parse is still safe (scanner.text).
 		*texts = slices.Grow(*texts, len(raw))
-	}
-	kind, ok := kindOf(path)
-	if !ok {
-		return nil, transcode.NotFound("unsupported path %q: only chat/completions and completions are routed", path)
 	}
 	if len(bytes.TrimLeft(raw, " \t\r\n")) == 0 {
 		return nil, transcode.BadRequest("empty request body")
@@ -134,8 +186,9 @@ func (t Transcoder) ParseBuffered(path string, raw []byte, texts *[]byte) (*tran
 			return nil, err
 		}
 		req.Messages = msgs
+		req.Preamble = prefix.Preamble(b.tools, b.responseFormat)
 		if !t.LazyCanonical {
-			req.Canonical = prefix.CanonicalChat(msgs)
+			req.Canonical = req.AppendCanonical(nil)
 		}
 	case transcode.Completion:
 		if !hasPrompt {
@@ -145,8 +198,10 @@ func (t Transcoder) ParseBuffered(path string, raw []byte, texts *[]byte) (*tran
 			return nil, transcode.BadRequest("completion request must not carry \"messages\"")
 		}
 		req.Prompt = b.prompt.text
+		// A completion has no chat template to render tools into.
+		req.Preamble = prefix.Preamble(nil, b.responseFormat)
 		if !t.LazyCanonical {
-			req.Canonical = prefix.CanonicalCompletion(req.Prompt)
+			req.Canonical = req.AppendCanonical(nil)
 		}
 	}
 	if len(b.labelSelector) > 0 {
@@ -235,9 +290,13 @@ func convertPart(p part) (prefix.Part, *transcode.Error) {
 }
 
 // Upstream implements transcode.Transcoder: OpenAI-speaking backends get the
-// request unchanged; Triton backends get it translated.
+// request unchanged; Triton backends get chat and completions translated
+// and refuse the other APIs, which Triton's generate endpoint cannot serve.
 func (Transcoder) Upstream(req *transcode.Request, backend string) (transcode.Upstream, error) {
 	if backend == config.BackendTriton {
+		if req.Kind != transcode.Chat && req.Kind != transcode.Completion {
+			return transcode.Upstream{}, transcode.BadRequest("%s requests cannot be sent to a triton backend: it serves chat/completions and completions", req.Kind)
+		}
 		return triton.Translate(req)
 	}
 	return transcode.Upstream{}, nil

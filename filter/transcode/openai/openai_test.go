@@ -127,7 +127,15 @@ func TestParseErrors(t *testing.T) {
 		{"", `{"model":"m","prompt":"x","label_selector":{"a":null}}`, 400, `field "label_selector.a" must be a string`},
 		{"", `{"model":"m","prompt":"x","label_selector":["a"]}`, 400, "label_selector"},
 		{"", `{"model":"m","prompt":"x","label_selector":{"lora":"a"},"lora":"b"}`, 400, "contradicts"},
-		{"/v1/embeddings", `{"model":"m","input":"x"}`, 404, "unsupported path"},
+		{"/v1/files", `{"purpose":"batch"}`, 404, "unsupported path"},
+		{"/v1/models/x", `not json`, 404, "unsupported path"},
+		{"/v1/embeddings", `{"input":"x"}`, 400, `missing required field "model"`},
+		{"/v1/responses", `{"model":7,"input":"x"}`, 400, `field "model" must be a string`},
+		{"/v1/messages", `{"model":"m","messages":[}`, 400, "invalid JSON"},
+		{"/v1/messages", ``, 400, "empty request body"},
+		{"/v1/rerank", `["m"]`, 400, "must be an object"},
+		{"/v1/score", `{"model":"m","text_1":"a","label_selector":["x"]}`, 400, "label_selector"},
+		{"/v1/audio/transcriptions", `{"model":"m"}`, 400, "multipart/form-data"},
 	}
 	for _, c := range cases {
 		_, err := New().Parse(c.path, []byte(c.body))

@@ -107,7 +107,7 @@ func parse(args []string, stderr io.Writer) (config, error) {
 	fs.DurationVar(&c.cacheTTL, "cache-ttl", store.DefaultCacheTTL, "lifetime of a cache index entry since its last save or hit")
 	fs.DurationVar(&c.touchInt, "cache-touch-interval", time.Second, "hits refresh an entry's TTL at most this often")
 	fs.DurationVar(&c.signalMaxAge, "signal-max-age", store.DefaultSignalMaxAge, "pods' reports (pushed or scraped) older than this are not answered")
-	fs.StringVar(&c.scrapeConfig, "scrape-config", "", "the scrape configuration file: per routing cluster its backend (vllm, sglang or llamacpp) and pods, whose /metrics are scraped for pod signals (podsignals.Config; empty: no scraping)")
+	fs.StringVar(&c.scrapeConfig, "scrape-config", "", "the scrape configuration file: per routing cluster its backend (vllm, sglang or llamacpp) and pods, whose /metrics are scraped for pod signals (podsignals.Config), besides the pods gateways announce")
 	fs.DurationVar(&c.scrapeInterval, "scrape-interval", podsignals.DefaultInterval, "how often third-party pods' /metrics are scraped")
 	fs.DurationVar(&c.scrapeTimeout, "scrape-timeout", 0, "bound on one scrape (0: the interval)")
 	fs.IntVar(&c.maxEntries, "max-entries", memstore.DefaultMaxEntries, "LRU cap on cache index entries (--store memory)")
@@ -217,35 +217,41 @@ func run(ctx context.Context, args []string, stderr io.Writer, onListen func(net
 
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	// The pods to scrape: those --scrape-config lists and those gateways
+	// announce (docs/metadata-center.md, "Pod signals").
+	discovered := podsignals.NewDiscovered()
 	so := server.Options{
 		AuthToken: c.authToken, Logger: log, Registry: reg,
 		MaxBodyBytes: c.maxBodyBytes, StoreTimeout: c.storeTimeout,
+		Discovered: discovered,
 	}
 	if tokens != nil {
 		so.Tokens = tokens
 	}
 	srv := server.New(st, so)
 
+	var static []podsignals.Target
 	if c.scrapeConfig != "" {
 		doc, err := os.ReadFile(c.scrapeConfig)
 		if err != nil {
 			return fmt.Errorf("--scrape-config: %w", err)
 		}
-		targets, err := podsignals.ParseTargets(doc)
+		static, err = podsignals.ParseTargets(doc)
 		if err != nil {
 			return fmt.Errorf("--scrape-config %s: %w", c.scrapeConfig, err)
 		}
-		sc, err := podsignals.New(podsignals.Options{Store: st.Parts().Signals, Targets: podsignals.StaticTargets(targets),
-			Interval: c.scrapeInterval, Timeout: c.scrapeTimeout, Logger: log, Registerer: reg})
-		if err != nil {
-			return err
-		}
-		scrapeCtx, stopScrape := context.WithCancel(ctx)
-		scraped := make(chan struct{})
-		go func() { sc.Run(scrapeCtx); close(scraped) }()
-		defer func() { stopScrape(); <-scraped }()
-		log.Info("scraping pods' /metrics for their signals", "pods", len(targets), "interval", c.scrapeInterval.String())
 	}
+	sc, err := podsignals.New(podsignals.Options{Store: st.Parts().Signals,
+		Targets:  &podsignals.Fleet{Static: static, Discovered: discovered, Registry: st.Parts().Registry, Timeout: c.storeTimeout, Logger: log},
+		Interval: c.scrapeInterval, Timeout: c.scrapeTimeout, Logger: log, Registerer: reg})
+	if err != nil {
+		return err
+	}
+	scrapeCtx, stopScrape := context.WithCancel(ctx)
+	scraped := make(chan struct{})
+	go func() { sc.Run(scrapeCtx); close(scraped) }()
+	defer func() { stopScrape(); <-scraped }()
+	log.Info("scraping pods' /metrics for their signals", "listed_pods", len(static), "interval", c.scrapeInterval.String())
 
 	ln, err := net.Listen("tcp", c.listen)
 	if err != nil {
