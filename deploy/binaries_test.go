@@ -31,6 +31,7 @@ import (
 
 	"github.com/istio-llm-filter/istio-llm-filter/internal/testutil/cgoenv"
 	"github.com/istio-llm-filter/istio-llm-filter/internal/testutil/redistest"
+	"github.com/istio-llm-filter/istio-llm-filter/internal/testutil/wait"
 )
 
 var varRef = regexp.MustCompile(`\$\(([A-Za-z_][A-Za-z0-9_]*)\)`)
@@ -319,16 +320,13 @@ func TestManifestArgsRunTheRealBinaries(t *testing.T) {
 	for _, probe := range []*corev1.Probe{wC.LivenessProbe, wC.ReadinessProbe, wC.StartupProbe} {
 		// Polled as the kubelet does: readiness waits for the metadata
 		// center's acknowledgement of the start-up index reset.
-		deadline := time.Now().Add(10 * time.Second)
-		for {
-			code, body := httpGet(t, "http://"+wAddr+probePath(t, probe))
-			if code == http.StatusOK {
-				break
-			}
-			if time.Now().After(deadline) {
-				t.Fatalf("worker %s = %d %s\n%s", probe.HTTPGet.Path, code, body, w.output())
-			}
-			time.Sleep(50 * time.Millisecond)
+		var code int
+		var body string
+		if !wait.Until(10*time.Second, func() bool {
+			code, body = httpGet(t, "http://"+wAddr+probePath(t, probe))
+			return code == http.StatusOK
+		}) {
+			t.Fatalf("worker %s = %d %s\n%s", probe.HTTPGet.Path, code, body, w.output())
 		}
 	}
 	if code, body := httpGet(t, "http://"+wAddr+wDep.Spec.Template.Annotations["prometheus.io/path"]); code != http.StatusOK || !strings.Contains(body, "llmf_worker_") {
@@ -363,16 +361,11 @@ func TestManifestArgsRunTheRealBinaries(t *testing.T) {
 	// ({all: true} eviction), under the manifest's --cluster: seeing that call
 	// succeed proves the worker found the metadata center and was accepted.
 	evictOK := regexp.MustCompile(`llmf_metadata_center_requests_total\{[^}]*code="200"[^}]*endpoint="/v1/cache/evict"[^}]*\} [1-9]`)
-	deadline := time.Now().Add(30 * time.Second)
-	for {
+	if !wait.Until(30*time.Second, func() bool {
 		_, metrics := httpGet(t, "http://"+mcAddr+mcDep.Spec.Template.Annotations["prometheus.io/path"])
-		if evictOK.MatchString(metrics) {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("the worker's start-up eviction never reached the metadata center\nworker:\n%s\nmetadata center:\n%s", w.output(), mc.output())
-		}
-		time.Sleep(200 * time.Millisecond)
+		return evictOK.MatchString(metrics)
+	}) {
+		t.Fatalf("the worker's start-up eviction never reached the metadata center\nworker:\n%s\nmetadata center:\n%s", w.output(), mc.output())
 	}
 
 	// The worker registered the pod's labels (from the downward API file)
@@ -381,19 +374,18 @@ func TestManifestArgsRunTheRealBinaries(t *testing.T) {
 	if code, _ := httpGet(t, "http://"+mcAddr+"/v1/pods?cluster="+url.QueryEscape(cluster)); code != http.StatusUnauthorized {
 		t.Fatalf("without the token from the mounted Secret: %d, want 401", code)
 	}
-	for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(200 * time.Millisecond) {
-		_, body := httpGet(t, "http://"+mcAddr+"/v1/pods?cluster="+url.QueryEscape(cluster), token)
+	var body string
+	if !wait.Until(30*time.Second, func() bool {
+		_, body = httpGet(t, "http://"+mcAddr+"/v1/pods?cluster="+url.QueryEscape(cluster), token)
 		var pods map[string]struct {
 			Labels map[string]string `json:"labels"`
 			Models []string          `json:"models"`
 		}
 		_ = json.Unmarshal([]byte(body), &pods)
 		// Under its advertised address ($(POD_IP):8000), not the test's port.
-		if p, ok := pods["127.0.0.1:8000"]; ok && reflect.DeepEqual(p.Labels, wDep.Spec.Template.Labels) && len(p.Models) == 1 && p.Models[0] == model {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("the worker's registration never reached the metadata center: %s\nworker:\n%s", body, w.output())
-		}
+		p, ok := pods["127.0.0.1:8000"]
+		return ok && reflect.DeepEqual(p.Labels, wDep.Spec.Template.Labels) && len(p.Models) == 1 && p.Models[0] == model
+	}) {
+		t.Fatalf("the worker's registration never reached the metadata center: %s\nworker:\n%s", body, w.output())
 	}
 }

@@ -28,6 +28,7 @@ import (
 	"time"
 
 	"github.com/istio-llm-filter/istio-llm-filter/filter/llmfilter"
+	"github.com/istio-llm-filter/istio-llm-filter/internal/testutil/wait"
 )
 
 type dashboard struct {
@@ -189,8 +190,9 @@ filter:
 
 	var samples []sample
 	names := map[string]bool{}
-	deadline := time.Now().Add(10 * time.Second)
-	for {
+	// The last requests are counted when their handlers return; on a
+	// timeout the checks below say what is missing.
+	wait.Until(10*time.Second, func() bool {
 		samples = samples[:0]
 		for _, addr := range []string{gwAddr, wAddr, mcAddr} {
 			code, text := httpGet(t, "http://"+addr+"/metrics")
@@ -202,12 +204,8 @@ filter:
 		for _, s := range samples {
 			names[s.name] = true
 		}
-		// The last requests are counted when their handlers return.
-		if sum(samples, "llm_filter_requests_total", nil) >= 10 || time.Now().After(deadline) {
-			break
-		}
-		time.Sleep(50 * time.Millisecond)
-	}
+		return sum(samples, "llm_filter_requests_total", nil) >= 10
+	})
 
 	shared := map[string]bool{llmfilter.RequestsFamily: true}
 	for _, h := range llmfilter.HistogramNames {

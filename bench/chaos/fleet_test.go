@@ -14,6 +14,7 @@ import (
 
 	"github.com/istio-llm-filter/istio-llm-filter/bench/fleet"
 	"github.com/istio-llm-filter/istio-llm-filter/internal/testutil/cgoenv"
+	"github.com/istio-llm-filter/istio-llm-filter/internal/testutil/wait"
 )
 
 var (
@@ -183,12 +184,8 @@ func TestFleetRestartsPartsOnTheirAddresses(t *testing.T) {
 	if err := f.StartRedis(ctx); err != nil {
 		t.Fatal(err)
 	}
-	deadline := time.Now().Add(10 * time.Second)
-	for !up(ready) {
-		if time.Now().After(deadline) {
-			t.Fatal("metadata center not ready again after Redis came back")
-		}
-		time.Sleep(100 * time.Millisecond)
+	if !wait.Until(10*time.Second, func() bool { return up(ready) }) {
+		t.Fatal("metadata center not ready again after Redis came back")
 	}
 	names := map[string]bool{}
 	for _, p := range f.Procs() {

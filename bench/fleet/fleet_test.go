@@ -4,6 +4,8 @@ import (
 	"os/exec"
 	"testing"
 	"time"
+
+	"github.com/istio-llm-filter/istio-llm-filter/internal/testutil/wait"
 )
 
 // A gateway that lost its port exits at once; Start tells that from one
@@ -21,11 +23,7 @@ func TestExitedTellsARunningProcessFromADeadOne(t *testing.T) {
 	if err := p.Process.Kill(); err != nil {
 		t.Fatal(err)
 	}
-	deadline := time.Now().Add(5 * time.Second)
-	for !exited(p) {
-		if time.Now().After(deadline) {
-			t.Fatal("a killed, unreaped child does not read as exited")
-		}
-		time.Sleep(10 * time.Millisecond)
+	if !wait.Until(5*time.Second, func() bool { return exited(p) }) {
+		t.Fatal("a killed, unreaped child does not read as exited")
 	}
 }

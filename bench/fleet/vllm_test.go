@@ -18,6 +18,7 @@ import (
 
 	"github.com/istio-llm-filter/istio-llm-filter/internal/headers"
 	"github.com/istio-llm-filter/istio-llm-filter/internal/testutil/cgoenv"
+	"github.com/istio-llm-filter/istio-llm-filter/internal/testutil/wait"
 )
 
 // A fleet of vLLM-like pods on real processes: the gateway routes to them
@@ -79,28 +80,18 @@ func TestVLLMFleetServesAndIsScraped(t *testing.T) {
 	}
 	// The gateway learns where the prefix went from its own routing; wait
 	// (bounded) until a repeat lands on the holder and hits its cache.
-	deadline := time.Now().Add(10 * time.Second)
-	for {
-		w, cached := send()
-		if w == first && cached > 0 {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("repeats never hit the first pod's cache (last: %s, cached %d)", w, cached)
-		}
-		time.Sleep(20 * time.Millisecond)
+	var w string
+	var cached int
+	if !wait.Until(10*time.Second, func() bool {
+		w, cached = send()
+		return w == first && cached > 0
+	}) {
+		t.Fatalf("repeats never hit the first pod's cache (last: %s, cached %d)", w, cached)
 	}
 	// The metadata center scrapes the pods: it counts successful scrapes.
-	deadline = time.Now().Add(10 * time.Second)
-	for {
-		if n := scrapesOK(t, f.MC); n >= 3 {
-			break
-		}
-		if time.Now().After(deadline) {
-			b, _ := os.ReadFile(filepath.Join(f.LogDir, "metadata-center.log"))
-			t.Fatalf("the metadata center scraped no vllm pod:\n%s", b)
-		}
-		time.Sleep(20 * time.Millisecond)
+	if !wait.Until(10*time.Second, func() bool { return scrapesOK(t, f.MC) >= 3 }) {
+		b, _ := os.ReadFile(filepath.Join(f.LogDir, "metadata-center.log"))
+		t.Fatalf("the metadata center scraped no vllm pod:\n%s", b)
 	}
 }
 

@@ -17,6 +17,7 @@ import (
 	"time"
 
 	"github.com/istio-llm-filter/istio-llm-filter/bench/workload"
+	"github.com/istio-llm-filter/istio-llm-filter/internal/testutil/wait"
 )
 
 // testConfig is a small, fast pod.
@@ -145,13 +146,7 @@ func gauge(m map[string]float64, name string) float64 { return m[name+`{model_na
 // waitFor polls cond for up to 10 s.
 func waitFor(t *testing.T, what string, cond func() bool) {
 	t.Helper()
-	deadline := time.Now().Add(10 * time.Second)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out waiting for %s", what)
-		}
-		time.Sleep(5 * time.Millisecond)
-	}
+	wait.For(t, 10*time.Second, what, cond)
 }
 
 func words(seed uint64, n int) string { return workload.Text(rand.New(rand.NewPCG(seed, 9)), n) }

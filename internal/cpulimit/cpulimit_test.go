@@ -4,6 +4,8 @@ import (
 	"os/exec"
 	"testing"
 	"time"
+
+	"github.com/istio-llm-filter/istio-llm-filter/internal/testutil/wait"
 )
 
 func TestLimitCPUThrottlesABusyProcess(t *testing.T) {
@@ -24,19 +26,14 @@ func TestLimitCPUThrottlesABusyProcess(t *testing.T) {
 	}
 	// A spinning shell wants a whole CPU; 5% of one must throttle it
 	// within a few 100 ms periods.
-	deadline := time.Now().Add(5 * time.Second)
-	for {
+	if !wait.Until(5*time.Second, func() bool {
 		n, err := l.Throttled()
 		if err != nil {
 			t.Fatal(err)
 		}
-		if n > 0 {
-			return
-		}
-		if time.Now().After(deadline) {
-			t.Fatal("a busy process under a 0.05 CPU quota was never throttled")
-		}
-		time.Sleep(50 * time.Millisecond)
+		return n > 0
+	}) {
+		t.Fatal("a busy process under a 0.05 CPU quota was never throttled")
 	}
 }
 

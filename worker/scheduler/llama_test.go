@@ -20,6 +20,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	dto "github.com/prometheus/client_model/go"
 
+	"github.com/istio-llm-filter/istio-llm-filter/internal/testutil/wait"
 	"github.com/istio-llm-filter/istio-llm-filter/prefix"
 	"github.com/istio-llm-filter/istio-llm-filter/worker/engine"
 	"github.com/istio-llm-filter/istio-llm-filter/worker/engine/llama"
@@ -218,14 +219,9 @@ func TestLlamaParkedEntriesLeaveTheKVCacheFree(t *testing.T) {
 	// Stats are published by the loop after each step, so the last
 	// request's answer can reach us before the step that parked it is
 	// published (TestStatsReportPrefillAndKVCells waits the same way).
-	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(5 * time.Millisecond) {
-		st := s.Stats()
-		if st.KVCellsUsed == 0 {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("KV cells in use with only parked entries: %d, want 0", st.KVCellsUsed)
-		}
+	var used int
+	if !wait.Until(5*time.Second, func() bool { used = s.Stats().KVCellsUsed; return used == 0 }) {
+		t.Fatalf("KV cells in use with only parked entries: %d, want 0", used)
 	}
 	out, res := collect(t, s, &Request{ID: "again", Prompt: prompt0, MaxTokens: 8, IgnoreEOS: true})
 	if res.State != Completed || res.CachedTokens != len(prompt0)-1 || !slices.Equal(out, first) {
@@ -277,18 +273,15 @@ func TestLlamaParkBoundEvictsLRUAndKeepsOutput(t *testing.T) {
 		}
 	}
 	// Reports are sent after the loop's step; wait for the second.
-	deadline := time.Now().Add(10 * time.Second)
-	for {
+	var got []prefix.Hash
+	wait.Until(10*time.Second, func() bool {
 		mu.Lock()
-		got := slices.Clone(evicted)
-		mu.Unlock()
-		if len(got) >= 2 || time.Now().After(deadline) {
-			if !slices.Equal(got, []prefix.Hash{100, 101}) {
-				t.Fatalf("evictions reported %v, want the two least recently used [100 101]", got)
-			}
-			break
-		}
-		time.Sleep(10 * time.Millisecond)
+		defer mu.Unlock()
+		got = slices.Clone(evicted)
+		return len(got) >= 2
+	})
+	if !slices.Equal(got, []prefix.Hash{100, 101}) {
+		t.Fatalf("evictions reported %v, want the two least recently used [100 101]", got)
 	}
 	if n := counterValue(m.evictions.WithLabelValues("park_bytes")); n != 2 {
 		t.Fatalf("%v park_bytes evictions, want 2", n)
@@ -400,7 +393,11 @@ func benchConcurrent(b *testing.B, eng engine.Engine, s *Scheduler, distinct boo
 		sys := tokenize(b, eng, history(2000, fmt.Sprint("system prompt ", i)))
 		var wg sync.WaitGroup
 		res := make([]*Result, users)
+		arrive := time.NewTicker(50 * time.Millisecond)
 		for u := range users {
+			if u > 0 {
+				<-arrive.C
+			}
 			if distinct {
 				sys = tokenize(b, eng, history(2000, fmt.Sprint("system prompt ", i, " of user ", u)))
 			}
@@ -411,8 +408,8 @@ func benchConcurrent(b *testing.B, eng engine.Engine, s *Scheduler, distinct boo
 				defer wg.Done()
 				_, res[u] = collect(b, s, &Request{ID: fmt.Sprint("s", i, "-", u), Prompt: p, MaxTokens: 1})
 			}()
-			time.Sleep(50 * time.Millisecond)
 		}
+		arrive.Stop()
 		wg.Wait()
 		for _, r := range res {
 			ttft += r.TTFT

@@ -15,6 +15,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	dto "github.com/prometheus/client_model/go"
 
+	"github.com/istio-llm-filter/istio-llm-filter/internal/testutil/wait"
 	"github.com/istio-llm-filter/istio-llm-filter/prefix"
 	"github.com/istio-llm-filter/istio-llm-filter/worker/engine"
 	"github.com/istio-llm-filter/istio-llm-filter/worker/engine/sim"
@@ -350,7 +351,7 @@ func TestExhaustedSeqIDsWaitPending(t *testing.T) {
 	}
 	<-hs[0].Ready()
 	seenPending := false
-	for range 50 {
+	wait.Until(10*time.Second, func() bool {
 		r2.inspect(t, func(v View) {
 			var pending, processing int
 			for _, st := range v.States {
@@ -368,11 +369,8 @@ func TestExhaustedSeqIDsWaitPending(t *testing.T) {
 				seenPending = true
 			}
 		})
-		if seenPending {
-			break
-		}
-		time.Sleep(time.Millisecond)
-	}
+		return seenPending
+	})
 	if !seenPending {
 		t.Fatal("never saw two requests PENDING behind two PROCESSING")
 	}
@@ -405,6 +403,8 @@ func TestEvictionUnderASmallLimitSparesRunningRequests(t *testing.T) {
 		Config{MaxRunning: 3, KV: kvcache.Limits{MaxBytes: 600, Threshold: 0.8}, CleanupInterval: 5 * time.Millisecond}, true)
 	stopWatch := make(chan struct{})
 	watchDone := make(chan struct{})
+	// Each inspection waits for the loop between two steps, so the watcher
+	// checks the books once a step without sleeping.
 	go func() {
 		defer close(watchDone)
 		for {
@@ -423,7 +423,6 @@ func TestEvictionUnderASmallLimitSparesRunningRequests(t *testing.T) {
 					}
 				}
 			})
-			time.Sleep(200 * time.Microsecond)
 		}
 	}()
 	var wg sync.WaitGroup
@@ -773,14 +772,12 @@ func TestARequestThatNeverRanReportsItsUnheldHashes(t *testing.T) {
 		t.Fatalf("gone: %+v", res)
 	}
 	var got []prefix.Hash
-	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(5 * time.Millisecond) {
+	wait.Until(5*time.Second, func() bool {
 		r.mu.Lock()
+		defer r.mu.Unlock()
 		got = slices.Concat(r.evicts...)
-		r.mu.Unlock()
-		if len(got) > 0 || time.Now().After(deadline) {
-			break
-		}
-	}
+		return len(got) > 0
+	})
 	// 1 is held by the running request's entry, 3 carried by the one still
 	// queued: only 4 is nobody's.
 	if !slices.Equal(got, []prefix.Hash{4}) {

@@ -7,6 +7,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/istio-llm-filter/istio-llm-filter/internal/testutil/wait"
 	"github.com/istio-llm-filter/istio-llm-filter/worker/engine/sim"
 )
 
@@ -33,18 +34,14 @@ func TestStatsReportPrefillAndKVCells(t *testing.T) {
 			t.Fatalf("%s: %+v", h.ID(), res)
 		}
 	}
-	deadline := time.Now().Add(5 * time.Second)
-	for {
-		st := r.s.Stats()
-		var used int
+	var st Stats
+	var used int
+	if !wait.Until(5*time.Second, func() bool {
+		st = r.s.Stats()
 		r.inspect(t, func(View) { used = r.eng.UsedCells() })
-		if st.Queued == 0 && st.Running == 0 && st.PrefillTokens == 0 && st.KVCellsUsed == used && used >= len(p1)+len(p2) {
-			return
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("after both finished: %+v, engine uses %d cells", st, used)
-		}
-		time.Sleep(5 * time.Millisecond)
+		return st.Queued == 0 && st.Running == 0 && st.PrefillTokens == 0 && st.KVCellsUsed == used && used >= len(p1)+len(p2)
+	}) {
+		t.Fatalf("after both finished: %+v, engine uses %d cells", st, used)
 	}
 }
 
@@ -103,11 +100,7 @@ func TestStatsCountASharedPrefixInFlightOnce(t *testing.T) {
 // waitFor polls cond until it holds, for at most 10 s.
 func waitFor(t *testing.T, what string, cond func() bool) {
 	t.Helper()
-	for deadline := time.Now().Add(10 * time.Second); !cond(); time.Sleep(time.Millisecond) {
-		if time.Now().After(deadline) {
-			t.Fatalf("no %s in 10 s", what)
-		}
-	}
+	wait.For(t, 10*time.Second, what, cond)
 }
 
 // Questions queued behind a busy pod are reported by what they will

@@ -11,6 +11,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/istio-llm-filter/istio-llm-filter/internal/testutil/wait"
 	"github.com/istio-llm-filter/istio-llm-filter/prefix"
 	"github.com/istio-llm-filter/istio-llm-filter/worker/openai"
 	"github.com/istio-llm-filter/istio-llm-filter/worker/scheduler"
@@ -65,18 +66,10 @@ func firstChunk(t *testing.T, resp *http.Response) {
 // waitFor polls the loop's books until cond holds, for at most 20 s.
 func waitFor(t *testing.T, w *worker, what string, cond func(scheduler.View) bool) {
 	t.Helper()
-	deadline := time.Now().Add(20 * time.Second)
-	for {
-		ok := false
+	wait.For(t, 20*time.Second, what, func() (ok bool) {
 		w.inspect(t, func(v scheduler.View) { ok = cond(v) })
-		if ok {
-			return
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out waiting for %s", what)
-		}
-		time.Sleep(2 * time.Millisecond)
-	}
+		return ok
+	})
 }
 
 func nothingRuns(v scheduler.View) bool { return len(v.States) == 0 }

@@ -13,6 +13,7 @@ import (
 	"time"
 
 	filteropenai "github.com/istio-llm-filter/istio-llm-filter/filter/transcode/openai"
+	"github.com/istio-llm-filter/istio-llm-filter/internal/testutil/wait"
 	"github.com/istio-llm-filter/istio-llm-filter/prefix"
 	"github.com/istio-llm-filter/istio-llm-filter/worker/scheduler"
 )
@@ -194,12 +195,9 @@ func TestDebugKVPrefixesListsEvictionsAndRefusalsWithTheirTimes(t *testing.T) {
 				resp.Body.Close()
 			}
 		}()
-		deadline := time.Now().Add(10 * time.Second)
-		for s := w.sched.Stats(); !until(s); s = w.sched.Stats() {
-			if time.Now().After(deadline) {
-				t.Fatalf("never one running and one queued: %+v", s)
-			}
-			time.Sleep(time.Millisecond)
+		var s scheduler.Stats
+		if !wait.Until(10*time.Second, func() bool { s = w.sched.Stats(); return until(s) }) {
+			t.Fatalf("never one running and one queued: %+v", s)
 		}
 	}
 	refused := msgs("user", longText(500, "refused"))

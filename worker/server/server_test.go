@@ -20,6 +20,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/istio-llm-filter/istio-llm-filter/internal/headers"
+	"github.com/istio-llm-filter/istio-llm-filter/internal/testutil/wait"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/api"
 	"github.com/istio-llm-filter/istio-llm-filter/prefix"
 	"github.com/istio-llm-filter/istio-llm-filter/worker/engine"
@@ -399,12 +400,8 @@ func TestOverloadGets429WithRetryAfter(t *testing.T) {
 		}()
 	}
 	waitFor := func(what string, cond func(scheduler.Stats) bool) {
-		deadline := time.Now().Add(10 * time.Second)
-		for !cond(w.sched.Stats()) {
-			if time.Now().After(deadline) {
-				t.Fatalf("never saw %s: %+v", what, w.sched.Stats())
-			}
-			time.Sleep(time.Millisecond)
+		if !wait.Until(10*time.Second, func() bool { return cond(w.sched.Stats()) }) {
+			t.Fatalf("never saw %s: %+v", what, w.sched.Stats())
 		}
 	}
 	background()
@@ -427,19 +424,13 @@ func TestOverloadGets429WithRetryAfter(t *testing.T) {
 // waitIdle waits until no request runs and every held seq id belongs to an idle cache entry.
 func waitIdle(t *testing.T, w *worker) {
 	t.Helper()
-	deadline := time.Now().Add(20 * time.Second)
-	for {
-		idle := false
+	if !wait.Until(20*time.Second, func() (idle bool) {
 		w.inspect(t, func(v scheduler.View) {
 			idle = len(v.States) == 0 && v.Pool.InUse() == v.KV.Idle() && v.KV.Idle() == v.KV.Len()
 		})
-		if idle {
-			return
-		}
-		if time.Now().After(deadline) {
-			t.Fatal("worker never went idle: a seq id leaked")
-		}
-		time.Sleep(10 * time.Millisecond)
+		return idle
+	}) {
+		t.Fatal("worker never went idle: a seq id leaked")
 	}
 }
 
@@ -715,12 +706,8 @@ func TestQueueWaitTimeoutGets408WithTheTraceID(t *testing.T) {
 			resp.Body.Close()
 		}
 	}()
-	deadline := time.Now().Add(10 * time.Second)
-	for w.sched.Stats().Running != 1 {
-		if time.Now().After(deadline) {
-			t.Fatal("the long request never ran")
-		}
-		time.Sleep(time.Millisecond)
+	if !wait.Until(10*time.Second, func() bool { return w.sched.Stats().Running == 1 }) {
+		t.Fatal("the long request never ran")
 	}
 	for _, stream := range []bool{false, true} {
 		b, _ := json.Marshal(map[string]any{"model": "tiny", "messages": msgs("user", "queued"), "max_tokens": 2, "stream": stream})
@@ -746,14 +733,12 @@ func TestQueueWaitTimeoutGets408WithTheTraceID(t *testing.T) {
 		}
 	}
 	// The loop updates the gauge right after it answered the requests.
-	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(5 * time.Millisecond) {
-		m := scrape(t, w)
-		if strings.Contains(m, `llmf_worker_requests_total{state="TIMEOUT"} 2`) && strings.Contains(m, "llmf_worker_queue_depth 0") {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("metrics after two queue timeouts:\n%s", m)
-		}
+	var m string
+	if !wait.Until(5*time.Second, func() bool {
+		m = scrape(t, w)
+		return strings.Contains(m, `llmf_worker_requests_total{state="TIMEOUT"} 2`) && strings.Contains(m, "llmf_worker_queue_depth 0")
+	}) {
+		t.Fatalf("metrics after two queue timeouts:\n%s", m)
 	}
 	cancel()
 	<-done

@@ -10,6 +10,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/istio-llm-filter/istio-llm-filter/internal/testutil/wait"
 )
 
 // --pods N listens on N free ports, lists them in --addr-file, and every
@@ -23,17 +25,11 @@ func TestPodsListTheirAddressesAndServe(t *testing.T) {
 		done <- run(ctx, []string{"--pods", "3", "--listen", "127.0.0.1:0", "--addr-file", file}, log)
 	}()
 	var addrs []string
-	deadline := time.Now().Add(10 * time.Second)
-	for {
-		if b, err := os.ReadFile(file); err == nil {
-			addrs = strings.Fields(string(b))
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatal("no address file")
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
+	wait.For(t, 10*time.Second, "the address file", func() bool {
+		b, err := os.ReadFile(file)
+		addrs = strings.Fields(string(b))
+		return err == nil
+	})
 	if len(addrs) != 3 || addrs[0] == addrs[1] || addrs[1] == addrs[2] {
 		t.Fatalf("addresses %v, want 3 distinct", addrs)
 	}

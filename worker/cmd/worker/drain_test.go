@@ -13,6 +13,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/istio-llm-filter/istio-llm-filter/internal/testutil/wait"
 	"github.com/istio-llm-filter/istio-llm-filter/worker/testmodel"
 )
 
@@ -173,11 +174,5 @@ func TestSIGTERMDrainsRunningAndQueuedRequestsThenExitsZero(t *testing.T) {
 // waitUntil polls cond for at most 20 s.
 func waitUntil(t *testing.T, what string, cond func() bool) {
 	t.Helper()
-	deadline := time.Now().Add(20 * time.Second)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out waiting for %s", what)
-		}
-		time.Sleep(5 * time.Millisecond)
-	}
+	wait.For(t, 20*time.Second, what, cond)
 }

@@ -12,6 +12,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/istio-llm-filter/istio-llm-filter/internal/testutil/wait"
+	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/api"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/client"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/server"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/store/memstore"
@@ -81,17 +83,15 @@ func TestRegistersWithTheMetadataCenter(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(20 * time.Millisecond) {
-		pods, err := mcc.Pods(context.Background(), "pool")
+	var pods map[string]api.PodRegistration
+	if !wait.Until(10*time.Second, func() bool {
+		pods, err = mcc.Pods(context.Background(), "pool")
 		if err != nil {
 			t.Fatal(err)
 		}
 		p, ok := pods[host]
-		if ok && reflect.DeepEqual(p.Labels, map[string]string{"pool": "gold", "gpu": "l4"}) && reflect.DeepEqual(p.Models, []string{"tiny"}) {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("registrations %+v, want %s with its labels and model", pods, host)
-		}
+		return ok && reflect.DeepEqual(p.Labels, map[string]string{"pool": "gold", "gpu": "l4"}) && reflect.DeepEqual(p.Models, []string{"tiny"})
+	}) {
+		t.Fatalf("registrations %+v, want %s with its labels and model", pods, host)
 	}
 }

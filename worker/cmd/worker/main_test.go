@@ -13,6 +13,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/istio-llm-filter/istio-llm-filter/internal/testutil/wait"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/api"
 	"github.com/istio-llm-filter/istio-llm-filter/worker/engine/llama"
 	"github.com/istio-llm-filter/istio-llm-filter/worker/scheduler"
@@ -148,14 +149,16 @@ func TestRunsTheLlamaEngineOnTheGeneratedModel(t *testing.T) {
 		t.Fatalf("models: %s", b)
 	}
 	// The finished conversation is parked in host memory (--kv-park-idle).
-	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(20 * time.Millisecond) {
+	var parked float64
+	if !wait.Until(10*time.Second, func() bool {
 		resp, err := http.Get(url + "/metrics")
 		if err != nil {
 			t.Fatal(err)
 		}
 		b, _ := io.ReadAll(resp.Body)
 		resp.Body.Close()
-		var parked, limit float64
+		var limit float64
+		parked = 0
 		for _, l := range strings.Split(string(b), "\n") {
 			if v, ok := strings.CutPrefix(l, "llmf_worker_kv_parked_bytes "); ok {
 				parked, _ = strconv.ParseFloat(v, 64)
@@ -168,12 +171,9 @@ func TestRunsTheLlamaEngineOnTheGeneratedModel(t *testing.T) {
 		if meta, err := llama.ReadMeta(testmodel.Path(t)); err != nil || limit != float64(2048*meta.BytesPerToken) {
 			t.Fatalf("llmf_worker_kv_park_limit_bytes %v, want n_ctx 2048 × the model's KV bytes per token (%v)", limit, err)
 		}
-		if parked > 0 && parked <= limit {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("llmf_worker_kv_parked_bytes %v after a completed request, want > 0", parked)
-		}
+		return parked > 0 && parked <= limit
+	}) {
+		t.Fatalf("llmf_worker_kv_parked_bytes %v after a completed request, want > 0", parked)
 	}
 }
 
@@ -186,25 +186,20 @@ func TestSimEngineReportsEvictAllAtStartup(t *testing.T) {
 	if out["object"] != "chat.completion" {
 		t.Fatalf("%v", out)
 	}
-	deadline := time.Now().Add(10 * time.Second)
-	for {
+	var first api.CacheEvict
+	if !wait.Until(10*time.Second, func() bool {
 		c.mu.Lock()
-		n := len(c.body)
-		var first api.CacheEvict
-		if n > 0 {
-			first = c.body[0]
+		defer c.mu.Unlock()
+		if len(c.body) == 0 {
+			return false
 		}
-		c.mu.Unlock()
-		if n > 0 {
-			if !first.All || first.Host != "10.0.0.9:9001" || first.Cluster != "pool" {
-				t.Fatalf("first report %+v", first)
-			}
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatal("no evict-all at start-up")
-		}
-		time.Sleep(10 * time.Millisecond)
+		first = c.body[0]
+		return true
+	}) {
+		t.Fatal("no evict-all at start-up")
+	}
+	if !first.All || first.Host != "10.0.0.9:9001" || first.Cluster != "pool" {
+		t.Fatalf("first report %+v", first)
 	}
 	resp, err := http.Get(url + "/metrics")
 	if err != nil {
@@ -231,23 +226,22 @@ func TestParkMaxBytesZeroNeverParks(t *testing.T) {
 		}
 		return 0, false
 	}
-	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(20 * time.Millisecond) {
+	var b []byte
+	if !wait.Until(10*time.Second, func() bool {
 		resp, err := http.Get(url + "/metrics")
 		if err != nil {
 			t.Fatal(err)
 		}
-		b, _ := io.ReadAll(resp.Body)
+		b, _ = io.ReadAll(resp.Body)
 		resp.Body.Close()
-		if idle, _ := metric(b, `llmf_worker_kv_cache_entries{state="idle"}`); idle == 1 {
-			parked, ok1 := metric(b, "llmf_worker_kv_parked_bytes")
-			limit, ok2 := metric(b, "llmf_worker_kv_park_limit_bytes")
-			if !ok1 || !ok2 || parked != 0 || limit != 0 {
-				t.Fatalf("with --kv-park-max-bytes 0: parked %v (%v), limit %v (%v), want 0 and 0", parked, ok1, limit, ok2)
-			}
-			return
-		}
-		if time.Now().After(deadline) {
-			t.Fatal("the finished conversation is not an idle entry")
-		}
+		idle, _ := metric(b, `llmf_worker_kv_cache_entries{state="idle"}`)
+		return idle == 1
+	}) {
+		t.Fatal("the finished conversation is not an idle entry")
+	}
+	parked, ok1 := metric(b, "llmf_worker_kv_parked_bytes")
+	limit, ok2 := metric(b, "llmf_worker_kv_park_limit_bytes")
+	if !ok1 || !ok2 || parked != 0 || limit != 0 {
+		t.Fatalf("with --kv-park-max-bytes 0: parked %v (%v), limit %v (%v), want 0 and 0", parked, ok1, limit, ok2)
 	}
 }
