@@ -491,3 +491,57 @@ func TestNthSmallestMatchesSort(t *testing.T) {
 		}
 	}
 }
+
+// A request past its first token here no longer loads its pod, though the
+// metadata center counts its prompt until the first-token update lands (or
+// the done): a conversation's next turn must not see its holder as still
+// prefilling the turn before.
+func TestFirstTokenSeenHereIsTakenOffTheMetadataCentersPrompt(t *testing.T) {
+	tr := NewTracker()
+	cands := []endpoints.Endpoint{{Address: "h:1"}}
+	var hs [1]Host
+	prompt := func(mc int64) int64 {
+		tr.fill("c", cands, View{Load: api.LoadStats{"h:1": {TotalReqs: 1, PromptLength: mc}}}, 0, hs[:])
+		return hs[0].Prompt
+	}
+	f := tr.Begin("c", "h:1", 100)
+	f.Acked()
+	if p := prompt(100); p != 100 {
+		t.Fatalf("prefilling: prompt %d, want 100", p)
+	}
+	f.FirstToken()
+	if p := prompt(100); p != 0 {
+		t.Fatalf("first token seen, its update on its way: prompt %d, want 0", p)
+	}
+	f.FirstTokenLanded()
+	f.FirstTokenLanded()
+	if p := prompt(0); p != 0 {
+		t.Fatalf("first-token update landed: prompt %d, want 0", p)
+	}
+	if p := prompt(70); p != 70 {
+		t.Fatalf("another gateway's request prefilling: prompt %d, want 70", p)
+	}
+
+	// The first token before the add landed: the lease arrives with its
+	// prompt, taken off until the first-token update lands; a done that
+	// lands first ends it too.
+	g := tr.Begin("c", "h:1", 40)
+	g.FirstToken()
+	g.Acked()
+	if p := prompt(40); p != 0 {
+		t.Fatalf("acked after its first token: prompt %d, want 0", p)
+	}
+	g.End()
+	g.Released()
+	g.FirstTokenLanded()
+	if p := prompt(30); p != 30 {
+		t.Fatalf("released: prompt %d, want the other 30", p)
+	}
+	f.End()
+	f.Released()
+	if n, u := tr.InFlight("c", "h:1"); n != 0 || u != 0 {
+		t.Fatalf("leftover: %d %d", n, u)
+	}
+	var nilFlight *Flight
+	nilFlight.FirstTokenLanded()
+}

@@ -193,6 +193,13 @@ type local struct {
 	unackedPrefill int64 // prompt bytes of unacked ones before their first token
 	// Ended here, counted by the metadata center, done not yet confirmed.
 	ending int64
+	// Prompt bytes of requests past their first token here whose lease the
+	// metadata center still counts with its prompt: the first-token update
+	// has not landed (FirstTokenLanded) nor the done (Released). A
+	// conversation's next turn arrives within a millisecond of the answer,
+	// and its holder must not look as if it were still prefilling the turn
+	// before.
+	staleFill int64
 	// Decisions for this pod not yet begun and their prefill (reservation).
 	reserved, reservedPrefill int64
 }
@@ -266,9 +273,13 @@ type Flight struct {
 	firstToken    time.Time
 	acked         bool
 	filled        bool // first token seen: its prompt no longer loads the pod
+	ftLanded      bool // the first-token update has landed (or failed)
 	ended         bool
 	released      bool // the done update has landed (or failed)
 }
+
+// stale says whether f counts in l.staleFill. Callers hold t.mu.
+func (f *Flight) stale() bool { return f.acked && f.filled && !f.ftLanded && !f.released }
 
 // ending says whether f counts in l.ending: ended here, its add landed, its
 // done not yet. Callers hold t.mu.
@@ -310,7 +321,13 @@ func (f *Flight) Acked() {
 	if f.ended { // the add landed after the end: its done has yet to
 		f.l = f.t.local(f.cluster, f.host) // End may have let the entry go
 		f.l.ending++
+		if f.stale() {
+			f.l.staleFill += f.prompt
+		}
 		return
+	}
+	if f.stale() {
+		f.l.staleFill += f.prompt
 	}
 	l := f.l
 	l.unacked--
@@ -336,6 +353,27 @@ func (f *Flight) FirstToken() {
 	if !f.acked {
 		l.unackedPrefill -= f.prompt
 	}
+	if f.stale() {
+		l.staleFill += f.prompt
+	}
+}
+
+// FirstTokenLanded records that the metadata center has had the request's
+// first-token update (or that sending it failed): it no longer counts the
+// request's prompt.
+func (f *Flight) FirstTokenLanded() {
+	if f == nil {
+		return
+	}
+	f.t.mu.Lock()
+	defer f.t.mu.Unlock()
+	if f.ftLanded {
+		return
+	}
+	if f.stale() {
+		f.l.staleFill -= f.prompt
+	}
+	f.ftLanded = true
 }
 
 // End records that the request is over.
@@ -384,6 +422,9 @@ func (f *Flight) Released() {
 	defer f.t.mu.Unlock()
 	if !f.ended || f.released {
 		return
+	}
+	if f.stale() {
+		f.l.staleFill -= f.prompt
 	}
 	if f.ending() {
 		f.l.ending--
@@ -514,6 +555,7 @@ func (t *Tracker) fill(cluster string, cands []endpoints.Endpoint, v View, block
 			h.Reqs, h.Prompt = st.TotalReqs, st.PromptLength
 			if l != nil {
 				h.Reqs = max(0, h.Reqs-l.ending) + l.unacked + l.reserved
+				h.Prompt = max(0, h.Prompt-l.staleFill)
 				h.LocalPrefill = l.unackedPrefill + l.reservedPrefill
 				h.Prompt += h.LocalPrefill
 				own += l.inflight
