@@ -282,8 +282,9 @@ func (l *Reporter) FirstToken(d *Request) {
 	if d == nil || !d.has(stStarted) || !d.mark(stFirstToken) {
 		return
 	}
-	d.flight.FirstToken()
-	l.dispatch("first_token", d, d.host())
+	f := d.flight
+	f.FirstToken()
+	l.dispatchDone("first_token", d, d.host(), func(error) { f.FirstTokenLanded() })
 }
 
 // Saved reports that the host now holds the prompt's KV cache (saveKVCache:
