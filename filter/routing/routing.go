@@ -250,6 +250,10 @@ func (e *Decider) Config() *config.Config { return e.cfg }
 // the lifecycle reports keep (filter/lifecycle) and every decision reads.
 func (e *Decider) Tracker() *balancer.Tracker { return e.bal.Tracker() }
 
+// Balancer is the decider's balancer, whose cost model the lifecycle
+// reports check against what they observe (filter/lifecycle, Options.Checker).
+func (e *Decider) Balancer() *balancer.Balancer { return e.bal }
+
 // Error is a refused request: Status 400/404/413/..., Type as in docs/metadata-center.md, "Errors".
 type Error struct {
 	Status  int
@@ -310,6 +314,12 @@ type Decision struct {
 	// Matched is the leading run of Hashes the index held for Host when
 	// the request was routed: what a retraction must leave alone.
 	Matched int
+
+	// Prediction is Host's predicted time to first token for this request
+	// (filter/balancer, ttft.go), whatever the policy: the answer states it
+	// (headers.PredictedTTFT) and the first token checks it
+	// (filter/lifecycle, Balancer.Observe).
+	Prediction balancer.Prediction
 }
 
 type noHeaders struct{}
@@ -421,7 +431,11 @@ func (e *Decider) Decide(ctx context.Context, h Headers, body []byte) (*Decision
 		return nil, e.reject(http.StatusNotFound, transcode.TypeNotFound, trace,
 			"no available endpoint in cluster %q%s", rule.Cluster, selectorNote(rule.Selector, req.Selector))
 	}
-	choice, err := e.bal.Choose(rule.Cluster, lb, cands, view, balancer.Request{Blocks: len(sums), PromptLength: int64(promptLen)})
+	// The canonical prompt lives in sc.canon, reused once Decide returns:
+	// policies read it during Choose only (the epp stand-in keeps block
+	// hashes of it, never the bytes).
+	choice, err := e.bal.Choose(rule.Cluster, lb, cands, view, balancer.Request{Blocks: len(sums), PromptLength: int64(promptLen),
+		Model: req.Model, Prompt: sc.canon})
 	if err != nil {
 		if errors.Is(err, balancer.ErrNoEndpoint) {
 			return nil, e.reject(http.StatusNotFound, transcode.TypeNotFound, trace, "no available endpoint in cluster %q", rule.Cluster)
@@ -434,6 +448,7 @@ func (e *Decider) Decide(ctx context.Context, h Headers, body []byte) (*Decision
 	d.PrefillLength = int(choice.Prefill)
 	d.Degraded = policy.NeedsMetadata() && view.Degraded
 	d.Candidates = choice.Candidates
+	d.Prediction = choice.Prediction
 
 	up, err := codec.Upstream(req, rule.Backend)
 	if err != nil {
