@@ -6,8 +6,8 @@
 //
 // Decide runs: trace id → transcoder → parse → rule match → prompt hash →
 // endpoints and label selectors → one route query to the metadata center
-// (bounded by query_timeout; on failure equal load and zero cache) → policy
-// → upstream body.
+// (bounded by query_timeout; on failure equal load and zero cache) →
+// draining pods dropped → policy → upstream body.
 //
 // Metrics (Options.Metrics.Count) are counted under these names:
 //
@@ -422,6 +422,7 @@ func (e *Decider) Decide(ctx context.Context, h Headers, body []byte) (*Decision
 	}
 	cands := balancer.Filter(all, rule.Selector, req.Selector)
 	cands = withoutAdapterPods(cands, rule.Selector, req.Selector)
+	cands = e.withoutDraining(cands, view.Signals, trace, rule.Cluster)
 	if len(cands) == 0 {
 		if selecting && queried && view.Degraded && e.querier != nil {
 			return nil, e.reject(http.StatusServiceUnavailable, transcode.TypeUnavailable, trace,
@@ -477,6 +478,33 @@ func withoutAdapterPods(eps []endpoints.Endpoint, sels ...map[string]string) []e
 		}
 	}
 	return slices.DeleteFunc(eps, endpoints.Endpoint.AdapterPod)
+}
+
+// withoutDraining drops the pods whose report says they drain (a worker
+// shutting down answers new requests 503), unless every candidate does:
+// then a drained pod's 503 with Retry-After is still the best answer, and
+// the client's retry finds the next pod. One debug line per pod dropped.
+func (e *Decider) withoutDraining(eps []endpoints.Endpoint, sig map[string]api.PodSignals, trace, cluster string) []endpoints.Endpoint {
+	if len(sig) == 0 {
+		return eps
+	}
+	n := 0
+	for _, ep := range eps {
+		if sig[ep.Address].Draining {
+			n++
+		}
+	}
+	if n == 0 || n == len(eps) {
+		return eps
+	}
+	return slices.DeleteFunc(eps, func(ep endpoints.Endpoint) bool {
+		if !sig[ep.Address].Draining {
+			return false
+		}
+		e.log.Debug("pod not routed to: it reports that it drains (shutting down, new requests get 503)",
+			"trace_id", trace, "cluster", cluster, "host", ep.Address)
+		return true
+	})
 }
 
 func selectorNote(sels ...map[string]string) string {
