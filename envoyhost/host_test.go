@@ -1,6 +1,7 @@
 package envoyhost
 
 import (
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -10,8 +11,9 @@ import (
 )
 
 // A chat request goes through the real .so: routed by the filter to a pod
-// of the cluster, answered by a real (simulated-engine) worker, its lease
-// taken and released at a real metadata center, its stats counted.
+// of the cluster, answered by a real (simulated-engine) worker with the
+// TTFT predicted for it, its lease taken and released at a real metadata
+// center, its stats counted.
 func TestRoutedRequestThroughTheRealLibrary(t *testing.T) {
 	st, mc := newMetadataCenter(t)
 	pods := []string{simWorker(t), simWorker(t)}
@@ -27,6 +29,9 @@ func TestRoutedRequestThroughTheRealLibrary(t *testing.T) {
 		served := resp.Header.Get(headers.UpstreamHost)
 		if served != pods[0] && served != pods[1] {
 			t.Fatalf("stream=%v: %s = %q, want one of %v", stream, headers.UpstreamHost, served, pods)
+		}
+		if ms, err := strconv.ParseFloat(resp.Header.Get(headers.PredictedTTFT), 64); err != nil || ms <= 0 {
+			t.Fatalf("stream=%v: %s = %q, want a positive number of milliseconds", stream, headers.PredictedTTFT, resp.Header.Get(headers.PredictedTTFT))
 		}
 		if stream && !strings.Contains(string(body), "data: [DONE]") {
 			t.Fatalf("stream: body is not a finished SSE stream: %q", body)
@@ -65,8 +70,8 @@ func TestBodylessRequestUsesTheRoutesCluster(t *testing.T) {
 	if resp.StatusCode != 200 || resp.Header.Get("x-served-by") != b.addr {
 		t.Fatalf("GET: status %d served by %q", resp.StatusCode, resp.Header.Get("x-served-by"))
 	}
-	if resp.Header.Get(headers.UpstreamHost) != "" {
-		t.Fatal("an unrouted request must not name a routed pod")
+	if resp.Header.Get(headers.UpstreamHost) != "" || resp.Header.Get(headers.PredictedTTFT) != "" {
+		t.Fatal("an unrouted request must not name a routed pod nor a prediction")
 	}
 }
 

@@ -167,7 +167,7 @@ func buildFaults(names []string, f *fleet.Fleet, load *Load, cfg Config, start t
 				},
 			}
 		default:
-			return nil, fmt.Errorf("unknown fault %q (known: %v, and %v)", name, FaultNames, OptInFaults)
+			return nil, fmt.Errorf("unknown fault %q (known: %v)", name, FaultNames)
 		}
 		out = append(out, ft)
 	}

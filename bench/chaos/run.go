@@ -88,13 +88,7 @@ func (c *Config) defaults() {
 }
 
 // Names of every fault, in the default order.
-var FaultNames = []string{"worker-kill", "redis-restart", "redis-pause", "mc-restart", "gateway-kill", "slow-worker", "client-disconnect", "burst"}
-
-// OptInFaults run only when named (--faults): rolling-restart misses its
-// aim until the router stops sending new requests to a draining worker
-// (it answers them 503 with Retry-After; the gateway neither retries nor
-// avoids it).
-var OptInFaults = []string{"rolling-restart"}
+var FaultNames = []string{"worker-kill", "rolling-restart", "redis-restart", "redis-pause", "mc-restart", "gateway-kill", "slow-worker", "client-disconnect", "burst"}
 
 func (c Config) spec() fleet.Spec {
 	// The workers' own timeout (408) well inside the client's, so that a

@@ -16,6 +16,7 @@ import (
 	"github.com/istio-llm-filter/istio-llm-filter/bench/client"
 	"github.com/istio-llm-filter/istio-llm-filter/bench/report"
 	"github.com/istio-llm-filter/istio-llm-filter/bench/workload"
+	"github.com/istio-llm-filter/istio-llm-filter/internal/headers"
 )
 
 // Options controls one replay.
@@ -156,7 +157,7 @@ func (o Options) do(ctx context.Context, base string, msgs []client.Message, max
 	r := report.Result{Start: res.Sent.Sub(runStart), TTFT: res.TTFT, Latency: res.Latency, Status: res.Status, Worker: res.Worker,
 		PromptTokens: res.PromptTokens, CompletionTokens: res.CompletionTokens, CachedTokens: res.CachedTokens}
 	if res.Header != nil {
-		r.PredictedTTFTms = report.ParsePredictedTTFT(res.Header.Get(report.PredictedTTFTHeader))
+		r.PredictedTTFTms = report.ParsePredictedTTFT(res.Header.Get(headers.PredictedTTFT))
 	}
 	if res.Outcome != client.OK {
 		r.Err = res.Err

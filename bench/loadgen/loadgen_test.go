@@ -226,7 +226,7 @@ func TestPerTurnOutputsThinkTimeAndPredictedTTFT(t *testing.T) {
 	go pod.Run(ctx)
 	api := pod.Handler()
 	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		w.Header().Set(report.PredictedTTFTHeader, "42.5")
+		w.Header().Set(headers.PredictedTTFT, "42.5")
 		api.ServeHTTP(w, r)
 	}))
 	defer srv.Close()

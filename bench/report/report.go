@@ -30,7 +30,7 @@ type Result struct {
 	CompletionTokens int `json:"completion_tokens"`
 
 	// PredictedTTFTms is the TTFT the gateway predicted for the pod it
-	// chose (PredictedTTFTHeader), 0 when it said none.
+	// chose (headers.PredictedTTFT), 0 when it said none.
 	PredictedTTFTms float64 `json:"predicted_ttft_ms,omitempty"`
 
 	// Where the request ran in a repeated run: the workload's seed, the
@@ -41,12 +41,8 @@ type Result struct {
 	Rate   float64 `json:"rate,omitempty"`
 }
 
-// PredictedTTFTHeader is the response header in which the gateway states
-// the time to first token, in milliseconds, it predicted for the pod it
-// chose; the report compares it with the TTFT the client observed.
-const PredictedTTFTHeader = "x-llm-predicted-ttft-ms"
-
-// ParsePredictedTTFT reads PredictedTTFTHeader's value: 0 when absent or
+// ParsePredictedTTFT reads the gateway's predicted TTFT header's value
+// (internal/headers.PredictedTTFT): 0 when absent or
 // not a positive number.
 func ParsePredictedTTFT(v string) float64 {
 	f, err := strconv.ParseFloat(strings.TrimSpace(v), 64)

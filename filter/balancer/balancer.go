@@ -166,8 +166,9 @@ type Options struct {
 	// Logger receives per-scorer debug lines (at Debug level). Default
 	// slog.Default().
 	Logger *slog.Logger
-	// Registerer, if set, gets llm_filter_balancer_stage_seconds{stage}
-	// and llm_filter_balancer_ttft_prediction_error (Observe).
+	// Registerer, if set, gets llm_filter_balancer_stage_seconds{stage},
+	// llm_filter_balancer_ttft_prediction_error (Observe) and
+	// llm_filter_balancer_bytes_per_token{model} (BytesPerToken).
 	Registerer prometheus.Registerer
 }
 
@@ -186,6 +187,7 @@ type Balancer struct {
 	stages   *prometheus.HistogramVec
 	ttft     *ttftModel
 	tokens   sync.Map // model -> *BytesPerToken
+	bpt      *prometheus.GaugeVec
 	// stageObs and scorerObs cache stage name -> prometheus.Observer.
 	stageObs, scorerObs sync.Map
 }
@@ -251,11 +253,16 @@ func New(opts Options) *Balancer {
 		// the aims lie (|error| ≤ 0.2 median, ≤ 0.5 p90).
 		Buckets: []float64{-3, -1, -0.5, -0.35, -0.2, -0.1, -0.05, 0, 0.05, 0.1, 0.2, 0.35, 0.5, 0.75},
 	})
+	b.bpt = prometheus.NewGaugeVec(prometheus.GaugeOpts{
+		Name: "llm_filter_balancer_bytes_per_token",
+		Help: "Prompt bytes per token learnt per model from the usage.prompt_tokens of its answers (1 until the first).",
+	}, []string{"model"})
 	if opts.Registerer != nil {
 		// A second engine on the same registry (a config reload) shares the
-		// first one's histograms.
+		// first one's collectors.
 		b.stages = register(opts.Registerer, b.stages)
 		errs = register(opts.Registerer, errs)
+		b.bpt = register(opts.Registerer, b.bpt)
 	}
 	b.ttft = newTTFTModel(errs, b.log)
 	b.tracker.held = b.ttft.held
@@ -286,13 +293,16 @@ func (b *Balancer) BytesPerToken(model string) *BytesPerToken {
 	if v, ok := b.tokens.Load(model); ok {
 		return v.(*BytesPerToken)
 	}
-	v, _ := b.tokens.LoadOrStore(model, new(BytesPerToken))
+	v, loaded := b.tokens.LoadOrStore(model, &BytesPerToken{gauge: b.bpt.WithLabelValues(model)})
+	if !loaded {
+		v.(*BytesPerToken).gauge.Set(1)
+	}
 	return v.(*BytesPerToken)
 }
 
 // Observe checks a decision's prediction against the TTFT observed at its
 // first token: it exports the relative error, logs both at debug and
-// refits the pod's prefill rate and decode step. A zero Prediction is
+// refits the cluster's prefill rate and decode step. A zero Prediction is
 // ignored.
 func (b *Balancer) Observe(p Prediction, observed time.Duration) {
 	b.ttft.observe(p, observed)

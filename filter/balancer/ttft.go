@@ -23,13 +23,13 @@ package balancer
 //     the lowest prediction, the fewest of the request's tokens computed,
 //     uniformly among equals;
 //  3. the check (Balancer.Observe): the first token's observed TTFT against
-//     the prediction, which exports the relative error and refits the pod's
-//     prefill rate and decode step (podFit).
+//     the prediction, which exports the relative error and refits the
+//     cluster's prefill rate and decode step (fleetMeans).
 //
 // The routing keys (lb_mapping_rule, filter/config) are three:
 // tie_epsilon (a fraction of the lowest prediction), default_prefill_rate
 // (tokens per second) and default_decode_step (seconds), the latter two only
-// until a pod's first observed TTFTs replace them.
+// until the cluster's first observed TTFTs replace them.
 
 import (
 	"context"
@@ -38,6 +38,8 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/istio-llm-filter/istio-llm-filter/filter/config"
 )
@@ -51,6 +53,7 @@ type BytesPerToken struct {
 	mu            sync.Mutex
 	bytes, tokens float64 // decayed sums
 	value         atomic.Uint64
+	gauge         prometheus.Gauge // exports the value; nil = none
 }
 
 // bptMemory is how many observations the ratio mostly remembers: the sums
@@ -71,7 +74,11 @@ func (b *BytesPerToken) Observe(bytes, tokens int64) {
 	const keep = 1 - 1.0/bptMemory
 	b.bytes = b.bytes*keep + float64(bytes)
 	b.tokens = b.tokens*keep + float64(tokens)
-	b.value.Store(math.Float64bits(b.bytes / b.tokens))
+	v := b.bytes / b.tokens
+	b.value.Store(math.Float64bits(v))
+	if b.gauge != nil {
+		b.gauge.Set(v)
+	}
 }
 
 // Value returns the bytes per token, 1 until something was observed.
@@ -109,25 +116,31 @@ type Cost struct {
 type Prediction struct {
 	Cost
 	Cluster string
-	// The rule's defaults the prediction used where the pod had no fit
-	// yet: Observe starts the pod's fit from them.
+	// The rule's defaults the prediction used where the cluster had no
+	// fit yet: Observe starts the cluster's fit from them.
 	defRate, defStep float64
 }
 
-// podFit is what the gateway has learnt of one pod: from the TTFTs it
-// observed there, its decode step and seconds per prefill token (TTFT less
-// slot wait ≈ step + tokens·secPerToken, observe); from the requests that
-// ended there, how long one holds a running slot (held). Zero fields are
-// unknown: the rule's defaults stand in.
+// podFit is what the gateway has learnt of one pod from the requests that
+// ended there: how long one holds a running slot (held); 0 = unknown, the
+// hold comes from the step.
+//
+// Its prefill rate and decode step are its cluster's (fleetMeans): the pods
+// of a cluster serve one model on like hardware, and what sets them apart
+// (queue, running slots, cached prefixes, free KV) is measured. A fit per
+// pod would learn only from the pods chosen: one seen faster than the
+// rule's defaults, or another seen slower during a burst, would keep that
+// figure while not chosen, and the first would draw every request while
+// idle, the second none, however like the others they are.
 type podFit struct {
-	step, secPerToken float64
-	hold              float64 // mean seconds from a request's first token to its end
+	hold float64 // mean seconds from a request's first token to its end
 }
 
-// fitRate weighs each new observation in the pod's fit: the last ~5
-// observations dominate, so a pod whose speed changes (its batch fills,
-// another model shares its GPU) is followed within a second of traffic,
-// while one outlier TTFT moves the estimate by a fifth of its error.
+// fitRate weighs each new observation in the cluster's fit:
+// the last ~5 observations dominate, so a pod whose speed changes (its
+// batches fill, another model shares their GPUs) is followed within a second of
+// traffic, while one outlier TTFT moves the estimate by a fifth of its
+// error.
 const fitRate = 0.2
 
 // Bounds of the fitted figures, so that a burst of odd observations (a
@@ -157,6 +170,10 @@ const meanRate = 0.05
 type fleetMeans struct {
 	prompt   float64 // whole prompts: what a running request holds in KV
 	uncached float64 // what a request left to prefill where it went
+	// secPerToken and step are the cluster's fit from its observed TTFTs
+	// (TTFT less slot wait ≈ step + tokens·secPerToken, observe); 0 until
+	// the first: the rule's defaults stand in.
+	secPerToken, step float64
 }
 
 // ttftModel holds what cache_aware learns: per pod fits and per cluster
@@ -187,7 +204,7 @@ type predictor struct {
 	m                  *ttftModel
 	bpt                float64 // bytes per token of the request's model
 	promptTokens       float64
-	rate, step         float64 // the rule's defaults
+	rate, step         float64 // the cluster's fit, else the rule's defaults
 	meanPrompt, meanUn float64
 }
 
@@ -203,6 +220,9 @@ func (m *ttftModel) predictor(s *State) predictor {
 	m.mu.RLock()
 	if f := m.means[s.Cluster]; f != nil {
 		p.meanPrompt, p.meanUn = f.prompt, f.uncached
+		if f.secPerToken > 0 {
+			p.rate, p.step = 1/f.secPerToken, f.step
+		}
 	}
 	m.mu.RUnlock()
 	return p
@@ -214,9 +234,6 @@ func (p *predictor) predict(h *Host) Cost {
 	c := Cost{Host: h.Address}
 	secPerToken, step, hold := 1/p.rate, p.step, 0.0
 	if f := p.m.pods[h.Address]; f != nil {
-		if f.secPerToken > 0 {
-			secPerToken, step = f.secPerToken, f.step
-		}
 		hold = f.hold
 	}
 	if hold <= 0 {
@@ -322,13 +339,13 @@ func (m *ttftModel) held(host string, d time.Duration) {
 	f.hold += fitRate * (d.Seconds() - f.hold)
 }
 
-// observe refits p's pod from its observed TTFT. The part of the
-// prediction that scales with tokens (prefill and KV fit, at the pod's
-// seconds per token) and the part that does not (the decode step) share
-// the error in proportion to their share of the prediction, so both stay
-// positive and a pod seen at one request size only is still predicted
-// right at that size. The slot wait is left out: it comes from request
-// durations the tracker measures (held), not from this TTFT.
+// observe refits p's cluster from its observed TTFT. The part of
+// the prediction that scales with tokens (prefill and KV fit, at seconds
+// per token) and the part that does not (the decode step) share the error
+// in proportion to their share of the prediction, so both stay positive and
+// a cluster seen at one request size only is still predicted right at that
+// size. The slot wait is left out: it comes from request durations the
+// tracker measures (held), not from this TTFT.
 func (m *ttftModel) observe(p Prediction, observed time.Duration) {
 	obs := observed.Seconds()
 	if p.Host == "" || obs <= 0 || p.Total <= 0 || p.defRate <= 0 || p.defStep <= 0 {
@@ -341,23 +358,26 @@ func (m *ttftModel) observe(p Prediction, observed time.Duration) {
 	tokens := p.QueuedTokens + p.UncachedTokens + p.FitTokens
 	m.mu.Lock()
 	defer m.mu.Unlock()
-	f := m.fit(p.Host)
-	if f.secPerToken <= 0 {
-		f.secPerToken, f.step = 1/p.defRate, p.defStep
+	fm := m.means[p.Cluster]
+	if fm == nil { // forgotten since the decision (maxFitPods)
+		return
+	}
+	if fm.secPerToken <= 0 {
+		fm.secPerToken, fm.step = 1/p.defRate, p.defStep
 	}
 	// What prefill and step account for, over what the fit predicts for
-	// them now; one observation moves the fit by at most a factor
-	// maxScale towards it, so that a TTFT that mostly waited for a slot
-	// the model did not foresee (or a slot wait it foresaw that did not
-	// happen) cannot undo many good observations.
-	scale := min(max((obs-p.SlotWait)/(tokens*f.secPerToken+f.step), 1/maxScale), maxScale)
-	f.step = min(max(f.step+fitRate*(scale-1)*f.step, minStep), maxStep)
+	// them now; one observation moves the fit by at most a factor maxScale
+	// towards it, so that a TTFT that mostly waited for a slot the model
+	// did not foresee (or a slot wait it foresaw that did not happen)
+	// cannot undo many good observations.
+	scale := min(max((obs-p.SlotWait)/(tokens*fm.secPerToken+fm.step), 1/maxScale), maxScale)
+	fm.step = min(max(fm.step+fitRate*(scale-1)*fm.step, minStep), maxStep)
 	if tokens > 0 {
-		f.secPerToken = min(max(f.secPerToken+fitRate*(scale-1)*f.secPerToken, minSecPerToken), maxSecPerToken)
+		fm.secPerToken = min(max(fm.secPerToken+fitRate*(scale-1)*fm.secPerToken, minSecPerToken), maxSecPerToken)
 	}
 }
 
-// maxScale bounds one observation's pull on a pod's fit (observe).
+// maxScale bounds one observation's pull on the cluster's fit (observe).
 const maxScale = 4
 
 // CacheAware is the cache_aware policy: the lowest predicted TTFT, near-ties

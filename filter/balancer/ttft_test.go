@@ -262,7 +262,7 @@ func TestUnreportedLocalRequestsQueue(t *testing.T) {
 }
 
 // The first token checks the prediction: the relative error lands in the
-// histogram, both figures in one debug line, and the pod's fit moves to
+// histogram, both figures in one debug line, and the cluster's fit moves to
 // what it observes. A pod that prefills 20000 tokens/s with 10 ms steps is
 // predicted within 10% after a few dozen requests of varied sizes.
 func TestObserveChecksAndRefitsThePrediction(t *testing.T) {
@@ -470,6 +470,45 @@ func TestEPPPrefixIndexesItsOwnDecisions(t *testing.T) {
 		ch, err := b.Choose("c", rule, pods, view, Request{PromptLength: 640, Prompt: ten, Model: "m"})
 		if err != nil || ch.Host.Address != first1.Host.Address {
 			t.Fatalf("chose %+v %v, want %s, where the first went", ch.Host, err, first1.Host.Address)
+		}
+	}
+}
+
+// The first tokens observed on one pod refit its cluster, so however far
+// the rule's defaults are from the pods' speed, idle pods keep tying and
+// sequential requests keep spreading, and the prediction converges on what
+// is observed.
+func TestObservationsRefitTheClusterSoIdlePodsKeepTying(t *testing.T) {
+	b := New(Options{IntN: seededIntN(1)})
+	pods := eps(4)
+	view := View{Load: api.LoadStats{}}
+	counts := map[string]int{}
+	for range 200 {
+		ch, err := b.Choose("c", defaultRule(t), pods, view, Request{PromptLength: 300})
+		if err != nil {
+			t.Fatal(err)
+		}
+		counts[ch.Host.Address]++
+		b.Observe(ch.Prediction, time.Millisecond) // 85 times faster than the defaults predict
+		f := b.tracker.Begin("c", ch.Host.Address, 0)
+		f.FirstToken()
+		f.End()
+		f.Released()
+	}
+	for _, p := range pods {
+		if counts[p.Address] < 30 {
+			t.Fatalf("sequential requests to like idle pods: %v", counts)
+		}
+	}
+	hs := make([]Host, len(pods))
+	b.tracker.fill("c", pods, view, 0, hs)
+	s := &State{Cluster: "c", Hosts: hs, Rule: defaultRule(t), PromptLength: 300, BytesPerToken: 1}
+	b.ttft.mu.RLock()
+	defer b.ttft.mu.RUnlock()
+	p := b.ttft.predictor(s)
+	for i := range hs {
+		if got := p.predict(&hs[i]).Total; !within(got, 0.001, 0.1) {
+			t.Fatalf("predicted %.2f ms on %s, observed 1 ms", got*1000, hs[i].Address)
 		}
 	}
 }

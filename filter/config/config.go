@@ -229,15 +229,16 @@ type LBRule struct {
 	// still counts.
 	TieEpsilon float64
 	// DefaultPrefillRate (key `default_prefill_rate`, tokens per second,
-	// default 5000, 10..1e7) is a pod's prefill rate until the TTFTs
-	// observed there give its own. The low end of a mid-size model on one
+	// default 5000, 10..1e7) is the cluster's prefill rate until the TTFTs
+	// observed on its pods give their own. The low end of a mid-size model on one
 	// GPU (5–20k tokens/s), so that an unknown pod's queue is not taken
 	// for cheaper than it is.
 	DefaultPrefillRate float64
 	// DefaultDecodeStep (key `default_decode_step`, seconds, default
 	// 0.025, 0.0001..10) is a pod's decode step (the first token after
 	// prefill; 128 of them are a request's assumed hold on its running
-	// slot) until observed TTFTs and request ends give its own: a 7–8B
+	// slot) until the cluster's observed TTFTs (and the pod's request
+	// ends) give its own: a 7–8B
 	// model's step at a moderate batch on one GPU is 20–30 ms.
 	DefaultDecodeStep float64
 }

@@ -88,9 +88,9 @@ var Keys = []Key{
 	{Path: "lb_mapping_rule.<cluster>.tie_epsilon", Type: "number", Default: fmt.Sprint(DefaultTieEpsilon), Range: "0..1", Unit: "fraction of the best prediction",
 		Meaning: "`cache_aware`: pods predicted within (1+ε) × the lowest time to first token are near-ties; among them the pick takes the pod that computes the fewest of the request's tokens."},
 	{Path: "lb_mapping_rule.<cluster>.default_prefill_rate", Type: "number", Default: fmt.Sprint(DefaultPrefillRate), Range: "10..10000000", Unit: "tokens/s",
-		Meaning: "`cache_aware`: a pod's prefill rate until the TTFTs observed on it give its own."},
+		Meaning: "`cache_aware`: the cluster's prefill rate until the TTFTs observed on its pods give their own."},
 	{Path: "lb_mapping_rule.<cluster>.default_decode_step", Type: "number", Default: fmt.Sprint(DefaultDecodeStep), Range: "0.0001..10", Unit: "s",
-		Meaning: "`cache_aware`: a pod's decode step until observed TTFTs and request ends give its own."},
+		Meaning: "`cache_aware`: the cluster's decode step until the TTFTs observed on its pods give their own (and a pod's slot hold until requests end there)."},
 
 	{Path: "endpoints.envoy_admin.address", Type: "string", Range: "required with `envoy_admin`; `http`/`https` URL",
 		Meaning: "Envoy's admin API (in Istio `http://127.0.0.1:15000`), polled at `GET /clusters?format=json` for every cluster's routable hosts."},

@@ -46,7 +46,7 @@ func newGateway(t testing.TB, cfg *config.Config, o routing.Options, u Updater) 
 	if err != nil {
 		t.Fatal(err)
 	}
-	r, err := New(cfg, Options{Tracker: d.Tracker(), Updater: u, Metrics: o.Metrics, Logger: o.Logger})
+	r, err := New(cfg, Options{Tracker: d.Tracker(), Checker: d.Balancer(), Updater: u, Metrics: o.Metrics, Logger: o.Logger})
 	if err != nil {
 		t.Fatal(err)
 	}

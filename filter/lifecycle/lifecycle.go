@@ -13,6 +13,11 @@
 //	async_batches           a batch of updates was sent
 //	retractions             a request that failed before its first token withdrew its saves
 //	served_elsewhere        the pod that answered was not the chosen one (Served)
+//
+// The reports also check the decision's cost model (Options.Checker): the
+// first token hands the chosen pod's predicted time to first token and the
+// one observed since Started to Balancer.Observe, and the answer's
+// usage.prompt_tokens (ResponseData) teaches the model's bytes per token.
 package lifecycle
 
 import (
@@ -54,6 +59,18 @@ type Options struct {
 	HTTPClient *http.Client // for the metadata center; default client.NewTransport
 	Metrics    routing.Metrics
 	Logger     *slog.Logger // default slog.Default()
+	// Checker is the decider's cost model (routing.Decider.Balancer); nil =
+	// predictions are not checked.
+	Checker Checker
+}
+
+// Checker checks predictions against what the gateway observes;
+// *balancer.Balancer is the real one.
+type Checker interface {
+	// Observe checks a decision's prediction against the TTFT observed.
+	Observe(p balancer.Prediction, observed time.Duration)
+	// BytesPerToken is the model's learnt prompt bytes per token.
+	BytesPerToken(model string) *balancer.BytesPerToken
 }
 
 // Reporter sends the lifecycle reports of the requests it is given; safe
@@ -64,6 +81,7 @@ type Reporter struct {
 	metrics routing.Metrics
 	tracker *balancer.Tracker
 	updater Updater
+	checker Checker
 	chunk   int                // the prompt hash's block size, for saves
 	disp    *client.Dispatcher // set when updates go one by one
 	batch   *client.Batcher    // set when updates are batched (async.batch_window)
@@ -80,6 +98,7 @@ func New(cfg *config.Config, opts Options) (*Reporter, error) {
 		metrics: opts.Metrics,
 		tracker: opts.Tracker,
 		updater: opts.Updater,
+		checker: opts.Checker,
 		chunk:   cfg.PromptHash.ChunkSize,
 	}
 	if l.metrics == nil {
@@ -146,6 +165,12 @@ type Request struct {
 	// non-strict override fell back to the cluster's load balancing); set
 	// once by Served, before the lifecycle calls that follow it.
 	served atomic.Pointer[string]
+	// upstream is when Started sent the request upstream: the first
+	// token's observed TTFT counts from it.
+	upstream time.Time
+	// usage finds usage.prompt_tokens in the answer (ResponseData, called
+	// from the response path only, one call at a time).
+	usage usageScan
 }
 
 // NewRequest starts the lifecycle record of a decision.
@@ -185,7 +210,8 @@ func (l *Reporter) Started(d *Request) {
 	}
 	f := l.tracker.Begin(d.Cluster, d.Host, d.PrefillLength)
 	d.flight = f
-	d.mark(stStarted) // publishes d.flight to the other lifecycle calls
+	d.upstream = time.Now()
+	d.mark(stStarted) // publishes d.flight and d.upstream to the other lifecycle calls
 	if l.batch != nil && l.placesPrefix(d) {
 		d.mark(stEarlySave)
 		l.startedUrgent(d, func(err error) {
@@ -277,14 +303,35 @@ func (l *Reporter) Served(d *Request, host string) {
 }
 
 // FirstToken reports the end of prefill (deletePromptLength: DELETE
-// /v1/load/stats/prompt). Only after Started.
+// /v1/load/stats/prompt) and checks the decision's predicted TTFT against
+// the time since Started (Checker.Observe), unless another pod served the
+// request (Served): its TTFT says nothing of the chosen pod. Only after
+// Started.
 func (l *Reporter) FirstToken(d *Request) {
 	if d == nil || !d.has(stStarted) || !d.mark(stFirstToken) {
 		return
 	}
 	f := d.flight
 	f.FirstToken()
+	if l.checker != nil && !d.has(stServed) {
+		l.checker.Observe(d.Prediction, time.Since(d.upstream))
+	}
 	l.dispatchDone("first_token", d, d.host(), func(error) { f.FirstTokenLanded() })
+}
+
+// ResponseData reads one piece of the answer as the client receives it
+// (a JSON body, or a stream's events), in order: the first
+// usage.prompt_tokens it finds teaches the request's model its bytes per
+// token (Checker.BytesPerToken), against the canonical prompt's bytes.
+// Called from the response path, one call at a time per request.
+func (l *Reporter) ResponseData(d *Request, p []byte) {
+	if d == nil || l.checker == nil || d.usage.reported {
+		return
+	}
+	if tokens, ok := d.usage.feed(p); ok {
+		d.usage.reported = true
+		l.checker.BytesPerToken(d.Model).Observe(int64(d.PromptLength), tokens)
+	}
 }
 
 // Saved reports that the host now holds the prompt's KV cache (saveKVCache:

@@ -156,7 +156,7 @@ func (p *Parser) Build(cfg *config.Config, m Metrics) (*Config, error) {
 		release()
 		return nil, err
 	}
-	lo.Tracker = router.Tracker()
+	lo.Tracker, lo.Checker = router.Tracker(), router.Balancer()
 	life, err := lifecycle.New(cfg, lo)
 	if err != nil {
 		release()

@@ -267,6 +267,9 @@ func (f *filter) EncodeHeaders(h api.ResponseHeaderMap, endStream bool) (st api.
 		f.hostReply = true // Envoy's own reply (no healthy upstream, reset): no pod answered
 	}
 	h.Set(headers.UpstreamHost, served)
+	if ms := d.Prediction.Total * 1000; ms > 0 {
+		h.Set(headers.PredictedTTFT, strconv.FormatFloat(ms, 'f', 3, 64))
+	}
 	f.meta(AccessBackend, served)
 	if served != d.Host && !f.hostReply {
 		// Lease, prefix and every later report follow the pod that really
@@ -336,6 +339,7 @@ func (f *filter) EncodeData(buf api.BufferInstance, endStream bool) (st api.Stat
 		f.firstToken(d)
 	}
 	if d.Response == nil {
+		f.conf.life.ResponseData(d, buf.Bytes())
 		return api.Continue
 	}
 	if f.buffering {
@@ -348,6 +352,7 @@ func (f *filter) EncodeData(buf api.BufferInstance, endStream bool) (st api.Stat
 				Message: "backend response could not be transcoded: " + err.Error(), TraceID: f.trace()})
 		}
 		_ = buf.Set(out)
+		f.conf.life.ResponseData(d, out)
 		if _, ok := f.respHeaders.Get("content-length"); ok {
 			// A chunked answer stays chunked: over HTTP/1.1 a content-length
 			// would drop its trailers.
@@ -369,6 +374,7 @@ func (f *filter) EncodeData(buf api.BufferInstance, endStream bool) (st api.Stat
 		out = append(append([]byte("data: "), e.JSON()...), "\n\n"...)
 	}
 	_ = buf.Set(out)
+	f.conf.life.ResponseData(d, out)
 	return api.Continue
 }
 

@@ -6,8 +6,8 @@
 //
 // Decide runs: trace id → transcoder → parse → rule match → prompt hash →
 // endpoints and label selectors → one route query to the metadata center
-// (bounded by query_timeout; on failure equal load and zero cache) → policy
-// → upstream body.
+// (bounded by query_timeout; on failure equal load and zero cache) →
+// draining pods dropped → policy → upstream body.
 //
 // Metrics (Options.Metrics.Count) are counted under these names:
 //
@@ -262,6 +262,10 @@ func (e *Decider) Config() *config.Config { return e.cfg }
 // the lifecycle reports keep (filter/lifecycle) and every decision reads.
 func (e *Decider) Tracker() *balancer.Tracker { return e.bal.Tracker() }
 
+// Balancer is the decider's balancer, whose cost model the lifecycle
+// reports check against what they observe (filter/lifecycle, Options.Checker).
+func (e *Decider) Balancer() *balancer.Balancer { return e.bal }
+
 // Error is a refused request: Status 400/404/413/..., Type as in docs/metadata-center.md, "Errors".
 type Error struct {
 	Status  int
@@ -322,6 +326,12 @@ type Decision struct {
 	// Matched is the leading run of Hashes the index held for Host when
 	// the request was routed: what a retraction must leave alone.
 	Matched int
+
+	// Prediction is Host's predicted time to first token for this request
+	// (filter/balancer, ttft.go), whatever the policy: the answer states it
+	// (headers.PredictedTTFT) and the first token checks it
+	// (filter/lifecycle, Balancer.Observe).
+	Prediction balancer.Prediction
 }
 
 type noHeaders struct{}
@@ -425,6 +435,7 @@ func (e *Decider) Decide(ctx context.Context, h Headers, body []byte) (*Decision
 	}
 	cands := balancer.Filter(all, rule.Selector, req.Selector)
 	cands = withoutAdapterPods(cands, rule.Selector, req.Selector)
+	cands = e.withoutDraining(cands, view.Signals, trace, rule.Cluster)
 	if len(cands) == 0 {
 		if selecting && queried && view.Degraded && e.querier != nil {
 			return nil, e.reject(http.StatusServiceUnavailable, transcode.TypeUnavailable, trace,
@@ -434,7 +445,11 @@ func (e *Decider) Decide(ctx context.Context, h Headers, body []byte) (*Decision
 		return nil, e.reject(http.StatusNotFound, transcode.TypeNotFound, trace,
 			"no available endpoint in cluster %q%s", rule.Cluster, selectorNote(rule.Selector, req.Selector))
 	}
-	choice, err := e.bal.Choose(rule.Cluster, lb, cands, view, balancer.Request{Blocks: len(sums), PromptLength: int64(promptLen)})
+	// The canonical prompt lives in sc.canon, reused once Decide returns:
+	// policies read it during Choose only (the epp stand-in keeps block
+	// hashes of it, never the bytes).
+	choice, err := e.bal.Choose(rule.Cluster, lb, cands, view, balancer.Request{Blocks: len(sums), PromptLength: int64(promptLen),
+		Model: req.Model, Prompt: sc.canon})
 	if err != nil {
 		if errors.Is(err, balancer.ErrNoEndpoint) {
 			return nil, e.reject(http.StatusNotFound, transcode.TypeNotFound, trace, "no available endpoint in cluster %q", rule.Cluster)
@@ -447,6 +462,7 @@ func (e *Decider) Decide(ctx context.Context, h Headers, body []byte) (*Decision
 	d.PrefillLength = int(choice.Prefill)
 	d.Degraded = policy.NeedsMetadata() && view.Degraded
 	d.Candidates = choice.Candidates
+	d.Prediction = choice.Prediction
 
 	up, err := codec.Upstream(req, rule.Backend)
 	if err != nil {
@@ -475,6 +491,33 @@ func withoutAdapterPods(eps []endpoints.Endpoint, sels ...map[string]string) []e
 		}
 	}
 	return slices.DeleteFunc(eps, endpoints.Endpoint.AdapterPod)
+}
+
+// withoutDraining drops the pods whose report says they drain (a worker
+// shutting down answers new requests 503), unless every candidate does:
+// then a drained pod's 503 with Retry-After is still the best answer, and
+// the client's retry finds the next pod. One debug line per pod dropped.
+func (e *Decider) withoutDraining(eps []endpoints.Endpoint, sig map[string]api.PodSignals, trace, cluster string) []endpoints.Endpoint {
+	if len(sig) == 0 {
+		return eps
+	}
+	n := 0
+	for _, ep := range eps {
+		if sig[ep.Address].Draining {
+			n++
+		}
+	}
+	if n == 0 || n == len(eps) {
+		return eps
+	}
+	return slices.DeleteFunc(eps, func(ep endpoints.Endpoint) bool {
+		if !sig[ep.Address].Draining {
+			return false
+		}
+		e.log.Debug("pod not routed to: it reports that it drains (shutting down, new requests get 503)",
+			"trace_id", trace, "cluster", cluster, "host", ep.Address)
+		return true
+	})
 }
 
 func selectorNote(sels ...map[string]string) string {

@@ -14,6 +14,12 @@ const (
 	// that served a routed request.
 	UpstreamHost = "x-llm-upstream-host"
 
+	// PredictedTTFT is the response header in which the gateway states the
+	// time to first token, in milliseconds, it predicted for the pod it
+	// chose (filter/balancer, ttft.go); the benchmarks compare it with the
+	// TTFT the client observed.
+	PredictedTTFT = "x-llm-predicted-ttft-ms"
+
 	// RequestID carries a request's trace id: the gateway reads it (or
 	// sets a new one), the worker echoes it on every answer and names it in
 	// errors and logs.

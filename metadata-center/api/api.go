@@ -229,6 +229,10 @@ type PodSignals struct {
 	Running       int64   `json:"running"`        // requests running
 	KVCacheUtil   float64 `json:"kv_cache_util"`  // used / total KV cells or blocks, 0..1
 	PrefillTokens int64   `json:"prefill_tokens"` // prompt tokens still to prefill
+	// Draining: the pod is shutting down and answers new requests 503 with
+	// Retry-After (our worker on SIGTERM, docs/worker.md "Shutdown"); the
+	// gateways route around it while another pod is left.
+	Draining bool `json:"draining,omitempty"`
 	// AgeMS is how long ago the metadata center received the report (in
 	// answers only; ignored in reports).
 	AgeMS int64 `json:"age_ms,omitempty"`
@@ -242,6 +246,7 @@ type PodReport struct {
 	Running       int64   `json:"running"`
 	KVCacheUtil   float64 `json:"kv_cache_util"`
 	PrefillTokens int64   `json:"prefill_tokens"`
+	Draining      bool    `json:"draining,omitempty"`
 	// Register, when present, (re)registers the pod: its labels, models
 	// and adapters, refreshing their TTL.
 	Register *PodRegistration `json:"register,omitempty"`
@@ -302,7 +307,7 @@ const (
 
 // Signals returns the report's signals.
 func (r PodReport) Signals() PodSignals {
-	return PodSignals{Waiting: r.Waiting, Running: r.Running, KVCacheUtil: r.KVCacheUtil, PrefillTokens: r.PrefillTokens}
+	return PodSignals{Waiting: r.Waiting, Running: r.Running, KVCacheUtil: r.KVCacheUtil, PrefillTokens: r.PrefillTokens, Draining: r.Draining}
 }
 
 // MaxPodSignals bounds the pods one cluster keeps signals for.

@@ -185,6 +185,9 @@ func appendSignals(b []byte, m map[string]api.PodSignals) []byte {
 		b = appendFloat(b, sig.KVCacheUtil)
 		b = append(b, `,"prefill_tokens":`...)
 		b = strconv.AppendInt(b, sig.PrefillTokens, 10)
+		if sig.Draining {
+			b = append(b, `,"draining":true`...)
+		}
 		if sig.AgeMS != 0 {
 			b = append(b, `,"age_ms":`...)
 			b = strconv.AppendInt(b, sig.AgeMS, 10)

@@ -159,13 +159,14 @@ func TestPodSignals(t *testing.T) {
 			const a, b = "10.0.0.1:8000", "10.0.0.2:8000"
 			reported := time.Now() // no later than both reports
 			c.ok("POST", api.PathPodSignals, api.PodReport{Cluster: cl, Host: a, Waiting: 2, Running: 4, KVCacheUtil: 0.9, PrefillTokens: 700}, nil)
-			c.ok("POST", api.PathPodSignals, map[string]any{"cluster": cl, "host": "10.0.0.2:08000", "waiting": 0, "running": 1, "kv_cache_util": 0.25}, nil)
+			c.ok("POST", api.PathPodSignals, map[string]any{"cluster": cl, "host": "10.0.0.2:08000", "waiting": 0, "running": 1, "kv_cache_util": 0.25, "draining": true}, nil)
 			c.ok("POST", api.PathLoadStats, api.AddRequest{Cluster: cl, Host: a, RequestID: "r", PromptLength: 5}, nil)
 			c.ok("POST", api.PathCacheSave, api.CacheSave{Cluster: cl, Host: b, Hashes: hexes(0, 2)}, nil)
 			var ans api.RouteAnswer
 			c.ok("POST", api.PathRouteQuery, api.RouteQuery{Cluster: cl, Hashes: hexes(0, 2)}, &ans)
 			if len(ans.Signals) != 2 || ans.Signals[a].Waiting != 2 || ans.Signals[a].KVCacheUtil != 0.9 || ans.Signals[a].PrefillTokens != 700 ||
-				ans.Signals[b].Running != 1 || ans.Signals[b].KVCacheUtil != 0.25 || ans.Signals[a].AgeMS > 300 {
+				ans.Signals[b].Running != 1 || ans.Signals[b].KVCacheUtil != 0.25 || ans.Signals[a].AgeMS > 300 ||
+				ans.Signals[a].Draining || !ans.Signals[b].Draining {
 				t.Fatalf("route signals %+v", ans.Signals)
 			}
 			if ans.Load[a].TotalReqs != 1 || len(ans.Cache) != 1 || ans.Cache[0].Host != b {
@@ -173,7 +174,7 @@ func TestPodSignals(t *testing.T) {
 			}
 			var got map[string]api.PodSignals
 			c.ok("GET", api.PathPodSignals+"?cluster="+cl, nil, &got)
-			if len(got) != 2 || got[b].KVCacheUtil != 0.25 {
+			if len(got) != 2 || got[b].KVCacheUtil != 0.25 || !got[b].Draining {
 				t.Fatalf("GET signals %+v", got)
 			}
 			// Stale reports are not answered: once both are older than the

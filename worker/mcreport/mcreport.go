@@ -80,6 +80,7 @@ type Reporter struct {
 	mc      *client.Client
 	log     *slog.Logger
 	kick    chan struct{}
+	nudge   chan struct{} // RunSignals reads the source now (Nudge)
 	mu      sync.Mutex
 	pending map[prefix.Hash]int64 // hash -> when it was evicted, Unix ms (the latest eviction)
 	epoch   time.Time             // this worker's start: the evict-all removes what was saved before it
@@ -122,7 +123,7 @@ func New(cfg Config) (*Reporter, error) {
 		cfg.Epoch = time.Now()
 	}
 	r := &Reporter{
-		cfg: cfg, mc: mc, log: cfg.Logger, kick: make(chan struct{}, 1), pending: map[prefix.Hash]int64{}, epoch: cfg.Epoch,
+		cfg: cfg, mc: mc, log: cfg.Logger, kick: make(chan struct{}, 1), nudge: make(chan struct{}, 1), pending: map[prefix.Hash]int64{}, epoch: cfg.Epoch,
 		cleared: make(chan struct{}),
 		sent: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "llmf_worker_evict_reports_total",
 			Help: "POST /v1/cache/evict calls by result (ok, error, rejected)."}, []string{"result"}),

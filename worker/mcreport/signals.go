@@ -38,7 +38,7 @@ const (
 )
 
 // RunSignals pushes the pod's signals until ctx ends: on change (checked
-// every poll) and at least every `every`; with Config.Registration, the
+// every poll, and at once on Nudge) and at least every `every`; with Config.Registration, the
 // first report and one every RegisterEvery also register the pod (a
 // registration that did not land goes with the next report). poll and every <= 0 take
 // SignalPoll and SignalEvery. Failures are counted and logged at most once
@@ -69,7 +69,7 @@ func (r *Reporter) RunSignals(ctx context.Context, src SignalSource, poll, every
 			err := r.mc.ReportSignals(ctx, api.PodReport{
 				Cluster: r.cfg.Cluster, Host: r.cfg.Host,
 				Waiting: cur.Waiting, Running: cur.Running, KVCacheUtil: cur.KVCacheUtil, PrefillTokens: cur.PrefillTokens,
-				Register: reg,
+				Draining: cur.Draining, Register: reg,
 			})
 			switch {
 			case err == nil:
@@ -100,9 +100,20 @@ func (r *Reporter) RunSignals(ctx context.Context, src SignalSource, poll, every
 		}
 		select {
 		case <-tick.C:
+		case <-r.nudge:
 		case <-ctx.Done():
 			return
 		}
+	}
+}
+
+// Nudge makes RunSignals read the source and send what changed now rather
+// than at its next poll: the start of a drain reaches the gateways at once.
+// It never blocks.
+func (r *Reporter) Nudge() {
+	select {
+	case r.nudge <- struct{}{}:
+	default:
 	}
 }
 

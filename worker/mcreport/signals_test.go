@@ -88,3 +88,47 @@ func jsonBody(t *testing.T, v any) io.Reader {
 	}
 	return bytes.NewReader(b)
 }
+
+// Nudge sends a change at once: with polls an hour apart, the drain's
+// start still reaches the route answer.
+func TestNudgeSendsTheDrainAtOnce(t *testing.T) {
+	ts := httptest.NewServer(server.New(memstore.New(memstore.Options{}),
+		server.Options{Logger: slog.New(slog.NewTextHandler(io.Discard, nil))}).Handler())
+	defer ts.Close()
+	r, err := New(Config{URL: ts.URL, Cluster: "c", Host: "10.0.0.7:9000", Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var draining atomic.Bool
+	src := SignalSourceFunc(func() api.PodSignals { return api.PodSignals{Running: 1, Draining: draining.Load()} })
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { r.RunSignals(ctx, src, time.Hour, time.Hour); close(done) }()
+	defer func() { cancel(); <-done }()
+	signals := func() map[string]api.PodSignals {
+		resp, err := http.Get(ts.URL + api.PathPodSignals + "?cluster=c")
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer resp.Body.Close()
+		var got map[string]api.PodSignals
+		if err := json.NewDecoder(resp.Body).Decode(&got); err != nil {
+			t.Fatal(err)
+		}
+		return got
+	}
+	poll := func(what string, ok func(api.PodSignals) bool) {
+		t.Helper()
+		deadline := time.Now().Add(5 * time.Second)
+		for !ok(signals()["10.0.0.7:9000"]) {
+			if time.Now().After(deadline) {
+				t.Fatalf("%s: %+v", what, signals())
+			}
+			time.Sleep(5 * time.Millisecond)
+		}
+	}
+	poll("the first report", func(s api.PodSignals) bool { return s.Running == 1 && !s.Draining })
+	draining.Store(true)
+	r.Nudge()
+	poll("the drain", func(s api.PodSignals) bool { return s.Draining })
+}

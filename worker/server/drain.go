@@ -65,6 +65,10 @@ func (d *drain) on() bool {
 // false); the ones accepted before go on.
 func (s *Server) Drain() { s.drain.start() }
 
+// Draining says whether Drain was called: the pod reports it to the
+// metadata center, so that gateways stop routing to it.
+func (s *Server) Draining() bool { return s.drain.on() }
+
 // Drained waits until every generation request accepted before Drain has
 // ended, or ctx ends (its error then).
 func (s *Server) Drained(ctx context.Context) error {

@@ -503,14 +503,16 @@ func loadFromPairs(reqs, prompts []string) (api.LoadStats, error) {
 	return out, nil
 }
 
-// ReportSignals implements store.Signals. The report is stamped with this
-// replica's clock; the hash expires when no pod of the cluster has
+// ReportSignals implements store.Signals. The report is stored as
+// "waiting running kv_util prefill_tokens draining(0|1) at", stamped with
+// this replica's clock last (the signals script reads it there; reports of
+// five fields, without draining, are read too); the hash expires when no pod of the cluster has
 // reported for a minute (or ten max ages).
 func (s *Store) ReportSignals(ctx context.Context, cluster, host string, sig api.PodSignals) error {
 	now := s.ms()
 	rep := strconv.FormatInt(sig.Waiting, 10) + " " + strconv.FormatInt(sig.Running, 10) + " " +
 		strconv.FormatFloat(sig.KVCacheUtil, 'g', -1, 64) + " " + strconv.FormatInt(sig.PrefillTokens, 10) + " " +
-		strconv.FormatInt(now, 10)
+		drainingField(sig.Draining) + strconv.FormatInt(now, 10)
 	keyTTL := max(60_000, 10*s.signalMaxAge)
 	err := s.sc.signals.Run(ctx, s.rdb, []string{s.keys(cluster).signals()}, host, rep, keyTTL, now-s.signalMaxAge, api.MaxPodSignals).Err()
 	return s.wrap("report signals", err)
@@ -549,10 +551,14 @@ func (s *Store) freshSignals(pairs []string, now int64) (map[string]api.PodSigna
 // fresh parses one stored report and says whether it is young enough.
 func (s *Store) fresh(rep string, now int64) (api.PodSignals, bool, error) {
 	f := strings.Fields(rep)
-	if len(f) != 5 {
+	var sig api.PodSignals
+	switch {
+	case len(f) == 6 && (f[4] == "0" || f[4] == "1"):
+		sig.Draining = f[4] == "1"
+		f = append(f[:4], f[5])
+	case len(f) != 5:
 		return api.PodSignals{}, false, fmt.Errorf("redis signals: malformed report %q", rep)
 	}
-	var sig api.PodSignals
 	var at int64
 	var errs [5]error
 	sig.Waiting, errs[0] = strconv.ParseInt(f[0], 10, 64)
@@ -569,6 +575,14 @@ func (s *Store) fresh(rep string, now int64) (api.PodSignals, bool, error) {
 	}
 	sig.AgeMS = max(0, age)
 	return sig, true, nil
+}
+
+// drainingField is a report's draining field with its separator.
+func drainingField(draining bool) string {
+	if draining {
+		return "1 "
+	}
+	return "0 "
 }
 
 // SaveCacheAs implements store.Index.

@@ -11,8 +11,8 @@ import (
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/store"
 )
 
-// Pods' reports: the latest per host, answered with load and cache by
-// Route, stamped by the store's clock, and left out once older than the
+// Pods' reports: the latest per host (every field, draining included),
+// answered with load and cache by Route, stamped by the store's clock, and left out once older than the
 // default max age (store.DefaultSignalMaxAge), never answered stale.
 func testSignals(e *env) {
 	hs := hashes("sig", 2)
@@ -20,14 +20,14 @@ func testSignals(e *env) {
 		e.t.Fatalf("no reports yet: %v %v", got, err)
 	}
 	e.must(e.st.Signals.ReportSignals(e.ctx, cl, hostA, api.PodSignals{Waiting: 3, Running: 8, KVCacheUtil: 0.75, PrefillTokens: 4096}))
-	e.must(e.st.Signals.ReportSignals(e.ctx, cl, hostB, api.PodSignals{Waiting: 1, Running: 2, KVCacheUtil: 0.125, AgeMS: 99999}))
+	e.must(e.st.Signals.ReportSignals(e.ctx, cl, hostB, api.PodSignals{Waiting: 1, Running: 2, KVCacheUtil: 0.125, Draining: true, AgeMS: 99999}))
 	e.must(e.st.Signals.ReportSignals(e.ctx, "other", hostC, api.PodSignals{Running: 1}))
 	e.must(e.st.Leases.AddLease(e.ctx, cl, hostA, "r1", 10))
 	e.must(e.st.Index.SaveCacheAs(e.ctx, cl, hostB, hs, "", 0))
 	e.clock.Advance(300 * time.Millisecond)
 	want := map[string]api.PodSignals{
 		hostA: {Waiting: 3, Running: 8, KVCacheUtil: 0.75, PrefillTokens: 4096, AgeMS: 300},
-		hostB: {Waiting: 1, Running: 2, KVCacheUtil: 0.125, AgeMS: 300},
+		hostB: {Waiting: 1, Running: 2, KVCacheUtil: 0.125, Draining: true, AgeMS: 300},
 	}
 	got, err := e.st.Router.Route(e.ctx, cl, hs)
 	e.must(err)

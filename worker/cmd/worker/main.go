@@ -308,9 +308,6 @@ func run(ctx context.Context, args []string, stderr io.Writer, ready func(addr s
 	if reporter != nil {
 		reporterDone = make(chan struct{})
 		go func() { reporter.Run(runCtx); close(reporterDone) }()
-		signalsDone := make(chan struct{})
-		go func() { reporter.RunSignals(runCtx, schedulerSignals(sched), 0, 0); close(signalsDone) }()
-		defer func() { <-signalsDone }()
 	}
 	schedDone := make(chan struct{})
 	go func() { sched.Run(runCtx); close(schedDone) }()
@@ -330,6 +327,11 @@ func run(ctx context.Context, args []string, stderr io.Writer, ready func(addr s
 		scfg.Evictions = reporter.Recent
 	}
 	srv := server.New(sched, eng, scfg)
+	if reporter != nil {
+		signalsDone := make(chan struct{})
+		go func() { reporter.RunSignals(runCtx, podSignals(sched, srv), 0, 0); close(signalsDone) }()
+		defer func() { <-signalsDone }()
+	}
 	hs := &http.Server{Handler: srv, ReadHeaderTimeout: 10 * time.Second}
 	log.Info("worker ready", "addr", ln.Addr().String(), "engine", o.engine, "model", info.Name, "n_ctx", info.NCtx,
 		"n_seq_max", info.NSeqMax, "n_batch", info.NBatch, "template", string(tmpl.Family), "kv_bytes_per_token", info.BytesPerToken)
@@ -343,7 +345,7 @@ func run(ctx context.Context, args []string, stderr io.Writer, ready func(addr s
 		return err
 	case <-ctx.Done():
 	}
-	drain(srv, o.drainTimeout, log)
+	drain(srv, reporter, o.drainTimeout, log)
 	sctx, scancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer scancel()
 	// Stop the loop first: what the drain left fails (503) and the
@@ -361,8 +363,13 @@ func run(ctx context.Context, args []string, stderr io.Writer, ready func(addr s
 // readiness turns false and new requests get 503 with Retry-After at once
 // (the gateway retries them on another replica), the listener stays open
 // so that none is refused a connection meanwhile.
-func drain(srv *server.Server, timeout time.Duration, log *slog.Logger) {
+// The metadata center hears of the drain at once (reporter, when set), so
+// that the gateways stop choosing this pod.
+func drain(srv *server.Server, reporter *mcreport.Reporter, timeout time.Duration, log *slog.Logger) {
 	srv.Drain()
+	if reporter != nil {
+		reporter.Nudge()
+	}
 	n := srv.InFlight()
 	log.Info("draining: new requests get 503, running and queued ones may finish", "in_flight", n, "drain_timeout", timeout.String())
 	ctx, cancel := context.WithTimeout(context.Background(), timeout)
@@ -450,11 +457,13 @@ func readiness(rep *mcreport.Reporter, wait time.Duration, log *slog.Logger) fun
 	}
 }
 
-// schedulerSignals reads the pod's signals from the scheduler's stats.
-func schedulerSignals(s *scheduler.Scheduler) mcreport.SignalSource {
+// podSignals reads the pod's signals from the scheduler's stats and the
+// server's drain.
+func podSignals(s *scheduler.Scheduler, srv *server.Server) mcreport.SignalSource {
 	return mcreport.SignalSourceFunc(func() api.PodSignals {
 		st := s.Stats()
-		sig := api.PodSignals{Waiting: int64(st.Queued), Running: int64(st.Running), PrefillTokens: int64(st.PrefillTokens)}
+		sig := api.PodSignals{Waiting: int64(st.Queued), Running: int64(st.Running), PrefillTokens: int64(st.PrefillTokens),
+			Draining: srv.Draining()}
 		if st.KVCells > 0 {
 			sig.KVCacheUtil = min(1, float64(st.KVCellsUsed)/float64(st.KVCells))
 		}

@@ -1,0 +1,28 @@
+package redisstore
+
+import (
+	"testing"
+
+	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/api"
+)
+
+// Reports are "waiting running kv_util prefill_tokens draining at"; the
+// five-field form written before draining existed is read as not draining.
+func TestStoredReportsWithAndWithoutDraining(t *testing.T) {
+	s := &Store{signalMaxAge: 1000}
+	for rep, want := range map[string]api.PodSignals{
+		"1 2 0.5 7 1 100": {Waiting: 1, Running: 2, KVCacheUtil: 0.5, PrefillTokens: 7, Draining: true, AgeMS: 100},
+		"1 2 0.5 7 0 100": {Waiting: 1, Running: 2, KVCacheUtil: 0.5, PrefillTokens: 7, AgeMS: 100},
+		"1 2 0.5 7 100":   {Waiting: 1, Running: 2, KVCacheUtil: 0.5, PrefillTokens: 7, AgeMS: 100},
+	} {
+		got, ok, err := s.fresh(rep, 200)
+		if err != nil || !ok || got != want {
+			t.Fatalf("%q: %+v %v %v, want %+v", rep, got, ok, err, want)
+		}
+	}
+	for _, bad := range []string{"1 2 0.5 7 2 100", "1 2 0.5 100", "1 2 0.5 7 1 1 100"} {
+		if _, _, err := s.fresh(bad, 200); err == nil {
+			t.Fatalf("%q read without error", bad)
+		}
+	}
+}
