@@ -23,6 +23,12 @@ type BuildOptions struct {
 	ConformanceHooks bool
 	// IntN replaces the balancer's random source (tests).
 	IntN func(int) int
+	// Endpoints, if set, is where the pods come from (an InferencePool:
+	// poolsource), with PoolName the cluster they answer to, which then
+	// takes the requests without a body; filter.endpoints.static, if any,
+	// still pins its clusters.
+	Endpoints endpoints.Source
+	PoolName  string
 }
 
 // Build makes the picker of a fleet file (filter/gatewayfile, the
@@ -31,20 +37,23 @@ type BuildOptions struct {
 // is the number of fallback pods per request. close drains the
 // lifecycle reports.
 func Build(fc *gatewayfile.File, cfg *config.Config, o BuildOptions) (s *Server, closeFn func(), err error) {
-	if len(cfg.Endpoints.Static) == 0 {
-		return nil, nil, errors.New("filter.endpoints.static: the endpoint picker needs its pods listed")
+	if len(cfg.Endpoints.Static) == 0 && o.Endpoints == nil {
+		return nil, nil, errors.New("filter.endpoints.static: the endpoint picker needs its pods listed (or an InferencePool)")
 	}
 	if o.Logger == nil {
 		o.Logger = slog.Default()
 	}
-	static, err := endpoints.NewStaticLabelled(cfg.Endpoints.Static, cfg.Endpoints.StaticLabels)
-	if err != nil {
-		return nil, nil, fmt.Errorf("filter.endpoints.static: %w", err)
+	var pinned *endpoints.Static
+	if len(cfg.Endpoints.Static) > 0 {
+		if pinned, err = endpoints.NewStaticLabelled(cfg.Endpoints.Static, cfg.Endpoints.StaticLabels); err != nil {
+			return nil, nil, fmt.Errorf("filter.endpoints.static: %w", err)
+		}
 	}
-	// Static pod lists have no health checks: a pod Envoy could not reach
-	// is ejected, as the standalone gateway does.
+	// Static pod lists have no health checks, and a pool's readiness lags a
+	// crash: a pod Envoy could not reach is ejected, as the standalone
+	// gateway does.
 	outlier := endpoints.NewOutlier(endpoints.OutlierOptions{})
-	src := outlier.Wrap(static)
+	src := outlier.Wrap(endpoints.Layered{Pinned: pinned, Dynamic: o.Endpoints})
 	mc, err := routing.MetadataCenter(cfg, nil)
 	if err != nil {
 		return nil, nil, err
@@ -67,8 +76,8 @@ func Build(fc *gatewayfile.File, cfg *config.Config, o BuildOptions) (s *Server,
 	if fc != nil && fc.ConnectRetries != nil {
 		fallbacks = *fc.ConnectRetries
 	}
-	def := ""
-	if fc != nil {
+	def := o.PoolName
+	if fc != nil && fc.DefaultCluster != "" {
 		def = fc.DefaultCluster
 	}
 	s, err = New(Options{Decider: dec, Reporter: life, Endpoints: src, Outlier: outlier, DefaultCluster: def,

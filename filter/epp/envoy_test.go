@@ -4,13 +4,16 @@ import (
 	"bufio"
 	"encoding/json"
 	"io"
+	"net"
 	"net/http"
 	"slices"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/istio-llm-filter/istio-llm-filter/filter/epp"
 	"github.com/istio-llm-filter/istio-llm-filter/internal/headers"
+	"github.com/istio-llm-filter/istio-llm-filter/internal/testutil/wait"
 )
 
 type answer struct {
@@ -156,4 +159,31 @@ func TestThroughRealEnvoy(t *testing.T) {
 			t.Fatalf("a selection of no pod: %d %s", a.status, a.body)
 		}
 	})
+}
+
+// A pod that died is ejected after the first request Envoy could not
+// deliver to it (Envoy answers that one itself, unseen by ext_proc), and
+// the next requests go to the living pods.
+func TestDeadPodIsEjected(t *testing.T) {
+	pods := startPods(t, 2)
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	dead := ln.Addr().String()
+	ln.Close()
+	url := startEnvoy(t, startEPP(t, fleetFile("", append(addrs(pods), dead)), true))
+	a := post(t, url, chat(false, "to the dead"), map[string]string{epp.TestSelectionHeader: dead})
+	if a.status != 503 {
+		t.Fatalf("the dead pod answered %d", a.status)
+	}
+	wait.For(t, 10*time.Second, "the dead pod to be left out", func() bool {
+		a := post(t, url, chat(false, "anyone"), map[string]string{epp.TestSelectionHeader: dead})
+		return a.status == 503 && strings.Contains(a.body, "service_unavailable")
+	})
+	for range 6 {
+		if a := post(t, url, chat(false, "the living"), nil); a.status != 200 || a.served == dead {
+			t.Fatalf("%d from %s", a.status, a.served)
+		}
+	}
 }

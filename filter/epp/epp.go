@@ -39,12 +39,14 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"net"
 	"net/http"
 	"runtime/debug"
 	"slices"
 	"strconv"
 	"strings"
 	"sync/atomic"
+	"time"
 
 	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
@@ -211,6 +213,7 @@ type exchange struct {
 	req   *lifecycle.Request
 	host  string // the pod of a request sent without a decision
 
+	answered  bool // response headers came
 	status    int
 	success   bool
 	firstSeen bool
@@ -332,6 +335,7 @@ func (x *exchange) requestBody(req *extprocv3.ProcessingRequest, hb *extprocv3.H
 
 func (x *exchange) responseHeaders(req *extprocv3.ProcessingRequest, hh *extprocv3.HttpHeaders) (*extprocv3.ProcessingResponse, bool) {
 	h := readHeaders(hh.Headers)
+	x.answered = true
 	x.status, _ = strconv.Atoi(h[":status"])
 	served, details := servedBy(req, h)
 	chosen := x.host
@@ -466,6 +470,12 @@ func (x *exchange) finish() {
 	if x.req == nil {
 		return
 	}
+	if !x.answered {
+		// Envoy's own replies (the pod refused the connection, reset, timed
+		// out) skip ext_proc: Envoy only closes the stream, as it does when
+		// the client leaves. A connection attempt tells the two apart.
+		go x.s.probe(x.req.Host, x.trace)
+	}
 	x.s.opts.Metrics.Count("in_flight", -1)
 	x.s.opts.Reporter.Done(x.req)
 	x.req = nil
@@ -564,6 +574,26 @@ func (s *Server) fallbacks(d *routing.Decision, allow func(string) bool) []strin
 		out = append(out, c.addr)
 	}
 	return out
+}
+
+// probeTimeout bounds probe's connection attempt.
+const probeTimeout = time.Second
+
+// probe ejects host (Options.Outlier) when it does not accept a connection:
+// a request routed there ended without an answer.
+func (s *Server) probe(host, trace string) {
+	o := s.opts.Outlier
+	if o == nil || o.Ejected(host) {
+		return
+	}
+	c, err := net.DialTimeout("tcp", host, probeTimeout)
+	if err == nil {
+		c.Close()
+		return
+	}
+	o.Failed(host)
+	s.opts.Metrics.Count("ejections", 1)
+	s.log.Warn("upstream ejected: a request routed there ended unanswered and it refuses connections", "upstream", host, "trace_id", trace, "err", err)
 }
 
 // anyPod is a pod of the default cluster for a request without a body.

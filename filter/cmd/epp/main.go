@@ -8,7 +8,10 @@
 // The file is the standalone gateway's own (filter/gatewayfile): `listen`
 // is the gRPC address, filter.endpoints.static the pods, and
 // filter.metadata_center the shared view that lets several replicas run
-// active-active. --metrics-listen serves /metrics (Prometheus) and /healthz.
+// active-active. In Kubernetes, --pool-name NAME takes the endpoints from the
+// InferencePool NAME (filter/epp/poolsource) instead: the ready pods its
+// selector matches, the pool's name being the cluster the rules name.
+// --metrics-listen serves /metrics (Prometheus) and /healthz.
 package main
 
 import (
@@ -29,8 +32,12 @@ import (
 	"github.com/prometheus/client_golang/prometheus/collectors"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 	"google.golang.org/grpc"
+	"k8s.io/client-go/dynamic"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/rest"
 
 	"github.com/istio-llm-filter/istio-llm-filter/filter/epp"
+	"github.com/istio-llm-filter/istio-llm-filter/filter/epp/poolsource"
 	"github.com/istio-llm-filter/istio-llm-filter/filter/gatewayfile"
 	"github.com/istio-llm-filter/istio-llm-filter/filter/llmfilter"
 )
@@ -50,6 +57,8 @@ func run(ctx context.Context, args []string, logOut io.Writer, ready chan<- net.
 	fs.SetOutput(logOut)
 	path := fs.String("config", "", "fleet YAML file (listen: the gRPC address, filter:)")
 	metricsAddr := fs.String("metrics-listen", "", "address of /metrics and /healthz (HTTP); empty: none")
+	poolName := fs.String("pool-name", "", "the InferencePool whose ready pods are the endpoints (in-cluster); its name is the cluster the rules name")
+	poolNS := fs.String("pool-namespace", os.Getenv("POD_NAMESPACE"), "the InferencePool's namespace (default $POD_NAMESPACE)")
 	hooks := fs.Bool("conformance-test-hooks", false, "honour the "+epp.TestSelectionHeader+" request header and echo "+epp.TestServedHeader+" (Inference Extension conformance tests)")
 	if err := fs.Parse(args); err != nil {
 		return err
@@ -71,7 +80,15 @@ func run(ctx context.Context, args []string, logOut io.Writer, ready chan<- net.
 		return err
 	}
 	pm.Declare(cfg)
-	srv, closeReports, err := epp.Build(fc, cfg, epp.BuildOptions{Logger: logger, Metrics: pm, Registerer: reg, ConformanceHooks: *hooks})
+	bo := epp.BuildOptions{Logger: logger, Metrics: pm, Registerer: reg, ConformanceHooks: *hooks}
+	if *poolName != "" {
+		src, err := watchPool(ctx, *poolNS, *poolName, logger)
+		if err != nil {
+			return err
+		}
+		bo.Endpoints, bo.PoolName = src, *poolName
+	}
+	srv, closeReports, err := epp.Build(fc, cfg, bo)
 	if err != nil {
 		return err
 	}
@@ -119,4 +136,25 @@ func run(ctx context.Context, args []string, logOut io.Writer, ready chan<- net.
 		_ = hs.Close()
 	}
 	return nil
+}
+
+// watchPool watches the InferencePool namespace/name with the pod's
+// service account (in-cluster configuration).
+func watchPool(ctx context.Context, namespace, name string, logger *slog.Logger) (*poolsource.Source, error) {
+	if namespace == "" {
+		return nil, errors.New("--pool-namespace (or $POD_NAMESPACE) is required with --pool-name")
+	}
+	rc, err := rest.InClusterConfig()
+	if err != nil {
+		return nil, fmt.Errorf("--pool-name needs to run in a cluster: %w", err)
+	}
+	kc, err := kubernetes.NewForConfig(rc)
+	if err != nil {
+		return nil, err
+	}
+	dc, err := dynamic.NewForConfig(rc)
+	if err != nil {
+		return nil, err
+	}
+	return poolsource.Start(ctx, kc, dc, namespace, name, logger)
 }
