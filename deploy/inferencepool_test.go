@@ -10,8 +10,8 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	rbacv1 "k8s.io/api/rbac/v1"
 	"k8s.io/apimachinery/pkg/labels"
-	gatewayv1 "sigs.k8s.io/gateway-api/apis/v1"
 	giev1 "sigs.k8s.io/gateway-api-inference-extension/api/v1"
+	gatewayv1 "sigs.k8s.io/gateway-api/apis/v1"
 
 	"github.com/istio-llm-filter/istio-llm-filter/filter/gatewayfile"
 )
