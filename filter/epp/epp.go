@@ -22,7 +22,9 @@
 //	                  x-gateway-destination-endpoint-served, the response
 //	                  header of that name, or Envoy's upstream.address
 //	                  attribute) → Served; a 2xx → Saved
-//	response body     the first chunk → FirstToken; transcoded answers
+//	response body     the first chunk → FirstToken; transcoded answers (a
+//	                  JSON answer passed through is not sent: its headers
+//	                  are its first token, mode_override)
 //	end of stream     Done (also when Envoy resets the stream)
 //
 // A refused request gets an ImmediateResponse with routing.Error's status
@@ -49,6 +51,7 @@ import (
 	"time"
 
 	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
+	procv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
 	typev3 "github.com/envoyproxy/go-control-plane/envoy/type/v3"
 	"google.golang.org/grpc"
@@ -372,7 +375,7 @@ func (x *exchange) responseHeaders(req *extprocv3.ProcessingRequest, hh *extproc
 	}
 	d := x.req
 	if d == nil {
-		return headersResponse(false, set, nil), false
+		return skipBody(headersResponse(false, set, nil)), false
 	}
 	if served != "" && served != d.Host && viaUpstream {
 		x.s.log.Warn("the chosen pod did not serve the request", "trace_id", x.trace, "chosen", d.Host, "served", served, "cluster", d.Cluster)
@@ -386,7 +389,7 @@ func (x *exchange) responseHeaders(req *extprocv3.ProcessingRequest, hh *extproc
 			return x.reject(&routing.Error{Status: http.StatusServiceUnavailable, Type: "backend_error",
 				Message: fmt.Sprintf("backend %s answered %d", served, x.status), TraceID: x.trace}), true
 		}
-		return headersResponse(false, set, nil), false
+		return skipBody(headersResponse(false, set, nil)), false
 	}
 	// The pod is answering, so it has (or is building) the prompt's cache.
 	x.s.opts.Reporter.Saved(d)
@@ -406,7 +409,26 @@ func (x *exchange) responseHeaders(req *extprocv3.ProcessingRequest, hh *extproc
 	}
 	r := headersResponse(false, set, nil)
 	r.GetResponseHeaders().Response.HeaderMutation.RemoveHeaders = remove
+	if d.Response == nil && !x.streaming {
+		// A JSON answer passed through: its headers come with the whole
+		// generation done, so they are its first token, and its body needs
+		// no round trip of ours.
+		x.firstToken()
+		skipBody(r)
+	}
 	return r, false
+}
+
+// skipBody asks Envoy not to send the response body (honoured when the
+// filter's allow_mode_override is on; otherwise the body comes and passes
+// through unchanged). The stream still ends with the request: Done.
+func skipBody(r *extprocv3.ProcessingResponse) *extprocv3.ProcessingResponse {
+	r.ModeOverride = &procv3.ProcessingMode{
+		ResponseHeaderMode:  procv3.ProcessingMode_SEND,
+		ResponseBodyMode:    procv3.ProcessingMode_NONE,
+		ResponseTrailerMode: procv3.ProcessingMode_SKIP,
+	}
+	return r
 }
 
 func (x *exchange) responseBody(hb *extprocv3.HttpBody) *extprocv3.ProcessingResponse {

@@ -51,7 +51,7 @@ func (p *pod) requests() []http.Header {
 	return append([]http.Header(nil), p.seen...)
 }
 
-func startPods(t *testing.T, n int) []*pod {
+func startPods(t testing.TB, n int) []*pod {
 	t.Helper()
 	var pods []*pod
 	for range n {
@@ -122,7 +122,7 @@ filter:
 }
 
 // startEPP serves the picker of doc over real gRPC on loopback.
-func startEPP(t *testing.T, doc string, hooks bool) string {
+func startEPP(t testing.TB, doc string, hooks bool) string {
 	t.Helper()
 	fc, cfg, err := gatewayfile.Parse("fleet.yaml", []byte(doc))
 	if err != nil {

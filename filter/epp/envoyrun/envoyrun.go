@@ -100,7 +100,8 @@ func Bootstrap(o Options) (string, error) {
 // Gateway generate for an HTTPRoute to an InferencePool, reduced to one
 // listener: ext_proc to the picker with the endpoint-picker protocol's
 // processing mode (request headers and the buffered body, response
-// headers and the streamed body), the served pod and Envoy's response
+// headers and the streamed body, which the picker may skip per response:
+// allow_mode_override), the served pod and Envoy's response
 // details asked back as attributes, and an ORIGINAL_DST cluster keyed on
 // the destination header.
 var bootstrap = template.Must(template.New("bootstrap").Parse(`admin:
@@ -139,7 +140,7 @@ static_resources:
                 timeout: 30s
               failure_mode_allow: {{.FailOpen}}
               message_timeout: 10s
-              allow_mode_override: false
+              allow_mode_override: true
               processing_mode:
                 request_header_mode: SEND
                 request_body_mode: BUFFERED
