@@ -239,7 +239,9 @@ func (x *exchange) handle(req *extprocv3.ProcessingRequest) (resp *extprocv3.Pro
 	case *extprocv3.ProcessingRequest_ResponseBody:
 		return x.responseBody(r.ResponseBody), false
 	case *extprocv3.ProcessingRequest_ResponseTrailers:
-		x.s.opts.Reporter.FirstToken(x.req)
+		if x.success {
+			x.firstToken() // an answer of trailers alone ends here
+		}
 		return &extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_ResponseTrailers{ResponseTrailers: &extprocv3.TrailersResponse{}}}, false
 	}
 	return nil, false
@@ -302,7 +304,8 @@ func (x *exchange) requestBody(req *extprocv3.ProcessingRequest, hb *extprocv3.H
 		return &extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_RequestBody{RequestBody: &extprocv3.BodyResponse{}}}, false
 	}
 	ctx := x.ctx
-	if allow := x.subset(req); allow != nil {
+	allow := x.subset(req)
+	if allow != nil {
 		ctx = routing.WithSubset(ctx, allow)
 	}
 	d, err := x.s.opts.Decider.Decide(ctx, x.hdrs, x.body)
@@ -314,7 +317,7 @@ func (x *exchange) requestBody(req *extprocv3.ProcessingRequest, hb *extprocv3.H
 		return x.reject(re), true
 	}
 	x.trace = d.TraceID
-	fallbacks := x.s.fallbacks(d, x.subset(req))
+	fallbacks := x.s.fallbacks(d, allow)
 	set := destination(d.Host)
 	cr := &extprocv3.CommonResponse{HeaderMutation: &extprocv3.HeaderMutation{SetHeaders: set}}
 	if d.Body != nil {

@@ -188,3 +188,27 @@ func TestHealthServices(t *testing.T) {
 		}
 	}
 }
+
+// A decision that rewrites the request (Triton's generate API) reaches
+// Envoy as a body mutation, a new :path and content-length.
+func TestTranscodedRequestIsRewritten(t *testing.T) {
+	doc := strings.Replace(fleetFile("", pool), "      - {cluster: pool}", "      - {cluster: pool, backend: triton}", 1)
+	cc := dial(t, startEPP(t, doc, false))
+	body := chat(false, "rewrite me")
+	resp, _ := open(t, cc).decide(body, nil)
+	cr := resp.GetRequestBody().GetResponse()
+	up := cr.GetBodyMutation().GetBody()
+	if len(up) == 0 || string(up) == body {
+		t.Fatalf("no body mutation: %v", cr)
+	}
+	set := map[string]string{}
+	for _, h := range cr.GetHeaderMutation().GetSetHeaders() {
+		set[h.Header.Key] = string(h.Header.RawValue)
+	}
+	if !strings.Contains(set[":path"], "generate") {
+		t.Fatalf(":path %q, want Triton's generate", set[":path"])
+	}
+	if !strings.Contains(string(up), "rewrite me") {
+		t.Fatalf("the upstream body lost the prompt: %s", up)
+	}
+}
