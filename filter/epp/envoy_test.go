@@ -78,8 +78,14 @@ func errType(t *testing.T, a answer) string {
 // picker named, the answer names it, streams flow, and refused requests
 // get the project's JSON errors.
 func TestThroughRealEnvoy(t *testing.T) {
+	for _, mode := range []string{"buffered", "full-duplex"} {
+		t.Run(mode, func(t *testing.T) { throughRealEnvoy(t, mode == "full-duplex") })
+	}
+}
+
+func throughRealEnvoy(t *testing.T, duplex bool) {
 	pods := startPods(t, 3)
-	url := startEnvoy(t, startEPP(t, fleetFile("", addrs(pods)), true))
+	url := startEnvoyMode(t, startEPP(t, fleetFile("", addrs(pods)), true), duplex)
 
 	t.Run("plain", func(t *testing.T) {
 		a := post(t, url, chat(false, "hello there"), nil)

@@ -9,7 +9,10 @@
 //
 // One gRPC stream is one HTTP request. Envoy's ext_proc filter sends, in
 // order (processing_mode: request headers SEND, request body BUFFERED,
-// response headers SEND, response body STREAMED, trailers SKIP):
+// response headers SEND, response body STREAMED, trailers SKIP; or both
+// bodies FULL_DUPLEX_STREAMED with trailers SEND, where the request headers
+// are answered with the decision once the body is in, and every chunk is
+// sent back):
 //
 //	request headers   remembered; a request without a body is sent to a
 //	                  pod of default_cluster round robin
@@ -193,12 +196,11 @@ func (s *Server) Process(stream extprocv3.ExternalProcessor_ProcessServer) (err 
 		if err != nil {
 			return err
 		}
-		resp, done := x.handle(req)
-		if resp == nil {
-			continue
-		}
-		if err := stream.Send(resp); err != nil {
-			return err
+		resps, done := x.handle(req)
+		for _, resp := range resps {
+			if err := stream.Send(resp); err != nil {
+				return err
+			}
 		}
 		if done {
 			return nil
@@ -216,6 +218,10 @@ type exchange struct {
 	req   *lifecycle.Request
 	host  string // the pod of a request sent without a decision
 
+	// reqDuplex, respDuplex: the bodies stream both ways
+	// (FULL_DUPLEX_STREAMED): every chunk is answered with its content.
+	reqDuplex, respDuplex bool
+
 	answered  bool // response headers came
 	status    int
 	success   bool
@@ -225,24 +231,45 @@ type exchange struct {
 	respBody  []byte
 }
 
-// handle answers one message; done ends the stream (an immediate response).
-func (x *exchange) handle(req *extprocv3.ProcessingRequest) (resp *extprocv3.ProcessingResponse, done bool) {
+// handle answers one message with what is to be sent (maybe nothing yet);
+// done ends the stream (an immediate response).
+func (x *exchange) handle(req *extprocv3.ProcessingRequest) (resps []*extprocv3.ProcessingResponse, done bool) {
+	if pc := req.GetProtocolConfig(); pc != nil {
+		// Sent with the first message: whether the bodies stream both ways.
+		x.reqDuplex = pc.GetRequestBodyMode() == procv3.ProcessingMode_FULL_DUPLEX_STREAMED
+		x.respDuplex = pc.GetResponseBodyMode() == procv3.ProcessingMode_FULL_DUPLEX_STREAMED
+	}
+	one := func(r *extprocv3.ProcessingResponse, done bool) ([]*extprocv3.ProcessingResponse, bool) {
+		if r == nil {
+			return nil, done
+		}
+		return []*extprocv3.ProcessingResponse{r}, done
+	}
 	switch r := req.Request.(type) {
 	case *extprocv3.ProcessingRequest_RequestHeaders:
-		return x.requestHeaders(req, r.RequestHeaders)
+		return one(x.requestHeaders(req, r.RequestHeaders))
 	case *extprocv3.ProcessingRequest_RequestBody:
-		return x.requestBody(req, r.RequestBody)
+		return x.requestBody(req, r.RequestBody.Body, r.RequestBody.EndOfStream)
 	case *extprocv3.ProcessingRequest_RequestTrailers:
-		return &extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_RequestTrailers{RequestTrailers: &extprocv3.TrailersResponse{}}}, false
+		trailers := &extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_RequestTrailers{RequestTrailers: &extprocv3.TrailersResponse{}}}
+		if x.reqDuplex && x.req == nil {
+			// The body ended with the trailers: decide now.
+			resps, done := x.requestBody(req, nil, true)
+			if done {
+				return resps, true
+			}
+			return append(resps, trailers), false
+		}
+		return one(trailers, false)
 	case *extprocv3.ProcessingRequest_ResponseHeaders:
-		return x.responseHeaders(req, r.ResponseHeaders)
+		return one(x.responseHeaders(req, r.ResponseHeaders))
 	case *extprocv3.ProcessingRequest_ResponseBody:
-		return x.responseBody(r.ResponseBody), false
+		return one(x.responseBody(r.ResponseBody), false)
 	case *extprocv3.ProcessingRequest_ResponseTrailers:
 		if x.success {
 			x.firstToken() // an answer of trailers alone ends here
 		}
-		return &extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_ResponseTrailers{ResponseTrailers: &extprocv3.TrailersResponse{}}}, false
+		return one(&extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_ResponseTrailers{ResponseTrailers: &extprocv3.TrailersResponse{}}}, false)
 	}
 	return nil, false
 }
@@ -283,7 +310,12 @@ func (x *exchange) requestHeaders(req *extprocv3.ProcessingRequest, hh *extprocv
 					Message: fmt.Sprintf("request body of %d bytes exceeds max_body_bytes (%d)", n, max), TraceID: x.trace}), true
 			}
 		}
-		// The body follows (buffered by Envoy): the decision waits for it.
+		// The body follows: the decision waits for it. Streamed both ways
+		// (FULL_DUPLEX_STREAMED), the headers' answer waits too: it carries
+		// the destination.
+		if x.reqDuplex {
+			return nil, false
+		}
 		return headersResponse(true, nil, nil), false
 	}
 	// No body, nothing to route on (GET /v1/models, health checks): a pod
@@ -297,11 +329,18 @@ func (x *exchange) requestHeaders(req *extprocv3.ProcessingRequest, hh *extprocv
 	return headersResponse(true, destination(host), []string{host}), false
 }
 
-func (x *exchange) requestBody(req *extprocv3.ProcessingRequest, hb *extprocv3.HttpBody) (*extprocv3.ProcessingResponse, bool) {
-	x.body = append(x.body, hb.Body...)
-	if !hb.EndOfStream {
-		// Only reached in a streamed request mode: gather the chunks.
-		return &extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_RequestBody{RequestBody: &extprocv3.BodyResponse{}}}, false
+func (x *exchange) requestBody(req *extprocv3.ProcessingRequest, chunk []byte, end bool) ([]*extprocv3.ProcessingResponse, bool) {
+	x.body = append(x.body, chunk...)
+	if !end {
+		if x.reqDuplex {
+			return nil, false // the chunks come back with the decision
+		}
+		// A streamed request mode: gather the chunks.
+		return []*extprocv3.ProcessingResponse{{Response: &extprocv3.ProcessingResponse_RequestBody{RequestBody: &extprocv3.BodyResponse{}}}}, false
+	}
+	if max := x.s.opts.Decider.Config().MaxBodyBytes; len(x.body) > max && x.reqDuplex {
+		return []*extprocv3.ProcessingResponse{x.reject(&routing.Error{Status: http.StatusRequestEntityTooLarge, Type: transcode.TypeTooLarge,
+			Message: fmt.Sprintf("request body of %d bytes exceeds max_body_bytes (%d)", len(x.body), max), TraceID: x.trace})}, true
 	}
 	ctx := x.ctx
 	allow := x.subset(req)
@@ -314,7 +353,7 @@ func (x *exchange) requestBody(req *extprocv3.ProcessingRequest, hb *extprocv3.H
 		if !errors.As(err, &re) {
 			re = &routing.Error{Status: http.StatusInternalServerError, Type: transcode.TypeInternal, Message: err.Error(), TraceID: x.trace}
 		}
-		return x.reject(re), true
+		return []*extprocv3.ProcessingResponse{x.reject(re)}, true
 	}
 	x.trace = d.TraceID
 	fallbacks := x.s.fallbacks(d, allow)
@@ -332,11 +371,34 @@ func (x *exchange) requestBody(req *extprocv3.ProcessingRequest, hb *extprocv3.H
 	x.req = lifecycle.NewRequest(d)
 	x.s.opts.Reporter.Started(x.req)
 	x.s.opts.Metrics.Count("in_flight", 1)
+	md := destinationMetadata(append([]string{d.Host}, fallbacks...))
+	if x.reqDuplex {
+		// The headers' answer carries the destination; the body goes back
+		// whole (rewritten or not) as the one streamed chunk.
+		body := x.body
+		if d.Body != nil {
+			body = d.Body
+		}
+		cr.BodyMutation = nil
+		x.body = nil
+		return []*extprocv3.ProcessingResponse{
+			{Response: &extprocv3.ProcessingResponse_RequestHeaders{RequestHeaders: &extprocv3.HeadersResponse{Response: cr}}, DynamicMetadata: md},
+			{Response: &extprocv3.ProcessingResponse_RequestBody{RequestBody: &extprocv3.BodyResponse{Response: &extprocv3.CommonResponse{
+				BodyMutation: &extprocv3.BodyMutation{Mutation: &extprocv3.BodyMutation_StreamedResponse{
+					StreamedResponse: &extprocv3.StreamedBodyResponse{Body: body, EndOfStream: !hasTrailers(req)}}}}}}},
+		}, false
+	}
 	x.body = nil
-	return &extprocv3.ProcessingResponse{
+	return []*extprocv3.ProcessingResponse{{
 		Response:        &extprocv3.ProcessingResponse_RequestBody{RequestBody: &extprocv3.BodyResponse{Response: cr}},
-		DynamicMetadata: destinationMetadata(append([]string{d.Host}, fallbacks...)),
-	}, false
+		DynamicMetadata: md,
+	}}, false
+}
+
+// hasTrailers: the request's body ended with its trailers.
+func hasTrailers(req *extprocv3.ProcessingRequest) bool {
+	_, ok := req.Request.(*extprocv3.ProcessingRequest_RequestTrailers)
+	return ok
 }
 
 func (x *exchange) responseHeaders(req *extprocv3.ProcessingRequest, hh *extprocv3.HttpHeaders) (*extprocv3.ProcessingResponse, bool) {
@@ -378,7 +440,7 @@ func (x *exchange) responseHeaders(req *extprocv3.ProcessingRequest, hh *extproc
 	}
 	d := x.req
 	if d == nil {
-		return skipBody(headersResponse(false, set, nil)), false
+		return x.skipBody(headersResponse(false, set, nil)), false
 	}
 	if served != "" && served != d.Host && viaUpstream {
 		x.s.log.Warn("the chosen pod did not serve the request", "trace_id", x.trace, "chosen", d.Host, "served", served, "cluster", d.Cluster)
@@ -392,7 +454,7 @@ func (x *exchange) responseHeaders(req *extprocv3.ProcessingRequest, hh *extproc
 			return x.reject(&routing.Error{Status: http.StatusServiceUnavailable, Type: "backend_error",
 				Message: fmt.Sprintf("backend %s answered %d", served, x.status), TraceID: x.trace}), true
 		}
-		return skipBody(headersResponse(false, set, nil)), false
+		return x.skipBody(headersResponse(false, set, nil)), false
 	}
 	// The pod is answering, so it has (or is building) the prompt's cache.
 	x.s.opts.Reporter.Saved(d)
@@ -417,7 +479,7 @@ func (x *exchange) responseHeaders(req *extprocv3.ProcessingRequest, hh *extproc
 		// generation done, so they are its first token, and its body needs
 		// no round trip of ours.
 		x.firstToken()
-		skipBody(r)
+		x.skipBody(r)
 	}
 	return r, false
 }
@@ -425,7 +487,10 @@ func (x *exchange) responseHeaders(req *extprocv3.ProcessingRequest, hh *extproc
 // skipBody asks Envoy not to send the response body (honoured when the
 // filter's allow_mode_override is on; otherwise the body comes and passes
 // through unchanged). The stream still ends with the request: Done.
-func skipBody(r *extprocv3.ProcessingResponse) *extprocv3.ProcessingResponse {
+func (x *exchange) skipBody(r *extprocv3.ProcessingResponse) *extprocv3.ProcessingResponse {
+	if x.respDuplex {
+		return r // the body streams through us either way
+	}
 	r.ModeOverride = &procv3.ProcessingMode{
 		ResponseHeaderMode:  procv3.ProcessingMode_SEND,
 		ResponseBodyMode:    procv3.ProcessingMode_NONE,
@@ -436,6 +501,18 @@ func skipBody(r *extprocv3.ProcessingResponse) *extprocv3.ProcessingResponse {
 
 func (x *exchange) responseBody(hb *extprocv3.HttpBody) *extprocv3.ProcessingResponse {
 	out := func(m *extprocv3.BodyMutation) *extprocv3.ProcessingResponse {
+		if x.respDuplex {
+			// Streamed both ways, every chunk is sent back, changed or not.
+			body := hb.Body
+			switch mm := m.GetMutation().(type) {
+			case *extprocv3.BodyMutation_Body:
+				body = mm.Body
+			case *extprocv3.BodyMutation_ClearBody:
+				body = nil
+			}
+			m = &extprocv3.BodyMutation{Mutation: &extprocv3.BodyMutation_StreamedResponse{
+				StreamedResponse: &extprocv3.StreamedBodyResponse{Body: body, EndOfStream: hb.EndOfStream}}}
+		}
 		return &extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_ResponseBody{
 			ResponseBody: &extprocv3.BodyResponse{Response: &extprocv3.CommonResponse{BodyMutation: m}}}}
 	}

@@ -146,9 +146,16 @@ func startEPP(t testing.TB, doc string, hooks bool) string {
 // startEnvoy runs the real Envoy in front of the picker at eppAddr.
 func startEnvoy(t *testing.T, eppAddr string) string {
 	t.Helper()
+	return startEnvoyMode(t, eppAddr, false)
+}
+
+// startEnvoyMode is startEnvoy with both bodies FULL_DUPLEX_STREAMED when
+// duplex is set.
+func startEnvoyMode(t *testing.T, eppAddr string, duplex bool) string {
+	t.Helper()
 	var log strings.Builder
 	var mu sync.Mutex
-	e, err := envoyrun.Start(context.Background(), envoyrun.Options{Binary: envoyBinary(t), EPP: eppAddr, Retries: 2,
+	e, err := envoyrun.Start(context.Background(), envoyrun.Options{Binary: envoyBinary(t), EPP: eppAddr, Retries: 2, Duplex: duplex,
 		Stderr: writerFunc(func(b []byte) (int, error) { mu.Lock(); defer mu.Unlock(); return log.Write(b) })})
 	if err != nil {
 		t.Fatal(err)

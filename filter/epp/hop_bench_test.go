@@ -18,7 +18,8 @@ import (
 // BenchmarkExtProcHop measures what the picker adds to a request: the
 // same chat request at concurrency 8 through the real Envoy straight to a
 // pod (envoy-direct), and through Envoy with our endpoint picker deciding
-// each request with the metadata center (envoy-epp). The pods answer at
+// each request with the metadata center (envoy-epp; envoy-epp-duplex with
+// both bodies FULL_DUPLEX_STREAMED). The pods answer at
 // once, so the difference is the ext_proc hop with its decision. Reported:
 // p50 and p99 latency of each, in ms, at concurrency 8 (the aim: the hop
 // adds at most 1 ms p50 and 3 ms p99) and 1 (the hop alone, no queueing).
@@ -35,6 +36,7 @@ func BenchmarkExtProcHop(b *testing.B) {
 	}{
 		{"envoy-direct", envoyrun.Options{Binary: bin, Direct: addrs(pods)}},
 		{"envoy-epp", envoyrun.Options{Binary: bin, EPP: eppAddr}},
+		{"envoy-epp-duplex", envoyrun.Options{Binary: bin, EPP: eppAddr, Duplex: true}},
 	} {
 		b.Run(topo.name, func(b *testing.B) {
 			e, err := envoyrun.Start(context.Background(), topo.o)

@@ -44,6 +44,9 @@ type Options struct {
 	// unreachable picker lets requests through to the cluster's own
 	// choice (the InferencePool's failureMode: FailOpen).
 	FailOpen bool
+	// Duplex streams both bodies through the picker (FULL_DUPLEX_STREAMED,
+	// trailers SEND) instead of buffering the request's.
+	Duplex bool
 	// Concurrency is Envoy's worker threads (default 2).
 	Concurrency int
 	// LogLevel is Envoy's (default warning).
@@ -69,7 +72,13 @@ func Bootstrap(o Options) (string, error) {
 		Direct        []ep
 		Retries       int
 		FailOpen      bool
-	}{Retries: o.Retries, FailOpen: o.FailOpen, HasEPP: o.EPP != ""}
+		ReqBody       string
+		RespBody      string
+		Trailers      string
+	}{Retries: o.Retries, FailOpen: o.FailOpen, HasEPP: o.EPP != "", ReqBody: "BUFFERED", RespBody: "STREAMED", Trailers: "SKIP"}
+	if o.Duplex {
+		data.ReqBody, data.RespBody, data.Trailers = "FULL_DUPLEX_STREAMED", "FULL_DUPLEX_STREAMED", "SEND"
+	}
 	var err error
 	if data.Listen, err = split(o.Listen); err != nil {
 		return "", fmt.Errorf("listen: %w", err)
@@ -143,11 +152,11 @@ static_resources:
               allow_mode_override: true
               processing_mode:
                 request_header_mode: SEND
-                request_body_mode: BUFFERED
-                request_trailer_mode: SKIP
+                request_body_mode: {{.ReqBody}}
+                request_trailer_mode: {{.Trailers}}
                 response_header_mode: SEND
-                response_body_mode: STREAMED
-                response_trailer_mode: SKIP
+                response_body_mode: {{.RespBody}}
+                response_trailer_mode: {{.Trailers}}
               response_attributes: ["upstream.address", "response.code_details"]
               metadata_options:
                 forwarding_namespaces: {untyped: ["envoy.lb", "envoy.lb.subset_hint"]}
