@@ -41,7 +41,7 @@ $(MODEL):
 
 build:
 	@mkdir -p $(BIN)
-	$(GO) build -o $(BIN)/ ./metadata-center/cmd/metadata-center ./worker/cmd/worker ./filter/cmd/gateway ./bench/cmd/vllmsim
+	$(GO) build -o $(BIN)/ ./metadata-center/cmd/metadata-center ./worker/cmd/worker ./filter/cmd/gateway ./filter/cmd/epp ./bench/cmd/vllmsim
 
 ## filter-so: the .so Envoy loads (envoy.filters.http.golang)
 filter-so:

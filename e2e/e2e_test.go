@@ -46,7 +46,7 @@ func binaries(t *testing.T) string {
 			return
 		}
 		cmd := exec.Command("go", "build", "-o", binDir+"/",
-			"./metadata-center/cmd/metadata-center", "./worker/cmd/worker", "./filter/cmd/gateway", "./worker/cmd/mkmodel")
+			"./metadata-center/cmd/metadata-center", "./worker/cmd/worker", "./filter/cmd/gateway", "./filter/cmd/epp", "./worker/cmd/mkmodel")
 		cmd.Dir = filepath.Dir(strings.TrimSpace(string(root)))
 		cmd.Env = cgoenv.Environ()
 		if out, err := cmd.CombinedOutput(); err != nil {
@@ -98,15 +98,6 @@ func dumpLogs(t *testing.T, f *fleet.Fleet) {
 		}
 		t.Logf("--- %s (tail)\n%s", filepath.Base(m), b)
 	}
-}
-
-func client(f *fleet.Fleet, retries int) openai.Client {
-	return openai.NewClient(
-		option.WithBaseURL(f.Gateway+"/v1/"),
-		option.WithAPIKey("unused"),
-		option.WithMaxRetries(retries),
-		option.WithRequestTimeout(2*time.Minute),
-	)
 }
 
 // turn is one answered request of a conversation.
@@ -282,9 +273,25 @@ func askThenKill(t *testing.T, f *fleet.Fleet, cl openai.Client, c *conversation
 	return first
 }
 
+// A killed worker is avoided by the standalone gateway and by Envoy with
+// our endpoint picker alike: both eject it once a request could not reach
+// it (the envoyhost topology retries around it: envoyhost_test.go).
 func TestKilledWorkerIsAvoided(t *testing.T) {
-	f := startFleet(t)
-	cl := client(f, 0)
+	for _, topo := range []string{"standalone", "epp"} {
+		t.Run(topo, func(t *testing.T) {
+			f := startFleet(t)
+			url := f.Gateway
+			if topo == "epp" {
+				if url = startEnvoyEPP(t, f); url == "" {
+					t.Skip("no Envoy binary")
+				}
+			}
+			killedWorkerIsAvoided(t, f, clientAt(url, 0))
+		})
+	}
+}
+
+func killedWorkerIsAvoided(t *testing.T, f *fleet.Fleet, cl openai.Client) {
 	c := newConversation(false, 3)
 	first := askThenKill(t, f, cl, c)
 

@@ -23,17 +23,23 @@ var (
 	hostErr         error
 )
 
-// gateway is one way into the fleet: the standalone gateway, or the real
-// llm-filter.so inside the Envoy-faithful host (envoyhost/).
+// gateway is one way into the fleet: the standalone gateway, the real
+// llm-filter.so inside the Envoy-faithful host (envoyhost/), or the real
+// upstream Envoy with our endpoint picker (filter/epp).
 type gateway struct {
 	name string
 	url  string
 }
 
-// gateways returns both ways into f; the envoy one shares f's workers and
-// metadata center, with the same filter document as the standalone one.
+// gateways returns every way into f; the envoy and epp ones share f's
+// workers and metadata center, with the same filter document as the
+// standalone one.
 func gateways(t *testing.T, f *fleet.Fleet) []gateway {
-	return []gateway{{"standalone", f.Gateway}, {"envoy", startEnvoy(t, f)}}
+	gws := []gateway{{"standalone", f.Gateway}, {"envoy", startEnvoy(t, f)}}
+	if url := startEnvoyEPP(t, f); url != "" {
+		gws = append(gws, gateway{"epp", url})
+	}
+	return gws
 }
 
 // envoyArtifacts builds bin/envoyhost and bin/llm-filter.so once per test

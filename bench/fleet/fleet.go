@@ -31,7 +31,7 @@ import (
 
 // Spec describes one fleet.
 type Spec struct {
-	BinDir     string   // holds metadata-center, worker, gateway (and vllmsim for vllm)
+	BinDir     string   // holds metadata-center, worker, gateway (and vllmsim for vllm, epp for envoy-epp)
 	LogDir     string   // one log file per process
 	Engine     string   // sim | llama | vllm (EngineVLLM)
 	Workers    int      // number of worker processes (vllm: pods, all in one vllmsim process)
@@ -64,6 +64,11 @@ type Spec struct {
 	// Extra are workers of other kinds started after the Workers ones
 	// (a real llama.cpp worker beside simulated ones).
 	Extra []WorkerSpec
+	// Topology is how clients reach the workers (epp.go): the standalone
+	// gateway ("" or TopologyGateway), or the upstream Envoy ($LLMF_TEST_ENVOY)
+	// with our endpoint picker or straight to the workers; Gateway is then
+	// Envoy's URL.
+	Topology string
 }
 
 // WorkerSpec is one extra worker.
@@ -114,6 +119,7 @@ type Fleet struct {
 	redisArgs  []string
 	RedisAddr  string // the fleet's own redis-server, when it started one
 	names      map[*exec.Cmd]string
+	closers    []func() // Envoys (epp.go), stopped first
 }
 
 // Start launches the fleet and waits until every part answers /healthz.
@@ -266,6 +272,21 @@ func Start(ctx context.Context, s Spec) (*Fleet, error) {
 		f.Gateways = append(f.Gateways, "http://"+gw)
 	}
 	f.Gateway = f.Gateways[0]
+	switch s.Topology {
+	case "", TopologyGateway:
+	case TopologyEnvoyEPP, TopologyEnvoyDirect:
+		start := f.StartEnvoyEPP
+		if s.Topology == TopologyEnvoyDirect {
+			start = f.StartEnvoyDirect
+		}
+		url, err := start(ctx, "")
+		if err != nil {
+			return nil, err
+		}
+		f.Gateway, f.Gateways = url, []string{url}
+	default:
+		return nil, fmt.Errorf("fleet: unknown topology %q", s.Topology)
+	}
 	ok = true
 	return f, nil
 }
@@ -423,6 +444,10 @@ func (f *Fleet) spawnPath(s Spec, path, name string, args ...string) (*exec.Cmd,
 
 // Stop terminates every process still running, newest first.
 func (f *Fleet) Stop() {
+	for i := len(f.closers) - 1; i >= 0; i-- {
+		f.closers[i]()
+	}
+	f.closers = nil
 	for i := len(f.procs) - 1; i >= 0; i-- {
 		f.terminate(f.procs[i])
 	}

@@ -30,8 +30,11 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	netv1 "k8s.io/api/networking/v1"
 	policyv1 "k8s.io/api/policy/v1"
+	rbacv1 "k8s.io/api/rbac/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	utilyaml "k8s.io/apimachinery/pkg/util/yaml"
+	giev1 "sigs.k8s.io/gateway-api-inference-extension/api/v1"
+	gatewayv1 "sigs.k8s.io/gateway-api/apis/v1"
 	sigsjson "sigs.k8s.io/json"
 	"sigs.k8s.io/kustomize/api/krusty"
 	"sigs.k8s.io/kustomize/api/types"
@@ -146,6 +149,16 @@ func newObject(apiVersion, kind string) (any, bool) {
 		return &networkingv1.VirtualService{}, true
 	case "networking.istio.io/v1/DestinationRule":
 		return &networkingv1.DestinationRule{}, true
+	case "rbac.authorization.k8s.io/v1/Role":
+		return &rbacv1.Role{}, true
+	case "rbac.authorization.k8s.io/v1/RoleBinding":
+		return &rbacv1.RoleBinding{}, true
+	case "inference.networking.k8s.io/v1/InferencePool":
+		return &giev1.InferencePool{}, true
+	case "gateway.networking.k8s.io/v1/Gateway":
+		return &gatewayv1.Gateway{}, true
+	case "gateway.networking.k8s.io/v1/HTTPRoute":
+		return &gatewayv1.HTTPRoute{}, true
 	case "kustomize.config.k8s.io/v1beta1/Kustomization":
 		return &types.Kustomization{}, true
 	case "kustomize.config.k8s.io/v1alpha1/Component":
@@ -342,4 +355,39 @@ func PatchFiles(roots ...string) (map[string]bool, error) {
 		}
 	}
 	return patches, nil
+}
+
+// GeneratorFiles returns the files that the kustomizations under the roots
+// turn into ConfigMaps (configMapGenerator files:), keyed by cleaned path:
+// configuration data, not objects, checked by their own tests.
+func GeneratorFiles(roots ...string) (map[string]bool, error) {
+	files, err := YAMLFiles(roots...)
+	if err != nil {
+		return nil, err
+	}
+	out := map[string]bool{}
+	for _, f := range files {
+		if base := filepath.Base(f); base != "kustomization.yaml" && base != "kustomization.yml" {
+			continue
+		}
+		docs, err := ReadDocuments(f)
+		if err != nil {
+			return nil, err
+		}
+		for _, d := range docs {
+			obj, err := Decode(d.YAML)
+			if err != nil {
+				return nil, fmt.Errorf("%s: %w", d, err)
+			}
+			for _, g := range obj.(*types.Kustomization).ConfigMapGenerator {
+				for _, src := range g.FileSources {
+					if _, path, ok := strings.Cut(src, "="); ok {
+						src = path
+					}
+					out[filepath.Clean(filepath.Join(filepath.Dir(f), src))] = true
+				}
+			}
+		}
+	}
+	return out, nil
 }

@@ -288,3 +288,21 @@ type Async struct {
 	// early once it holds this many updates.
 	BatchMaxOps int
 }
+
+// ScrapedClusters maps the clusters of rules whose backend exposes /metrics
+// the metadata center reads (vllm, sglang, llamacpp) to that backend: the
+// clusters whose pods a gateway announces for scraping.
+func (c *Config) ScrapedClusters() map[string]string {
+	out := map[string]string{}
+	for _, rules := range c.ModelMappingRule {
+		for _, r := range rules {
+			switch r.Backend {
+			case BackendVLLM, BackendSGLang, BackendLlamaCpp:
+				if _, ok := out[r.Cluster]; !ok {
+					out[r.Cluster] = r.Backend
+				}
+			}
+		}
+	}
+	return out
+}

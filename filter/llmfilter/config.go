@@ -165,7 +165,7 @@ func (p *Parser) Build(cfg *config.Config, m Metrics) (*Config, error) {
 	if mc != nil {
 		// The metadata center scrapes the signals of the pods we route to
 		// (docs/metadata-center.md, "Pod signals").
-		stop := endpoints.StartAnnouncer(endpoints.AnnouncerOptions{Source: src, Clusters: announced(cfg), Logger: p.opts.Logger,
+		stop := endpoints.StartAnnouncer(endpoints.AnnouncerOptions{Source: src, Clusters: cfg.ScrapedClusters(), Logger: p.opts.Logger,
 			Announce: func(ctx context.Context, cluster, backend string, hosts []string) error {
 				return mc.AnnouncePods(ctx, mcapi.PodsAnnouncement{Cluster: cluster, Backend: backend, Hosts: hosts})
 			}})
@@ -173,23 +173,6 @@ func (p *Parser) Build(cfg *config.Config, m Metrics) (*Config, error) {
 		release = func() { stop(); releaseSource() }
 	}
 	return &Config{cfg: cfg, router: router, life: life, metrics: ref, log: p.opts.Logger, access: p.opts.AccessLog, release: release}, nil
-}
-
-// announced maps the clusters of rules whose backend exposes /metrics the
-// metadata center reads to that backend.
-func announced(cfg *config.Config) map[string]string {
-	out := map[string]string{}
-	for _, rules := range cfg.ModelMappingRule {
-		for _, r := range rules {
-			switch r.Backend {
-			case config.BackendVLLM, config.BackendSGLang, config.BackendLlamaCpp:
-				if _, ok := out[r.Cluster]; !ok {
-					out[r.Cluster] = r.Backend
-				}
-			}
-		}
-	}
-	return out
 }
 
 func (p *Parser) source(cfg *config.Config) (endpoints.Source, func(), error) {

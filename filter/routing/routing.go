@@ -334,6 +334,17 @@ type Decision struct {
 	Prediction balancer.Prediction
 }
 
+type subsetKey struct{}
+
+// WithSubset restricts the decisions made under the returned context to
+// the endpoints whose "ip:port" allow admits: the endpoint picker's
+// subset hint (a gateway naming the pods it may use). When it admits none
+// of the rule's cluster, Decide refuses with 503, as the endpoint-picker
+// protocol asks.
+func WithSubset(ctx context.Context, allow func(addr string) bool) context.Context {
+	return context.WithValue(ctx, subsetKey{}, allow)
+}
+
 type noHeaders struct{}
 
 func (noHeaders) Get(string) (string, bool) { return "", false }
@@ -417,6 +428,13 @@ func (e *Decider) Decide(ctx context.Context, h Headers, body []byte) (*Decision
 		return nil, e.reject(http.StatusInternalServerError, transcode.TypeInternal, trace, "%v", err)
 	}
 	sc.eps = endpoints.Append(sc.eps[:0], e.src, rule.Cluster)
+	if allow, ok := ctx.Value(subsetKey{}).(func(string) bool); ok {
+		sc.eps = slices.DeleteFunc(sc.eps, func(ep endpoints.Endpoint) bool { return !allow(ep.Address) })
+		if len(sc.eps) == 0 {
+			return nil, e.reject(http.StatusServiceUnavailable, transcode.TypeUnavailable, trace,
+				"no endpoint of cluster %q is in the subset the gateway allows", rule.Cluster)
+		}
+	}
 	all := sc.eps
 	// Selectors match the labels pods registered with the metadata center
 	// (docs/envoy-filter.md, label selectors), which the route query

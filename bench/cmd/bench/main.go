@@ -79,6 +79,7 @@ func run(ctx context.Context, args []string) error {
 		mcs         = fs.Int("metadata-centers", 1, "metadata-center replicas (more than one needs --store redis or redis-cluster)")
 		store       = fs.String("store", "memory", "metadata-center store: memory, redis (one redis-server) or redis-cluster (3 masters + 3 replicas), started by the bench")
 		queryTO     = fs.Duration("query-timeout", 0, "the gateways' metadata_center.query_timeout (0: the filter's default, 100ms)")
+		topology    = fs.String("gateway", fleet.TopologyGateway, "how clients reach the workers: gateway (the standalone gateway), envoy-epp (the upstream Envoy, $LLMF_TEST_ENVOY, with our endpoint picker: bin/epp) or envoy-direct (that Envoy straight to the workers)")
 		gwLog       = fs.String("gateway-log-level", "warn", "the gateways' log_level; debug logs every decision's per-scorer scores (logs/WORKLOAD/POLICY/gateway*.log)")
 		merge       = fs.String("merge", "", "instead of running: join the outputs of earlier runs (comma-separated directories) into --out")
 		spec        workload.Spec
@@ -252,7 +253,7 @@ func run(ctx context.Context, args []string) error {
 							BinDir: *bin, LogDir: filepath.Join(*out, "logs", cell, p, fmt.Sprintf("seed%d-r%d", sd, rep)), Engine: *engine, Workers: *workers,
 							Model: *model, ModelName: *modelName, Policy: policy, LBRule: rule, WorkerCPUs: *workerCPUs, WorkerArgs: wargs,
 							Gateways: *gateways, MetadataCenters: *mcs, Store: *store, QueryTimeout: *queryTO,
-							GatewayLogLevel: *gwLog,
+							GatewayLogLevel: *gwLog, Topology: *topology,
 						})
 						if err != nil {
 							return fmt.Errorf("%s: %w", label, err)

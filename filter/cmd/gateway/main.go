@@ -4,16 +4,15 @@
 //
 //	go run ./filter/cmd/gateway --config gateway.yaml
 //
-// The file holds `listen:` and the filter's document under `filter:`
+// The file (filter/gatewayfile, shared with the endpoint picker filter/cmd/epp)
+// holds `listen:` and the filter's document under `filter:`
 // (docs/configuration.md), plus optional `log_level` (debug|info|warn|error) and
 // `default_cluster` (a static cluster for requests the filter does not route).
 // /metrics (Prometheus) and /healthz are answered by the gateway itself.
 package main
 
 import (
-	"bytes"
 	"context"
-	"encoding/json"
 	"errors"
 	"flag"
 	"fmt"
@@ -31,10 +30,9 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
-	"sigs.k8s.io/yaml"
 
-	"github.com/istio-llm-filter/istio-llm-filter/filter/config"
 	"github.com/istio-llm-filter/istio-llm-filter/filter/endpoints"
+	"github.com/istio-llm-filter/istio-llm-filter/filter/gatewayfile"
 	"github.com/istio-llm-filter/istio-llm-filter/filter/llmfilter"
 	"github.com/istio-llm-filter/istio-llm-filter/filter/standalone"
 	"github.com/istio-llm-filter/istio-llm-filter/internal/headers"
@@ -49,71 +47,6 @@ func main() {
 	}
 }
 
-// fileConfig is the gateway's YAML file.
-type fileConfig struct {
-	Listen   string `json:"listen"`
-	LogLevel string `json:"log_level"`
-	// DefaultCluster names a cluster of filter.endpoints.static whose pods
-	// take, round robin, the requests the filter does not route (no body:
-	// GET /v1/models, health checks), as the route's cluster would in Envoy.
-	DefaultCluster string `json:"default_cluster"`
-	// ConnectRetries is how often a request whose connection to its pod
-	// failed (nothing was sent: the pod died, or is restarting) is sent to
-	// another pod of its cluster (standalone.Options.ConnectRetries, Envoy's
-	// retry_on: connect-failure with previous_hosts). Default 1; 0: none.
-	ConnectRetries *int            `json:"connect_retries"`
-	Filter         json.RawMessage `json:"filter"`
-}
-
-func loadConfig(path string) (*fileConfig, *config.Config, error) {
-	raw, err := os.ReadFile(path)
-	if err != nil {
-		return nil, nil, err
-	}
-	j, err := yaml.YAMLToJSON(raw)
-	if err != nil {
-		return nil, nil, fmt.Errorf("%s: not valid YAML: %w", path, err)
-	}
-	var fc fileConfig
-	dec := json.NewDecoder(bytes.NewReader(j))
-	dec.DisallowUnknownFields()
-	if err := dec.Decode(&fc); err != nil {
-		return nil, nil, fmt.Errorf("%s: %w", path, err)
-	}
-	if fc.Listen == "" {
-		fc.Listen = "127.0.0.1:8000"
-	}
-	if len(fc.Filter) == 0 || string(fc.Filter) == "null" {
-		return nil, nil, fmt.Errorf("%s: filter: missing", path)
-	}
-	cfg, err := config.Parse(fc.Filter)
-	if err != nil {
-		return nil, nil, fmt.Errorf("%s: filter.%w", path, err)
-	}
-	if fc.ConnectRetries == nil {
-		one := 1
-		fc.ConnectRetries = &one
-	}
-	if *fc.ConnectRetries < 0 || *fc.ConnectRetries > 8 {
-		return nil, nil, fmt.Errorf("%s: connect_retries: %d is not within 0..8", path, *fc.ConnectRetries)
-	}
-	if fc.DefaultCluster != "" {
-		if _, ok := cfg.Endpoints.Static[fc.DefaultCluster]; !ok {
-			return nil, nil, fmt.Errorf("%s: default_cluster: %q is not listed under filter.endpoints.static", path, fc.DefaultCluster)
-		}
-	}
-	return &fc, cfg, nil
-}
-
-func parseLevel(s string) (slog.Level, error) {
-	var l slog.Level
-	if s == "" {
-		return slog.LevelInfo, nil
-	}
-	err := l.UnmarshalText([]byte(s))
-	return l, err
-}
-
 // run serves until ctx ends. ready, if not nil, receives the bound address.
 func run(ctx context.Context, args []string, logOut io.Writer, ready chan<- net.Addr) error {
 	fs := flag.NewFlagSet("gateway", flag.ContinueOnError)
@@ -125,14 +58,11 @@ func run(ctx context.Context, args []string, logOut io.Writer, ready chan<- net.
 	if *path == "" {
 		return errors.New("--config FILE is required")
 	}
-	fc, cfg, err := loadConfig(*path)
+	fc, cfg, err := gatewayfile.Load(*path)
 	if err != nil {
 		return err
 	}
-	level, err := parseLevel(fc.LogLevel)
-	if err != nil {
-		return fmt.Errorf("log_level: %w", err)
-	}
+	level, _ := fc.Level() // checked by Load
 	logger := slog.New(slog.NewTextHandler(logOut, &slog.HandlerOptions{Level: level}))
 
 	reg := prometheus.NewRegistry()

@@ -1,0 +1,103 @@
+package epp
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+
+	mcapi "github.com/istio-llm-filter/istio-llm-filter/metadata-center/api"
+
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/istio-llm-filter/istio-llm-filter/filter/config"
+	"github.com/istio-llm-filter/istio-llm-filter/filter/endpoints"
+	"github.com/istio-llm-filter/istio-llm-filter/filter/gatewayfile"
+	"github.com/istio-llm-filter/istio-llm-filter/filter/lifecycle"
+	"github.com/istio-llm-filter/istio-llm-filter/filter/routing"
+)
+
+// BuildOptions are what Build takes besides the file.
+type BuildOptions struct {
+	Logger     *slog.Logger
+	Metrics    routing.Metrics
+	Registerer prometheus.Registerer // the balancer's stage histogram; nil: none
+	// ConformanceHooks: see Options.ConformanceHooks.
+	ConformanceHooks bool
+	// IntN replaces the balancer's random source (tests).
+	IntN func(int) int
+	// Endpoints, if set, is where the pods come from (an InferencePool:
+	// poolsource), with PoolName the cluster they answer to, which then
+	// takes the requests without a body; filter.endpoints.static, if any,
+	// still pins its clusters.
+	Endpoints endpoints.Source
+	PoolName  string
+}
+
+// Build makes the picker of a fleet file (filter/gatewayfile, the
+// standalone gateway's format): its pods are filter.endpoints.static,
+// default_cluster takes the requests without a body, and connect_retries
+// is the number of fallback pods per request. close drains the
+// lifecycle reports.
+func Build(fc *gatewayfile.File, cfg *config.Config, o BuildOptions) (s *Server, closeFn func(), err error) {
+	if len(cfg.Endpoints.Static) == 0 && o.Endpoints == nil {
+		return nil, nil, errors.New("filter.endpoints.static: the endpoint picker needs its pods listed (or an InferencePool)")
+	}
+	if o.Logger == nil {
+		o.Logger = slog.Default()
+	}
+	var pinned *endpoints.Static
+	if len(cfg.Endpoints.Static) > 0 {
+		if pinned, err = endpoints.NewStaticLabelled(cfg.Endpoints.Static, cfg.Endpoints.StaticLabels); err != nil {
+			return nil, nil, fmt.Errorf("filter.endpoints.static: %w", err)
+		}
+	}
+	// Static pod lists have no health checks, and a pool's readiness lags a
+	// crash: a pod Envoy could not reach is ejected, as the standalone
+	// gateway does.
+	outlier := endpoints.NewOutlier(endpoints.OutlierOptions{})
+	src := outlier.Wrap(endpoints.Layered{Pinned: pinned, Dynamic: o.Endpoints})
+	mc, err := routing.MetadataCenter(cfg, nil)
+	if err != nil {
+		return nil, nil, err
+	}
+	ro := routing.Options{Endpoints: src, Metrics: o.Metrics, Logger: o.Logger, Registerer: o.Registerer, IntN: o.IntN}
+	lo := lifecycle.Options{Metrics: o.Metrics, Logger: o.Logger}
+	if mc != nil {
+		ro.Querier, lo.Updater = mc, mc // one client: one connection pool
+	}
+	dec, err := routing.New(cfg, ro)
+	if err != nil {
+		return nil, nil, err
+	}
+	lo.Tracker, lo.Checker = dec.Tracker(), dec.Balancer()
+	life, err := lifecycle.New(cfg, lo)
+	if err != nil {
+		return nil, nil, err
+	}
+	fallbacks := 1
+	if fc != nil && fc.ConnectRetries != nil {
+		fallbacks = *fc.ConnectRetries
+	}
+	def := o.PoolName
+	if fc != nil && fc.DefaultCluster != "" {
+		def = fc.DefaultCluster
+	}
+	s, err = New(Options{Decider: dec, Reporter: life, Endpoints: src, Outlier: outlier, DefaultCluster: def,
+		Fallbacks: fallbacks, ConformanceHooks: o.ConformanceHooks, Metrics: o.Metrics, Logger: o.Logger})
+	if err != nil {
+		life.Close()
+		return nil, nil, err
+	}
+	closeAll := life.Close
+	if mc != nil {
+		// The metadata center scrapes the signals of the pods we route to
+		// (docs/metadata-center.md, "Pod signals"), an InferencePool's too.
+		stop := endpoints.StartAnnouncer(endpoints.AnnouncerOptions{Source: src, Clusters: cfg.ScrapedClusters(), Logger: o.Logger,
+			Announce: func(ctx context.Context, cluster, backend string, hosts []string) error {
+				return mc.AnnouncePods(ctx, mcapi.PodsAnnouncement{Cluster: cluster, Backend: backend, Hosts: hosts})
+			}})
+		closeAll = func() { stop(); life.Close() }
+	}
+	return s, closeAll, nil
+}
