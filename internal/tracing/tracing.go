@@ -58,7 +58,8 @@ func (o Options) Validate() error {
 // exporter (a no-op when tracing is off).
 type Provider struct {
 	trace.TracerProvider
-	sdk *sdktrace.TracerProvider
+	sdk       *sdktrace.TracerProvider
+	closeIdle func() // the exporter's own connections
 }
 
 // New builds a provider: a no-op one without an endpoint, else one that
@@ -76,6 +77,7 @@ func New(o Options) (*Provider, error) {
 // NewWithExporter builds a provider exporting to exp (the OTLP/HTTP
 // exporter of o.Endpoint when exp is nil).
 func NewWithExporter(o Options, exp sdktrace.SpanExporter) (*Provider, error) {
+	closeIdle := func() {}
 	if exp == nil {
 		u, err := url.Parse(o.Endpoint)
 		if err != nil {
@@ -84,7 +86,14 @@ func NewWithExporter(o Options, exp sdktrace.SpanExporter) (*Provider, error) {
 		if u.Path == "" || u.Path == "/" {
 			u.Path = "/v1/traces"
 		}
-		if exp, err = otlptracehttp.New(context.Background(), otlptracehttp.WithEndpointURL(u.String())); err != nil {
+		// A transport of its own, closed with the provider: the exporter's
+		// shared default would keep idle connections (and their
+		// goroutines) after Shutdown.
+		tr := http.DefaultTransport.(*http.Transport).Clone()
+		closeIdle = tr.CloseIdleConnections
+		exp, err = otlptracehttp.New(context.Background(), otlptracehttp.WithEndpointURL(u.String()),
+			otlptracehttp.WithHTTPClient(&http.Client{Transport: tr, Timeout: exportTimeout}))
+		if err != nil {
 			return nil, err
 		}
 	}
@@ -94,7 +103,7 @@ func NewWithExporter(o Options, exp sdktrace.SpanExporter) (*Provider, error) {
 		sdktrace.WithResource(res),
 		sdktrace.WithSampler(sdktrace.ParentBased(sdktrace.TraceIDRatioBased(o.SampleRatio))),
 	)
-	return &Provider{TracerProvider: sdk, sdk: sdk}, nil
+	return &Provider{TracerProvider: sdk, sdk: sdk, closeIdle: closeIdle}, nil
 }
 
 // Enabled reports whether spans are exported.
@@ -106,8 +115,13 @@ func (p *Provider) Shutdown(ctx context.Context) error {
 	if !p.Enabled() {
 		return nil
 	}
-	return p.sdk.Shutdown(ctx)
+	err := p.sdk.Shutdown(ctx)
+	p.closeIdle()
+	return err
 }
+
+// exportTimeout bounds one export call.
+const exportTimeout = 10 * time.Second
 
 // ShutdownTimeout bounds a shutdown done in the background.
 const ShutdownTimeout = 5 * time.Second
