@@ -25,6 +25,10 @@ var Events = []string{
 	"retractions", "served_elsewhere",
 }
 
+// EventRequestsStarted counts every request the host saw start (the
+// finished ones are Requests, by outcome).
+const EventRequestsStarted = "requests_started"
+
 // EventMetric is the counter an event is exported as: llm_filter_<event>_total.
 func EventMetric(event string) string { return Prefix + event + "_total" }
 

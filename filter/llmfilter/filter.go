@@ -88,7 +88,7 @@ func (f *filter) DecodeHeaders(h api.RequestHeaderMap, endStream bool) (st api.S
 	f.mu.Lock()
 	f.traceID = trace
 	f.mu.Unlock()
-	f.conf.metrics.Count("requests_started", 1)
+	f.conf.metrics.Count(gatewaymetrics.EventRequestsStarted, 1)
 	if _, ok := h.Get(headers.Cluster); ok {
 		// Only the filter names the routed cluster: a client's own header
 		// would send a request to any cluster the gateway knows.
