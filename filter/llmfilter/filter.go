@@ -507,7 +507,7 @@ func (f *filter) OnLog(reqH api.RequestHeaderMap, _ api.RequestTrailerMap, respH
 	}
 }
 
-// outcome classifies a finished request (label outcome of RequestsFamily).
+// outcome classifies a finished request (label outcome of gatewaymetrics.Requests).
 func (f *filter) outcome(d *lifecycle.Request, status int) string {
 	t := f.replied()
 	switch {
