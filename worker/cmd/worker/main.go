@@ -269,7 +269,8 @@ func run(ctx context.Context, args []string, stderr io.Writer, ready func(addr s
 		QueueTimeout: o.queueTimeout,
 		MaxBatch:     o.maxBatch, MaxOutputTokens: o.maxOutput, FinishFirst: o.finishFirst, PrefillChunk: o.prefillChunk,
 		KV:      kvcache.Limits{MaxItems: o.kvMaxItems, MaxBytes: o.kvMaxMB << 20, Threshold: o.kvThreshold},
-		Metrics: scheduler.NewMetrics(reg), Logger: log,
+		// Labelled with the served model, as the vllm:* series are.
+		Metrics: scheduler.NewMetrics(prometheus.WrapRegistererWith(prometheus.Labels{"model_name": info.Name}, reg)), Logger: log,
 	}
 	// The loop and the reporters outlive ctx: on SIGTERM they serve the
 	// drain, and stop when run returns.
