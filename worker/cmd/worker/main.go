@@ -268,7 +268,7 @@ func run(ctx context.Context, args []string, stderr io.Writer, ready func(addr s
 		MaxQueue: o.maxQueue, MaxRunning: o.maxRunning, RequestTimeout: o.timeout, CleanupInterval: o.cleanup,
 		QueueTimeout: o.queueTimeout,
 		MaxBatch:     o.maxBatch, MaxOutputTokens: o.maxOutput, FinishFirst: o.finishFirst, PrefillChunk: o.prefillChunk,
-		KV:      kvcache.Limits{MaxItems: o.kvMaxItems, MaxBytes: o.kvMaxMB << 20, Threshold: o.kvThreshold},
+		KV: kvcache.Limits{MaxItems: o.kvMaxItems, MaxBytes: o.kvMaxMB << 20, Threshold: o.kvThreshold},
 		// Labelled with the served model, as the vllm:* series are.
 		Metrics: scheduler.NewMetrics(prometheus.WrapRegistererWith(prometheus.Labels{"model_name": info.Name}, reg)), Logger: log,
 	}
