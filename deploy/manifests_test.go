@@ -26,6 +26,7 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	netv1 "k8s.io/api/networking/v1"
 	policyv1 "k8s.io/api/policy/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/labels"
 	"k8s.io/apimachinery/pkg/util/intstr"
 	"sigs.k8s.io/yaml"
@@ -135,7 +136,7 @@ func must[T any](t *testing.T, s stack, namespace, name string) T {
 }
 
 func TestEveryKustomizationBuilds(t *testing.T) {
-	for _, dir := range []string{".", "base", "gateway", "inferencepool", "overlays/external-redis", "overlays/model-pvc", "overlays/metadata-center-tls", "../istio"} {
+	for _, dir := range []string{".", "base", "gateway", "inferencepool", "overlays/external-redis", "overlays/model-pvc", "overlays/metadata-center-tls", "overlays/monitoring", "../istio"} {
 		t.Run(dir, func(t *testing.T) {
 			if s := build(t, dir); len(s.objs) == 0 {
 				t.Fatal("empty build")
@@ -276,8 +277,8 @@ func TestComponentsCombine(t *testing.T) {
 		}
 		return r
 	}
-	k := fmt.Sprintf("apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\nresources:\n  - %s\n  - %s\n  - %s\ncomponents:\n  - %s\n  - %s\n  - %s\n",
-		rel("base"), rel("gateway"), rel("../istio"), rel("components/external-redis"), rel("components/model-pvc"), rel("components/metadata-center-tls"))
+	k := fmt.Sprintf("apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\nresources:\n  - %s\n  - %s\n  - %s\ncomponents:\n  - %s\n  - %s\n  - %s\n  - %s\n",
+		rel("base"), rel("gateway"), rel("../istio"), rel("components/external-redis"), rel("components/model-pvc"), rel("components/metadata-center-tls"), rel("components/monitoring"))
 	if err := os.WriteFile(filepath.Join(overlay, "kustomization.yaml"), []byte(k), 0o644); err != nil {
 		t.Fatal(err)
 	}
@@ -291,6 +292,73 @@ func TestComponentsCombine(t *testing.T) {
 	}
 	if v, _ := flagValue(container(t, d.Spec.Template.Spec, "worker").Args, "metadata-center-ca-file"); v == "" {
 		t.Error("metadata-center-tls did not apply")
+	}
+	if _, ok := find[*manifesttest.PodMonitor](s, "llm", "llm-worker"); !ok {
+		t.Error("monitoring did not apply")
+	}
+}
+
+// Each PodMonitor selects the pods of one Deployment in its namespace and
+// scrapes what their prometheus.io annotations name: a named port of the
+// pod (the gateway's Envoy port is Istio's, injected into the pod).
+func TestPodMonitorsScrapeTheAnnotatedEndpoints(t *testing.T) {
+	s := build(t, "overlays/monitoring")
+	istioPorts := map[string]int32{"http-envoy-prom": 15090} // Istio's gateway injection template
+	monitors := 0
+	for _, o := range s.objs {
+		pm, ok := o.(*manifesttest.PodMonitor)
+		if !ok {
+			continue
+		}
+		monitors++
+		sel, err := metav1.LabelSelectorAsSelector(&pm.Spec.Selector)
+		if err != nil || sel.Empty() {
+			t.Fatalf("PodMonitor %s: selector %v: %v", pm.Name, pm.Spec.Selector, err)
+		}
+		var pods []*appsv1.Deployment
+		for _, o := range s.objs {
+			if d, ok := o.(*appsv1.Deployment); ok && d.Namespace == pm.Namespace && sel.Matches(labels.Set(d.Spec.Template.Labels)) {
+				pods = append(pods, d)
+			}
+		}
+		if len(pods) == 0 {
+			t.Errorf("PodMonitor %s/%s selects no Deployment's pods", pm.Namespace, pm.Name)
+		}
+		if len(pm.Spec.PodMetricsEndpoints) != 1 {
+			t.Fatalf("PodMonitor %s: %d endpoints, want 1", pm.Name, len(pm.Spec.PodMetricsEndpoints))
+		}
+		ep := pm.Spec.PodMetricsEndpoints[0]
+		if ep.Port == nil {
+			t.Fatalf("PodMonitor %s: no port name", pm.Name)
+		}
+		for _, d := range pods {
+			a := d.Spec.Template.Annotations
+			port, ok := istioPorts[*ep.Port]
+			if !ok {
+				for _, c := range d.Spec.Template.Spec.Containers {
+					for _, p := range c.Ports {
+						if p.Name == *ep.Port {
+							port, ok = p.ContainerPort, true
+						}
+					}
+				}
+			}
+			if !ok {
+				t.Errorf("PodMonitor %s: pods of %s have no port %q", pm.Name, d.Name, *ep.Port)
+				continue
+			}
+			// The annotations name the same path; their port is the
+			// container's, or Istio's merged one (15020) at the gateway.
+			if a["prometheus.io/path"] != ep.Path {
+				t.Errorf("PodMonitor %s scrapes %s, %s's annotations %s", pm.Name, ep.Path, d.Name, a["prometheus.io/path"])
+			}
+			if want := a["prometheus.io/port"]; want != fmt.Sprint(port) && !(want == "15020" && port == 15090) {
+				t.Errorf("PodMonitor %s scrapes port %d, %s's annotations %s", pm.Name, port, d.Name, want)
+			}
+		}
+	}
+	if monitors != 3 {
+		t.Errorf("%d PodMonitors, want 3 (gateway, metadata center, workers)", monitors)
 	}
 }
 

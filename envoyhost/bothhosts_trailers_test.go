@@ -12,6 +12,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/istio-llm-filter/istio-llm-filter/filter/config"
+	"github.com/istio-llm-filter/istio-llm-filter/filter/gatewaymetrics"
 	"github.com/istio-llm-filter/istio-llm-filter/filter/llmfilter"
 	"github.com/istio-llm-filter/istio-llm-filter/filter/standalone"
 	"github.com/istio-llm-filter/istio-llm-filter/internal/headers"
@@ -25,7 +26,7 @@ func startStandalone(t *testing.T, doc string) string {
 	if err != nil {
 		t.Fatal(err)
 	}
-	pm, err := llmfilter.NewPromMetrics(prometheus.NewRegistry())
+	pm, err := gatewaymetrics.NewProm(prometheus.NewRegistry())
 	if err != nil {
 		t.Fatal(err)
 	}

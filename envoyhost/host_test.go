@@ -47,9 +47,9 @@ func TestRoutedRequestThroughTheRealLibrary(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if m["llm_filter_routed"] != 2 || m["llm_filter_requests"] != 2 || m["llm_filter_in_flight"] != 0 {
+	if m["llm_filter_routed_total"] != 2 || m["llm_filter_requests_started_total"] != 2 || m["llm_filter_in_flight_requests"] != 0 {
 		t.Fatalf("stats: routed=%d requests=%d in_flight=%d, want 2, 2, 0 (all: %v)",
-			m["llm_filter_routed"], m["llm_filter_requests"], m["llm_filter_in_flight"], m)
+			m["llm_filter_routed_total"], m["llm_filter_requests_started_total"], m["llm_filter_in_flight_requests"], m)
 	}
 }
 

@@ -266,11 +266,11 @@ func TestRouteConfigOutlivesItsParent(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if m["llm_filter_panics"] != 0 || m["golang.panic_error"] != 0 {
+	if m["llm_filter_panics_total"] != 0 || m["golang.panic_error"] != 0 {
 		t.Fatalf("panics counted: %v", m)
 	}
-	if m["llm_filter_routed"] != int64(asked) {
-		t.Fatalf("llm_filter_routed = %d, want %d (each request counted once, in the live config's stats)", m["llm_filter_routed"], asked)
+	if m["llm_filter_routed_total"] != int64(asked) {
+		t.Fatalf("llm_filter_routed_total = %d, want %d (each request counted once, in the live config's stats)", m["llm_filter_routed_total"], asked)
 	}
 }
 
@@ -299,7 +299,7 @@ func TestClientGoneWhileDeciding(t *testing.T) {
 	// counted; it finds its stream gone.
 	waitUntil(t, "the four decisions to end", 5*time.Second, func() bool {
 		m, err := h.Metrics()
-		return err == nil && m["llm_filter_routed"] == 4
+		return err == nil && m["llm_filter_routed_total"] == 4
 	})
 	mc.hang.Store(false)
 	if b.hits.Load() != 0 {
@@ -318,8 +318,8 @@ func TestClientGoneWhileDeciding(t *testing.T) {
 		t.Fatalf("leases left: %v", live)
 	}
 	m, _ := h.Metrics()
-	if m["llm_filter_in_flight"] != 0 || m["llm_filter_panics"] != 0 {
-		t.Fatalf("in_flight=%d panics=%d, want 0, 0", m["llm_filter_in_flight"], m["llm_filter_panics"])
+	if m["llm_filter_in_flight_requests"] != 0 || m["llm_filter_panics_total"] != 0 {
+		t.Fatalf("in_flight=%d panics=%d, want 0, 0", m["llm_filter_in_flight_requests"], m["llm_filter_panics_total"])
 	}
 	if err := h.Err(); err != nil {
 		t.Fatal(err)

@@ -6,6 +6,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/istio-llm-filter/istio-llm-filter/filter/gatewaymetrics"
 	"github.com/istio-llm-filter/istio-llm-filter/filter/llmfilter"
 )
 
@@ -65,13 +66,20 @@ func TestAccessRecordAndMetricsInEnvoy(t *testing.T) {
 		if m, err = h.Metrics(); err != nil {
 			t.Fatal(err)
 		}
-		ok := (llmfilter.RequestLabels{Model: "qwen", Cluster: "pool", Policy: "cache_aware", Outcome: llmfilter.OutcomeSuccess}).EnvoyStatName()
-		rej := (llmfilter.RequestLabels{Outcome: llmfilter.OutcomeRejected}).EnvoyStatName()
+		ok := (gatewaymetrics.RequestLabels{Model: "qwen", Cluster: "pool", Policy: "cache_aware", Outcome: gatewaymetrics.OutcomeSuccess}).EnvoyStatName()
+		rej := (gatewaymetrics.RequestLabels{Outcome: gatewaymetrics.OutcomeRejected}).EnvoyStatName()
 		return m[ok] == 2 && m[rej] == 1
 	})
-	for _, name := range llmfilter.HistogramNames {
-		if m[name+":count"] != 2 {
-			t.Errorf("histogram %s recorded %d values, want 2 (all: %v)", name, m[name+":count"], m)
+	// Each histogram is an Envoy stat per rule's model and cluster, in the
+	// integer unit its name carries.
+	labels := gatewaymetrics.HistLabels{Model: "qwen", Cluster: "pool"}
+	stat := func(hist string) string {
+		name, _ := llmfilter.EnvoyHistogram(hist)
+		return labels.EnvoyStatName(name)
+	}
+	for _, h := range gatewaymetrics.Histograms {
+		if n := m[stat(h)+":count"]; n != 2 {
+			t.Errorf("histogram %s recorded %d values, want 2 (all: %v)", stat(h), n, m)
 		}
 	}
 	// The filter's own line goes to stdout (the host points fd 1 at its
@@ -81,7 +89,7 @@ func TestAccessRecordAndMetricsInEnvoy(t *testing.T) {
 		var rec map[string]any
 		if json.Unmarshal([]byte(l), &rec) == nil && rec["msg"] == "completed" {
 			lines++
-			if rec["outcome"] != llmfilter.OutcomeSuccess && rec["outcome"] != llmfilter.OutcomeRejected {
+			if rec["outcome"] != gatewaymetrics.OutcomeSuccess && rec["outcome"] != gatewaymetrics.OutcomeRejected {
 				t.Errorf("access line with outcome %v: %s", rec["outcome"], l)
 			}
 		}
@@ -89,7 +97,7 @@ func TestAccessRecordAndMetricsInEnvoy(t *testing.T) {
 	if lines != 3 {
 		t.Errorf("%d JSON access lines on stdout, want 3", lines)
 	}
-	if m[llmfilter.HistTTFT+":sum"] > m[llmfilter.HistDuration+":sum"] {
-		t.Errorf("TTFT sum %d ms above the duration sum %d ms", m[llmfilter.HistTTFT+":sum"], m[llmfilter.HistDuration+":sum"])
+	if ttft, dur := m[stat(gatewaymetrics.TTFT)+":sum"], m[stat(gatewaymetrics.RequestDuration)+":sum"]; ttft > dur {
+		t.Errorf("TTFT sum %d ms above the duration sum %d ms", ttft, dur)
 	}
 }

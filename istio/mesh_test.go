@@ -17,6 +17,7 @@ import (
 	networkingv1alpha3 "istio.io/client-go/pkg/apis/networking/v1alpha3"
 
 	"github.com/istio-llm-filter/istio-llm-filter/deploy/manifesttest"
+	"github.com/istio-llm-filter/istio-llm-filter/filter/gatewaymetrics"
 	"github.com/istio-llm-filter/istio-llm-filter/filter/llmfilter"
 	"github.com/istio-llm-filter/istio-llm-filter/internal/headers"
 )
@@ -186,10 +187,10 @@ func TestStatsTagsRebuildTheRequestLabels(t *testing.T) {
 	var b bootstrapv3.Bootstrap
 	decodePatchInto(t, ps[0], &b, func(*bootstrapv3.Bootstrap) {})
 	tags := b.GetStatsConfig().GetStatsTags()
-	for _, l := range []llmfilter.RequestLabels{
-		{Model: "qwen2.5-7b", Cluster: "outbound|8000||qwen-prod.llm.svc.cluster.local", Scene: "prod", Policy: "cache_aware", Outcome: llmfilter.OutcomeSuccess},
-		{Outcome: llmfilter.OutcomeRejected},
-		{Model: "m;x=y", Cluster: "c", Outcome: llmfilter.OutcomeFailed},
+	for _, l := range []gatewaymetrics.RequestLabels{
+		{Model: "qwen2.5-7b", Cluster: "outbound|8000||qwen-prod.llm.svc.cluster.local", Scene: "prod", Policy: "cache_aware", Outcome: gatewaymetrics.OutcomeSuccess},
+		{Outcome: gatewaymetrics.OutcomeRejected},
+		{Model: "m;x=y", Cluster: "c", Outcome: gatewaymetrics.OutcomeFailed},
 	} {
 		name := l.EnvoyStatName()
 		rest := name
@@ -203,21 +204,50 @@ func TestStatsTagsRebuildTheRequestLabels(t *testing.T) {
 			got[tag.GetTagName()] = name[m[4]:m[5]]
 			rest = strings.Replace(rest, name[m[2]:m[3]], "", 1)
 		}
-		if rest != llmfilter.RequestsFamily {
-			t.Errorf("%q: name after extraction %q, want %q", name, rest, llmfilter.RequestsFamily)
+		if rest != gatewaymetrics.Requests {
+			t.Errorf("%q: name after extraction %q, want %q", name, rest, gatewaymetrics.Requests)
 		}
-		want := map[string]string{"model": l.Model, "cluster": l.Cluster, "scene": l.Scene, "policy": l.Policy, "outcome": l.Outcome}
+		want := map[string]string{"model_name": l.Model, "cluster": l.Cluster, "scene": l.Scene, "policy": l.Policy, "outcome": l.Outcome}
 		for k, v := range want {
 			if v == "" {
-				v = llmfilter.NoLabel
+				v = gatewaymetrics.NoLabel
 			}
 			v = strings.NewReplacer(";", "_", "=", "_").Replace(v)
 			if got[k] != v {
 				t.Errorf("%q: tag %s = %q, want %q", name, k, got[k], v)
 			}
 		}
-		if len(got) != len(llmfilter.RequestLabelNames) {
-			t.Errorf("tags %v, want exactly %v", got, llmfilter.RequestLabelNames)
+		if len(got) != len(gatewaymetrics.RequestLabelNames) {
+			t.Errorf("tags %v, want exactly %v", got, gatewaymetrics.RequestLabelNames)
+		}
+	}
+}
+
+// The same extractors give the histograms their model_name and cluster,
+// and leave them the name the .so defined (llmfilter.EnvoyHistogram).
+func TestStatsTagsRebuildTheHistogramLabels(t *testing.T) {
+	ps, _ := patchesOf(t, istioapi.EnvoyFilter_BOOTSTRAP)
+	var b bootstrapv3.Bootstrap
+	decodePatchInto(t, ps[0], &b, func(*bootstrapv3.Bootstrap) {})
+	tags := b.GetStatsConfig().GetStatsTags()
+	for _, h := range gatewaymetrics.Histograms {
+		stat, _ := llmfilter.EnvoyHistogram(h)
+		for _, l := range []gatewaymetrics.HistLabels{{}, {Model: "qwen2.5-7b", Cluster: "outbound|8000||qwen-prod.llm.svc.cluster.local"}} {
+			name := l.EnvoyStatName(stat)
+			rest := name
+			got := map[string]string{}
+			for _, tag := range tags {
+				m := regexp.MustCompile(tag.GetRegex()).FindStringSubmatchIndex(name)
+				if m == nil {
+					continue
+				}
+				got[tag.GetTagName()] = name[m[4]:m[5]]
+				rest = strings.Replace(rest, name[m[2]:m[3]], "", 1)
+			}
+			want := map[string]string{"model_name": l.Values()[0], "cluster": l.Values()[1]}
+			if rest != stat || len(got) != 2 || got["model_name"] != want["model_name"] || got["cluster"] != want["cluster"] {
+				t.Errorf("%q: tags %v and name %q, want %v and %q", name, got, rest, want, stat)
+			}
 		}
 	}
 }

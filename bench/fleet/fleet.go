@@ -61,6 +61,9 @@ type Spec struct {
 	// GatewayLogLevel is the gateways' log_level (default warn); debug
 	// logs every decision's per-scorer scores.
 	GatewayLogLevel string
+	// GatewayFilter are extra keys of the gateways' filter document, YAML
+	// indented by two spaces (e.g. "  tracing: {otlp_endpoint: ...}\n").
+	GatewayFilter string
 	// Extra are workers of other kinds started after the Workers ones
 	// (a real llama.cpp worker beside simulated ones).
 	Extra []WorkerSpec
@@ -394,7 +397,7 @@ filter:
   endpoints:
     static:
       %q: [%s]
-`, listen, logLevel, mc, mcExtra, s.ModelName, Cluster, backend, s.Policy, extra, Cluster, strings.Join(workers, ", "))
+%s`, listen, logLevel, mc, mcExtra, s.ModelName, Cluster, backend, s.Policy, extra, Cluster, strings.Join(workers, ", "), s.GatewayFilter)
 }
 
 // StartMC (re)starts the metadata center on its address, e.g. after StopMC.

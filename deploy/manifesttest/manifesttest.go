@@ -165,6 +165,8 @@ func newObject(apiVersion, kind string) (any, bool) {
 		return &types.Kustomization{}, true
 	case typeKey(RoutingRulesAPIVersion, RoutingRulesKind):
 		return &RoutingRules{}, true
+	case "monitoring.coreos.com/v1/PodMonitor":
+		return &PodMonitor{}, true
 	}
 	return nil, false
 }

@@ -106,7 +106,25 @@ type Config struct {
 	// MaxBodyBytes (key `max_body_bytes`, default 8388608 = 8 MiB, 1..1073741824)
 	// refuses larger request bodies with 413 before parsing them.
 	MaxBodyBytes int
+
+	// Tracing is key `tracing`: OpenTelemetry spans, off by default.
+	Tracing Tracing
 }
+
+// Tracing is key `tracing`. Without an endpoint nothing is traced.
+type Tracing struct {
+	// OTLPEndpoint (key `otlp_endpoint`) is the OTLP/HTTP collector's base
+	// URL, e.g. "http://otel-collector.observability:4318"; spans go to its
+	// /v1/traces unless the URL names a path. Empty: tracing off.
+	OTLPEndpoint string
+	// SampleRatio (key `sample_ratio`, default 1, 0..1) is the share of
+	// new traces sampled; a request arriving with a sampled traceparent is
+	// always traced.
+	SampleRatio float64
+}
+
+// DefaultSampleRatio is the default of tracing.sample_ratio.
+const DefaultSampleRatio = 1.0
 
 // MetadataCenter is key `metadata_center`. The whole key may be omitted (or
 // address left empty): there is then no metadata center, every route query

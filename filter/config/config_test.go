@@ -69,6 +69,9 @@ func TestDefaults(t *testing.T) {
 	if r := cfg.ModelMappingRule["m"][0]; r.Backend != "vllm" {
 		t.Fatalf("backend default: %q", r.Backend)
 	}
+	if cfg.Tracing != (Tracing{SampleRatio: DefaultSampleRatio}) {
+		t.Fatalf("tracing default: %+v (want off, ratio 1)", cfg.Tracing)
+	}
 	want := LBRule{Policy: "cache_aware", CacheRatioWeight: 2, RequestLoadWeight: 1, PrefillLoadWeight: 3, CandidatePercent: 10, TieEpsilon: 0.05, DefaultPrefillRate: 5000, DefaultDecodeStep: 0.025}
 	if !reflect.DeepEqual(cfg.LBMappingRule.For("anything"), want) {
 		t.Fatalf("lb default: %+v", cfg.LBMappingRule.For("anything"))
@@ -118,6 +121,10 @@ func TestInvalidValuesNameTheirKey(t *testing.T) {
 		{base + "lb_mapping_rule: {default: {picker: 3}}", "lb_mapping_rule.default.picker: must be a string"},
 		{base + "lb_mapping_rule: {\"outbound|1||x\": {weight: 1}}", `lb_mapping_rule["outbound|1||x"].weight: unknown key`},
 		{base + "metadata_center: {address: ftp://x}", "metadata_center.address: must be an http(s) URL"},
+		{base + "tracing: {otlp_endpoint: 'collector:4318'}", "tracing.otlp_endpoint: must be an http or https URL with a host"},
+		{base + "tracing: {otlp_endpoint: 'http://'}", "tracing.otlp_endpoint: must be an http or https URL with a host"},
+		{base + "tracing: {sample_ratio: 2}", "tracing.sample_ratio: must be in 0..1"},
+		{base + "tracing: {endpoint: 'http://c:4318'}", "tracing.endpoint: unknown key"},
 		{base + "metadata_center: {address: 'http://'}", "metadata_center.address: must name a host"},
 		{base + "metadata_center: {address: 'http://x:99999'}", "metadata_center.address"},
 		{base + "metadata_center: {address: 'http://x/?a=1'}", "metadata_center.address: must not carry a query"},

@@ -116,4 +116,9 @@ var Keys = []Key{
 
 	{Path: "max_body_bytes", Type: "integer", Default: fmt.Sprint(DefaultMaxBodyBytes), Range: "1..1073741824", Unit: "bytes",
 		Meaning: "Larger request bodies get 413 before parsing; keep Envoy's listener buffer limit at least this large."},
+
+	{Path: "tracing.otlp_endpoint", Type: "string", Range: "`http`/`https` URL with a host",
+		Meaning: "OTLP/HTTP collector that receives the gateway's spans (the request, the routing decision, the route query); spans go to its `/v1/traces` unless the URL names a path. Empty: no tracing. The W3C `traceparent` of the request span is sent to the metadata center and the pod."},
+	{Path: "tracing.sample_ratio", Type: "number", Default: "1", Range: "0..1",
+		Meaning: "Share of new traces sampled; a request that arrives with a sampled `traceparent` is always traced."},
 }

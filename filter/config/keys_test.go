@@ -28,6 +28,7 @@ func allowedKeys(t *testing.T) []string {
 		"endpoints.envoy_admin":         "endpoints.envoy_admin",
 		"endpoints.static.<cluster>[i]": "endpoints.static.<cluster>[i]",
 		"async":                         "async",
+		"tracing":                       "tracing",
 	}
 	allowedRE := regexp.MustCompile(`zz_unknown: unknown key \(allowed: ([a-z_, ]+)\)`)
 	var paths []string
@@ -41,7 +42,7 @@ func allowedKeys(t *testing.T) []string {
 		for _, k := range strings.Split(m[1], ", ") {
 			p := join(level, k)
 			switch p {
-			case "metadata_center", "prompt_hash", "endpoints", "async", "endpoints.envoy_admin", "metadata_center.tls":
+			case "metadata_center", "prompt_hash", "endpoints", "async", "endpoints.envoy_admin", "metadata_center.tls", "tracing":
 				continue // object levels probed above
 			case "model_mapping_rule", "lb_mapping_rule", "endpoints.static":
 				continue // maps of models and clusters, probed above

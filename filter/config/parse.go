@@ -300,7 +300,7 @@ func checkURL(raw string) error {
 func (d *decoder) config(v any) *Config {
 	cfg := &Config{}
 	m, ok := d.object("", v, "protocol", "metadata_center", "prompt_hash", "model_mapping_rule",
-		"lb_mapping_rule", "endpoints", "async", "max_body_bytes")
+		"lb_mapping_rule", "endpoints", "async", "max_body_bytes", "tracing")
 	if !ok {
 		return cfg
 	}
@@ -320,7 +320,27 @@ func (d *decoder) config(v any) *Config {
 	cfg.Endpoints = d.endpoints(m["endpoints"])
 	cfg.Async = d.async(m["async"])
 	cfg.MaxBodyBytes = d.integer("", m, "max_body_bytes", DefaultMaxBodyBytes, 1, 1<<30)
+	cfg.Tracing = d.tracing(m["tracing"])
 	return cfg
+}
+
+func (d *decoder) tracing(v any) Tracing {
+	t := Tracing{SampleRatio: DefaultSampleRatio}
+	if v == nil {
+		return t
+	}
+	m, ok := d.object("tracing", v, "otlp_endpoint", "sample_ratio")
+	if !ok {
+		return t
+	}
+	t.OTLPEndpoint = d.str("tracing", m, "otlp_endpoint", "")
+	if t.OTLPEndpoint != "" {
+		if u, err := url.Parse(t.OTLPEndpoint); err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
+			d.fail("tracing.otlp_endpoint", "must be an http or https URL with a host, got %q", t.OTLPEndpoint)
+		}
+	}
+	t.SampleRatio = d.float("tracing", m, "sample_ratio", DefaultSampleRatio, 0, 1)
+	return t
 }
 
 func (d *decoder) metadataCenter(v any) MetadataCenter {

@@ -13,6 +13,7 @@ import (
 	"github.com/istio-llm-filter/istio-llm-filter/filter/config"
 	"github.com/istio-llm-filter/istio-llm-filter/filter/endpoints"
 	"github.com/istio-llm-filter/istio-llm-filter/filter/gatewayfile"
+	"github.com/istio-llm-filter/istio-llm-filter/filter/gatewaymetrics"
 	"github.com/istio-llm-filter/istio-llm-filter/filter/lifecycle"
 	"github.com/istio-llm-filter/istio-llm-filter/filter/routing"
 )
@@ -20,7 +21,7 @@ import (
 // BuildOptions are what Build takes besides the file.
 type BuildOptions struct {
 	Logger     *slog.Logger
-	Metrics    routing.Metrics
+	Metrics    gatewaymetrics.Recorder
 	Registerer prometheus.Registerer // the balancer's stage histogram; nil: none
 	// ConformanceHooks: see Options.ConformanceHooks.
 	ConformanceHooks bool

@@ -65,6 +65,7 @@ import (
 	"google.golang.org/protobuf/types/known/structpb"
 
 	"github.com/istio-llm-filter/istio-llm-filter/filter/endpoints"
+	"github.com/istio-llm-filter/istio-llm-filter/filter/gatewaymetrics"
 	"github.com/istio-llm-filter/istio-llm-filter/filter/lifecycle"
 	"github.com/istio-llm-filter/istio-llm-filter/filter/routing"
 	"github.com/istio-llm-filter/istio-llm-filter/filter/transcode"
@@ -125,8 +126,10 @@ type Options struct {
 	Fallbacks int
 	// ConformanceHooks turns on the conformance test hooks (TestSelectionHeader).
 	ConformanceHooks bool
-	Metrics          routing.Metrics
-	Logger           *slog.Logger
+	// Metrics records the gateway metrics (filter/gatewaymetrics), the
+	// same names as the filter's; nil records nothing.
+	Metrics gatewaymetrics.Recorder
+	Logger  *slog.Logger
 }
 
 // Server is the ExternalProcessor; safe for concurrent use.
@@ -147,7 +150,7 @@ func New(opts Options) (*Server, error) {
 		opts.Logger = slog.Default()
 	}
 	if opts.Metrics == nil {
-		opts.Metrics = routing.NopMetrics{}
+		opts.Metrics = nopRecorder{}
 	}
 	if opts.DefaultCluster == "" {
 		if st := opts.Decider.Config().Endpoints.Static; len(st) == 1 {
@@ -229,7 +232,15 @@ type exchange struct {
 	streaming bool // text/event-stream answer
 	buffering bool // a transcoded JSON answer, rewritten whole at its end
 	respBody  []byte
+	start     time.Time // the request headers came
 }
+
+// nopRecorder records nothing.
+type nopRecorder struct{}
+
+func (nopRecorder) Count(string, int64)                                      {}
+func (nopRecorder) Observe(string, gatewaymetrics.HistLabels, time.Duration) {}
+func (nopRecorder) Request(gatewaymetrics.RequestLabels)                     {}
 
 // handle answers one message with what is to be sent (maybe nothing yet);
 // done ends the stream (an immediate response).
@@ -301,7 +312,8 @@ func readHeaders(m *corev3.HeaderMap) headerMap {
 func (x *exchange) requestHeaders(req *extprocv3.ProcessingRequest, hh *extprocv3.HttpHeaders) (*extprocv3.ProcessingResponse, bool) {
 	x.hdrs = readHeaders(hh.Headers)
 	x.trace = traceOf(x.hdrs)
-	x.s.opts.Metrics.Count("requests", 1)
+	x.s.opts.Metrics.Count(gatewaymetrics.EventRequestsStarted, 1)
+	x.start = time.Now()
 	if !hh.EndOfStream {
 		max := x.s.opts.Decider.Config().MaxBodyBytes
 		if cl, ok := x.hdrs["content-length"]; ok {
@@ -347,6 +359,7 @@ func (x *exchange) requestBody(req *extprocv3.ProcessingRequest, chunk []byte, e
 	if allow != nil {
 		ctx = routing.WithSubset(ctx, allow)
 	}
+	t0 := time.Now()
 	d, err := x.s.opts.Decider.Decide(ctx, x.hdrs, x.body)
 	if err != nil {
 		var re *routing.Error
@@ -356,6 +369,11 @@ func (x *exchange) requestBody(req *extprocv3.ProcessingRequest, chunk []byte, e
 		return []*extprocv3.ProcessingResponse{x.reject(re)}, true
 	}
 	x.trace = d.TraceID
+	hl := gatewaymetrics.HistLabels{Model: d.Model, Cluster: d.Cluster}
+	x.s.opts.Metrics.Observe(gatewaymetrics.Decision, hl, time.Since(t0))
+	if d.RouteQueryTook > 0 {
+		x.s.opts.Metrics.Observe(gatewaymetrics.RouteQuery, hl, d.RouteQueryTook)
+	}
 	fallbacks := x.s.fallbacks(d, allow)
 	set := destination(d.Host)
 	cr := &extprocv3.CommonResponse{HeaderMutation: &extprocv3.HeaderMutation{SetHeaders: set}}
@@ -370,7 +388,7 @@ func (x *exchange) requestBody(req *extprocv3.ProcessingRequest, chunk []byte, e
 	}
 	x.req = lifecycle.NewRequest(d)
 	x.s.opts.Reporter.Started(x.req)
-	x.s.opts.Metrics.Count("in_flight", 1)
+	x.s.opts.Metrics.Count(gatewaymetrics.InFlight, 1)
 	md := destinationMetadata(append([]string{d.Host}, fallbacks...))
 	if x.reqDuplex {
 		// The headers' answer carries the destination; the body goes back
@@ -568,6 +586,7 @@ func (x *exchange) firstToken() {
 	}
 	x.firstSeen = true
 	x.s.opts.Reporter.FirstToken(x.req)
+	x.s.opts.Metrics.Observe(gatewaymetrics.TTFT, gatewaymetrics.HistLabels{Model: x.req.Model, Cluster: x.req.Cluster}, time.Since(x.start))
 }
 
 // finish reports the end of a started request once: the stream ends after
@@ -582,8 +601,18 @@ func (x *exchange) finish() {
 		// the client leaves. A connection attempt tells the two apart.
 		go x.s.probe(x.req.Host, x.trace)
 	}
-	x.s.opts.Metrics.Count("in_flight", -1)
-	x.s.opts.Reporter.Done(x.req)
+	x.s.opts.Metrics.Count(gatewaymetrics.InFlight, -1)
+	d := x.req
+	x.s.opts.Metrics.Observe(gatewaymetrics.RequestDuration, gatewaymetrics.HistLabels{Model: d.Model, Cluster: d.Cluster}, time.Since(x.start))
+	outcome := gatewaymetrics.OutcomeSuccess
+	switch {
+	case !x.answered:
+		outcome = gatewaymetrics.OutcomeCancelled // or Envoy's own reply: the probe tells
+	case !x.success:
+		outcome = gatewaymetrics.OutcomeUpstreamError
+	}
+	x.s.opts.Metrics.Request(gatewaymetrics.RequestLabels{Model: d.Model, Cluster: d.Cluster, Scene: d.SceneName, Policy: d.Policy, Outcome: outcome})
+	x.s.opts.Reporter.Done(d)
 	x.req = nil
 }
 

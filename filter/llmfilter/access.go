@@ -1,8 +1,6 @@
 package llmfilter
 
 import (
-	"time"
-
 	"github.com/istio-llm-filter/istio-llm-filter/filter/lifecycle"
 )
 
@@ -43,11 +41,4 @@ func (f *filter) record(d *lifecycle.Request) {
 func (f *filter) meta(key string, value any) {
 	defer func() { _ = recover() }()
 	f.cb.StreamInfo().DynamicMetadata().Set(Name, key, value)
-}
-
-func micros(d time.Duration) uint64 {
-	if d < 0 {
-		return 0
-	}
-	return uint64(d.Microseconds())
 }

@@ -10,7 +10,7 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 
-	"github.com/istio-llm-filter/istio-llm-filter/filter/llmfilter"
+	"github.com/istio-llm-filter/istio-llm-filter/filter/gatewaymetrics"
 )
 
 // BenchmarkGatewayRequest measures one non-streamed chat through the
@@ -34,7 +34,7 @@ func BenchmarkGatewayRequestNoMetadataCenter(b *testing.B) {
 func BenchmarkGatewayObservability(b *testing.B) {
 	b.Run("counts", func(b *testing.B) { benchGateway(b, newWorld(b, 4, noMetadataCenter)) })
 	b.Run("prometheus", func(b *testing.B) {
-		pm, err := llmfilter.NewPromMetrics(prometheus.NewRegistry())
+		pm, err := gatewaymetrics.NewProm(prometheus.NewRegistry())
 		if err != nil {
 			b.Fatal(err)
 		}

@@ -12,12 +12,12 @@ package llmfilter
 import (
 	"context"
 	"fmt"
-	"github.com/prometheus/client_golang/prometheus"
 	"log/slog"
 	"net/http"
 	"sync"
 
 	"github.com/envoyproxy/envoy/contrib/golang/common/go/api"
+	"github.com/prometheus/client_golang/prometheus"
 	"google.golang.org/protobuf/types/known/anypb"
 
 	"github.com/istio-llm-filter/istio-llm-filter/filter/config"
@@ -26,6 +26,7 @@ import (
 	"github.com/istio-llm-filter/istio-llm-filter/filter/lifecycle"
 	"github.com/istio-llm-filter/istio-llm-filter/filter/routing"
 	mcapi "github.com/istio-llm-filter/istio-llm-filter/metadata-center/api"
+	"github.com/istio-llm-filter/istio-llm-filter/internal/tracing"
 )
 
 // Name is the plugin_name the EnvoyFilter refers to.
@@ -110,7 +111,7 @@ func (p *Parser) Merge(parent, child any) any {
 	if pc, ok := parent.(*Config); ok {
 		cc.metrics.adopt(pc.metrics)
 	}
-	return &Config{cfg: cc.cfg, router: cc.router, life: cc.life, metrics: cc.metrics, log: cc.log, access: cc.access, borrowed: true}
+	return &Config{cfg: cc.cfg, router: cc.router, life: cc.life, metrics: cc.metrics, log: cc.log, access: cc.access, tracer: cc.tracer, borrowed: true}
 }
 
 // Config is one parsed plugin config with its decider and lifecycle reporter. Envoy calls Destroy when
@@ -123,6 +124,7 @@ type Config struct {
 	log     *slog.Logger
 	access  *slog.Logger
 	release func()
+	tracer  *tracing.Provider
 	once    sync.Once
 	// borrowed: a Merge view; the config it came from owns the decider and reporter.
 	borrowed bool
@@ -172,7 +174,13 @@ func (p *Parser) Build(cfg *config.Config, m Metrics) (*Config, error) {
 		releaseSource := release
 		release = func() { stop(); releaseSource() }
 	}
-	return &Config{cfg: cfg, router: router, life: life, metrics: ref, log: p.opts.Logger, access: p.opts.AccessLog, release: release}, nil
+	tp, err := tracing.New(tracing.Options{Endpoint: cfg.Tracing.OTLPEndpoint, SampleRatio: cfg.Tracing.SampleRatio, Service: TracingService})
+	if err != nil {
+		life.Close()
+		release()
+		return nil, err
+	}
+	return &Config{cfg: cfg, router: router, life: life, metrics: ref, log: p.opts.Logger, access: p.opts.AccessLog, release: release, tracer: tp}, nil
 }
 
 func (p *Parser) source(cfg *config.Config) (endpoints.Source, func(), error) {
@@ -235,7 +243,17 @@ func (c *Config) shutdown() {
 	}()
 	c.life.Close()
 	c.release()
+	// The exporter's goroutines end with the config: spans not sent yet
+	// get ShutdownTimeout.
+	ctx, cancel := context.WithTimeout(context.Background(), tracing.ShutdownTimeout)
+	defer cancel()
+	if err := c.tracer.Shutdown(ctx); err != nil {
+		c.log.Warn("llm-filter: tracing shutdown", "err", err)
+	}
 }
+
+// TracingService is the gateway's service.name in its spans.
+const TracingService = "llm-gateway"
 
 // Factory is the api.StreamFilterFactory of the plugin.
 func Factory(c any, callbacks api.FilterCallbackHandler) api.StreamFilter {

@@ -16,6 +16,7 @@ import (
 	"time"
 
 	"github.com/istio-llm-filter/istio-llm-filter/filter/config"
+	"github.com/istio-llm-filter/istio-llm-filter/filter/gatewaymetrics"
 	"github.com/istio-llm-filter/istio-llm-filter/filter/llmfilter"
 	"github.com/istio-llm-filter/istio-llm-filter/filter/standalone"
 	"github.com/istio-llm-filter/istio-llm-filter/internal/headers"
@@ -153,9 +154,11 @@ func (c *counts) Count(name string, d int64) {
 }
 
 // Observe and Request count how many values each histogram and outcome got.
-func (c *counts) Observe(histogram string, _ uint64) { c.Count("observed "+histogram, 1) }
+func (c *counts) Observe(histogram string, _ gatewaymetrics.HistLabels, _ time.Duration) {
+	c.Count("observed "+histogram, 1)
+}
 
-func (c *counts) Request(l llmfilter.RequestLabels) { c.Count("request "+l.Outcome, 1) }
+func (c *counts) Request(l gatewaymetrics.RequestLabels) { c.Count("request "+l.Outcome, 1) }
 
 func (c *counts) get(name string) int64 {
 	c.mu.Lock()

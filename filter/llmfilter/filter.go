@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"net/http"
 	"runtime/debug"
 	"strconv"
 	"strings"
@@ -15,10 +16,15 @@ import (
 
 	"github.com/envoyproxy/envoy/contrib/golang/common/go/api"
 	"github.com/google/uuid"
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/codes"
+	"go.opentelemetry.io/otel/trace"
 
+	"github.com/istio-llm-filter/istio-llm-filter/filter/gatewaymetrics"
 	"github.com/istio-llm-filter/istio-llm-filter/filter/lifecycle"
 	"github.com/istio-llm-filter/istio-llm-filter/filter/routing"
 	"github.com/istio-llm-filter/istio-llm-filter/internal/headers"
+	"github.com/istio-llm-filter/istio-llm-filter/internal/tracing"
 )
 
 // filter is one request. Envoy calls the phase methods one at a time on its
@@ -51,6 +57,7 @@ type filter struct {
 	servedBy    string                 // the pod that really answered (Envoy may not have used ours)
 	hostReply   bool                   // the response is Envoy's own local reply
 	localType   atomic.Pointer[string] // error type of the local reply we sent
+	span        trace.Span             // guarded by mu: the request's span, from its decision to OnLog
 }
 
 func newFilter(conf *Config, cb api.FilterCallbackHandler) *filter {
@@ -81,7 +88,7 @@ func (f *filter) DecodeHeaders(h api.RequestHeaderMap, endStream bool) (st api.S
 	f.mu.Lock()
 	f.traceID = trace
 	f.mu.Unlock()
-	f.conf.metrics.Count("requests", 1)
+	f.conf.metrics.Count(gatewaymetrics.EventRequestsStarted, 1)
 	if _, ok := h.Get(headers.Cluster); ok {
 		// Only the filter names the routed cluster: a client's own header
 		// would send a request to any cluster the gateway knows.
@@ -132,8 +139,19 @@ func (f *filter) DecodeData(buf api.BufferInstance, endStream bool) (st api.Stat
 	f.mu.Unlock()
 	// The decision waits on the metadata center (up to query_timeout): never
 	// on Envoy's worker thread.
-	go f.decide(ctx, cancel, buf, body)
+	go f.decide(tracing.Extract(ctx, f.w3c()), cancel, buf, body)
 	return api.Running
+}
+
+// w3c is the request's W3C trace context headers, read on the worker thread.
+func (f *filter) w3c() http.Header {
+	h := http.Header{}
+	for _, k := range []string{"traceparent", "tracestate"} {
+		if v, ok := f.reqHeaders.Get(k); ok {
+			h.Set(k, v)
+		}
+	}
+	return h
 }
 
 func (f *filter) decide(ctx context.Context, cancel context.CancelFunc, buf api.BufferInstance, body []byte) {
@@ -143,22 +161,41 @@ func (f *filter) decide(ctx context.Context, cancel context.CancelFunc, buf api.
 			f.asyncPanic(e)
 		}
 	}()
+	ctx, span := f.conf.tracer.Tracer(tracing.Scope).Start(ctx, "llm_gateway.request",
+		trace.WithSpanKind(trace.SpanKindServer), trace.WithTimestamp(f.start))
 	t0 := time.Now()
 	d, err := f.conf.router.Decide(ctx, f.reqHeaders, body)
-	f.conf.metrics.Observe(HistDecision, micros(time.Since(t0)))
+	if d != nil {
+		span.SetAttributes(attribute.String("llm.model", d.Model), attribute.String("llm.cluster", d.Cluster),
+			attribute.String("llm.pod", d.Host), attribute.String("llm.policy", d.Policy), attribute.Float64("llm.cache_ratio", d.CacheRatio))
+	}
+	hl := gatewaymetrics.HistLabels{}
+	if d != nil {
+		hl = gatewaymetrics.HistLabels{Model: d.Model, Cluster: d.Cluster}
+	}
+	f.conf.metrics.Observe(gatewaymetrics.Decision, hl, time.Since(t0))
 	if d != nil && d.RouteQueryTook > 0 {
-		f.conf.metrics.Observe(HistRouteQuery, micros(d.RouteQueryTook))
+		f.conf.metrics.Observe(gatewaymetrics.RouteQuery, hl, d.RouteQueryTook)
 	}
 
 	f.mu.Lock()
 	defer f.mu.Unlock()
+	f.span = span
 	if f.destroyed {
+		span.End()
 		return // the client left while we were deciding; nothing was started
 	}
 	dec := f.cb.DecoderFilterCallbacks()
 	if err != nil {
+		span.SetStatus(codes.Error, err.Error())
 		f.reply(dec, asEngineError(err, f.traceID))
 		return
+	}
+	// The pod continues the request's trace.
+	w3c := http.Header{}
+	tracing.Inject(ctx, w3c)
+	for k := range w3c {
+		f.reqHeaders.Set(strings.ToLower(k), w3c.Get(k))
 	}
 	f.traceID = d.TraceID
 	// From a goroutine Envoy v1.36 posts the override and applies it with
@@ -195,7 +232,7 @@ func (f *filter) decide(ctx context.Context, cancel context.CancelFunc, buf api.
 	f.decision = r
 	f.started = true
 	f.conf.life.Started(r)
-	f.conf.metrics.Count("in_flight", 1)
+	f.conf.metrics.Count(gatewaymetrics.InFlight, 1)
 	dec.Continue(api.Continue)
 }
 
@@ -391,7 +428,7 @@ func snippet(b []byte) string {
 func (f *filter) firstToken(d *lifecycle.Request) {
 	f.firstData = time.Now()
 	ttft := f.firstData.Sub(f.start)
-	f.conf.metrics.Observe(HistTTFT, uint64(ttft.Milliseconds()))
+	f.conf.metrics.Observe(gatewaymetrics.TTFT, gatewaymetrics.HistLabels{Model: d.Model, Cluster: d.Cluster}, ttft)
 	f.meta(AccessTTFT, ttft.Milliseconds())
 	f.conf.life.FirstToken(d)
 }
@@ -458,32 +495,42 @@ func (f *filter) OnLog(reqH api.RequestHeaderMap, _ api.RequestTrailerMap, respH
 	outcome := f.outcome(d, status)
 	attrs = append(attrs, "outcome", outcome)
 	f.conf.access.Info("completed", attrs...)
-	labels := RequestLabels{Outcome: outcome}
+	labels := gatewaymetrics.RequestLabels{Outcome: outcome}
 	if d != nil {
-		labels = RequestLabels{Model: d.Model, Cluster: d.Cluster, Scene: d.SceneName, Policy: d.Policy, Outcome: outcome}
-		f.conf.metrics.Observe(HistDuration, uint64(dur.Milliseconds()))
+		labels = gatewaymetrics.RequestLabels{Model: d.Model, Cluster: d.Cluster, Scene: d.SceneName, Policy: d.Policy, Outcome: outcome}
+		f.conf.metrics.Observe(gatewaymetrics.RequestDuration, gatewaymetrics.HistLabels{Model: d.Model, Cluster: d.Cluster}, dur)
 	}
 	f.conf.metrics.Request(labels)
+	f.mu.Lock()
+	span := f.span
+	f.mu.Unlock()
+	if span != nil {
+		span.SetAttributes(attribute.Int("http.response.status_code", status), attribute.String("llm.outcome", outcome))
+		if outcome != gatewaymetrics.OutcomeSuccess {
+			span.SetStatus(codes.Error, outcome)
+		}
+		span.End()
+	}
 }
 
-// outcome classifies a finished request (label outcome of RequestsFamily).
+// outcome classifies a finished request (label outcome of gatewaymetrics.Requests).
 func (f *filter) outcome(d *lifecycle.Request, status int) string {
 	t := f.replied()
 	switch {
 	case d == nil && t == answered:
-		return OutcomeAnswered
+		return gatewaymetrics.OutcomeAnswered
 	case d == nil && t != "":
-		return OutcomeRejected
+		return gatewaymetrics.OutcomeRejected
 	case status == 0:
-		return OutcomeCancelled
+		return gatewaymetrics.OutcomeCancelled
 	case d == nil:
-		return OutcomeUnrouted
+		return gatewaymetrics.OutcomeUnrouted
 	case t != "" || f.hostReply:
-		return OutcomeFailed
+		return gatewaymetrics.OutcomeFailed
 	case f.success:
-		return OutcomeSuccess
+		return gatewaymetrics.OutcomeSuccess
 	default:
-		return OutcomeUpstreamError
+		return gatewaymetrics.OutcomeUpstreamError
 	}
 }
 
@@ -496,7 +543,7 @@ func (f *filter) finish() *lifecycle.Request {
 		f.finished = true
 		// The gauge first: once Done's report reaches the metadata center,
 		// whoever reads both sees the request gone from each.
-		f.conf.metrics.Count("in_flight", -1)
+		f.conf.metrics.Count(gatewaymetrics.InFlight, -1)
 		f.conf.life.Done(f.decision)
 	}
 	return f.decision

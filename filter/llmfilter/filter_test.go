@@ -18,6 +18,7 @@ import (
 
 	"github.com/istio-llm-filter/istio-llm-filter/filter/config"
 	"github.com/istio-llm-filter/istio-llm-filter/filter/endpoints"
+	"github.com/istio-llm-filter/istio-llm-filter/filter/gatewaymetrics"
 	"github.com/istio-llm-filter/istio-llm-filter/filter/standalone"
 	"github.com/istio-llm-filter/istio-llm-filter/internal/testutil/wait"
 )
@@ -38,9 +39,11 @@ func (c *countMetrics) Count(name string, delta int64) {
 	c.m[name] += delta
 }
 
-func (c *countMetrics) Observe(histogram string, _ uint64) { c.Count("observed "+histogram, 1) }
+func (c *countMetrics) Observe(histogram string, _ gatewaymetrics.HistLabels, _ time.Duration) {
+	c.Count("observed "+histogram, 1)
+}
 
-func (c *countMetrics) Request(l RequestLabels) { c.Count("request "+l.Outcome, 1) }
+func (c *countMetrics) Request(l gatewaymetrics.RequestLabels) { c.Count("request "+l.Outcome, 1) }
 
 func (c *countMetrics) get(name string) int64 {
 	c.mu.Lock()
@@ -191,7 +194,7 @@ func TestNoBodyPassesThrough(t *testing.T) {
 		t.Fatalf("EncodeHeaders = %v", st)
 	}
 	s.end(resp)
-	if s.e.override != "" || m.get("routed") != 0 || m.get("requests") != 1 {
+	if s.e.override != "" || m.get("routed") != 0 || m.get("requests_started") != 1 {
 		t.Fatalf("a body-less request must not be routed (override %q, metrics %v)", s.e.override, m.m)
 	}
 }
@@ -213,7 +216,7 @@ func TestRoutedRequestNonStreamed(t *testing.T) {
 	if ev.body2 != body {
 		t.Fatalf("an OpenAI backend must get the body unchanged, got %q", ev.body2)
 	}
-	if got := m.get("in_flight"); got != 1 {
+	if got := m.get(gatewaymetrics.InFlight); got != 1 {
 		t.Fatalf("in_flight = %d after Started", got)
 	}
 	resp := standalone.NewResponseHeaders(200, http.Header{"Content-Type": {"application/json"}})
@@ -229,7 +232,7 @@ func TestRoutedRequestNonStreamed(t *testing.T) {
 		t.Fatal("first data must record the first token time")
 	}
 	s.end(resp)
-	if m.get("in_flight") != 0 || m.get("routed") != 1 {
+	if m.get(gatewaymetrics.InFlight) != 0 || m.get("routed") != 1 {
 		t.Fatalf("metrics after the stream: %v", m.m)
 	}
 	if s.f.trace() != "trace-1" {
@@ -267,7 +270,7 @@ func TestDecisionErrorsAreSeedJSON(t *testing.T) {
 			s.end(resp)
 		})
 	}
-	if m.get("in_flight") != 0 || m.get("local_replies") != int64(len(cases)) {
+	if m.get(gatewaymetrics.InFlight) != 0 || m.get("local_replies") != int64(len(cases)) {
 		t.Fatalf("metrics %v", m.m)
 	}
 }
@@ -312,8 +315,8 @@ func TestStreamedResponseFirstTokenOnce(t *testing.T) {
 		t.Fatal("SSE not detected")
 	}
 	s.end(resp)
-	if m.get("in_flight") != 0 {
-		t.Fatalf("in_flight %d", m.get("in_flight"))
+	if m.get(gatewaymetrics.InFlight) != 0 {
+		t.Fatalf("in_flight %d", m.get(gatewaymetrics.InFlight))
 	}
 }
 
@@ -492,8 +495,8 @@ metadata_center: {address: `+mc+`, query_timeout: 2s}
 		t.Fatalf("callback after OnDestroy: %+v", ev)
 	default:
 	}
-	if m.get("in_flight") != 0 {
-		t.Fatalf("a request that never started must not stay in flight: %d", m.get("in_flight"))
+	if m.get(gatewaymetrics.InFlight) != 0 {
+		t.Fatalf("a request that never started must not stay in flight: %d", m.get(gatewaymetrics.InFlight))
 	}
 }
 
@@ -512,8 +515,8 @@ func TestClientGoneMidStreamStillFinishes(t *testing.T) {
 	s.e.goDestroyed()
 	s.f.OnDestroy(api.Terminate)
 	s.f.OnLog(nil, nil, resp, nil)
-	if m.get("in_flight") != 0 {
-		t.Fatalf("in_flight %d", m.get("in_flight"))
+	if m.get(gatewaymetrics.InFlight) != 0 {
+		t.Fatalf("in_flight %d", m.get(gatewaymetrics.InFlight))
 	}
 }
 
@@ -599,8 +602,8 @@ func TestMergePrefersChildAndLendsMetrics(t *testing.T) {
 	if !ok || merged.router != child.router || merged.life != child.life {
 		t.Fatal("route-level config must win")
 	}
-	child.metrics.Count("requests", 2)
-	if pm.get("requests") != 2 {
+	child.metrics.Count("requests_started", 2)
+	if pm.get("requests_started") != 2 {
 		t.Fatal("route-level config must report into the listener's metrics")
 	}
 	// Envoy destroys the merged config on its own schedule: the child's
@@ -628,28 +631,43 @@ func TestEnvoyMetricsBridge(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	m := newEnvoyMetrics(cb, cfg, nil)
+	hists := map[string][]uint64{}
+	define := func(_ api.ConfigCallbackHandler, name string) (func(uint64), bool) {
+		return func(v uint64) { hists[name] = append(hists[name], v) }, true
+	}
+	m := newEnvoyMetrics(cb, cfg, define)
 	m.Count("routed", 3)
-	m.Count("in_flight", 1)
-	m.Count("in_flight", -1)
+	m.Count(gatewaymetrics.InFlight, 1)
+	m.Count(gatewaymetrics.InFlight, -1)
 	m.Count("no_such_metric", 1)
-	if cb.counters["llm_filter_routed"].v != 3 || cb.gauges["llm_filter_in_flight"].v != 0 {
-		t.Fatalf("counters %v gauges %v", cb.counters["llm_filter_routed"], cb.gauges["llm_filter_in_flight"])
+	if cb.counters["llm_filter_routed_total"].v != 3 || cb.gauges["llm_filter_in_flight_requests"].v != 0 {
+		t.Fatalf("counters %v gauges %v", cb.counters["llm_filter_routed_total"], cb.gauges["llm_filter_in_flight_requests"])
 	}
 	names := []string{}
 	for n := range cb.counters {
 		names = append(names, n)
 	}
-	for _, want := range []string{"llm_filter_cache_hit_routes", "llm_filter_fallbacks", "llm_filter_metadata_center_errors"} {
+	for _, want := range []string{"llm_filter_cache_hit_routes_total", "llm_filter_fallbacks_total", "llm_filter_metadata_center_errors_total"} {
 		if !slices.Contains(names, want) {
 			t.Fatalf("%s not defined; have %v", want, names)
 		}
 	}
 	// The labelled request counter exists for each rule's labels.
-	m.Request(RequestLabels{Model: "qwen", Cluster: "pool", Policy: "round_robin", Outcome: OutcomeSuccess})
-	name := "llm_filter_requests_total;model=qwen;cluster=pool;scene=none;policy=round_robin;outcome=success"
+	m.Request(gatewaymetrics.RequestLabels{Model: "qwen", Cluster: "pool", Policy: "round_robin", Outcome: gatewaymetrics.OutcomeSuccess})
+	name := "llm_filter_requests_total;model_name=qwen;cluster=pool;scene=none;policy=round_robin;outcome=success"
 	if c := cb.counters[name]; c == nil || c.v != 1 {
 		t.Fatalf("%s not counted; have %v", name, names)
+	}
+	// Histograms are Envoy integers in the unit their name carries, one
+	// stat per rule's model and cluster.
+	m.Observe(gatewaymetrics.TTFT, gatewaymetrics.HistLabels{Model: "qwen", Cluster: "pool"}, 1500*time.Millisecond)
+	m.Observe(gatewaymetrics.Decision, gatewaymetrics.HistLabels{}, 250*time.Microsecond)
+	m.Observe(gatewaymetrics.TTFT, gatewaymetrics.HistLabels{Model: "unknown", Cluster: "pool"}, time.Second)
+	if got := hists["llm_filter_ttft_milliseconds;model_name=qwen;cluster=pool"]; !slices.Equal(got, []uint64{1500}) {
+		t.Fatalf("ttft recorded %v, want [1500] (all: %v)", got, hists)
+	}
+	if got := hists["llm_filter_decision_duration_microseconds;model_name=none;cluster=none"]; !slices.Equal(got, []uint64{250}) {
+		t.Fatalf("decision recorded %v, want [250] (all: %v)", got, hists)
 	}
 	if newEnvoyMetrics(nil, cfg, nil) != nil {
 		t.Fatal("route-level parse has no callbacks")
@@ -698,7 +716,7 @@ func TestResetRacingTheDecision(t *testing.T) {
 		s.f.OnDestroy(api.Terminate)
 		s.e.goDestroyed()
 	}
-	waitFor(t, func() bool { return m.get("in_flight") == 0 })
+	waitFor(t, func() bool { return m.get(gatewaymetrics.InFlight) == 0 })
 	if m.get("panics") != 0 {
 		t.Fatalf("Envoy's destroyed panic must not count as a filter panic: %d", m.get("panics"))
 	}

@@ -144,10 +144,10 @@ func TestMergeFollowsTheLatestParent(t *testing.T) {
 	}
 	t.Cleanup(child.Destroy)
 	p.Merge(p1, child)
-	child.metrics.Count("requests", 1)
+	child.metrics.Count("requests_started", 1)
 	p.Merge(p2, child)
-	child.metrics.Count("requests", 1)
-	if m1.get("requests") != 1 || m2.get("requests") != 1 {
-		t.Fatalf("parent 1 got %d, parent 2 got %d; want 1 each", m1.get("requests"), m2.get("requests"))
+	child.metrics.Count("requests_started", 1)
+	if m1.get("requests_started") != 1 || m2.get("requests_started") != 1 {
+		t.Fatalf("parent 1 got %d, parent 2 got %d; want 1 each", m1.get("requests_started"), m2.get("requests_started"))
 	}
 }

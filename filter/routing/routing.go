@@ -42,6 +42,7 @@ import (
 	"github.com/istio-llm-filter/istio-llm-filter/internal/headers"
 	"github.com/istio-llm-filter/istio-llm-filter/internal/ratelog"
 	"github.com/istio-llm-filter/istio-llm-filter/internal/secretfile"
+	"github.com/istio-llm-filter/istio-llm-filter/internal/tracing"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/api"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/client"
 	"github.com/istio-llm-filter/istio-llm-filter/prefix"
@@ -368,6 +369,8 @@ func (e *Decider) reject(status int, typ, trace, format string, args ...any) *Er
 // error, if any, is an *Error. It blocks at most for the route query's
 // timeout (and never past ctx).
 func (e *Decider) Decide(ctx context.Context, h Headers, body []byte) (*Decision, error) {
+	ctx, span := tracing.Start(ctx, "routing.decide")
+	defer span.End()
 	if h == nil {
 		h = noHeaders{}
 	}

@@ -21,7 +21,12 @@ import (
 	"sync/atomic"
 	"time"
 
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/codes"
+	"go.opentelemetry.io/otel/trace"
+
 	"github.com/istio-llm-filter/istio-llm-filter/internal/secretfile"
+	"github.com/istio-llm-filter/istio-llm-filter/internal/tracing"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/api"
 )
 
@@ -188,8 +193,12 @@ func (c *Client) Route(ctx context.Context, cluster string, hashes []string) (*a
 	if hashes == nil {
 		hashes = []string{} // the API wants the field present
 	}
+	ctx, span := tracing.Start(ctx, "metadata_center.route_query", trace.WithSpanKind(trace.SpanKindClient),
+		trace.WithAttributes(attribute.String("llm.cluster", cluster), attribute.Int("llm.hashes", len(hashes))))
+	defer span.End()
 	var ans api.RouteAnswer
 	if err := c.do(ctx, "route query", http.MethodPost, api.PathRouteQuery, api.RouteQuery{Cluster: cluster, Hashes: hashes}, &ans); err != nil {
+		span.SetStatus(codes.Error, err.Error())
 		return nil, err
 	}
 	return &ans, nil
@@ -288,6 +297,7 @@ func (c *Client) do(ctx context.Context, op, method, path string, in, out any) e
 	if id, ok := ctx.Value(traceKey{}).(string); ok {
 		req.Header.Set("X-Request-Id", id)
 	}
+	tracing.Inject(ctx, req.Header)
 	resp, err := c.hc.Do(req)
 	if err != nil {
 		return fmt.Errorf("metadata center %s: %s%w", op, tlsHint(err), err)

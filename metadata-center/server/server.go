@@ -20,7 +20,9 @@ import (
 	"github.com/gin-gonic/gin"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
+	"go.opentelemetry.io/otel/trace"
 
+	"github.com/istio-llm-filter/istio-llm-filter/internal/tracing"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/api"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/store"
 	"github.com/istio-llm-filter/istio-llm-filter/prefix"
@@ -53,6 +55,9 @@ type Options struct {
 	// Discovered records the pods gateways announce (POST
 	// /v1/pods/discovered) for the scraper; nil answers that path 404.
 	Discovered Announcements
+	// Tracer, when set, traces every API call as a server span continuing
+	// the caller's W3C traceparent (internal/tracing); nil traces nothing.
+	Tracer trace.TracerProvider
 }
 
 // Announcements keeps the pods gateways announce; *podsignals.Discovered
@@ -113,7 +118,11 @@ func New(st store.Store, opts Options) *Server {
 	e.HandleMethodNotAllowed = true
 	e.RedirectTrailingSlash = false
 	e.RedirectFixedPath = false
-	e.Use(s.recoverer, s.instrument, s.authenticate)
+	e.Use(s.recoverer, s.instrument)
+	if opts.Tracer != nil {
+		e.Use(s.traced(opts.Tracer.Tracer(tracing.Scope)))
+	}
+	e.Use(s.authenticate)
 	e.NoRoute(func(c *gin.Context) {
 		s.fail(c, http.StatusNotFound, "not_found", "no such path: "+c.Request.URL.Path)
 	})

@@ -149,6 +149,9 @@ func (s *Server) generate(w http.ResponseWriter, r *http.Request, j *job) {
 	status := http.StatusOK
 	var res *scheduler.Result
 	defer func() { s.access(w, j, status, res, time.Since(start)) }()
+	if span := s.startSpan(r, j, start); span != nil {
+		defer func() { endSpans(span, start, status, res) }()
+	}
 	cs := make([]*choice, p.N)
 	for i := range cs {
 		id := j.id

@@ -23,6 +23,7 @@ import (
 	"github.com/google/uuid"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
+	"go.opentelemetry.io/otel/trace"
 
 	"github.com/istio-llm-filter/istio-llm-filter/internal/headers"
 	"github.com/istio-llm-filter/istio-llm-filter/prefix"
@@ -58,6 +59,9 @@ type Config struct {
 	Evictions func() ([]mcreport.Eviction, time.Time)
 	Registry  *prometheus.Registry
 	Logger    *slog.Logger
+	// Tracer, when set, traces each generation (tracing.go) as the child
+	// of the request's W3C traceparent; nil traces nothing.
+	Tracer trace.TracerProvider
 }
 
 // Server is an http.Handler.

@@ -76,7 +76,7 @@ filter:
 		}
 		defer resp.Body.Close()
 		b, _ := io.ReadAll(resp.Body)
-		m := regexp.MustCompile(`llm_filter_events_total\{event="` + event + `"\} (\d+)`).FindSubmatch(b)
+		m := regexp.MustCompile(`(?m)^llm_filter_` + event + `_total (\d+)`).FindSubmatch(b)
 		if m == nil {
 			return 0
 		}

@@ -33,6 +33,7 @@ import (
 
 	"github.com/istio-llm-filter/istio-llm-filter/filter/endpoints"
 	"github.com/istio-llm-filter/istio-llm-filter/filter/gatewayfile"
+	"github.com/istio-llm-filter/istio-llm-filter/filter/gatewaymetrics"
 	"github.com/istio-llm-filter/istio-llm-filter/filter/llmfilter"
 	"github.com/istio-llm-filter/istio-llm-filter/filter/standalone"
 	"github.com/istio-llm-filter/istio-llm-filter/internal/headers"
@@ -67,7 +68,7 @@ func run(ctx context.Context, args []string, logOut io.Writer, ready chan<- net.
 
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
-	pm, err := llmfilter.NewPromMetrics(reg)
+	pm, err := gatewaymetrics.NewProm(reg)
 	if err != nil {
 		return err
 	}

@@ -93,7 +93,7 @@ filter:
 
 	// A request is counted when its handler returns, which can be just
 	// after the client has read the whole answer: poll briefly.
-	wants := []string{`llm_filter_events_total{event="routed"} 1`, `llm_filter_events_total{event="requests"} 3`, `llm_gateway_requests_total{code="200",local="false"} 1`, `llm_gateway_requests_total{code="200",local="true"} 1`,
+	wants := []string{`llm_filter_routed_total 1`, `llm_filter_requests_started_total 3`, `llm_gateway_requests_total{code="200",local="false"} 1`, `llm_gateway_requests_total{code="200",local="true"} 1`,
 		`llm_filter_balancer_stage_seconds_count{stage="round_robin"} 1`}
 	var missing []string
 	wait.Until(5*time.Second, func() bool {

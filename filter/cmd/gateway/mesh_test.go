@@ -115,7 +115,7 @@ func TestRuleClusterIsTheRoutedCluster(t *testing.T) {
 	pool, prod := newPod(t, "pool"), newPod(t, "prod")
 	base := startGateway(t, twoClusterConfig(pool.addr(), prod.addr()))
 	// Every series the rules can produce is exported from the start.
-	waitMetrics(t, base, `llm_filter_requests_total{cluster="prod",model="qwen",outcome="upstream_error",policy="round_robin",scene="prod"} 0`)
+	waitMetrics(t, base, `llm_filter_requests_total{cluster="prod",model_name="qwen",outcome="upstream_error",policy="round_robin",scene="prod"} 0`)
 
 	resp, body := do(t, "POST", base+"/v1/chat/completions", chat, map[string]string{"x-env": "prod"})
 	if resp.StatusCode != 200 || resp.Header.Get("x-pod") != "prod" || !strings.Contains(body, `"cluster_header":"prod"`) {
@@ -136,13 +136,14 @@ func TestRuleClusterIsTheRoutedCluster(t *testing.T) {
 	}
 	// The same metrics as in Envoy, as Prometheus families with labels.
 	waitMetrics(t, base,
-		`llm_filter_requests_total{cluster="prod",model="qwen",outcome="success",policy="round_robin",scene="prod"} 1`,
-		`llm_filter_requests_total{cluster="pool",model="qwen",outcome="success",policy="round_robin",scene="none"} 1`,
-		`llm_filter_requests_total{cluster="none",model="none",outcome="unrouted",policy="none",scene="none"} 1`,
-		`llm_filter_ttft_milliseconds_count 2`,
-		`llm_filter_request_duration_milliseconds_count 2`,
-		`llm_filter_decision_duration_microseconds_count 2`,
-		`llm_filter_ttft_milliseconds_bucket{le="0.5"}`,
+		`llm_filter_requests_total{cluster="prod",model_name="qwen",outcome="success",policy="round_robin",scene="prod"} 1`,
+		`llm_filter_requests_total{cluster="pool",model_name="qwen",outcome="success",policy="round_robin",scene="none"} 1`,
+		`llm_filter_requests_total{cluster="none",model_name="none",outcome="unrouted",policy="none",scene="none"} 1`,
+		`llm_filter_ttft_seconds_count{cluster="prod",model_name="qwen"} 1`,
+		`llm_filter_ttft_seconds_count{cluster="pool",model_name="qwen"} 1`,
+		`llm_filter_request_duration_seconds_count{cluster="pool",model_name="qwen"} 1`,
+		`llm_filter_decision_duration_seconds_count{cluster="prod",model_name="qwen"} 1`,
+		`llm_filter_ttft_seconds_bucket{cluster="pool",model_name="qwen",le="0.0001"}`,
 	)
 }
 

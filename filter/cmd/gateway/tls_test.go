@@ -172,7 +172,7 @@ filter:
 	other := certtest.NewCA(t, "other CA")
 	base, logs := gateway(other.CertFile)
 	chat(base) // served all the same, routed without metadata
-	if m := get(t, http.DefaultClient, base+"/metrics"); !strings.Contains(m, `llm_filter_events_total{event="metadata_center_errors"} 1`) {
+	if m := get(t, http.DefaultClient, base+"/metrics"); !strings.Contains(m, `llm_filter_metadata_center_errors_total 1`) {
 		t.Fatalf("the refused route query is not counted:\n%s", m)
 	}
 	if l := logs.String(); !strings.Contains(l, "not signed by a trusted CA") {

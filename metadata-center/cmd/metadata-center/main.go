@@ -32,6 +32,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/collectors"
 
 	"github.com/istio-llm-filter/istio-llm-filter/internal/secretfile"
+	"github.com/istio-llm-filter/istio-llm-filter/internal/tracing"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/podsignals"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/server"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/store"
@@ -77,6 +78,7 @@ type config struct {
 	signalMaxAge                            time.Duration
 	scrapeConfig                            string
 	scrapeInterval, scrapeTimeout           time.Duration
+	tracing                                 tracing.Options
 }
 
 func parse(args []string, stderr io.Writer) (config, error) {
@@ -115,11 +117,15 @@ func parse(args []string, stderr io.Writer) (config, error) {
 	fs.DurationVar(&c.storeTimeout, "store-timeout", server.DefaultStoreTimeout, "bound on each store call; past it the call answers 503")
 	fs.DurationVar(&c.shutdownTimeout, "shutdown-timeout", 10*time.Second, "how long in-flight requests may take to finish on SIGTERM")
 	fs.StringVar(&c.logLevel, "log-level", "info", "debug, info, warn or error")
+	c.tracing.RegisterFlags(fs)
 	if err := fs.Parse(args); err != nil {
 		return c, err
 	}
 	if fs.NArg() > 0 {
 		return c, fmt.Errorf("unexpected arguments %q", fs.Args())
+	}
+	if err := c.tracing.Validate(); err != nil {
+		return c, fmt.Errorf("--otlp-endpoint/--trace-sample-ratio: %w", err)
 	}
 	if c.storeKind != "memory" && c.storeKind != "redis" {
 		return c, fmt.Errorf("--store %q: want memory or redis", c.storeKind)
@@ -227,6 +233,19 @@ func run(ctx context.Context, args []string, stderr io.Writer, onListen func(net
 	}
 	if tokens != nil {
 		so.Tokens = tokens
+	}
+	c.tracing.Service = "llm-metadata-center"
+	tp, err := tracing.New(c.tracing)
+	if err != nil {
+		return err
+	}
+	defer func() {
+		ctx, cancel := context.WithTimeout(context.Background(), tracing.ShutdownTimeout)
+		defer cancel()
+		_ = tp.Shutdown(ctx)
+	}()
+	if tp.Enabled() {
+		so.Tracer = tp
 	}
 	srv := server.New(st, so)
 

@@ -30,6 +30,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
 
+	"github.com/istio-llm-filter/istio-llm-filter/internal/tracing"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/api"
 	"github.com/istio-llm-filter/istio-llm-filter/prefix"
 	"github.com/istio-llm-filter/istio-llm-filter/worker/cpus"
@@ -71,6 +72,7 @@ type options struct {
 	labelsFile                                                                             string
 	advertiseListen                                                                        bool // advertise is --listen, whose port may be 0
 	podLabels                                                                              map[string]string
+	tracing                                                                                tracing.Options
 }
 
 // parkBound is llama.Config.ParkMaxBytes for --kv-park-max-bytes: its -1
@@ -143,11 +145,15 @@ func parse(args []string, stderr io.Writer) (*options, error) {
 	fs.DurationVar(&o.simCost.PerSample, "sim-per-sample", simDef.PerSample, "sim: cost per sampled sequence")
 	fs.DurationVar(&o.simCost.PerKCtxToken, "sim-per-kctx-token", simDef.PerKCtxToken, "sim: attention cost per token per 1000 cells of context")
 	fs.Int64Var(&o.simBytesPerToken, "sim-bytes-per-token", 0, "sim: KV bytes per token (0: from --model, else the bench preset's 8192)")
+	o.tracing.RegisterFlags(fs)
 	if err := fs.Parse(args); err != nil {
 		return nil, err
 	}
 	if fs.NArg() > 0 {
 		return nil, fmt.Errorf("unexpected arguments %q", fs.Args())
+	}
+	if err := o.tracing.Validate(); err != nil {
+		return nil, fmt.Errorf("--otlp-endpoint/--trace-sample-ratio: %w", err)
 	}
 	batchSet, faSet := false, false
 	fs.Visit(func(f *flag.Flag) {
@@ -262,8 +268,9 @@ func run(ctx context.Context, args []string, stderr io.Writer, ready func(addr s
 		MaxQueue: o.maxQueue, MaxRunning: o.maxRunning, RequestTimeout: o.timeout, CleanupInterval: o.cleanup,
 		QueueTimeout: o.queueTimeout,
 		MaxBatch:     o.maxBatch, MaxOutputTokens: o.maxOutput, FinishFirst: o.finishFirst, PrefillChunk: o.prefillChunk,
-		KV:      kvcache.Limits{MaxItems: o.kvMaxItems, MaxBytes: o.kvMaxMB << 20, Threshold: o.kvThreshold},
-		Metrics: scheduler.NewMetrics(reg), Logger: log,
+		KV: kvcache.Limits{MaxItems: o.kvMaxItems, MaxBytes: o.kvMaxMB << 20, Threshold: o.kvThreshold},
+		// Labelled with the served model, as the vllm:* series are.
+		Metrics: scheduler.NewMetrics(prometheus.WrapRegistererWith(prometheus.Labels{"model_name": info.Name}, reg)), Logger: log,
 	}
 	// The loop and the reporters outlive ctx: on SIGTERM they serve the
 	// drain, and stop when run returns.
@@ -325,6 +332,19 @@ func run(ctx context.Context, args []string, stderr io.Writer, ready func(addr s
 	}
 	if reporter != nil {
 		scfg.Evictions = reporter.Recent
+	}
+	o.tracing.Service = "llm-worker"
+	tp, err := tracing.New(o.tracing)
+	if err != nil {
+		return err
+	}
+	defer func() {
+		ctx, cancel := context.WithTimeout(context.Background(), tracing.ShutdownTimeout)
+		defer cancel()
+		_ = tp.Shutdown(ctx)
+	}()
+	if tp.Enabled() {
+		scfg.Tracer = tp
 	}
 	srv := server.New(sched, eng, scfg)
 	if reporter != nil {

@@ -7,6 +7,7 @@ import (
 	"io"
 	"net/http"
 	"net/http/httptest"
+	"regexp"
 	"strconv"
 	"strings"
 	"sync"
@@ -207,8 +208,9 @@ func TestSimEngineReportsEvictAllAtStartup(t *testing.T) {
 	}
 	b, _ := io.ReadAll(resp.Body)
 	resp.Body.Close()
-	if !strings.Contains(string(b), "llmf_worker_generated_tokens_total 5") {
-		t.Fatal("metrics missing generated tokens")
+	// The served model labels the worker's series, as vLLM's (sim's name).
+	if !strings.Contains(string(b), `llmf_worker_generated_tokens_total{model_name="sim"} 5`) {
+		t.Fatalf("metrics missing generated tokens labelled with the model:\n%s", b)
 	}
 }
 
@@ -217,8 +219,12 @@ func TestSimEngineReportsEvictAllAtStartup(t *testing.T) {
 func TestParkMaxBytesZeroNeverParks(t *testing.T) {
 	url := start(t, "--model", testmodel.Path(t), "--n-ctx", "2048", "--n-seq-max", "4", "--threads", "1", "--kv-park-max-bytes", "0")
 	chat(t, url)
+	// name is the series up to its value; labels of the scheduler's
+	// series start with the served model's.
 	metric := func(b []byte, name string) (float64, bool) {
 		for _, l := range strings.Split(string(b), "\n") {
+			l = regexp.MustCompile(`\{model_name="[^"]*",?`).ReplaceAllString(l, "{")
+			l = strings.Replace(l, "{} ", " ", 1)
 			if v, ok := strings.CutPrefix(l, name+" "); ok {
 				f, err := strconv.ParseFloat(v, 64)
 				return f, err == nil
