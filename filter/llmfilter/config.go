@@ -25,8 +25,8 @@ import (
 	"github.com/istio-llm-filter/istio-llm-filter/filter/endpoints"
 	"github.com/istio-llm-filter/istio-llm-filter/filter/lifecycle"
 	"github.com/istio-llm-filter/istio-llm-filter/filter/routing"
-	mcapi "github.com/istio-llm-filter/istio-llm-filter/metadata-center/api"
 	"github.com/istio-llm-filter/istio-llm-filter/internal/tracing"
+	mcapi "github.com/istio-llm-filter/istio-llm-filter/metadata-center/api"
 )
 
 // Name is the plugin_name the EnvoyFilter refers to.
