@@ -74,6 +74,10 @@ type Host struct {
 	Running       int64   // requests the pod is running
 	KVUtil        float64 // used / total KV cache, 0..1
 	PrefillQueued int64   // prompt tokens the pod has still to prefill
+	// FilledSinceReport is the prompt bytes of this gateway's requests on
+	// the pod whose first token came after the report was taken: the
+	// report still counts them in PrefillQueued, the pod has done them.
+	FilledSinceReport int64
 }
 
 // State is the input of one choice. Policies must not keep it.

@@ -3,6 +3,7 @@ package balancer
 import (
 	"errors"
 	"fmt"
+	"log/slog"
 	"math"
 	"math/rand/v2"
 	"slices"
@@ -544,4 +545,45 @@ func TestFirstTokenSeenHereIsTakenOffTheMetadataCentersPrompt(t *testing.T) {
 	}
 	var nilFlight *Flight
 	nilFlight.FirstTokenLanded()
+}
+
+// A pod's own report taken before a first token seen here still counts
+// that request's prefill; the tracker says how much of it the pod has done
+// since, and forgets first tokens older than any report it is answered.
+func TestFilledSinceReport(t *testing.T) {
+	tr := NewTracker()
+	now := time.Unix(1000, 0)
+	tr.now = func() time.Time { return now }
+	cands := []endpoints.Endpoint{{Address: "h:1"}}
+	var hs [1]Host
+	filled := func(ageMS int64) int64 {
+		tr.fill("c", cands, View{Load: api.LoadStats{}, Signals: map[string]api.PodSignals{"h:1": {PrefillTokens: 900, AgeMS: ageMS}}}, 0, hs[:])
+		return hs[0].FilledSinceReport
+	}
+	f := tr.Begin("c", "h:1", 1000)
+	now = now.Add(50 * time.Millisecond)
+	f.FirstToken()
+	if n := filled(80); n != 1000 {
+		t.Fatalf("report 80 ms old, first token 0 ms ago: filled %d, want 1000", n)
+	}
+	now = now.Add(100 * time.Millisecond)
+	if n := filled(80); n != 0 {
+		t.Fatalf("report newer than the first token: filled %d, want 0", n)
+	}
+	now = now.Add(fillMemory + time.Second)
+	if n := filled(5000); n != 0 || len(tr.fills["c"]) != 0 {
+		t.Fatalf("past fillMemory: filled %d, remembered %v", n, tr.fills)
+	}
+}
+
+// The model reads the pod's reported queue less what was done since the
+// report: a conversation's holder that reported the turn before as queued
+// is not predicted slower than a cold pod.
+func TestStaleReportedQueueIsNotCounted(t *testing.T) {
+	p := predictor{m: newTTFTModel(nil, slog.New(slog.DiscardHandler)), bpt: 1, rate: 1000, step: 0.01, promptTokens: 1000}
+	holder := Host{Address: "a", CacheRatio: 0.9, Signals: true, PrefillQueued: 900, FilledSinceReport: 900}
+	cold := Host{Address: "b", Signals: true}
+	if h, c := p.predict(&holder), p.predict(&cold); h.Total >= c.Total || h.QueuedTokens != 0 {
+		t.Fatalf("holder %+v, cold %+v", h, c)
+	}
 }

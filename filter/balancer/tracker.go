@@ -57,6 +57,10 @@ type Tracker struct {
 	live     map[string]*liveClock        // cluster -> this gateway's live requests over time
 	recent   map[windowKey]*window        // last routing decisions
 	reserved map[string][]reservation     // cluster -> decisions not yet begun, oldest first (kept when empty)
+	// fills are the recent first tokens seen here per pod (cluster ->
+	// host -> oldest first): a pod's own report taken before one of them
+	// still counts that request's prefill (Host.FilledSinceReport).
+	fills map[string]map[string][]fillEvent
 	seed     maphash.Seed                 // of setHash
 	now      func() time.Time             // the clock (tests)
 	// held, if set, learns how long a request held its running slot after
@@ -211,6 +215,48 @@ type reservation struct {
 	at      time.Time
 }
 
+// fillEvent is a first token seen here: when, and the request's prompt.
+type fillEvent struct {
+	at     time.Time
+	prompt int64
+}
+
+// fillMemory is how long a first token is remembered against the pods'
+// reports: past the oldest report the metadata center answers
+// (store.DefaultSignalMaxAge, 1 s) with room for a slow route query.
+const fillMemory = 2 * time.Second
+
+// filled records a first token on host at now. Callers hold t.mu.
+func (t *Tracker) filled(cluster, host string, now time.Time, prompt int64) {
+	hosts := t.fills[cluster]
+	if hosts == nil {
+		hosts = map[string][]fillEvent{}
+		t.fills[cluster] = hosts
+	}
+	evs := hosts[host]
+	i := 0
+	for i < len(evs) && now.Sub(evs[i].at) > fillMemory {
+		i++
+	}
+	hosts[host] = append(evs[i:], fillEvent{at: now, prompt: prompt})
+}
+
+// filledSince sums the prompts of host's first tokens after at. Callers
+// hold t.mu.
+func (t *Tracker) filledSince(cluster, host string, at time.Time) int64 {
+	var n int64
+	evs := t.fills[cluster][host]
+	now := t.now()
+	if len(evs) > 0 && now.Sub(evs[len(evs)-1].at) > fillMemory {
+		delete(t.fills[cluster], host) // all of them forgotten: keep the map small
+		return 0
+	}
+	for i := len(evs) - 1; i >= 0 && evs[i].at.After(at) && now.Sub(evs[i].at) <= fillMemory; i-- {
+		n += evs[i].prompt
+	}
+	return n
+}
+
 // reserveTTL is how long a decision counts on its pod without Begin: far
 // past the decision-to-start gap, short enough that a decision that never
 // started weighs on one gateway's view only briefly.
@@ -219,7 +265,7 @@ const reserveTTL = time.Second
 // NewTracker returns an empty tracker.
 func NewTracker() *Tracker {
 	return &Tracker{clusters: map[string]map[string]*local{}, live: map[string]*liveClock{}, recent: map[windowKey]*window{},
-		reserved: map[string][]reservation{}, seed: maphash.MakeSeed(), now: time.Now}
+		reserved: map[string][]reservation{}, fills: map[string]map[string][]fillEvent{}, seed: maphash.MakeSeed(), now: time.Now}
 }
 
 // Routed records a routing decision among cands for Host.Share.
@@ -348,6 +394,7 @@ func (f *Flight) FirstToken() {
 	}
 	f.filled = true
 	f.firstToken = f.t.now()
+	f.t.filled(f.cluster, f.host, f.firstToken, f.prompt)
 	l := f.l
 	l.prefill -= f.prompt
 	if !f.acked {
@@ -567,6 +614,9 @@ func (t *Tracker) fill(cluster string, cands []endpoints.Endpoint, v View, block
 			if sig, ok := v.Signals[e.Address]; ok {
 				h.Signals = true
 				h.Waiting, h.Running, h.KVUtil, h.PrefillQueued = sig.Waiting, sig.Running, sig.KVCacheUtil, sig.PrefillTokens
+				if len(t.fills[cluster][e.Address]) > 0 {
+					h.FilledSinceReport = t.filledSince(cluster, e.Address, t.now().Add(-time.Duration(sig.AgeMS)*time.Millisecond))
+				}
 			}
 		}
 		if w != nil {

@@ -252,7 +252,8 @@ func (p *predictor) predict(h *Host) Cost {
 	//     size: its scrape gives counts, not tokens.
 	queued := float64(h.Prompt) / p.bpt
 	if h.Signals {
-		queued = max(queued, float64(h.PrefillQueued)+float64(h.LocalPrefill)/p.bpt, float64(h.Waiting)*p.meanUn)
+		reported := max(0, float64(h.PrefillQueued)-float64(h.FilledSinceReport)/p.bpt)
+		queued = max(queued, reported+float64(h.LocalPrefill)/p.bpt, float64(h.Waiting)*p.meanUn)
 	}
 	c.QueuedTokens = queued
 
