@@ -20,8 +20,10 @@ import (
 // picker needs it: the route reaches the pool, the pool's picker is our
 // EPP's Service, the pool selects the workers at their port, the EPP reads
 // a valid file whose rules name the pool, and may watch what it needs.
-func TestEndpointPickerInstall(t *testing.T) {
-	s := build(t, "inferencepool")
+func TestEndpointPickerInstall(t *testing.T) { checkEndpointPicker(t, build(t, "inferencepool")) }
+
+func checkEndpointPicker(t *testing.T, s stack) {
+	t.Helper()
 	const ns = "llm"
 	d := must[*appsv1.Deployment](t, s, ns, "epp")
 	c := container(t, d.Spec.Template.Spec, "epp")

@@ -56,6 +56,9 @@ func TestEveryManifestDecodesStrictly(t *testing.T) {
 		if data[filepath.Clean(f)] {
 			continue // a ConfigMap's data (TestEndpointPickerInstall reads it)
 		}
+		if strings.HasPrefix(filepath.ToSlash(f), "helm/") {
+			continue // templates, not objects: helm_test.go checks what they render
+		}
 		docs, err := manifesttest.ReadDocuments(f)
 		if err != nil {
 			t.Fatal(err)
@@ -302,7 +305,13 @@ func TestComponentsCombine(t *testing.T) {
 // scrapes what their prometheus.io annotations name: a named port of the
 // pod (the gateway's Envoy port is Istio's, injected into the pod).
 func TestPodMonitorsScrapeTheAnnotatedEndpoints(t *testing.T) {
-	s := build(t, "overlays/monitoring")
+	checkPodMonitors(t, build(t, "overlays/monitoring"))
+}
+
+// checkPodMonitors checks every PodMonitor of the stack against the pods it
+// selects; there must be three (gateway or picker, metadata center, workers).
+func checkPodMonitors(t *testing.T, s stack) {
+	t.Helper()
 	istioPorts := map[string]int32{"http-envoy-prom": 15090} // Istio's gateway injection template
 	monitors := 0
 	for _, o := range s.objs {
@@ -358,12 +367,14 @@ func TestPodMonitorsScrapeTheAnnotatedEndpoints(t *testing.T) {
 		}
 	}
 	if monitors != 3 {
-		t.Errorf("%d PodMonitors, want 3 (gateway, metadata center, workers)", monitors)
+		t.Errorf("%d PodMonitors, want 3 (gateway or endpoint picker, metadata center, workers)", monitors)
 	}
 }
 
-func TestModelPVCOverlay(t *testing.T) {
-	s := build(t, "overlays/model-pvc")
+func TestModelPVCOverlay(t *testing.T) { checkModelPVC(t, build(t, "overlays/model-pvc")) }
+
+func checkModelPVC(t *testing.T, s stack) {
+	t.Helper()
 	d := must[*appsv1.Deployment](t, s, "llm", "worker-tiny")
 	spec := d.Spec.Template.Spec
 	if len(spec.InitContainers) != 0 {
@@ -448,8 +459,10 @@ func pluginDoc(t *testing.T, s stack) filterDoc {
 // filter uses. This walks every rule of the built stack and checks the chain:
 // rule cluster -> Service -> worker pods -> worker flags, and that the
 // catch-all route's pool contains those pods.
-func TestRoutingChainIsConsistent(t *testing.T) {
-	s := build(t, ".")
+func TestRoutingChainIsConsistent(t *testing.T) { checkRoutingChain(t, build(t, ".")) }
+
+func checkRoutingChain(t *testing.T, s stack) {
+	t.Helper()
 	doc := pluginDoc(t, s)
 	rules := doc.ModelMappingRule
 	if len(rules) == 0 {
@@ -632,7 +645,14 @@ func checkWorkerDrain(t *testing.T, name string, spec corev1.PodSpec, c corev1.C
 // proxy.istio.io/config is a ProxyConfig in YAML inside an annotation: the
 // API server cannot check it, and istiod only logs what it cannot read.
 func TestProxyConfigAnnotationsAreValid(t *testing.T) {
-	s := build(t, ".")
+	// The gateway's and the workers'.
+	checkProxyConfigs(t, build(t, "."), 2)
+}
+
+// checkProxyConfigs checks every proxy.istio.io/config of the stack; at
+// least min Deployments must carry one.
+func checkProxyConfigs(t *testing.T, s stack, min int) {
+	t.Helper()
 	var n int
 	for _, d := range all[*appsv1.Deployment](s) {
 		blob, ok := d.Spec.Template.Annotations["proxy.istio.io/config"]
@@ -657,13 +677,20 @@ func TestProxyConfigAnnotationsAreValid(t *testing.T) {
 			t.Errorf("%s: terminationDrainDuration %v, want ≥30s and below the grace period %v", d.Name, drain, grace)
 		}
 	}
-	if n < 2 {
-		t.Fatalf("%d Deployments carry proxy.istio.io/config, want the gateway's and the workers'", n)
+	if n < min {
+		t.Fatalf("%d Deployments carry proxy.istio.io/config, want %d", n, min)
 	}
 }
 
 func TestGatewayDeploymentRunsTheFilterImage(t *testing.T) {
-	s := build(t, ".")
+	checkGatewayRunsFilterImage(t, build(t, "."), "istio-llm-filter/gateway:")
+}
+
+// checkGatewayRunsFilterImage checks the EnvoyFilter's gateway: its proxy
+// image (whose reference starts with image), and that the EnvoyFilter selects
+// exactly its pods.
+func checkGatewayRunsFilterImage(t *testing.T, s stack, image string) {
+	t.Helper()
 	d := must[*appsv1.Deployment](t, s, "istio-ingress", "llm-gateway")
 	tpl := d.Spec.Template
 	if tpl.Labels["istio"] != "ingressgateway" {
@@ -673,7 +700,7 @@ func TestGatewayDeploymentRunsTheFilterImage(t *testing.T) {
 		t.Error("gateway is not deployed by gateway injection (image auto + gateway template)")
 	}
 	img := tpl.Annotations["sidecar.istio.io/proxyImage"]
-	if !strings.HasPrefix(img, "istio-llm-filter/gateway:") {
+	if !strings.HasPrefix(img, image) {
 		t.Errorf("proxy image %q is not the filter's gateway image", img)
 	}
 	gw := must[*networkingv1.Gateway](t, s, "istio-ingress", "llm-gateway")
@@ -873,6 +900,14 @@ func secretFile(t *testing.T, what string, spec corev1.PodSpec, c corev1.Contain
 // (so it rotates without a restart); the EnvoyFilter carries only the path.
 func TestAuthTokenIsAMountedSecret(t *testing.T) {
 	s := build(t, ".")
+	checkAuthToken(t, s)
+	checkSecretsOptional(t, s)
+}
+
+// checkAuthToken checks the token's Secret mounts; the gateway's when the
+// stack has the EnvoyFilter.
+func checkAuthToken(t *testing.T, s stack) {
+	t.Helper()
 	mc := must[*appsv1.Deployment](t, s, "llm", "metadata-center")
 	mcC := container(t, mc.Spec.Template.Spec, "metadata-center")
 	path, ok := flagValue(mcC.Args, "auth-token-file")
@@ -899,6 +934,9 @@ func TestAuthTokenIsAMountedSecret(t *testing.T) {
 		}
 	}
 
+	if _, ok := find[*networkingv1alpha3.EnvoyFilter](s, "istio-ingress", "llm-filter"); !ok {
+		return
+	}
 	doc := pluginDoc(t, s)
 	if doc.MetadataCenter.AuthToken != "" {
 		t.Error("the EnvoyFilter carries the token itself (metadata_center.auth_token)")
@@ -909,7 +947,13 @@ func TestAuthTokenIsAMountedSecret(t *testing.T) {
 	gw := must[*appsv1.Deployment](t, s, "istio-ingress", "llm-gateway")
 	secretFile(t, "gateway", gw.Spec.Template.Spec, container(t, gw.Spec.Template.Spec, "istio-proxy"),
 		doc.MetadataCenter.AuthTokenFile, "metadata-center-auth", "token")
-	for _, d := range []*appsv1.Deployment{mc, gw} {
+}
+
+// checkSecretsOptional checks that no pod of the stack waits for a Secret:
+// none is shipped, so the stack must come up before the operator adds them.
+func checkSecretsOptional(t *testing.T, s stack) {
+	t.Helper()
+	for _, d := range all[*appsv1.Deployment](s) {
 		for _, v := range d.Spec.Template.Spec.Volumes {
 			if v.Secret != nil && (v.Secret.Optional == nil || !*v.Secret.Optional) {
 				t.Errorf("%s: Secret %s is required but no Secret is shipped", d.Name, v.Secret.SecretName)
@@ -923,7 +967,13 @@ func TestAuthTokenIsAMountedSecret(t *testing.T) {
 // against that Secret's ca.crt alone, the gateway's filter against the CA
 // Secret of its own namespace; the filter document still parses.
 func TestMetadataCenterTLSOverlay(t *testing.T) {
-	s := build(t, "overlays/metadata-center-tls")
+	checkMetadataCenterTLS(t, build(t, "overlays/metadata-center-tls"))
+}
+
+// checkMetadataCenterTLS checks the metadata center's HTTPS and its clients'
+// CA; the gateway's filter when the stack has the EnvoyFilter.
+func checkMetadataCenterTLS(t *testing.T, s stack) {
+	t.Helper()
 	mc := must[*appsv1.Deployment](t, s, "llm", "metadata-center")
 	spec := mc.Spec.Template.Spec
 	c := container(t, spec, "metadata-center")
@@ -965,6 +1015,9 @@ func TestMetadataCenterTLSOverlay(t *testing.T) {
 		}
 	}
 
+	if _, ok := find[*networkingv1alpha3.EnvoyFilter](s, "istio-ingress", "llm-filter"); !ok {
+		return
+	}
 	doc := pluginDoc(t, s)
 	if !strings.HasPrefix(doc.MetadataCenter.Address, "https://") || doc.MetadataCenter.TLS.CAFile == "" {
 		t.Fatalf("the filter's metadata_center is %+v, want https:// and tls.ca_file", doc.MetadataCenter)

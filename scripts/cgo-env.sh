@@ -5,6 +5,11 @@
 # instructions. -mno-amx-*: on CPUs with AMX (Xeon Sapphire Rapids and
 # later) -march=native makes ggml-cpu call its AMX buffer type, whose source
 # ollama's cgo package does not compile, and the link fails.
-flags="-O3 -march=${LLMF_MARCH:-native} -mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+# (x86 only: other compilers do not know the options.) The container images
+# set LLMF_MARCH to a portable level (deploy/images/*.Dockerfile).
+flags="-O3 -march=${LLMF_MARCH:-native}"
+case "$(uname -m)" in
+  x86_64 | amd64) flags="$flags -mno-amx-tile -mno-amx-int8 -mno-amx-bf16" ;;
+esac
 export CGO_CFLAGS="${CGO_CFLAGS:-$flags}" CGO_CXXFLAGS="${CGO_CXXFLAGS:-$flags}"
 unset flags

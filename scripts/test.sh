@@ -35,6 +35,22 @@ if [ -z "${LLMF_TEST_ENVOY:-}" ]; then
 fi
 echo "envoy: $("$LLMF_TEST_ENVOY" --version | grep -o 'version: .*')"
 
+# helm renders the chart in deploy/helm_test.go. Built from source like the
+# other Go tools, into var/bin, not a module dependency (Helm needs other
+# Kubernetes module versions than ours). The build takes a few minutes once.
+helm_version=v3.19.0
+helm_bin="$PWD/var/bin/helm"
+if [ -z "${LLMF_TEST_HELM:-}" ]; then
+  if [ ! -x "$helm_bin" ] || [ "$(cat var/bin/helm.version 2>/dev/null)" != "$helm_version" ]; then
+    log "installing helm $helm_version (go install)"
+    mkdir -p var/bin
+    GOBIN="$PWD/var/bin" go install "helm.sh/helm/v3/cmd/helm@$helm_version"
+    echo "$helm_version" >var/bin/helm.version
+  fi
+  export LLMF_TEST_HELM="$helm_bin"
+fi
+echo "helm: $LLMF_TEST_HELM"
+
 log "gofmt"
 make -s fmt-check
 

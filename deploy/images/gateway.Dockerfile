@@ -21,15 +21,26 @@ WORKDIR /src
 COPY go.mod go.sum ./
 RUN go mod download
 COPY . .
-# The image must run on any node of the cluster: a portable vector level, not
-# -march=native. The filter has little C of its own; this mostly keeps the
-# flags identical to the worker image's.
-ARG LLMF_MARCH=x86-64-v3
-ENV CGO_ENABLED=1 \
-    GOAMD64=v3 \
-    CGO_CFLAGS="-O2 -march=${LLMF_MARCH}" \
-    CGO_CXXFLAGS="-O2 -march=${LLMF_MARCH}"
-RUN go build -trimpath -tags envoy -buildmode=c-shared \
+# The image must run on any node of the cluster: a portable level, not
+# -march=native. The filter has little C of its own; this keeps the flags
+# identical to the worker image's.
+# LLMF_MARCH: the instruction-set level the C/C++ code is compiled for
+# (-march, through scripts/cgo-env.sh: the flags make and the tests use).
+# Empty: the portable baseline of the target architecture, x86-64-v2 on
+# amd64 (SSE4.2, POPCNT: any x86-64 server of the last 15 years) and
+# armv8-a on arm64. A fleet known to have more can ask for it, e.g.
+# --build-arg LLMF_MARCH=x86-64-v3 (AVX2, FMA: several times faster
+# prefill). GOAMD64 follows an x86-64-vN level. arm64 images are built on
+# arm64 (a native builder or emulation), not cross-compiled. deploy/'s tests
+# check the flags each platform gets; the project itself is built and run
+# on x86-64 only.
+ARG TARGETARCH
+ARG LLMF_MARCH=
+ENV CGO_ENABLED=1
+RUN march="${LLMF_MARCH:-$(if [ "$TARGETARCH" = arm64 ]; then echo armv8-a; else echo x86-64-v2; fi)}" \
+ && case "$march" in x86-64-v[234]) export GOAMD64="v${march#x86-64-v}" ;; esac \
+ && export LLMF_MARCH="$march" && . ./scripts/cgo-env.sh \
+ && go build -trimpath -tags envoy -buildmode=c-shared \
       -o /out/llm-filter.so ./filter/cmd/llm-filter
 # Envoy dlsym()s a fixed list of envoyGo* entry points and refuses the
 # library if one is missing; a build that lost the registration (wrong tag,

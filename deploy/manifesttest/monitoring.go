@@ -1,6 +1,7 @@
 package manifesttest
 
 import (
+	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 )
 
@@ -35,6 +36,22 @@ type PodMetricsEndpoint struct {
 	Interval      string              `json:"interval,omitempty"`
 	ScrapeTimeout string              `json:"scrapeTimeout,omitempty"`
 	HonorLabels   bool                `json:"honorLabels,omitempty"`
+	TLSConfig     *SafeTLSConfig      `json:"tlsConfig,omitempty"`
+}
+
+// SafeTLSConfig is how Prometheus verifies an https endpoint
+// (prometheus-operator pkg/apis/monitoring/v1, types.go).
+type SafeTLSConfig struct {
+	CA                 *SecretOrConfigMap `json:"ca,omitempty"`
+	ServerName         *string            `json:"serverName,omitempty"`
+	InsecureSkipVerify *bool              `json:"insecureSkipVerify,omitempty"`
+}
+
+// SecretOrConfigMap names a key of a Secret or a ConfigMap of the
+// PodMonitor's namespace.
+type SecretOrConfigMap struct {
+	Secret    *corev1.SecretKeySelector    `json:"secret,omitempty"`
+	ConfigMap *corev1.ConfigMapKeySelector `json:"configMap,omitempty"`
 }
 
 // NamespaceSelector picks the namespaces whose pods are selected (default:
