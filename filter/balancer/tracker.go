@@ -61,8 +61,8 @@ type Tracker struct {
 	// host -> oldest first): a pod's own report taken before one of them
 	// still counts that request's prefill (Host.FilledSinceReport).
 	fills map[string]map[string][]fillEvent
-	seed     maphash.Seed                 // of setHash
-	now      func() time.Time             // the clock (tests)
+	seed  maphash.Seed     // of setHash
+	now   func() time.Time // the clock (tests)
 	// held, if set, learns how long a request held its running slot after
 	// its first token (FirstToken to End): cache_aware's slot wait. From
 	// the first token, not from Begin: time spent queued does not hold a
