@@ -192,14 +192,24 @@ func FuzzParse(f *testing.F) {
 		if req.Model == "" || !json.Valid(body) {
 			t.Fatalf("accepted without model or invalid JSON: %q", body)
 		}
-		switch req.Kind {
-		case transcode.Chat:
-			if len(req.Messages) == 0 || !bytes.Equal(req.Canonical, prefix.CanonicalChat(req.Messages)) {
+		pre := prefix.AppendPreamble(nil, req.Preamble)
+		switch {
+		case req.Kind == transcode.Chat:
+			if len(req.Messages) == 0 || !bytes.Equal(req.Canonical, prefix.AppendCanonicalChat(pre, req.Messages)) {
 				t.Fatal("chat without messages or with a stray canonical form")
 			}
-		case transcode.Completion:
-			if !bytes.Equal(req.Canonical, prefix.CanonicalCompletion(req.Prompt)) {
+		case req.Kind == transcode.Completion:
+			if !bytes.Equal(req.Canonical, prefix.AppendCanonicalCompletion(pre, req.Prompt)) {
 				t.Fatal("completion canonical mismatch")
+			}
+		case req.Kind == transcode.Other || req.Kind == transcode.Audio:
+			// Routed by their model and load: nothing to hash.
+			if req.HasPrompt() || len(req.Canonical) > 0 {
+				t.Fatalf("%v request with a prompt: %q", req.Kind, req.Canonical)
+			}
+		case req.Kind.Conversational() || req.Kind == transcode.Embeddings:
+			if req.HasPrompt() != (len(req.Canonical) > 0) {
+				t.Fatalf("%v: prompt %v, canonical %q", req.Kind, req.HasPrompt(), req.Canonical)
 			}
 		default:
 			t.Fatalf("kind %v", req.Kind)
