@@ -19,6 +19,7 @@ import (
 	"github.com/istio-llm-filter/istio-llm-filter/internal/headers"
 	"github.com/istio-llm-filter/istio-llm-filter/internal/testutil/cgoenv"
 	"github.com/istio-llm-filter/istio-llm-filter/internal/testutil/redistest"
+	"github.com/istio-llm-filter/istio-llm-filter/internal/testutil/wait"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/api"
 	mcclient "github.com/istio-llm-filter/istio-llm-filter/metadata-center/client"
 	"github.com/istio-llm-filter/istio-llm-filter/prefix"
@@ -198,19 +199,21 @@ func recorded(t *testing.T, mcURL string, tr turn) {
 		t.Fatal(err)
 	}
 	var last *api.RouteAnswer
-	for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(20 * time.Millisecond) {
-		ans, err := mc.Route(context.Background(), fleet.Cluster, prefix.Wire(tr.hashes))
-		if err == nil {
-			last = ans
-			for _, c := range ans.Cache {
-				if c.Host == tr.worker && c.Length == len(tr.hashes) {
-					return
-				}
+	held := wait.Until(30*time.Second, func() bool {
+		var ans *api.RouteAnswer
+		if ans, err = mc.Route(context.Background(), fleet.Cluster, prefix.Wire(tr.hashes)); err != nil {
+			return false
+		}
+		last = ans
+		for _, c := range ans.Cache {
+			if c.Host == tr.worker && c.Length == len(tr.hashes) {
+				return true
 			}
 		}
-		if time.Now().After(deadline) {
-			t.Fatalf("the metadata center never held the %d-block prompt on %s: %+v, %v", len(tr.hashes), tr.worker, last, err)
-		}
+		return false
+	})
+	if !held {
+		t.Fatalf("the metadata center never held the %d-block prompt on %s: %+v, %v", len(tr.hashes), tr.worker, last, err)
 	}
 }
 

@@ -15,6 +15,7 @@ import (
 	"time"
 
 	"github.com/istio-llm-filter/istio-llm-filter/envoyhost"
+	"github.com/istio-llm-filter/istio-llm-filter/internal/testutil/wait"
 )
 
 // freeAddr reserves a loopback port for a worker that must advertise its
@@ -131,14 +132,9 @@ endpoints:
 			}
 			// The workers register with their first signal report; the
 			// first request may come before that.
-			for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(100 * time.Millisecond) {
-				a := chatAt(t, g.url, loraBody)
-				if a.status == 200 {
-					break
-				}
-				if time.Now().After(deadline) {
-					t.Fatalf("lora request never routed: %+v", a)
-				}
+			var first chatAnswer
+			if !wait.Until(30*time.Second, func() bool { first = chatAt(t, g.url, loraBody); return first.status == 200 }) {
+				t.Fatalf("lora request never routed: %+v", first)
 			}
 			for i := 0; i < 3; i++ {
 				if a := chatAt(t, g.url, loraBody); a.status != 200 || a.served != adapted || a.text != wantLoRA.text {

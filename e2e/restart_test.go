@@ -17,6 +17,7 @@ import (
 	"time"
 
 	"github.com/istio-llm-filter/istio-llm-filter/internal/testutil/redistest"
+	"github.com/istio-llm-filter/istio-llm-filter/internal/testutil/wait"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/api"
 	mcclient "github.com/istio-llm-filter/istio-llm-filter/metadata-center/client"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/server"
@@ -140,13 +141,7 @@ func TestRestartedWorkerIsReadyOnlyOnceItsOldIndexIsGone(t *testing.T) {
 	}
 	waitFor := func(what string, within time.Duration, cond func() bool) {
 		t.Helper()
-		deadline := time.Now().Add(within)
-		for !cond() {
-			if time.Now().After(deadline) {
-				t.Fatalf("timed out waiting for %s", what)
-			}
-			time.Sleep(10 * time.Millisecond)
-		}
+		wait.For(t, within, what, cond)
 	}
 	// The evict-all removes entries saved at or before the process's start,
 	// in milliseconds; a save meant to survive it waits for the clock to

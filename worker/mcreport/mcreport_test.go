@@ -18,6 +18,7 @@ import (
 	dto "github.com/prometheus/client_model/go"
 
 	"github.com/istio-llm-filter/istio-llm-filter/internal/testutil/redistest"
+	"github.com/istio-llm-filter/istio-llm-filter/internal/testutil/wait"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/api"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/client"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/server"
@@ -470,9 +471,5 @@ func heldLength(t *testing.T, mc *client.Client, cluster, host string, hashes []
 // stamped strictly after t.
 func clockPasses(t *testing.T, after time.Time) {
 	t.Helper()
-	for deadline := time.Now().Add(time.Second); time.Now().UnixMilli() <= after.UnixMilli()+1; time.Sleep(100 * time.Microsecond) {
-		if time.Now().After(deadline) {
-			t.Fatal("the clock did not advance")
-		}
-	}
+	wait.For(t, time.Second, "the clock to advance", func() bool { return time.Now().UnixMilli() > after.UnixMilli()+1 })
 }

@@ -12,6 +12,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/istio-llm-filter/istio-llm-filter/internal/testutil/wait"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/api"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/server"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/store/memstore"
@@ -70,18 +71,15 @@ func TestRunSignalsRegisters(t *testing.T) {
 	want := map[string]api.PodLabels{"10.0.0.7:9000": {Labels: map[string]string{"pool": "gold"}, Adapters: []string{"sql"}}}
 	waitFor := func(what string) {
 		t.Helper()
-		for deadline := time.Now().Add(5 * time.Second); !reflect.DeepEqual(pods(), want); time.Sleep(5 * time.Millisecond) {
-			if time.Now().After(deadline) {
-				t.Fatalf("%s: route answer's pods %+v, want %+v", what, pods(), want)
-			}
+		if !wait.Until(5*time.Second, func() bool { return reflect.DeepEqual(pods(), want) }) {
+			t.Fatalf("%s: route answer's pods %+v, want %+v", what, pods(), want)
 		}
 	}
 	waitFor("first registration")
 	// About a second of signal reports (one every 20 ms) go by.
-	for deadline, start := time.Now().Add(10*time.Second), reports.Load(); reports.Load() < start+50; time.Sleep(5 * time.Millisecond) {
-		if time.Now().After(deadline) {
-			t.Fatalf("%d signal reports in 10 s", reports.Load()-start)
-		}
+	start := reports.Load()
+	if !wait.Until(10*time.Second, func() bool { return reports.Load() >= start+50 }) {
+		t.Fatalf("%d signal reports in 10 s", reports.Load()-start)
 	}
 	n, m := regs.Load(), reports.Load()
 	// ~4 refreshes in 1.3 s against ~65 signal reports every 20 ms.

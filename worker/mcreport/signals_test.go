@@ -12,6 +12,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/istio-llm-filter/istio-llm-filter/internal/testutil/wait"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/api"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/server"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/store/memstore"
@@ -52,15 +53,9 @@ func TestRunSignalsReachesTheRouteAnswer(t *testing.T) {
 	waitFor := func(what string, ok func(api.PodSignals) bool) {
 		t.Helper()
 		deadline := time.Now().Add(5 * time.Second)
-		for {
-			s := route()
-			if ok(s) {
-				return
-			}
-			if time.Now().After(deadline) {
-				t.Fatalf("%s: last answer %+v", what, s)
-			}
-			time.Sleep(5 * time.Millisecond)
+		var s api.PodSignals
+		if !wait.Until(time.Until(deadline), func() bool { s = route(); return ok(s) }) {
+			t.Fatalf("%s: last answer %+v", what, s)
 		}
 	}
 	waitFor("first report", func(s api.PodSignals) bool { return s.Running == 3 && s.KVCacheUtil == 0.5 })
@@ -119,12 +114,8 @@ func TestNudgeSendsTheDrainAtOnce(t *testing.T) {
 	}
 	poll := func(what string, ok func(api.PodSignals) bool) {
 		t.Helper()
-		deadline := time.Now().Add(5 * time.Second)
-		for !ok(signals()["10.0.0.7:9000"]) {
-			if time.Now().After(deadline) {
-				t.Fatalf("%s: %+v", what, signals())
-			}
-			time.Sleep(5 * time.Millisecond)
+		if !wait.Until(5*time.Second, func() bool { return ok(signals()["10.0.0.7:9000"]) }) {
+			t.Fatalf("%s: %+v", what, signals())
 		}
 	}
 	poll("the first report", func(s api.PodSignals) bool { return s.Running == 1 && !s.Draining })
