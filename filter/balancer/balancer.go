@@ -75,9 +75,11 @@ type Host struct {
 	KVUtil        float64 // used / total KV cache, 0..1
 	PrefillQueued int64   // prompt tokens the pod has still to prefill
 	// FilledSinceReport is the prompt bytes of this gateway's requests on
-	// the pod whose first token came after the report was taken: the
-	// report still counts them in PrefillQueued, the pod has done them.
-	FilledSinceReport int64
+	// the pod whose first token came after the report was taken, and
+	// FilledReqsSinceReport their number: the report still counts them in
+	// PrefillQueued (and, if it caught them queued, in Waiting); the pod
+	// has done them.
+	FilledSinceReport, FilledReqsSinceReport int64
 }
 
 // State is the input of one choice. Policies must not keep it.

@@ -558,6 +558,9 @@ func TestFilledSinceReport(t *testing.T) {
 	var hs [1]Host
 	filled := func(ageMS int64) int64 {
 		tr.fill("c", cands, View{Load: api.LoadStats{}, Signals: map[string]api.PodSignals{"h:1": {PrefillTokens: 900, AgeMS: ageMS}}}, 0, hs[:])
+		if n := hs[0].FilledReqsSinceReport; (n > 0) != (hs[0].FilledSinceReport > 0) {
+			t.Fatalf("%d requests filled, %d bytes", n, hs[0].FilledSinceReport)
+		}
 		return hs[0].FilledSinceReport
 	}
 	f := tr.Begin("c", "h:1", 1000)
@@ -581,9 +584,10 @@ func TestFilledSinceReport(t *testing.T) {
 // is not predicted slower than a cold pod.
 func TestStaleReportedQueueIsNotCounted(t *testing.T) {
 	p := predictor{m: newTTFTModel(nil, slog.New(slog.DiscardHandler)), bpt: 1, rate: 1000, step: 0.01, promptTokens: 1000}
-	holder := Host{Address: "a", CacheRatio: 0.9, Signals: true, PrefillQueued: 900, FilledSinceReport: 900}
+	// The report caught the turn before queued and prefilling.
+	holder := Host{Address: "a", CacheRatio: 0.9, Signals: true, Waiting: 1, PrefillQueued: 900, FilledSinceReport: 900, FilledReqsSinceReport: 1}
 	cold := Host{Address: "b", Signals: true}
-	if h, c := p.predict(&holder), p.predict(&cold); h.Total >= c.Total || h.QueuedTokens != 0 {
+	if h, c := p.predict(&holder), p.predict(&cold); h.Total >= c.Total || h.QueuedTokens != 0 || h.SlotWait != 0 {
 		t.Fatalf("holder %+v, cold %+v", h, c)
 	}
 }

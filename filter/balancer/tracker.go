@@ -241,20 +241,20 @@ func (t *Tracker) filled(cluster, host string, now time.Time, prompt int64) {
 	hosts[host] = append(evs[i:], fillEvent{at: now, prompt: prompt})
 }
 
-// filledSince sums the prompts of host's first tokens after at. Callers
-// hold t.mu.
-func (t *Tracker) filledSince(cluster, host string, at time.Time) int64 {
-	var n int64
+// filledSince sums the prompts of host's first tokens after at, and counts
+// them. Callers hold t.mu.
+func (t *Tracker) filledSince(cluster, host string, at time.Time) (prompt, reqs int64) {
 	evs := t.fills[cluster][host]
 	now := t.now()
 	if len(evs) > 0 && now.Sub(evs[len(evs)-1].at) > fillMemory {
 		delete(t.fills[cluster], host) // all of them forgotten: keep the map small
-		return 0
+		return 0, 0
 	}
 	for i := len(evs) - 1; i >= 0 && evs[i].at.After(at) && now.Sub(evs[i].at) <= fillMemory; i-- {
-		n += evs[i].prompt
+		prompt += evs[i].prompt
+		reqs++
 	}
-	return n
+	return prompt, reqs
 }
 
 // reserveTTL is how long a decision counts on its pod without Begin: far
@@ -615,7 +615,7 @@ func (t *Tracker) fill(cluster string, cands []endpoints.Endpoint, v View, block
 				h.Signals = true
 				h.Waiting, h.Running, h.KVUtil, h.PrefillQueued = sig.Waiting, sig.Running, sig.KVCacheUtil, sig.PrefillTokens
 				if len(t.fills[cluster][e.Address]) > 0 {
-					h.FilledSinceReport = t.filledSince(cluster, e.Address, t.now().Add(-time.Duration(sig.AgeMS)*time.Millisecond))
+					h.FilledSinceReport, h.FilledReqsSinceReport = t.filledSince(cluster, e.Address, t.now().Add(-time.Duration(sig.AgeMS)*time.Millisecond))
 				}
 			}
 		}

@@ -250,18 +250,21 @@ func (p *predictor) predict(h *Host) Cost {
 	//     plus this gateway's requests sent since;
 	//   - a vLLM-like pod's waiting requests at the fleet's mean uncached
 	//     size: its scrape gives counts, not tokens.
+	// A request past its first token here since the pod's report was
+	// taken is no longer waiting there, whatever the report says.
+	waiting := max(0, h.Waiting-h.FilledReqsSinceReport)
 	queued := float64(h.Prompt) / p.bpt
 	if h.Signals {
 		reported := max(0, float64(h.PrefillQueued)-float64(h.FilledSinceReport)/p.bpt)
-		queued = max(queued, reported+float64(h.LocalPrefill)/p.bpt, float64(h.Waiting)*p.meanUn)
+		queued = max(queued, reported+float64(h.LocalPrefill)/p.bpt, float64(waiting)*p.meanUn)
 	}
 	c.QueuedTokens = queued
 
 	// A pod that reports requests waiting has no free running slot: the
 	// request starts once Waiting+1 of its running requests have ended,
 	// one every hold/Running seconds.
-	if h.Signals && h.Waiting > 0 {
-		c.SlotWait = float64(h.Waiting+1) * hold / float64(max(h.Running, 1))
+	if h.Signals && waiting > 0 {
+		c.SlotWait = float64(waiting+1) * hold / float64(max(h.Running, 1))
 	}
 	c.Prefill = (c.QueuedTokens + c.UncachedTokens) * secPerToken
 	c.Step = step
