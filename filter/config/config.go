@@ -29,7 +29,7 @@ const (
 	DefaultCandidatePercent = 10
 	// cache_aware's defaults (filter/balancer/ttft.go says why each).
 	DefaultTieEpsilon   = 0.05
-	DefaultWorkWeight   = 1.0
+	DefaultWorkWeight   = 0.5
 	DefaultPrefillRate  = 5000.0
 	DefaultDecodeStep   = 0.025
 	DefaultAdminRefresh = time.Second
