@@ -28,8 +28,6 @@ import (
 	"syscall"
 	"time"
 
-	"github.com/prometheus/client_golang/prometheus"
-	"github.com/prometheus/client_golang/prometheus/collectors"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 	"google.golang.org/grpc"
 	"k8s.io/client-go/dynamic"
@@ -73,13 +71,10 @@ func run(ctx context.Context, args []string, logOut io.Writer, ready chan<- net.
 	level, _ := fc.Level() // checked by Load
 	logger := slog.New(slog.NewTextHandler(logOut, &slog.HandlerOptions{Level: level}))
 
-	reg := prometheus.NewRegistry()
-	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
-	pm, err := gatewaymetrics.NewProm(reg)
+	reg, pm, err := gatewaymetrics.NewHostRegistry(cfg)
 	if err != nil {
 		return err
 	}
-	pm.Declare(cfg)
 	bo := epp.BuildOptions{Logger: logger, Metrics: pm, Registerer: reg, ConformanceHooks: *hooks}
 	if *poolName != "" {
 		src, err := watchPool(ctx, *poolNS, *poolName, logger)

@@ -28,7 +28,6 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
-	"github.com/prometheus/client_golang/prometheus/collectors"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
 	"github.com/istio-llm-filter/istio-llm-filter/filter/endpoints"
@@ -66,13 +65,10 @@ func run(ctx context.Context, args []string, logOut io.Writer, ready chan<- net.
 	level, _ := fc.Level() // checked by Load
 	logger := slog.New(slog.NewTextHandler(logOut, &slog.HandlerOptions{Level: level}))
 
-	reg := prometheus.NewRegistry()
-	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
-	pm, err := gatewaymetrics.NewProm(reg)
+	reg, pm, err := gatewaymetrics.NewHostRegistry(cfg)
 	if err != nil {
 		return err
 	}
-	pm.Declare(cfg)
 	requests := prometheus.NewCounterVec(prometheus.CounterOpts{
 		Name: "llm_gateway_requests_total", Help: "Requests by status code and whether the gateway answered itself.",
 	}, []string{"code", "local"})
