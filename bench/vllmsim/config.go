@@ -42,6 +42,7 @@ package vllmsim
 
 import (
 	"errors"
+	"flag"
 	"fmt"
 	"time"
 )
@@ -87,6 +88,27 @@ func DefaultConfig() Config {
 		DecodePerSeq:        250 * time.Microsecond,
 		StreamInterval:      1,
 	}
+}
+
+// RegisterFlags declares the flags that set c (vllmsim's and the bench's
+// --worker-args under --engine vllm), c's values their defaults.
+func (c *Config) RegisterFlags(fs *flag.FlagSet) {
+	fs.StringVar(&c.ModelName, "model-name", c.ModelName, "the model name the pods serve")
+	fs.IntVar(&c.BlockSize, "block-size", c.BlockSize, "tokens per KV block")
+	fs.IntVar(&c.NumBlocks, "num-gpu-blocks", c.NumBlocks, "KV cache size in blocks")
+	fs.IntVar(&c.MaxNumSeqs, "max-num-seqs", c.MaxNumSeqs, "running requests at most")
+	fs.IntVar(&c.MaxNumBatchedTokens, "max-num-batched-tokens", c.MaxNumBatchedTokens, "token budget of one step (the prefill chunk)")
+	fs.IntVar(&c.MaxModelLen, "max-model-len", c.MaxModelLen, "prompt plus output tokens at most")
+	fs.DurationVar(&c.StepTime, "step-time", c.StepTime, "fixed time of one engine step")
+	fs.DurationVar(&c.PrefillPerToken, "prefill-per-token", c.PrefillPerToken, "step time per prefill token")
+	fs.DurationVar(&c.DecodePerSeq, "decode-per-seq", c.DecodePerSeq, "step time per decoding sequence")
+	fs.IntVar(&c.StreamInterval, "stream-interval", c.StreamInterval, "tokens per streamed chunk after the first")
+}
+
+// StepCost is the time of one step with prefill prompt tokens and decodes
+// decoding sequences in its batch.
+func (c Config) StepCost(prefill, decodes int) time.Duration {
+	return c.StepTime + time.Duration(prefill)*c.PrefillPerToken + time.Duration(decodes)*c.DecodePerSeq
 }
 
 // Validate refuses a configuration vLLM would refuse to start with.

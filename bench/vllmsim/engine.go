@@ -200,8 +200,7 @@ func (p *Pod) schedule() ([]scheduled, time.Duration) {
 			prefill += s.tokens
 		}
 	}
-	cost := p.cfg.StepTime + time.Duration(prefill)*p.cfg.PrefillPerToken + time.Duration(decodes)*p.cfg.DecodePerSeq
-	return batch, cost
+	return batch, p.cfg.StepCost(prefill, decodes)
 }
 
 // grow gives r the blocks for n more tokens, if the pool has them.

@@ -40,6 +40,10 @@ func (p *Pod) Handler() http.Handler {
 // template renders chat messages to the prompt the model reads.
 var template = openai.ChatML()
 
+// ChatPrompt is the prompt text a pod reads for chat messages (Tokenize
+// gives its tokens).
+func ChatPrompt(msgs []openai.Message) (string, error) { return template.Render(msgs, true) }
+
 func (p *Pod) chat(w http.ResponseWriter, hr *http.Request) {
 	body, aerr := openai.ReadBody(w, hr, 0)
 	if aerr != nil {
@@ -51,7 +55,7 @@ func (p *Pod) chat(w http.ResponseWriter, hr *http.Request) {
 		openai.WriteError(w, aerr)
 		return
 	}
-	text, err := template.Render(req.Messages, true)
+	text, err := ChatPrompt(req.Messages)
 	if err != nil {
 		openai.WriteError(w, err)
 		return

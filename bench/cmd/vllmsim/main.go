@@ -37,16 +37,7 @@ func run(ctx context.Context, args []string, log *slog.Logger) error {
 	listen := fs.String("listen", "127.0.0.1:8000", "comma-separated addresses: one pod on each (port 0: any free port)")
 	pods := fs.Int("pods", 0, "if > 0: this many pods, each on a free port of --listen's host (its first address)")
 	addrFile := fs.String("addr-file", "", "write the pods' addresses, one a line, to this file once all listen (so a caller needs no free ports of its own)")
-	fs.StringVar(&c.ModelName, "model-name", c.ModelName, "the model name the pods serve")
-	fs.IntVar(&c.BlockSize, "block-size", c.BlockSize, "tokens per KV block")
-	fs.IntVar(&c.NumBlocks, "num-gpu-blocks", c.NumBlocks, "KV cache size in blocks")
-	fs.IntVar(&c.MaxNumSeqs, "max-num-seqs", c.MaxNumSeqs, "running requests at most")
-	fs.IntVar(&c.MaxNumBatchedTokens, "max-num-batched-tokens", c.MaxNumBatchedTokens, "token budget of one step (the prefill chunk)")
-	fs.IntVar(&c.MaxModelLen, "max-model-len", c.MaxModelLen, "prompt plus output tokens at most")
-	fs.DurationVar(&c.StepTime, "step-time", c.StepTime, "fixed time of one engine step")
-	fs.DurationVar(&c.PrefillPerToken, "prefill-per-token", c.PrefillPerToken, "step time per prefill token")
-	fs.DurationVar(&c.DecodePerSeq, "decode-per-seq", c.DecodePerSeq, "step time per decoding sequence")
-	fs.IntVar(&c.StreamInterval, "stream-interval", c.StreamInterval, "tokens per streamed chunk after the first")
+	c.RegisterFlags(fs)
 	if err := fs.Parse(args); err != nil {
 		return err
 	}

@@ -55,6 +55,14 @@ type Cost struct {
 	PerKCtxToken time.Duration // per token per 1000 cells of context it attends to
 }
 
+// Step is the time of one step of tokens evaluated, sampled sequences
+// sampled and attn = Σ(token · its context length) (the package comment's
+// formula).
+func (c Cost) Step(tokens, sampled int, attn int64) time.Duration {
+	return c.StepOverhead + time.Duration(tokens)*c.PerToken + time.Duration(sampled)*c.PerSample +
+		time.Duration(attn*int64(c.PerKCtxToken)/1000)
+}
+
 // BenchCost is the calibration against the llama.cpp engine with the bench
 // preset (8 layers, 512 wide, f16, no flash attention, 1 thread) on this
 // project's 2-core machine, fitted to BenchmarkStep of worker/engine/llama;
@@ -262,10 +270,7 @@ func (e *Engine) Step(spans []engine.Span) ([]int, error) {
 			e.seqs[s.Seq] = append(e.seqs[s.Seq], c)
 		}
 	}
-	c := e.cost
-	d := c.StepOverhead + time.Duration(n)*c.PerToken + time.Duration(sampled)*c.PerSample +
-		time.Duration(attn*int64(c.PerKCtxToken)/1000)
-	if d > 0 {
+	if d := e.cost.Step(n, sampled, attn); d > 0 {
 		e.sleep(d)
 	}
 	out := make([]int, len(spans))

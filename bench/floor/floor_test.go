@@ -1,0 +1,250 @@
+package floor
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"encoding/json"
+	"io"
+	"log/slog"
+	"net"
+	"net/http"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/istio-llm-filter/istio-llm-filter/bench/vllmsim"
+	"github.com/istio-llm-filter/istio-llm-filter/worker/engine/sim"
+	"github.com/istio-llm-filter/istio-llm-filter/worker/openai"
+)
+
+// A vLLM-like pod with 16-token blocks, 64 tokens a step, 10 ms a step and
+// 1 ms a prefill token. Worked by hand:
+//   - a 100-token prompt sharing 40 tokens reuses 2 whole blocks (32); the
+//     68 left take a step of 64 and one of 4: (10 + 64) + (10 + 4) = 88 ms;
+//   - sharing all 100, it reuses the blocks before the last token's, 6
+//     blocks (96): one step of 4 tokens, 14 ms;
+//   - sharing 15 tokens (less than a block), nothing: 64 + 36 tokens,
+//     (10 + 64) + (10 + 36) = 120 ms.
+func TestVLLMFloorHandWorked(t *testing.T) {
+	v := VLLM{Config: vllmsim.Config{BlockSize: 16, MaxNumBatchedTokens: 64, StepTime: 10 * time.Millisecond, PrefillPerToken: time.Millisecond}}
+	for _, c := range []struct {
+		shared, n, reuse int
+		ttft             time.Duration
+	}{{40, 100, 32, 88 * time.Millisecond}, {100, 100, 96, 14 * time.Millisecond}, {15, 100, 0, 120 * time.Millisecond}} {
+		r := v.Reuse(c.shared, c.n)
+		if r != c.reuse {
+			t.Errorf("Reuse(%d, %d) = %d, want %d", c.shared, c.n, r, c.reuse)
+		}
+		if got := v.TTFT(c.n, r); got != c.ttft {
+			t.Errorf("TTFT(%d, %d) = %v, want %v", c.n, r, got, c.ttft)
+		}
+	}
+}
+
+// Our worker's simulated engine, 4 tokens a step (n_batch), 1 ms a step,
+// 1 ms a token, 2 ms a sample, 1 ms per token per 1000 cells of context
+// (1 µs a token-cell). A 10-token prompt sharing 4 tokens: a chunk of 4
+// at positions 4–7 (attention 4·4 + 4·5/2 = 26 token-cells) costs
+// 1 + 4 + 0.026 ms; the last chunk of 2 at 8–9 (2·8 + 3 = 19) samples:
+// 1 + 2 + 2 + 0.019 ms. 10.045 ms in all. Sharing all 10 reuses 9 (the
+// last is always evaluated): 1 + 1 + 2 + (9 + 1) µs = 4.010 ms.
+func TestSimFloorHandWorked(t *testing.T) {
+	s, err := NewSim(openai.ChatML(), 4, sim.Cost{StepOverhead: time.Millisecond, PerToken: time.Millisecond,
+		PerSample: 2 * time.Millisecond, PerKCtxToken: time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if r := s.Reuse(4, 10); r != 4 {
+		t.Errorf("Reuse(4, 10) = %d, want 4", r)
+	}
+	if got, want := s.TTFT(10, 4), 10045*time.Microsecond; got != want {
+		t.Errorf("TTFT(10, 4) = %v, want %v", got, want)
+	}
+	if r := s.Reuse(10, 10); r != 9 {
+		t.Errorf("Reuse(10, 10) = %d, want 9", r)
+	}
+	if got, want := s.TTFT(10, 9), 4010*time.Microsecond; got != want {
+		t.Errorf("TTFT(10, 9) = %v, want %v", got, want)
+	}
+}
+
+// bytesEngine is an engine for the worked example of TTFTs: a token per byte of
+// the messages' text, every shared token reused but the last, 1 ms per
+// token computed.
+type bytesEngine struct{}
+
+func (bytesEngine) Tokens(r Request) (prompt, held []int, err error) {
+	for _, m := range r.Messages {
+		for _, b := range []byte(m.Content) {
+			prompt = append(prompt, int(b))
+		}
+	}
+	held = prompt
+	if r.Answer != "" {
+		for _, b := range []byte(r.Answer[:len(r.Answer)-1]) {
+			held = append(held, int(b))
+		}
+	}
+	return prompt, held, nil
+}
+func (bytesEngine) Reuse(shared, n int) int { return min(shared, n-1) }
+func (bytesEngine) TTFT(n, cached int) time.Duration {
+	return time.Duration(n-cached) * time.Millisecond
+}
+
+// Worked by hand: "aaaa" (answered "xy") is first, 4 ms; "aaab" shares 3
+// with it, 1 ms; "aaaax" + "q" shares "aaaa" and the answer's evaluated
+// "x" (its "y" was sampled, never evaluated), 5 of 6: 1 ms; "bbbb" shares
+// nothing, 4 ms; "aaab" + "c" shares 4 with the second request, not 3 with
+// the first: 1 ms.
+func TestTTFTsTakeTheLongestPrefixOfAnyEarlierRequest(t *testing.T) {
+	req := func(text, answer string) Request {
+		return Request{Messages: []Message{{Role: "user", Content: text}}, Answer: answer}
+	}
+	got, err := TTFTs(bytesEngine{}, []Request{req("aaaa", "xy"), req("aaab", ""), req("aaaaxq", ""), req("bbbb", ""), req("aaabc", "")})
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := []time.Duration{4, 1, 1, 4, 1}
+	for i := range want {
+		if got[i] != want[i]*time.Millisecond {
+			t.Errorf("request %d: floor %v, want %v", i, got[i], want[i]*time.Millisecond)
+		}
+	}
+}
+
+// The floor's model of a vLLM-like pod against a real one (bench/vllmsim
+// on loopback): a conversation's first turn, then its second carrying the
+// answer, each alone on the idle pod. The pod reports the prompt's tokens
+// and the cached tokens the floor counts, and no first token comes sooner
+// than the floor says.
+func TestVLLMFloorAgreesWithAPod(t *testing.T) {
+	c := vllmsim.DefaultConfig()
+	c.NumBlocks, c.MaxModelLen, c.MaxNumBatchedTokens = 256, 2048, 64
+	c.StepTime, c.PrefillPerToken = 2*time.Millisecond, 50*time.Microsecond
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() {
+		done <- vllmsim.Serve(ctx, c, []net.Listener{l}, slog.New(slog.NewTextHandler(io.Discard, nil)))
+	}()
+	defer func() {
+		cancel()
+		if err := <-done; err != nil {
+			t.Errorf("Serve: %v", err)
+		}
+	}()
+	v := VLLM{Config: c}
+	msgs := []Message{{"system", strings.Repeat("You answer questions about the shared manual of the fleet. ", 12)},
+		{"user", "How do I restart a pod?"}}
+	var earlier []Request
+	for turn := range 2 {
+		prompt, cached, answer, ttft := send(t, "http://"+l.Addr().String(), msgs)
+		r := Request{Messages: msgs, Answer: answer}
+		p, _, err := v.Tokens(r)
+		if err != nil {
+			t.Fatal(err)
+		}
+		floors, err := TTFTs(v, append(earlier, r))
+		if err != nil {
+			t.Fatal(err)
+		}
+		// The reuse the floor counts for this request, from the prefix it shares.
+		shared := 0
+		for _, e := range earlier {
+			_, h, _ := v.Tokens(e)
+			shared = max(shared, commonPrefix(p, h))
+		}
+		if prompt != len(p) || cached != v.Reuse(shared, len(p)) {
+			t.Errorf("turn %d: the pod counted %d prompt tokens, %d cached; the floor %d, %d", turn, prompt, cached, len(p), v.Reuse(shared, len(p)))
+		}
+		if turn == 1 && cached == 0 {
+			t.Errorf("turn 1 found nothing cached")
+		}
+		if f := floors[len(floors)-1]; ttft < f {
+			t.Errorf("turn %d: first token after %v, sooner than the floor %v", turn, ttft, f)
+		}
+		earlier = append(earlier, r)
+		msgs = append(msgs, Message{"assistant", answer}, Message{"user", "And how do I drain it first?"})
+	}
+}
+
+// send posts one streamed chat completion of 8 tokens and returns the
+// usage it reports, the answer and the time to its first content.
+func send(t *testing.T, base string, msgs []Message) (prompt, cached int, answer string, ttft time.Duration) {
+	t.Helper()
+	ms := make([]map[string]string, len(msgs))
+	for i, m := range msgs {
+		ms[i] = map[string]string{"role": m.Role, "content": m.Content}
+	}
+	body, _ := json.Marshal(map[string]any{"model": "tiny", "stream": true, "max_tokens": 8, "ignore_eos": true,
+		"stream_options": map[string]any{"include_usage": true}, "messages": ms})
+	start := time.Now()
+	resp, err := http.Post(base+"/v1/chat/completions", "application/json", bytes.NewReader(body))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		b, _ := io.ReadAll(resp.Body)
+		t.Fatalf("status %d: %s", resp.StatusCode, b)
+	}
+	sc := bufio.NewScanner(resp.Body)
+	for sc.Scan() {
+		data, ok := strings.CutPrefix(sc.Text(), "data: ")
+		if !ok || data == "[DONE]" {
+			continue
+		}
+		var c struct {
+			Choices []struct {
+				Delta struct{ Content string } `json:"delta"`
+			} `json:"choices"`
+			Usage *struct {
+				PromptTokens int `json:"prompt_tokens"`
+				Details      struct {
+					CachedTokens int `json:"cached_tokens"`
+				} `json:"prompt_tokens_details"`
+			} `json:"usage"`
+		}
+		if err := json.Unmarshal([]byte(data), &c); err != nil {
+			t.Fatalf("bad chunk %q: %v", data, err)
+		}
+		for _, ch := range c.Choices {
+			if ch.Delta.Content != "" && answer == "" {
+				ttft = time.Since(start)
+			}
+			answer += ch.Delta.Content
+		}
+		if c.Usage != nil {
+			prompt, cached = c.Usage.PromptTokens, c.Usage.Details.CachedTokens
+		}
+	}
+	return prompt, cached, answer, ttft
+}
+
+func TestForReadsThePodsFlags(t *testing.T) {
+	e, _, err := For("vllm", []string{"--num-gpu-blocks", "96", "--max-num-batched-tokens=256", "--step-time", "5ms"}, "")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if c := e.(VLLM).Config; c.MaxNumBatchedTokens != 256 || c.StepTime != 5*time.Millisecond || c.BlockSize != 16 {
+		t.Errorf("vllm config %+v", c)
+	}
+	e, _, err = For("sim", []string{"--max-concurrent-requests=4", "--n-batch", "128", "--sim-per-token=1ms"}, "")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if s := e.(*Sim); s.NBatch != 128 || s.Cost.PerToken != time.Millisecond || s.Cost.StepOverhead != sim.BenchCost().StepOverhead {
+		t.Errorf("sim floor %+v", s)
+	}
+	if _, _, err := For("vllm", []string{"--no-such-flag"}, ""); err == nil {
+		t.Error("an unknown vllmsim flag was accepted")
+	}
+	if e, why, err := For("llama", nil, ""); e != nil || why == "" || err != nil {
+		t.Errorf("llama: %v, %q, %v; want no floor and a reason", e, why, err)
+	}
+}
