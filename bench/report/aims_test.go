@@ -88,3 +88,47 @@ func TestAimsRendered(t *testing.T) {
 		}
 	}
 }
+
+// A floor of 70 ms at p90: 15% below epp's 80 ms is 68 ms, which no router
+// can reach; at p99, 15% below 130 ms is 110.5 ms, above the floor's 100.
+// An external router (sglang-router) is a baseline like the stand-ins.
+func TestAimsBelowTheFloorAreUnreachable(t *testing.T) {
+	mk := func(p string, p90, p99 float64) Summary {
+		return Summary{Workload: "kv-pressure", Policy: p, Requests: 4, Succeeded: 4, TTFT: Percentiles{P90: p90, P99: p99}}
+	}
+	ext := mk("sglang-router", 90, 140)
+	ext.External, ext.UpstreamUnknown = true, true
+	r := Run{Summaries: []Summary{mk("cache_aware", 75, 105), mk("epp", 80, 130), ext},
+		Floors: []Floor{{Workload: "kv-pressure", Requests: 4, TTFT: Percentiles{P50: 20, P90: 70, P99: 100}}}}
+	got := map[string]Aim{}
+	for _, a := range r.Aims("kv-pressure", "cache_aware") {
+		got[a.What+" "+a.Rival] = a
+	}
+	if a := got["TTFT p90 ≥15% below epp"]; !a.Unreachable || a.Met || a.Floor != 70 || a.Target != 68 {
+		t.Errorf("p90 against epp %+v, want unreachable: target 68 below the floor's 70", a)
+	}
+	if a := got["TTFT p99 ≥15% below epp"]; a.Unreachable || !a.Met || a.Floor != 100 {
+		t.Errorf("p99 against epp %+v, want reachable and met (105 ≤ 110.5)", a)
+	}
+	// 25% below the external router's 90 ms is 67.5 ms: below the floor too.
+	if a, ok := got["TTFT p90 ≥25% below sglang-router"]; !ok || !a.Unreachable {
+		t.Errorf("p90 against sglang-router %+v (present %v), want an unreachable aim", a, ok)
+	}
+	var b strings.Builder
+	if err := r.WriteMarkdown(&b); err != nil {
+		t.Fatal(err)
+	}
+	for _, want := range []string{
+		"| *floor: no router can beat this* | 20.0 | 70.0 | 100.0 |",
+		"each of the 4 requests alone on an idle pod",
+		"2 unreachable: they ask for a TTFT below the floor",
+		"| TTFT p90 ≥15% below | epp | 75 ms | 80 ms | -6.2% | no (unreachable: 68 ms is below the floor's 70 ms) |",
+		"| sglang-router | 0.0 | 90.0 | 140.0 | 0.0 | 0.0 | 0.00 | 0.0% | 0.0% | unknown | – |",
+		"External routers, run in place of our gateway against the same pods: sglang-router.",
+		"Imbalance unknown for sglang-router",
+	} {
+		if !strings.Contains(b.String(), want) {
+			t.Errorf("report lacks %q:\n%s", want, b.String())
+		}
+	}
+}

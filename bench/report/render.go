@@ -18,6 +18,11 @@ type Run struct {
 	// Label names a run among the rounds of a merge (seed and repeat).
 	Label     string    `json:"label,omitempty"`
 	Summaries []Summary `json:"summaries"`
+	// Floors are the workloads' floors (bench/floor), one per workload
+	// where the engine has a cost model.
+	Floors []Floor `json:"floors,omitempty"`
+	// NoFloor says why a run has no floors (e.g. real llama.cpp compute).
+	NoFloor string `json:"no_floor,omitempty"`
 	// Repeats are the runs a merge took medians over (see repeats.go).
 	Repeats []Run `json:"repeats,omitempty"`
 }
@@ -47,6 +52,27 @@ func uniq(ss []Summary, key func(Summary) string) []string {
 		}
 	}
 	return out
+}
+
+// floor returns workload's floor, if the run has one.
+func (r Run) floor(workload string) (Floor, bool) {
+	for _, f := range r.Floors {
+		if f.Workload == workload {
+			return f, true
+		}
+	}
+	return Floor{}, false
+}
+
+// SetFloor records (or replaces) workload's floor.
+func (r *Run) SetFloor(f Floor) {
+	for i := range r.Floors {
+		if r.Floors[i].Workload == f.Workload {
+			r.Floors[i] = f
+			return
+		}
+	}
+	r.Floors = append(r.Floors, f)
 }
 
 func (r Run) find(workload, policy string) (Summary, bool) {
@@ -113,9 +139,35 @@ func (r Run) WriteMarkdown(w io.Writer) error {
 			if pe := s.PredictionError; pe != nil {
 				pred = fmt.Sprintf("%.0f%% / %.0f%%", 100*pe.Median, 100*pe.P90)
 			}
-			fmt.Fprintf(&b, "| %s | %s | %s | %s | %.1f | %.1f | %.2f | %.1f%% | %s | %.2f | %s |\n",
+			imb := fmt.Sprintf("%.2f", s.Imbalance)
+			if s.UpstreamUnknown {
+				imb = "unknown"
+			}
+			fmt.Fprintf(&b, "| %s | %s | %s | %s | %.1f | %.1f | %.2f | %.1f%% | %s | %s | %s |\n",
 				p, p50, p90, p99, s.Latency.P50, s.Latency.P99,
-				s.Throughput, 100*s.SuccessRate, hit, s.Imbalance, pred)
+				s.Throughput, 100*s.SuccessRate, hit, imb, pred)
+		}
+		if f, ok := r.floor(wl); ok {
+			fmt.Fprintf(&b, "| *floor: no router can beat this* | %.1f | %.1f | %.1f | | | | | | | |\n", f.TTFT.P50, f.TTFT.P90, f.TTFT.P99)
+			fmt.Fprintf(&b, "\nThe floor (bench/floor, docs/benchmarks.md \"Method\"): each of the %d requests alone on an idle pod that holds the longest prefix it shares with any earlier request, its TTFT the engine's own cost of prefilling the rest; every policy's percentiles are at least the floor's.\n", f.Requests)
+		} else if r.NoFloor != "" {
+			fmt.Fprintf(&b, "\nNo floor: %s.\n", r.NoFloor)
+		}
+		var ext, unknown []string
+		for _, p := range ran {
+			s, _ := r.find(wl, p)
+			if s.External {
+				ext = append(ext, p)
+			}
+			if s.UpstreamUnknown {
+				unknown = append(unknown, p)
+			}
+		}
+		if len(ext) > 0 {
+			fmt.Fprintf(&b, "\nExternal routers, run in place of our gateway against the same pods: %s.\n", strings.Join(ext, ", "))
+		}
+		if len(unknown) > 0 {
+			fmt.Fprintf(&b, "Imbalance unknown for %s: no answer named its pod (only our gateway adds the upstream-host header).\n", strings.Join(unknown, ", "))
 		}
 		if g, rival, ok := r.Gain(wl, "cache_aware"); ok {
 			fmt.Fprintf(&b, "\ncache_aware TTFT p90 vs the best other policy (%s): %+.1f%%\n", rival, -100*g)
@@ -183,6 +235,22 @@ func Merge(runs ...Run) Run {
 		for k := range r.Settings {
 			keys[k] = true
 		}
+		if out.NoFloor == "" {
+			out.NoFloor = r.NoFloor
+		}
+	}
+	var floorOrder []string
+	floors := map[string][]Floor{}
+	for _, r := range runs {
+		for _, f := range r.Floors {
+			if floors[f.Workload] == nil {
+				floorOrder = append(floorOrder, f.Workload)
+			}
+			floors[f.Workload] = append(floors[f.Workload], f)
+		}
+	}
+	for _, wl := range floorOrder {
+		out.Floors = append(out.Floors, medianFloor(floors[wl]))
 	}
 	for k := range keys {
 		var vals, per []string

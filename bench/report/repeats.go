@@ -36,10 +36,11 @@ func medianOf(ss []Summary) Summary {
 			Mean: med(func(s Summary) float64 { return f(s).Mean }),
 		}
 	}
-	m := Summary{Workload: ss[0].Workload, Policy: ss[0].Policy}
+	m := Summary{Workload: ss[0].Workload, Policy: ss[0].Policy, External: ss[0].External}
 	for _, s := range ss {
 		m.Requests += s.Requests
 		m.Succeeded += s.Succeeded
+		m.UpstreamUnknown = m.UpstreamUnknown || s.UpstreamUnknown
 	}
 	if m.Requests > 0 {
 		m.SuccessRate = float64(m.Succeeded) / float64(m.Requests)
@@ -85,6 +86,29 @@ func medianOf(ss []Summary) Summary {
 		pe.Median, pe.P90 = Quantile(med50, 0.5), Quantile(med90, 0.5)
 		m.PredictionError = pe
 	}
+	return m
+}
+
+// medianFloor is a workload's floor over rounds: each percentile's median,
+// the requests summed.
+func medianFloor(fs []Floor) Floor {
+	if len(fs) == 1 {
+		return fs[0]
+	}
+	med := func(f func(Floor) float64) float64 {
+		v := make([]float64, len(fs))
+		for i, x := range fs {
+			v[i] = f(x)
+		}
+		slices.Sort(v)
+		return Quantile(v, 0.5)
+	}
+	m := Floor{Workload: fs[0].Workload, Runs: len(fs)}
+	for _, f := range fs {
+		m.Requests += f.Requests
+	}
+	m.TTFT = Percentiles{P50: med(func(f Floor) float64 { return f.TTFT.P50 }), P90: med(func(f Floor) float64 { return f.TTFT.P90 }),
+		P99: med(func(f Floor) float64 { return f.TTFT.P99 }), Mean: med(func(f Floor) float64 { return f.TTFT.Mean })}
 	return m
 }
 

@@ -84,9 +84,17 @@ type Summary struct {
 	// routing really saved, not what the router believed.
 	CacheHitRate float64 `json:"cache_hit_rate"`
 
-	// Imbalance is max/mean of requests per worker (1 = perfectly even).
-	Imbalance float64        `json:"load_imbalance"`
-	PerWorker map[string]int `json:"per_worker"`
+	// Imbalance is max/mean of requests per worker (1 = perfectly even),
+	// counted from the upstream-host header our gateway adds. An external
+	// router adds none: UpstreamUnknown then says the imbalance is not
+	// known (and Imbalance is 0).
+	Imbalance       float64        `json:"load_imbalance"`
+	PerWorker       map[string]int `json:"per_worker"`
+	UpstreamUnknown bool           `json:"upstream_unknown,omitempty"`
+
+	// External marks a router run in place of our gateway (bench
+	// --external, sglang-router): a baseline like the stand-ins.
+	External bool `json:"external,omitempty"`
 
 	// PredictionError compares the gateway's predicted TTFT for the chosen
 	// pod with the observed one; nil when no answer carried a prediction.
@@ -161,8 +169,33 @@ func Summarize(workload, policy string, rs []Result, workers []string) Summary {
 		s.CacheHitRate = float64(cached) / float64(prompt)
 	}
 	s.Imbalance = imbalance(s.PerWorker)
+	if s.Succeeded > 0 && s.Imbalance == 0 {
+		s.UpstreamUnknown, s.PerWorker = true, nil
+	}
 	s.PredictionError = predictionError(rs)
 	return s
+}
+
+// Floor is a workload's floor (bench/floor): the TTFT each of its requests
+// would have alone on an idle pod that holds the longest prefix it shares
+// with any earlier request, the engine's own prefill cost of the rest. No
+// router can beat it: every percentile of any policy's TTFT is at least
+// the floor's.
+type Floor struct {
+	Workload string      `json:"workload"`
+	Requests int         `json:"requests"`
+	TTFT     Percentiles `json:"ttft"`
+	// Runs is how many rounds a merged floor is the median of.
+	Runs int `json:"runs,omitempty"`
+}
+
+// NewFloor summarizes one run's floors of a workload.
+func NewFloor(workload string, ttfts []time.Duration) Floor {
+	v := make([]float64, len(ttfts))
+	for i, d := range ttfts {
+		v[i] = ms(d)
+	}
+	return Floor{Workload: workload, Requests: len(ttfts), TTFT: percentiles(v)}
 }
 
 func predictionError(rs []Result) *PredictionError {

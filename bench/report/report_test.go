@@ -45,6 +45,16 @@ func TestSummarize(t *testing.T) {
 	if s.Duration != 1.0 || s.Throughput != 3 || s.OutputTokensS != 40 {
 		t.Fatalf("duration %v throughput %v tok/s %v", s.Duration, s.Throughput, s.OutputTokensS)
 	}
+	if s.UpstreamUnknown {
+		t.Error("imbalance unknown where answers named their worker")
+	}
+	// An external router's answers name no worker: the imbalance is unknown, not 0.
+	for i := range rs {
+		rs[i].Worker = ""
+	}
+	if s := Summarize("wl", "p", rs, []string{"a", "b", "c"}); !s.UpstreamUnknown || s.Imbalance != 0 || s.PerWorker != nil {
+		t.Errorf("without upstream hosts: %+v, want the imbalance unknown", s)
+	}
 }
 
 func sampleRun() Run {
@@ -177,7 +187,14 @@ func TestMergeOfRepeatedRunsTakesMedians(t *testing.T) {
 		}}
 	}
 	other := Run{Title: "t", Settings: map[string]string{"rate": "0.5"}, Summaries: []Summary{{Workload: "no-sharing", Policy: "cache_aware", TTFT: Percentiles{P90: 7}}}}
-	m := Merge(round("a", 400, 500, 0), round("b", 900, 600, 1), round("c", 500, 1000, 0), other)
+	ra, rb, rc := round("a", 400, 500, 0), round("b", 900, 600, 1), round("c", 500, 1000, 0)
+	for i, r := range []*Run{&ra, &rb, &rc} {
+		r.SetFloor(Floor{Workload: "shared-prefix", Requests: 10, TTFT: Percentiles{P50: 10, P90: float64(100 * (3 - i)), P99: 300}})
+	}
+	m := Merge(ra, rb, rc, other)
+	if len(m.Floors) != 1 || m.Floors[0].TTFT.P90 != 200 || m.Floors[0].Requests != 30 || m.Floors[0].Runs != 3 {
+		t.Fatalf("merged floors %+v, want the median p90 of 300, 200, 100 over 30 requests", m.Floors)
+	}
 	if len(m.Summaries) != 3 || len(m.Repeats) != 4 {
 		t.Fatalf("merged %d summaries and %d repeats, want 3 and 4", len(m.Summaries), len(m.Repeats))
 	}
