@@ -99,6 +99,9 @@ func New(sched *scheduler.Scheduler, eng engine.Engine, cfg Config) *Server {
 	s.mux.HandleFunc("POST /v1/completions", s.completion)
 	s.mux.HandleFunc("GET /v1/models", s.models)
 	s.mux.HandleFunc("GET /healthz", s.healthz)
+	// /health as llama-server, vLLM and SGLang serve it: routers of other
+	// makes (the SGLang router) check a worker there before sending to it.
+	s.mux.HandleFunc("GET /health", s.healthz)
 	s.mux.HandleFunc("GET /readyz", s.readyz)
 	s.mux.HandleFunc("GET "+PathDebugKVPrefixes, s.kvPrefixes)
 	if cfg.Registry != nil {

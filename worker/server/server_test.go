@@ -617,11 +617,13 @@ func TestModelsHealthAndUnknownRoutes(t *testing.T) {
 	if len(l.Data) != 1 || l.Data[0].ID != "tiny" {
 		t.Fatalf("models %+v", l)
 	}
-	resp, _ = http.Get(w.url + "/healthz")
-	if resp.StatusCode != 200 {
-		t.Fatalf("healthz %d", resp.StatusCode)
+	for _, path := range []string{"/healthz", "/health"} {
+		resp, _ = http.Get(w.url + path)
+		if resp.StatusCode != 200 {
+			t.Fatalf("%s %d", path, resp.StatusCode)
+		}
+		resp.Body.Close()
 	}
-	resp.Body.Close()
 	resp, _ = http.Get(w.url + "/v1/nothing")
 	var e errBody
 	json.NewDecoder(resp.Body).Decode(&e)
