@@ -72,6 +72,9 @@ type Spec struct {
 	// with our endpoint picker or straight to the workers; Gateway is then
 	// Envoy's URL.
 	Topology string
+	// NoGateway starts the fleet without our gateways: a router of another
+	// make takes the clients' requests (StartRouter, bench --external).
+	NoGateway bool
 }
 
 // WorkerSpec is one extra worker.
@@ -231,6 +234,9 @@ func Start(ctx context.Context, s Spec) (*Fleet, error) {
 			return nil, fmt.Errorf("worker %s: %w", w, err)
 		}
 	}
+	if s.NoGateway {
+		s.Gateways = 0
+	}
 	for i := range s.Gateways {
 		gw, err := freeAddr()
 		if err != nil {
@@ -273,6 +279,10 @@ func Start(ctx context.Context, s Spec) (*Fleet, error) {
 			break
 		}
 		f.Gateways = append(f.Gateways, "http://"+gw)
+	}
+	if s.NoGateway {
+		ok = true
+		return f, nil
 	}
 	f.Gateway = f.Gateways[0]
 	switch s.Topology {
@@ -426,12 +436,20 @@ func (f *Fleet) spawn(s Spec, bin, name string, args ...string) (*exec.Cmd, erro
 // spawnPath starts path (a file, or a command looked up on PATH) with its
 // output in <LogDir>/<name>.log.
 func (f *Fleet) spawnPath(s Spec, path, name string, args ...string) (*exec.Cmd, error) {
+	return f.spawnEnv(s, path, name, nil, args...)
+}
+
+// spawnEnv is spawnPath with env added to this process's environment.
+func (f *Fleet) spawnEnv(s Spec, path, name string, env []string, args ...string) (*exec.Cmd, error) {
 	logf, err := os.OpenFile(filepath.Join(s.LogDir, name+".log"), os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644)
 	if err != nil {
 		return nil, err
 	}
 	cmd := exec.Command(path, args...)
 	cmd.Stdout, cmd.Stderr = logf, logf
+	if env != nil {
+		cmd.Env = append(os.Environ(), env...)
+	}
 	if err := cmd.Start(); err != nil {
 		logf.Close()
 		return nil, fmt.Errorf("start %s: %w", name, err)

@@ -9,6 +9,7 @@ import (
 	"context"
 	"math/rand/v2"
 	"net/http"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -44,6 +45,11 @@ type Options struct {
 	// gateways, so that a fixed placement can be measured beside the
 	// policies (bench --plan).
 	Plan map[string]string
+
+	// Sent, if set, is told every request's result with the messages it
+	// sent and the answer it got (bench/floor computes each workload's
+	// floor from them). It may be called from several goroutines at once.
+	Sent func(r report.Result, msgs []client.Message, answer string)
 
 	next   *atomic.Uint64 // round-robin position over BaseURLs
 	client *client.Client
@@ -110,6 +116,9 @@ func Run(ctx context.Context, sessions []workload.Session, o Options) []report.R
 				r.Worker = worker
 			}
 			r.Session, r.Turn = s.ID, i
+			if o.Sent != nil {
+				o.Sent(r, slices.Clone(history), answer)
+			}
 			record(r)
 			if !r.OK() {
 				return // a conversation cannot go on without its answer

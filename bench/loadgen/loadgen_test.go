@@ -14,6 +14,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/istio-llm-filter/istio-llm-filter/bench/client"
 	"github.com/istio-llm-filter/istio-llm-filter/bench/report"
 	"github.com/istio-llm-filter/istio-llm-filter/bench/vllmsim"
 	"github.com/istio-llm-filter/istio-llm-filter/bench/workload"
@@ -74,10 +75,23 @@ func TestMultiTurnCarriesAnswersAndMeasures(t *testing.T) {
 	defer srv.Close()
 	sessions, _ := workload.Generate(workload.Spec{Kind: "multi-turn", Sessions: 3, Turns: 3, SystemBytes: 50, UserBytes: 20})
 	var progress atomic.Int64
+	var mu sync.Mutex
+	sent := map[string][]client.Message{} // session/turn → messages, answer last
 	rs := Run(context.Background(), sessions, Options{BaseURL: srv.URL, Model: "m", MaxTokens: 3, Concurrency: 2,
-		Progress: func(done, total int) { progress.Store(int64(done)); _ = total }})
-	if len(rs) != 9 || progress.Load() != 9 {
-		t.Fatalf("results %d, progress %d; want 9", len(rs), progress.Load())
+		Progress: func(done, total int) { progress.Store(int64(done)); _ = total },
+		Sent: func(r report.Result, msgs []client.Message, answer string) {
+			mu.Lock()
+			sent[fmt.Sprintf("%s/%d", r.Session, r.Turn)] = append(msgs, client.Message{Role: "answer", Content: answer})
+			mu.Unlock()
+		}})
+	if len(rs) != 9 || progress.Load() != 9 || len(sent) != 9 {
+		t.Fatalf("results %d, progress %d, told of %d; want 9", len(rs), progress.Load(), len(sent))
+	}
+	// Sent is told what each request carried: a third turn, its system
+	// prompt, two turns with their answers, its own question, and its answer.
+	if m := sent[sessions[0].ID+"/2"]; len(m) != 7 || m[0].Role != "system" || m[2].Content != "w0 w1 w2 " ||
+		m[5].Content != sessions[0].Turns[2].User || m[6].Content != "w0 w1 w2 " {
+		t.Errorf("third turn's messages as told: %+v", m)
 	}
 	for _, r := range rs {
 		if !r.OK() {

@@ -18,6 +18,7 @@
 package main
 
 import (
+	"cmp"
 	"context"
 	"encoding/json"
 	"errors"
@@ -33,10 +34,13 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"sync"
 	"syscall"
 	"time"
 
+	"github.com/istio-llm-filter/istio-llm-filter/bench/client"
 	"github.com/istio-llm-filter/istio-llm-filter/bench/fleet"
+	"github.com/istio-llm-filter/istio-llm-filter/bench/floor"
 	"github.com/istio-llm-filter/istio-llm-filter/bench/loadgen"
 	"github.com/istio-llm-filter/istio-llm-filter/bench/report"
 	"github.com/istio-llm-filter/istio-llm-filter/bench/vllmsim"
@@ -83,10 +87,13 @@ func run(ctx context.Context, args []string) error {
 		gwLog       = fs.String("gateway-log-level", "warn", "the gateways' log_level; debug logs every decision's per-scorer scores (logs/WORKLOAD/POLICY/gateway*.log)")
 		merge       = fs.String("merge", "", "instead of running: join the outputs of earlier runs (comma-separated directories) into --out")
 		spec        workload.Spec
+		sglangDir   = fs.String("sglang-router-dir", "var/sglang-router", "where `pip install --target DIR sglang-router` put the SGLang router that the sglang-router entry of --policies runs (empty: python3's own packages)")
 		variants    = variantFlag{}
 		plans       = planFlag{}
+		externals   = externalFlag{}
 	)
 	fs.Var(variants, "variant", `a named policy variant for --policies, "label=policy; rule keys" (repeatable; keys separated by commas, checked before anything starts), e.g. "ca-tie0=cache_aware; tie_epsilon: 0": an A/B of a policy against itself with other lb-rule keys in one run`)
+	fs.Var(externals, "external", `a router of another make for --policies, in place of our gateway: "label=command" (repeatable), run by /bin/sh against each run's fresh pods with {workers} (their base URLs, space-separated; {workers_csv} comma-separated), {port} (where it must listen) and {metrics_port} substituted, e.g. "vllm-rr=vllm-router --worker-urls {workers} --policy round_robin --port {port}"; or "label=http://host:port", a router already running in front of pods of your own (no fleet is started for it). sglang-router needs no --external: it runs the SGLang router from --sglang-router-dir`)
 	fs.Var(plans, "plan", `a fixed placement for --policies, "label=group:worker, ..." (repeatable), e.g. "halves=s0/u0:0, s0/u1:0, s1/u0:1, s1/u1:1": every session of a group goes straight to worker N (0-based, in start order), past the gateway, to measure what a placement gives beside the policies; it must name every group of the workloads it runs`)
 	// Sizes default to 0: each workload's own defaults (workload.Spec.Defaults).
 	fs.IntVar(&spec.Systems, "systems", 0, "shared-prefix / kv-pressure: system prompts (default 2 / 12)")
@@ -161,6 +168,12 @@ func run(ctx context.Context, args []string) error {
 		"variants": variants.String(), "plans": plans.String(), "gateways": fmt.Sprint(*gateways), "metadata_centers": fmt.Sprint(*mcs), "store": *store,
 		"query_timeout": queryTO.String(), "bytes_per_token": fmt.Sprint(spec.BytesPerToken),
 	}
+	if len(externals) > 0 {
+		settings["externals"] = externals.String()
+	}
+	if slices.Contains(split(*policies), sglangRouter) {
+		settings[sglangRouter] = sglangRouterCommand + " (PYTHONPATH " + *sglangDir + ")"
+	}
 	if settings["seeds"] == "" {
 		settings["seeds"] = fmt.Sprint(*seed)
 	}
@@ -193,10 +206,23 @@ func run(ctx context.Context, args []string) error {
 	pols := split(*policies)
 	wls := split(*workloads)
 	for _, p := range pols {
+		if _, ext, err := externals.resolve(p, *sglangDir); err != nil || ext {
+			if err != nil {
+				return fmt.Errorf("--policies %s: %w", p, err)
+			}
+			continue
+		}
 		policy, rule := variants.resolve(p, *lbRule)
 		if err := fleet.CheckRule(fleet.Spec{ModelName: *modelName, Policy: policy, LBRule: rule}); err != nil {
 			return fmt.Errorf("--policies %s: %w", p, err)
 		}
+	}
+	floorModel, noFloor, err := floor.For(*engine, wargs, *model)
+	if err != nil {
+		return err
+	}
+	for i := range rounds {
+		rounds[i].NoFloor = noFloor
 	}
 	cells := 0
 	for _, wl := range wls {
@@ -222,6 +248,7 @@ func run(ctx context.Context, args []string) error {
 				return err
 			}
 			saturated := map[string]bool{} // repeat/policy past the ladder's limit
+			floorFrom := map[string]int{}  // cell/repeat → requests its floor was computed from
 			for _, lr := range rates {
 				cell, arrival, cellSessions := wl, *rate, sessions
 				if lr > 0 {
@@ -249,24 +276,56 @@ func run(ctx context.Context, args []string) error {
 							}
 							policy = "round_robin" // the gateway runs but takes no request
 						}
-						f, err := fleet.Start(ctx, fleet.Spec{
-							BinDir: *bin, LogDir: filepath.Join(*out, "logs", cell, p, fmt.Sprintf("seed%d-r%d", sd, rep)), Engine: *engine, Workers: *workers,
-							Model: *model, ModelName: *modelName, Policy: policy, LBRule: rule, WorkerCPUs: *workerCPUs, WorkerArgs: wargs,
-							Gateways: *gateways, MetadataCenters: *mcs, Store: *store, QueryTimeout: *queryTO,
-							GatewayLogLevel: *gwLog, Topology: *topology,
-						})
-						if err != nil {
-							return fmt.Errorf("%s: %w", label, err)
+						ext, isExt, _ := externals.resolve(p, *sglangDir) // checked above
+						bases, podAddrs, stop := []string{ext.url}, []string(nil), func() {}
+						if ext.url == "" {
+							f, err := fleet.Start(ctx, fleet.Spec{
+								BinDir: *bin, LogDir: filepath.Join(*out, "logs", cell, p, fmt.Sprintf("seed%d-r%d", sd, rep)), Engine: *engine, Workers: *workers,
+								Model: *model, ModelName: *modelName, Policy: policy, LBRule: rule, WorkerCPUs: *workerCPUs, WorkerArgs: wargs,
+								Gateways: *gateways, MetadataCenters: *mcs, Store: *store, QueryTimeout: *queryTO,
+								GatewayLogLevel: *gwLog, Topology: *topology, NoGateway: isExt,
+							})
+							if err != nil {
+								return fmt.Errorf("%s: %w", label, err)
+							}
+							if isExt {
+								if _, err := f.StartRouter(ctx, ext.cmd); err != nil {
+									f.Stop()
+									return fmt.Errorf("%s: %w", label, err)
+								}
+							}
+							bases, podAddrs, stop = f.Gateways, f.Workers, f.Stop
 						}
+						var sentMu sync.Mutex
+						var sent []sentRequest
 						t0 := time.Now()
 						rs := loadgen.Run(ctx, cellSessions, loadgen.Options{
-							BaseURLs: f.Gateways, Model: *modelName, MaxTokens: *maxTokens,
-							Concurrency: *concurrency, Rate: arrival, Seed: sd, Plan: plan.addresses(f.Workers),
+							BaseURLs: bases, Model: *modelName, MaxTokens: *maxTokens,
+							Concurrency: *concurrency, Rate: arrival, Seed: sd, Plan: plan.addresses(podAddrs),
 							Progress: func(done, total int) {
 								fmt.Fprintf(os.Stderr, "\r%s: %d/%d requests, %.0fs   ", label, done, total, time.Since(t0).Seconds())
 							},
+							Sent: func(r report.Result, msgs []client.Message, answer string) {
+								if r.OK() {
+									sentMu.Lock()
+									sent = append(sent, sentRequest{r.Start, msgs, answer})
+									sentMu.Unlock()
+								}
+							},
 						})
-						f.Stop()
+						stop()
+						// The floor comes from the run that completed the most
+						// requests of the cell (the engines answer the same
+						// prompts alike, so every complete run gives the same),
+						// never from a router in front of pods of its own.
+						if fk := fmt.Sprintf("%s/%d", cell, rep); floorModel != nil && ext.url == "" && len(sent) > floorFrom[fk] {
+							fl, err := floorOf(floorModel, cell, sent)
+							if err != nil {
+								return fmt.Errorf("%s: floor: %w", label, err)
+							}
+							floorFrom[fk] = len(sent)
+							round.SetFloor(fl)
+						}
 						for i := range rs {
 							rs[i].Workload, rs[i].Policy, rs[i].Seed, rs[i].Repeat, rs[i].Rate = cell, p, sd, rep, lr
 							if rs[i].OK() && rs[i].TTFT > 0 {
@@ -274,14 +333,18 @@ func run(ctx context.Context, args []string) error {
 							}
 						}
 						raw = append(raw, rs...)
-						sum := report.Summarize(cell, p, rs, f.Workers)
-						sum.Rate = lr
+						sum := report.Summarize(cell, p, rs, podAddrs)
+						sum.Rate, sum.External = lr, isExt
 						round.Summaries = append(round.Summaries, sum)
 						if lr > 0 && sum.TTFT.P90 > report.SaturationP90 {
 							saturated[key] = true
 						}
-						fmt.Fprintf(os.Stderr, "\r%s: TTFT p90 %.1f ms, success %.0f%%, cache hit %.0f%%, imbalance %.2f\n",
-							label, sum.TTFT.P90, 100*sum.SuccessRate, 100*sum.CacheHitRate, sum.Imbalance)
+						imb := fmt.Sprintf("%.2f", sum.Imbalance)
+						if sum.UpstreamUnknown {
+							imb = "unknown"
+						}
+						fmt.Fprintf(os.Stderr, "\r%s: TTFT p90 %.1f ms, success %.0f%%, cache hit %.0f%%, imbalance %s\n",
+							label, sum.TTFT.P90, 100*sum.SuccessRate, 100*sum.CacheHitRate, imb)
 						// Rewrite every output after each pair: a long real-compute run
 						// can be read (and survives an interrupt) while it goes on.
 						if err := writeOutputs(*out, joint(), raw); err != nil {
@@ -302,6 +365,32 @@ func run(ctx context.Context, args []string) error {
 	}
 	fmt.Fprintf(os.Stderr, "wrote %s/{report.md,summary.json,results.json,*.svg}\n", *out)
 	return nil
+}
+
+// sentRequest is one successful request as a run sent it, for the floor.
+type sentRequest struct {
+	start  time.Duration
+	msgs   []client.Message
+	answer string
+}
+
+// floorOf computes a cell's floor from one run's requests, in the order
+// they were sent.
+func floorOf(e floor.Engine, cell string, sent []sentRequest) (report.Floor, error) {
+	slices.SortStableFunc(sent, func(a, b sentRequest) int { return cmp.Compare(a.start, b.start) })
+	reqs := make([]floor.Request, len(sent))
+	for i, s := range sent {
+		ms := make([]floor.Message, len(s.msgs))
+		for j, m := range s.msgs {
+			ms[j] = floor.Message{Role: m.Role, Content: m.Content}
+		}
+		reqs[i] = floor.Request{Messages: ms, Answer: s.answer}
+	}
+	ttfts, err := floor.TTFTs(e, reqs)
+	if err != nil {
+		return report.Floor{}, err
+	}
+	return report.NewFloor(cell, ttfts), nil
 }
 
 // mergeRuns joins the summaries and per-request results of earlier runs and
