@@ -15,6 +15,11 @@
 // (seed, repeat, ladder rate, predicted TTFT) so each figure can be derived
 // again. shared-prefix-ladder runs once per --ladder rate and is reported as
 // latency-against-load curves with each policy's saturation rate.
+//
+// A --policies entry may be a router of another make run in place of our
+// gateway: sglang-router (the SGLang router from PyPI) or any --external
+// one, started per run against that run's pods (external.go). Every report
+// gives each workload's floor, the TTFT no router can beat (bench/floor).
 package main
 
 import (
@@ -66,7 +71,7 @@ func run(ctx context.Context, args []string) error {
 		model       = fs.String("model", "", "GGUF model (required for llama; gives sim its context size)")
 		modelName   = fs.String("model-name", "tiny", "model name clients send")
 		workerArgs  = fs.String("worker-args", "", "extra worker flags (vllm: vllmsim flags such as --max-num-seqs 8), space-separated")
-		policies    = fs.String("policies", "cache_aware,epp,sglang,round_robin,random,least_request,prefix_only", "policies to compare (epp and sglang stand for llm-d's endpoint picker and SGLang's router)")
+		policies    = fs.String("policies", "cache_aware,epp,sglang,round_robin,random,least_request,prefix_only", "policies to compare (epp and sglang stand for llm-d's endpoint picker and SGLang's router inside our gateway; sglang-router runs the real SGLang router in its place, see --sglang-router-dir; --external adds others)")
 		workloads   = fs.String("workloads", strings.Join(workload.Classic, ","), "workloads to run: "+strings.Join(workload.Kinds, ", "))
 		concurrency = fs.Int("concurrency", 0, "sessions in flight at once (0: Poisson arrivals at --rate)")
 		rate        = fs.Float64("rate", 2, "Poisson session arrival rate per second (when --concurrency is 0)")
