@@ -9,11 +9,16 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
+	"os/exec"
+	"path/filepath"
+	"runtime"
 	"strings"
 	"testing"
 	"time"
 
 	"github.com/istio-llm-filter/istio-llm-filter/bench/vllmsim"
+	"github.com/istio-llm-filter/istio-llm-filter/internal/testutil/cgoenv"
+	"github.com/istio-llm-filter/istio-llm-filter/internal/testutil/wait"
 	"github.com/istio-llm-filter/istio-llm-filter/worker/engine/sim"
 	"github.com/istio-llm-filter/istio-llm-filter/worker/openai"
 )
@@ -164,6 +169,81 @@ func TestVLLMFloorAgreesWithAPod(t *testing.T) {
 		}
 		if turn == 1 && cached == 0 {
 			t.Errorf("turn 1 found nothing cached")
+		}
+		if f := floors[len(floors)-1]; ttft < f {
+			t.Errorf("turn %d: first token after %v, sooner than the floor %v", turn, ttft, f)
+		}
+		earlier = append(earlier, r)
+		msgs = append(msgs, Message{"assistant", answer}, Message{"user", "And how do I drain it first?"})
+	}
+}
+
+// The floor's model of our worker on its simulated engine against the real
+// worker process (its defaults: ChatML, n_batch 512, the bench
+// calibration), the same conversation of two turns, each alone: the worker
+// counts the prompt's tokens and the cached tokens the floor counts, and
+// no first token comes sooner than the floor says.
+func TestSimFloorAgreesWithAWorker(t *testing.T) {
+	if testing.Short() {
+		t.Skip("builds and starts the worker")
+	}
+	_, file, _, _ := runtime.Caller(0)
+	bin := t.TempDir()
+	cmd := exec.Command("go", "build", "-o", bin+"/", "./worker/cmd/worker")
+	cmd.Dir = filepath.Join(filepath.Dir(file), "..", "..")
+	cmd.Env = cgoenv.Environ()
+	if out, err := cmd.CombinedOutput(); err != nil {
+		t.Fatalf("go build: %v\n%s", err, out)
+	}
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr := l.Addr().String()
+	l.Close()
+	w := exec.Command(filepath.Join(bin, "worker"), "--listen", addr, "--engine", "sim", "--model-name", "tiny")
+	w.Stderr = io.Discard
+	if err := w.Start(); err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = w.Process.Kill(); _ = w.Wait() }()
+	base := "http://" + addr
+	wait.For(t, 30*time.Second, "the worker on "+addr, func() bool {
+		resp, err := http.Get(base + "/healthz")
+		if err != nil {
+			return false
+		}
+		resp.Body.Close()
+		return resp.StatusCode == http.StatusOK
+	})
+	e, _, err := For("sim", nil, "")
+	if err != nil {
+		t.Fatal(err)
+	}
+	msgs := []Message{{"system", strings.Repeat("You answer questions about the shared manual of the fleet. ", 6)},
+		{"user", "How do I restart a pod?"}}
+	var earlier []Request
+	for turn := range 2 {
+		prompt, cached, answer, ttft := send(t, base, msgs)
+		r := Request{Messages: msgs, Answer: answer}
+		p, _, err := e.Tokens(r)
+		if err != nil {
+			t.Fatal(err)
+		}
+		shared := 0
+		for _, x := range earlier {
+			_, h, _ := e.Tokens(x)
+			shared = max(shared, commonPrefix(p, h))
+		}
+		if prompt != len(p) || cached != e.Reuse(shared, len(p)) {
+			t.Errorf("turn %d: the worker counted %d prompt tokens, %d cached; the floor %d, %d", turn, prompt, cached, len(p), e.Reuse(shared, len(p)))
+		}
+		if turn == 1 && cached == 0 {
+			t.Errorf("turn 1 found nothing cached")
+		}
+		floors, err := TTFTs(e, append(earlier, r))
+		if err != nil {
+			t.Fatal(err)
 		}
 		if f := floors[len(floors)-1]; ttft < f {
 			t.Errorf("turn %d: first token after %v, sooner than the floor %v", turn, ttft, f)
