@@ -21,7 +21,7 @@ package balancer
 //     no free slot; utilization and running give the free KV);
 //  2. the pick (CacheAware.Choose): among the pods within tie_epsilon of
 //     the lowest prediction, the fewest of the request's tokens computed,
-//     uniformly among equals;
+//     then the fewest requests in flight, uniformly among equals;
 //  3. the check (Balancer.Observe): the first token's observed TTFT against
 //     the prediction, which exports the relative error and refits the
 //     cluster's prefill rate and decode step (fleetMeans).
@@ -400,7 +400,8 @@ func (*CacheAware) ReadsSignals() bool  { return true }
 
 // Choose picks among the pods whose predicted TTFT is within tie_epsilon of
 // the lowest (near-ties) the one that computes the fewest of the request's
-// tokens, uniformly among those that compute equally many.
+// tokens, then, among those, the one with the fewest requests in flight,
+// uniformly among equals.
 //
 // Why near-ties at all: the inputs are up to a report old and shared by
 // every gateway, so the best-looking pod is the same for all of them until
@@ -414,9 +415,16 @@ func (*CacheAware) ReadsSignals() bool  { return true }
 // (it waits for the prefill where the cold pod repeats it), but the cold
 // pod spends that compute and KV on a second copy, which the next requests
 // there then wait for. The request's own TTFT cannot see that cost; the
-// tie-break does, within ε. Pods that hold the same share (every cold pod
-// for a new prompt, the holders of a shared one) are still drawn
-// uniformly, so the spread against herding stays.
+// tie-break does, within ε.
+//
+// Why the fewest requests in flight next (join the shortest queue among
+// pods that cannot be told apart): a request decoding on a pod barely
+// changes the next request's TTFT there, so an idle pod and a busy one are
+// near-ties, but what starts on the busy pod now (a new conversation, a
+// prompt's first copy) shares its KV cache and its running slots with what
+// runs there for the rest of its life, and its later requests find the pod
+// busier. The count comes from the leases, so it includes requests sent
+// this instant by every gateway, which a pod's report does not yet show.
 //
 // One debug line gives every pod's breakdown: why not pod X is there.
 func (c *CacheAware) Choose(s *State) int {
@@ -432,20 +440,22 @@ func (c *CacheAware) Choose(s *State) int {
 	}
 	c.m.mu.RUnlock()
 	limit := best*(1+s.Rule.TieEpsilon) + tieEpsilon
-	least, n := math.Inf(1), 0
+	least, fewest, n := math.Inf(1), int64(math.MaxInt64), 0
 	for i, t := range totals {
-		switch {
-		case t > limit:
-		case work[i] < least-tieEpsilon:
-			least, n = work[i], 1
-		case work[i] <= least+tieEpsilon:
+		if t > limit {
+			continue
+		}
+		switch reqs := s.Hosts[i].Reqs; {
+		case work[i] < least-tieEpsilon, work[i] <= least+tieEpsilon && reqs < fewest:
+			least, fewest, n = min(least, work[i]), reqs, 1
+		case work[i] <= least+tieEpsilon && reqs == fewest:
 			n++
 		}
 	}
 	r := s.IntN(n)
 	pick := 0
 	for i, t := range totals {
-		if t <= limit && work[i] <= least+tieEpsilon {
+		if t <= limit && work[i] <= least+tieEpsilon && s.Hosts[i].Reqs == fewest {
 			if r == 0 {
 				pick = i
 				break
@@ -465,7 +475,7 @@ func (c *CacheAware) debug(s *State, p *predictor, pick, ties int) {
 	c.m.mu.RLock()
 	for i := range s.Hosts {
 		k := p.predict(&s.Hosts[i])
-		costs = append(costs, slog.Group(k.Host,
+		costs = append(costs, slog.Group(k.Host, slog.Int64("requests", s.Hosts[i].Reqs),
 			slog.Float64("total", k.Total), slog.Float64("slot_wait", k.SlotWait),
 			slog.Float64("queued_tokens", k.QueuedTokens), slog.Float64("uncached_tokens", k.UncachedTokens),
 			slog.Float64("prefill", k.Prefill), slog.Float64("step", k.Step),

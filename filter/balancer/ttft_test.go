@@ -213,6 +213,31 @@ func TestNearTiesPreferTheFewestComputedTokens(t *testing.T) {
 	}
 }
 
+// Among near-ties that compute alike, the pod with the fewest requests in
+// flight wins (a new conversation starts on an idle pod rather than beside
+// one that is decoding); equals share uniformly; computing fewer tokens
+// still comes first.
+func TestNearTiesThenTheFewestRequestsInFlight(t *testing.T) {
+	ca := &CacheAware{m: newTTFTModel(prometheus.NewHistogram(prometheus.HistogramOpts{Name: "x"}), slog.Default())}
+	// Requests past their first token add nothing to the prediction: all
+	// four cold pods predict the same TTFT.
+	hosts := []Host{{Address: "busy", Reqs: 2}, {Address: "idle1"}, {Address: "one", Reqs: 1}, {Address: "idle2"}}
+	counts := map[string]int{}
+	for seed := range uint64(400) {
+		counts[hosts[ca.Choose(hostsState(t, hosts, 1000, seed))].Address]++
+	}
+	if counts["busy"]+counts["one"] != 0 || counts["idle1"] < 150 || counts["idle2"] < 150 {
+		t.Fatalf("chosen %v, want the two idle pods alike", counts)
+	}
+	// A holder with a request in flight still beats idle cold pods.
+	hosts = []Host{{Address: "cold1"}, {Address: "holder", CacheRatio: 0.95, Reqs: 1}, {Address: "cold2"}}
+	for seed := range uint64(20) {
+		if got := hosts[ca.Choose(hostsState(t, hosts, 2000, seed))].Address; got != "holder" {
+			t.Fatalf("chose %s, want the holder", got)
+		}
+	}
+}
+
 // Pods that report only what vLLM's /metrics give (waiting, running,
 // kv_cache_usage_perc) get predictions in seconds that grow with their
 // queue, and the idle one gets the request. Waiting requests cost a slot

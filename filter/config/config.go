@@ -241,7 +241,8 @@ type LBRule struct {
 	// near-tie window, a fraction of the lowest predicted time to first
 	// token: among the pods predicted within (1+TieEpsilon) times the best
 	// the pick takes the one that computes the fewest of the request's
-	// tokens, uniformly among equals. About the model's median error in
+	// tokens, then the one with the fewest requests in flight, uniformly
+	// among equals. About the model's median error in
 	// steady state (2–5% on the simulated fleet), so that pods it cannot
 	// tell apart share the traffic instead of every gateway sending the
 	// next burst to the same one, while a one-request difference in queue
