@@ -303,6 +303,36 @@ func (e *Envoy) URL() string { return "http://" + e.listen }
 // Admin is the admin interface's "ip:port".
 func (e *Envoy) Admin() string { return e.admin }
 
+// CPUTime is the processor time Envoy has used so far (ProcessCPU).
+func (e *Envoy) CPUTime() (time.Duration, error) { return ProcessCPU(e.cmd.Process.Pid) }
+
+// ProcessCPU is the processor time, user and system, process pid has
+// used so far (/proc/PID/stat, in clock ticks of 10 ms: measure over
+// seconds).
+func ProcessCPU(pid int) (time.Duration, error) {
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	if err != nil {
+		return 0, err
+	}
+	// The command name, in parentheses, may hold spaces: count from its end.
+	s := string(b)
+	f := strings.Fields(s[strings.LastIndexByte(s, ')')+1:])
+	var utime, stime int64
+	if len(f) < 13 {
+		return 0, fmt.Errorf("envoyrun: unreadable /proc/%d/stat %q", pid, s)
+	}
+	if _, err := fmt.Sscan(f[11], &utime); err != nil {
+		return 0, err
+	}
+	if _, err := fmt.Sscan(f[12], &stime); err != nil {
+		return 0, err
+	}
+	return time.Duration(utime+stime) * time.Second / clockTicks, nil
+}
+
+// clockTicks is USER_HZ, 100 on every Linux ABI Go supports.
+const clockTicks = 100
+
 // Close stops Envoy and waits for it.
 func (e *Envoy) Close() error {
 	defer os.RemoveAll(e.dir)
