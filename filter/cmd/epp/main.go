@@ -29,7 +29,6 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus/promhttp"
-	"google.golang.org/grpc"
 	"k8s.io/client-go/dynamic"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
@@ -93,7 +92,7 @@ func run(ctx context.Context, args []string, logOut io.Writer, ready chan<- net.
 	if err != nil {
 		return err
 	}
-	g := grpc.NewServer()
+	g := epp.NewGRPCServer()
 	srv.Register(g)
 	errc := make(chan error, 2)
 	var hs *http.Server
