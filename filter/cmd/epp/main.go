@@ -54,8 +54,8 @@ func main() {
 // network: every message of an exchange wakes it for a few microseconds of
 // work, and each more processor only adds idle threads woken and spinning
 // for that work (on the hop benchmark's two cores one processor takes a
-// tenth less CPU per request at concurrency 8, a third less at 1, and
-// 0.2 ms off the hop's p50; docs/benchmarks.md).
+// fifth less CPU per request at concurrency 8 and a third less at 1;
+// docs/benchmarks.md, "The endpoint picker's hop").
 const DefaultProcs = 1
 
 // run serves until ctx ends. ready, if not nil, receives the gRPC address.
@@ -67,7 +67,7 @@ func run(ctx context.Context, args []string, logOut io.Writer, ready chan<- net.
 	poolName := fs.String("pool-name", "", "the InferencePool whose ready pods are the endpoints (in-cluster); its name is the cluster the rules name")
 	poolNS := fs.String("pool-namespace", os.Getenv("POD_NAMESPACE"), "the InferencePool's namespace (default $POD_NAMESPACE)")
 	hooks := fs.Bool("conformance-test-hooks", false, "honour the "+epp.TestSelectionHeader+" request header and echo "+epp.TestServedHeader+" (Inference Extension conformance tests)")
-	procs := fs.Int("procs", DefaultProcs, "processors running the picker's Go code (GOMAXPROCS) unless $GOMAXPROCS is set; 0: Go's own choice, the CPUs available. Replicas, which run active-active, add throughput")
+	procs := fs.Int("procs", DefaultProcs, "processors running the picker's Go code (GOMAXPROCS; without this flag $GOMAXPROCS, if set, applies); 0: Go's own choice, the CPUs available. Replicas, which run active-active, add throughput")
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
