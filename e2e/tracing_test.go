@@ -90,6 +90,8 @@ func (r *otlpReceiver) trace(id string) map[string]receivedSpan {
 // One request's trace holds the gateway's, the metadata center's and the
 // worker's spans: the client's traceparent is continued by the gateway,
 // which sends its own to the metadata center (route query) and the pod.
+// The same through the real Envoy with our endpoint picker: the picker's
+// span is the gateway's.
 func TestOneTraceAcrossGatewayMetadataCenterAndWorker(t *testing.T) {
 	if testing.Short() {
 		t.Skip("starts a llama.cpp worker")
@@ -114,9 +116,23 @@ func TestOneTraceAcrossGatewayMetadataCenterAndWorker(t *testing.T) {
 			dumpLogs(t, f)
 		}
 	})
+	hosts := []struct{ name, url, service, span, traceID string }{
+		{"gateway", f.Gateway, "llm-gateway", "llm_gateway.request", "4bf92f3577b34da6a3ce929d0e0e4736"},
+	}
+	if url := startEnvoyEPP(t, f); url != "" {
+		hosts = append(hosts, struct{ name, url, service, span, traceID string }{
+			"envoy-epp", url, "llm-epp", "llm_epp.request", "5bf92f3577b34da6a3ce929d0e0e4737"})
+	}
+	for _, h := range hosts {
+		t.Run(h.name, func(t *testing.T) { oneTrace(t, recv, h.url, h.service, h.span, h.traceID) })
+	}
+}
 
-	const traceID, clientSpan = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
-	req, _ := http.NewRequest("POST", f.Gateway+"/v1/chat/completions",
+// oneTrace sends a request with traceID to the host at url, whose request
+// span is service's span, and checks the trace's spans and parents.
+func oneTrace(t *testing.T, recv *otlpReceiver, url, service, span, traceID string) {
+	const clientSpan = "00f067aa0ba902b7"
+	req, _ := http.NewRequest("POST", url+"/v1/chat/completions",
 		strings.NewReader(`{"model":"tiny","max_tokens":4,"messages":[{"role":"user","content":"trace me"}]}`))
 	req.Header.Set("Content-Type", "application/json")
 	req.Header.Set("traceparent", "00-"+traceID+"-"+clientSpan+"-01")
@@ -130,8 +146,9 @@ func TestOneTraceAcrossGatewayMetadataCenterAndWorker(t *testing.T) {
 		t.Fatalf("status %d: %s", resp.StatusCode, body)
 	}
 
+	request, decide, query := service+" "+span, service+" routing.decide", service+" metadata_center.route_query"
 	want := []string{
-		"llm-gateway llm_gateway.request", "llm-gateway routing.decide", "llm-gateway metadata_center.route_query",
+		request, decide, query,
 		"llm-metadata-center metadata_center POST /v1/route/query",
 		"llm-worker worker.generate", "llm-worker worker.queue_wait", "llm-worker worker.prefill", "llm-worker worker.decode",
 	}
@@ -152,11 +169,11 @@ func TestOneTraceAcrossGatewayMetadataCenterAndWorker(t *testing.T) {
 		}
 	}
 	parentOf := map[string]string{
-		"llm-gateway llm_gateway.request":                          "", // the client's span
-		"llm-gateway routing.decide":                               "llm-gateway llm_gateway.request",
-		"llm-gateway metadata_center.route_query":                  "llm-gateway routing.decide",
-		"llm-metadata-center metadata_center POST /v1/route/query": "llm-gateway metadata_center.route_query",
-		"llm-worker worker.generate":                               "llm-gateway llm_gateway.request",
+		request: "", // the client's span
+		decide:  request,
+		query:   decide,
+		"llm-metadata-center metadata_center POST /v1/route/query": query,
+		"llm-worker worker.generate":                               request,
 		"llm-worker worker.queue_wait":                             "llm-worker worker.generate",
 		"llm-worker worker.prefill":                                "llm-worker worker.generate",
 		"llm-worker worker.decode":                                 "llm-worker worker.generate",

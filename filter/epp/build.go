@@ -9,6 +9,7 @@ import (
 	mcapi "github.com/istio-llm-filter/istio-llm-filter/metadata-center/api"
 
 	"github.com/prometheus/client_golang/prometheus"
+	"go.opentelemetry.io/otel/trace"
 
 	"github.com/istio-llm-filter/istio-llm-filter/filter/config"
 	"github.com/istio-llm-filter/istio-llm-filter/filter/endpoints"
@@ -16,6 +17,7 @@ import (
 	"github.com/istio-llm-filter/istio-llm-filter/filter/gatewaymetrics"
 	"github.com/istio-llm-filter/istio-llm-filter/filter/lifecycle"
 	"github.com/istio-llm-filter/istio-llm-filter/filter/routing"
+	"github.com/istio-llm-filter/istio-llm-filter/internal/tracing"
 )
 
 // BuildOptions are what Build takes besides the file.
@@ -33,13 +35,18 @@ type BuildOptions struct {
 	// still pins its clusters.
 	Endpoints endpoints.Source
 	PoolName  string
+	// Tracer replaces the tracer of the file's filter.tracing (tests).
+	Tracer trace.TracerProvider
 }
+
+// TracingService is the picker's service.name in its spans.
+const TracingService = "llm-epp"
 
 // Build makes the picker of a fleet file (filter/gatewayfile, the
 // standalone gateway's format): its pods are filter.endpoints.static,
 // default_cluster takes the requests without a body, and connect_retries
-// is the number of fallback pods per request. close drains the
-// lifecycle reports.
+// is the number of fallback pods per request, filter.tracing its spans.
+// close drains the lifecycle reports and flushes the spans.
 func Build(fc *gatewayfile.File, cfg *config.Config, o BuildOptions) (s *Server, closeFn func(), err error) {
 	if len(cfg.Endpoints.Static) == 0 && o.Endpoints == nil {
 		return nil, nil, errors.New("filter.endpoints.static: the endpoint picker needs its pods listed (or an InferencePool)")
@@ -84,13 +91,33 @@ func Build(fc *gatewayfile.File, cfg *config.Config, o BuildOptions) (s *Server,
 	if fc != nil && fc.DefaultCluster != "" {
 		def = fc.DefaultCluster
 	}
+	closeTracer := func() {}
+	if o.Tracer == nil {
+		// The gateway's key and exporter (internal/tracing): one
+		// configuration of tracing for the standalone gateway, the .so and
+		// the picker.
+		tp, err := tracing.New(tracing.Options{Endpoint: cfg.Tracing.OTLPEndpoint, SampleRatio: cfg.Tracing.SampleRatio, Service: TracingService})
+		if err != nil {
+			life.Close()
+			return nil, nil, fmt.Errorf("filter.tracing: %w", err)
+		}
+		o.Tracer = tp
+		closeTracer = func() {
+			ctx, cancel := context.WithTimeout(context.Background(), tracing.ShutdownTimeout)
+			defer cancel()
+			if err := tp.Shutdown(ctx); err != nil {
+				o.Logger.Warn("tracing shutdown", "err", err)
+			}
+		}
+	}
 	s, err = New(Options{Decider: dec, Reporter: life, Endpoints: src, Outlier: outlier, DefaultCluster: def,
-		Fallbacks: fallbacks, ConformanceHooks: o.ConformanceHooks, Metrics: o.Metrics, Logger: o.Logger})
+		Fallbacks: fallbacks, ConformanceHooks: o.ConformanceHooks, Metrics: o.Metrics, Tracer: o.Tracer, Logger: o.Logger})
 	if err != nil {
 		life.Close()
+		closeTracer()
 		return nil, nil, err
 	}
-	closeAll := life.Close
+	closeAll := func() { life.Close(); closeTracer() }
 	if mc != nil {
 		// The metadata center scrapes the signals of the pods we route to
 		// (docs/metadata-center.md, "Pod signals"), an InferencePool's too.
@@ -98,7 +125,7 @@ func Build(fc *gatewayfile.File, cfg *config.Config, o BuildOptions) (s *Server,
 			Announce: func(ctx context.Context, cluster, backend string, hosts []string) error {
 				return mc.AnnouncePods(ctx, mcapi.PodsAnnouncement{Cluster: cluster, Backend: backend, Hosts: hosts})
 			}})
-		closeAll = func() { stop(); life.Close() }
+		closeAll = func() { stop(); life.Close(); closeTracer() }
 	}
 	return s, closeAll, nil
 }

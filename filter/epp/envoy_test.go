@@ -2,7 +2,9 @@ package epp_test
 
 import (
 	"bufio"
+	"context"
 	"encoding/json"
+	"fmt"
 	"io"
 	"net"
 	"net/http"
@@ -12,6 +14,7 @@ import (
 	"time"
 
 	"github.com/istio-llm-filter/istio-llm-filter/filter/epp"
+	"github.com/istio-llm-filter/istio-llm-filter/filter/epp/envoyrun"
 	"github.com/istio-llm-filter/istio-llm-filter/internal/headers"
 	"github.com/istio-llm-filter/istio-llm-filter/internal/testutil/wait"
 )
@@ -192,4 +195,75 @@ func TestDeadPodIsEjected(t *testing.T) {
 			t.Fatalf("%d from %s", a.status, a.served)
 		}
 	}
+}
+
+// The InferencePool's failureMode when the picker is unreachable:
+// FailClose (Envoy's ext_proc failure_mode_allow false, the default)
+// answers 500 without reaching a pod; FailOpen (failure_mode_allow true)
+// forwards the request to a pod of the gateway's own choosing, which
+// needs a cluster that knows the pool's pods (envoyrun.Options.Pool).
+// With the picker up, that cluster sends each request to the pod the
+// picker named.
+func TestFailureMode(t *testing.T) {
+	pods := startPods(t, 2)
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	down := ln.Addr().String()
+	ln.Close()
+	start := func(o envoyrun.Options) string {
+		o.Binary = envoyBinary(t)
+		e, err := envoyrun.Start(context.Background(), o)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { _ = e.Close() })
+		return e.URL()
+	}
+	served := func(a answer) string {
+		for _, p := range pods {
+			if strings.Contains(a.body, p.addr) {
+				return p.addr
+			}
+		}
+		return ""
+	}
+	t.Run("fail open, picker down", func(t *testing.T) {
+		url := start(envoyrun.Options{EPP: down, FailOpen: true, Pool: addrs(pods)})
+		seen := map[string]bool{}
+		for range 4 {
+			a := post(t, url, chat(false, "anyone there"), nil)
+			if a.status != 200 || served(a) == "" {
+				t.Fatalf("fail-open with the picker down: %d %s", a.status, a.body)
+			}
+			seen[served(a)] = true
+		}
+		if len(seen) != 2 {
+			t.Errorf("Envoy's own round robin used %v, want both pods", seen)
+		}
+	})
+	for _, pool := range [][]string{nil, addrs(pods)} {
+		t.Run(fmt.Sprintf("fail closed, picker down, pool listed %v", pool != nil), func(t *testing.T) {
+			before := len(pods[0].requests()) + len(pods[1].requests())
+			a := post(t, start(envoyrun.Options{EPP: down, Pool: pool}), chat(false, "anyone there"), nil)
+			if a.status != http.StatusInternalServerError {
+				t.Fatalf("fail-closed with the picker down: %d %s, want 500", a.status, a.body)
+			}
+			if after := len(pods[0].requests()) + len(pods[1].requests()); after != before {
+				t.Fatalf("a pod got the request")
+			}
+		})
+	}
+	t.Run("fail open, picker up: its choice", func(t *testing.T) {
+		url := start(envoyrun.Options{EPP: startEPP(t, fleetFile("", addrs(pods)), true), FailOpen: true, Pool: addrs(pods)})
+		for _, p := range pods {
+			for range 2 {
+				a := post(t, url, chat(false, "to "+p.addr), map[string]string{epp.TestSelectionHeader: p.addr})
+				if a.status != 200 || served(a) != p.addr || a.served != p.addr {
+					t.Fatalf("the picker named %s: %d served by %q (%q)", p.addr, a.status, served(a), a.served)
+				}
+			}
+		}
+	})
 }

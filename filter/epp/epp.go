@@ -30,6 +30,13 @@
 //	                  are its first token, mode_override)
 //	end of stream     Done (also when Envoy resets the stream)
 //
+// With tracing on (filter.tracing, as the gateway's), each decided request
+// is a span, llm_epp.request, from its headers to its end, continuing the
+// client's W3C traceparent, with the decision (routing.decide) and the
+// route query as its children, the first token as an event, and the model,
+// cluster, pod, policy and cache ratio as attributes; the pod gets the
+// span as its parent in the traceparent the picker sets.
+//
 // A refused request gets an ImmediateResponse with routing.Error's status
 // and JSON body. The metadata center's failure is not the picker's: the
 // decision degrades to the load this picker sees and no cache knowledge
@@ -46,6 +53,7 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
+	"runtime"
 	"runtime/debug"
 	"slices"
 	"strconv"
@@ -57,6 +65,10 @@ import (
 	procv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
 	typev3 "github.com/envoyproxy/go-control-plane/envoy/type/v3"
+	"go.opentelemetry.io/otel/attribute"
+	otelcodes "go.opentelemetry.io/otel/codes"
+	"go.opentelemetry.io/otel/trace"
+	"go.opentelemetry.io/otel/trace/noop"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/health"
@@ -70,6 +82,7 @@ import (
 	"github.com/istio-llm-filter/istio-llm-filter/filter/routing"
 	"github.com/istio-llm-filter/istio-llm-filter/filter/transcode"
 	"github.com/istio-llm-filter/istio-llm-filter/internal/headers"
+	"github.com/istio-llm-filter/istio-llm-filter/internal/tracing"
 )
 
 // The endpoint-picker protocol's names (004-endpoint-picker-protocol).
@@ -129,7 +142,11 @@ type Options struct {
 	// Metrics records the gateway metrics (filter/gatewaymetrics), the
 	// same names as the filter's; nil records nothing.
 	Metrics gatewaymetrics.Recorder
-	Logger  *slog.Logger
+	// Tracer makes a span per decided request (filter.tracing; see
+	// Build), continuing the request's W3C traceparent and sent on to the
+	// pod in it; nil traces nothing.
+	Tracer trace.TracerProvider
+	Logger *slog.Logger
 }
 
 // Server is the ExternalProcessor; safe for concurrent use.
@@ -137,6 +154,7 @@ type Server struct {
 	extprocv3.UnimplementedExternalProcessorServer
 	opts   Options
 	log    *slog.Logger
+	tracer trace.Tracer
 	health *health.Server
 	next   atomic.Uint64 // round robin of the requests without a body
 }
@@ -159,12 +177,32 @@ func New(opts Options) (*Server, error) {
 			}
 		}
 	}
-	return &Server{opts: opts, log: opts.Logger, health: health.NewServer()}, nil
+	if opts.Tracer == nil {
+		opts.Tracer = noop.NewTracerProvider()
+	}
+	return &Server{opts: opts, log: opts.Logger, tracer: opts.Tracer.Tracer(tracing.Scope), health: health.NewServer()}, nil
 }
 
 // HealthServices are the gRPC health services the picker answers
 // (004-endpoint-picker-protocol, "Health Checking"), "" being the server.
 var HealthServices = []string{"", "liveness", "readiness", extprocv3.ExternalProcessor_ServiceDesc.ServiceName}
+
+// NewGRPCServer is the gRPC server the picker is served on, binary and
+// tests alike. Every HTTP request is a stream of a few small messages, so
+// the per-stream costs dominate: a pool of stream workers (no goroutine
+// and stack growth per stream), and fixed flow-control windows wide
+// enough for a buffered request body, which turn off the bandwidth
+// estimator's pings.
+func NewGRPCServer(opts ...grpc.ServerOption) *grpc.Server {
+	return grpc.NewServer(append([]grpc.ServerOption{
+		grpc.NumStreamWorkers(uint32(runtime.GOMAXPROCS(0))),
+		grpc.InitialWindowSize(grpcWindow),
+		grpc.InitialConnWindowSize(grpcWindow),
+	}, opts...)...)
+}
+
+// grpcWindow is the flow-control window of a stream and of a connection.
+const grpcWindow = 1 << 20
 
 // Register adds the ExternalProcessor and the gRPC health service, every
 // HealthServices entry SERVING: the picker is active-active (the metadata
@@ -182,7 +220,7 @@ func (s *Server) Shutdown() { s.health.Shutdown() }
 
 // Process serves one HTTP request's exchange.
 func (s *Server) Process(stream extprocv3.ExternalProcessor_ProcessServer) (err error) {
-	x := &exchange{s: s, ctx: stream.Context()}
+	x := &exchange{s: s, ctx: stream.Context(), span: noSpan}
 	defer x.finish()
 	defer func() {
 		if e := recover(); e != nil {
@@ -232,7 +270,8 @@ type exchange struct {
 	streaming bool // text/event-stream answer
 	buffering bool // a transcoded JSON answer, rewritten whole at its end
 	respBody  []byte
-	start     time.Time // the request headers came
+	start     time.Time  // the request headers came
+	span      trace.Span // the decided request's, ended with it
 }
 
 // nopRecorder records nothing.
@@ -359,6 +398,8 @@ func (x *exchange) requestBody(req *extprocv3.ProcessingRequest, chunk []byte, e
 	if allow != nil {
 		ctx = routing.WithSubset(ctx, allow)
 	}
+	ctx, x.span = x.s.tracer.Start(tracing.Extract(ctx, x.w3c()), "llm_epp.request",
+		trace.WithSpanKind(trace.SpanKindServer), trace.WithTimestamp(x.start))
 	t0 := time.Now()
 	d, err := x.s.opts.Decider.Decide(ctx, x.hdrs, x.body)
 	if err != nil {
@@ -366,8 +407,14 @@ func (x *exchange) requestBody(req *extprocv3.ProcessingRequest, chunk []byte, e
 		if !errors.As(err, &re) {
 			re = &routing.Error{Status: http.StatusInternalServerError, Type: transcode.TypeInternal, Message: err.Error(), TraceID: x.trace}
 		}
+		x.span.SetAttributes(attribute.Int("http.response.status_code", re.Status))
+		x.span.SetStatus(otelcodes.Error, err.Error())
+		x.span.End()
+		x.span = noSpan
 		return []*extprocv3.ProcessingResponse{x.reject(re)}, true
 	}
+	x.span.SetAttributes(attribute.String("llm.model", d.Model), attribute.String("llm.cluster", d.Cluster),
+		attribute.String("llm.pod", d.Host), attribute.String("llm.policy", d.Policy), attribute.Float64("llm.cache_ratio", d.CacheRatio))
 	x.trace = d.TraceID
 	hl := gatewaymetrics.HistLabels{Model: d.Model, Cluster: d.Cluster}
 	x.s.opts.Metrics.Observe(gatewaymetrics.Decision, hl, time.Since(t0))
@@ -385,6 +432,12 @@ func (x *exchange) requestBody(req *extprocv3.ProcessingRequest, chunk []byte, e
 	}
 	if d.Path != "" {
 		cr.HeaderMutation.SetHeaders = append(cr.HeaderMutation.SetHeaders, header(":path", d.Path))
+	}
+	// The pod continues the request's trace under the picker's span.
+	w3c := http.Header{}
+	tracing.Inject(ctx, w3c)
+	for k := range w3c {
+		cr.HeaderMutation.SetHeaders = append(cr.HeaderMutation.SetHeaders, header(strings.ToLower(k), w3c.Get(k)))
 	}
 	x.req = lifecycle.NewRequest(d)
 	x.s.opts.Reporter.Started(x.req)
@@ -585,6 +638,7 @@ func (x *exchange) firstToken() {
 		return
 	}
 	x.firstSeen = true
+	x.span.AddEvent("first_token")
 	x.s.opts.Reporter.FirstToken(x.req)
 	x.s.opts.Metrics.Observe(gatewaymetrics.TTFT, gatewaymetrics.HistLabels{Model: x.req.Model, Cluster: x.req.Cluster}, time.Since(x.start))
 }
@@ -614,6 +668,28 @@ func (x *exchange) finish() {
 	x.s.opts.Metrics.Request(gatewaymetrics.RequestLabels{Model: d.Model, Cluster: d.Cluster, Scene: d.SceneName, Policy: d.Policy, Outcome: outcome})
 	x.s.opts.Reporter.Done(d)
 	x.req = nil
+	if x.status != 0 {
+		x.span.SetAttributes(attribute.Int("http.response.status_code", x.status))
+	}
+	x.span.SetAttributes(attribute.String("llm.outcome", outcome))
+	if outcome != gatewaymetrics.OutcomeSuccess {
+		x.span.SetStatus(otelcodes.Error, outcome)
+	}
+	x.span.End()
+}
+
+// noSpan is the span of a request not decided (yet): it records nothing.
+var noSpan = trace.SpanFromContext(context.Background())
+
+// w3c is the request's W3C trace context headers.
+func (x *exchange) w3c() http.Header {
+	h := http.Header{}
+	for _, k := range []string{"traceparent", "tracestate"} {
+		if v := x.hdrs[k]; v != "" {
+			h.Set(k, v)
+		}
+	}
+	return h
 }
 
 // reject answers the request with the project's error body.

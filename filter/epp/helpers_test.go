@@ -13,8 +13,6 @@ import (
 	"sync"
 	"testing"
 
-	"google.golang.org/grpc"
-
 	"github.com/istio-llm-filter/istio-llm-filter/filter/epp"
 	"github.com/istio-llm-filter/istio-llm-filter/filter/epp/envoyrun"
 	"github.com/istio-llm-filter/istio-llm-filter/filter/gatewayfile"
@@ -124,11 +122,20 @@ filter:
 // startEPP serves the picker of doc over real gRPC on loopback.
 func startEPP(t testing.TB, doc string, hooks bool) string {
 	t.Helper()
+	return startEPPWith(t, doc, epp.BuildOptions{ConformanceHooks: hooks})
+}
+
+// startEPPWith is startEPP with o (quiet unless o.Logger is set).
+func startEPPWith(t testing.TB, doc string, o epp.BuildOptions) string {
+	t.Helper()
 	fc, cfg, err := gatewayfile.Parse("fleet.yaml", []byte(doc))
 	if err != nil {
 		t.Fatal(err)
 	}
-	s, closeReports, err := epp.Build(fc, cfg, epp.BuildOptions{Logger: routingtest.Quiet(), ConformanceHooks: hooks})
+	if o.Logger == nil {
+		o.Logger = routingtest.Quiet()
+	}
+	s, closeReports, err := epp.Build(fc, cfg, o)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -136,7 +143,7 @@ func startEPP(t testing.TB, doc string, hooks bool) string {
 	if err != nil {
 		t.Fatal(err)
 	}
-	g := grpc.NewServer()
+	g := epp.NewGRPCServer()
 	s.Register(g)
 	go func() { _ = g.Serve(ln) }()
 	t.Cleanup(func() { g.Stop(); closeReports() })

@@ -11,7 +11,8 @@
 // active-active. In Kubernetes, --pool-name NAME takes the endpoints from the
 // InferencePool NAME (filter/epp/poolsource) instead: the ready pods its
 // selector matches, the pool's name being the cluster the rules name.
-// --metrics-listen serves /metrics (Prometheus) and /healthz.
+// --metrics-listen serves /metrics (Prometheus) and /healthz. The picker
+// runs on one processor unless --procs or $GOMAXPROCS say otherwise.
 package main
 
 import (
@@ -25,11 +26,11 @@ import (
 	"net/http"
 	"os"
 	"os/signal"
+	"runtime"
 	"syscall"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus/promhttp"
-	"google.golang.org/grpc"
 	"k8s.io/client-go/dynamic"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
@@ -49,6 +50,14 @@ func main() {
 	}
 }
 
+// DefaultProcs is the picker's default GOMAXPROCS. The picker waits on the
+// network: every message of an exchange wakes it for a few microseconds of
+// work, and each more processor only adds idle threads woken and spinning
+// for that work (on the hop benchmark's two cores one processor takes a
+// fifth less CPU per request at concurrency 8 and a third less at 1;
+// docs/benchmarks.md, "The endpoint picker's hop").
+const DefaultProcs = 1
+
 // run serves until ctx ends. ready, if not nil, receives the gRPC address.
 func run(ctx context.Context, args []string, logOut io.Writer, ready chan<- net.Addr) error {
 	fs := flag.NewFlagSet("epp", flag.ContinueOnError)
@@ -58,8 +67,14 @@ func run(ctx context.Context, args []string, logOut io.Writer, ready chan<- net.
 	poolName := fs.String("pool-name", "", "the InferencePool whose ready pods are the endpoints (in-cluster); its name is the cluster the rules name")
 	poolNS := fs.String("pool-namespace", os.Getenv("POD_NAMESPACE"), "the InferencePool's namespace (default $POD_NAMESPACE)")
 	hooks := fs.Bool("conformance-test-hooks", false, "honour the "+epp.TestSelectionHeader+" request header and echo "+epp.TestServedHeader+" (Inference Extension conformance tests)")
+	procs := fs.Int("procs", DefaultProcs, "processors running the picker's Go code (GOMAXPROCS; without this flag $GOMAXPROCS, if set, applies); 0: Go's own choice, the CPUs available. Replicas, which run active-active, add throughput")
 	if err := fs.Parse(args); err != nil {
 		return err
+	}
+	explicit := false
+	fs.Visit(func(f *flag.Flag) { explicit = explicit || f.Name == "procs" })
+	if *procs > 0 && (explicit || os.Getenv("GOMAXPROCS") == "") {
+		defer runtime.GOMAXPROCS(runtime.GOMAXPROCS(*procs))
 	}
 	if *path == "" {
 		return errors.New("--config FILE is required")
@@ -93,7 +108,7 @@ func run(ctx context.Context, args []string, logOut io.Writer, ready chan<- net.
 	if err != nil {
 		return err
 	}
-	g := grpc.NewServer()
+	g := epp.NewGRPCServer()
 	srv.Register(g)
 	errc := make(chan error, 2)
 	var hs *http.Server

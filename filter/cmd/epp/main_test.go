@@ -2,10 +2,12 @@ package main
 
 import (
 	"context"
+	"fmt"
 	"io"
 	"net"
 	"os"
 	"path/filepath"
+	"runtime"
 	"strings"
 	"testing"
 	"time"
@@ -27,8 +29,31 @@ func writeFile(t *testing.T, doc string) string {
 }
 
 // The command serves the picker and its health services on the file's
-// listen address and stops cleanly when told to.
+// listen address, on DefaultProcs processors unless told otherwise, and
+// stops cleanly when told to, giving the processors back.
 func TestServesUntilStopped(t *testing.T) {
+	before := runtime.GOMAXPROCS(0)
+	for _, tc := range []struct {
+		env   string
+		args  []string
+		procs int
+	}{
+		{"", nil, DefaultProcs},
+		{"3", nil, before}, // $GOMAXPROCS, read by Go at start, is left alone
+		{"3", []string{"--procs", "5"}, 5},
+		{"", []string{"--procs", "0"}, before},
+	} {
+		t.Run(fmt.Sprintf("GOMAXPROCS=%q %v", tc.env, tc.args), func(t *testing.T) {
+			t.Setenv("GOMAXPROCS", tc.env)
+			servesUntilStopped(t, tc.args, tc.procs)
+			if n := runtime.GOMAXPROCS(0); n != before {
+				t.Errorf("%d processors after the picker stopped, want %d back", n, before)
+			}
+		})
+	}
+}
+
+func servesUntilStopped(t *testing.T, args []string, procs int) {
 	path := writeFile(t, `listen: 127.0.0.1:0
 log_level: error
 filter:
@@ -43,7 +68,7 @@ filter:
 	ctx, cancel := context.WithCancel(context.Background())
 	ready := make(chan net.Addr, 1)
 	done := make(chan error, 1)
-	go func() { done <- run(ctx, []string{"--config", path}, io.Discard, ready) }()
+	go func() { done <- run(ctx, append([]string{"--config", path}, args...), io.Discard, ready) }()
 	var addr net.Addr
 	select {
 	case addr = <-ready:
@@ -62,6 +87,9 @@ filter:
 		if err != nil || r.Status != healthpb.HealthCheckResponse_SERVING {
 			t.Fatalf("health %q: %v %v", svc, r, err)
 		}
+	}
+	if n := runtime.GOMAXPROCS(0); n != procs {
+		t.Errorf("serving on %d processors, want %d", n, procs)
 	}
 	cancel()
 	select {

@@ -42,8 +42,17 @@ type Options struct {
 	Retries int
 	// FailOpen sets the ext_proc filter's failure_mode_allow: an
 	// unreachable picker lets requests through to the cluster's own
-	// choice (the InferencePool's failureMode: FailOpen).
+	// choice (the InferencePool's failureMode: FailOpen). Unset, Envoy
+	// answers such a request 500 itself (FailClose, the InferencePool's
+	// default). It needs Pool: the ORIGINAL_DST cluster has no pod of its
+	// own choosing.
 	FailOpen bool
+	// Pool, if set, lists the pool's pods to Envoy (EDS in a real
+	// gateway): the cluster is then theirs with Envoy's override_host load
+	// balancing (Envoy Gateway's configuration of an InferencePool), which
+	// sends a request to the pod the picker named and, when no picker
+	// named one, round robin; unset, the cluster is ORIGINAL_DST (Istio's).
+	Pool []string
 	// Duplex streams both bodies through the picker (FULL_DUPLEX_STREAMED,
 	// trailers SEND) instead of buffering the request's.
 	Duplex bool
@@ -60,6 +69,12 @@ func Bootstrap(o Options) (string, error) {
 	if o.EPP == "" && len(o.Direct) == 0 {
 		return "", errors.New("envoyrun: neither a picker nor direct pods")
 	}
+	if len(o.Pool) > 0 && o.EPP == "" {
+		return "", errors.New("envoyrun: Pool is the picker's pods: it needs EPP")
+	}
+	if o.FailOpen && len(o.Pool) == 0 {
+		return "", errors.New("envoyrun: FailOpen needs the Pool's pods for Envoy to choose from")
+	}
 	type ep struct{ Host, Port string }
 	split := func(addr string) (ep, error) {
 		h, p, err := net.SplitHostPort(addr)
@@ -70,6 +85,7 @@ func Bootstrap(o Options) (string, error) {
 		EPP           ep
 		HasEPP        bool
 		Direct        []ep
+		Pool          []ep
 		Retries       int
 		FailOpen      bool
 		ReqBody       string
@@ -98,6 +114,13 @@ func Bootstrap(o Options) (string, error) {
 		}
 		data.Direct = append(data.Direct, e)
 	}
+	for _, d := range o.Pool {
+		e, err := split(d)
+		if err != nil {
+			return "", fmt.Errorf("pool: %w", err)
+		}
+		data.Pool = append(data.Pool, e)
+	}
 	var b bytes.Buffer
 	if err := bootstrap.Execute(&b, data); err != nil {
 		return "", err
@@ -112,7 +135,9 @@ func Bootstrap(o Options) (string, error) {
 // headers and the streamed body, which the picker may skip per response:
 // allow_mode_override), the served pod and Envoy's response
 // details asked back as attributes, and an ORIGINAL_DST cluster keyed on
-// the destination header.
+// the destination header (Istio's), or the pool's pods with the
+// override_host policy reading the header and the envoy.lb metadata
+// (Envoy Gateway's).
 var bootstrap = template.Must(template.New("bootstrap").Parse(`admin:
   address: {socket_address: {address: "{{.Admin.Host}}", port_value: {{.Admin.Port}}}}
 static_resources:
@@ -165,7 +190,34 @@ static_resources:
           - name: envoy.filters.http.router
             typed_config: {"@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router}
   clusters:
+{{- if .Pool}}
+  - name: inference-pool
+    type: STATIC
+    connect_timeout: 2s
+    load_balancing_policy:
+      policies:
+      - typed_extension_config:
+          name: envoy.load_balancing_policies.override_host
+          typed_config:
+            "@type": type.googleapis.com/envoy.extensions.load_balancing_policies.override_host.v3.OverrideHost
+            override_host_sources:
+            - header: x-gateway-destination-endpoint
+            - metadata: {key: envoy.lb, path: [{key: x-gateway-destination-endpoint}]}
+            fallback_policy:
+              policies:
+              - typed_extension_config:
+                  name: envoy.load_balancing_policies.round_robin
+                  typed_config: {"@type": type.googleapis.com/envoy.extensions.load_balancing_policies.round_robin.v3.RoundRobin}
+    load_assignment:
+      cluster_name: inference-pool
+      endpoints:
+      - lb_endpoints:
+{{- range .Pool}}
+        - endpoint: {address: {socket_address: {address: "{{.Host}}", port_value: {{.Port}}}}}
+{{- end}}
+{{- end}}
 {{- if .HasEPP}}
+{{- if not .Pool}}
   - name: inference-pool
     type: ORIGINAL_DST
     lb_policy: CLUSTER_PROVIDED
@@ -173,6 +225,7 @@ static_resources:
     original_dst_lb_config:
       use_http_header: true
       http_header_name: x-gateway-destination-endpoint
+{{- end}}
   - name: endpoint-picker
     type: STATIC
     connect_timeout: 2s
@@ -302,6 +355,36 @@ func (e *Envoy) URL() string { return "http://" + e.listen }
 
 // Admin is the admin interface's "ip:port".
 func (e *Envoy) Admin() string { return e.admin }
+
+// CPUTime is the processor time Envoy has used so far (ProcessCPU).
+func (e *Envoy) CPUTime() (time.Duration, error) { return ProcessCPU(e.cmd.Process.Pid) }
+
+// ProcessCPU is the processor time, user and system, process pid has
+// used so far (/proc/PID/stat, in clock ticks of 10 ms: measure over
+// seconds).
+func ProcessCPU(pid int) (time.Duration, error) {
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	if err != nil {
+		return 0, err
+	}
+	// The command name, in parentheses, may hold spaces: count from its end.
+	s := string(b)
+	f := strings.Fields(s[strings.LastIndexByte(s, ')')+1:])
+	var utime, stime int64
+	if len(f) < 13 {
+		return 0, fmt.Errorf("envoyrun: unreadable /proc/%d/stat %q", pid, s)
+	}
+	if _, err := fmt.Sscan(f[11], &utime); err != nil {
+		return 0, err
+	}
+	if _, err := fmt.Sscan(f[12], &stime); err != nil {
+		return 0, err
+	}
+	return time.Duration(utime+stime) * time.Second / clockTicks, nil
+}
+
+// clockTicks is USER_HZ, 100 on every Linux ABI Go supports.
+const clockTicks = 100
 
 // Close stops Envoy and waits for it.
 func (e *Envoy) Close() error {
