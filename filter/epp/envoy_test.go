@@ -205,6 +205,7 @@ func TestDeadPodIsEjected(t *testing.T) {
 // With the picker up, that cluster sends each request to the pod the
 // picker named.
 func TestFailureMode(t *testing.T) {
+	bin := envoyBinary(t)
 	pods := startPods(t, 2)
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
@@ -212,8 +213,8 @@ func TestFailureMode(t *testing.T) {
 	}
 	down := ln.Addr().String()
 	ln.Close()
-	start := func(o envoyrun.Options) string {
-		o.Binary = envoyBinary(t)
+	start := func(t *testing.T, o envoyrun.Options) string {
+		o.Binary = bin
 		e, err := envoyrun.Start(context.Background(), o)
 		if err != nil {
 			t.Fatal(err)
@@ -230,7 +231,7 @@ func TestFailureMode(t *testing.T) {
 		return ""
 	}
 	t.Run("fail open, picker down", func(t *testing.T) {
-		url := start(envoyrun.Options{EPP: down, FailOpen: true, Pool: addrs(pods)})
+		url := start(t, envoyrun.Options{EPP: down, FailOpen: true, Pool: addrs(pods)})
 		seen := map[string]bool{}
 		for range 4 {
 			a := post(t, url, chat(false, "anyone there"), nil)
@@ -246,7 +247,7 @@ func TestFailureMode(t *testing.T) {
 	for _, pool := range [][]string{nil, addrs(pods)} {
 		t.Run(fmt.Sprintf("fail closed, picker down, pool listed %v", pool != nil), func(t *testing.T) {
 			before := len(pods[0].requests()) + len(pods[1].requests())
-			a := post(t, start(envoyrun.Options{EPP: down, Pool: pool}), chat(false, "anyone there"), nil)
+			a := post(t, start(t, envoyrun.Options{EPP: down, Pool: pool}), chat(false, "anyone there"), nil)
 			if a.status != http.StatusInternalServerError {
 				t.Fatalf("fail-closed with the picker down: %d %s, want 500", a.status, a.body)
 			}
@@ -256,7 +257,7 @@ func TestFailureMode(t *testing.T) {
 		})
 	}
 	t.Run("fail open, picker up: its choice", func(t *testing.T) {
-		url := start(envoyrun.Options{EPP: startEPP(t, fleetFile("", addrs(pods)), true), FailOpen: true, Pool: addrs(pods)})
+		url := start(t, envoyrun.Options{EPP: startEPP(t, fleetFile("", addrs(pods)), true), FailOpen: true, Pool: addrs(pods)})
 		for _, p := range pods {
 			for range 2 {
 				a := post(t, url, chat(false, "to "+p.addr), map[string]string{epp.TestSelectionHeader: p.addr})
