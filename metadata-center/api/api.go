@@ -225,7 +225,7 @@ type PodLabels struct {
 // and KV cache, which the gateway cannot see from its leases (requests of
 // other gateways, preemptions, how full the cache really is).
 type PodSignals struct {
-	Waiting       int64   `json:"waiting"`        // requests queued, not yet running
+	Waiting       int64   `json:"waiting"`        // requests waiting for a running slot (a scraped pod: its waiting gauge)
 	Running       int64   `json:"running"`        // requests running
 	KVCacheUtil   float64 `json:"kv_cache_util"`  // used / total KV cells or blocks, 0..1
 	PrefillTokens int64   `json:"prefill_tokens"` // prompt tokens still to prefill

@@ -12,8 +12,10 @@ import (
 )
 
 // Stats carries what the worker reports to the router about itself: queued
-// requests and their prompt tokens before the loop runs, then, once they
-// finished, no prefill left and the cells their cache entries keep.
+// requests and their prompt tokens before the loop runs (with one place in
+// the running set, one of the two is blocked: the other joins it at the
+// next step), then, once they finished, no prefill left and the cells
+// their cache entries keep.
 func TestStatsReportPrefillAndKVCells(t *testing.T) {
 	r := newRig(t, sim.Config{}, Config{MaxRunning: 1}, false)
 	p1, p2 := prompt(r.eng, "the first prompt, of some length"), prompt(r.eng, "a second one")
@@ -25,7 +27,7 @@ func TestStatsReportPrefillAndKVCells(t *testing.T) {
 		}
 		hs = append(hs, h)
 	}
-	if st := r.s.Stats(); st.Queued != 2 || st.Running != 0 || st.PrefillTokens != len(p1)+len(p2) || st.KVCells != 4096 || st.KVCellsUsed != 0 {
+	if st := r.s.Stats(); st.Queued != 2 || st.Blocked != 1 || st.Running != 0 || st.PrefillTokens != len(p1)+len(p2) || st.KVCells != 4096 || st.KVCellsUsed != 0 {
 		t.Fatalf("before the loop: %+v (prompts %d + %d)", st, len(p1), len(p2))
 	}
 	r.start()
@@ -39,7 +41,7 @@ func TestStatsReportPrefillAndKVCells(t *testing.T) {
 	if !wait.Until(5*time.Second, func() bool {
 		st = r.s.Stats()
 		r.inspect(t, func(View) { used = r.eng.UsedCells() })
-		return st.Queued == 0 && st.Running == 0 && st.PrefillTokens == 0 && st.KVCellsUsed == used && used >= len(p1)+len(p2)
+		return st.Queued == 0 && st.Blocked == 0 && st.Running == 0 && st.PrefillTokens == 0 && st.KVCellsUsed == used && used >= len(p1)+len(p2)
 	}) {
 		t.Fatalf("after both finished: %+v, engine uses %d cells", st, used)
 	}

@@ -8,6 +8,10 @@ import (
 // Stats is a snapshot for health answers and the pod's signals.
 type Stats struct {
 	Queued, Running int
+	// Blocked are the queued requests the running set has no place for:
+	// the others join it at the next step, so they wait for a step, not
+	// for a running request to end.
+	Blocked int
 	// PrefillTokens are prompt tokens not yet evaluated, queued or in the
 	// running set. A prefix is counted once: a follower counts only what
 	// it does not share with its leader, and a request still waiting to
@@ -31,6 +35,7 @@ func (s *Scheduler) Stats() Stats {
 	defer s.mu.Unlock()
 	st := Stats{Queued: len(s.queue), Running: s.running, PrefillTokens: s.setPrefill, KVCellsUsed: s.kvUsed, KVCells: s.info.NCtx,
 		KVCellsRunning: s.kvRunning}
+	st.Blocked = max(0, st.Queued-max(0, s.cfg.MaxRunning-st.Running))
 	for _, t := range s.queue {
 		if t.uncached > 0 {
 			st.PrefillTokens += t.uncached

@@ -482,7 +482,11 @@ func readiness(rep *mcreport.Reporter, wait time.Duration, log *slog.Logger) fun
 func podSignals(s *scheduler.Scheduler, srv *server.Server) mcreport.SignalSource {
 	return mcreport.SignalSourceFunc(func() api.PodSignals {
 		st := s.Stats()
-		sig := api.PodSignals{Waiting: int64(st.Queued), Running: int64(st.Running), PrefillTokens: int64(st.PrefillTokens),
+		// Waiting is what the gateways' model reads as "no free running
+		// slot": the requests queued beyond the running set's free places,
+		// not those that join it at the next step (vLLM's
+		// num_requests_waiting, on /metrics, counts both).
+		sig := api.PodSignals{Waiting: int64(st.Blocked), Running: int64(st.Running), PrefillTokens: int64(st.PrefillTokens),
 			Draining: srv.Draining()}
 		if st.KVCells > 0 {
 			sig.KVCacheUtil = min(1, float64(st.KVCellsUsed)/float64(st.KVCells))
