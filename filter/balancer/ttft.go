@@ -108,10 +108,6 @@ type Cost struct {
 	// make room) at its prefill rate.
 	FitTokens, Fit float64
 	Total          float64 // the predicted TTFT
-	// Added is the prefill time this request adds to the pod (its
-	// uncached and evicted tokens): the choice ranks pods by Total +
-	// work_weight × Added.
-	Added float64
 }
 
 // Prediction is what a decision predicted for its chosen pod
@@ -287,9 +283,6 @@ func (p *predictor) predict(h *Host) Cost {
 		c.Fit = c.FitTokens * secPerToken
 	}
 	c.Total = c.SlotWait + c.Prefill + c.Step + c.Fit
-	// The prefill this request adds to the pod: every request after it
-	// there waits for it, a cost its own TTFT leaves out.
-	c.Added = (c.UncachedTokens + c.FitTokens) * secPerToken
 	return c
 }
 
@@ -434,9 +427,8 @@ func (c *CacheAware) Choose(s *State) int {
 	c.m.mu.RLock()
 	for i := range s.Hosts {
 		k := p.predict(&s.Hosts[i])
-		key := k.Total + s.Rule.WorkWeight*k.Added
-		totals, work = append(totals, key), append(work, k.UncachedTokens)
-		best = min(best, key)
+		totals, work = append(totals, k.Total), append(work, k.UncachedTokens)
+		best = min(best, k.Total)
 	}
 	c.m.mu.RUnlock()
 	limit := best*(1+s.Rule.TieEpsilon) + tieEpsilon

@@ -49,7 +49,7 @@ func TestCachedPodWinsUntilItsQueueCostsMoreThanTheUncachedPrefill(t *testing.T)
 					b.BytesPerToken("qwen").Observe(int64(promptTokens*bpt), promptTokens)
 				}
 				cands := []endpoints.Endpoint{{Address: holder}, {Address: cold}}
-				ch, err := b.Choose("c", ttftOnly(t), cands, view, Request{Blocks: 8, PromptLength: int64(promptTokens * bpt), Model: "qwen"})
+				ch, err := b.Choose("c", defaultRule(t), cands, view, Request{Blocks: 8, PromptLength: int64(promptTokens * bpt), Model: "qwen"})
 				if err != nil {
 					t.Fatal(err)
 				}
@@ -72,44 +72,7 @@ func TestCachedPodWinsUntilItsQueueCostsMoreThanTheUncachedPrefill(t *testing.T)
 
 // hostsState is a decision over hosts under the default rule.
 func hostsState(t *testing.T, hosts []Host, promptLength int64, seed uint64) *State {
-	return &State{Cluster: "c", Hosts: hosts, Rule: ttftOnly(t), PromptLength: promptLength, BytesPerToken: 1, IntN: seededIntN(seed)}
-}
-
-// ttftOnly is the default rule ranking by the predicted TTFT alone
-// (work_weight 0): the tests of the prediction's parts.
-func ttftOnly(t testing.TB) config.LBRule {
-	r := defaultRule(t)
-	r.WorkWeight = 0
-	return r
-}
-
-// With work_weight, a pod is ranked by its predicted TTFT plus the prefill
-// the request adds there: a holder keeps the request until its queue costs
-// more than the cold pod's TTFT and the prefill the move adds, so a
-// conversation is not moved off its history for a nearly equal first token.
-func TestWorkWeightKeepsRequestsOnTheirHolder(t *testing.T) {
-	ca := &CacheAware{m: newTTFTModel(prometheus.NewHistogram(prometheus.HistogramOpts{Name: "x"}), slog.Default())}
-	// Cold pods: TTFT 0.025 + 2000/5000 = 0.425 s, adding 0.4 s of
-	// prefill. The holder computes nothing: 0.025 + queued/5000.
-	for _, tc := range []struct {
-		weight float64
-		queued int64
-		want   string
-	}{
-		{0, 2300, "cold"},   // 0.485 s against 0.425: the TTFT decides
-		{1, 2300, "holder"}, // against 0.825
-		{1, 3900, "holder"}, // 0.805 s
-		{1, 4400, "cold"},   // 0.905 s
-	} {
-		hosts := []Host{{Address: "cold1"}, {Address: "holder", CacheRatio: 1, Prompt: tc.queued}, {Address: "cold2"}}
-		for seed := range uint64(10) {
-			s := hostsState(t, hosts, 2000, seed)
-			s.Rule.WorkWeight = tc.weight
-			if got := hosts[ca.Choose(s)].Address; !strings.HasPrefix(got, tc.want) {
-				t.Fatalf("work_weight %g, holder %d tokens queued: chose %s, want %s", tc.weight, tc.queued, got, tc.want)
-			}
-		}
-	}
+	return &State{Cluster: "c", Hosts: hosts, Rule: defaultRule(t), PromptLength: promptLength, BytesPerToken: 1, IntN: seededIntN(seed)}
 }
 
 // A pod whose free KV cannot hold the request's new tokens pays for the

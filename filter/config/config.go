@@ -29,7 +29,6 @@ const (
 	DefaultCandidatePercent = 10
 	// cache_aware's defaults (filter/balancer/ttft.go says why each).
 	DefaultTieEpsilon   = 0.05
-	DefaultWorkWeight   = 0.5
 	DefaultPrefillRate  = 5000.0
 	DefaultDecodeStep   = 0.025
 	DefaultAdminRefresh = time.Second
@@ -248,12 +247,6 @@ type LBRule struct {
 	// next burst to the same one, while a one-request difference in queue
 	// still counts.
 	TieEpsilon float64
-	// WorkWeight (key `work_weight`, default 1, 0..10) is cache_aware's
-	// price of the prefill a request adds to its pod, in seconds of TTFT
-	// per second of that pod's prefill: every later request there waits
-	// for it, which this request's own TTFT does not count. 0 ranks by
-	// the predicted TTFT alone.
-	WorkWeight float64
 	// DefaultPrefillRate (key `default_prefill_rate`, tokens per second,
 	// default 5000, 10..1e7) is the cluster's prefill rate until the TTFTs
 	// observed on its pods give their own. The low end of a mid-size model on one

@@ -72,7 +72,7 @@ func TestDefaults(t *testing.T) {
 	if cfg.Tracing != (Tracing{SampleRatio: DefaultSampleRatio}) {
 		t.Fatalf("tracing default: %+v (want off, ratio 1)", cfg.Tracing)
 	}
-	want := LBRule{Policy: "cache_aware", CacheRatioWeight: 2, RequestLoadWeight: 1, PrefillLoadWeight: 3, CandidatePercent: 10, TieEpsilon: 0.05, WorkWeight: 0.5, DefaultPrefillRate: 5000, DefaultDecodeStep: 0.025}
+	want := LBRule{Policy: "cache_aware", CacheRatioWeight: 2, RequestLoadWeight: 1, PrefillLoadWeight: 3, CandidatePercent: 10, TieEpsilon: 0.05, DefaultPrefillRate: 5000, DefaultDecodeStep: 0.025}
 	if !reflect.DeepEqual(cfg.LBMappingRule.For("anything"), want) {
 		t.Fatalf("lb default: %+v", cfg.LBMappingRule.For("anything"))
 	}

@@ -87,8 +87,6 @@ var Keys = []Key{
 		Meaning: "`top_percent` picks uniformly among the best `max(1, n·percent/100)` pods; below 20 pods that is the best pod alone."},
 	{Path: "lb_mapping_rule.<cluster>.tie_epsilon", Type: "number", Default: fmt.Sprint(DefaultTieEpsilon), Range: "0..1", Unit: "fraction of the best prediction",
 		Meaning: "`cache_aware`: pods predicted within (1+ε) × the lowest time to first token are near-ties; among them the pick takes the pod that computes the fewest of the request's tokens, then the one with the fewest requests in flight."},
-	{Path: "lb_mapping_rule.<cluster>.work_weight", Type: "number", Default: fmt.Sprint(DefaultWorkWeight), Range: "0..10", Unit: "s of TTFT per s of added prefill",
-		Meaning: "`cache_aware`: the price of the prefill a request adds to its pod, which every later request there waits for; pods are ranked by predicted TTFT + this × that prefill. 0: by predicted TTFT alone."},
 	{Path: "lb_mapping_rule.<cluster>.default_prefill_rate", Type: "number", Default: fmt.Sprint(DefaultPrefillRate), Range: "10..10000000", Unit: "tokens/s",
 		Meaning: "`cache_aware`: the cluster's prefill rate until the TTFTs observed on its pods give their own."},
 	{Path: "lb_mapping_rule.<cluster>.default_decode_step", Type: "number", Default: fmt.Sprint(DefaultDecodeStep), Range: "0.0001..10", Unit: "s",

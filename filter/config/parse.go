@@ -481,7 +481,7 @@ func headerKey(h map[string]string) string {
 }
 
 var lbKeys = []string{"policy", "cache_ratio_weight", "request_load_weight", "prefill_load_weight", "candidate_percent",
-	"tie_epsilon", "work_weight", "default_prefill_rate", "default_decode_step", "scorers", "filters", "picker"}
+	"tie_epsilon", "default_prefill_rate", "default_decode_step", "scorers", "filters", "picker"}
 
 // validName is the shape of policy, scorer, filter and picker names.
 func validName(s string) bool {
@@ -548,7 +548,6 @@ func (d *decoder) lbRule(path string, v any, base LBRule) LBRule {
 	// whole prediction or more would make the choice random; prefill rates
 	// and decode steps outside these bounds are no accelerator's.
 	r.TieEpsilon = d.float(path, m, "tie_epsilon", base.TieEpsilon, 0, 1)
-	r.WorkWeight = d.float(path, m, "work_weight", base.WorkWeight, 0, 10)
 	r.DefaultPrefillRate = d.float(path, m, "default_prefill_rate", base.DefaultPrefillRate, 10, 1e7)
 	r.DefaultDecodeStep = d.float(path, m, "default_decode_step", base.DefaultDecodeStep, 1e-4, 10)
 	return r
@@ -562,7 +561,6 @@ func (d *decoder) lbMapping(v any) LBMapping {
 		PrefillLoadWeight:  DefaultPrefillLoadW,
 		CandidatePercent:   DefaultCandidatePercent,
 		TieEpsilon:         DefaultTieEpsilon,
-		WorkWeight:         DefaultWorkWeight,
 		DefaultPrefillRate: DefaultPrefillRate,
 		DefaultDecodeStep:  DefaultDecodeStep,
 	}
