@@ -1,10 +1,7 @@
 package floor
 
 import (
-	"bufio"
-	"bytes"
 	"context"
-	"encoding/json"
 	"io"
 	"log/slog"
 	"net"
@@ -16,6 +13,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/istio-llm-filter/istio-llm-filter/bench/client"
 	"github.com/istio-llm-filter/istio-llm-filter/bench/vllmsim"
 	"github.com/istio-llm-filter/istio-llm-filter/internal/testutil/cgoenv"
 	"github.com/istio-llm-filter/istio-llm-filter/internal/testutil/wait"
@@ -253,57 +251,21 @@ func TestSimFloorAgreesWithAWorker(t *testing.T) {
 	}
 }
 
-// send posts one streamed chat completion of 8 tokens and returns the
-// usage it reports, the answer and the time to its first content.
+// send posts one streamed chat completion of 8 tokens with the
+// benchmarks' client and returns the usage it reports, the answer and the
+// time to its first content.
 func send(t *testing.T, base string, msgs []Message) (prompt, cached int, answer string, ttft time.Duration) {
 	t.Helper()
-	ms := make([]map[string]string, len(msgs))
+	cm := make([]client.Message, len(msgs))
 	for i, m := range msgs {
-		ms[i] = map[string]string{"role": m.Role, "content": m.Content}
+		cm[i] = client.Message{Role: m.Role, Content: m.Content}
 	}
-	body, _ := json.Marshal(map[string]any{"model": "tiny", "stream": true, "max_tokens": 8, "ignore_eos": true,
-		"stream_options": map[string]any{"include_usage": true}, "messages": ms})
-	start := time.Now()
-	resp, err := http.Post(base+"/v1/chat/completions", "application/json", bytes.NewReader(body))
-	if err != nil {
-		t.Fatal(err)
+	res := (&client.Client{}).Do(context.Background(), base, client.Request{Model: "tiny", Messages: cm, Stream: true,
+		MaxTokens: 8, FixedLength: true, Usage: true})
+	if res.Outcome != client.OK {
+		t.Fatalf("%s: %s", res.Outcome, res.Err)
 	}
-	defer resp.Body.Close()
-	if resp.StatusCode != http.StatusOK {
-		b, _ := io.ReadAll(resp.Body)
-		t.Fatalf("status %d: %s", resp.StatusCode, b)
-	}
-	sc := bufio.NewScanner(resp.Body)
-	for sc.Scan() {
-		data, ok := strings.CutPrefix(sc.Text(), "data: ")
-		if !ok || data == "[DONE]" {
-			continue
-		}
-		var c struct {
-			Choices []struct {
-				Delta struct{ Content string } `json:"delta"`
-			} `json:"choices"`
-			Usage *struct {
-				PromptTokens int `json:"prompt_tokens"`
-				Details      struct {
-					CachedTokens int `json:"cached_tokens"`
-				} `json:"prompt_tokens_details"`
-			} `json:"usage"`
-		}
-		if err := json.Unmarshal([]byte(data), &c); err != nil {
-			t.Fatalf("bad chunk %q: %v", data, err)
-		}
-		for _, ch := range c.Choices {
-			if ch.Delta.Content != "" && answer == "" {
-				ttft = time.Since(start)
-			}
-			answer += ch.Delta.Content
-		}
-		if c.Usage != nil {
-			prompt, cached = c.Usage.PromptTokens, c.Usage.Details.CachedTokens
-		}
-	}
-	return prompt, cached, answer, ttft
+	return res.PromptTokens, res.CachedTokens, res.Text, res.TTFT
 }
 
 func TestForReadsThePodsFlags(t *testing.T) {
