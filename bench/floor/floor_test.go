@@ -157,11 +157,7 @@ func TestVLLMFloorAgreesWithAPod(t *testing.T) {
 			t.Fatal(err)
 		}
 		// The reuse the floor counts for this request, from the prefix it shares.
-		shared := 0
-		for _, e := range earlier {
-			_, h, _ := v.Tokens(e)
-			shared = max(shared, commonPrefix(p, h))
-		}
+		shared := longestShared(v, p, earlier)
 		if prompt != len(p) || cached != v.Reuse(shared, len(p)) {
 			t.Errorf("turn %d: the pod counted %d prompt tokens, %d cached; the floor %d, %d", turn, prompt, cached, len(p), v.Reuse(shared, len(p)))
 		}
@@ -228,11 +224,7 @@ func TestSimFloorAgreesWithAWorker(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		shared := 0
-		for _, x := range earlier {
-			_, h, _ := e.Tokens(x)
-			shared = max(shared, commonPrefix(p, h))
-		}
+		shared := longestShared(e, p, earlier)
 		if prompt != len(p) || cached != e.Reuse(shared, len(p)) {
 			t.Errorf("turn %d: the worker counted %d prompt tokens, %d cached; the floor %d, %d", turn, prompt, cached, len(p), e.Reuse(shared, len(p)))
 		}
@@ -289,4 +281,15 @@ func TestForReadsThePodsFlags(t *testing.T) {
 	if e, why, err := For("llama", nil, ""); e != nil || why == "" || err != nil {
 		t.Errorf("llama: %v, %q, %v; want no floor and a reason", e, why, err)
 	}
+}
+
+// longestShared is the longest prefix of prompt that a pod holds after
+// serving any of earlier.
+func longestShared(e Engine, prompt []int, earlier []Request) int {
+	shared := 0
+	for _, r := range earlier {
+		_, h, _ := e.Tokens(r)
+		shared = max(shared, commonPrefix(prompt, h))
+	}
+	return shared
 }
