@@ -537,6 +537,12 @@ func (h *Host) streamFrame(s *stream, typ uint8, build func(e *enc)) error {
 // request's events to the host's worker owning the connection, the
 // filter's output back to the client.
 func (h *Host) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	// Full duplex, as Envoy is: the answer (a 413 over the buffer limit, a
+	// local reply) goes out while the body is still being read. Without it
+	// net/http, writing the answer's headers, first reads the unread body
+	// to its end, holding it from pumpBody, and a client that sends its
+	// body only as it is consumed is never answered.
+	_ = http.NewResponseController(w).EnableFullDuplex()
 	conn, _ := r.Context().Value(connKey{}).(uint32)
 	s := &stream{id: h.nextID.Add(1), conn: conn, events: make(chan frame, 256)}
 	h.mu.Lock()

@@ -209,6 +209,17 @@ func writeKV(b *strings.Builder, title string, m map[string]string) {
 // Runs of the same workload and policy are repeats: the merged summary is
 // the median over them, and the runs are kept in Repeats.
 func Merge(runs ...Run) Run {
+	// A run that is itself merged (repeats of one invocation, or an
+	// earlier --merge) joins as its repeats, so its runs stay listed.
+	var flat []Run
+	for _, r := range runs {
+		if len(r.Repeats) > 0 {
+			flat = append(flat, r.Repeats...)
+		} else {
+			flat = append(flat, r)
+		}
+	}
+	runs = flat
 	if len(runs) == 0 {
 		return Run{}
 	}

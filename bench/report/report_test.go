@@ -211,6 +211,14 @@ func TestMergeOfRepeatedRunsTakesMedians(t *testing.T) {
 	if ns, _ := m.find("no-sharing", "cache_aware"); ns.TTFT.P90 != 7 {
 		t.Fatalf("a workload run once: %+v", ns)
 	}
+	// Merging the merged run again (a report rendered anew) keeps its runs.
+	again := Merge(m)
+	if len(again.Repeats) != 4 || len(again.Summaries) != 3 {
+		t.Fatalf("merged again: %d summaries and %d repeats, want 3 and 4", len(again.Summaries), len(again.Repeats))
+	}
+	if ca2, _ := again.find("shared-prefix", "cache_aware"); ca2.TTFT != ca.TTFT || ca2.Succeeded != ca.Succeeded {
+		t.Fatalf("cache_aware merged again %+v, want %+v", ca2, ca)
+	}
 	var b strings.Builder
 	if err := m.WriteMarkdown(&b); err != nil {
 		t.Fatal(err)
