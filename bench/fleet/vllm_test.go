@@ -2,10 +2,7 @@ package fleet
 
 import (
 	"bufio"
-	"bytes"
 	"context"
-	"encoding/json"
-	"io"
 	"net/http"
 	"os"
 	"os/exec"
@@ -16,7 +13,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/istio-llm-filter/istio-llm-filter/internal/headers"
+	"github.com/istio-llm-filter/istio-llm-filter/bench/client"
 	"github.com/istio-llm-filter/istio-llm-filter/internal/testutil/cgoenv"
 	"github.com/istio-llm-filter/istio-llm-filter/internal/testutil/wait"
 )
@@ -47,32 +44,12 @@ func TestVLLMFleetServesAndIsScraped(t *testing.T) {
 	}
 	system := strings.Repeat("a shared system prompt of many words for the cache ", 40)
 	send := func() (worker string, cached int) {
-		body, _ := json.Marshal(map[string]any{"model": "tiny", "stream": true, "max_tokens": 4,
-			"stream_options": map[string]any{"include_usage": true},
-			"messages":       []map[string]string{{"role": "system", "content": system}, {"role": "user", "content": "hello"}}})
-		resp, err := http.Post(f.Gateway+"/v1/chat/completions", "application/json", bytes.NewReader(body))
-		if err != nil {
-			t.Fatal(err)
+		res := (&client.Client{}).Do(ctx, f.Gateway, client.Request{Model: "tiny", Stream: true, MaxTokens: 4, Usage: true,
+			Messages: []client.Message{{Role: "system", Content: system}, {Role: "user", Content: "hello"}}})
+		if res.Outcome != client.OK {
+			t.Fatalf("%s: %s", res.Outcome, res.Err)
 		}
-		defer resp.Body.Close()
-		if resp.StatusCode != http.StatusOK {
-			b, _ := io.ReadAll(resp.Body)
-			t.Fatalf("status %d: %s", resp.StatusCode, b)
-		}
-		sc := bufio.NewScanner(resp.Body)
-		for sc.Scan() {
-			var c struct {
-				Usage *struct {
-					Details struct {
-						Cached int `json:"cached_tokens"`
-					} `json:"prompt_tokens_details"`
-				} `json:"usage"`
-			}
-			if data, ok := strings.CutPrefix(sc.Text(), "data: "); ok && data != "[DONE]" && json.Unmarshal([]byte(data), &c) == nil && c.Usage != nil {
-				cached = c.Usage.Details.Cached
-			}
-		}
-		return resp.Header.Get(headers.UpstreamHost), cached
+		return res.Worker, res.CachedTokens
 	}
 	first, _ := send()
 	if !strings.Contains(strings.Join(f.Workers, " "), first) || first == "" {

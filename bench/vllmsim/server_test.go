@@ -2,7 +2,6 @@ package vllmsim
 
 import (
 	"bufio"
-	"bytes"
 	"context"
 	"encoding/json"
 	"fmt"
@@ -16,6 +15,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/istio-llm-filter/istio-llm-filter/bench/client"
 	"github.com/istio-llm-filter/istio-llm-filter/bench/workload"
 	"github.com/istio-llm-filter/istio-llm-filter/internal/testutil/wait"
 )
@@ -56,64 +56,22 @@ type answer struct {
 	status                   int
 	text                     string
 	prompt, cached, complete int
-	chunks                   int
-	body                     string
+	err                      string
 }
 
-// chat sends one streamed chat completion and reads it to the end; a
-// request whose context ends before the answer comes back with status 0.
+// chat sends one streamed chat completion with the benchmarks' client and
+// reads it to the end; a request whose context ends before the answer comes
+// back with status 0.
 func chat(t *testing.T, ctx context.Context, base, model, system, user string, maxTokens int) answer {
 	t.Helper()
-	body, _ := json.Marshal(map[string]any{
-		"model": model, "stream": true, "stream_options": map[string]any{"include_usage": true},
-		"max_tokens": maxTokens, "ignore_eos": true,
-		"messages": []map[string]string{{"role": "system", "content": system}, {"role": "user", "content": user}},
-	})
-	req, _ := http.NewRequestWithContext(ctx, http.MethodPost, base+"/v1/chat/completions", bytes.NewReader(body))
-	resp, err := http.DefaultClient.Do(req)
-	if err != nil {
-		return answer{body: err.Error()} // a client that left (the test's own cancel)
+	res := (&client.Client{}).Do(ctx, base, client.Request{Model: model, Stream: true, Usage: true,
+		MaxTokens: maxTokens, FixedLength: true,
+		Messages: []client.Message{{Role: "system", Content: system}, {Role: "user", Content: user}}})
+	if res.Outcome == client.Cut && ctx.Err() == nil {
+		t.Errorf("answer cut: %s", res.Err) // not Fatal: chat runs in goroutines too
 	}
-	defer resp.Body.Close()
-	a := answer{status: resp.StatusCode}
-	if resp.StatusCode != http.StatusOK {
-		b, _ := io.ReadAll(resp.Body)
-		a.body = string(b)
-		return a
-	}
-	sc := bufio.NewScanner(resp.Body)
-	for sc.Scan() {
-		data, ok := strings.CutPrefix(sc.Text(), "data: ")
-		if !ok || data == "[DONE]" {
-			continue
-		}
-		var c struct {
-			Choices []struct {
-				Delta struct{ Content string } `json:"delta"`
-			} `json:"choices"`
-			Usage *struct {
-				PromptTokens int `json:"prompt_tokens"`
-				Details      struct {
-					CachedTokens int `json:"cached_tokens"`
-				} `json:"prompt_tokens_details"`
-			} `json:"usage"`
-		}
-		if err := json.Unmarshal([]byte(data), &c); err != nil {
-			t.Errorf("bad chunk %q: %v", data, err) // not Fatal: chat runs in goroutines too
-			return a
-		}
-		for _, ch := range c.Choices {
-			if ch.Delta.Content != "" {
-				a.chunks++
-				a.text += ch.Delta.Content
-			}
-		}
-		if c.Usage != nil {
-			a.prompt, a.cached = c.Usage.PromptTokens, c.Usage.Details.CachedTokens
-		}
-	}
-	a.complete = len(Tokenize(a.text))
-	return a
+	return answer{status: res.Status, text: res.Text, prompt: res.PromptTokens, cached: res.CachedTokens,
+		complete: len(Tokenize(res.Text)), err: res.Err}
 }
 
 // metrics reads a pod's /metrics into name{labels} → value.

@@ -58,7 +58,7 @@ func (s *Store) applyPipe(ctx context.Context, ops []store.Op, reg []string, ful
 	for i, op := range ops {
 		if (op.Kind == store.OpSaveCache || op.Kind == store.OpRetractCache) && len(op.Hashes) == 0 ||
 			op.Kind == store.OpRetractCache && op.SaveID == "" {
-			continue // as SaveCache and RetractCache: nothing to do
+			continue // as SaveCacheAs and RetractCache: nothing to do
 		}
 		sc, ks, args, err := s.opScript(op)
 		if err != nil {

@@ -5,9 +5,9 @@ import "github.com/redis/go-redis/v9"
 // Every script touches only keys of one cluster, all of which share the
 // hash tag {prefix:cluster}, so each script runs on one Redis Cluster slot.
 // Keys that are known up front are passed in KEYS (prefix hashes are
-// fields of {P:C}:px, passed in ARGV); the query's refresh, EvictHost and
-// Stats derive per-host key names from the base, which stay in the same
-// slot because they carry the same tag.
+// fields of {P:C}:px, passed in ARGV); the query's refresh,
+// EvictHostBefore and Stats derive per-host key names from the base, which
+// stay in the same slot because they carry the same tag.
 //
 // Times are milliseconds since the epoch, passed in ARGV by the caller (so
 // tests can drive a fake clock and every replica of the metadata center
