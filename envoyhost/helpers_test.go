@@ -146,7 +146,7 @@ func simWorker(t testing.TB) string {
 	if err != nil {
 		t.Fatal(err)
 	}
-	sched, err := scheduler.New(eng, scheduler.Config{})
+	sched, err := scheduler.New(eng, scheduler.Config{}.WithDefaults())
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -46,7 +46,7 @@ func reportingSimWorker(t *testing.T, mc, cluster string, chunk int) (*httptest.
 		t.Fatal(err)
 	}
 	sched, err := scheduler.New(eng, scheduler.Config{MaxRunning: 2, MaxBatch: 2, MaxOutputTokens: 4000, Logger: quiet,
-		OnEvictAt: rep.EvictAt, OnCached: rep.Cached})
+		OnEvictAt: rep.EvictAt, OnCached: rep.Cached}.WithDefaults())
 	if err != nil {
 		t.Fatal(err)
 	}

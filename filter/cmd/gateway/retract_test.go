@@ -37,7 +37,7 @@ func simWorker(t *testing.T, queueTimeout time.Duration) *httptest.Server {
 	}
 	quiet := slog.New(slog.NewTextHandler(io.Discard, nil))
 	sched, err := scheduler.New(eng, scheduler.Config{MaxRunning: 1, MaxBatch: 1, MaxQueue: 1, QueueTimeout: queueTimeout,
-		MaxOutputTokens: 4000, Logger: quiet})
+		MaxOutputTokens: 4000, Logger: quiet}.WithDefaults())
 	if err != nil {
 		t.Fatal(err)
 	}
