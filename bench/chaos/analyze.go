@@ -64,6 +64,8 @@ type FaultStats struct {
 	Start float64 `json:"start_s"`
 	End   float64 `json:"end_s"`
 	Err   string  `json:"error,omitempty"`
+	// Restarts are the workers the fault restarted (Window.Restarts).
+	Restarts []Restart `json:"restarts,omitempty"`
 
 	Sent      int            `json:"sent"`
 	Succeeded int            `json:"succeeded"`
@@ -115,7 +117,7 @@ func BaselineOf(rs []Record, from, to time.Duration) Baseline {
 func Analyze(rs []Record, ws []Window, checks []Check, base Baseline, bucket time.Duration) []FaultStats {
 	out := make([]FaultStats, len(ws))
 	for i, w := range ws {
-		s := FaultStats{Name: w.Name, What: w.What, Start: w.Start.Seconds(), End: w.End.Seconds(), Err: w.Err,
+		s := FaultStats{Name: w.Name, What: w.What, Start: w.Start.Seconds(), End: w.End.Seconds(), Err: w.Err, Restarts: w.Restarts,
 			Failed: map[string]int{}, Retries: map[string]int{}}
 		if i < len(checks) {
 			s.Check = checks[i]

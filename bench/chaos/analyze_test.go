@@ -161,7 +161,8 @@ func TestScheduleRunsFaultsInOrderAndAlwaysRecovers(t *testing.T) {
 		Before: func(context.Context) { note("before")(nil) },
 		Faults: []Fault{
 			{Name: "a", Hold: 20 * time.Millisecond, Inject: note("inject a"), Recover: note("recover a")},
-			{Name: "b", Inject: func(context.Context) error { return errors.New("boom") }, Recover: note("recover b")},
+			{Name: "b", Inject: func(context.Context) error { return errors.New("boom") }, Recover: note("recover b"),
+				Restarts: func() []Restart { return []Restart{{Worker: "w0", OldPID: 1, NewPID: 2}} }},
 		}}
 	obs := &obsRecorder{}
 	start := time.Now()
@@ -175,5 +176,11 @@ func TestScheduleRunsFaultsInOrderAndAlwaysRecovers(t *testing.T) {
 	if len(ws) != 2 || ws[0].Start < 20*time.Millisecond || ws[0].End-ws[0].Start < 20*time.Millisecond ||
 		ws[0].Next-ws[0].End < 30*time.Millisecond || ws[1].Start < ws[0].Next || !strings.Contains(ws[1].Err, "boom") || ws[0].Err != "" {
 		t.Fatalf("windows %+v", ws)
+	}
+	if len(ws[0].Restarts) != 0 || len(ws[1].Restarts) != 1 || ws[1].Restarts[0].NewPID != 2 {
+		t.Fatalf("restarts %+v, %+v", ws[0].Restarts, ws[1].Restarts)
+	}
+	if fs := Analyze(nil, ws, nil, Baseline{}, time.Second); len(fs[1].Restarts) != 1 || fs[1].Restarts[0].Worker != "w0" {
+		t.Fatalf("fault stats %+v", fs[1])
 	}
 }

@@ -54,11 +54,18 @@ type Record struct {
 
 // Client sends chat completions the way an SDK behind a client-side load
 // balancer does: a connection error before any answer is retried on the
-// next gateway at once, a 429 (or a 503 with Retry-After: a draining
-// worker) after its Retry-After (capped), at most
-// MaxRetries times (the OpenAI SDKs' default is 2). Other statuses are
-// answers and are not retried, so that the run counts what faults do.
-// Every request asks for a fixed length (client.Request.FixedLength).
+// next gateway at once, a 429 or a 503 with Retry-After (a draining
+// worker's) after its Retry-After (capped at maxRetryAfter), at most
+// MaxRetries times. That is openai-go's behaviour for these answers
+// (internal/requestconfig: MaxRetries 2 by default, shouldRetry retries
+// connection errors, 408, 409, 429 and 5xx, retryDelay waits the
+// Retry-After-Ms or Retry-After asked for when under a minute); a status
+// arrives before any token, so a retried request never had one streamed.
+// Unlike the SDK it does not retry other statuses (a 503 without
+// Retry-After, a 500, …): they are answers, so that the run counts what
+// faults do. The record keeps the attempts and why each retry was made;
+// the outcome is the last attempt's, so a request answered on a retry is
+// OK. Every request asks for a fixed length (client.Request.FixedLength).
 type Client struct {
 	Gateways   []string
 	Model      string
@@ -104,7 +111,7 @@ func (c *Client) Do(ctx context.Context, r client.Request, first int, runStart t
 	}
 }
 
-// maxRetryAfter caps the wait a 429 asks for.
+// maxRetryAfter caps the wait a 429 or a draining worker's 503 asks for.
 const maxRetryAfter = 2 * time.Second
 
 // retryable names why an attempt may be repeated ("connect", "429") and

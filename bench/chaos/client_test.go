@@ -36,6 +36,9 @@ func fakeGateway(t *testing.T, calls *atomic.Int64) *httptest.Server {
 		case strings.Contains(mode, "busy-once") && n == 1:
 			w.Header().Set("Retry-After", "0") // retry at once (WriteError sends only positive waits)
 			openai.WriteError(w, &openai.Error{Status: http.StatusTooManyRequests, Type: openai.TypeRateLimit, Message: "queue full"})
+		case strings.Contains(mode, "draining-once") && n == 1:
+			w.Header().Set("Retry-After", "0")
+			openai.WriteError(w, &openai.Error{Status: http.StatusServiceUnavailable, Type: openai.TypeUnavailable, Message: "the worker is draining"})
 		case strings.Contains(mode, "status"):
 			openai.WriteError(w, &openai.Error{Status: http.StatusServiceUnavailable, Type: openai.TypeUnavailable, Message: "no"})
 		case strings.Contains(mode, "event"):
@@ -76,6 +79,7 @@ func TestClientRetriesAndRecords(t *testing.T) {
 		{mode: "whole", want: OK, attempts: 1, text: "hi there"},
 		{mode: "status", stream: true, want: Failed, attempts: 1}, // an answer: not retried
 		{mode: "busy-once", stream: true, want: OK, attempts: 2, retries: "429", text: "ab"},
+		{mode: "draining-once", stream: true, want: OK, attempts: 2, retries: "503", text: "ab"}, // 503 + Retry-After: retried
 		{mode: "event", stream: true, want: Failed, attempts: 1, text: "a"},
 		{mode: "ok", stream: true, first: 1, want: OK, attempts: 2, retries: "connect", text: "ab"}, // dead gateway first
 		{mode: "ok", stream: true, abort: true, want: Aborted, attempts: 1, text: "a"},

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"net/http"
+	"slices"
 	"sync"
 	"time"
 
@@ -14,6 +15,15 @@ import (
 // rollingDrain bounds one worker's drain in the rolling restart: above the
 // workers' request timeout (30 s), as --drain-timeout is in deploy/.
 const rollingDrain = 45 * time.Second
+
+// workerKinds says what the fleet's workers are: "3 simulated + the
+// llama.cpp one".
+func workerKinds(cfg Config) string {
+	if cfg.Llama {
+		return fmt.Sprintf("%d simulated + the llama.cpp one", cfg.SimWorkers)
+	}
+	return fmt.Sprintf("%d simulated", cfg.SimWorkers)
+}
 
 // inFlightAt reports whether r was outstanding at t.
 func inFlightAt(r Record, t time.Duration) bool { return r.Start <= t && t <= r.End }
@@ -58,32 +68,77 @@ func buildFaults(names []string, f *fleet.Fleet, load *Load, cfg Config, start t
 				},
 			}
 		case "rolling-restart":
-			// Every simulated worker in turn, as a Deployment rollout
-			// replaces pods one at a time: SIGTERM (the worker drains:
-			// streams finish, new requests get 503 + Retry-After), start
-			// it again on its address, wait until it answers, next. The
-			// aim: no stream cut, no request lost.
-			sims := len(f.Workers)
-			if cfg.Llama {
-				sims--
+			// Every worker in turn, the llama.cpp one included, as a
+			// Deployment rollout replaces pods one at a time
+			// (deploy/base/worker.yaml: maxUnavailable 0): SIGTERM (the
+			// worker drains: what it accepted finishes, new requests get
+			// 503 + Retry-After, and it reports that it drains), start it
+			// again on its address once it exited, wait until it is ready
+			// (/readyz, what the rollout waits for), next. The aim: no
+			// stream cut, no request lost. Every worker serves the same
+			// model, so while one drains the gateways route around it; a
+			// request that reached it before they knew gets 503 with
+			// Retry-After, which the client retries as the OpenAI SDKs do;
+			// one routed to it while it is down is refused at connect, and
+			// the gateway retries it on another pod (connect_retries).
+			n := len(f.Workers)
+			engine := func(i int) string {
+				if i < cfg.SimWorkers {
+					return "sim"
+				}
+				return "llama"
 			}
+			var mu sync.Mutex
+			var done []Restart
 			ft = Fault{Name: name,
-				What: fmt.Sprintf("restart the %d simulated workers one by one: SIGTERM (drain, up to %v), start again on the same address once it exited",
-					sims, rollingDrain),
+				What: fmt.Sprintf("restart all %d workers (%s) one by one as a rollout does: SIGTERM with a stream in flight (drain, up to %v), start again on the same address once it exited, wait for its readiness before the next",
+					n, workerKinds(cfg), rollingDrain),
 				Inject: func(ctx context.Context) error {
 					var errs []error
-					for i := range sims {
+					for i := range n {
 						if ctx.Err() != nil {
 							break
 						}
-						if err := f.DrainWorker(i, rollingDrain); err != nil {
+						addr := f.Workers[i]
+						// As worker-kill does: wait (up to 10 s) for a
+						// stream that has its first token, so the drain
+						// has one to let finish.
+						deadline := time.Now().Add(10 * time.Second)
+						for load.StreamingOn(addr) == 0 && time.Now().Before(deadline) && ctx.Err() == nil {
+							time.Sleep(10 * time.Millisecond)
+						}
+						rs := Restart{Worker: addr, Engine: engine(i), OldPID: f.WorkerPID(i),
+							Streaming: load.StreamingOn(addr), InFlight: load.InFlightOn(addr)}
+						t0 := time.Now()
+						err := f.DrainWorker(i, rollingDrain)
+						rs.DrainS = time.Since(t0).Seconds()
+						t1 := time.Now()
+						// Started again even when the drain failed: the
+						// rollout goes on, and the report says what failed.
+						bg := context.WithoutCancel(ctx)
+						if rerr := f.RestartWorker(bg, i); rerr != nil {
+							err = errors.Join(err, rerr)
+						} else if rerr := f.WaitWorkerReady(bg, i); rerr != nil {
+							err = errors.Join(err, rerr)
+						}
+						rs.ReadyS = time.Since(t1).Seconds()
+						if pid := f.WorkerPID(i); pid != rs.OldPID {
+							rs.NewPID = pid
+						}
+						if err != nil {
+							rs.Err = err.Error()
 							errs = append(errs, err)
 						}
-						if err := f.RestartWorker(context.WithoutCancel(ctx), i); err != nil {
-							errs = append(errs, err)
-						}
+						mu.Lock()
+						done = append(done, rs)
+						mu.Unlock()
 					}
 					return errors.Join(errs...)
+				},
+				Restarts: func() []Restart {
+					mu.Lock()
+					defer mu.Unlock()
+					return slices.Clone(done)
 				},
 			}
 		case "redis-restart":
@@ -126,8 +181,8 @@ func buildFaults(names []string, f *fleet.Fleet, load *Load, cfg Config, start t
 				},
 			}
 		case "slow-worker":
-			if !cfg.Llama {
-				return nil, fmt.Errorf("fault %s needs the llama worker", name)
+			if !cfg.Llama || cfg.LlamaCPUs <= 0 {
+				return nil, fmt.Errorf("fault %s needs the llama worker with a CPU quota", name)
 			}
 			ft = Fault{Name: name, Hold: 10 * time.Second,
 				What:    fmt.Sprintf("the llama worker's CPU quota from %.2g to %.2g CPU (10× slower steps) for 10 s", cfg.LlamaCPUs, cfg.LlamaCPUs/10),

@@ -15,6 +15,7 @@ import (
 	"github.com/istio-llm-filter/istio-llm-filter/bench/fleet"
 	"github.com/istio-llm-filter/istio-llm-filter/internal/testutil/cgoenv"
 	"github.com/istio-llm-filter/istio-llm-filter/internal/testutil/wait"
+	"github.com/istio-llm-filter/istio-llm-filter/worker/testmodel"
 )
 
 var (
@@ -57,26 +58,31 @@ func TestMain(m *testing.M) {
 }
 
 // TestFaultsOnARealFleet runs a short schedule — a worker killed with a
-// stream in flight and restarted on its address, Redis frozen, a gateway
-// killed and restarted — on real processes (Redis, the metadata center,
-// two gateways, two simulated workers) under the steady load, and checks
-// what the harness relies on: every fault injected and recovered without
-// error, the restarted parts answering on their old addresses, the index
-// check reading both sides, every request recorded with an outcome, and
-// no lease left one lease TTL after the load stopped.
+// stream in flight and restarted on its address, a rolling restart of
+// every worker, Redis frozen, a gateway killed and restarted — on real
+// processes (Redis, the metadata center, two gateways, two simulated
+// workers and a llama.cpp worker on the generated tiny model) under the
+// steady load, and checks what the harness relies on: every fault
+// injected and recovered without error, the restarted parts answering on
+// their old addresses, the index check reading both sides, every request
+// recorded with an outcome, and no lease left one lease TTL after the
+// load stopped. The rolling restart must meet its aim: every worker
+// replaced (the llama one too), no stream cut, no request lost or failed.
 func TestFaultsOnARealFleet(t *testing.T) {
 	if testing.Short() {
 		t.Skip("starts a fleet of processes")
 	}
 	bin := buildBinaries(t)
-	cfg := Config{Bin: bin, Out: t.TempDir(), SimWorkers: 2, Users: 3, MaxTokens: 16,
-		LeaseTTL: 3 * time.Second, Baseline: 6 * time.Second, Gap: 3 * time.Second,
-		Faults: []string{"worker-kill", "redis-pause", "gateway-kill"}}
+	// The llama worker without a CPU quota: the test needs no writable
+	// cgroup (only the slow-worker fault, not run here, uses one).
+	cfg := Config{Bin: bin, Out: t.TempDir(), SimWorkers: 2, Llama: true, Model: testmodel.Path(t), LlamaCPUs: -1,
+		Users: 3, MaxTokens: 16, LeaseTTL: 3 * time.Second, Baseline: 6 * time.Second, Gap: 3 * time.Second,
+		Faults: []string{"worker-kill", "rolling-restart", "redis-pause", "gateway-kill"}}
 	res, err := RunChaos(context.Background(), cfg)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if len(res.Faults) != 3 {
+	if len(res.Faults) != len(cfg.Faults) {
 		t.Fatalf("%d fault windows", len(res.Faults))
 	}
 	var recs []Record
@@ -118,13 +124,77 @@ func TestFaultsOnARealFleet(t *testing.T) {
 		}
 	}
 	if ok < len(recs)/2 {
-		t.Errorf("%d of %d requests succeeded under three faults", ok, len(recs))
+		t.Errorf("%d of %d requests succeeded under the faults", ok, len(recs))
 	}
+	checkRollingRestart(t, res.Faults[1], recs, cfg.SimWorkers+1)
 	for _, name := range []string{"summary.json", "report.md", "chaos_ttft.svg", "chaos_errors.svg", "final_index.json"} {
 		if st, err := os.Stat(filepath.Join(cfg.Out, name)); err != nil || st.Size() == 0 {
 			t.Errorf("%s: %v", name, err)
 		}
 	}
+}
+
+// checkRollingRestart checks the rolling restart's window: every one of
+// the workers restarted once, on its address, as a new process that got
+// ready (the llama worker among them), and not one request of the window
+// cut, unanswered or failed.
+func checkRollingRestart(t *testing.T, f FaultStats, recs []Record, workers int) {
+	t.Helper()
+	if f.Name != "rolling-restart" {
+		t.Fatalf("window %s, want rolling-restart", f.Name)
+	}
+	byID := map[int]Record{}
+	for _, r := range recs {
+		byID[r.ID] = r
+	}
+	seen, llama, drained := map[string]bool{}, 0, 0
+	for _, rs := range f.Restarts {
+		// What the worker was serving at the SIGTERM finished there.
+		for _, id := range rs.InFlight {
+			if r, ok := byID[id]; !ok || r.Outcome != OK {
+				t.Errorf("request %d in flight on %s at its SIGTERM ended %+v", id, rs.Worker, r)
+			}
+		}
+		drained += rs.Streaming
+		if rs.Err != "" || rs.OldPID == 0 || rs.NewPID == 0 || rs.NewPID == rs.OldPID || seen[rs.Worker] {
+			t.Errorf("restart %+v", rs)
+		}
+		seen[rs.Worker] = true
+		if rs.Engine == "llama" {
+			llama++
+		}
+		t.Logf("rolling restart: %s worker %s pid %d → %d, %d in flight at SIGTERM (%d streaming), drained in %.2f s, ready %.2f s later",
+			rs.Engine, rs.Worker, rs.OldPID, rs.NewPID, len(rs.InFlight), rs.Streaming, rs.DrainS, rs.ReadyS)
+	}
+	if len(seen) != workers || len(f.Restarts) != workers || llama != 1 {
+		t.Errorf("%d restarts of %d workers (%d llama), want each of the %d once, the llama one among them", len(f.Restarts), len(seen), llama, workers)
+	}
+	if drained == 0 {
+		t.Error("no worker had a stream in flight at its SIGTERM: the drain let none finish")
+	}
+	if f.Lost != 0 || f.Unexpected != 0 || len(f.Failed) != 0 {
+		t.Errorf("rolling restart: %d lost, %d unexpected failures (%s) of %d sent", f.Lost, f.Unexpected, joinCounts(f.Failed), f.Sent)
+	}
+	cut, unanswered, streams := 0, 0, 0
+	for _, r := range recs {
+		if r.Fault != f.Name {
+			continue
+		}
+		switch r.Outcome {
+		case Cut:
+			cut++
+		case Unanswered:
+			unanswered++
+		}
+		if r.Stream {
+			streams++
+		}
+	}
+	if cut != 0 || unanswered != 0 {
+		t.Errorf("rolling restart: %d streams cut, %d requests unanswered", cut, unanswered)
+	}
+	t.Logf("rolling restart: %d requests (%d streamed) in its window, %d succeeded, %d retried by the client (%s)",
+		f.Sent, streams, f.Succeeded, f.Retried, joinCounts(f.Retries))
 }
 
 // TestFleetRestartsPartsOnTheirAddresses checks the fleet operations the

@@ -120,6 +120,14 @@ func (r *Result) WriteMarkdown(w io.Writer) error {
 	b.WriteString("\nFaults:\n")
 	for i, f := range r.Faults {
 		fmt.Fprintf(&b, "%d. %s: %s\n", i+1, f.Name, f.What)
+		for _, rs := range f.Restarts {
+			fmt.Fprintf(&b, "   - %s worker %s: pid %d → %d, %d requests in flight at the SIGTERM (%d streaming), drained and exited in %.1f s, the new one ready %.1f s later",
+				rs.Engine, rs.Worker, rs.OldPID, rs.NewPID, len(rs.InFlight), rs.Streaming, rs.DrainS, rs.ReadyS)
+			if rs.Err != "" {
+				fmt.Fprintf(&b, " ⚠ %s", rs.Err)
+			}
+			b.WriteString("\n")
+		}
 	}
 	_, err := io.WriteString(w, b.String())
 	return err

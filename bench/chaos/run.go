@@ -25,7 +25,7 @@ type Config struct {
 
 	SimWorkers int     // simulated workers (default 3)
 	Llama      bool    // one real llama.cpp worker beside them
-	LlamaCPUs  float64 // its CPU quota (the slow-worker fault divides it by 10)
+	LlamaCPUs  float64 // its CPU quota (the slow-worker fault divides it by 10); default 1, negative: none
 	// WorkerQueue and WorkerRunning size every worker's queue and running
 	// set small, so that a burst overflows them (429).
 	WorkerQueue, WorkerRunning int
@@ -76,7 +76,7 @@ func (c *Config) defaults() {
 	if c.StreamShare == 0 {
 		c.StreamShare = 0.5
 	}
-	if c.LlamaCPUs <= 0 {
+	if c.LlamaCPUs == 0 {
 		c.LlamaCPUs = 1
 	}
 	if c.Seed == 0 {
@@ -108,7 +108,7 @@ func (c Config) spec() fleet.Spec {
 		// compute is the slowest pod, and it should shed load (429, which
 		// the client retries elsewhere) rather than time out (408).
 		largs := append(append([]string{"--n-ctx", "32768"}, wargs...), "--max-queue", "4", "--max-concurrent-requests", "2")
-		s.Extra = []fleet.WorkerSpec{{Engine: "llama", Model: c.Model, Args: largs, CPUs: c.LlamaCPUs}}
+		s.Extra = []fleet.WorkerSpec{{Engine: "llama", Model: c.Model, Args: largs, CPUs: max(c.LlamaCPUs, 0)}}
 	}
 	return s
 }

@@ -17,6 +17,24 @@ type Fault struct {
 	// Expected, if set, tells the report which failures the fault itself
 	// made unanswerable (e.g. requests in flight on a killed worker).
 	Expected func(r Record) bool
+	// Restarts, if set, lists after the recovery the workers the fault
+	// restarted (the rolling restart).
+	Restarts func() []Restart
+}
+
+// Restart is one worker replaced by the rolling restart.
+type Restart struct {
+	Worker string `json:"worker"` // its address, the same before and after
+	Engine string `json:"engine"` // sim | llama
+	OldPID int    `json:"old_pid"`
+	NewPID int    `json:"new_pid"` // 0: not started again
+	// InFlight are the ids of the requests it was serving at the
+	// SIGTERM, Streaming how many of them were streams with a token out.
+	InFlight  []int   `json:"in_flight,omitempty"`
+	Streaming int     `json:"streaming"`
+	DrainS    float64 `json:"drain_s"` // SIGTERM → the process exited
+	ReadyS    float64 `json:"ready_s"` // exited → the new one's /readyz answered 200
+	Err       string  `json:"error,omitempty"`
 }
 
 // Window is what happened to one fault, in run time.
@@ -27,6 +45,8 @@ type Window struct {
 	End   time.Duration `json:"end_ns"`   // Recover returned: the fault is over
 	Next  time.Duration `json:"next_ns"`  // start of the next window (or the run's end)
 	Err   string        `json:"error,omitempty"`
+	// Restarts are the workers the fault restarted, in order.
+	Restarts []Restart `json:"restarts,omitempty"`
 
 	expected func(Record) bool
 }
@@ -85,6 +105,9 @@ func (s Schedule) Run(ctx context.Context, runStart time.Time, obs Observer) []W
 			}
 		}
 		w.End = since()
+		if f.Restarts != nil {
+			w.Restarts = f.Restarts()
+		}
 		if len(errs) > 0 {
 			w.Err = fmt.Sprint(errs)
 			logf("  %s: %s", f.Name, w.Err)

@@ -50,6 +50,20 @@ func (f *Fleet) RestartWorker(ctx context.Context, i int) error {
 	return waitHealthy(ctx, "http://"+f.Workers[i]+"/healthz")
 }
 
+// WaitWorkerReady waits until worker i's /readyz answers 200, as a
+// rollout waits for the new pod's readiness before it replaces the next.
+func (f *Fleet) WaitWorkerReady(ctx context.Context, i int) error {
+	return waitHealthy(ctx, "http://"+f.Workers[i]+"/readyz")
+}
+
+// WorkerPID is worker i's process id, 0 when it is not running.
+func (f *Fleet) WorkerPID(i int) int {
+	if p := f.workers[i]; p != nil && p.Process != nil {
+		return p.Process.Pid
+	}
+	return 0
+}
+
 // DrainWorker stops worker i the way the kubelet stops a pod: SIGTERM,
 // then its drain (running and queued requests finish, new ones get 503)
 // for at most within, then SIGKILL. It reports how the process ended: an

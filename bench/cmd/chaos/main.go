@@ -43,7 +43,7 @@ func run(ctx context.Context, args []string) (int, error) {
 	fs.StringVar(&cfg.Out, "out", "bench/out/chaos", "output directory")
 	fs.StringVar(&cfg.Model, "model", "var/models/tiny.gguf", "GGUF model of the llama worker (and the sim workers' sizes)")
 	fs.IntVar(&cfg.SimWorkers, "sim-workers", 3, "simulated workers")
-	fs.Float64Var(&cfg.LlamaCPUs, "llama-cpus", 1, "the llama worker's CPU quota (the slow-worker fault divides it by 10)")
+	fs.Float64Var(&cfg.LlamaCPUs, "llama-cpus", 1, "the llama worker's CPU quota (the slow-worker fault divides it by 10); negative: none (drops the slow-worker fault)")
 	fs.IntVar(&cfg.Users, "users", 6, "concurrent users of the steady load")
 	fs.Float64Var(&cfg.StreamShare, "stream-share", 0.5, "share of the users' requests sent streamed (the rest whole; negative: none)")
 	fs.IntVar(&cfg.MaxTokens, "max-tokens", 32, "output tokens per request")
@@ -67,7 +67,7 @@ func run(ctx context.Context, args []string) (int, error) {
 		if f == "none" {
 			break
 		}
-		if f = strings.TrimSpace(f); f != "" && !(f == "slow-worker" && !cfg.Llama) {
+		if f = strings.TrimSpace(f); f != "" && !(f == "slow-worker" && (!cfg.Llama || cfg.LlamaCPUs < 0)) {
 			cfg.Faults = append(cfg.Faults, f)
 		}
 	}
