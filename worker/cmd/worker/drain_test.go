@@ -176,3 +176,55 @@ func waitUntil(t *testing.T, what string, cond func() bool) {
 	t.Helper()
 	wait.For(t, 20*time.Second, what, cond)
 }
+
+// When --drain-timeout ends first, what still runs fails with a 503 in the
+// error format, as the stream's last event (never a silent cut), and the
+// worker exits 0.
+func TestSIGTERMDrainTimeoutFailsWhatStillRunsThenExitsZero(t *testing.T) {
+	p := startProcess(t, "--model", testmodel.Path(t), "--n-ctx", "4096", "--n-seq-max", "4", "--threads", "1",
+		"--max-concurrent-requests", "1", "--max-output-tokens", "3500", "--drain-timeout", "1s", "--log-level", "info")
+
+	body := `{"model":"m","messages":[{"role":"user","content":"tell a long story"}],"max_tokens":3500,"ignore_eos":true,"temperature":0,"stream":true}`
+	resp, err := http.Post(p.url+"/v1/chat/completions", "application/json", strings.NewReader(body))
+	if err != nil || resp.StatusCode != 200 {
+		t.Fatalf("stream: %v %v", resp, err)
+	}
+	defer resp.Body.Close()
+	stream := bufio.NewReader(resp.Body)
+	if l, err := stream.ReadString('\n'); err != nil || !strings.HasPrefix(l, "data: ") {
+		t.Fatalf("first line %q %v", l, err)
+	}
+	if err := p.cmd.Process.Signal(syscall.SIGTERM); err != nil {
+		t.Fatal(err)
+	}
+	var last string
+	for {
+		l, err := stream.ReadString('\n')
+		if err != nil {
+			break
+		}
+		if l == "data: [DONE]\n" {
+			break
+		}
+		if strings.HasPrefix(l, "data: ") {
+			last = l
+		}
+	}
+	var ev struct {
+		Error struct {
+			Code int    `json:"code"`
+			Type string `json:"type"`
+		} `json:"error"`
+	}
+	if err := json.Unmarshal([]byte(strings.TrimPrefix(strings.TrimSpace(last), "data: ")), &ev); err != nil || ev.Error.Code != 503 || ev.Error.Type == "" {
+		t.Fatalf("the stream's last event %q (%v): want a 503 error event", last, err)
+	}
+	select {
+	case err := <-p.exited:
+		if err != nil {
+			t.Fatalf("the worker exited with %v", err)
+		}
+	case <-time.After(30 * time.Second):
+		t.Fatal("the worker did not exit after its drain timeout")
+	}
+}
