@@ -174,7 +174,7 @@ type Options struct {
 	Logger *slog.Logger
 	// Registerer, if set, gets llm_filter_balancer_stage_seconds{stage},
 	// llm_filter_balancer_ttft_prediction_error (Observe) and
-	// llm_filter_balancer_bytes_per_token{model} (BytesPerToken).
+	// llm_filter_balancer_bytes_per_token{model_name} (BytesPerToken).
 	Registerer prometheus.Registerer
 }
 
@@ -262,7 +262,7 @@ func New(opts Options) *Balancer {
 	b.bpt = prometheus.NewGaugeVec(prometheus.GaugeOpts{
 		Name: "llm_filter_balancer_bytes_per_token",
 		Help: "Prompt bytes per token learnt per model from the usage.prompt_tokens of its answers (1 until the first).",
-	}, []string{"model"})
+	}, []string{"model_name"})
 	if opts.Registerer != nil {
 		// A second engine on the same registry (a config reload) shares the
 		// first one's collectors.

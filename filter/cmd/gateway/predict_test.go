@@ -116,7 +116,7 @@ filter:
 		return metric(t, base, `llm_filter_balancer_ttft_prediction_error_count`) == n
 	})
 	// The learnt ratio is a weighted mean of the requests' ratios.
-	got := metric(t, base, `llm_filter_balancer_bytes_per_token{model="qwen"}`)
+	got := metric(t, base, `llm_filter_balancer_bytes_per_token{model_name="qwen"}`)
 	if got < lo-1e-9 || got > hi+1e-9 {
 		t.Fatalf("learnt bytes per token %v, want within the requests' ratios [%v, %v]", got, lo, hi)
 	}
