@@ -184,3 +184,21 @@ func TestScheduleRunsFaultsInOrderAndAlwaysRecovers(t *testing.T) {
 		t.Fatalf("fault stats %+v", fs[1])
 	}
 }
+
+// A request belongs to the window it started in while that fault was on,
+// but a later fault may be what ended it: its failure is expected when
+// any fault's own rule says so (here a stream started during an outage of
+// the metadata center, still running on the gateway a later kill took).
+func TestAFailureALaterFaultCausedIsExpected(t *testing.T) {
+	ws := []Window{
+		{Name: "mc-restart", Start: secs(10), End: secs(12), Next: secs(20)},
+		{Name: "gateway-kill", Start: secs(20), End: secs(23), Next: secs(40),
+			expected: func(r Record) bool { return r.Gateway == "g1" && inFlightAt(r, secs(20)) }},
+	}
+	rs := []Record{rec(0, 11, 20.5, Reset, 0), rec(1, 11, 20.5, Reset, 0)}
+	rs[0].Gateway, rs[1].Gateway = "g1", "g0"
+	out := Analyze(rs, ws, nil, Baseline{SuccessRate: 1, TTFTP50: 100, TTFTP90: 200}, time.Second)
+	if m := out[0]; m.Sent != 2 || m.Expected != 1 || m.Unexpected != 1 {
+		t.Fatalf("mc-restart window: %+v, want the killed gateway's stream expected, the other not", m)
+	}
+}
