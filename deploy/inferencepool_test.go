@@ -31,6 +31,7 @@ func checkEndpointPicker(t *testing.T, s stack) {
 	pool := must[*giev1.InferencePool](t, s, ns, poolName)
 
 	route := must[*gatewayv1.HTTPRoute](t, s, ns, "llm")
+	checkHTTPRoutePaths(t, route)
 	reached := false
 	for _, r := range route.Spec.Rules {
 		for _, b := range r.BackendRefs {

@@ -470,6 +470,7 @@ func checkRoutingChain(t *testing.T, s stack) {
 	}
 
 	vs := must[*networkingv1.VirtualService](t, s, "llm", "llm-api")
+	checkVirtualServicePaths(t, vs)
 	routed := map[string]bool{}
 	var catchAll string
 	for _, r := range vs.Spec.Http {

@@ -20,10 +20,10 @@ import (
 )
 
 // Text logs (msg=... addr=...) and the metadata center's JSON ("msg":...,"addr":...).
-var readyAddr = regexp.MustCompile(`msg"?[=:]"?([a-z ]+ready|gateway listening|metadata center listening)"?.*[ ,"]addr"?[=:]"?([0-9.:]+)`)
+var readyAddr = regexp.MustCompile(`msg"?[=:]"?([a-z ]+ready|gateway listening|metadata center listening|endpoint picker listening)"?.*[ ,"]addr"?[=:]"?([0-9.:]+)`)
 
 // startCmd runs a program until the test ends and returns the addr of its
-// first "... ready" / "gateway listening" log line.
+// first "... ready" / "gateway listening" / "endpoint picker listening" log line.
 func startCmd(t *testing.T, logDir, name, path string, args ...string) string {
 	t.Helper()
 	cmd := exec.Command(path, args...)

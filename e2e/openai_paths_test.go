@@ -22,6 +22,7 @@ import (
 
 	"github.com/istio-llm-filter/istio-llm-filter/envoyhost"
 	"github.com/istio-llm-filter/istio-llm-filter/filter/config"
+	"github.com/istio-llm-filter/istio-llm-filter/filter/epp/envoyrun"
 	oaitranscode "github.com/istio-llm-filter/istio-llm-filter/filter/transcode/openai"
 	"github.com/istio-llm-filter/istio-llm-filter/internal/headers"
 	"github.com/istio-llm-filter/istio-llm-filter/internal/testutil/wait"
@@ -132,12 +133,13 @@ func cachedOn(t *testing.T, mc, cluster string, hashes []string) string {
 }
 
 // The official OpenAI SDK's Responses.New and Embeddings.New and the
-// Anthropic SDK's Messages.New succeed through the standalone gateway and
-// the .so inside Envoy, routed by their model to its cluster: a prompt is
+// Anthropic SDK's Messages.New succeed through every host (the standalone
+// gateway, the .so inside Envoy, and the endpoint picker behind the real
+// upstream Envoy), routed by their model to its cluster: a prompt is
 // hashed into the metadata center's index under the pod that served it,
 // the same prompt again lands on that pod, and different tools hash
 // differently.
-func TestOpenAIAndAnthropicSDKsThroughBothHosts(t *testing.T) {
+func TestOpenAIAndAnthropicSDKsThroughEveryHost(t *testing.T) {
 	bin := binaries(t)
 	dir := t.TempDir()
 	mc := startCmd(t, dir, "metadata-center", filepath.Join(bin, "metadata-center"), "--listen", "127.0.0.1:0", "--store", "memory")
@@ -171,8 +173,35 @@ endpoints:
 		t.Fatal(err)
 	}
 
+	hosts := []struct{ name, url string }{{"standalone", "http://" + gw}, {"envoy", h.URL()}}
+	// The endpoint picker (bin/epp) on the standalone gateway's own file,
+	// behind the real upstream Envoy as Istio configures an InferencePool.
+	if envoyBin := envoyBinary(t); envoyBin != "" {
+		eppCfg := filepath.Join(dir, "epp.yaml")
+		if err := os.WriteFile(eppCfg, []byte("listen: 127.0.0.1:0\nfilter:\n"+indent(doc)), 0o600); err != nil {
+			t.Fatal(err)
+		}
+		picker := startCmd(t, dir, "epp", filepath.Join(bin, "epp"), "--config", eppCfg)
+		var elog strings.Builder
+		var emu sync.Mutex
+		e, err := envoyrun.Start(context.Background(), envoyrun.Options{Binary: envoyBin, EPP: picker, Retries: 2,
+			Stderr: writerFunc(func(b []byte) (int, error) { emu.Lock(); defer emu.Unlock(); return elog.Write(b) })})
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() {
+			_ = e.Close()
+			if t.Failed() {
+				emu.Lock()
+				t.Logf("--- upstream envoy\n%s", elog.String())
+				emu.Unlock()
+			}
+		})
+		hosts = append(hosts, struct{ name, url string }{"envoy-epp", e.URL()})
+	}
+
 	ctx := context.Background()
-	for _, g := range []struct{ name, url string }{{"standalone", "http://" + gw}, {"envoy", h.URL()}} {
+	for _, g := range hosts {
 		t.Run(g.name, func(t *testing.T) {
 			oc := openai.NewClient(option.WithBaseURL(g.url+"/v1/"), option.WithAPIKey("unused"), option.WithMaxRetries(0))
 			ac := anthropic.NewClient(aoption.WithBaseURL(g.url), aoption.WithAPIKey("unused"), aoption.WithMaxRetries(0))
@@ -268,3 +297,7 @@ endpoints:
 		})
 	}
 }
+
+type writerFunc func([]byte) (int, error)
+
+func (f writerFunc) Write(b []byte) (int, error) { return f(b) }

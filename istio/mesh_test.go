@@ -81,9 +81,20 @@ func TestRoutedRouteForwardsOnTheClusterHeader(t *testing.T) {
 	if len(http) == 0 || http[0].GetName() != name {
 		t.Fatalf("the first VirtualService route is not %q", name)
 	}
+	// One match per API path (/v1/, /v2/, /rerank, ...), each only with
+	// the header, and unnamed: Istio names the Envoy route of a named match
+	// "<route>.<match>", which the patch above would not reach.
 	hm := http[0].GetMatch()
-	if len(hm) != 1 || hm[0].GetHeaders()[headers.Cluster].GetRegex() != ".+" {
-		t.Fatalf("route %q does not match on a non-empty %s: %v", name, headers.Cluster, hm)
+	if len(hm) == 0 {
+		t.Fatalf("route %q has no match", name)
+	}
+	for _, m := range hm {
+		if m.GetHeaders()[headers.Cluster].GetRegex() != ".+" {
+			t.Fatalf("route %q: match %v is not on a non-empty %s", name, m, headers.Cluster)
+		}
+		if m.GetName() != "" {
+			t.Fatalf("route %q: match named %q: its Envoy route is not %q", name, m.GetName(), name)
+		}
 	}
 	// A retry drops the override host (docs/operations.md, "Override host,
 	// retries and strict mode"): only a refused connection, where nothing

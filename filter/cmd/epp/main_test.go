@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"io"
 	"net"
+	"net/http"
 	"os"
 	"path/filepath"
 	"runtime"
@@ -12,11 +13,18 @@ import (
 	"testing"
 	"time"
 
+	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
+	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
+	dto "github.com/prometheus/client_model/go"
+	"github.com/prometheus/common/expfmt"
+	"github.com/prometheus/common/model"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 
 	"github.com/istio-llm-filter/istio-llm-filter/filter/epp"
+	"github.com/istio-llm-filter/istio-llm-filter/filter/gatewaymetrics"
+	"github.com/istio-llm-filter/istio-llm-filter/internal/testutil/wait"
 )
 
 func writeFile(t *testing.T, doc string) string {
@@ -99,6 +107,177 @@ filter:
 		}
 	case <-time.After(15 * time.Second):
 		t.Fatal("did not stop")
+	}
+}
+
+// freeAddr is a loopback address nothing listens on (for --metrics-listen,
+// which the command binds itself).
+func freeAddr(t *testing.T) string {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	return ln.Addr().String()
+}
+
+func hdrs(kv ...string) *corev3.HeaderMap {
+	m := &corev3.HeaderMap{}
+	for i := 0; i < len(kv); i += 2 {
+		m.Headers = append(m.Headers, &corev3.HeaderValue{Key: kv[i], RawValue: []byte(kv[i+1])})
+	}
+	return m
+}
+
+// The picker's own /metrics (--metrics-listen) exports the gateway
+// metrics under the names the standalone gateway and the .so share
+// (filter/gatewaymetrics): after one request exchanged as Envoy's ext_proc
+// filter exchanges it (buffered request body, a streamed answer), the
+// finished request is counted in llm_filter_requests_total and its first
+// token timed in llm_filter_ttft_seconds, both by the matched rule's
+// model_name and cluster.
+func TestMetricsOfARequest(t *testing.T) {
+	metrics := freeAddr(t)
+	path := writeFile(t, `listen: 127.0.0.1:0
+log_level: error
+filter:
+  protocol: openai
+  model_mapping_rule:
+    tiny:
+      - {cluster: pool}
+  endpoints:
+    static:
+      pool: [10.0.0.1:8000]
+`)
+	ctx, cancel := context.WithCancel(context.Background())
+	ready := make(chan net.Addr, 1)
+	done := make(chan error, 1)
+	go func() {
+		done <- run(ctx, []string{"--config", path, "--metrics-listen", metrics}, io.Discard, ready)
+	}()
+	t.Cleanup(func() {
+		cancel()
+		select {
+		case err := <-done:
+			if err != nil {
+				t.Error(err)
+			}
+		case <-time.After(15 * time.Second):
+			t.Error("did not stop")
+		}
+	})
+	var addr net.Addr
+	select {
+	case addr = <-ready:
+	case err := <-done:
+		t.Fatal(err)
+	case <-time.After(30 * time.Second):
+		t.Fatal("not listening")
+	}
+	cc, err := grpc.NewClient(addr.String(), grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer cc.Close()
+
+	// One request, as Envoy's ext_proc filter sends it (request headers
+	// SEND, body BUFFERED, response headers SEND, body STREAMED).
+	body := `{"model":"tiny","stream":true,"messages":[{"role":"user","content":"What is a KV cache?"}]}`
+	stream, err := extprocv3.NewExternalProcessorClient(cc).Process(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	exchange := func(what string, req *extprocv3.ProcessingRequest) *extprocv3.ProcessingResponse {
+		t.Helper()
+		if err := stream.Send(req); err != nil {
+			t.Fatalf("%s: %v", what, err)
+		}
+		resp, err := stream.Recv()
+		if err != nil {
+			t.Fatalf("%s: %v", what, err)
+		}
+		if ir := resp.GetImmediateResponse(); ir != nil {
+			t.Fatalf("%s: refused %v: %s", what, ir.GetStatus(), ir.GetBody())
+		}
+		return resp
+	}
+	exchange("request headers", &extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_RequestHeaders{RequestHeaders: &extprocv3.HttpHeaders{
+		Headers: hdrs(":method", "POST", ":path", "/v1/chat/completions", ":authority", "llm", "content-type", "application/json", "content-length", fmt.Sprint(len(body)))}}})
+	r := exchange("request body", &extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_RequestBody{RequestBody: &extprocv3.HttpBody{Body: []byte(body), EndOfStream: true}}})
+	var dest string
+	for _, h := range r.GetRequestBody().GetResponse().GetHeaderMutation().GetSetHeaders() {
+		if h.GetHeader().GetKey() == epp.DestinationHeader {
+			dest = h.GetHeader().GetValue()
+			if raw := h.GetHeader().GetRawValue(); len(raw) > 0 {
+				dest = string(raw)
+			}
+		}
+	}
+	if dest != "10.0.0.1:8000" {
+		t.Fatalf("routed to %q, want the pool's pod 10.0.0.1:8000", dest)
+	}
+	exchange("response headers", &extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_ResponseHeaders{ResponseHeaders: &extprocv3.HttpHeaders{
+		Headers: hdrs(":status", "200", "content-type", "text/event-stream")}}})
+	exchange("response body", &extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_ResponseBody{ResponseBody: &extprocv3.HttpBody{
+		Body: []byte("data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"A cache.\"}}]}\n\ndata: [DONE]\n\n"), EndOfStream: true}}})
+	if err := stream.CloseSend(); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := stream.Recv(); err != io.EOF {
+		t.Fatalf("the stream ends with %v, want EOF", err)
+	}
+
+	want := map[string]string{gatewaymetrics.LabelModel: "tiny", gatewaymetrics.LabelCluster: "pool"}
+	has := func(m *dto.Metric, labels map[string]string) bool {
+		got := map[string]string{}
+		for _, l := range m.GetLabel() {
+			got[l.GetName()] = l.GetValue()
+		}
+		for k, v := range labels {
+			if got[k] != v {
+				return false
+			}
+		}
+		return true
+	}
+	var requests, ttft float64
+	var families map[string]*dto.MetricFamily
+	wait.For(t, 10*time.Second, "the request in the picker's /metrics", func() bool {
+		resp, err := http.Get("http://" + metrics + "/metrics")
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer resp.Body.Close()
+		if resp.StatusCode != http.StatusOK {
+			t.Fatalf("GET /metrics: %s", resp.Status)
+		}
+		parser := expfmt.NewTextParser(model.UTF8Validation)
+		families, err = parser.TextToMetricFamilies(resp.Body)
+		if err != nil {
+			t.Fatal(err)
+		}
+		requests, ttft = 0, 0
+		for _, m := range families[gatewaymetrics.Requests].GetMetric() {
+			if has(m, map[string]string{gatewaymetrics.LabelModel: "tiny", gatewaymetrics.LabelCluster: "pool", "outcome": gatewaymetrics.OutcomeSuccess}) {
+				requests += m.GetCounter().GetValue()
+			}
+		}
+		for _, m := range families[gatewaymetrics.TTFT].GetMetric() {
+			if has(m, want) {
+				ttft += float64(m.GetHistogram().GetSampleCount())
+			}
+		}
+		return requests == 1 && ttft == 1
+	})
+	if f := families[gatewaymetrics.Requests]; f.GetType() != dto.MetricType_COUNTER {
+		t.Errorf("%s is a %v, want a counter", gatewaymetrics.Requests, f.GetType())
+	}
+	if f := families[gatewaymetrics.TTFT]; f.GetType() != dto.MetricType_HISTOGRAM {
+		t.Errorf("%s is a %v, want a histogram", gatewaymetrics.TTFT, f.GetType())
+	}
+	if gatewaymetrics.Requests != "llm_filter_requests_total" || gatewaymetrics.TTFT != "llm_filter_ttft_seconds" {
+		t.Errorf("the shared names changed: %s, %s", gatewaymetrics.Requests, gatewaymetrics.TTFT)
 	}
 }
 

@@ -40,6 +40,20 @@ worker-{{ .Values.worker.modelName }}
 outbound|{{ .Values.worker.port }}||{{ include "llmf.workerName" . }}.{{ include "llmf.ns" . }}.svc.cluster.local
 {{- end -}}
 
+{{/*
+The paths the gateway's routes send to the router, as [match, path]
+pairs (match prefix or exact; the HTTPRoute's PathPrefix or Exact): the
+OpenAI-compatible APIs under /v1/ and /v2/ (vLLM's /v2/rerank), and the
+unversioned /rerank and /score vLLM serves (docs/envoy-filter.md, "Paths").
+The same as istio/gateway.yaml's and deploy/inferencepool/gateway.yaml's.
+*/}}
+{{- define "llmf.apiPaths" -}}
+- [prefix, /v1/]
+- [prefix, /v2/]
+- [exact, /rerank]
+- [exact, /score]
+{{- end -}}
+
 {{/* Where the token Secret is mounted in every pod that reads it. */}}
 {{- define "llmf.authDir" -}}/etc/llm-filter/mc-auth{{- end -}}
 {{- define "llmf.mcCADir" -}}/etc/llm-filter/mc-ca{{- end -}}
