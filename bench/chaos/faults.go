@@ -39,7 +39,7 @@ func buildFaults(names []string, f *fleet.Fleet, load *Load, cfg Config, start t
 			const victim = 0
 			addr := f.Workers[victim]
 			var mu sync.Mutex
-			var at time.Duration
+			var at, back time.Duration // the kill, and the restart once done
 			ids := map[int]bool{}
 			ft = Fault{Name: name, Hold: 3 * time.Second,
 				What: fmt.Sprintf("kill -9 worker %s with a stream in flight, restart it on the same address 3 s later", addr),
@@ -58,13 +58,24 @@ func buildFaults(names []string, f *fleet.Fleet, load *Load, cfg Config, start t
 					f.KillWorker(victim)
 					return nil
 				},
-				Recover: func(ctx context.Context) error { return f.RestartWorker(ctx, victim) },
+				Recover: func(ctx context.Context) error {
+					err := f.RestartWorker(ctx, victim)
+					mu.Lock()
+					back = time.Since(start)
+					mu.Unlock()
+					return err
+				},
 				Expected: func(r Record) bool {
 					mu.Lock()
 					defer mu.Unlock()
 					// Streams known to be on it, and unstreamed requests in
-					// flight at the kill whose pod is unknown or it.
-					return ids[r.ID] || (inFlightAt(r, at) && (r.Worker == addr || r.Worker == ""))
+					// flight at the kill whose pod is unknown or it. And a
+					// request sent to it while it was dead whose reused
+					// connection reset before any answer (503): the pod may
+					// have had it, so neither Envoy's connect-failure retry
+					// (Istio's default policy) nor the gateway's retries it.
+					return ids[r.ID] || (inFlightAt(r, at) && (r.Worker == addr || r.Worker == "")) ||
+						(r.Worker == addr && r.Status == 503 && r.Start >= at && (back == 0 || r.Start < back))
 				},
 			}
 		case "rolling-restart":
