@@ -62,17 +62,7 @@ func TestServesUntilStopped(t *testing.T) {
 }
 
 func servesUntilStopped(t *testing.T, args []string, procs int) {
-	path := writeFile(t, `listen: 127.0.0.1:0
-log_level: error
-filter:
-  protocol: openai
-  model_mapping_rule:
-    tiny:
-      - {cluster: pool}
-  endpoints:
-    static:
-      pool: [10.0.0.1:8000]
-`)
+	path := writeFile(t, onePodConfig)
 	ctx, cancel := context.WithCancel(context.Background())
 	ready := make(chan net.Addr, 1)
 	done := make(chan error, 1)
@@ -139,17 +129,7 @@ func hdrs(kv ...string) *corev3.HeaderMap {
 // model_name and cluster.
 func TestMetricsOfARequest(t *testing.T) {
 	metrics := freeAddr(t)
-	path := writeFile(t, `listen: 127.0.0.1:0
-log_level: error
-filter:
-  protocol: openai
-  model_mapping_rule:
-    tiny:
-      - {cluster: pool}
-  endpoints:
-    static:
-      pool: [10.0.0.1:8000]
-`)
+	path := writeFile(t, onePodConfig)
 	ctx, cancel := context.WithCancel(context.Background())
 	ready := make(chan net.Addr, 1)
 	done := make(chan error, 1)
@@ -298,3 +278,17 @@ func TestRefusesABadFile(t *testing.T) {
 		t.Fatalf("without --config: %v", err)
 	}
 }
+
+// onePodConfig is a picker's configuration with one rule (model tiny to
+// cluster pool) and one pod.
+const onePodConfig = `listen: 127.0.0.1:0
+log_level: error
+filter:
+  protocol: openai
+  model_mapping_rule:
+    tiny:
+      - {cluster: pool}
+  endpoints:
+    static:
+      pool: [10.0.0.1:8000]
+`

@@ -78,17 +78,7 @@ func TestSIGTERMDrainsRunningAndQueuedRequestsThenExitsZero(t *testing.T) {
 	p := startProcess(t, "--model", testmodel.Path(t), "--n-ctx", "4096", "--n-seq-max", "4", "--threads", "1",
 		"--max-concurrent-requests", "1", "--max-output-tokens", "3500", "--drain-timeout", "60s", "--log-level", "info")
 
-	// A long stream, running; its first chunk has arrived.
-	body := `{"model":"m","messages":[{"role":"user","content":"tell a long story"}],"max_tokens":3500,"ignore_eos":true,"temperature":0,"stream":true}`
-	resp, err := http.Post(p.url+"/v1/chat/completions", "application/json", strings.NewReader(body))
-	if err != nil || resp.StatusCode != 200 {
-		t.Fatalf("stream: %v %v", resp, err)
-	}
-	defer resp.Body.Close()
-	stream := bufio.NewReader(resp.Body)
-	if l, err := stream.ReadString('\n'); err != nil || !strings.HasPrefix(l, "data: ") {
-		t.Fatalf("first line %q %v", l, err)
-	}
+	stream := longStream(t, p.url)
 	// A request queued behind it (one running slot).
 	queued := make(chan int, 1)
 	go func() {
@@ -184,16 +174,7 @@ func TestSIGTERMDrainTimeoutFailsWhatStillRunsThenExitsZero(t *testing.T) {
 	p := startProcess(t, "--model", testmodel.Path(t), "--n-ctx", "4096", "--n-seq-max", "4", "--threads", "1",
 		"--max-concurrent-requests", "1", "--max-output-tokens", "3500", "--drain-timeout", "1s", "--log-level", "info")
 
-	body := `{"model":"m","messages":[{"role":"user","content":"tell a long story"}],"max_tokens":3500,"ignore_eos":true,"temperature":0,"stream":true}`
-	resp, err := http.Post(p.url+"/v1/chat/completions", "application/json", strings.NewReader(body))
-	if err != nil || resp.StatusCode != 200 {
-		t.Fatalf("stream: %v %v", resp, err)
-	}
-	defer resp.Body.Close()
-	stream := bufio.NewReader(resp.Body)
-	if l, err := stream.ReadString('\n'); err != nil || !strings.HasPrefix(l, "data: ") {
-		t.Fatalf("first line %q %v", l, err)
-	}
+	stream := longStream(t, p.url)
 	if err := p.cmd.Process.Signal(syscall.SIGTERM); err != nil {
 		t.Fatal(err)
 	}
@@ -227,4 +208,21 @@ func TestSIGTERMDrainTimeoutFailsWhatStillRunsThenExitsZero(t *testing.T) {
 	case <-time.After(30 * time.Second):
 		t.Fatal("the worker did not exit after its drain timeout")
 	}
+}
+
+// longStream starts a 3,500-token stream on the worker at url and returns
+// it once its first chunk has arrived: a request running, mid-answer.
+func longStream(t *testing.T, url string) *bufio.Reader {
+	t.Helper()
+	body := `{"model":"m","messages":[{"role":"user","content":"tell a long story"}],"max_tokens":3500,"ignore_eos":true,"temperature":0,"stream":true}`
+	resp, err := http.Post(url+"/v1/chat/completions", "application/json", strings.NewReader(body))
+	if err != nil || resp.StatusCode != 200 {
+		t.Fatalf("stream: %v %v", resp, err)
+	}
+	t.Cleanup(func() { resp.Body.Close() })
+	stream := bufio.NewReader(resp.Body)
+	if l, err := stream.ReadString('\n'); err != nil || !strings.HasPrefix(l, "data: ") {
+		t.Fatalf("first line %q %v", l, err)
+	}
+	return stream
 }
