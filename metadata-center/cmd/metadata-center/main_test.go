@@ -166,22 +166,30 @@ func TestSIGTERM(t *testing.T) {
 			t.Fatal("no listening log line")
 		}
 	}
+	// A client of its own: no idle connection from another test's server
+	// that had this port may carry the requests below.
+	client := &http.Client{Transport: &http.Transport{}}
+	defer client.CloseIdleConnections()
 	// A request whose body arrives slowly is in flight when SIGTERM lands.
 	pr, pw := io.Pipe()
-	got := make(chan int, 1)
+	type answer struct {
+		code int
+		err  error
+	}
+	got := make(chan answer, 1)
 	go func() {
-		resp, err := http.Post("http://"+addr+api.PathCacheSave, "application/json", pr)
+		resp, err := client.Post("http://"+addr+api.PathCacheSave, "application/json", pr)
 		if err != nil {
-			got <- -1
+			got <- answer{err: err}
 			return
 		}
 		resp.Body.Close()
-		got <- resp.StatusCode
+		got <- answer{code: resp.StatusCode}
 	}()
 	_, _ = pw.Write([]byte(`{"cluster":"c","host":"10.0.0.1:1",`)) // returns once the client has connected and read it
 	// The server accepts connections in the order they were made: once a
 	// request on a later connection is answered, the slow one is accepted.
-	resp, err := http.Get("http://" + addr + api.PathHealthz)
+	resp, err := client.Get("http://" + addr + api.PathHealthz)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -200,8 +208,8 @@ func TestSIGTERM(t *testing.T) {
 	})
 	_, _ = pw.Write([]byte(`"hashes":["0123456789abcdef"]}`))
 	_ = pw.Close()
-	if code := <-got; code != 200 {
-		t.Fatalf("in-flight request got %d during shutdown", code)
+	if a := <-got; a.err != nil || a.code != 200 {
+		t.Fatalf("in-flight request during shutdown: status %d, error %v", a.code, a.err)
 	}
 	var stopped bool
 	for m := range lines { // until the process closes stderr
