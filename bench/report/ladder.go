@@ -132,7 +132,36 @@ func writeLadders(b *strings.Builder, r Run) {
 			}
 		}
 		b.WriteString("\n\n")
+		if slices.Contains(policies, "cache_aware") && slices.Contains(policies, eppPolicy) {
+			mine, mineP90 := r.curve(steps, "cache_aware")
+			theirs, theirsP90 := r.curve(steps, eppPolicy)
+			b.WriteString(saturationAim(mine, mineP90, theirs, theirsP90) + "\n\n")
+		}
 	}
+}
+
+// aimSaturation is the aim of cache_aware's saturation rate: at least this
+// many times epp's on the same ladder (docs/benchmarks.md, "The aims, one
+// by one").
+const aimSaturation = 1.2
+
+// saturationAim says whether cache_aware's saturation rate (mine) is at
+// least aimSaturation × epp's (theirs), or that the ladder cannot tell: a
+// rate known only as a bound (a first step already past the limit, a last
+// step still below it) decides only when the bound is on the right side.
+func saturationAim(mine, mineP90, theirs, theirsP90 []float64) string {
+	m, mBelow, mAbove := Saturation(mine, mineP90)
+	t, tBelow, tAbove := Saturation(theirs, theirsP90)
+	ratio := m / t
+	verdict := "not decided by this ladder (a rate known only as a bound)"
+	switch {
+	case ratio >= aimSaturation && !mBelow && !tAbove:
+		verdict = "yes"
+	case ratio < aimSaturation && !mAbove && !tBelow:
+		verdict = "no"
+	}
+	return fmt.Sprintf("The aim of cache_aware's saturation rate, at least %.1f× epp's: %.2f / %.2f req/s = %.2f×, met: %s.",
+		aimSaturation, m, t, ratio, verdict)
 }
 
 // LadderChart plots a ladder's TTFT p90 against offered load, one line per

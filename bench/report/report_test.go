@@ -354,3 +354,40 @@ func TestLadderSaturationRate(t *testing.T) {
 		t.Fatalf("ladder chart: %d curves, want 2 and the dashed limit", n)
 	}
 }
+
+// The saturation aim (cache_aware at least 1.2× epp's rate) is decided
+// only where the ladder bounds both rates on the side that matters.
+func TestSaturationAim(t *testing.T) {
+	rates := []float64{2, 4, 8}
+	for _, tc := range []struct {
+		name       string
+		mine, epps []float64 // p90 at each step
+		want       string
+	}{
+		{"met", []float64{500, 1000, 3000}, []float64{1000, 3000}, "6.00 / 3.00 req/s = 2.00×, met: yes."},
+		{"missed", []float64{500, 2500}, []float64{500, 2500}, "= 1.00×, met: no."},
+		// cache_aware never saturates (> 8), epp at 3: more than 2.67×.
+		{"a lower bound above the aim", []float64{10, 20, 30}, []float64{1000, 3000}, "met: yes."},
+		// Both never saturate: 8 against more than 8, nothing decided.
+		{"two lower bounds", []float64{10, 20, 30}, []float64{10, 20, 30}, "met: not decided by this ladder"},
+	} {
+		got := saturationAim(rates[:len(tc.mine)], tc.mine, rates[:len(tc.epps)], tc.epps)
+		if !strings.Contains(got, tc.want) {
+			t.Errorf("%s: %q, want %q in it", tc.name, got, tc.want)
+		}
+	}
+	// Rendered under the ladder when both policies ran it.
+	var run Run
+	for i, rate := range rates {
+		for p, p90 := range map[string]float64{"cache_aware": []float64{500, 1000, 3000}[i], "epp": []float64{1000, 3000, 5000}[i]} {
+			run.Summaries = append(run.Summaries, Summary{Workload: LadderStep("spl", rate), Policy: p, Rate: rate, TTFT: Percentiles{P90: p90}})
+		}
+	}
+	var b strings.Builder
+	if err := run.WriteMarkdown(&b); err != nil {
+		t.Fatal(err)
+	}
+	if want := "The aim of cache_aware's saturation rate, at least 1.2× epp's: 6.00 / 3.00 req/s = 2.00×, met: yes."; !strings.Contains(b.String(), want) {
+		t.Fatalf("report lacks %q:\n%s", want, b.String())
+	}
+}
