@@ -20,22 +20,7 @@ func medianOf(ss []Summary) Summary {
 	if len(ss) == 1 {
 		return ss[0]
 	}
-	med := func(f func(Summary) float64) float64 {
-		v := make([]float64, len(ss))
-		for i, s := range ss {
-			v[i] = f(s)
-		}
-		slices.Sort(v)
-		return Quantile(v, 0.5)
-	}
-	pct := func(f func(Summary) Percentiles) Percentiles {
-		return Percentiles{
-			P50:  med(func(s Summary) float64 { return f(s).P50 }),
-			P90:  med(func(s Summary) float64 { return f(s).P90 }),
-			P99:  med(func(s Summary) float64 { return f(s).P99 }),
-			Mean: med(func(s Summary) float64 { return f(s).Mean }),
-		}
-	}
+	med := func(f func(Summary) float64) float64 { return median(ss, f) }
 	m := Summary{Workload: ss[0].Workload, Policy: ss[0].Policy, External: ss[0].External}
 	for _, s := range ss {
 		m.Requests += s.Requests
@@ -45,8 +30,8 @@ func medianOf(ss []Summary) Summary {
 	if m.Requests > 0 {
 		m.SuccessRate = float64(m.Succeeded) / float64(m.Requests)
 	}
-	m.TTFT = pct(func(s Summary) Percentiles { return s.TTFT })
-	m.Latency = pct(func(s Summary) Percentiles { return s.Latency })
+	m.TTFT = medianPercentiles(ss, func(s Summary) Percentiles { return s.TTFT })
+	m.Latency = medianPercentiles(ss, func(s Summary) Percentiles { return s.Latency })
 	m.Duration = med(func(s Summary) float64 { return s.Duration })
 	m.Throughput = med(func(s Summary) float64 { return s.Throughput })
 	m.OutputTokensS = med(func(s Summary) float64 { return s.OutputTokensS })
@@ -75,15 +60,13 @@ func medianOf(ss []Summary) Summary {
 		}
 	}
 	if len(withPred) > 0 {
-		pe := &PredictionError{}
-		var med50, med90 []float64
+		pe := &PredictionError{
+			Median: median(withPred, func(s Summary) float64 { return s.PredictionError.Median }),
+			P90:    median(withPred, func(s Summary) float64 { return s.PredictionError.P90 }),
+		}
 		for _, s := range withPred {
 			pe.Requests += s.PredictionError.Requests
-			med50, med90 = append(med50, s.PredictionError.Median), append(med90, s.PredictionError.P90)
 		}
-		slices.Sort(med50)
-		slices.Sort(med90)
-		pe.Median, pe.P90 = Quantile(med50, 0.5), Quantile(med90, 0.5)
 		m.PredictionError = pe
 	}
 	return m
@@ -95,21 +78,31 @@ func medianFloor(fs []Floor) Floor {
 	if len(fs) == 1 {
 		return fs[0]
 	}
-	med := func(f func(Floor) float64) float64 {
-		v := make([]float64, len(fs))
-		for i, x := range fs {
-			v[i] = f(x)
-		}
-		slices.Sort(v)
-		return Quantile(v, 0.5)
-	}
-	m := Floor{Workload: fs[0].Workload, Runs: len(fs)}
+	m := Floor{Workload: fs[0].Workload, Runs: len(fs), TTFT: medianPercentiles(fs, func(f Floor) Percentiles { return f.TTFT })}
 	for _, f := range fs {
 		m.Requests += f.Requests
 	}
-	m.TTFT = Percentiles{P50: med(func(f Floor) float64 { return f.TTFT.P50 }), P90: med(func(f Floor) float64 { return f.TTFT.P90 }),
-		P99: med(func(f Floor) float64 { return f.TTFT.P99 }), Mean: med(func(f Floor) float64 { return f.TTFT.Mean })}
 	return m
+}
+
+// median is the median of f over xs.
+func median[T any](xs []T, f func(T) float64) float64 {
+	v := make([]float64, len(xs))
+	for i, x := range xs {
+		v[i] = f(x)
+	}
+	slices.Sort(v)
+	return Quantile(v, 0.5)
+}
+
+// medianPercentiles is each percentile's median of f over xs.
+func medianPercentiles[T any](xs []T, f func(T) Percentiles) Percentiles {
+	return Percentiles{
+		P50:  median(xs, func(x T) float64 { return f(x).P50 }),
+		P90:  median(xs, func(x T) float64 { return f(x).P90 }),
+		P99:  median(xs, func(x T) float64 { return f(x).P99 }),
+		Mean: median(xs, func(x T) float64 { return f(x).Mean }),
+	}
 }
 
 // rounds returns the repeats that ran workload, in merge order.
