@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"io"
 	"net"
@@ -62,24 +63,7 @@ func TestServesUntilStopped(t *testing.T) {
 }
 
 func servesUntilStopped(t *testing.T, args []string, procs int) {
-	path := writeFile(t, onePodConfig)
-	ctx, cancel := context.WithCancel(context.Background())
-	ready := make(chan net.Addr, 1)
-	done := make(chan error, 1)
-	go func() { done <- run(ctx, append([]string{"--config", path}, args...), io.Discard, ready) }()
-	var addr net.Addr
-	select {
-	case addr = <-ready:
-	case err := <-done:
-		t.Fatal(err)
-	case <-time.After(30 * time.Second):
-		t.Fatal("not listening")
-	}
-	cc, err := grpc.NewClient(addr.String(), grpc.WithTransportCredentials(insecure.NewCredentials()))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer cc.Close()
+	cc, stop := startPicker(t, args...)
 	for _, svc := range epp.HealthServices {
 		r, err := healthpb.NewHealthClient(cc).Check(context.Background(), &healthpb.HealthCheckRequest{Service: svc})
 		if err != nil || r.Status != healthpb.HealthCheckResponse_SERVING {
@@ -89,15 +73,46 @@ func servesUntilStopped(t *testing.T, args []string, procs int) {
 	if n := runtime.GOMAXPROCS(0); n != procs {
 		t.Errorf("serving on %d processors, want %d", n, procs)
 	}
-	cancel()
-	select {
-	case err := <-done:
-		if err != nil {
-			t.Fatal(err)
-		}
-	case <-time.After(15 * time.Second):
-		t.Fatal("did not stop")
+	if err := stop(); err != nil {
+		t.Fatal(err)
 	}
+}
+
+// startPicker runs the command on onePodConfig with args and returns a gRPC
+// connection to it (closed when the test ends) and stop, which cancels the
+// command and returns its error once it has returned (or after 15 s).
+func startPicker(t *testing.T, args ...string) (*grpc.ClientConn, func() error) {
+	t.Helper()
+	path := writeFile(t, onePodConfig)
+	ctx, cancel := context.WithCancel(context.Background())
+	ready := make(chan net.Addr, 1)
+	done := make(chan error, 1)
+	go func() { done <- run(ctx, append([]string{"--config", path}, args...), io.Discard, ready) }()
+	stop := func() error {
+		cancel()
+		select {
+		case err := <-done:
+			return err
+		case <-time.After(15 * time.Second):
+			return errors.New("did not stop")
+		}
+	}
+	var addr net.Addr
+	select {
+	case addr = <-ready:
+	case err := <-done:
+		t.Fatal(err)
+	case <-time.After(30 * time.Second):
+		stop()
+		t.Fatal("not listening")
+	}
+	cc, err := grpc.NewClient(addr.String(), grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		stop()
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { cc.Close() })
+	return cc, stop
 }
 
 // freeAddr is a loopback address nothing listens on (for --metrics-listen,
@@ -129,37 +144,12 @@ func hdrs(kv ...string) *corev3.HeaderMap {
 // model_name and cluster.
 func TestMetricsOfARequest(t *testing.T) {
 	metrics := freeAddr(t)
-	path := writeFile(t, onePodConfig)
-	ctx, cancel := context.WithCancel(context.Background())
-	ready := make(chan net.Addr, 1)
-	done := make(chan error, 1)
-	go func() {
-		done <- run(ctx, []string{"--config", path, "--metrics-listen", metrics}, io.Discard, ready)
-	}()
+	cc, stop := startPicker(t, "--metrics-listen", metrics)
 	t.Cleanup(func() {
-		cancel()
-		select {
-		case err := <-done:
-			if err != nil {
-				t.Error(err)
-			}
-		case <-time.After(15 * time.Second):
-			t.Error("did not stop")
+		if err := stop(); err != nil {
+			t.Error(err)
 		}
 	})
-	var addr net.Addr
-	select {
-	case addr = <-ready:
-	case err := <-done:
-		t.Fatal(err)
-	case <-time.After(30 * time.Second):
-		t.Fatal("not listening")
-	}
-	cc, err := grpc.NewClient(addr.String(), grpc.WithTransportCredentials(insecure.NewCredentials()))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer cc.Close()
 
 	// One request, as Envoy's ext_proc filter sends it (request headers
 	// SEND, body BUFFERED, response headers SEND, body STREAMED).
