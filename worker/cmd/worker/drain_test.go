@@ -151,14 +151,7 @@ func TestSIGTERMDrainsRunningAndQueuedRequestsThenExitsZero(t *testing.T) {
 	if st := <-queued; st != 200 {
 		t.Fatalf("the queued request got %d", st)
 	}
-	select {
-	case err := <-p.exited:
-		if err != nil {
-			t.Fatalf("the worker exited with %v", err)
-		}
-	case <-time.After(30 * time.Second):
-		t.Fatal("the worker did not exit after draining")
-	}
+	exitsZero(t, p, "draining")
 }
 
 // waitUntil polls cond for at most 20 s.
@@ -200,14 +193,7 @@ func TestSIGTERMDrainTimeoutFailsWhatStillRunsThenExitsZero(t *testing.T) {
 	if err := json.Unmarshal([]byte(strings.TrimPrefix(strings.TrimSpace(last), "data: ")), &ev); err != nil || ev.Error.Code != 503 || ev.Error.Type == "" {
 		t.Fatalf("the stream's last event %q (%v): want a 503 error event", last, err)
 	}
-	select {
-	case err := <-p.exited:
-		if err != nil {
-			t.Fatalf("the worker exited with %v", err)
-		}
-	case <-time.After(30 * time.Second):
-		t.Fatal("the worker did not exit after its drain timeout")
-	}
+	exitsZero(t, p, "its drain timeout")
 }
 
 // longStream starts a 3,500-token stream on the worker at url and returns
@@ -225,4 +211,18 @@ func longStream(t *testing.T, url string) *bufio.Reader {
 		t.Fatalf("first line %q %v", l, err)
 	}
 	return stream
+}
+
+// exitsZero waits (30 s at most) for the worker to exit after what, and
+// fails the test unless it exits 0.
+func exitsZero(t *testing.T, p *process, after string) {
+	t.Helper()
+	select {
+	case err := <-p.exited:
+		if err != nil {
+			t.Fatalf("the worker exited with %v", err)
+		}
+	case <-time.After(30 * time.Second):
+		t.Fatalf("the worker did not exit after %s", after)
+	}
 }
