@@ -532,7 +532,16 @@ func freeAddr() (string, error) {
 }
 
 func waitHealthy(ctx context.Context, url string) error {
-	deadline := time.Now().Add(60 * time.Second)
+	return waitAnswering(ctx, url, nil)
+}
+
+// healthyWithin bounds how long a process may take to answer 200.
+const healthyWithin = 60 * time.Second
+
+// waitAnswering polls url until it answers 200, for healthyWithin at most;
+// with p set, it gives up as soon as p has exited.
+func waitAnswering(ctx context.Context, url string, p *exec.Cmd) error {
+	deadline := time.Now().Add(healthyWithin)
 	var last error = errors.New("not answering")
 	for time.Now().Before(deadline) {
 		if ctx.Err() != nil {
@@ -548,9 +557,12 @@ func waitHealthy(ctx context.Context, url string) error {
 		} else {
 			last = err
 		}
+		if p != nil && exited(p) {
+			return fmt.Errorf("exited before %s answered (%w)", url, last)
+		}
 		time.Sleep(100 * time.Millisecond)
 	}
-	return fmt.Errorf("%s not healthy after 60s: %w", url, last)
+	return fmt.Errorf("%s not healthy after %v: %w", url, healthyWithin, last)
 }
 
 // scrapeConfig is the metadata center's scrape configuration

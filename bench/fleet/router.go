@@ -2,13 +2,10 @@ package fleet
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"net"
-	"net/http"
 	"path/filepath"
 	"strings"
-	"time"
 )
 
 // RouterCommand is a router of another make to run in place of our gateway
@@ -27,9 +24,6 @@ type RouterCommand struct {
 	Command string
 	Env     []string
 }
-
-// RouterReadyTimeout bounds how long a router may take to answer.
-const RouterReadyTimeout = 60 * time.Second
 
 // StartRouter starts r against the fleet's pods and makes it the fleet's
 // gateway: clients send to it as to ours. It is ready once GET /v1/models
@@ -58,27 +52,8 @@ func (f *Fleet) StartRouter(ctx context.Context, r RouterCommand) (string, error
 		return "", err
 	}
 	base := "http://127.0.0.1:" + port
-	logs := filepath.Join(f.LogDir, r.Name+".log")
-	var last error = errors.New("not answering")
-	for deadline := time.Now().Add(RouterReadyTimeout); ; time.Sleep(100 * time.Millisecond) {
-		resp, err := http.Get(base + "/v1/models")
-		if err == nil {
-			resp.Body.Close()
-			if resp.StatusCode == http.StatusOK {
-				break
-			}
-			err = fmt.Errorf("status %d", resp.StatusCode)
-		}
-		last = err
-		if exited(p) {
-			return "", fmt.Errorf("router %s exited before answering (%s), see %s", r.Name, line, logs)
-		}
-		if ctx.Err() != nil {
-			return "", ctx.Err()
-		}
-		if time.Now().After(deadline) {
-			return "", fmt.Errorf("router %s: GET %s/v1/models: %w after %v, see %s", r.Name, base, last, RouterReadyTimeout, logs)
-		}
+	if err := waitAnswering(ctx, base+"/v1/models", p); err != nil {
+		return "", fmt.Errorf("router %s (%s): %w, see %s", r.Name, line, err, filepath.Join(f.LogDir, r.Name+".log"))
 	}
 	f.Gateway, f.Gateways = base, []string{base}
 	return base, nil
