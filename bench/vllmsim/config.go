@@ -26,7 +26,8 @@
 //     a GPU;
 //   - /metrics with vLLM's names and model_name label
 //     (docs.vllm.ai/en/latest/design/metrics/): vllm:num_requests_running,
-//     vllm:num_requests_waiting, vllm:kv_cache_usage_perc,
+//     vllm:num_requests_waiting, vllm:kv_cache_usage_perc, vllm:cache_config_info
+//     (its block_size and num_gpu_blocks labels),
 //     vllm:prefix_cache_queries / vllm:prefix_cache_hits (tokens),
 //     vllm:num_preemptions, vllm:prompt_tokens, vllm:generation_tokens and
 //     the vllm:time_to_first_token_seconds histogram.

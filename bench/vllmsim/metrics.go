@@ -1,6 +1,8 @@
 package vllmsim
 
 import (
+	"strconv"
+
 	"github.com/prometheus/client_golang/prometheus"
 )
 
@@ -12,7 +14,7 @@ var ttftBuckets = []float64{0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.2
 // every engine step (so they are never older than one step).
 type collector struct {
 	p                                            *Pod
-	running, waiting, usage                      *prometheus.Desc
+	running, waiting, usage, cacheConfig         *prometheus.Desc
 	queries, hits, preempt, prompt, gen, success *prometheus.Desc
 }
 
@@ -26,7 +28,11 @@ func newCollector(p *Pod) *collector {
 	labels := prometheus.Labels{"model_name": p.cfg.ModelName}
 	d := func(name, help string) *prometheus.Desc { return prometheus.NewDesc(name, help, nil, labels) }
 	return &collector{
-		p:       p,
+		p: p,
+		// An info metric: its labels are the cache configuration, its value 1.
+		cacheConfig: prometheus.NewDesc("vllm:cache_config_info", "Information of the LLMEngine CacheConfig", nil,
+			prometheus.Labels{"block_size": strconv.Itoa(p.cfg.BlockSize), "num_gpu_blocks": strconv.Itoa(p.cfg.NumBlocks),
+				"enable_prefix_caching": "True"}),
 		running: d("vllm:num_requests_running", "Number of requests in model execution batches."),
 		waiting: d("vllm:num_requests_waiting", "Number of requests waiting to be processed."),
 		usage:   d("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage."),
@@ -40,7 +46,7 @@ func newCollector(p *Pod) *collector {
 }
 
 func (c *collector) Describe(ch chan<- *prometheus.Desc) {
-	for _, d := range []*prometheus.Desc{c.running, c.waiting, c.usage, c.queries, c.hits, c.preempt, c.prompt, c.gen, c.success} {
+	for _, d := range []*prometheus.Desc{c.running, c.waiting, c.usage, c.cacheConfig, c.queries, c.hits, c.preempt, c.prompt, c.gen, c.success} {
 		ch <- d
 	}
 	c.p.ttft.Describe(ch)
@@ -58,6 +64,7 @@ func (c *collector) Collect(ch chan<- prometheus.Metric) {
 	g(c.running, float64(running))
 	g(c.waiting, float64(waiting))
 	g(c.usage, usage)
+	g(c.cacheConfig, 1)
 	k(c.queries, st.queries)
 	k(c.hits, st.hits)
 	k(c.preempt, st.preemptions)

@@ -18,6 +18,7 @@ import (
 	"github.com/istio-llm-filter/istio-llm-filter/bench/client"
 	"github.com/istio-llm-filter/istio-llm-filter/bench/workload"
 	"github.com/istio-llm-filter/istio-llm-filter/internal/testutil/wait"
+	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/podsignals"
 )
 
 // testConfig is a small, fast pod.
@@ -140,6 +141,17 @@ func TestPrefixCacheHitsInWholeBlocksOverHTTP(t *testing.T) {
 	}
 	if got := gauge(m, "vllm:kv_cache_usage_perc"); got != 0 {
 		t.Fatalf("idle pod with cached blocks: kv_cache_usage_perc = %v, want 0 (idle cached blocks are free)", got)
+	}
+	// The metadata center's scraper reads the pod as it reads vLLM,
+	// the KV cache's size from vllm:cache_config_info's labels.
+	resp, err := http.Get(base + "/metrics")
+	if err != nil {
+		t.Fatal(err)
+	}
+	sig, err := podsignals.Parse(podsignals.BackendVLLM, resp.Body)
+	resp.Body.Close()
+	if err != nil || sig.KVCapacity != 256*16 || sig.KVCacheUtil != 0 || sig.Running != 0 {
+		t.Fatalf("scraped %+v (%v), want an idle pod of %d KV tokens", sig, err, 256*16)
 	}
 	if got := m[`vllm:time_to_first_token_seconds_count{model_name="tiny"}`]; got != 3 {
 		t.Fatalf("TTFT histogram count = %v, want 3", got)

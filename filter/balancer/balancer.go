@@ -72,8 +72,12 @@ type Host struct {
 	Signals       bool
 	Waiting       int64   // requests queued on the pod
 	Running       int64   // requests the pod is running
-	KVUtil        float64 // used / total KV cache, 0..1
+	KVUtil        float64 // KV cache running requests hold, 0..1 (idle cached blocks are free)
 	PrefillQueued int64   // prompt tokens the pod has still to prefill
+	// KVCapacity is the tokens the pod's KV cache holds, MaxRunning the
+	// requests it runs at most; 0 = not reported (vLLM reports the first
+	// only, our worker both).
+	KVCapacity, MaxRunning int64
 	// FilledSinceReport is the prompt bytes of this gateway's requests on
 	// the pod whose first token came after the report was taken, and
 	// FilledReqsSinceReport their number: the report still counts them in

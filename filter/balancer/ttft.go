@@ -136,11 +136,10 @@ type podFit struct {
 	hold float64 // mean seconds from a request's first token to its end
 }
 
-// fitRate weighs each new observation in the cluster's fit:
-// the last ~5 observations dominate, so a pod whose speed changes (its
-// batches fill, another model shares their GPUs) is followed within a second of
-// traffic, while one outlier TTFT moves the estimate by a fifth of its
-// error.
+// fitRate weighs each request's end in its pod's hold: the last ~5
+// dominate, so a pod whose answers lengthen or whose batches fill is
+// followed within a second of traffic, while one odd request moves the
+// hold by a fifth of its difference.
 const fitRate = 0.2
 
 // Bounds of the fitted figures, so that a burst of odd observations (a
@@ -174,6 +173,9 @@ type fleetMeans struct {
 	// (TTFT less slot wait ≈ step + tokens·secPerToken, observe); 0 until
 	// the first: the rule's defaults stand in.
 	secPerToken, step float64
+	// The fit's data: decayed sums of weight, tokens, seconds and their
+	// squares and product over the recent observations (fitMemory).
+	n, sx, sy, sxx, sxy float64
 }
 
 // ttftModel holds what cache_aware learns: per pod fits and per cluster
@@ -260,27 +262,34 @@ func (p *predictor) predict(h *Host) Cost {
 	}
 	c.QueuedTokens = queued
 
-	// A pod that reports requests waiting has no free running slot: the
-	// request starts once Waiting+1 of its running requests have ended,
-	// one every hold/Running seconds.
-	if h.Signals && waiting > 0 {
+	// A pod that reports requests waiting, or as many running as it runs
+	// at most, has no free running slot: the request starts once Waiting+1
+	// of its running requests have ended, one every hold/Running seconds.
+	if h.Signals && (waiting > 0 || h.MaxRunning > 0 && h.Running >= h.MaxRunning) {
 		c.SlotWait = float64(waiting+1) * hold / float64(max(h.Running, 1))
 	}
 	c.Prefill = (c.QueuedTokens + c.UncachedTokens) * secPerToken
 	c.Step = step
 
-	// KV fit. A vLLM-like utilization counts the blocks of running
-	// requests (idle cached blocks are free), so the pod's KV capacity is
-	// about Running·meanPrompt/util tokens and (1−util) of it is free.
-	// Where the request's new tokens do not fit, the pod evicts or
+	// KV fit. The utilization counts the blocks of running requests (idle
+	// cached blocks are free), so (1−util) of the pod's KV capacity is
+	// free: the capacity it reports, else about Running·meanPrompt/util
+	// tokens. Where the request's new tokens do not fit, the pod evicts or
 	// preempts the rest, which someone computes again: that many tokens at
-	// the pod's prefill rate. Without a running request or a mean there is
-	// no estimate of the capacity, and no term.
-	if h.Signals && h.Running > 0 && h.KVUtil > 0 && p.meanPrompt > 0 {
-		u := min(h.KVUtil, 1)
-		free := float64(h.Running) * p.meanPrompt * (1 - u) / u
-		c.FitTokens = max(0, c.UncachedTokens-free)
-		c.Fit = c.FitTokens * secPerToken
+	// the pod's prefill rate. Without a reported capacity, a running
+	// request or a mean there is no estimate of the free room, and no term.
+	if h.Signals {
+		u, free := min(max(h.KVUtil, 0), 1), -1.0
+		switch {
+		case h.KVCapacity > 0:
+			free = float64(h.KVCapacity) * (1 - u)
+		case h.Running > 0 && u > 0 && p.meanPrompt > 0:
+			free = float64(h.Running) * p.meanPrompt * (1 - u) / u
+		}
+		if free >= 0 {
+			c.FitTokens = max(0, c.UncachedTokens-free)
+			c.Fit = c.FitTokens * secPerToken
+		}
 	}
 	c.Total = c.SlotWait + c.Prefill + c.Step + c.Fit
 	return c
@@ -343,13 +352,15 @@ func (m *ttftModel) held(host string, d time.Duration) {
 	f.hold += fitRate * (d.Seconds() - f.hold)
 }
 
-// observe refits p's cluster from its observed TTFT. The part of
-// the prediction that scales with tokens (prefill and KV fit, at seconds
-// per token) and the part that does not (the decode step) share the error
-// in proportion to their share of the prediction, so both stay positive and
-// a cluster seen at one request size only is still predicted right at that
-// size. The slot wait is left out: it comes from request durations the
-// tracker measures (held), not from this TTFT.
+// observe refits p's cluster from its observed TTFT: the prefill and the
+// decode step are the slope and the intercept of a least-squares line
+// through the recent observations, TTFT less the predicted slot wait
+// against the tokens computed before the first token (queued, uncached and
+// what the KV fit recomputes). A line, not one factor for both: a pod's
+// step is paid whatever the request's size and its prefill per token, and
+// scaling both by the same error over-predicts short prefills wherever it
+// under-predicts long ones. The slot wait is left out: it comes from
+// request durations the tracker measures (held), not from this TTFT.
 func (m *ttftModel) observe(p Prediction, observed time.Duration) {
 	obs := observed.Seconds()
 	if p.Host == "" || obs <= 0 || p.Total <= 0 || p.defRate <= 0 || p.defStep <= 0 {
@@ -359,7 +370,7 @@ func (m *ttftModel) observe(p Prediction, observed time.Duration) {
 	m.log.LogAttrs(context.Background(), slog.LevelDebug, "ttft",
 		slog.String("cluster", p.Cluster), slog.String("host", p.Host),
 		slog.Float64("predicted", p.Total), slog.Float64("observed", obs))
-	tokens := p.QueuedTokens + p.UncachedTokens + p.FitTokens
+	x := p.QueuedTokens + p.UncachedTokens + p.FitTokens
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	fm := m.means[p.Cluster]
@@ -369,20 +380,50 @@ func (m *ttftModel) observe(p Prediction, observed time.Duration) {
 	if fm.secPerToken <= 0 {
 		fm.secPerToken, fm.step = 1/p.defRate, p.defStep
 	}
-	// What prefill and step account for, over what the fit predicts for
-	// them now; one observation moves the fit by at most a factor maxScale
-	// towards it, so that a TTFT that mostly waited for a slot the model
-	// did not foresee (or a slot wait it foresaw that did not happen)
-	// cannot undo many good observations.
-	scale := min(max((obs-p.SlotWait)/(tokens*fm.secPerToken+fm.step), 1/maxScale), maxScale)
-	fm.step = min(max(fm.step+fitRate*(scale-1)*fm.step, minStep), maxStep)
-	if tokens > 0 {
-		fm.secPerToken = min(max(fm.secPerToken+fitRate*(scale-1)*fm.secPerToken, minSecPerToken), maxSecPerToken)
+	// What prefill and step account for, bounded to a factor maxScale of
+	// what the fit predicts for them now, so that a TTFT that mostly
+	// waited for a slot the model did not foresee (or a slot wait it
+	// foresaw that did not happen) cannot undo many good observations.
+	fitted := fm.step + x*fm.secPerToken
+	y := min(max(obs-p.SlotWait, fitted/maxScale), fitted*maxScale)
+	const keep = 1 - 1.0/fitMemory
+	fm.n = fm.n*keep + 1
+	fm.sx = fm.sx*keep + x
+	fm.sy = fm.sy*keep + y
+	fm.sxx = fm.sxx*keep + x*x
+	fm.sxy = fm.sxy*keep + x*y
+	mx, my := fm.sx/fm.n, fm.sy/fm.n
+	varX := fm.sxx/fm.n - mx*mx
+	slope := (fm.sxy/fm.n - mx*my) / varX
+	if varX > minSpread*minSpread*mx*mx && slope > 0 && my-slope*mx > 0 {
+		fm.secPerToken = min(max(slope, minSecPerToken), maxSecPerToken)
+		fm.step = min(max(my-fm.secPerToken*mx, minStep), maxStep)
+		return
+	}
+	// Sizes too alike to tell the step from the prefill (or a line that
+	// makes either negative): the fit keeps its shape and passes through
+	// the observations' mean.
+	scale := my / (fm.step + mx*fm.secPerToken)
+	fm.step = min(max(fm.step*scale, minStep), maxStep)
+	if mx > 0 {
+		fm.secPerToken = min(max(fm.secPerToken*scale, minSecPerToken), maxSecPerToken)
 	}
 }
 
 // maxScale bounds one observation's pull on the cluster's fit (observe).
 const maxScale = 4
+
+// fitMemory is how many observations the cluster's fit mostly remembers:
+// enough for a line through sizes that vary to stand against the noise of
+// single TTFTs (a step's phase, a neighbour's prefill), few enough that a
+// pod whose speed changes (its batches fill, another model shares its
+// GPUs) is followed within seconds of traffic.
+const fitMemory = 32
+
+// minSpread is how much the observed sizes must vary, as a fraction of
+// their mean (the standard deviation), before the fit separates the step
+// from the prefill: below it the slope is mostly noise.
+const minSpread = 0.25
 
 // CacheAware is the cache_aware policy: the lowest predicted TTFT, near-ties
 // spread.

@@ -76,8 +76,9 @@ func hostsState(t *testing.T, hosts []Host, promptLength int64, seed uint64) *St
 }
 
 // A pod whose free KV cannot hold the request's new tokens pays for the
-// tokens it would evict or preempt. The free KV comes from vLLM's reading of
-// utilization (the blocks of running requests) and the fleet's mean prompt.
+// tokens it would evict or preempt. The free KV is the unused part of the
+// capacity the pod reports, else comes from vLLM's reading of utilization
+// (the blocks of running requests) and the fleet's mean prompt.
 func TestKVFitChargesWhatDoesNotFit(t *testing.T) {
 	m := newTTFTModel(prometheus.NewHistogram(prometheus.HistogramOpts{Name: "x"}), slog.Default())
 	m.means["c"] = &fleetMeans{prompt: 1000, uncached: 500}
@@ -93,6 +94,9 @@ func TestKVFitChargesWhatDoesNotFit(t *testing.T) {
 		{"95% full", Host{Address: "a", Signals: true, Running: 4, KVUtil: 0.95}, (2000 - 4000*0.05/0.95) / 5000},
 		{"95% full, half the prompt held", Host{Address: "a", Signals: true, Running: 4, KVUtil: 0.95, CacheRatio: 0.5}, (1000 - 4000*0.05/0.95) / 5000},
 		{"full, nothing running: no estimate", Host{Address: "a", Signals: true, KVUtil: 1}, 0},
+		// A reported capacity of 3000 tokens, half used: 1500 free.
+		{"capacity reported", Host{Address: "a", Signals: true, Running: 4, KVUtil: 0.5, KVCapacity: 3000}, 500.0 / 5000},
+		{"capacity reported, nothing running", Host{Address: "a", Signals: true, KVCapacity: 1000}, 1000.0 / 5000},
 	} {
 		p := m.predictor(hostsState(t, []Host{tc.h}, 2000, 1))
 		c := p.predict(&tc.h)
@@ -215,10 +219,15 @@ func TestVLLMSignalsOnlyGiveSanePredictions(t *testing.T) {
 		Signals: map[string]api.PodSignals{
 			pods[0].Address: {Waiting: 0, Running: 1, KVCacheUtil: 0.1},
 			pods[1].Address: {Waiting: 2, Running: 4, KVCacheUtil: 0.7},
-			pods[2].Address: {Waiting: 6, Running: 4, KVCacheUtil: 0.9},
+			pods[2].Address: {Waiting: 6, Running: 4, KVCacheUtil: 0.9, KVCapacity: 1536},
 		},
 	}
 	rule := defaultRule(t)
+	hs := make([]Host, len(pods))
+	b.tracker.fill("c", pods, view, 0, hs)
+	if hs[2].KVCapacity != 1536 || hs[2].KVUtil != 0.9 || hs[2].Waiting != 6 || !hs[2].Signals {
+		t.Fatalf("the pod's report reaches the model as %+v", hs[2])
+	}
 	ch, err := b.Choose("c", rule, pods, view, Request{PromptLength: 1000})
 	if err != nil || ch.Host.Address != pods[0].Address {
 		t.Fatalf("chose %+v %v, want the idle pod", ch, err)
@@ -257,11 +266,22 @@ func TestVLLMSignalsOnlyGiveSanePredictions(t *testing.T) {
 	f.End()
 	b.tracker.Begin("c", pods[1].Address, 0).End()
 	b.ttft.mu.RLock()
+	defer b.ttft.mu.RUnlock()
 	h := Host{Address: pods[1].Address, Signals: true, Waiting: 2, Running: 4}
 	if c := p.predict(&h); !within(c.SlotWait, 3*2.0/4, 1e-9) {
 		t.Fatalf("slot wait %g s after a 2 s request, want 1.5", c.SlotWait)
 	}
-	b.ttft.mu.RUnlock()
+	// A pod that reports its running set full has no free slot even with
+	// nothing waiting: one of its running requests must end first.
+	for _, tc := range []struct {
+		running, max int64
+		want         float64
+	}{{4, 4, 2.0 / 4}, {3, 4, 0}, {4, 0, 0}} {
+		h := Host{Address: pods[1].Address, Signals: true, Running: tc.running, MaxRunning: tc.max}
+		if c := p.predict(&h); !within(c.SlotWait, tc.want, 1e-9) {
+			t.Fatalf("%d running of %d: slot wait %g s, want %g", tc.running, tc.max, c.SlotWait, tc.want)
+		}
+	}
 }
 
 // Requests this gateway sent that neither the metadata center nor the
@@ -289,7 +309,8 @@ func TestUnreportedLocalRequestsQueue(t *testing.T) {
 // The first token checks the prediction: the relative error lands in the
 // histogram, both figures in one debug line, and the cluster's fit moves to
 // what it observes. A pod that prefills 20000 tokens/s with 10 ms steps is
-// predicted within 10% after a few dozen requests of varied sizes.
+// predicted within 10% after a few dozen requests of varied sizes, and
+// within 5% at the smallest and the largest sizes.
 func TestObserveChecksAndRefitsThePrediction(t *testing.T) {
 	reg := prometheus.NewRegistry()
 	var logs bytes.Buffer
@@ -312,9 +333,25 @@ func TestObserveChecksAndRefitsThePrediction(t *testing.T) {
 			t.Fatalf("first prediction %+v: not the defaults'", ch.Prediction)
 		}
 		b.Observe(ch.Prediction, obs)
+		f := b.tracker.Begin("c", ch.Host.Address, int(n))
+		f.FirstToken()
+		f.End()
+		f.Released()
 	}
 	if math.Abs(lastErr) > 0.1 {
 		t.Fatalf("after 60 observations the error is %.0f%%", lastErr*100)
+	}
+	// The fit is a line, so short and long prompts are both right: the
+	// step is not mistaken for prefill nor the prefill for step.
+	for _, n := range []int64{100, 4000} {
+		ch, err := b.Choose("c", defaultRule(t), pods, view, Request{PromptLength: n})
+		if err != nil {
+			t.Fatal(err)
+		}
+		obs := truth(ch.Prediction).Seconds()
+		if e := (ch.Prediction.Total - obs) / obs; math.Abs(e) > 0.05 {
+			t.Fatalf("%d tokens: predicted %.1f ms, observed %.1f ms", n, ch.Prediction.Total*1000, obs*1000)
+		}
 	}
 	mfs, err := reg.Gather()
 	if err != nil {

@@ -225,10 +225,19 @@ type PodLabels struct {
 // and KV cache, which the gateway cannot see from its leases (requests of
 // other gateways, preemptions, how full the cache really is).
 type PodSignals struct {
-	Waiting       int64   `json:"waiting"`        // requests waiting for a running slot (a scraped pod: its waiting gauge)
-	Running       int64   `json:"running"`        // requests running
-	KVCacheUtil   float64 `json:"kv_cache_util"`  // used / total KV cells or blocks, 0..1
+	Waiting int64 `json:"waiting"` // requests waiting for a running slot (a scraped pod: its waiting gauge)
+	Running int64 `json:"running"` // requests running
+	// KVCacheUtil is the KV cache running requests hold, of all of it,
+	// 0..1: idle cached blocks count as free, as in vLLM's
+	// kv_cache_usage_perc (they are evicted as soon as room is needed).
+	KVCacheUtil   float64 `json:"kv_cache_util"`
 	PrefillTokens int64   `json:"prefill_tokens"` // prompt tokens still to prefill
+	// KVCapacity is the tokens the pod's KV cache holds in all (vLLM:
+	// num_gpu_blocks × block_size of vllm:cache_config_info; SGLang:
+	// sglang:max_total_num_tokens), MaxRunning the requests it runs at
+	// most (its max_num_seqs); 0 = not reported.
+	KVCapacity int64 `json:"kv_capacity,omitempty"`
+	MaxRunning int64 `json:"max_running,omitempty"`
 	// Draining: the pod is shutting down and answers new requests 503 with
 	// Retry-After (our worker on SIGTERM, docs/worker.md "Shutdown"); the
 	// gateways route around it while another pod is left.
@@ -246,6 +255,8 @@ type PodReport struct {
 	Running       int64   `json:"running"`
 	KVCacheUtil   float64 `json:"kv_cache_util"`
 	PrefillTokens int64   `json:"prefill_tokens"`
+	KVCapacity    int64   `json:"kv_capacity,omitempty"`
+	MaxRunning    int64   `json:"max_running,omitempty"`
 	Draining      bool    `json:"draining,omitempty"`
 	// Register, when present, (re)registers the pod: its labels, models
 	// and adapters, refreshing their TTL.
@@ -307,7 +318,8 @@ const (
 
 // Signals returns the report's signals.
 func (r PodReport) Signals() PodSignals {
-	return PodSignals{Waiting: r.Waiting, Running: r.Running, KVCacheUtil: r.KVCacheUtil, PrefillTokens: r.PrefillTokens, Draining: r.Draining}
+	return PodSignals{Waiting: r.Waiting, Running: r.Running, KVCacheUtil: r.KVCacheUtil, PrefillTokens: r.PrefillTokens,
+		KVCapacity: r.KVCapacity, MaxRunning: r.MaxRunning, Draining: r.Draining}
 }
 
 // MaxPodSignals bounds the pods one cluster keeps signals for.

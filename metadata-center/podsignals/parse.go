@@ -1,7 +1,7 @@
 // Package podsignals gathers what third-party pods say about themselves for
 // the metadata center: it scrapes their Prometheus /metrics (vLLM, SGLang,
 // llama.cpp's llama-server) at an interval and records waiting and running
-// requests and KV-cache utilization through the store's ReportSignals, where
+// requests, KV-cache utilization and the KV cache's size through the store's ReportSignals, where
 // the route query finds them. Our own workers push the same signals instead
 // (worker/mcreport), so they are not scraped.
 //
@@ -14,6 +14,7 @@ import (
 	"fmt"
 	"io"
 	"math"
+	"strconv"
 
 	dto "github.com/prometheus/client_model/go"
 	"github.com/prometheus/common/expfmt"
@@ -33,6 +34,10 @@ const (
 // several names (renamed across releases): the first one present wins.
 type metricNames struct {
 	waiting, running, kvUtil []string
+	// The KV cache's size in tokens: a gauge of it (kvTokens), or an info
+	// metric (value 1) whose num_gpu_blocks and block_size labels give it
+	// (kvInfo). Empty: the backend does not say.
+	kvTokens, kvInfo string
 }
 
 var backends = map[string]metricNames{
@@ -42,11 +47,16 @@ var backends = map[string]metricNames{
 		// kv_cache_usage_perc since vLLM 0.10 (V1), gpu_cache_usage_perc
 		// before; both are fractions 0..1 despite the name.
 		kvUtil: []string{"vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"},
+		// The cache configuration, labels and all (vllm/v1/metrics/loggers.py,
+		// log_metrics_info("cache_config", ...)).
+		kvInfo: "vllm:cache_config_info",
 	},
 	BackendSGLang: {
 		waiting: []string{"sglang:num_queue_reqs"},
 		running: []string{"sglang:num_running_reqs"},
 		kvUtil:  []string{"sglang:token_usage"},
+		// python/sglang/srt/metrics/collector.py, SchedulerMetricsCollector.
+		kvTokens: "sglang:max_total_num_tokens",
 	},
 	BackendLlamaCpp: {
 		waiting: []string{"llamacpp:requests_deferred"},
@@ -72,7 +82,7 @@ func Parse(backend string, r io.Reader) (api.PodSignals, error) {
 		return api.PodSignals{}, fmt.Errorf("podsignals: backend %q has no known /metrics (want %s, %s or %s)", backend, BackendVLLM, BackendSGLang, BackendLlamaCpp)
 	}
 	want := map[string]bool{}
-	for _, l := range [][]string{names.waiting, names.running, names.kvUtil} {
+	for _, l := range [][]string{names.waiting, names.running, names.kvUtil, {names.kvTokens}} {
 		for _, n := range l {
 			want[n] = true
 		}
@@ -113,11 +123,40 @@ func Parse(backend string, r io.Reader) (api.PodSignals, error) {
 	}
 	waiting, _ := first(names.waiting, sum)
 	util, _ := first(names.kvUtil, peak)
+	capacity := sum[names.kvTokens]
+	if names.kvInfo != "" {
+		capacity = infoCapacity(families[names.kvInfo])
+	}
 	return api.PodSignals{
 		Waiting:     int64(math.Max(0, math.Round(waiting))),
 		Running:     int64(math.Max(0, math.Round(running))),
 		KVCacheUtil: math.Min(1, math.Max(0, util)),
+		KVCapacity:  int64(math.Max(0, math.Round(capacity))),
 	}, nil
+}
+
+// infoCapacity is the KV tokens an info metric's series describe, summed
+// (one per engine): num_gpu_blocks × block_size; 0 where a label is missing
+// or not a number.
+func infoCapacity(f *dto.MetricFamily) float64 {
+	var total float64
+	for _, m := range f.GetMetric() {
+		var blocks, size float64
+		for _, l := range m.GetLabel() {
+			v, err := strconv.ParseFloat(l.GetValue(), 64)
+			if err != nil || v < 0 {
+				continue
+			}
+			switch l.GetName() {
+			case "num_gpu_blocks":
+				blocks = v
+			case "block_size":
+				size = v
+			}
+		}
+		total += blocks * size
+	}
+	return total
 }
 
 // sampleValue is the value of a gauge, counter or untyped sample.

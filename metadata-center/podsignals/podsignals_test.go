@@ -35,6 +35,9 @@ vllm:num_requests_waiting{engine="0",model_name="qwen"} 5.0
 # HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.
 # TYPE vllm:kv_cache_usage_perc gauge
 vllm:kv_cache_usage_perc{engine="0",model_name="qwen"} 0.8125
+# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig
+# TYPE vllm:cache_config_info gauge
+vllm:cache_config_info{block_size="16",cache_dtype="auto",enable_prefix_caching="True",engine="0",num_gpu_blocks="4096",num_gpu_blocks_override="None"} 1.0
 # HELP vllm:time_to_first_token_seconds Histogram of time to first token in seconds.
 # TYPE vllm:time_to_first_token_seconds histogram
 vllm:time_to_first_token_seconds_bucket{le="0.001",model_name="qwen"} 0.0
@@ -55,6 +58,9 @@ sglang:num_queue_reqs{model_name="meta-llama/Llama-3.1-8B-Instruct"} 2.0
 # HELP sglang:token_usage The token usage.
 # TYPE sglang:token_usage gauge
 sglang:token_usage{model_name="meta-llama/Llama-3.1-8B-Instruct"} 0.5
+# HELP sglang:max_total_num_tokens Maximum total number of tokens in the KV cache pool.
+# TYPE sglang:max_total_num_tokens gauge
+sglang:max_total_num_tokens{model_name="meta-llama/Llama-3.1-8B-Instruct"} 482000.0
 sglang:prompt_tokens_total{model_name="meta-llama/Llama-3.1-8B-Instruct"} 8.128902e+06
 `
 
@@ -77,9 +83,9 @@ func TestParse(t *testing.T) {
 		backend, body string
 		want          api.PodSignals
 	}{
-		{BackendVLLM, vllmMetrics, api.PodSignals{Waiting: 5, Running: 4, KVCacheUtil: 0.8125}},
+		{BackendVLLM, vllmMetrics, api.PodSignals{Waiting: 5, Running: 4, KVCacheUtil: 0.8125, KVCapacity: 65536}},
 		{BackendVLLM, vllmOldMetrics, api.PodSignals{Running: 2, KVCacheUtil: 0.25}},
-		{BackendSGLang, sglangMetrics, api.PodSignals{Waiting: 2, Running: 7, KVCacheUtil: 0.5}},
+		{BackendSGLang, sglangMetrics, api.PodSignals{Waiting: 2, Running: 7, KVCacheUtil: 0.5, KVCapacity: 482000}},
 		{BackendLlamaCpp, llamaMetrics, api.PodSignals{Waiting: 4, Running: 1, KVCacheUtil: 0.0625}},
 		// A label value holding a brace and spaces does not confuse it.
 		{BackendSGLang, `sglang:num_running_reqs{model_name="a} b \"c\""} 3 1700000000000` + "\n", api.PodSignals{Running: 3}},
@@ -165,8 +171,8 @@ func TestScraperFillsTheStore(t *testing.T) {
 		return m
 	}
 	if got := clearAge(ans.Signals); !reflect.DeepEqual(got, map[string]api.PodSignals{
-		host(vllm):   {Waiting: 5, Running: 4, KVCacheUtil: 0.8125},
-		host(sglang): {Waiting: 2, Running: 7, KVCacheUtil: 0.5},
+		host(vllm):   {Waiting: 5, Running: 4, KVCacheUtil: 0.8125, KVCapacity: 65536},
+		host(sglang): {Waiting: 2, Running: 7, KVCacheUtil: 0.5, KVCapacity: 482000},
 	}) {
 		t.Fatalf("cluster a: %+v", got)
 	}

@@ -185,6 +185,14 @@ func appendSignals(b []byte, m map[string]api.PodSignals) []byte {
 		b = appendFloat(b, sig.KVCacheUtil)
 		b = append(b, `,"prefill_tokens":`...)
 		b = strconv.AppendInt(b, sig.PrefillTokens, 10)
+		if sig.KVCapacity != 0 {
+			b = append(b, `,"kv_capacity":`...)
+			b = strconv.AppendInt(b, sig.KVCapacity, 10)
+		}
+		if sig.MaxRunning != 0 {
+			b = append(b, `,"max_running":`...)
+			b = strconv.AppendInt(b, sig.MaxRunning, 10)
+		}
 		if sig.Draining {
 			b = append(b, `,"draining":true`...)
 		}

@@ -108,6 +108,10 @@ func validSignals(sig api.PodSignals) error {
 		return fmt.Errorf("running must be >= 0, got %d", sig.Running)
 	case sig.PrefillTokens < 0:
 		return fmt.Errorf("prefill_tokens must be >= 0, got %d", sig.PrefillTokens)
+	case sig.KVCapacity < 0:
+		return fmt.Errorf("kv_capacity must be >= 0, got %d", sig.KVCapacity)
+	case sig.MaxRunning < 0:
+		return fmt.Errorf("max_running must be >= 0, got %d", sig.MaxRunning)
 	case !(sig.KVCacheUtil >= 0 && sig.KVCacheUtil <= 1):
 		return fmt.Errorf("kv_cache_util must be within 0..1, got %g", sig.KVCacheUtil)
 	}

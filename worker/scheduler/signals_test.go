@@ -15,7 +15,8 @@ import (
 // requests and their prompt tokens before the loop runs (with one place in
 // the running set, one of the two is blocked: the other joins it at the
 // next step), then, once they finished, no prefill left and the cells
-// their cache entries keep.
+// their cache entries keep, which the KV usage counts as free (as vLLM
+// does), of a running set of one.
 func TestStatsReportPrefillAndKVCells(t *testing.T) {
 	r := newRig(t, sim.Config{}, Config{MaxRunning: 1}, false)
 	p1, p2 := prompt(r.eng, "the first prompt, of some length"), prompt(r.eng, "a second one")
@@ -27,7 +28,7 @@ func TestStatsReportPrefillAndKVCells(t *testing.T) {
 		}
 		hs = append(hs, h)
 	}
-	if st := r.s.Stats(); st.Queued != 2 || st.Blocked != 1 || st.Running != 0 || st.PrefillTokens != len(p1)+len(p2) || st.KVCells != 4096 || st.KVCellsUsed != 0 {
+	if st := r.s.Stats(); st.Queued != 2 || st.Blocked != 1 || st.Running != 0 || st.PrefillTokens != len(p1)+len(p2) || st.KVCells != 4096 || st.KVCellsUsed != 0 || st.MaxRunning != 1 {
 		t.Fatalf("before the loop: %+v (prompts %d + %d)", st, len(p1), len(p2))
 	}
 	r.start()
@@ -41,7 +42,8 @@ func TestStatsReportPrefillAndKVCells(t *testing.T) {
 	if !wait.Until(5*time.Second, func() bool {
 		st = r.s.Stats()
 		r.inspect(t, func(View) { used = r.eng.UsedCells() })
-		return st.Queued == 0 && st.Blocked == 0 && st.Running == 0 && st.PrefillTokens == 0 && st.KVCellsUsed == used && used >= len(p1)+len(p2)
+		return st.Queued == 0 && st.Blocked == 0 && st.Running == 0 && st.PrefillTokens == 0 && st.KVCellsUsed == used && used >= len(p1)+len(p2) &&
+			st.KVUsage() == 0 // the idle cached cells count as free
 	}) {
 		t.Fatalf("after both finished: %+v, engine uses %d cells", st, used)
 	}

@@ -26,6 +26,18 @@ type Stats struct {
 	// KVCellsRunning are the cells running requests hold in the KV cache
 	// (a shared prefix once): KVCellsUsed without the idle cache entries'.
 	KVCellsRunning int
+	// MaxRunning is the running set's size (Config.MaxRunning).
+	MaxRunning int
+}
+
+// KVUsage is the fraction of the KV cells running requests hold: idle
+// cached cells count as free, as in vLLM's kv_cache_usage_perc (they are
+// evicted as soon as room is needed). 0 without a context.
+func (st Stats) KVUsage() float64 {
+	if st.KVCells == 0 {
+		return 0
+	}
+	return min(1, float64(st.KVCellsRunning)/float64(st.KVCells))
 }
 
 // Stats returns queue and running-set sizes, as of the last step for the
@@ -34,7 +46,7 @@ func (s *Scheduler) Stats() Stats {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	st := Stats{Queued: len(s.queue), Running: s.running, PrefillTokens: s.setPrefill, KVCellsUsed: s.kvUsed, KVCells: s.info.NCtx,
-		KVCellsRunning: s.kvRunning}
+		KVCellsRunning: s.kvRunning, MaxRunning: s.cfg.MaxRunning}
 	st.Blocked = max(0, st.Queued-max(0, s.cfg.MaxRunning-st.Running))
 	for _, t := range s.queue {
 		if t.uncached > 0 {

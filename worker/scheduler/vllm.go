@@ -55,13 +55,7 @@ func (s *Scheduler) ExportVLLM(reg prometheus.Registerer, model string, adapters
 		prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "vllm:num_requests_running", ConstLabels: label,
 			Help: "Number of requests in model execution batches."}, func() float64 { return float64(s.Stats().Running) }),
 		prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "vllm:kv_cache_usage_perc", ConstLabels: label,
-			Help: "KV-cache usage. 1 means 100 percent usage."}, func() float64 {
-			st := s.Stats()
-			if st.KVCells == 0 {
-				return 0
-			}
-			return min(1, float64(st.KVCellsRunning)/float64(st.KVCells))
-		}),
+			Help: "KV-cache usage. 1 means 100 percent usage."}, func() float64 { return s.Stats().KVUsage() }),
 	}
 	if len(adapters) > 0 {
 		cs = append(cs, &loraInfo{s: s, model: model, adapters: strings.Join(adapters, ","), max: strconv.Itoa(len(adapters)),

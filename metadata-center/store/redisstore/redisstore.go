@@ -504,15 +504,17 @@ func loadFromPairs(reqs, prompts []string) (api.LoadStats, error) {
 }
 
 // ReportSignals implements store.Signals. The report is stored as
-// "waiting running kv_util prefill_tokens draining(0|1) at", stamped with
-// this replica's clock last (the signals script reads it there; reports of
-// five fields, without draining, are read too); the hash expires when no pod of the cluster has
-// reported for a minute (or ten max ages).
+// "waiting running kv_util prefill_tokens draining(0|1) kv_capacity
+// max_running at", stamped with this replica's clock last (the signals
+// script reads it there; the shorter reports of earlier releases, without
+// the capacities or without draining, are read too); the hash expires when
+// no pod of the cluster has reported for a minute (or ten max ages).
 func (s *Store) ReportSignals(ctx context.Context, cluster, host string, sig api.PodSignals) error {
 	now := s.ms()
 	rep := strconv.FormatInt(sig.Waiting, 10) + " " + strconv.FormatInt(sig.Running, 10) + " " +
 		strconv.FormatFloat(sig.KVCacheUtil, 'g', -1, 64) + " " + strconv.FormatInt(sig.PrefillTokens, 10) + " " +
-		drainingField(sig.Draining) + strconv.FormatInt(now, 10)
+		drainingField(sig.Draining) + strconv.FormatInt(sig.KVCapacity, 10) + " " + strconv.FormatInt(sig.MaxRunning, 10) + " " +
+		strconv.FormatInt(now, 10)
 	keyTTL := max(60_000, 10*s.signalMaxAge)
 	err := s.sc.signals.Run(ctx, s.rdb, []string{s.keys(cluster).signals()}, host, rep, keyTTL, now-s.signalMaxAge, api.MaxPodSignals).Err()
 	return s.wrap("report signals", err)
@@ -552,6 +554,15 @@ func (s *Store) freshSignals(pairs []string, now int64) (map[string]api.PodSigna
 func (s *Store) fresh(rep string, now int64) (api.PodSignals, bool, error) {
 	f := strings.Fields(rep)
 	var sig api.PodSignals
+	if len(f) == 8 {
+		var errs [2]error
+		sig.KVCapacity, errs[0] = strconv.ParseInt(f[5], 10, 64)
+		sig.MaxRunning, errs[1] = strconv.ParseInt(f[6], 10, 64)
+		if err := errors.Join(errs[:]...); err != nil {
+			return api.PodSignals{}, false, fmt.Errorf("redis signals: malformed report %q: %w", rep, err)
+		}
+		f = append(f[:5], f[7])
+	}
 	switch {
 	case len(f) == 6 && (f[4] == "0" || f[4] == "1"):
 		sig.Draining = f[4] == "1"

@@ -6,21 +6,24 @@ import (
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/api"
 )
 
-// Reports are "waiting running kv_util prefill_tokens draining at"; the
-// five-field form written before draining existed is read as not draining.
-func TestStoredReportsWithAndWithoutDraining(t *testing.T) {
+// Reports are "waiting running kv_util prefill_tokens draining kv_capacity
+// max_running at"; the six-field form written before the capacities existed
+// is read without them, the five-field form before draining as not
+// draining.
+func TestStoredReportsOfEveryForm(t *testing.T) {
 	s := &Store{signalMaxAge: 1000}
 	for rep, want := range map[string]api.PodSignals{
-		"1 2 0.5 7 1 100": {Waiting: 1, Running: 2, KVCacheUtil: 0.5, PrefillTokens: 7, Draining: true, AgeMS: 100},
-		"1 2 0.5 7 0 100": {Waiting: 1, Running: 2, KVCacheUtil: 0.5, PrefillTokens: 7, AgeMS: 100},
-		"1 2 0.5 7 100":   {Waiting: 1, Running: 2, KVCacheUtil: 0.5, PrefillTokens: 7, AgeMS: 100},
+		"1 2 0.5 7 1 4096 16 100": {Waiting: 1, Running: 2, KVCacheUtil: 0.5, PrefillTokens: 7, Draining: true, KVCapacity: 4096, MaxRunning: 16, AgeMS: 100},
+		"1 2 0.5 7 1 100":         {Waiting: 1, Running: 2, KVCacheUtil: 0.5, PrefillTokens: 7, Draining: true, AgeMS: 100},
+		"1 2 0.5 7 0 100":         {Waiting: 1, Running: 2, KVCacheUtil: 0.5, PrefillTokens: 7, AgeMS: 100},
+		"1 2 0.5 7 100":           {Waiting: 1, Running: 2, KVCacheUtil: 0.5, PrefillTokens: 7, AgeMS: 100},
 	} {
 		got, ok, err := s.fresh(rep, 200)
 		if err != nil || !ok || got != want {
 			t.Fatalf("%q: %+v %v %v, want %+v", rep, got, ok, err, want)
 		}
 	}
-	for _, bad := range []string{"1 2 0.5 7 2 100", "1 2 0.5 100", "1 2 0.5 7 1 1 100"} {
+	for _, bad := range []string{"1 2 0.5 7 2 100", "1 2 0.5 100", "1 2 0.5 7 1 1 100", "1 2 0.5 7 1 x 16 100"} {
 		if _, _, err := s.fresh(bad, 200); err == nil {
 			t.Fatalf("%q read without error", bad)
 		}

@@ -486,12 +486,8 @@ func podSignals(s *scheduler.Scheduler, srv *server.Server) mcreport.SignalSourc
 		// slot": the requests queued beyond the running set's free places,
 		// not those that join it at the next step (vLLM's
 		// num_requests_waiting, on /metrics, counts both).
-		sig := api.PodSignals{Waiting: int64(st.Blocked), Running: int64(st.Running), PrefillTokens: int64(st.PrefillTokens),
-			Draining: srv.Draining()}
-		if st.KVCells > 0 {
-			sig.KVCacheUtil = min(1, float64(st.KVCellsUsed)/float64(st.KVCells))
-		}
-		return sig
+		return api.PodSignals{Waiting: int64(st.Blocked), Running: int64(st.Running), PrefillTokens: int64(st.PrefillTokens),
+			KVCacheUtil: st.KVUsage(), KVCapacity: int64(st.KVCells), MaxRunning: int64(st.MaxRunning), Draining: srv.Draining()}
 	})
 }
 
