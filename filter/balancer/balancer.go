@@ -60,6 +60,9 @@ type Host struct {
 	// metadata center does not count yet (nor, then, the pod's report).
 	LocalPrefill int64
 	CacheRatio   float64 // matched leading blocks / total blocks
+	// CachedBytes are the prompt bytes the matched blocks cover
+	// (Request.ChunkSize).
+	CachedBytes int64
 	// Share is the fraction of the cluster's recent routing decisions that
 	// chose this pod, for the sglang stand-in; 0 until
 	// the window stands for 2n of the cluster's decisions (Tracker: with
@@ -425,6 +428,11 @@ type Choice struct {
 type Request struct {
 	Blocks       int   // prompt hash blocks (for cache ratios)
 	PromptLength int64 // prompt bytes
+	// ChunkSize is the prompt hash's block size in bytes (the rule's
+	// prompt_hash.chunk_size; only the last block is shorter), so a match
+	// of m blocks short of the last covers m × ChunkSize bytes. 0: a
+	// match's share of the blocks stands for its share of the bytes.
+	ChunkSize int
 	// Model names the request's model, whose bytes per token
 	// (BytesPerToken) turn PromptLength into tokens.
 	Model string
@@ -432,6 +440,32 @@ type Request struct {
 	// themselves (the epp stand-in's own prefix index); nil: they read the
 	// metadata center's match. Not kept past Choose.
 	Prompt []byte
+}
+
+// cachedBytes returns the prompt bytes a pod whose index entries match
+// ratio of the blocks is expected to hold: the whole prompt when every
+// block matched; else the matched blocks' bytes and half of the next
+// block. The pod's cache goes on past the last matched block and ends
+// (the prompt diverges from what it saw: another question, the next
+// turn's new message) somewhere inside the first unmatched one, in 16-token
+// blocks on vLLM, so half that block is the expected rest. The blocks
+// are ChunkSize bytes but the last, so a ratio stands for the prompt's
+// share only when they are alike: 2 of 3 blocks of a 1,100-byte prompt in
+// 512-byte blocks leave 38 of its last 76 bytes, not a third of it.
+func (r Request) cachedBytes(ratio float64) int64 {
+	if ratio <= 0 || r.PromptLength <= 0 {
+		return 0
+	}
+	matched := int64(math.Round(ratio * float64(r.Blocks)))
+	if r.ChunkSize <= 0 || r.Blocks <= 0 {
+		return int64(math.Round(ratio * float64(r.PromptLength)))
+	}
+	if matched >= int64(r.Blocks) {
+		return r.PromptLength
+	}
+	held := min(r.PromptLength, matched*int64(r.ChunkSize))
+	next := min(int64(r.ChunkSize), r.PromptLength-held)
+	return held + next/2
 }
 
 // Choose picks a candidate with the rule's policy. cands must already be
@@ -465,6 +499,9 @@ func (b *Balancer) Choose(cluster string, rule config.LBRule, cands []endpoints.
 	}
 	hosts := slices.Grow(sc.hosts[:0], len(cands))[:len(cands)]
 	smp := b.tracker.fill(cluster, cands, view, req.Blocks, hosts)
+	for i := range hosts {
+		hosts[i].CachedBytes = req.cachedBytes(hosts[i].CacheRatio)
+	}
 	sc.state = State{Cluster: cluster, Hosts: hosts, Rule: rule, PromptLength: req.PromptLength, IntN: b.intn,
 		BytesPerToken: b.BytesPerToken(req.Model).Value(), Model: req.Model, Prompt: req.Prompt,
 		floats: sc.floats, idx: sc.idx, kept: sc.kept}
@@ -477,8 +514,7 @@ func (b *Balancer) Choose(cluster string, rule config.LBRule, cands []endpoints.
 		i = p.Choose(&sc.state)
 		b.observe(rule.Policy, false, time.Since(t0))
 	}
-	ch := Choice{Host: hosts[i], Index: i, Candidates: len(hosts),
-		Prefill: int64(math.Round(float64(req.PromptLength) * (1 - hosts[i].CacheRatio)))}
+	ch := Choice{Host: hosts[i], Index: i, Candidates: len(hosts), Prefill: req.PromptLength - hosts[i].CachedBytes}
 	ch.Prediction = b.ttft.chosen(&sc.state, i)
 	b.tracker.routed(smp, ch.Host.Address, len(hosts))
 	b.tracker.reserve(cluster, ch.Host.Address, ch.Prefill)

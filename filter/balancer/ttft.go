@@ -241,7 +241,7 @@ func (p *predictor) predict(h *Host) Cost {
 	if hold <= 0 {
 		hold = assumedSlotSteps * step
 	}
-	c.UncachedTokens = p.promptTokens * (1 - h.CacheRatio)
+	c.UncachedTokens = max(0, p.promptTokens-float64(h.CachedBytes)/p.bpt)
 
 	// The prefill standing before the request. Three counts of it, each
 	// short of the truth in its own way, so the largest is taken:

@@ -72,6 +72,9 @@ func TestCachedPodWinsUntilItsQueueCostsMoreThanTheUncachedPrefill(t *testing.T)
 
 // hostsState is a decision over hosts under the default rule.
 func hostsState(t *testing.T, hosts []Host, promptLength int64, seed uint64) *State {
+	for i := range hosts { // as Choose fills them, with a ChunkSize of 0
+		hosts[i].CachedBytes = Request{PromptLength: promptLength, Blocks: 1}.cachedBytes(hosts[i].CacheRatio)
+	}
 	return &State{Cluster: "c", Hosts: hosts, Rule: defaultRule(t), PromptLength: promptLength, BytesPerToken: 1, IntN: seededIntN(seed)}
 }
 
@@ -98,8 +101,9 @@ func TestKVFitChargesWhatDoesNotFit(t *testing.T) {
 		{"capacity reported", Host{Address: "a", Signals: true, Running: 4, KVUtil: 0.5, KVCapacity: 3000}, 500.0 / 5000},
 		{"capacity reported, nothing running", Host{Address: "a", Signals: true, KVCapacity: 1000}, 1000.0 / 5000},
 	} {
-		p := m.predictor(hostsState(t, []Host{tc.h}, 2000, 1))
-		c := p.predict(&tc.h)
+		s := hostsState(t, []Host{tc.h}, 2000, 1)
+		p := m.predictor(s)
+		c := p.predict(&s.Hosts[0])
 		if !within(c.Fit, tc.wantFit, 1e-9) {
 			t.Errorf("%s: fit %g s, want %g", tc.name, c.Fit, tc.wantFit)
 		}
@@ -572,5 +576,36 @@ func TestObservationsRefitTheClusterSoIdlePodsKeepTying(t *testing.T) {
 		if got := p.predict(&hs[i]).Total; !within(got, 0.001, 0.1) {
 			t.Fatalf("predicted %.2f ms on %s, observed 1 ms", got*1000, hs[i].Address)
 		}
+	}
+}
+
+// A match covers whole blocks of ChunkSize bytes (only the last block is
+// short) and, in expectation, half the block after it, where the pod's cache
+// ends: 2 of 3 blocks of a 1,100-byte prompt leave 38 of its last 76 bytes
+// to compute, not a third of it.
+func TestAMatchCoversWholeBlocks(t *testing.T) {
+	for _, tc := range []struct {
+		req   Request
+		ratio float64
+		want  int64
+	}{
+		{Request{PromptLength: 1100, Blocks: 3, ChunkSize: 512}, 2.0 / 3, 1024 + 38},
+		{Request{PromptLength: 1100, Blocks: 3, ChunkSize: 512}, 1, 1100},
+		{Request{PromptLength: 1100, Blocks: 3, ChunkSize: 512}, 1.0 / 3, 512 + 256},
+		{Request{PromptLength: 1100, Blocks: 3, ChunkSize: 512}, 0, 0},
+		{Request{PromptLength: 1000, Blocks: 4}, 0.5, 500}, // no chunk size: the share of the blocks
+	} {
+		if got := tc.req.cachedBytes(tc.ratio); got != tc.want {
+			t.Errorf("%+v, %.2f of the blocks matched: %d bytes cached, want %d", tc.req, tc.ratio, got, tc.want)
+		}
+	}
+	// Through a decision: the holder computes 38 of the 76 bytes past its
+	// match.
+	b := New(Options{IntN: seededIntN(1)})
+	pods := eps(2)
+	view := View{Load: api.LoadStats{}, Cache: map[string]int{pods[0].Address: 2}}
+	ch, err := b.Choose("c", defaultRule(t), pods, view, Request{PromptLength: 1100, Blocks: 3, ChunkSize: 512})
+	if err != nil || ch.Host.Address != pods[0].Address || ch.Prediction.UncachedTokens != 38 || ch.Prefill != 38 {
+		t.Fatalf("chose %s predicting %+v, prefill %d (%v); want the holder, 38 tokens to compute", ch.Host.Address, ch.Prediction.Cost, ch.Prefill, err)
 	}
 }

@@ -470,7 +470,7 @@ func (e *Decider) Decide(ctx context.Context, h Headers, body []byte) (*Decision
 	// policies read it during Choose only (the epp stand-in keeps block
 	// hashes of it, never the bytes).
 	choice, err := e.bal.Choose(rule.Cluster, lb, cands, view, balancer.Request{Blocks: len(sums), PromptLength: int64(promptLen),
-		Model: req.Model, Prompt: sc.canon})
+		ChunkSize: e.hasher.ChunkSize, Model: req.Model, Prompt: sc.canon})
 	if err != nil {
 		if errors.Is(err, balancer.ErrNoEndpoint) {
 			return nil, e.reject(http.StatusNotFound, transcode.TypeNotFound, trace, "no available endpoint in cluster %q", rule.Cluster)
