@@ -514,7 +514,15 @@ func (b *Balancer) Choose(cluster string, rule config.LBRule, cands []endpoints.
 		i = p.Choose(&sc.state)
 		b.observe(rule.Policy, false, time.Since(t0))
 	}
-	ch := Choice{Host: hosts[i], Index: i, Candidates: len(hosts), Prefill: req.PromptLength - hosts[i].CachedBytes}
+	// The lease's prefill (what every gateway reads as this request's part
+	// of the pod's queue until its first token) counts the unmatched
+	// blocks in full, prompt·(1−cacheRatio): an upper bound of what the
+	// pod computes, which on pods that report nothing of themselves is
+	// what spreads a hot prefix once its holder is loaded (llmfilter's
+	// TestE2EHotPrefixSpreadsOnceItsPodIsLoaded). The model's own estimate
+	// of the request's uncached part is Host.CachedBytes'.
+	ch := Choice{Host: hosts[i], Index: i, Candidates: len(hosts),
+		Prefill: int64(math.Round(float64(req.PromptLength) * (1 - hosts[i].CacheRatio)))}
 	ch.Prediction = b.ttft.chosen(&sc.state, i)
 	b.tracker.routed(smp, ch.Host.Address, len(hosts))
 	b.tracker.reserve(cluster, ch.Host.Address, ch.Prefill)

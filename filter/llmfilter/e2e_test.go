@@ -332,9 +332,9 @@ func TestE2EHotPrefixSpreadsOnceItsPodIsLoaded(t *testing.T) {
 		return n
 	}
 	// Hot requests one at a time, each held at its pod: a cache hit costs its
-	// pod little prefill, so the first go home; as home's queue grows the
-	// seed's request-load term (with its dynamic weight) outweighs the cache
-	// bonus and the prefix spreads to other pods.
+	// pod little prefill, so the first go home; as home's queue grows (each
+	// lease counts the prompt's unmatched blocks in full) it outweighs the
+	// cache hit and the prefix spreads to other pods.
 	base := total()
 	homeHits := w.byAddr[home].hits.Load()
 	sent, spreadAt := 0, 0
