@@ -60,8 +60,8 @@ type Host struct {
 	// metadata center does not count yet (nor, then, the pod's report).
 	LocalPrefill int64
 	CacheRatio   float64 // matched leading blocks / total blocks
-	// CachedBytes are the prompt bytes the matched blocks cover
-	// (Request.ChunkSize).
+	// CachedBytes are the prompt bytes the pod is expected to hold: the
+	// matched blocks and half the next (Request.cachedBytes).
 	CachedBytes int64
 	// Share is the fraction of the cluster's recent routing decisions that
 	// chose this pod, for the sglang stand-in; 0 until
