@@ -60,9 +60,6 @@ type Host struct {
 	// metadata center does not count yet (nor, then, the pod's report).
 	LocalPrefill int64
 	CacheRatio   float64 // matched leading blocks / total blocks
-	// CachedBytes are the prompt bytes the pod is expected to hold: the
-	// matched blocks and half the next (Request.cachedBytes).
-	CachedBytes int64
 	// Share is the fraction of the cluster's recent routing decisions that
 	// chose this pod, for the sglang stand-in; 0 until
 	// the window stands for 2n of the cluster's decisions (Tracker: with
@@ -96,6 +93,9 @@ type State struct {
 	Rule    config.LBRule
 	// PromptLength is the request's prompt size (bytes, like Host.Prompt).
 	PromptLength int64
+	// Blocks and ChunkSize are the request's (Request): what a pod's
+	// CacheRatio covers of the prompt.
+	Blocks, ChunkSize int
 	// IntN returns a uniform int in [0, n); safe for concurrent use.
 	IntN func(n int) int
 
@@ -499,10 +499,8 @@ func (b *Balancer) Choose(cluster string, rule config.LBRule, cands []endpoints.
 	}
 	hosts := slices.Grow(sc.hosts[:0], len(cands))[:len(cands)]
 	smp := b.tracker.fill(cluster, cands, view, req.Blocks, hosts)
-	for i := range hosts {
-		hosts[i].CachedBytes = req.cachedBytes(hosts[i].CacheRatio)
-	}
-	sc.state = State{Cluster: cluster, Hosts: hosts, Rule: rule, PromptLength: req.PromptLength, IntN: b.intn,
+	sc.state = State{Cluster: cluster, Hosts: hosts, Rule: rule, PromptLength: req.PromptLength,
+		Blocks: req.Blocks, ChunkSize: req.ChunkSize, IntN: b.intn,
 		BytesPerToken: b.BytesPerToken(req.Model).Value(), Model: req.Model, Prompt: req.Prompt,
 		floats: sc.floats, idx: sc.idx, kept: sc.kept}
 	var i int
@@ -520,7 +518,7 @@ func (b *Balancer) Choose(cluster string, rule config.LBRule, cands []endpoints.
 	// pod computes, which on pods that report nothing of themselves is
 	// what spreads a hot prefix once its holder is loaded (llmfilter's
 	// TestE2EHotPrefixSpreadsOnceItsPodIsLoaded). The model's own estimate
-	// of the request's uncached part is Host.CachedBytes'.
+	// of the request's uncached part is Request.cachedBytes'.
 	ch := Choice{Host: hosts[i], Index: i, Candidates: len(hosts),
 		Prefill: int64(math.Round(float64(req.PromptLength) * (1 - hosts[i].CacheRatio)))}
 	ch.Prediction = b.ttft.chosen(&sc.state, i)

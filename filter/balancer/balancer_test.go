@@ -583,9 +583,9 @@ func TestFilledSinceReport(t *testing.T) {
 // report: a conversation's holder that reported the turn before as queued
 // is not predicted slower than a cold pod.
 func TestStaleReportedQueueIsNotCounted(t *testing.T) {
-	p := predictor{m: newTTFTModel(nil, slog.New(slog.DiscardHandler)), bpt: 1, rate: 1000, step: 0.01, promptTokens: 1000}
+	p := predictor{m: newTTFTModel(nil, slog.New(slog.DiscardHandler)), bpt: 1, rate: 1000, step: 0.01, promptTokens: 1000, req: Request{PromptLength: 1000}}
 	// The report caught the turn before queued and prefilling.
-	holder := Host{Address: "a", CacheRatio: 0.9, CachedBytes: 900, Signals: true, Waiting: 1, PrefillQueued: 900, FilledSinceReport: 900, FilledReqsSinceReport: 1}
+	holder := Host{Address: "a", CacheRatio: 0.9, Signals: true, Waiting: 1, PrefillQueued: 900, FilledSinceReport: 900, FilledReqsSinceReport: 1}
 	cold := Host{Address: "b", Signals: true}
 	if h, c := p.predict(&holder), p.predict(&cold); h.Total >= c.Total || h.QueuedTokens != 0 || h.SlotWait != 0 {
 		t.Fatalf("holder %+v, cold %+v", h, c)

@@ -206,6 +206,7 @@ type predictor struct {
 	m                  *ttftModel
 	bpt                float64 // bytes per token of the request's model
 	promptTokens       float64
+	req                Request // the prompt's length and blocks (cachedBytes)
 	rate, step         float64 // the cluster's fit, else the rule's defaults
 	meanPrompt, meanUn float64
 }
@@ -219,6 +220,7 @@ func (m *ttftModel) predictor(s *State) predictor {
 		p.step = config.DefaultDecodeStep
 	}
 	p.promptTokens = float64(s.PromptLength) / p.bpt
+	p.req = Request{PromptLength: s.PromptLength, Blocks: s.Blocks, ChunkSize: s.ChunkSize}
 	m.mu.RLock()
 	if f := m.means[s.Cluster]; f != nil {
 		p.meanPrompt, p.meanUn = f.prompt, f.uncached
@@ -241,7 +243,7 @@ func (p *predictor) predict(h *Host) Cost {
 	if hold <= 0 {
 		hold = assumedSlotSteps * step
 	}
-	c.UncachedTokens = max(0, p.promptTokens-float64(h.CachedBytes)/p.bpt)
+	c.UncachedTokens = max(0, p.promptTokens-float64(p.req.cachedBytes(h.CacheRatio))/p.bpt)
 
 	// The prefill standing before the request. Three counts of it, each
 	// short of the truth in its own way, so the largest is taken:

@@ -72,9 +72,6 @@ func TestCachedPodWinsUntilItsQueueCostsMoreThanTheUncachedPrefill(t *testing.T)
 
 // hostsState is a decision over hosts under the default rule.
 func hostsState(t *testing.T, hosts []Host, promptLength int64, seed uint64) *State {
-	for i := range hosts { // as Choose fills them, with a ChunkSize of 0
-		hosts[i].CachedBytes = Request{PromptLength: promptLength, Blocks: 1}.cachedBytes(hosts[i].CacheRatio)
-	}
 	return &State{Cluster: "c", Hosts: hosts, Rule: defaultRule(t), PromptLength: promptLength, BytesPerToken: 1, IntN: seededIntN(seed)}
 }
 

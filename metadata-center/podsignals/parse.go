@@ -82,10 +82,13 @@ func Parse(backend string, r io.Reader) (api.PodSignals, error) {
 		return api.PodSignals{}, fmt.Errorf("podsignals: backend %q has no known /metrics (want %s, %s or %s)", backend, BackendVLLM, BackendSGLang, BackendLlamaCpp)
 	}
 	want := map[string]bool{}
-	for _, l := range [][]string{names.waiting, names.running, names.kvUtil, {names.kvTokens}} {
+	for _, l := range [][]string{names.waiting, names.running, names.kvUtil} {
 		for _, n := range l {
 			want[n] = true
 		}
+	}
+	if names.kvTokens != "" {
+		want[names.kvTokens] = true
 	}
 	parser := expfmt.NewTextParser(model.UTF8Validation)
 	families, err := parser.TextToMetricFamilies(r)
