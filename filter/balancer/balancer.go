@@ -422,6 +422,12 @@ type Choice struct {
 	// its parts (whatever the policy), for the decision record and for
 	// Observe at the first token.
 	Prediction Prediction
+	// MaxBlocks is how many prompt-hash blocks the pod's KV cache holds at
+	// most: its reported capacity in tokens, in bytes through the model's
+	// bytes per token, over the chunk size, rounded up. The saves of the
+	// request's prefix carry it, so the index forgets what the pod's cache
+	// must have evicted (store.Index.SaveCacheAs). 0: not reported.
+	MaxBlocks int
 }
 
 // Request is what a policy knows of the request being routed.
@@ -522,6 +528,9 @@ func (b *Balancer) Choose(cluster string, rule config.LBRule, cands []endpoints.
 	ch := Choice{Host: hosts[i], Index: i, Candidates: len(hosts),
 		Prefill: int64(math.Round(float64(req.PromptLength) * (1 - hosts[i].CacheRatio)))}
 	ch.Prediction = b.ttft.chosen(&sc.state, i)
+	if c := hosts[i].KVCapacity; c > 0 && req.ChunkSize > 0 {
+		ch.MaxBlocks = int(math.Ceil(float64(c) * sc.state.BytesPerToken / float64(req.ChunkSize)))
+	}
 	b.tracker.routed(smp, ch.Host.Address, len(hosts))
 	b.tracker.reserve(cluster, ch.Host.Address, ch.Prefill)
 	clear(hosts) // do not pin endpoint addresses

@@ -606,3 +606,27 @@ func TestAMatchCoversWholeBlocks(t *testing.T) {
 		t.Fatalf("chose %s predicting %+v (%v); want the holder, 38 tokens to compute", ch.Host.Address, ch.Prediction.Cost, err)
 	}
 }
+
+// A decision carries the chosen pod's KV capacity in prompt-hash blocks,
+// through the model's bytes per token, rounded up: what the saves of its
+// prefix bound the index's entries of that pod to. A pod that reports no
+// capacity gets no bound.
+func TestAChoiceBoundsWhatTheIndexKeepsOfItsPod(t *testing.T) {
+	b := New(Options{IntN: seededIntN(1)})
+	b.BytesPerToken("m").Observe(3600, 1000) // 3.6 bytes a token
+	pods := eps(2)
+	view := View{Load: api.LoadStats{}, Signals: map[string]api.PodSignals{
+		pods[0].Address: {KVCapacity: 1536},
+		pods[1].Address: {Running: 3, KVCacheUtil: 0.9},
+	}}
+	ch, err := b.Choose("c", defaultRule(t), pods[:1], view, Request{PromptLength: 1000, Blocks: 2, ChunkSize: 512, Model: "m"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if want := 11; ch.MaxBlocks != want { // ⌈1536 × 3.6 / 512⌉ = ⌈10.8⌉
+		t.Fatalf("MaxBlocks = %d, want %d", ch.MaxBlocks, want)
+	}
+	if ch, _ := b.Choose("c", defaultRule(t), pods[1:], view, Request{PromptLength: 1000, Blocks: 2, ChunkSize: 512, Model: "m"}); ch.MaxBlocks != 0 {
+		t.Fatalf("a pod without a reported capacity: MaxBlocks = %d, want 0", ch.MaxBlocks)
+	}
+}

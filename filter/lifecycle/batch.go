@@ -53,6 +53,9 @@ func (l *Reporter) batchOp(name string, d *Request, host string) api.BatchOp {
 		if name == "place_cache" {
 			op.Hashes = d.placed() // the routing-time save (Started)
 		}
+		if host == d.Host {
+			op.MaxEntries = d.MaxBlocks
+		}
 		if len(op.Hashes) > api.MaxHashes {
 			op.Hashes = op.Hashes[:api.MaxHashes]
 		}

@@ -458,7 +458,8 @@ func (l *Reporter) updateFor(name string, d *Request, host string) func(context.
 	case api.OpDone:
 		return func(ctx context.Context) error { return u.DeleteRequest(ctx, ref) }
 	case api.OpCacheSave:
-		r := api.CacheSave{Cluster: op.Cluster, Host: op.Host, Hashes: op.Hashes, ChunkSize: op.ChunkSize, SaveID: op.SaveID, RefreshOnly: op.RefreshOnly}
+		r := api.CacheSave{Cluster: op.Cluster, Host: op.Host, Hashes: op.Hashes, ChunkSize: op.ChunkSize, SaveID: op.SaveID, RefreshOnly: op.RefreshOnly,
+			MaxEntries: op.MaxEntries}
 		return func(ctx context.Context) error { return u.SaveCache(ctx, r) }
 	case api.OpCacheRetract:
 		r := api.CacheRetract{Cluster: op.Cluster, Host: op.Host, Hashes: op.Hashes, SaveID: op.SaveID}

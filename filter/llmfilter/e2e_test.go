@@ -44,8 +44,8 @@ func (r *recStore) AddLease(ctx context.Context, c, h, id string, p int64) error
 	return err
 }
 
-func (r *recStore) SaveCacheAs(ctx context.Context, c, h string, hs []prefix.Hash, id string, at int64) error {
-	err := r.Index.SaveCacheAs(ctx, c, h, hs, id, at)
+func (r *recStore) SaveCacheAs(ctx context.Context, c, h string, hs []prefix.Hash, id string, at int64, maxEntries int) error {
+	err := r.Index.SaveCacheAs(ctx, c, h, hs, id, at, maxEntries)
 	r.saves.Add(1)
 	return err
 }

@@ -333,6 +333,9 @@ type Decision struct {
 	// (headers.PredictedTTFT) and the first token checks it
 	// (filter/lifecycle, Balancer.Observe).
 	Prediction balancer.Prediction
+	// MaxBlocks bounds what the index keeps of Host (balancer.Choice);
+	// the saves of the prompt's prefix on Host carry it. 0: no bound.
+	MaxBlocks int
 }
 
 type subsetKey struct{}
@@ -484,6 +487,7 @@ func (e *Decider) Decide(ctx context.Context, h Headers, body []byte) (*Decision
 	d.Degraded = policy.NeedsMetadata() && view.Degraded
 	d.Candidates = choice.Candidates
 	d.Prediction = choice.Prediction
+	d.MaxBlocks = choice.MaxBlocks
 
 	up, err := codec.Upstream(req, rule.Backend)
 	if err != nil {

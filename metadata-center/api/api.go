@@ -90,6 +90,12 @@ type CacheLocation struct {
 // received the call, so that a save which arrives after the pod's report
 // of a later eviction does not bring the prefix back (docs/metadata-center.md,
 // "Versions"). 0: dated on arrival.
+//
+// MaxEntries, optional, is how many entries Host can hold at most: the
+// gateway sends its pod's reported KV capacity in prompt-hash blocks, and
+// the metadata center forgets Host's least recently saved entries past it,
+// as the pod's cache evicts them without telling anyone (docs/metadata-
+// center.md, "Capacity"). 0: no bound.
 type CacheSave struct {
 	Cluster     string   `json:"cluster"`
 	Host        string   `json:"host"`
@@ -98,6 +104,7 @@ type CacheSave struct {
 	SaveID      string   `json:"save_id,omitempty"`
 	RefreshOnly bool     `json:"refresh_only,omitempty"`
 	AgeMS       int64    `json:"age_ms,omitempty"`
+	MaxEntries  int      `json:"max_entries,omitempty"`
 }
 
 // MaxSaveAgeMS bounds a save's AgeMS; an older one is refused with 400.
@@ -367,6 +374,7 @@ type BatchOp struct {
 	SaveID       string   `json:"save_id,omitempty"`
 	RefreshOnly  bool     `json:"refresh_only,omitempty"` // cache_save only
 	AgeMS        int64    `json:"age_ms,omitempty"`       // cache_save only (CacheSave)
+	MaxEntries   int      `json:"max_entries,omitempty"`  // cache_save only (CacheSave)
 }
 
 // Batch is the body of POST /v1/batch: updates applied in order (so one

@@ -48,7 +48,7 @@ func (c *Client) single(ctx context.Context, op api.BatchOp) error {
 		return c.DeleteRequest(ctx, ref)
 	case api.OpCacheSave:
 		return c.SaveCache(ctx, api.CacheSave{Cluster: op.Cluster, Host: op.Host, Hashes: op.Hashes, ChunkSize: op.ChunkSize, SaveID: op.SaveID,
-			RefreshOnly: op.RefreshOnly, AgeMS: op.AgeMS})
+			RefreshOnly: op.RefreshOnly, AgeMS: op.AgeMS, MaxEntries: op.MaxEntries})
 	case api.OpCacheRetract:
 		return c.RetractCache(ctx, api.CacheRetract{Cluster: op.Cluster, Host: op.Host, Hashes: op.Hashes, SaveID: op.SaveID})
 	}

@@ -96,8 +96,11 @@ func validOp(in api.BatchOp, received time.Time) (store.Op, error) {
 		if err != nil {
 			return store.Op{}, err
 		}
+		if err := validMaxEntries(in.MaxEntries); err != nil {
+			return store.Op{}, err
+		}
 		return store.Op{Kind: store.OpSaveCache, Cluster: cluster, Host: host, Hashes: hashes, SaveID: in.SaveID,
-			RefreshOnly: in.RefreshOnly, SavedAt: at}, nil
+			RefreshOnly: in.RefreshOnly, SavedAt: at, MaxEntries: in.MaxEntries}, nil
 	case api.OpCacheRetract:
 		r, err := validRetract(api.CacheRetract{Cluster: in.Cluster, Host: in.Host, Hashes: in.Hashes, SaveID: in.SaveID})
 		if err != nil {

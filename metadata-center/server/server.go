@@ -574,12 +574,16 @@ func (s *Server) cacheSave(c *gin.Context) {
 		s.badRequest(c, err)
 		return
 	}
+	if err := validMaxEntries(req.MaxEntries); err != nil {
+		s.badRequest(c, err)
+		return
+	}
 	ctx, cancel := s.storeCtx(c)
 	defer cancel()
 	if req.RefreshOnly {
 		err = s.st.Index.RefreshCache(ctx, cluster, host, hashes, req.SaveID)
 	} else {
-		err = s.st.Index.SaveCacheAs(ctx, cluster, host, hashes, req.SaveID, at)
+		err = s.st.Index.SaveCacheAs(ctx, cluster, host, hashes, req.SaveID, at, req.MaxEntries)
 	}
 	if err != nil {
 		s.storeFailed(c, "cache save", err)

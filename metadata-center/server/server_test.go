@@ -314,6 +314,17 @@ func TestVersionsHTTP(t *testing.T) {
 				400, "bad_request", "ops[0] (done): refresh_only is only allowed on cache_save")
 			c.fails("POST", api.PathCacheSave, `{"cluster":"c","host":"10.0.0.1:80","hashes":["0123456789abcdef"],"refresh_only":"yes"}`,
 				400, "bad_request", "refresh_only")
+			// A save bounds what its host holds (the pod's KV capacity in
+			// blocks): the least recently saved go, over HTTP and in a batch.
+			c.ok("POST", api.PathCacheSave, api.CacheSave{Cluster: cl, Host: a, Hashes: hexes(10, 4), MaxEntries: 3}, nil)
+			c.ok("POST", api.PathBatch, api.Batch{Ops: []api.BatchOp{{Op: api.OpCacheSave, Cluster: cl, Host: a, Hashes: hexes(20, 2), MaxEntries: 3}}}, nil)
+			if got, want := query(hexes(10, 4)), []api.CacheLocation{{Host: a, Length: 1}}; !reflect.DeepEqual(got, want) {
+				t.Fatalf("after saves bounded to 3 entries: %v, want %v", got, want)
+			}
+			c.fails("POST", api.PathCacheSave, api.CacheSave{Cluster: cl, Host: a, Hashes: hexes(0, 1), MaxEntries: -1},
+				400, "bad_request", "max_entries -1 is negative")
+			c.fails("POST", api.PathBatch, api.Batch{Ops: []api.BatchOp{{Op: api.OpCacheSave, Cluster: cl, Host: a, Hashes: hexes(0, 1), MaxEntries: -2}}},
+				400, "bad_request", "ops[0] (cache_save): max_entries -2 is negative")
 		})
 	}
 }

@@ -181,6 +181,14 @@ func savedAt(ageMS int64, received time.Time) (int64, error) {
 	return received.UnixMilli() - ageMS, nil
 }
 
+// validMaxEntries checks a save's bound on what its host holds (0: none).
+func validMaxEntries(n int) error {
+	if n < 0 {
+		return fmt.Errorf("max_entries %d is negative", n)
+	}
+	return nil
+}
+
 // validAnnouncement checks a gateway's announcement: a cluster, a backend
 // whose /metrics the scraper reads, 1..MaxAnnouncedHosts ip:port hosts
 // (canonical spelling returned) and a TTL within bounds.

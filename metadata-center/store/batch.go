@@ -30,6 +30,7 @@ type Op struct {
 	SaveID       string        // OpSaveCache (may be empty), OpRetractCache
 	RefreshOnly  bool          // OpSaveCache: RefreshCache rather than SaveCacheAs
 	SavedAt      int64         // OpSaveCache: when the save was made (Unix ms; 0: now)
+	MaxEntries   int           // OpSaveCache: what host holds at most (Index.SaveCacheAs)
 }
 
 // Batcher applies a batch of updates.
@@ -62,7 +63,7 @@ func (q Sequential) Apply(ctx context.Context, ops []Op) error {
 			if op.RefreshOnly {
 				err = q.Index.RefreshCache(ctx, op.Cluster, op.Host, op.Hashes, op.SaveID)
 			} else {
-				err = q.Index.SaveCacheAs(ctx, op.Cluster, op.Host, op.Hashes, op.SaveID, op.SavedAt)
+				err = q.Index.SaveCacheAs(ctx, op.Cluster, op.Host, op.Hashes, op.SaveID, op.SavedAt, op.MaxEntries)
 			}
 		case OpRetractCache:
 			err = q.Index.RetractCache(ctx, op.Cluster, op.Host, op.Hashes, op.SaveID)

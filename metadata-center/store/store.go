@@ -83,7 +83,14 @@ type Index interface {
 	// later than the store's clock: now). A prefix whose eviction from
 	// host (or host's evict-all) the store applied with a time at or after
 	// at is skipped: the pod dropped it after this save was made.
-	SaveCacheAs(ctx context.Context, cluster, host string, hashes []prefix.Hash, saveID string, at int64) error
+	//
+	// maxEntries > 0 bounds what host holds, as a pod's KV cache bounds
+	// what it keeps (vLLM and SGLang evict least recently used blocks and
+	// tell nobody): past it, host's least recently saved or refreshed
+	// entries are forgotten, and of entries saved together the later ones
+	// of the prompt first, as vLLM frees a request's blocks tail first.
+	// 0: no bound (a pod that reports its evictions).
+	SaveCacheAs(ctx context.Context, cluster, host string, hashes []prefix.Hash, saveID string, at int64, maxEntries int) error
 	// RefreshCache confirms an earlier save: of the listed prefixes, those
 	// host still holds get their TTL restarted and saveID as their save
 	// id; the others are skipped, never inserted. Their save time stays:

@@ -121,7 +121,7 @@ func (s Scenario) Populate(ctx context.Context, st store.Parts) error {
 			}
 			hs[i] = h
 		}
-		if err := st.Index.SaveCacheAs(ctx, sv.Cluster, sv.Host, hs, "", 0); err != nil {
+		if err := st.Index.SaveCacheAs(ctx, sv.Cluster, sv.Host, hs, "", 0, 0); err != nil {
 			return err
 		}
 	}

@@ -22,8 +22,8 @@ import (
 )
 
 // DefaultMaxEntries bounds the index when Options.MaxEntries is 0. An entry
-// costs about 270 bytes (BenchmarkEntryBytes), so the default keeps the index
-// near 270 MiB.
+// costs about 315 bytes (BenchmarkEntryBytes), so the default keeps the index
+// near 315 MiB.
 const DefaultMaxEntries = 1 << 20
 
 // DefaultTouchInterval is how stale an entry's TTL refresh may be before a
@@ -74,6 +74,7 @@ type hostState struct {
 	reqs, prompt int64
 	leases       map[string]*lease
 	entries      map[prefix.Hash]*entry
+	lru          list.List // *entry, most recently saved or hit at the front (SaveCacheAs's maxEntries)
 }
 
 type holders struct {
@@ -98,7 +99,8 @@ type entry struct {
 	touched int64
 	saved   int64         // unix nanoseconds of the last save (hits do not count)
 	saveID  string        // the last save's id
-	el      *list.Element // nil once removed
+	el      *list.Element // in Store.lru; nil once removed
+	hel     *list.Element // in its host's lru
 }
 
 // New returns an empty Store.
@@ -321,7 +323,7 @@ func (s *Store) RefreshCache(_ context.Context, clusterName, host string, hashes
 	if h == nil {
 		return nil
 	}
-	for _, hash := range hashes {
+	for _, hash := range slices.Backward(hashes) { // as SaveCacheAs
 		if e := h.entries[hash]; e != nil {
 			s.refresh(e, now)
 			e.saveID = saveID
@@ -330,8 +332,10 @@ func (s *Store) RefreshCache(_ context.Context, clusterName, host string, hashes
 	return nil
 }
 
-// SaveCacheAs implements store.Index.
-func (s *Store) SaveCacheAs(_ context.Context, clusterName, host string, hashes []prefix.Hash, saveID string, at int64) error {
+// SaveCacheAs implements store.Index. The hashes are taken last to first,
+// so that in the host's LRU order the prompt's first blocks are the most
+// recent and its last ones go first (maxEntries).
+func (s *Store) SaveCacheAs(_ context.Context, clusterName, host string, hashes []prefix.Hash, saveID string, at int64, maxEntries int) error {
 	now := s.nanos()
 	saved := now
 	if at > 0 && at*int64(time.Millisecond) < now {
@@ -343,7 +347,7 @@ func (s *Store) SaveCacheAs(_ context.Context, clusterName, host string, hashes 
 	s.evicted.prune(now - int64(store.EvictionMemory))
 	c := s.cluster(clusterName)
 	h := c.host(host)
-	for _, hash := range hashes {
+	for _, hash := range slices.Backward(hashes) {
 		if s.evicted.since(clusterName, host, hash) >= saved/int64(time.Millisecond) {
 			continue // the pod dropped it after this save was made (ties: as savedBy)
 		}
@@ -361,10 +365,14 @@ func (s *Store) SaveCacheAs(_ context.Context, clusterName, host string, hashes 
 		}
 		e := &entry{c: c, h: h, hash: hash, expires: now + s.cacheTTL, touched: now, saved: saved, saveID: saveID}
 		e.el = s.lru.PushFront(e)
+		e.hel = h.lru.PushFront(e)
 		i, _ := slices.BinarySearch(hl.ids, h.id)
 		hl.ids = slices.Insert(hl.ids, i, h.id)
 		hl.ents = slices.Insert(hl.ents, i, e)
 		h.entries[hash] = e
+	}
+	for maxEntries > 0 && h.lru.Len() > maxEntries {
+		s.removeEntry(h.lru.Back().Value.(*entry))
 	}
 	for s.lru.Len() > s.maxEntries {
 		s.removeEntry(s.lru.Back().Value.(*entry))
@@ -378,6 +386,7 @@ func (s *Store) refresh(e *entry, now int64) {
 	e.touched = now
 	e.expires = now + s.cacheTTL
 	s.lru.MoveToFront(e.el)
+	e.h.lru.MoveToFront(e.hel)
 }
 
 func (s *Store) removeEntry(e *entry) {
@@ -393,6 +402,7 @@ func (s *Store) removeEntry(e *entry) {
 	}
 	delete(h.entries, e.hash)
 	s.lru.Remove(e.el)
+	h.lru.Remove(e.hel)
 	e.el = nil
 	s.release(c, h)
 }
@@ -493,7 +503,7 @@ func (s *Store) touchEntries(stale []*entry, now int64) {
 	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	for _, e := range stale {
+	for _, e := range slices.Backward(stale) { // a host's first blocks last: the most recent (SaveCacheAs)
 		// Removed or already refreshed by someone else meanwhile.
 		if e.el != nil && e.expires > now && now-e.touched >= s.touch {
 			s.refresh(e, now)

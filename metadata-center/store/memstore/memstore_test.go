@@ -52,16 +52,16 @@ func TestLRUCap(t *testing.T) {
 		must(err)
 		return got
 	}
-	must(st.SaveCacheAs(ctx, "c1", h1, a, "", 0))
+	must(st.SaveCacheAs(ctx, "c1", h1, a, "", 0, 0))
 	clock.Advance(time.Second)
-	must(st.SaveCacheAs(ctx, "c2", h2, b, "", 0))
+	must(st.SaveCacheAs(ctx, "c2", h2, b, "", 0, 0))
 	clock.Advance(time.Second)
 	// A hit on a[0] makes it the most recent entry of a.
 	if got := query("c1", a[:1]); !reflect.DeepEqual(got, []api.CacheLocation{{Host: h1, Length: 1}}) {
 		t.Fatalf("hit = %v", got)
 	}
 	clock.Advance(time.Second)
-	must(st.SaveCacheAs(ctx, "c1", h2, c[:2], "", 0))
+	must(st.SaveCacheAs(ctx, "c1", h2, c[:2], "", 0, 0))
 	// 8 entries were saved into 6 slots: a[1] and a[2] were least recent.
 	if got := query("c1", a); !reflect.DeepEqual(got, []api.CacheLocation{{Host: h1, Length: 1}}) {
 		t.Fatalf("after cap, a = %v", got)
@@ -83,7 +83,7 @@ func TestTouchCoalescing(t *testing.T) {
 	clock := storetest.NewClock()
 	st := memstore.New(memstore.Options{CacheTTL: time.Minute, TouchInterval: 10 * time.Second, Now: clock.Now})
 	h := []prefix.Hash{42}
-	if err := st.SaveCacheAs(ctx, "c", "10.0.0.1:1", h, "", 0); err != nil {
+	if err := st.SaveCacheAs(ctx, "c", "10.0.0.1:1", h, "", 0, 0); err != nil {
 		t.Fatal(err)
 	}
 	clock.Advance(5 * time.Second)
@@ -110,10 +110,10 @@ func TestHostChurn(t *testing.T) {
 	hs := []prefix.Hash{1, 2, 3}
 	for gen := 0; gen < 50; gen++ {
 		a, b := fmt.Sprintf("10.1.%d.1:80", gen), fmt.Sprintf("10.1.%d.2:80", gen)
-		if err := st.SaveCacheAs(ctx, "c", a, hs, "", 0); err != nil {
+		if err := st.SaveCacheAs(ctx, "c", a, hs, "", 0, 0); err != nil {
 			t.Fatal(err)
 		}
-		if err := st.SaveCacheAs(ctx, "c", b, hs[:2], "", 0); err != nil {
+		if err := st.SaveCacheAs(ctx, "c", b, hs[:2], "", 0, 0); err != nil {
 			t.Fatal(err)
 		}
 		if err := st.AddLease(ctx, "c", b, "r", 5); err != nil {
@@ -165,7 +165,7 @@ func BenchmarkEntryBytes(b *testing.B) {
 			for j := range hs {
 				hs[j] = prefix.Hash(uint64(i)<<20 | uint64(j))
 			}
-			if err := st.SaveCacheAs(context.Background(), "c", fmt.Sprintf("10.0.0.%d:80", i%8), hs, fmt.Sprintf("req-%08d-0000-0000-0000-000000000000", i), 0); err != nil {
+			if err := st.SaveCacheAs(context.Background(), "c", fmt.Sprintf("10.0.0.%d:80", i%8), hs, fmt.Sprintf("req-%08d-0000-0000-0000-000000000000", i), 0, 0); err != nil {
 				b.Fatal(err)
 			}
 		}

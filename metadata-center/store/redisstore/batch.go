@@ -104,7 +104,7 @@ func (s *Store) opScript(op store.Op) (*redis.Script, []string, []any, error) {
 	case store.OpDeleteLease:
 		return s.sc.del, k.leases(), []any{now, op.Host, member(op.Host, op.RequestID)}, nil
 	case store.OpSaveCache:
-		ks, args := s.saveArgs(k, op.Host, op.Hashes, op.SaveID, op.RefreshOnly, op.SavedAt)
+		ks, args := s.saveArgs(k, op.Host, op.Hashes, op.SaveID, op.RefreshOnly, op.SavedAt, op.MaxEntries)
 		return s.sc.save, ks, args, nil
 	case store.OpRetractCache:
 		ks, args := s.unholdArgs(k, op.Host, op.Hashes, op.SaveID)

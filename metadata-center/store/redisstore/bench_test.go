@@ -50,7 +50,7 @@ func benchSave(b *testing.B, refresh bool) {
 		if refresh {
 			err = st.RefreshCache(ctx, sv.Cluster, sv.Host, hs[i%len(saves)], "")
 		} else {
-			err = st.SaveCacheAs(ctx, sv.Cluster, sv.Host, hs[i%len(saves)], "", 0)
+			err = st.SaveCacheAs(ctx, sv.Cluster, sv.Host, hs[i%len(saves)], "", 0, 0)
 		}
 		if err != nil {
 			b.Fatal(err)

@@ -83,7 +83,7 @@ func BenchmarkCapacity(b *testing.B) {
 	base := mem()
 	reset()
 	for p := range prompts {
-		if err := st.SaveCacheAs(ctx, cluster, host(p), prompt(p, blocks), "", 0); err != nil {
+		if err := st.SaveCacheAs(ctx, cluster, host(p), prompt(p, blocks), "", 0, 0); err != nil {
 			b.Fatal(err)
 		}
 	}
@@ -94,7 +94,7 @@ func BenchmarkCapacity(b *testing.B) {
 	base = mem()
 	for p := range prompts {
 		for h := 1; h <= 8; h++ {
-			if err := st.SaveCacheAs(ctx, "eight", host(h), prompt(p, blocks), "", 0); err != nil {
+			if err := st.SaveCacheAs(ctx, "eight", host(h), prompt(p, blocks), "", 0, 0); err != nil {
 				b.Fatal(err)
 			}
 		}

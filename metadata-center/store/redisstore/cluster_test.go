@@ -68,7 +68,7 @@ func TestClusterOneRoundTrip(t *testing.T) {
 		for _, c := range clusters {
 			for _, err := range []error{
 				st.AddLease(ctx, c, host, "r", 5),
-				st.SaveCacheAs(ctx, c, host, hs, "", 0),
+				st.SaveCacheAs(ctx, c, host, hs, "", 0, 0),
 				st.FirstToken(ctx, c, host, "r"),
 				st.DeleteLease(ctx, c, host, "r"),
 				st.EvictCacheBefore(ctx, c, host, hs[3:], 0),
@@ -153,7 +153,7 @@ func TestClusterRouteFollowsMovedSlot(t *testing.T) {
 	const cluster = "outbound|8000||moved.llm"
 	const host = "10.0.0.1:8000"
 	hs := []prefix.Hash{1, 2, 3}
-	if err := st.SaveCacheAs(ctx, cluster, host, hs, "", 0); err != nil {
+	if err := st.SaveCacheAs(ctx, cluster, host, hs, "", 0, 0); err != nil {
 		t.Fatal(err)
 	}
 	if err := st.AddLease(ctx, cluster, host, "r", 7); err != nil {

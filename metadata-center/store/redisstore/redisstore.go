@@ -597,11 +597,11 @@ func drainingField(draining bool) string {
 }
 
 // SaveCacheAs implements store.Index.
-func (s *Store) SaveCacheAs(ctx context.Context, cluster, host string, hashes []prefix.Hash, saveID string, at int64) error {
+func (s *Store) SaveCacheAs(ctx context.Context, cluster, host string, hashes []prefix.Hash, saveID string, at int64, maxEntries int) error {
 	if len(hashes) == 0 {
 		return nil
 	}
-	ks, args := s.saveArgs(s.keys(cluster), host, hashes, saveID, false, at)
+	ks, args := s.saveArgs(s.keys(cluster), host, hashes, saveID, false, at, maxEntries)
 	_, err := s.run(ctx, "cache save", s.sc.save, cluster, ks, args...)
 	return err
 }
@@ -612,16 +612,16 @@ func (s *Store) RefreshCache(ctx context.Context, cluster, host string, hashes [
 	if len(hashes) == 0 {
 		return nil
 	}
-	ks, args := s.saveArgs(s.keys(cluster), host, hashes, saveID, true, 0)
+	ks, args := s.saveArgs(s.keys(cluster), host, hashes, saveID, true, 0, 0)
 	_, err := s.run(ctx, "cache refresh", s.sc.save, cluster, ks, args...)
 	return err
 }
 
 // saveArgs builds the save script's KEYS and ARGV.
-func (s *Store) saveArgs(k keys, host string, hashes []prefix.Hash, saveID string, refreshOnly bool, at int64) ([]string, []any) {
+func (s *Store) saveArgs(k keys, host string, hashes []prefix.Hash, saveID string, refreshOnly bool, at int64, maxEntries int) ([]string, []any) {
 	now := s.ms()
 	ks := []string{k.host(host), k.hosts(), k.versions(host), k.holders(), k.holderTimes(), k.evictions(host)}
-	args := make([]any, 0, 8+len(hashes))
+	args := make([]any, 0, 9+len(hashes))
 	flag := "0"
 	if refreshOnly {
 		flag = "1"
@@ -629,7 +629,7 @@ func (s *Store) saveArgs(k keys, host string, hashes []prefix.Hash, saveID strin
 	if at <= 0 || at > now {
 		at = now
 	}
-	args = append(args, now, now+s.cacheTTL, s.cacheTTL, host, saveID, flag, at, store.EvictionMemory.Milliseconds())
+	args = append(args, now, now+s.cacheTTL, s.cacheTTL, host, saveID, flag, at, store.EvictionMemory.Milliseconds(), maxEntries)
 	args = appendHashArgs(args, hashes)
 	return ks, args
 }

@@ -69,7 +69,7 @@ func TestKeyLayout(t *testing.T) {
 		st.AddLease(ctx, cluster, host, "r1", 10),
 		st.AddLease(ctx, cluster, host, "r2", 10),
 		st.FirstToken(ctx, cluster, host, "r2"),
-		st.SaveCacheAs(ctx, cluster, host, hs, "", 0),
+		st.SaveCacheAs(ctx, cluster, host, hs, "", 0, 0),
 		st.EvictCacheBefore(ctx, cluster, host, []prefix.Hash{9}, time.Now().UnixMilli()), // remembered: the x: set
 	} {
 		if err != nil {
@@ -167,10 +167,10 @@ func TestHolderLists(t *testing.T) {
 	ctx := context.Background()
 	hs := []prefix.Hash{7, 8, 9, 10}
 	for i := 20; i >= 1; i-- {
-		must(t, st.SaveCacheAs(ctx, "c", fmt.Sprintf("10.0.0.%d:1", i), hs[:2], "", 0))
+		must(t, st.SaveCacheAs(ctx, "c", fmt.Sprintf("10.0.0.%d:1", i), hs[:2], "", 0, 0))
 	}
-	must(t, st.SaveCacheAs(ctx, "c", "10.0.0.3:1", hs, "", 0))
-	must(t, st.SaveCacheAs(ctx, "c", "10.0.0.4:1", hs, "", 0))
+	must(t, st.SaveCacheAs(ctx, "c", "10.0.0.3:1", hs, "", 0, 0))
+	must(t, st.SaveCacheAs(ctx, "c", "10.0.0.4:1", hs, "", 0, 0))
 	must(t, st.EvictCacheBefore(ctx, "c", "10.0.0.4:1", hs[2:3], 0))
 	rdb := redis.NewClient(&redis.Options{Addr: srv.Addr})
 	defer rdb.Close()
@@ -194,7 +194,7 @@ func TestHolderLists(t *testing.T) {
 	// Host 5 saves again later: its records outlive the others', so the
 	// shared levels stop being identical only where it is written.
 	nowMs.Add(30_000)
-	must(t, st.SaveCacheAs(ctx, "c", "10.0.0.5:1", hs[:1], "", 0))
+	must(t, st.SaveCacheAs(ctx, "c", "10.0.0.5:1", hs[:1], "", 0, 0))
 	// In place: the leading minimum stays, host 5's offset from it grows.
 	if got, err := rdb.HGet(ctx, tag+":px", "0000000000000007").Result(); err != nil ||
 		!strings.HasPrefix(got, "1060000;") || !strings.Contains(got, ";10.0.0.5:1 30000;") {
@@ -208,7 +208,7 @@ func TestHolderLists(t *testing.T) {
 	}
 	// That query refreshed host 5; the dead records go with the next
 	// rewrite of the level.
-	must(t, st.SaveCacheAs(ctx, "c", "10.0.0.6:1", hs[:1], "", 0))
+	must(t, st.SaveCacheAs(ctx, "c", "10.0.0.6:1", hs[:1], "", 0, 0))
 	if got, err := rdb.HGet(ctx, tag+":px", "0000000000000007").Result(); err != nil || got != "1121000;10.0.0.5:1 0;10.0.0.6:1 0" {
 		t.Fatalf("level 7 after rewrite = %q (%v)", got, err)
 	}
@@ -230,11 +230,11 @@ func TestDeadHolderListsSwept(t *testing.T) {
 	srv := redistest.Shared(t)
 	st, nowMs := clockedStore(t, srv)
 	ctx := context.Background()
-	must(t, st.SaveCacheAs(ctx, "c", "10.0.0.1:1", []prefix.Hash{1, 2, 3}, "", 0))
+	must(t, st.SaveCacheAs(ctx, "c", "10.0.0.1:1", []prefix.Hash{1, 2, 3}, "", 0, 0))
 	nowMs.Add(30_000)
-	must(t, st.SaveCacheAs(ctx, "c", "10.0.0.2:1", []prefix.Hash{2}, "", 0))
+	must(t, st.SaveCacheAs(ctx, "c", "10.0.0.2:1", []prefix.Hash{2}, "", 0, 0))
 	nowMs.Add(31_000) // host 1's records are dead, host 2's live on
-	must(t, st.SaveCacheAs(ctx, "c", "10.0.0.3:1", []prefix.Hash{9}, "", 0))
+	must(t, st.SaveCacheAs(ctx, "c", "10.0.0.3:1", []prefix.Hash{9}, "", 0, 0))
 	rdb := redis.NewClient(&redis.Options{Addr: srv.Addr})
 	defer rdb.Close()
 	tag := "{" + srv.Prefix + ":c}"
@@ -268,9 +268,9 @@ func TestMaxHashes(t *testing.T) {
 		hs[i] = prefix.Hash(i + 1)
 	}
 	// Narrow path: 3 hosts, one full, one half, one with a hole.
-	must(t, st.SaveCacheAs(ctx, "c", "10.0.0.1:1", hs, "", 0))
-	must(t, st.SaveCacheAs(ctx, "c", "10.0.0.2:1", hs[:2048], "", 0))
-	must(t, st.SaveCacheAs(ctx, "c", "10.0.0.3:1", hs, "", 0))
+	must(t, st.SaveCacheAs(ctx, "c", "10.0.0.1:1", hs, "", 0, 0))
+	must(t, st.SaveCacheAs(ctx, "c", "10.0.0.2:1", hs[:2048], "", 0, 0))
+	must(t, st.SaveCacheAs(ctx, "c", "10.0.0.3:1", hs, "", 0, 0))
 	must(t, st.EvictCacheBefore(ctx, "c", "10.0.0.3:1", hs[3000:3001], 0))
 	want := []api.CacheLocation{{Host: "10.0.0.1:1", Length: 4096}, {Host: "10.0.0.3:1", Length: 3000}, {Host: "10.0.0.2:1", Length: 2048}}
 	got, err := st.QueryCache(ctx, "c", hs)

@@ -110,7 +110,7 @@ func TestRoutePipe(t *testing.T) {
 			for ci, c := range clusters {
 				for p := range 3 {
 					host := fmt.Sprintf("10.0.%d.%d:8000", ci, p+1)
-					if err := st.SaveCacheAs(ctx, c, host, prompt(ci, p)[:4+2*p], "", 0); err != nil {
+					if err := st.SaveCacheAs(ctx, c, host, prompt(ci, p)[:4+2*p], "", 0, 0); err != nil {
 						t.Fatal(err)
 					}
 					if err := st.AddLease(ctx, c, host, fmt.Sprintf("r%d", p), int64(100*p)); err != nil {

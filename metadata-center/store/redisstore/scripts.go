@@ -336,7 +336,7 @@ return {table.concat(redis.call('HGETALL', lr), '\t'), table.concat(redis.call('
 `
 
 // KEYS: e-key hosts-key v-key px pxt x-key. ARGV: now expiry ttl host
-// saveID refreshOnly savedAt memory hashes...
+// saveID refreshOnly savedAt memory maxEntries hashes...
 //
 // A host saving a prefix it already holds (every request of a shared
 // system prompt does) gets its expiry replaced in place: the leading
@@ -353,13 +353,21 @@ return {table.concat(redis.call('HGETALL', lr), '\t'), table.concat(redis.call('
 // evicted at or after that (or a host evict-all at or after it), less than
 // memory ms ago, is skipped, and an entry whose last save is dated later
 // keeps that save.
+//
+// The e-key orders host's entries by expiry, that is by last save or
+// refresh; within one save the i-th hash scores i/1024 ms lower (the 1,024th
+// and later alike) (liveness,
+// compared with whole milliseconds, is unchanged), so that with maxEntries
+// > 0 the entries past it go least recent first and, of one save, the
+// prompt's last blocks first (store.Index.SaveCacheAs).
 // Reply: how many prefixes host now holds by this save.
-const saveSrc = holdersLib + `
+const saveSrc = unholdLib + `
 local ek, hk, vk, px, pxt, xk, host, exp, ttl = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], ARGV[4], ARGV[2], ARGV[3]
 local nowN, expN, saved = tonumber(ARGV[1]), tonumber(exp), tonumber(ARGV[7])
 local version = ARGV[7] .. ' ' .. ARGV[5]
 local refresh = ARGV[6] == '1'
 local forgotten = nowN - tonumber(ARGV[8])
+local cap = tonumber(ARGV[9])
 local evictedAll = tonumber(redis.call('ZSCORE', xk, '*') or '0')
 -- hold returns the prefix's new holder list, or nil to leave it alone.
 local function hold(s)
@@ -384,12 +392,12 @@ end
 -- 512 hashes per HMGET, HSET and ZADD rather than a call per hash (Lua's
 -- unpack stops at a few thousand values, and the API allows 4096 hashes).
 local held = 0
-for i = 9, #ARGV, 512 do
+for i = 10, #ARGV, 512 do
   local j = math.min(i + 511, #ARGV)
   local cur = redis.call('HMGET', px, unpack(ARGV, i, j))
   local olds = redis.call('HMGET', vk, unpack(ARGV, i, j))
   local evs = refresh or redis.call('ZMSCORE', xk, unpack(ARGV, i, j))
-  local lists, scores, vers = {}, {}, {}
+  local lists, scores, escores, vers = {}, {}, {}, {}
   for k = 1, #cur do
     local h = ARGV[i + k - 1]
     local v, ev = nil, refresh or math.max(evictedAll, tonumber(evs[k] or '0'))
@@ -400,6 +408,8 @@ for i = 9, #ARGV, 512 do
       lists[#lists + 1] = v
       scores[#scores + 1] = exp
       scores[#scores + 1] = h
+      escores[#escores + 1] = string.format('%.4f', expN - math.min(i + k - 11, 1023) / 1024)
+      escores[#escores + 1] = h
       vers[#vers + 1] = h
       local oldAt = string.match(olds[k] or '', '^%d+') or '0'
       if refresh then
@@ -414,7 +424,7 @@ for i = 9, #ARGV, 512 do
   if #lists > 0 then
     redis.call('HSET', px, unpack(lists))
     redis.call('ZADD', pxt, 'GT', unpack(scores))
-    redis.call('ZADD', ek, unpack(scores))
+    redis.call('ZADD', ek, unpack(escores))
     redis.call('HSET', vk, unpack(vers))
   end
 end
@@ -424,6 +434,16 @@ while true do
   if #dead == 0 then break end
   redis.call('HDEL', vk, unpack(dead))
   redis.call('ZREM', ek, unpack(dead))
+end
+if cap > 0 then
+  local over = redis.call('ZCARD', ek) - cap
+  if over > 0 then
+    local gone = redis.call('ZRANGE', ek, 0, over - 1)
+    for _, h in ipairs(gone) do unhold(px, pxt, h, host, nowN) end
+    redis.call('ZREMRANGEBYRANK', ek, 0, over - 1)
+    for k = 1, #gone, 512 do redis.call('HDEL', vk, unpack(gone, k, math.min(k + 511, #gone))) end
+    held = math.min(held, cap)
+  end
 end
 dropDead(px, pxt, ARGV[1])
 for _, k in ipairs({ek, vk, px, pxt}) do redis.call('PEXPIRE', k, ttl) end

@@ -15,22 +15,22 @@ import (
 
 func testCacheLongestLeadingRun(e *env) {
 	hs := hashes("conv", 6)
-	e.must(e.st.Index.SaveCacheAs(e.ctx, cl, hostA, hs[:4], "", 0))
+	e.must(e.st.Index.SaveCacheAs(e.ctx, cl, hostA, hs[:4], "", 0, 0))
 	// B holds 0, 1 and 3 but not 2: its run stops at 2 although it holds 3.
-	e.must(e.st.Index.SaveCacheAs(e.ctx, cl, hostB, []prefix.Hash{hs[0], hs[1], hs[3]}, "", 0))
+	e.must(e.st.Index.SaveCacheAs(e.ctx, cl, hostB, []prefix.Hash{hs[0], hs[1], hs[3]}, "", 0, 0))
 	// C lacks hash 0, so it holds no leading run at all.
-	e.must(e.st.Index.SaveCacheAs(e.ctx, cl, hostC, hs[1:], "", 0))
+	e.must(e.st.Index.SaveCacheAs(e.ctx, cl, hostC, hs[1:], "", 0, 0))
 	e.wantCache(cl, hs, []api.CacheLocation{{Host: hostA, Length: 4}, {Host: hostB, Length: 2}})
 	// A shorter query caps the length at its own size.
 	e.wantCache(cl, hs[:1], []api.CacheLocation{{Host: hostA, Length: 1}, {Host: hostB, Length: 1}})
 	// Ties are broken by host so answers are deterministic.
-	e.must(e.st.Index.SaveCacheAs(e.ctx, cl, hostC, hs[:1], "", 0))
+	e.must(e.st.Index.SaveCacheAs(e.ctx, cl, hostC, hs[:1], "", 0, 0))
 	e.wantCache(cl, hs[:2], []api.CacheLocation{
 		{Host: hostA, Length: 2}, {Host: hostB, Length: 2}, {Host: hostC, Length: 2},
 	})
 	// C now holds hash 0 too, so its whole run counts; saving the same
 	// hashes again changes nothing.
-	e.must(e.st.Index.SaveCacheAs(e.ctx, cl, hostA, hs[:4], "", 0))
+	e.must(e.st.Index.SaveCacheAs(e.ctx, cl, hostA, hs[:4], "", 0, 0))
 	e.wantCache(cl, hs, []api.CacheLocation{
 		{Host: hostC, Length: 6}, {Host: hostA, Length: 4}, {Host: hostB, Length: 2},
 	})
@@ -45,7 +45,7 @@ func testCacheSharedPrefix(e *env) {
 	hs := hashes("shared", 6)
 	host := func(i int) string { return fmt.Sprintf("10.3.0.%d:9000", i+1) }
 	for i := 0; i < nHosts; i++ {
-		e.must(e.st.Index.SaveCacheAs(e.ctx, cl, host(i), hs[:3], "", 0))
+		e.must(e.st.Index.SaveCacheAs(e.ctx, cl, host(i), hs[:3], "", 0, 0))
 	}
 	want := func(over map[int]int) []api.CacheLocation {
 		var out []api.CacheLocation
@@ -63,10 +63,10 @@ func testCacheSharedPrefix(e *env) {
 	}
 	e.wantCache(cl, hs, want(nil))
 	e.clock.Advance(cacheTTL / 2)
-	e.must(e.st.Index.SaveCacheAs(e.ctx, cl, host(1), hs[:2], "", 0))
+	e.must(e.st.Index.SaveCacheAs(e.ctx, cl, host(1), hs[:2], "", 0, 0))
 	e.wantCache(cl, hs, want(nil))
-	e.must(e.st.Index.SaveCacheAs(e.ctx, cl, host(2), hs, "", 0))
-	e.must(e.st.Index.SaveCacheAs(e.ctx, cl, host(3), hs, "", 0))
+	e.must(e.st.Index.SaveCacheAs(e.ctx, cl, host(2), hs, "", 0, 0))
+	e.must(e.st.Index.SaveCacheAs(e.ctx, cl, host(3), hs, "", 0, 0))
 	e.must(e.st.Index.EvictCacheBefore(e.ctx, cl, host(3), hs[4:5], 0))
 	e.wantCache(cl, hs, want(map[int]int{2: 6, 3: 4}))
 	e.must(e.st.Index.EvictCacheBefore(e.ctx, cl, host(4), hs[1:2], 0))
@@ -76,7 +76,7 @@ func testCacheSharedPrefix(e *env) {
 	e.clock.Advance(cacheTTL/2 + time.Second)
 	e.wantCache(cl, hs, want(map[int]int{2: 6, 3: 4, 4: 1}))
 	e.clock.Advance(cacheTTL - time.Second)
-	e.must(e.st.Index.SaveCacheAs(e.ctx, cl, host(5), hs[:1], "", 0))
+	e.must(e.st.Index.SaveCacheAs(e.ctx, cl, host(5), hs[:1], "", 0, 0))
 	e.clock.Advance(2 * time.Second)
 	e.wantCache(cl, hs, want(func() map[int]int {
 		m := map[int]int{5: 1}
@@ -108,7 +108,7 @@ func testCacheManyHosts(e *env) {
 			}
 		}
 		if len(mine) > 0 {
-			e.must(e.st.Index.SaveCacheAs(e.ctx, cl, host(i), mine, "", 0))
+			e.must(e.st.Index.SaveCacheAs(e.ctx, cl, host(i), mine, "", 0, 0))
 		}
 	}
 	// Some entries age out: re-save half the hosts' holdings later, then
@@ -122,7 +122,7 @@ func testCacheManyHosts(e *env) {
 			}
 		}
 		if len(mine) > 0 {
-			e.must(e.st.Index.SaveCacheAs(e.ctx, cl, host(i), mine, "", 0))
+			e.must(e.st.Index.SaveCacheAs(e.ctx, cl, host(i), mine, "", 0, 0))
 		}
 	}
 	e.clock.Advance(cacheTTL / 2)
@@ -154,15 +154,15 @@ func testCacheManyHosts(e *env) {
 func testCacheEmptyAndUnknown(e *env) {
 	e.wantCache("nobody", hashes("x", 3), []api.CacheLocation{})
 	e.wantCache(cl, nil, []api.CacheLocation{})
-	e.must(e.st.Index.SaveCacheAs(e.ctx, cl, hostA, hashes("x", 3), "", 0))
+	e.must(e.st.Index.SaveCacheAs(e.ctx, cl, hostA, hashes("x", 3), "", 0, 0))
 	e.wantCache(cl, nil, []api.CacheLocation{})
 	e.wantCache(cl, hashes("y", 3), []api.CacheLocation{})
 }
 
 func testCacheTTLAndRefresh(e *env) {
 	hot, cold := hashes("hot", 3), hashes("cold", 3)
-	e.must(e.st.Index.SaveCacheAs(e.ctx, cl, hostA, hot, "", 0))
-	e.must(e.st.Index.SaveCacheAs(e.ctx, cl, hostA, cold, "", 0))
+	e.must(e.st.Index.SaveCacheAs(e.ctx, cl, hostA, hot, "", 0, 0))
+	e.must(e.st.Index.SaveCacheAs(e.ctx, cl, hostA, cold, "", 0, 0))
 	e.clock.Advance(cacheTTL / 2)
 	// A hit refreshes the entries it matched, and only those.
 	e.wantCache(cl, hot[:2], []api.CacheLocation{{Host: hostA, Length: 2}})
@@ -174,9 +174,9 @@ func testCacheTTLAndRefresh(e *env) {
 	e.wantCache(cl, hot, []api.CacheLocation{})
 
 	// Saving again restarts the TTL as well.
-	e.must(e.st.Index.SaveCacheAs(e.ctx, cl, hostA, cold, "", 0))
+	e.must(e.st.Index.SaveCacheAs(e.ctx, cl, hostA, cold, "", 0, 0))
 	e.clock.Advance(cacheTTL / 2)
-	e.must(e.st.Index.SaveCacheAs(e.ctx, cl, hostA, cold[:1], "", 0))
+	e.must(e.st.Index.SaveCacheAs(e.ctx, cl, hostA, cold[:1], "", 0, 0))
 	e.clock.Advance(cacheTTL / 2)
 	e.wantCache(cl, cold, []api.CacheLocation{{Host: hostA, Length: 1}})
 	e.clock.Advance(cacheTTL)
@@ -190,8 +190,8 @@ func testCacheTTLAndRefresh(e *env) {
 
 func testCacheEvict(e *env) {
 	hs := hashes("ev", 5)
-	e.must(e.st.Index.SaveCacheAs(e.ctx, cl, hostA, hs, "", 0))
-	e.must(e.st.Index.SaveCacheAs(e.ctx, cl, hostB, hs, "", 0))
+	e.must(e.st.Index.SaveCacheAs(e.ctx, cl, hostA, hs, "", 0, 0))
+	e.must(e.st.Index.SaveCacheAs(e.ctx, cl, hostB, hs, "", 0, 0))
 	e.must(e.st.Index.EvictCacheBefore(e.ctx, cl, hostA, []prefix.Hash{hs[2], hashes("unknown", 1)[0]}, 0))
 	e.wantCache(cl, hs, []api.CacheLocation{{Host: hostB, Length: 5}, {Host: hostA, Length: 2}})
 	e.must(e.st.Index.EvictCacheBefore(e.ctx, cl, hostA, []prefix.Hash{hs[2]}, 0))
@@ -202,10 +202,10 @@ func testCacheEvict(e *env) {
 
 func testCacheEvictHost(e *env) {
 	a, b := hashes("a", 4), hashes("b", 4)
-	e.must(e.st.Index.SaveCacheAs(e.ctx, cl, hostA, a, "", 0))
-	e.must(e.st.Index.SaveCacheAs(e.ctx, cl, hostA, b, "", 0))
-	e.must(e.st.Index.SaveCacheAs(e.ctx, cl, hostB, a, "", 0))
-	e.must(e.st.Index.SaveCacheAs(e.ctx, "other", hostA, a, "", 0))
+	e.must(e.st.Index.SaveCacheAs(e.ctx, cl, hostA, a, "", 0, 0))
+	e.must(e.st.Index.SaveCacheAs(e.ctx, cl, hostA, b, "", 0, 0))
+	e.must(e.st.Index.SaveCacheAs(e.ctx, cl, hostB, a, "", 0, 0))
+	e.must(e.st.Index.SaveCacheAs(e.ctx, "other", hostA, a, "", 0, 0))
 	e.must(e.st.Index.EvictHostBefore(e.ctx, cl, hostA, 0))
 	e.must(e.st.Index.EvictHostBefore(e.ctx, cl, hostA, 0))
 	e.must(e.st.Index.EvictHostBefore(e.ctx, cl, hostC, 0))
@@ -213,7 +213,7 @@ func testCacheEvictHost(e *env) {
 	e.wantCache(cl, b, []api.CacheLocation{})
 	e.wantCache("other", a, []api.CacheLocation{{Host: hostA, Length: 4}})
 	// The host can come back and save again (restarted pod).
-	e.must(e.st.Index.SaveCacheAs(e.ctx, cl, hostA, b[:2], "", 0))
+	e.must(e.st.Index.SaveCacheAs(e.ctx, cl, hostA, b[:2], "", 0, 0))
 	e.wantCache(cl, b, []api.CacheLocation{{Host: hostA, Length: 2}})
 	st, err := e.st.Health.Stats(e.ctx)
 	e.must(err)
@@ -231,10 +231,10 @@ func (e *env) ms() int64 { return e.clock.Now().UnixMilli() }
 func testVersionsEvictBefore(e *env) {
 	hs := hashes("ver", 4)
 	t0 := e.ms()
-	e.must(e.st.Index.SaveCacheAs(e.ctx, cl, hostA, hs[:2], "r1", 0))
-	e.must(e.st.Index.SaveCacheAs(e.ctx, cl, hostB, hs, "", 0))
+	e.must(e.st.Index.SaveCacheAs(e.ctx, cl, hostA, hs[:2], "r1", 0, 0))
+	e.must(e.st.Index.SaveCacheAs(e.ctx, cl, hostB, hs, "", 0, 0))
 	e.clock.Advance(20 * time.Millisecond)
-	e.must(e.st.Index.SaveCacheAs(e.ctx, cl, hostA, hs[2:], "r2", 0))
+	e.must(e.st.Index.SaveCacheAs(e.ctx, cl, hostA, hs[2:], "r2", 0, 0))
 	// The pod evicted before anything was saved: nothing goes.
 	e.must(e.st.Index.EvictCacheBefore(e.ctx, cl, hostA, hs, t0-1))
 	e.wantCache(cl, hs, []api.CacheLocation{{Host: hostA, Length: 4}, {Host: hostB, Length: 4}})
@@ -249,7 +249,7 @@ func testVersionsEvictBefore(e *env) {
 	e.wantCache(cl, hs[3:], []api.CacheLocation{{Host: hostA, Length: 1}, {Host: hostB, Length: 1}})
 	// A hit refreshes the TTL but is no save: an eviction after the save
 	// and before the hit still removes the entry.
-	e.must(e.st.Index.SaveCacheAs(e.ctx, cl, hostC, hs[:1], "r3", 0))
+	e.must(e.st.Index.SaveCacheAs(e.ctx, cl, hostC, hs[:1], "r3", 0, 0))
 	evicted := e.ms()
 	e.clock.Advance(5 * time.Second)
 	e.wantCache(cl, hs[:1], []api.CacheLocation{{Host: hostB, Length: 1}, {Host: hostC, Length: 1}})
@@ -278,16 +278,16 @@ func testLateSaveKeepsEvictionsOut(e *env) {
 	evicted := e.ms() // hostA drops hs[2:] (it served the request; the next turn truncated it)
 	e.must(e.st.Index.EvictCacheBefore(e.ctx, cl, hostA, hs[2:], evicted))
 	e.clock.Advance(500 * time.Millisecond)
-	e.must(e.st.Index.SaveCacheAs(e.ctx, cl, hostA, hs, "r1", routed)) // the routing-time save lands
-	e.must(e.st.Index.SaveCacheAs(e.ctx, cl, hostB, hs, "r1", routed)) // another host's evictions do not matter
+	e.must(e.st.Index.SaveCacheAs(e.ctx, cl, hostA, hs, "r1", routed, 0)) // the routing-time save lands
+	e.must(e.st.Index.SaveCacheAs(e.ctx, cl, hostB, hs, "r1", routed, 0)) // another host's evictions do not matter
 	e.wantCache(cl, hs, []api.CacheLocation{{Host: hostB, Length: 4}, {Host: hostA, Length: 2}})
 	// A request routed there after the eviction: kept.
-	e.must(e.st.Index.SaveCacheAs(e.ctx, cl, hostA, hs, "r2", evicted+1))
+	e.must(e.st.Index.SaveCacheAs(e.ctx, cl, hostA, hs, "r2", evicted+1, 0))
 	e.wantCache(cl, hs, []api.CacheLocation{{Host: hostA, Length: 4}, {Host: hostB, Length: 4}})
 	// r2's save stays the last one: a late save of an earlier decision
 	// neither dates the entry back (an eviction between the two keeps it)
 	// nor lets its retraction withdraw r2's entry.
-	e.must(e.st.Index.SaveCacheAs(e.ctx, cl, hostA, hs, "r0", routed))
+	e.must(e.st.Index.SaveCacheAs(e.ctx, cl, hostA, hs, "r0", routed, 0))
 	e.must(e.st.Index.EvictCacheBefore(e.ctx, cl, hostA, hs, evicted))
 	e.must(e.st.Index.RetractCache(e.ctx, cl, hostA, hs, "r0"))
 	e.wantCache(cl, hs, []api.CacheLocation{{Host: hostA, Length: 4}, {Host: hostB, Length: 4}})
@@ -299,18 +299,18 @@ func testLateSaveKeepsEvictionsOut(e *env) {
 	e.clock.Advance(10 * time.Millisecond)
 	epoch := e.ms()
 	e.must(e.st.Index.EvictHostBefore(e.ctx, cl, hostC, epoch))
-	e.must(e.st.Index.SaveCacheAs(e.ctx, cl, hostC, fresh, "old-process", before))
-	e.must(e.st.Index.SaveCacheAs(e.ctx, cl, hostC, fresh, "future", epoch+60_000))
+	e.must(e.st.Index.SaveCacheAs(e.ctx, cl, hostC, fresh, "old-process", before, 0))
+	e.must(e.st.Index.SaveCacheAs(e.ctx, cl, hostC, fresh, "future", epoch+60_000, 0))
 	e.wantCache(cl, fresh, []api.CacheLocation{})
 	e.clock.Advance(time.Millisecond)
-	e.must(e.st.Index.SaveCacheAs(e.ctx, cl, hostC, fresh, "new-process", 0))
+	e.must(e.st.Index.SaveCacheAs(e.ctx, cl, hostC, fresh, "new-process", 0, 0))
 	e.wantCache(cl, fresh, []api.CacheLocation{{Host: hostC, Length: 2}})
 	// Past the memory, an eviction no longer holds back a save dated
 	// before it.
 	gone := hashes("late-forgotten", 1)
 	e.must(e.st.Index.EvictCacheBefore(e.ctx, cl, hostB, gone, e.ms()))
 	e.clock.Advance(store.EvictionMemory + time.Second)
-	e.must(e.st.Index.SaveCacheAs(e.ctx, cl, hostB, gone, "much-later", e.ms()-store.EvictionMemory.Milliseconds()-2000))
+	e.must(e.st.Index.SaveCacheAs(e.ctx, cl, hostB, gone, "much-later", e.ms()-store.EvictionMemory.Milliseconds()-2000, 0))
 	e.wantCache(cl, gone, []api.CacheLocation{{Host: hostB, Length: 1}})
 }
 
@@ -318,12 +318,12 @@ func testLateSaveKeepsEvictionsOut(e *env) {
 // started, and keeps what was saved since (requests it already serves).
 func testVersionsEvictHostBefore(e *env) {
 	old, fresh := hashes("old", 3), hashes("fresh", 2)
-	e.must(e.st.Index.SaveCacheAs(e.ctx, cl, hostA, old, "", 0))
-	e.must(e.st.Index.SaveCacheAs(e.ctx, cl, hostB, old, "", 0))
+	e.must(e.st.Index.SaveCacheAs(e.ctx, cl, hostA, old, "", 0, 0))
+	e.must(e.st.Index.SaveCacheAs(e.ctx, cl, hostB, old, "", 0, 0))
 	e.clock.Advance(10 * time.Millisecond)
 	epoch := e.ms()
 	e.clock.Advance(10 * time.Millisecond)
-	e.must(e.st.Index.SaveCacheAs(e.ctx, cl, hostA, fresh, "after-start", 0))
+	e.must(e.st.Index.SaveCacheAs(e.ctx, cl, hostA, fresh, "after-start", 0, 0))
 	e.must(e.st.Index.EvictHostBefore(e.ctx, cl, hostA, epoch))
 	e.wantCache(cl, old, []api.CacheLocation{{Host: hostB, Length: 3}})
 	e.wantCache(cl, fresh, []api.CacheLocation{{Host: hostA, Length: 2}})
@@ -339,7 +339,7 @@ func testVersionsEvictHostBefore(e *env) {
 	e.wantCache(cl, fresh, []api.CacheLocation{})
 	e.must(e.st.Index.EvictHostBefore(e.ctx, cl, hostC, epoch)) // unknown host
 	// The host saves again after an evict-all.
-	e.must(e.st.Index.SaveCacheAs(e.ctx, cl, hostA, fresh, "again", 0))
+	e.must(e.st.Index.SaveCacheAs(e.ctx, cl, hostA, fresh, "again", 0, 0))
 	e.wantCache(cl, fresh, []api.CacheLocation{{Host: hostA, Length: 2}})
 }
 
@@ -347,10 +347,10 @@ func testVersionsEvictHostBefore(e *env) {
 // an entry saved again since, by another request, stays.
 func testVersionsRetract(e *env) {
 	hs := hashes("retract", 6)
-	e.must(e.st.Index.SaveCacheAs(e.ctx, cl, hostA, hs[:2], "earlier", 0))
-	e.must(e.st.Index.SaveCacheAs(e.ctx, cl, hostA, hs, "r1", 0))
-	e.must(e.st.Index.SaveCacheAs(e.ctx, cl, hostB, hs, "r1", 0))
-	e.must(e.st.Index.SaveCacheAs(e.ctx, cl, hostA, hs[4:], "r2", 0)) // another request, meanwhile
+	e.must(e.st.Index.SaveCacheAs(e.ctx, cl, hostA, hs[:2], "earlier", 0, 0))
+	e.must(e.st.Index.SaveCacheAs(e.ctx, cl, hostA, hs, "r1", 0, 0))
+	e.must(e.st.Index.SaveCacheAs(e.ctx, cl, hostB, hs, "r1", 0, 0))
+	e.must(e.st.Index.SaveCacheAs(e.ctx, cl, hostA, hs[4:], "r2", 0, 0)) // another request, meanwhile
 	// r1 failed before its first token; the index held hs[:2] on hostA
 	// when it was routed, so it retracts hs[2:].
 	e.must(e.st.Index.RetractCache(e.ctx, cl, hostA, hs[2:], "r1"))
@@ -406,8 +406,8 @@ func testRefreshNeverInserts(e *env) {
 
 	// hostA saved the first two; a refresh of all four keeps it at two.
 	t0 := e.ms()
-	e.must(e.st.Index.SaveCacheAs(e.ctx, cl, hostA, hs[:2], "r1", 0))
-	e.must(e.st.Index.SaveCacheAs(e.ctx, cl, hostB, hs, "r1", 0))
+	e.must(e.st.Index.SaveCacheAs(e.ctx, cl, hostA, hs[:2], "r1", 0, 0))
+	e.must(e.st.Index.SaveCacheAs(e.ctx, cl, hostB, hs, "r1", 0, 0))
 	e.clock.Advance(20 * time.Millisecond)
 	e.must(e.st.Index.RefreshCache(e.ctx, cl, hostA, hs, "r1"))
 	e.wantCache(cl, hs, []api.CacheLocation{{Host: hostB, Length: 4}, {Host: hostA, Length: 2}})
@@ -429,12 +429,12 @@ func testRefreshNeverInserts(e *env) {
 	e.must(e.st.Index.RetractCache(e.ctx, cl, hostB, hs, "r1"))
 	e.wantCache(cl, hs, []api.CacheLocation{{Host: hostB, Length: 2}, {Host: hostA, Length: 1}})
 	e.must(e.st.Index.RetractCache(e.ctx, cl, hostB, hs[1:], "r9"))
-	e.must(e.st.Index.SaveCacheAs(e.ctx, cl, hostB, hs[1:2], "r1", 0))
+	e.must(e.st.Index.SaveCacheAs(e.ctx, cl, hostB, hs[1:2], "r1", 0, 0))
 	e.wantCache(cl, hs, []api.CacheLocation{{Host: hostB, Length: 2}, {Host: hostA, Length: 1}})
 
 	// The bug this exists for: the pod evicted hostC's tail, the report
 	// landed, and the confirmation of the save comes after it.
-	e.must(e.st.Index.SaveCacheAs(e.ctx, cl, hostC, hs, "r2", 0))
+	e.must(e.st.Index.SaveCacheAs(e.ctx, cl, hostC, hs, "r2", 0, 0))
 	e.clock.Advance(5 * time.Millisecond)
 	e.must(e.st.Index.EvictCacheBefore(e.ctx, cl, hostC, hs[2:], e.ms()))
 	e.clock.Advance(5 * time.Millisecond)
@@ -482,9 +482,9 @@ func testRefreshNeverInserts(e *env) {
 	// each entry keeps its own save time.
 	many := hashes("refresh-many", 1100)
 	t1 := e.ms()
-	e.must(e.st.Index.SaveCacheAs(e.ctx, cl, hostC, many[:600], "m1", 0))
+	e.must(e.st.Index.SaveCacheAs(e.ctx, cl, hostC, many[:600], "m1", 0, 0))
 	e.clock.Advance(10 * time.Millisecond)
-	e.must(e.st.Index.SaveCacheAs(e.ctx, cl, hostC, many[600:], "m2", 0))
+	e.must(e.st.Index.SaveCacheAs(e.ctx, cl, hostC, many[600:], "m2", 0, 0))
 	e.clock.Advance(10 * time.Millisecond)
 	e.must(e.st.Index.RefreshCache(e.ctx, cl, hostC, many, "m3"))
 	e.must(e.st.Index.EvictCacheBefore(e.ctx, cl, hostC, many, t1+5))
@@ -497,4 +497,44 @@ func testRefreshNeverInserts(e *env) {
 	e.must(e.st.Index.RefreshCache(e.ctx, cl, hostB, other, "b2"))
 	e.must(e.st.Index.RetractCache(e.ctx, cl, hostB, other, "b2"))
 	e.wantCache(cl, other, []api.CacheLocation{})
+}
+
+// testCacheCapacity: a save's maxEntries bounds what its host holds, as the
+// pod's KV cache does. Past it the least recently saved entries go and, of
+// one save, the prompt's last blocks first, so what stays of a prompt is
+// still a prefix of it. Other hosts keep theirs; a batch carries the bound
+// too.
+func testCacheCapacity(e *env) {
+	a, b, c, d := hashes("cap-a", 4), hashes("cap-b", 4), hashes("cap-c", 3), hashes("cap-d", 8)
+	step := func() { e.clock.Advance(time.Millisecond) }
+	e.must(e.st.Index.SaveCacheAs(e.ctx, cl, hostA, a, "", 0, 6))
+	e.must(e.st.Index.SaveCacheAs(e.ctx, cl, hostB, a, "", 0, 0))
+	step()
+	e.must(e.st.Index.SaveCacheAs(e.ctx, cl, hostA, b, "", 0, 6))
+	e.wantCache(cl, a, []api.CacheLocation{{Host: hostB, Length: 4}, {Host: hostA, Length: 2}})
+	e.wantCache(cl, b, []api.CacheLocation{{Host: hostA, Length: 4}})
+	step()
+	// Using a's first block again makes it the most recent; c then pushes
+	// out the three least recent: a's second block, b's last two.
+	e.must(e.st.Index.SaveCacheAs(e.ctx, cl, hostA, a[:1], "", 0, 6))
+	step()
+	e.must(e.st.Index.SaveCacheAs(e.ctx, cl, hostA, c, "", 0, 6))
+	e.wantCache(cl, a, []api.CacheLocation{{Host: hostB, Length: 4}, {Host: hostA, Length: 1}})
+	e.wantCache(cl, b, []api.CacheLocation{{Host: hostA, Length: 2}})
+	e.wantCache(cl, c, []api.CacheLocation{{Host: hostA, Length: 3}})
+	step()
+	// A prompt longer than the bound keeps its first blocks.
+	e.must(e.st.Index.SaveCacheAs(e.ctx, cl, hostA, d, "", 0, 4))
+	e.wantCache(cl, d, []api.CacheLocation{{Host: hostA, Length: 4}})
+	e.wantCache(cl, c, []api.CacheLocation{})
+	e.wantCache(cl, a, []api.CacheLocation{{Host: hostB, Length: 4}})
+	step()
+	e.must(e.st.Batch.Apply(e.ctx, []store.Op{{Kind: store.OpSaveCache, Cluster: cl, Host: hostB, Hashes: c, MaxEntries: 5}}))
+	e.wantCache(cl, c, []api.CacheLocation{{Host: hostB, Length: 3}})
+	e.wantCache(cl, a, []api.CacheLocation{{Host: hostB, Length: 2}})
+	st, err := e.st.Health.Stats(e.ctx)
+	e.must(err)
+	if want := int64(4 + 5); st.IndexEntries != want {
+		e.t.Fatalf("IndexEntries = %d, want %d", st.IndexEntries, want)
+	}
 }

@@ -34,10 +34,10 @@ func RunIndex(t *testing.T, f Factory) {
 	a, b := hashes("a", 3), hashes("b", 2)
 	want(c, map[string][]prefix.Hash{})
 
-	e.must(e.st.Index.SaveCacheAs(e.ctx, c, "10.0.0.1:80", a, "", 0))
-	e.must(e.st.Index.SaveCacheAs(e.ctx, c, "10.0.0.2:80", a[:1], "", 0))
-	e.must(e.st.Index.SaveCacheAs(e.ctx, c, "10.0.0.2:80", b, "", 0))
-	e.must(e.st.Index.SaveCacheAs(e.ctx, other, "10.0.0.9:80", b, "", 0))
+	e.must(e.st.Index.SaveCacheAs(e.ctx, c, "10.0.0.1:80", a, "", 0, 0))
+	e.must(e.st.Index.SaveCacheAs(e.ctx, c, "10.0.0.2:80", a[:1], "", 0, 0))
+	e.must(e.st.Index.SaveCacheAs(e.ctx, c, "10.0.0.2:80", b, "", 0, 0))
+	e.must(e.st.Index.SaveCacheAs(e.ctx, other, "10.0.0.9:80", b, "", 0, 0))
 	want(c, map[string][]prefix.Hash{
 		"10.0.0.1:80": slices.Clone(a),
 		"10.0.0.2:80": {a[0], b[0], b[1]},
@@ -49,7 +49,7 @@ func RunIndex(t *testing.T, f Factory) {
 	want(c, map[string][]prefix.Hash{"10.0.0.1:80": {a[0], a[2]}})
 
 	e.clock.Advance(cacheTTL / 2)
-	e.must(e.st.Index.SaveCacheAs(e.ctx, c, "10.0.0.3:80", b[:1], "", 0))
+	e.must(e.st.Index.SaveCacheAs(e.ctx, c, "10.0.0.3:80", b[:1], "", 0, 0))
 	e.clock.Advance(cacheTTL/2 + 1)
 	want(c, map[string][]prefix.Hash{"10.0.0.3:80": b[:1]})
 }

@@ -106,7 +106,7 @@ func testLeaseExpiry(e *env) {
 func testClusterIsolation(e *env) {
 	hs := hashes("p", 4)
 	e.must(e.st.Leases.AddLease(e.ctx, "c1", hostA, "r1", 3))
-	e.must(e.st.Index.SaveCacheAs(e.ctx, "c1", hostA, hs, "", 0))
+	e.must(e.st.Index.SaveCacheAs(e.ctx, "c1", hostA, hs, "", 0, 0))
 	e.wantLoad("c2", api.LoadStats{})
 	e.wantCache("c2", hs, []api.CacheLocation{})
 	e.must(e.st.Leases.DeleteLease(e.ctx, "c2", hostA, "r1"))

@@ -25,7 +25,7 @@ func testRegistrations(e *env) {
 	e.must(e.st.Registry.Register(e.ctx, cl, hostB, regB, 5*time.Second))
 	e.must(e.st.Registry.Register(e.ctx, "other", hostC, regB, 30*time.Second))
 	e.must(e.st.Leases.AddLease(e.ctx, cl, hostA, "r1", 10))
-	e.must(e.st.Index.SaveCacheAs(e.ctx, cl, hostB, hs, "", 0))
+	e.must(e.st.Index.SaveCacheAs(e.ctx, cl, hostB, hs, "", 0, 0))
 	e.clock.Advance(time.Second)
 
 	got, err := e.st.Router.Route(e.ctx, cl, hs)

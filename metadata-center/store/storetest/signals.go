@@ -23,7 +23,7 @@ func testSignals(e *env) {
 	e.must(e.st.Signals.ReportSignals(e.ctx, cl, hostB, api.PodSignals{Waiting: 1, Running: 2, KVCacheUtil: 0.125, Draining: true, AgeMS: 99999}))
 	e.must(e.st.Signals.ReportSignals(e.ctx, "other", hostC, api.PodSignals{Running: 1}))
 	e.must(e.st.Leases.AddLease(e.ctx, cl, hostA, "r1", 10))
-	e.must(e.st.Index.SaveCacheAs(e.ctx, cl, hostB, hs, "", 0))
+	e.must(e.st.Index.SaveCacheAs(e.ctx, cl, hostB, hs, "", 0, 0))
 	e.clock.Advance(300 * time.Millisecond)
 	want := map[string]api.PodSignals{
 		hostA: {Waiting: 3, Running: 8, KVCacheUtil: 0.75, PrefillTokens: 4096, KVCapacity: 65536, MaxRunning: 16, AgeMS: 300},

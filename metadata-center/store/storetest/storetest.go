@@ -93,6 +93,7 @@ func Run(t *testing.T, f Factory) {
 		{"CacheTTLAndRefresh", testCacheTTLAndRefresh},
 		{"CacheEvict", testCacheEvict},
 		{"CacheEvictHost", testCacheEvictHost},
+		{"CacheCapacity", testCacheCapacity},
 		{"Route", testRoute},
 		{"Stats", testStats},
 		{"Concurrent", testConcurrent},
@@ -168,8 +169,8 @@ func testRoute(e *env) {
 	hs := hashes("route", 8)
 	e.must(e.st.Leases.AddLease(e.ctx, cl, hostA, "r1", 40))
 	e.must(e.st.Leases.AddLease(e.ctx, cl, hostB, "r2", 60))
-	e.must(e.st.Index.SaveCacheAs(e.ctx, cl, hostA, hs[:3], "", 0))
-	e.must(e.st.Index.SaveCacheAs(e.ctx, cl, hostC, hs, "", 0))
+	e.must(e.st.Index.SaveCacheAs(e.ctx, cl, hostA, hs[:3], "", 0, 0))
+	e.must(e.st.Index.SaveCacheAs(e.ctx, cl, hostC, hs, "", 0, 0))
 	got, err := e.st.Router.Route(e.ctx, cl, hs)
 	e.must(err)
 	want := api.RouteAnswer{
@@ -211,9 +212,9 @@ func testStats(e *env) {
 	e.must(e.st.Leases.AddLease(e.ctx, "c1", hostA, "r1", 1))
 	e.must(e.st.Leases.AddLease(e.ctx, "c2", hostA, "r1", 1))
 	e.must(e.st.Leases.AddLease(e.ctx, "c2", hostB, "r2", 1))
-	e.must(e.st.Index.SaveCacheAs(e.ctx, "c1", hostA, hashes("s", 3), "", 0))
-	e.must(e.st.Index.SaveCacheAs(e.ctx, "c2", hostB, hashes("s", 2), "", 0))
-	e.must(e.st.Index.SaveCacheAs(e.ctx, "c2", hostB, hashes("s", 2), "", 0))
+	e.must(e.st.Index.SaveCacheAs(e.ctx, "c1", hostA, hashes("s", 3), "", 0, 0))
+	e.must(e.st.Index.SaveCacheAs(e.ctx, "c2", hostB, hashes("s", 2), "", 0, 0))
+	e.must(e.st.Index.SaveCacheAs(e.ctx, "c2", hostB, hashes("s", 2), "", 0, 0))
 	st, err = e.st.Health.Stats(e.ctx)
 	e.must(err)
 	if want := (store.Stats{LiveLeases: 3, IndexEntries: 5}); st != want {
@@ -239,7 +240,7 @@ func testConcurrent(e *env) {
 					errs <- err
 					return
 				}
-				if err := e.st.Index.SaveCacheAs(e.ctx, cl, host, hs, "", 0); err != nil {
+				if err := e.st.Index.SaveCacheAs(e.ctx, cl, host, hs, "", 0, 0); err != nil {
 					errs <- err
 					return
 				}
