@@ -355,11 +355,11 @@ return {table.concat(redis.call('HGETALL', lr), '\t'), table.concat(redis.call('
 // keeps that save.
 //
 // The e-key orders host's entries by expiry, that is by last save or
-// refresh; within one save the i-th hash scores i/1024 ms lower (the 1,024th
-// and later alike) (liveness,
-// compared with whole milliseconds, is unchanged), so that with maxEntries
-// > 0 the entries past it go least recent first and, of one save, the
-// prompt's last blocks first (store.Index.SaveCacheAs).
+// refresh; within one save the i-th hash scores i/1024 ms lower (from the
+// 1,024th on alike; liveness, compared in whole milliseconds, is
+// unchanged), so that with maxEntries > 0 the entries past it go least
+// recent first and, of one save, the prompt's last blocks first
+// (store.Index.SaveCacheAs).
 // Reply: how many prefixes host now holds by this save.
 const saveSrc = unholdLib + `
 local ek, hk, vk, px, pxt, xk, host, exp, ttl = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], ARGV[4], ARGV[2], ARGV[3]
