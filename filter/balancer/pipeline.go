@@ -34,9 +34,9 @@ type PodFilter interface {
 
 // Recorder is implemented by a scorer that learns from each decision of its
 // profile (the EPP's prefix index): Chosen is called with the decision's
-// State and the chosen host once the profile has picked.
+// State and the chosen host's index in s.Hosts once the profile has picked.
 type Recorder interface {
-	Chosen(s *State, host string)
+	Chosen(s *State, i int)
 }
 
 // Picker chooses one index of scores (one per s.Hosts).
@@ -207,7 +207,7 @@ func (p *Profile) run(s *State, obs *stageObserver) int {
 	i := p.Picker.Pick(s, total)
 	for _, w := range p.Scorers {
 		if r, ok := w.Scorer.(Recorder); ok && w.weight(s.Rule) != 0 {
-			r.Chosen(s, s.Hosts[i].Address)
+			r.Chosen(s, i)
 		}
 	}
 	if obs != nil {

@@ -15,8 +15,12 @@ package balancer
 //     pkg/epp/framework/plugins/scheduling/scorer/prefix/plugin.go; earlier
 //     releases: DefaultHashBlockSize = 64 in
 //     pkg/epp/scheduling/framework/plugins/multi/prefix/plugin.go), at most
-//     256 blocks, against its own LRU index of where it sent each block
-//     (31,250 blocks per pod), learnt at each decision. Differences: the
+//     256 blocks, against its own LRU index of where it sent each block,
+//     learnt at each decision: per pod as many blocks as the pod's KV cache
+//     had when the pod was first chosen (autoTune, on by default: the pod's
+//     num_gpu_blocks from vllm:cache_config_info), 31,250 where it reported
+//     none (DefaultLRUCapacityPerServer; the plugin's makeServer and the
+//     indexer's Add). Differences: the
 //     block hash (maphash where the real one uses xxhash; only equality
 //     matters), the prompt it hashes (the gateway's canonical prompt where
 //     the real one hashes the request's prompt text), and one index per
@@ -174,14 +178,28 @@ func (KVCacheScorer) Score(s *State, out []float64) {
 // eppBlockBytes, each block's hash chained to the one before and the first
 // to the model's name, at most eppMaxBlocks blocks (longer prompts are cut,
 // a final partial block is left out); per pod an LRU of the blocks routed
-// there, eppPodCapacity entries; a pod's score is its longest run of
+// there, as many entries as the pod's KV cache has blocks (eppPodBlocks);
+// a pod's score is its longest run of
 // leading blocks in the index over the prompt's blocks (the model's block
 // included, which every pod that served the model matches).
 const (
 	eppBlockBytes  = 16 * 4 // DefaultBlockSizeTokens × averageCharactersPerToken
 	eppMaxBlocks   = 256    // DefaultMaxPrefixBlocks
 	eppPodCapacity = 31250  // DefaultLRUCapacityPerServer
+	// eppTokensPerBlock turns a pod's reported KV capacity in tokens back
+	// into its num_gpu_blocks: vLLM's default block size, which the real
+	// one's autoTune also takes as its hash block.
+	eppTokensPerBlock = 16
 )
+
+// eppPodBlocks is how many blocks the index keeps of a pod: its KV cache's
+// blocks where it reports them (autoTune), else DefaultLRUCapacityPerServer.
+func eppPodBlocks(h *Host) int {
+	if h.KVCapacity >= eppTokensPerBlock {
+		return int(h.KVCapacity / eppTokensPerBlock)
+	}
+	return eppPodCapacity
+}
 
 // ScorerEPPPrefix names the epp stand-in's prefix scorer.
 const ScorerEPPPrefix = "epp_prefix"
@@ -198,10 +216,13 @@ type EPPPrefix struct {
 	pods   map[string]*eppLRU
 }
 
-// eppLRU is one pod's blocks, most recently routed first.
+// eppLRU is one pod's blocks, most recently routed first, at most capacity
+// of them: eppPodBlocks when the pod was first chosen (the real indexer
+// sizes a pod's LRU once, at its first Add).
 type eppLRU struct {
-	order *list.List // of uint64, front = most recent
-	at    map[uint64]*list.Element
+	order    *list.List // of uint64, front = most recent
+	at       map[uint64]*list.Element
+	capacity int
 }
 
 // NewEPPPrefix returns an empty index.
@@ -265,12 +286,13 @@ func (p *EPPPrefix) Score(s *State, out []float64) {
 	}
 }
 
-// Chosen records that the prompt's blocks went to host (the real one's
-// PreRequest).
-func (p *EPPPrefix) Chosen(s *State, host string) {
+// Chosen records that the prompt's blocks went to s.Hosts[i] (the real
+// one's PreRequest).
+func (p *EPPPrefix) Chosen(s *State, i int) {
 	if s.Prompt == nil {
 		return
 	}
+	host := s.Hosts[i].Address
 	var buf [eppMaxBlocks + 1]uint64
 	hs := p.hashes(s, buf[:0])
 	if len(hs) == 0 {
@@ -280,7 +302,7 @@ func (p *EPPPrefix) Chosen(s *State, host string) {
 	defer p.mu.Unlock()
 	l := p.pods[host]
 	if l == nil {
-		l = &eppLRU{order: list.New(), at: map[uint64]*list.Element{}}
+		l = &eppLRU{order: list.New(), at: map[uint64]*list.Element{}, capacity: eppPodBlocks(&s.Hosts[i])}
 		p.pods[host] = l
 	}
 	for _, bh := range hs {
@@ -295,7 +317,7 @@ func (p *EPPPrefix) Chosen(s *State, host string) {
 			p.owners[bh] = o
 		}
 		o[host] = struct{}{}
-		if l.order.Len() > eppPodCapacity {
+		for l.order.Len() > l.capacity {
 			old := l.order.Remove(l.order.Back()).(uint64)
 			delete(l.at, old)
 			if o := p.owners[old]; o != nil {

@@ -477,7 +477,7 @@ func TestEPPPrefixIndexesItsOwnDecisions(t *testing.T) {
 	if s := score("m", ten); !slices.Equal(s, []float64{0, 0, 0}) {
 		t.Fatalf("empty index: %v", s)
 	}
-	p.Chosen(&State{Model: "m", Prompt: ten}, "a")
+	p.Chosen(&State{Hosts: hosts, Model: "m", Prompt: ten}, 0)
 	if s := score("m", ten); !slices.Equal(s, []float64{1, 0, 0}) {
 		t.Fatalf("after routing the prompt to a: %v", s)
 	}
@@ -493,7 +493,7 @@ func TestEPPPrefixIndexesItsOwnDecisions(t *testing.T) {
 	}
 	// A pod that served only another prompt of the model matches the
 	// model's block.
-	p.Chosen(&State{Model: "m", Prompt: prompt(0, 640)}, "b")
+	p.Chosen(&State{Hosts: hosts, Model: "m", Prompt: prompt(0, 640)}, 1)
 	if s := score("m", ten); !slices.Equal(s, []float64{1, 1.0 / 11, 0}) {
 		t.Fatalf("b served the model: %v", s)
 	}
@@ -504,7 +504,7 @@ func TestEPPPrefixIndexesItsOwnDecisions(t *testing.T) {
 	// Past 31,250 blocks on a pod its least recently routed go: 250
 	// distinct 128-block prompts push out the first prompt's blocks.
 	for i := range 250 {
-		p.Chosen(&State{Model: "m", Prompt: []byte(strings.Repeat(fmt.Sprintf("%07d|", i), 1024))}, "c")
+		p.Chosen(&State{Hosts: hosts, Model: "m", Prompt: []byte(strings.Repeat(fmt.Sprintf("%07d|", i), 1024))}, 2)
 	}
 	if n := p.pods["c"].order.Len(); n != eppPodCapacity {
 		t.Fatalf("pod c holds %d blocks, want the capacity %d", n, eppPodCapacity)
@@ -512,6 +512,23 @@ func TestEPPPrefixIndexesItsOwnDecisions(t *testing.T) {
 	first := []byte(strings.Repeat(fmt.Sprintf("%07d|", 0), 1024))
 	if s := score("m", first); s[2] != 1.0/129 {
 		t.Fatalf("the oldest prompt after eviction scores %v on c, want the model's block only", s[2])
+	}
+	// A pod that reports its KV cache (autoTune) keeps as many blocks as
+	// the cache has, 16 tokens a block, sized when first chosen: 1,536
+	// tokens are 96 blocks. A second 64-block prompt pushes out the
+	// first one's 31 least recent, which are its first (the real LRU adds
+	// a prompt's blocks in order), and with them its match past the
+	// model's block, which the second prompt shares.
+	small := []Host{{Address: "d", KVCapacity: 1536}}
+	p.Chosen(&State{Hosts: small, Model: "m", Prompt: prompt(0, 63*64)}, 0)
+	p.Chosen(&State{Hosts: small, Model: "m", Prompt: bytes.Repeat([]byte("v"), 63*64)}, 0)
+	if n := p.pods["d"].order.Len(); n != 96 {
+		t.Fatalf("pod d holds %d blocks, want its 96", n)
+	}
+	out := make([]float64, 1)
+	p.Score(&State{Hosts: small, Model: "m", Prompt: prompt(0, 63*64)}, out)
+	if out[0] != 1.0/64 {
+		t.Fatalf("the first prompt on d scores %v, want the model's block only (its blocks evicted oldest first)", out[0])
 	}
 
 	// Through the balancer: the epp stand-in sends the prompt's next
