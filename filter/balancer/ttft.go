@@ -276,12 +276,10 @@ func (p *predictor) predict(h *Host) Cost {
 	// KV fit. The utilization counts the blocks of running requests (idle
 	// cached blocks are free), so (1−util) of the pod's KV capacity is
 	// free: the capacity it reports, else about Running·meanPrompt/util
-	// tokens. The prefill queued ahead of the request takes its room first:
-	// those requests are admitted before it. Where the request's new tokens
-	// do not fit in what is left, the pod evicts or preempts the rest,
-	// which someone computes again: that many tokens at the pod's prefill
-	// rate. Without a reported capacity, a running request or a mean there
-	// is no estimate of the free room, and no term.
+	// tokens. Where the request's new tokens do not fit, the pod evicts or
+	// preempts the rest, which someone computes again: that many tokens at
+	// the pod's prefill rate. Without a reported capacity, a running
+	// request or a mean there is no estimate of the free room, and no term.
 	if h.Signals {
 		u, free := min(max(h.KVUtil, 0), 1), -1.0
 		switch {
@@ -291,7 +289,7 @@ func (p *predictor) predict(h *Host) Cost {
 			free = float64(h.Running) * p.meanPrompt * (1 - u) / u
 		}
 		if free >= 0 {
-			c.FitTokens = max(0, c.UncachedTokens-max(0, free-c.QueuedTokens))
+			c.FitTokens = max(0, c.UncachedTokens-free)
 			c.Fit = c.FitTokens * secPerToken
 		}
 	}

@@ -97,10 +97,6 @@ func TestKVFitChargesWhatDoesNotFit(t *testing.T) {
 		// A reported capacity of 3000 tokens, half used: 1500 free.
 		{"capacity reported", Host{Address: "a", Signals: true, Running: 4, KVUtil: 0.5, KVCapacity: 3000}, 500.0 / 5000},
 		{"capacity reported, nothing running", Host{Address: "a", Signals: true, KVCapacity: 1000}, 1000.0 / 5000},
-		// The prefill queued ahead is admitted first and takes its room:
-		// 1000 of the 1500 free tokens, then all of them.
-		{"capacity reported, 1000 tokens queued ahead", Host{Address: "a", Signals: true, Running: 4, KVUtil: 0.5, KVCapacity: 3000, PrefillQueued: 1000}, 1500.0 / 5000},
-		{"capacity reported, more queued than free", Host{Address: "a", Signals: true, Running: 4, KVUtil: 0.5, KVCapacity: 3000, PrefillQueued: 2500}, 2000.0 / 5000},
 	} {
 		s := hostsState(t, []Host{tc.h}, 2000, 1)
 		p := m.predictor(s)
