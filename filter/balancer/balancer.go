@@ -78,6 +78,9 @@ type Host struct {
 	// requests it runs at most; 0 = not reported (vLLM reports the first
 	// only, our worker both).
 	KVCapacity, MaxRunning int64
+	// ReportsEvictions: the pod tells the metadata center what it evicts
+	// (our worker), so the index needs no bound (Choice.MaxBlocks).
+	ReportsEvictions bool
 	// FilledSinceReport is the prompt bytes of this gateway's requests on
 	// the pod whose first token came after the report was taken, and
 	// FilledReqsSinceReport their number: the report still counts them in
@@ -426,7 +429,8 @@ type Choice struct {
 	// most: its reported capacity in tokens, in bytes through the model's
 	// bytes per token, over the chunk size, rounded up. The saves of the
 	// request's prefix carry it, so the index forgets what the pod's cache
-	// must have evicted (store.Index.SaveCacheAs). 0: not reported.
+	// must have evicted (store.Index.SaveCacheAs). 0: not reported, or the
+	// pod reports its evictions itself.
 	MaxBlocks int
 }
 
@@ -528,7 +532,7 @@ func (b *Balancer) Choose(cluster string, rule config.LBRule, cands []endpoints.
 	ch := Choice{Host: hosts[i], Index: i, Candidates: len(hosts),
 		Prefill: int64(math.Round(float64(req.PromptLength) * (1 - hosts[i].CacheRatio)))}
 	ch.Prediction = b.ttft.chosen(&sc.state, i)
-	if c := hosts[i].KVCapacity; c > 0 && req.ChunkSize > 0 {
+	if c := hosts[i].KVCapacity; c > 0 && req.ChunkSize > 0 && !hosts[i].ReportsEvictions {
 		ch.MaxBlocks = int(math.Ceil(float64(c) * sc.state.BytesPerToken / float64(req.ChunkSize)))
 	}
 	b.tracker.routed(smp, ch.Host.Address, len(hosts))

@@ -614,7 +614,7 @@ func (t *Tracker) fill(cluster string, cands []endpoints.Endpoint, v View, block
 			if sig, ok := v.Signals[e.Address]; ok {
 				h.Signals = true
 				h.Waiting, h.Running, h.KVUtil, h.PrefillQueued = sig.Waiting, sig.Running, sig.KVCacheUtil, sig.PrefillTokens
-				h.KVCapacity, h.MaxRunning = sig.KVCapacity, sig.MaxRunning
+				h.KVCapacity, h.MaxRunning, h.ReportsEvictions = sig.KVCapacity, sig.MaxRunning, sig.ReportsEvictions
 				if len(t.fills[cluster][e.Address]) > 0 {
 					h.FilledSinceReport, h.FilledReqsSinceReport = t.filledSince(cluster, e.Address, t.now().Add(-time.Duration(sig.AgeMS)*time.Millisecond))
 				}

@@ -627,14 +627,16 @@ func TestAMatchCoversWholeBlocks(t *testing.T) {
 // A decision carries the chosen pod's KV capacity in prompt-hash blocks,
 // through the model's bytes per token, rounded up: what the saves of its
 // prefix bound the index's entries of that pod to. A pod that reports no
-// capacity gets no bound.
+// capacity gets no bound, nor one that reports its evictions itself (the
+// index knows what it holds).
 func TestAChoiceBoundsWhatTheIndexKeepsOfItsPod(t *testing.T) {
 	b := New(Options{IntN: seededIntN(1)})
 	b.BytesPerToken("m").Observe(3600, 1000) // 3.6 bytes a token
-	pods := eps(2)
+	pods := eps(3)
 	view := View{Load: api.LoadStats{}, Signals: map[string]api.PodSignals{
 		pods[0].Address: {KVCapacity: 1536},
 		pods[1].Address: {Running: 3, KVCacheUtil: 0.9},
+		pods[2].Address: {KVCapacity: 1536, ReportsEvictions: true},
 	}}
 	ch, err := b.Choose("c", defaultRule(t), pods[:1], view, Request{PromptLength: 1000, Blocks: 2, ChunkSize: 512, Model: "m"})
 	if err != nil {
@@ -643,7 +645,10 @@ func TestAChoiceBoundsWhatTheIndexKeepsOfItsPod(t *testing.T) {
 	if want := 11; ch.MaxBlocks != want { // ⌈1536 × 3.6 / 512⌉ = ⌈10.8⌉
 		t.Fatalf("MaxBlocks = %d, want %d", ch.MaxBlocks, want)
 	}
-	if ch, _ := b.Choose("c", defaultRule(t), pods[1:], view, Request{PromptLength: 1000, Blocks: 2, ChunkSize: 512, Model: "m"}); ch.MaxBlocks != 0 {
+	if ch, _ := b.Choose("c", defaultRule(t), pods[1:2], view, Request{PromptLength: 1000, Blocks: 2, ChunkSize: 512, Model: "m"}); ch.MaxBlocks != 0 {
 		t.Fatalf("a pod without a reported capacity: MaxBlocks = %d, want 0", ch.MaxBlocks)
+	}
+	if ch, _ := b.Choose("c", defaultRule(t), pods[2:], view, Request{PromptLength: 1000, Blocks: 2, ChunkSize: 512, Model: "m"}); ch.MaxBlocks != 0 {
+		t.Fatalf("a pod that reports its evictions: MaxBlocks = %d, want 0", ch.MaxBlocks)
 	}
 }

@@ -245,6 +245,11 @@ type PodSignals struct {
 	// most (its max_num_seqs); 0 = not reported.
 	KVCapacity int64 `json:"kv_capacity,omitempty"`
 	MaxRunning int64 `json:"max_running,omitempty"`
+	// ReportsEvictions: the pod tells the metadata center what its KV
+	// cache evicts (our worker, POST /v1/cache/evict), so the index knows
+	// what it holds; for the others (vLLM, SGLang: scraped) the gateways
+	// bound the index by the pod's KV capacity (CacheSave.MaxEntries).
+	ReportsEvictions bool `json:"reports_evictions,omitempty"`
 	// Draining: the pod is shutting down and answers new requests 503 with
 	// Retry-After (our worker on SIGTERM, docs/worker.md "Shutdown"); the
 	// gateways route around it while another pod is left.
@@ -264,7 +269,9 @@ type PodReport struct {
 	PrefillTokens int64   `json:"prefill_tokens"`
 	KVCapacity    int64   `json:"kv_capacity,omitempty"`
 	MaxRunning    int64   `json:"max_running,omitempty"`
-	Draining      bool    `json:"draining,omitempty"`
+	// ReportsEvictions: PodSignals.ReportsEvictions.
+	ReportsEvictions bool `json:"reports_evictions,omitempty"`
+	Draining         bool `json:"draining,omitempty"`
 	// Register, when present, (re)registers the pod: its labels, models
 	// and adapters, refreshing their TTL.
 	Register *PodRegistration `json:"register,omitempty"`
@@ -326,7 +333,7 @@ const (
 // Signals returns the report's signals.
 func (r PodReport) Signals() PodSignals {
 	return PodSignals{Waiting: r.Waiting, Running: r.Running, KVCacheUtil: r.KVCacheUtil, PrefillTokens: r.PrefillTokens,
-		KVCapacity: r.KVCapacity, MaxRunning: r.MaxRunning, Draining: r.Draining}
+		KVCapacity: r.KVCapacity, MaxRunning: r.MaxRunning, ReportsEvictions: r.ReportsEvictions, Draining: r.Draining}
 }
 
 // MaxPodSignals bounds the pods one cluster keeps signals for.

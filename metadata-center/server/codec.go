@@ -193,6 +193,9 @@ func appendSignals(b []byte, m map[string]api.PodSignals) []byte {
 			b = append(b, `,"max_running":`...)
 			b = strconv.AppendInt(b, sig.MaxRunning, 10)
 		}
+		if sig.ReportsEvictions {
+			b = append(b, `,"reports_evictions":true`...)
+		}
 		if sig.Draining {
 			b = append(b, `,"draining":true`...)
 		}

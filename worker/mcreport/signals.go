@@ -69,6 +69,7 @@ func (r *Reporter) RunSignals(ctx context.Context, src SignalSource, poll, every
 			err := r.mc.ReportSignals(ctx, api.PodReport{
 				Cluster: r.cfg.Cluster, Host: r.cfg.Host,
 				Waiting: cur.Waiting, Running: cur.Running, KVCacheUtil: cur.KVCacheUtil, PrefillTokens: cur.PrefillTokens,
+				KVCapacity: cur.KVCapacity, MaxRunning: cur.MaxRunning, ReportsEvictions: cur.ReportsEvictions,
 				Draining: cur.Draining, Register: reg,
 			})
 			switch {

@@ -31,7 +31,8 @@ func TestRunSignalsReachesTheRouteAnswer(t *testing.T) {
 	}
 	var waiting atomic.Int64
 	src := SignalSourceFunc(func() api.PodSignals {
-		return api.PodSignals{Waiting: waiting.Load(), Running: 3, KVCacheUtil: 0.5, PrefillTokens: 100 * waiting.Load()}
+		return api.PodSignals{Waiting: waiting.Load(), Running: 3, KVCacheUtil: 0.5, PrefillTokens: 100 * waiting.Load(),
+			KVCapacity: 8192, MaxRunning: 8, ReportsEvictions: true}
 	})
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan struct{})
@@ -58,7 +59,11 @@ func TestRunSignalsReachesTheRouteAnswer(t *testing.T) {
 			t.Fatalf("%s: last answer %+v", what, s)
 		}
 	}
-	waitFor("first report", func(s api.PodSignals) bool { return s.Running == 3 && s.KVCacheUtil == 0.5 })
+	// Every field the pod reports reaches the gateways, the KV cache's size
+	// and the running set's, and that it reports its evictions, included.
+	waitFor("first report", func(s api.PodSignals) bool {
+		return s.Running == 3 && s.KVCacheUtil == 0.5 && s.KVCapacity == 8192 && s.MaxRunning == 8 && s.ReportsEvictions
+	})
 	waiting.Store(4)
 	waitFor("a change", func(s api.PodSignals) bool { return s.Waiting == 4 && s.PrefillTokens == 400 })
 	// Unchanged for 4 max ages: still answered, and young.

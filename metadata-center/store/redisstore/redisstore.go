@@ -505,16 +505,17 @@ func loadFromPairs(reqs, prompts []string) (api.LoadStats, error) {
 
 // ReportSignals implements store.Signals. The report is stored as
 // "waiting running kv_util prefill_tokens draining(0|1) kv_capacity
-// max_running at", stamped with this replica's clock last (the signals
-// script reads it there; the shorter reports of earlier releases, without
-// the capacities or without draining, are read too); the hash expires when
+// max_running reports_evictions(0|1) at", stamped with this replica's clock
+// last (the signals script reads it there; the shorter reports of earlier
+// releases, without reports_evictions, the capacities or draining, are
+// read too); the hash expires when
 // no pod of the cluster has reported for a minute (or ten max ages).
 func (s *Store) ReportSignals(ctx context.Context, cluster, host string, sig api.PodSignals) error {
 	now := s.ms()
 	rep := strconv.FormatInt(sig.Waiting, 10) + " " + strconv.FormatInt(sig.Running, 10) + " " +
 		strconv.FormatFloat(sig.KVCacheUtil, 'g', -1, 64) + " " + strconv.FormatInt(sig.PrefillTokens, 10) + " " +
-		drainingField(sig.Draining) + strconv.FormatInt(sig.KVCapacity, 10) + " " + strconv.FormatInt(sig.MaxRunning, 10) + " " +
-		strconv.FormatInt(now, 10)
+		flagField(sig.Draining) + strconv.FormatInt(sig.KVCapacity, 10) + " " + strconv.FormatInt(sig.MaxRunning, 10) + " " +
+		flagField(sig.ReportsEvictions) + strconv.FormatInt(now, 10)
 	keyTTL := max(60_000, 10*s.signalMaxAge)
 	err := s.sc.signals.Run(ctx, s.rdb, []string{s.keys(cluster).signals()}, host, rep, keyTTL, now-s.signalMaxAge, api.MaxPodSignals).Err()
 	return s.wrap("report signals", err)
@@ -554,6 +555,13 @@ func (s *Store) freshSignals(pairs []string, now int64) (map[string]api.PodSigna
 func (s *Store) fresh(rep string, now int64) (api.PodSignals, bool, error) {
 	f := strings.Fields(rep)
 	var sig api.PodSignals
+	if len(f) == 9 {
+		if f[7] != "0" && f[7] != "1" {
+			return api.PodSignals{}, false, fmt.Errorf("redis signals: malformed report %q", rep)
+		}
+		sig.ReportsEvictions = f[7] == "1"
+		f = append(f[:7], f[8])
+	}
 	if len(f) == 8 {
 		var errs [2]error
 		sig.KVCapacity, errs[0] = strconv.ParseInt(f[5], 10, 64)
@@ -588,9 +596,10 @@ func (s *Store) fresh(rep string, now int64) (api.PodSignals, bool, error) {
 	return sig, true, nil
 }
 
-// drainingField is a report's draining field with its separator.
-func drainingField(draining bool) string {
-	if draining {
+// flagField is a report's flag field (draining, reports_evictions)
+// with its separator.
+func flagField(on bool) string {
+	if on {
 		return "1 "
 	}
 	return "0 "

@@ -7,23 +7,26 @@ import (
 )
 
 // Reports are "waiting running kv_util prefill_tokens draining kv_capacity
-// max_running at"; the six-field form written before the capacities existed
-// is read without them, the five-field form before draining as not
-// draining.
+// max_running reports_evictions at"; the eight-field form written before
+// reports_evictions is read as not reporting them, the six-field form
+// before the capacities without them, the five-field form before draining
+// as not draining.
 func TestStoredReportsOfEveryForm(t *testing.T) {
 	s := &Store{signalMaxAge: 1000}
 	for rep, want := range map[string]api.PodSignals{
-		"1 2 0.5 7 1 4096 16 100": {Waiting: 1, Running: 2, KVCacheUtil: 0.5, PrefillTokens: 7, Draining: true, KVCapacity: 4096, MaxRunning: 16, AgeMS: 100},
-		"1 2 0.5 7 1 100":         {Waiting: 1, Running: 2, KVCacheUtil: 0.5, PrefillTokens: 7, Draining: true, AgeMS: 100},
-		"1 2 0.5 7 0 100":         {Waiting: 1, Running: 2, KVCacheUtil: 0.5, PrefillTokens: 7, AgeMS: 100},
-		"1 2 0.5 7 100":           {Waiting: 1, Running: 2, KVCacheUtil: 0.5, PrefillTokens: 7, AgeMS: 100},
+		"1 2 0.5 7 1 4096 16 1 100": {Waiting: 1, Running: 2, KVCacheUtil: 0.5, PrefillTokens: 7, Draining: true, KVCapacity: 4096, MaxRunning: 16, ReportsEvictions: true, AgeMS: 100},
+		"1 2 0.5 7 0 4096 16 0 100": {Waiting: 1, Running: 2, KVCacheUtil: 0.5, PrefillTokens: 7, KVCapacity: 4096, MaxRunning: 16, AgeMS: 100},
+		"1 2 0.5 7 1 4096 16 100":   {Waiting: 1, Running: 2, KVCacheUtil: 0.5, PrefillTokens: 7, Draining: true, KVCapacity: 4096, MaxRunning: 16, AgeMS: 100},
+		"1 2 0.5 7 1 100":           {Waiting: 1, Running: 2, KVCacheUtil: 0.5, PrefillTokens: 7, Draining: true, AgeMS: 100},
+		"1 2 0.5 7 0 100":           {Waiting: 1, Running: 2, KVCacheUtil: 0.5, PrefillTokens: 7, AgeMS: 100},
+		"1 2 0.5 7 100":             {Waiting: 1, Running: 2, KVCacheUtil: 0.5, PrefillTokens: 7, AgeMS: 100},
 	} {
 		got, ok, err := s.fresh(rep, 200)
 		if err != nil || !ok || got != want {
 			t.Fatalf("%q: %+v %v %v, want %+v", rep, got, ok, err, want)
 		}
 	}
-	for _, bad := range []string{"1 2 0.5 7 2 100", "1 2 0.5 100", "1 2 0.5 7 1 1 100", "1 2 0.5 7 1 x 16 100"} {
+	for _, bad := range []string{"1 2 0.5 7 2 100", "1 2 0.5 100", "1 2 0.5 7 1 1 100", "1 2 0.5 7 1 x 16 100", "1 2 0.5 7 1 4096 16 2 100"} {
 		if _, _, err := s.fresh(bad, 200); err == nil {
 			t.Fatalf("%q read without error", bad)
 		}

@@ -485,9 +485,11 @@ func podSignals(s *scheduler.Scheduler, srv *server.Server) mcreport.SignalSourc
 		// Waiting is what the gateways' model reads as "no free running
 		// slot": the requests queued beyond the running set's free places,
 		// not those that join it at the next step (vLLM's
-		// num_requests_waiting, on /metrics, counts both).
+		// num_requests_waiting, on /metrics, counts both). The signals go
+		// to the metadata center its eviction reports go to.
 		return api.PodSignals{Waiting: int64(st.Blocked), Running: int64(st.Running), PrefillTokens: int64(st.PrefillTokens),
-			KVCacheUtil: st.KVUsage(), KVCapacity: int64(st.KVCells), MaxRunning: int64(st.MaxRunning), Draining: srv.Draining()}
+			KVCacheUtil: st.KVUsage(), KVCapacity: int64(st.KVCells), MaxRunning: int64(st.MaxRunning),
+			ReportsEvictions: true, Draining: srv.Draining()}
 	})
 }
 
