@@ -20,11 +20,10 @@ package balancer
 //     had when the pod was first chosen (autoTune, on by default: the pod's
 //     num_gpu_blocks from vllm:cache_config_info), 31,250 where it reported
 //     none (DefaultLRUCapacityPerServer; the plugin's makeServer and the
-//     indexer's Add). Differences: the
-//     block hash (maphash where the real one uses xxhash; only equality
-//     matters), the prompt it hashes (the gateway's canonical prompt where
-//     the real one hashes the request's prompt text), and one index per
-//     gateway as one per EPP replica. The gateway passes the canonical
+//     indexer's Add). Differences: the block hash (maphash where the real
+//     one uses xxhash; only equality matters), the prompt it hashes (the
+//     gateway's canonical prompt where the real one hashes the request's
+//     prompt text), and one index per gateway as one per EPP replica. The gateway passes the canonical
 //     prompt (filter/routing); a Go caller that does not (Request.Prompt
 //     nil) gets the metadata center's match instead, in
 //     prompt_hash.chunk_size blocks (512 bytes by default). llm-d's
@@ -179,9 +178,9 @@ func (KVCacheScorer) Score(s *State, out []float64) {
 // to the model's name, at most eppMaxBlocks blocks (longer prompts are cut,
 // a final partial block is left out); per pod an LRU of the blocks routed
 // there, as many entries as the pod's KV cache has blocks (eppPodBlocks);
-// a pod's score is its longest run of
-// leading blocks in the index over the prompt's blocks (the model's block
-// included, which every pod that served the model matches).
+// a pod's score is its longest run of leading blocks in the index over the
+// prompt's blocks (the model's block included, which every pod that served
+// the model matches).
 const (
 	eppBlockBytes  = 16 * 4 // DefaultBlockSizeTokens × averageCharactersPerToken
 	eppMaxBlocks   = 256    // DefaultMaxPrefixBlocks
