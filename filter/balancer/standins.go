@@ -23,10 +23,10 @@ package balancer
 //     indexer's Add). Differences: the block hash (maphash where the real
 //     one uses xxhash; only equality matters), the prompt it hashes (the
 //     gateway's canonical prompt where the real one hashes the request's
-//     prompt text), and one index per gateway as one per EPP replica. The gateway passes the canonical
-//     prompt (filter/routing); a Go caller that does not (Request.Prompt
-//     nil) gets the metadata center's match instead, in
-//     prompt_hash.chunk_size blocks (512 bytes by default). llm-d's
+//     prompt text), and one index per gateway as one per EPP replica. The
+//     gateway passes the canonical prompt (filter/routing); a Go caller
+//     that does not (Request.Prompt nil) gets the metadata center's match
+//     instead, in prompt_hash.chunk_size blocks (512 bytes by default). llm-d's
 //     guides often set hashBlockSize 256 (4 × vLLM's 64-token blocks).
 //   - Queue: (max − waiting)/(max − min) over the pods' scraped waiting
 //     requests, 1 for all when equal, as the real one; a pod without a

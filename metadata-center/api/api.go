@@ -336,6 +336,15 @@ func (r PodReport) Signals() PodSignals {
 		KVCapacity: r.KVCapacity, MaxRunning: r.MaxRunning, ReportsEvictions: r.ReportsEvictions, Draining: r.Draining}
 }
 
+// Report returns the report of host in cluster carrying s, Signals'
+// inverse (AgeMS aside: answers only), and reg when not nil. The two sit
+// together so that a field added to both types is carried both ways.
+func (s PodSignals) Report(cluster, host string, reg *PodRegistration) PodReport {
+	return PodReport{Cluster: cluster, Host: host, Waiting: s.Waiting, Running: s.Running, KVCacheUtil: s.KVCacheUtil,
+		PrefillTokens: s.PrefillTokens, KVCapacity: s.KVCapacity, MaxRunning: s.MaxRunning,
+		ReportsEvictions: s.ReportsEvictions, Draining: s.Draining, Register: reg}
+}
+
 // MaxPodSignals bounds the pods one cluster keeps signals for.
 const MaxPodSignals = 4096
 

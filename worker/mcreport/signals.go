@@ -66,12 +66,7 @@ func (r *Reporter) RunSignals(ctx context.Context, src SignalSource, poll, every
 			reg = r.cfg.Registration
 		}
 		if cur != last || now.Sub(lastSent) >= every || reg != nil {
-			err := r.mc.ReportSignals(ctx, api.PodReport{
-				Cluster: r.cfg.Cluster, Host: r.cfg.Host,
-				Waiting: cur.Waiting, Running: cur.Running, KVCacheUtil: cur.KVCacheUtil, PrefillTokens: cur.PrefillTokens,
-				KVCapacity: cur.KVCapacity, MaxRunning: cur.MaxRunning, ReportsEvictions: cur.ReportsEvictions,
-				Draining: cur.Draining, Register: reg,
-			})
+			err := r.mc.ReportSignals(ctx, cur.Report(r.cfg.Cluster, r.cfg.Host, reg))
 			switch {
 			case err == nil:
 				r.signals.WithLabelValues("ok").Inc()
