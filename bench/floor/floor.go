@@ -59,21 +59,61 @@ type Engine interface {
 // the order the requests were sent: a request may reuse what any request
 // before it left.
 func TTFTs(e Engine, reqs []Request) ([]time.Duration, error) {
-	var held [][]int
 	out := make([]time.Duration, len(reqs))
+	err := each(e, reqs, func(i, n, cached, _ int) { out[i] = e.TTFT(n, cached) })
+	return out, err
+}
+
+// Busy is an engine that can bound the time a pod spends on a request,
+// whatever else it runs beside it.
+type Busy interface {
+	// Busy is the least time a pod spends on a prompt of n tokens, the
+	// first cached of them in its cache, that generates out tokens: its
+	// part of the steps that run it, in the fullest batch the pod runs.
+	Busy(n, cached, out int) time.Duration
+}
+
+// Capacity bounds the throughput (requests/s) of a fleet of pods of e on
+// reqs, sent in this order: the pods' time divided by the least time the
+// requests need of them, each reusing the longest prefix it shares with
+// any earlier request and decoding in the fullest batch. No router serves
+// the requests faster for long: a router can only add computation (a
+// shorter cached prefix, an eviction) or leave a pod idle or its batch
+// short. 0 when e cannot bound a request's busy time (Busy).
+func Capacity(e Engine, reqs []Request, pods int) (float64, error) {
+	b, ok := e.(Busy)
+	if !ok || len(reqs) == 0 {
+		return 0, nil
+	}
+	var total time.Duration
+	if err := each(e, reqs, func(_, n, cached, out int) { total += b.Busy(n, cached, out) }); err != nil {
+		return 0, err
+	}
+	if total <= 0 {
+		return 0, nil
+	}
+	return float64(pods) * float64(len(reqs)) / total.Seconds(), nil
+}
+
+// each calls f with every request's index, prompt tokens, tokens reused
+// from the longest prefix it shares with any earlier request, and output
+// tokens.
+func each(e Engine, reqs []Request, f func(i, n, cached, out int)) error {
+	var held [][]int
 	for i, r := range reqs {
 		prompt, h, err := e.Tokens(r)
 		if err != nil {
-			return nil, fmt.Errorf("request %d: %w", i, err)
+			return fmt.Errorf("request %d: %w", i, err)
 		}
 		shared := 0
 		for _, prev := range held {
 			shared = max(shared, commonPrefix(prompt, prev))
 		}
-		out[i] = e.TTFT(len(prompt), e.Reuse(shared, len(prompt)))
+		// held is the prompt and every answer token but the last.
+		f(i, len(prompt), e.Reuse(shared, len(prompt)), len(h)-len(prompt)+1)
 		held = append(held, h)
 	}
-	return out, nil
+	return nil
 }
 
 func commonPrefix(a, b []int) int {
@@ -134,6 +174,16 @@ func (v VLLM) TTFT(n, cached int) time.Duration {
 		left -= k
 	}
 	return d
+}
+
+// Busy implements Busy: the request's uncached tokens at the prefill
+// cost per token, and each decode step but the first token's (which the
+// last prefill step samples) at the cost per sequence plus its share of the
+// step's fixed time with MaxNumSeqs sequences decoding.
+func (v VLLM) Busy(n, cached, out int) time.Duration {
+	c := v.Config
+	step := c.StepTime/time.Duration(max(c.MaxNumSeqs, 1)) + c.DecodePerSeq
+	return time.Duration(n-cached)*c.PrefillPerToken + time.Duration(max(out-1, 0))*step
 }
 
 func ints(u []uint32) []int {

@@ -2,8 +2,10 @@ package floor
 
 import (
 	"context"
+	"fmt"
 	"io"
 	"log/slog"
+	"math"
 	"net"
 	"net/http"
 	"os/exec"
@@ -170,6 +172,108 @@ func TestVLLMFloorAgreesWithAPod(t *testing.T) {
 		earlier = append(earlier, r)
 		msgs = append(msgs, Message{"assistant", answer}, Message{"user", "And how do I drain it first?"})
 	}
+}
+
+// A vLLM-like pod running at most 4 sequences, 8 ms a step, 0.5 ms per
+// decoding sequence, 0.1 ms a prefill token. A request of 100 tokens, 20
+// cached, 11 out: 80 × 0.1 = 8 ms of prefill and 10 decode steps at
+// 8/4 + 0.5 = 2.5 ms each, 33 ms. Two such requests on 3 pods: 3 × 2 /
+// 0.066 s ≈ 90.9 requests/s.
+func TestVLLMBusyHandWorked(t *testing.T) {
+	v := VLLM{Config: vllmsim.Config{BlockSize: 16, MaxNumSeqs: 4, StepTime: 8 * time.Millisecond,
+		DecodePerSeq: 500 * time.Microsecond, PrefillPerToken: 100 * time.Microsecond}}
+	if got, want := v.Busy(100, 20, 11), 33*time.Millisecond; got != want {
+		t.Errorf("Busy(100, 20, 11) = %v, want %v", got, want)
+	}
+	if got, want := v.Busy(100, 20, 1), 8*time.Millisecond; got != want {
+		t.Errorf("Busy(100, 20, 1) = %v, want %v", got, want)
+	}
+}
+
+// busyBytes is bytesEngine with 1 ms a computed token and 10 ms an output
+// token past the first.
+type busyBytes struct{ bytesEngine }
+
+func (busyBytes) Busy(n, cached, out int) time.Duration {
+	return time.Duration(n-cached)*time.Millisecond + time.Duration(out-1)*10*time.Millisecond
+}
+
+// Capacity counts each request's work after the longest prefix it shares
+// with any earlier one: "aaaa" answered "xy" (4 computed, 2 out: 14 ms),
+// then "aaaaxq" (the held "aaaax" shared, the last token computed: 1 ms,
+// 1 out), "bbbb" (4 ms): 19 ms for 3 requests, on 2 pods 6/0.019 s.
+func TestCapacityTakesEachRequestsLeastWork(t *testing.T) {
+	req := func(text, answer string) Request {
+		return Request{Messages: []Message{{Role: "user", Content: text}}, Answer: answer}
+	}
+	got, err := Capacity(busyBytes{}, []Request{req("aaaa", "xy"), req("aaaaxq", ""), req("bbbb", "")}, 2)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if want := 6 / 0.019; math.Abs(got-want) > 1e-9*want {
+		t.Errorf("Capacity = %v, want %v", got, want)
+	}
+	if got, err := Capacity(bytesEngine{}, []Request{req("a", "")}, 2); got != 0 || err != nil {
+		t.Errorf("an engine without Busy: %v, %v; want 0, nil", got, err)
+	}
+}
+
+// The bound against a real vLLM-like pod (bench/vllmsim on loopback),
+// kept saturated: 12 requests at once on a pod that runs 4, each sharing
+// a system prompt. The pod takes at least the least time the bound
+// counts for them, so it serves them no faster than Capacity says.
+func TestAPodServesNoFasterThanItsCapacity(t *testing.T) {
+	c := vllmsim.DefaultConfig()
+	c.NumBlocks, c.MaxModelLen, c.MaxNumSeqs, c.MaxNumBatchedTokens = 256, 2048, 4, 256
+	c.StepTime, c.PrefillPerToken, c.DecodePerSeq = 4*time.Millisecond, 20*time.Microsecond, 500*time.Microsecond
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() {
+		done <- vllmsim.Serve(ctx, c, []net.Listener{l}, slog.New(slog.NewTextHandler(io.Discard, nil)))
+	}()
+	defer func() {
+		cancel()
+		if err := <-done; err != nil {
+			t.Errorf("Serve: %v", err)
+		}
+	}()
+	system := strings.Repeat("You answer questions about the shared manual of the fleet. ", 8)
+	const n = 12
+	reqs := make([]Request, n)
+	errs := make(chan error, n)
+	start := time.Now()
+	for i := range n {
+		go func() {
+			msgs := []Message{{"system", system}, {"user", fmt.Sprintf("Question %d: how do I restart pod %d?", i, i)}}
+			res := (&client.Client{}).Do(context.Background(), "http://"+l.Addr().String(), client.Request{Model: "tiny",
+				Messages: []client.Message{{Role: "system", Content: system}, {Role: "user", Content: msgs[1].Content}},
+				Stream:   true, MaxTokens: 24, FixedLength: true})
+			if res.Outcome != client.OK {
+				errs <- fmt.Errorf("%s: %s", res.Outcome, res.Err)
+				return
+			}
+			reqs[i] = Request{Messages: msgs, Answer: res.Text}
+			errs <- nil
+		}()
+	}
+	for range n {
+		if err := <-errs; err != nil {
+			t.Fatal(err)
+		}
+	}
+	elapsed := time.Since(start)
+	bound, err := Capacity(VLLM{Config: c}, reqs, 1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if served := n / elapsed.Seconds(); served > bound {
+		t.Errorf("the pod served %.1f requests/s, above the bound %.1f", served, bound)
+	}
+	t.Logf("served %.1f requests/s, bound %.1f", n/elapsed.Seconds(), bound)
 }
 
 // The floor's model of our worker on its simulated engine against the real

@@ -132,10 +132,14 @@ func writeLadders(b *strings.Builder, r Run) {
 			}
 		}
 		b.WriteString("\n\n")
+		capacity := r.capacity(steps)
+		if capacity > 0 {
+			fmt.Fprintf(b, "The fleet's capacity on the ladder's last step (bench/floor, Capacity): %.1f req/s, the most any router could serve: every request computing only what no earlier request computed, every pod decoding its fullest batch, never idle.\n\n", capacity)
+		}
 		if slices.Contains(policies, "cache_aware") && slices.Contains(policies, eppPolicy) {
 			mine, mineP90 := r.curve(steps, "cache_aware")
 			theirs, theirsP90 := r.curve(steps, eppPolicy)
-			b.WriteString(saturationAim(mine, mineP90, theirs, theirsP90) + "\n\n")
+			b.WriteString(saturationAim(mine, mineP90, theirs, theirsP90, capacity) + "\n\n")
 		}
 	}
 }
@@ -145,16 +149,32 @@ func writeLadders(b *strings.Builder, r Run) {
 // by one").
 const aimSaturation = 1.2
 
+// capacity is the fleet's capacity bound on a ladder's last step that has
+// one (0: none).
+func (r Run) capacity(steps []ladderStep) float64 {
+	for i := len(steps) - 1; i >= 0; i-- {
+		if f, ok := r.floor(steps[i].cell); ok && f.Capacity > 0 {
+			return f.Capacity
+		}
+	}
+	return 0
+}
+
 // saturationAim says whether cache_aware's saturation rate (mine) is at
 // least aimSaturation × epp's (theirs), or that the ladder cannot tell: a
 // rate known only as a bound (a first step already past the limit, a last
 // step still below it) decides only when the bound is on the right side.
-func saturationAim(mine, mineP90, theirs, theirsP90 []float64) string {
+// Where the target is above the fleet's capacity bound (capacity > 0), no
+// router can meet it: p90 passes any limit once the offered load exceeds
+// what the fleet can serve.
+func saturationAim(mine, mineP90, theirs, theirsP90 []float64, capacity float64) string {
 	m, mBelow, mAbove := Saturation(mine, mineP90)
 	t, tBelow, tAbove := Saturation(theirs, theirsP90)
 	ratio := m / t
 	verdict := "not decided by this ladder (a rate known only as a bound)"
 	switch {
+	case capacity > 0 && aimSaturation*t > capacity && !tBelow:
+		verdict = fmt.Sprintf("unreachable (%.1f× epp's rate, %.2f req/s, is above the fleet's capacity bound, %.1f req/s)", aimSaturation, aimSaturation*t, capacity)
 	case ratio >= aimSaturation && !mBelow && !tAbove:
 		verdict = "yes"
 	case ratio < aimSaturation && !mAbove && !tBelow:

@@ -78,7 +78,8 @@ func medianFloor(fs []Floor) Floor {
 	if len(fs) == 1 {
 		return fs[0]
 	}
-	m := Floor{Workload: fs[0].Workload, Runs: len(fs), TTFT: medianPercentiles(fs, func(f Floor) Percentiles { return f.TTFT })}
+	m := Floor{Workload: fs[0].Workload, Runs: len(fs), TTFT: medianPercentiles(fs, func(f Floor) Percentiles { return f.TTFT }),
+		Capacity: median(fs, func(f Floor) float64 { return f.Capacity })}
 	for _, f := range fs {
 		m.Requests += f.Requests
 	}

@@ -185,6 +185,9 @@ type Floor struct {
 	Workload string      `json:"workload"`
 	Requests int         `json:"requests"`
 	TTFT     Percentiles `json:"ttft"`
+	// Capacity bounds the fleet's throughput on the cell's requests
+	// (requests/s, floor.Capacity); 0 where the engine gives no bound.
+	Capacity float64 `json:"capacity_rps,omitempty"`
 	// Runs is how many rounds a merged floor is the median of.
 	Runs int `json:"runs,omitempty"`
 }

@@ -362,16 +362,22 @@ func TestSaturationAim(t *testing.T) {
 	for _, tc := range []struct {
 		name       string
 		mine, epps []float64 // p90 at each step
+		capacity   float64
 		want       string
 	}{
-		{"met", []float64{500, 1000, 3000}, []float64{1000, 3000}, "6.00 / 3.00 req/s = 2.00×, met: yes."},
-		{"missed", []float64{500, 2500}, []float64{500, 2500}, "= 1.00×, met: no."},
+		{"met", []float64{500, 1000, 3000}, []float64{1000, 3000}, 0, "6.00 / 3.00 req/s = 2.00×, met: yes."},
+		{"missed", []float64{500, 2500}, []float64{500, 2500}, 0, "= 1.00×, met: no."},
 		// cache_aware never saturates (> 8), epp at 3: more than 2.67×.
-		{"a lower bound above the aim", []float64{10, 20, 30}, []float64{1000, 3000}, "met: yes."},
+		{"a lower bound above the aim", []float64{10, 20, 30}, []float64{1000, 3000}, 0, "met: yes."},
 		// Both never saturate: 8 against more than 8, nothing decided.
-		{"two lower bounds", []float64{10, 20, 30}, []float64{10, 20, 30}, "met: not decided by this ladder"},
+		{"two lower bounds", []float64{10, 20, 30}, []float64{10, 20, 30}, 0, "met: not decided by this ladder"},
+		// epp saturates at 6 (4 + 4·(2000−1000)/(3000−1000)), so 1.2× is
+		// 7.2, above a capacity of 5: no router can meet it.
+		{"above the capacity", []float64{500, 2500}, []float64{500, 1000, 3000}, 5, "met: unreachable (1.2× epp's rate, 7.20 req/s, is above the fleet's capacity bound, 5.0 req/s)"},
+		// The same with a capacity of 8: the aim stands, and is missed.
+		{"below the capacity", []float64{500, 2500}, []float64{500, 1000, 3000}, 8, "met: no."},
 	} {
-		got := saturationAim(rates[:len(tc.mine)], tc.mine, rates[:len(tc.epps)], tc.epps)
+		got := saturationAim(rates[:len(tc.mine)], tc.mine, rates[:len(tc.epps)], tc.epps, tc.capacity)
 		if !strings.Contains(got, tc.want) {
 			t.Errorf("%s: %q, want %q in it", tc.name, got, tc.want)
 		}
@@ -389,5 +395,16 @@ func TestSaturationAim(t *testing.T) {
 	}
 	if want := "The aim of cache_aware's saturation rate, at least 1.2× epp's: 6.00 / 3.00 req/s = 2.00×, met: yes."; !strings.Contains(b.String(), want) {
 		t.Fatalf("report lacks %q:\n%s", want, b.String())
+	}
+	// With the last step's capacity bound: said, and it decides the aim.
+	run.SetFloor(Floor{Workload: LadderStep("spl", 8), Requests: 10, Capacity: 3.5})
+	b.Reset()
+	if err := run.WriteMarkdown(&b); err != nil {
+		t.Fatal(err)
+	}
+	for _, want := range []string{"capacity on the ladder's last step (bench/floor, Capacity): 3.5 req/s", "met: unreachable (1.2× epp's rate, 3.60 req/s"} {
+		if !strings.Contains(b.String(), want) {
+			t.Fatalf("report lacks %q:\n%s", want, b.String())
+		}
 	}
 }

@@ -7,7 +7,9 @@
 // Built in:
 //
 //   - cache_aware (the default): the pod with the lowest predicted time to
-//     first token for this request, near-ties spread (ttft.go, one file);
+//     first token for this request, plus the delay its prefill there adds
+//     to the requests waiting on the pod, near-ties spread (ttft.go, one
+//     file);
 //     every decision records its prediction (Choice.Prediction) and the
 //     first token checks it (Balancer.Observe).
 //   - seed: the seed's formula exactly,

@@ -6,11 +6,14 @@ package balancer
 //
 //  1. the prediction for request r on pod p (predict):
 //
-//     TTFT(r, p) = slot wait                      (waiting for a running slot)
-//                + (queued(p) + uncached(r, p)) / prefill rate(p)
+//     TTFT(r, p) = max(slot wait(p), queued(p) / prefill rate(p))
+//                + uncached(r, p) / prefill rate(p)
 //                + decode step(p)                  (the first token itself)
 //                + KV fit(r, p)                    (recomputing what r evicts)
 //
+//     the wait is the longer of a running slot's and the prefill queued
+//     ahead: the requests ahead prefill while r waits for a slot;
+
 //     in tokens throughout: prompt bytes become tokens through the bytes per
 //     token learnt per model (BytesPerToken). Inputs: the metadata center's
 //     leases and prefix matches (every gateway's requests), this gateway's
@@ -19,9 +22,11 @@ package balancer
 //     waiting, running and kv_cache_usage_perc are enough (waiting requests
 //     at the fleet's mean size stand for queued tokens; waiting > 0 means
 //     no free slot; utilization and running give the free KV);
-//  2. the pick (CacheAware.Choose): among the pods within tie_epsilon of
-//     the lowest prediction, the fewest of the request's tokens computed,
-//     then the fewest requests in flight, uniformly among equals;
+//  2. the pick (CacheAware.Choose): the lowest cost, TTFT(r, p) plus the
+//     delay r's own computation on p adds to the requests that will queue
+//     behind it there (Cost.Delay); among the pods within tie_epsilon of
+//     the lowest, the fewest of the request's tokens computed, then the
+//     fewest requests in flight, uniformly among equals;
 //  3. the check (Balancer.Observe): the first token's observed TTFT against
 //     the prediction, which exports the relative error and refits the
 //     cluster's prefill rate and decode step (fleetMeans).
@@ -98,16 +103,29 @@ type Cost struct {
 	Host     string
 	SlotWait float64 // until a running slot frees (the pod reports a queue)
 	// QueuedTokens are the prefill tokens standing before the request on
-	// the pod; UncachedTokens the request's own tokens the pod does not
-	// hold. Prefill is both over the pod's prefill rate.
-	QueuedTokens, UncachedTokens float64
-	Prefill                      float64
-	Step                         float64 // one decode step: the first token
+	// the pod, Queue their prefill at the pod's rate.
+	QueuedTokens, Queue float64
+	// Wait is the longer of SlotWait and Queue: the requests ahead prefill
+	// while the request waits for a slot, so the two overlap.
+	Wait float64
+	// UncachedTokens are the request's own tokens the pod does not hold,
+	// Prefill their prefill at the pod's rate.
+	UncachedTokens, Prefill float64
+	Step                    float64 // one decode step: the first token
 	// FitTokens are the request's new tokens the pod's free KV cannot
 	// hold; Fit is recomputing them (what the pod evicts or preempts to
 	// make room) at its prefill rate.
 	FitTokens, Fit float64
-	Total          float64 // the predicted TTFT
+	Total          float64 // the predicted TTFT: Wait + Prefill + Step + Fit
+	// Delay is what the request's own computation here (Prefill + Fit)
+	// adds to the TTFTs of others: every request that will queue behind it
+	// on the pod waits that much longer. In a first-come-first-served
+	// queue as many requests arrive during a request's wait, on average,
+	// as it found waiting when it came (the count an arrival sees and the
+	// count a departure leaves behind are alike in distribution), so the
+	// pod's waiting requests stand for them. Not part of the prediction:
+	// the pick weighs it (CacheAware.Choose).
+	Delay float64
 }
 
 // Prediction is what a decision predicted for its chosen pod
@@ -270,7 +288,8 @@ func (p *predictor) predict(h *Host) Cost {
 	if h.Signals && (waiting > 0 || h.MaxRunning > 0 && h.Running >= h.MaxRunning) {
 		c.SlotWait = float64(waiting+1) * hold / float64(max(h.Running, 1))
 	}
-	c.Prefill = (c.QueuedTokens + c.UncachedTokens) * secPerToken
+	c.Queue = c.QueuedTokens * secPerToken
+	c.Prefill = c.UncachedTokens * secPerToken
 	c.Step = step
 
 	// KV fit. The utilization counts the blocks of running requests (idle
@@ -293,7 +312,9 @@ func (p *predictor) predict(h *Host) Cost {
 			c.Fit = c.FitTokens * secPerToken
 		}
 	}
-	c.Total = c.SlotWait + c.Prefill + c.Step + c.Fit
+	c.Wait = max(c.SlotWait, c.Queue)
+	c.Total = c.Wait + c.Prefill + c.Step + c.Fit
+	c.Delay = float64(waiting) * (c.Prefill + c.Fit)
 	return c
 }
 
@@ -356,9 +377,11 @@ func (m *ttftModel) held(host string, d time.Duration) {
 
 // observe refits p's cluster from its observed TTFT: the prefill and the
 // decode step are the slope and the intercept of a least-squares line
-// through the recent observations, TTFT less the predicted slot wait
-// against the tokens computed before the first token (queued, uncached and
-// what the KV fit recomputes). A line, not one factor for both: a pod's
+// through the recent observations of the tokens computed before the first
+// token against the time they took. Where the prediction's wait was the
+// queue's, those are the queued, uncached and KV-fit tokens against the
+// TTFT; where it was the slot's, the request's own (uncached and KV fit)
+// against the TTFT less the slot wait, which covered the queue's prefill. A line, not one factor for both: a pod's
 // step is paid whatever the request's size and its prefill per token, and
 // scaling both by the same error over-predicts short prefills wherever it
 // under-predicts long ones. The slot wait is left out: it comes from
@@ -372,7 +395,10 @@ func (m *ttftModel) observe(p Prediction, observed time.Duration) {
 	m.log.LogAttrs(context.Background(), slog.LevelDebug, "ttft",
 		slog.String("cluster", p.Cluster), slog.String("host", p.Host),
 		slog.Float64("predicted", p.Total), slog.Float64("observed", obs))
-	x := p.QueuedTokens + p.UncachedTokens + p.FitTokens
+	x, wait := p.QueuedTokens+p.UncachedTokens+p.FitTokens, 0.0
+	if p.SlotWait >= p.Queue && p.SlotWait > 0 {
+		x, wait = p.UncachedTokens+p.FitTokens, p.SlotWait
+	}
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	fm := m.means[p.Cluster]
@@ -387,7 +413,7 @@ func (m *ttftModel) observe(p Prediction, observed time.Duration) {
 	// waited for a slot the model did not foresee (or a slot wait it
 	// foresaw that did not happen) cannot undo many good observations.
 	fitted := fm.step + x*fm.secPerToken
-	y := min(max(obs-p.SlotWait, fitted/maxScale), fitted*maxScale)
+	y := min(max(obs-wait, fitted/maxScale), fitted*maxScale)
 	const keep = 1 - 1.0/fitMemory
 	fm.n = fm.n*keep + 1
 	fm.sx = fm.sx*keep + x
@@ -434,10 +460,18 @@ type CacheAware struct{ m *ttftModel }
 func (*CacheAware) NeedsMetadata() bool { return true }
 func (*CacheAware) ReadsSignals() bool  { return true }
 
-// Choose picks among the pods whose predicted TTFT is within tie_epsilon of
-// the lowest (near-ties) the one that computes the fewest of the request's
-// tokens, then, among those, the one with the fewest requests in flight,
-// uniformly among equals.
+// Choose picks among the pods whose cost, the predicted TTFT plus the
+// delay the request's computation there adds to the requests queued behind
+// it (Cost.Delay), is within tie_epsilon of the lowest (near-ties) the one
+// that computes the fewest of the request's tokens, then, among those, the
+// one with the fewest requests in flight, uniformly among equals.
+//
+// Why the delay: the request's own TTFT sees what a copy of its prefix on a
+// cold pod costs the request, not what it costs the pod. Where requests
+// wait there, each of them (and each that arrives behind it) starts that
+// much later; on a busy fleet the copies' compute is what is left for
+// nobody. Where no request waits, the term is 0 and the pick is the
+// request's own fastest pod.
 //
 // Why near-ties at all: the inputs are up to a report old and shared by
 // every gateway, so the best-looking pod is the same for all of them until
@@ -470,8 +504,9 @@ func (c *CacheAware) Choose(s *State) int {
 	c.m.mu.RLock()
 	for i := range s.Hosts {
 		k := p.predict(&s.Hosts[i])
-		totals, work = append(totals, k.Total), append(work, k.UncachedTokens)
-		best = min(best, k.Total)
+		cost := k.Total + k.Delay
+		totals, work = append(totals, cost), append(work, k.UncachedTokens)
+		best = min(best, cost)
 	}
 	c.m.mu.RUnlock()
 	limit := best*(1+s.Rule.TieEpsilon) + tieEpsilon
@@ -511,9 +546,9 @@ func (c *CacheAware) debug(s *State, p *predictor, pick, ties int) {
 	for i := range s.Hosts {
 		k := p.predict(&s.Hosts[i])
 		costs = append(costs, slog.Group(k.Host, slog.Int64("requests", s.Hosts[i].Reqs),
-			slog.Float64("total", k.Total), slog.Float64("slot_wait", k.SlotWait),
-			slog.Float64("queued_tokens", k.QueuedTokens), slog.Float64("uncached_tokens", k.UncachedTokens),
-			slog.Float64("prefill", k.Prefill), slog.Float64("step", k.Step),
+			slog.Float64("total", k.Total), slog.Float64("delay", k.Delay), slog.Float64("slot_wait", k.SlotWait),
+			slog.Float64("queued_tokens", k.QueuedTokens), slog.Float64("queue", k.Queue),
+			slog.Float64("uncached_tokens", k.UncachedTokens), slog.Float64("prefill", k.Prefill), slog.Float64("step", k.Step),
 			slog.Float64("fit_tokens", k.FitTokens), slog.Float64("fit", k.Fit)))
 	}
 	c.m.mu.RUnlock()

@@ -62,7 +62,7 @@ func TestCachedPodWinsUntilItsQueueCostsMoreThanTheUncachedPrefill(t *testing.T)
 				if tc.want == "cold" {
 					wantTotal = 0.025 + promptTokens/5000.0
 				}
-				if p.Host != ch.Host.Address || !within(p.Total, wantTotal, 1e-9) || !within(p.Total, p.SlotWait+p.Prefill+p.Step+p.Fit, 1e-12) {
+				if p.Host != ch.Host.Address || !within(p.Total, wantTotal, 1e-9) || !within(p.Total, p.Wait+p.Prefill+p.Step+p.Fit, 1e-12) {
 					t.Fatalf("prediction %+v, want %g s", p, wantTotal)
 				}
 			}
@@ -282,6 +282,86 @@ func TestVLLMSignalsOnlyGiveSanePredictions(t *testing.T) {
 		if c := p.predict(&h); !within(c.SlotWait, tc.want, 1e-9) {
 			t.Fatalf("%d running of %d: slot wait %g s, want %g", tc.running, tc.max, c.SlotWait, tc.want)
 		}
+	}
+}
+
+// The prefill queued ahead runs while the request waits for a running
+// slot, so the wait is the longer of the two, not their sum. A pod with 3
+// requests waiting behind 4 running ones, each holding its slot 1 s:
+// 4 × 1/4 = 1 s for a slot; 2000 queued tokens at 5000 tokens/s take 0.4 s
+// (inside the slot wait), 10000 take 2 s (past it).
+func TestTheQueuePrefillsWhileTheRequestWaitsForASlot(t *testing.T) {
+	m := newTTFTModel(prometheus.NewHistogram(prometheus.HistogramOpts{Name: "x"}), slog.Default())
+	m.fit("pod").hold = 1
+	p := m.predictor(&State{Cluster: "c", Rule: defaultRule(t), PromptLength: 500, BytesPerToken: 1})
+	for _, tc := range []struct {
+		queued   int64
+		wantWait float64
+	}{{2000, 1}, {10000, 2}} {
+		h := Host{Address: "pod", Signals: true, Waiting: 3, Running: 4, PrefillQueued: tc.queued}
+		c := p.predict(&h)
+		if !within(c.SlotWait, 1, 1e-9) || !within(c.Queue, float64(tc.queued)/5000, 1e-9) || !within(c.Wait, tc.wantWait, 1e-9) ||
+			!within(c.Total, tc.wantWait+500.0/5000+0.025, 1e-9) {
+			t.Fatalf("%d tokens queued: %+v, want a wait of %g s", tc.queued, c, tc.wantWait)
+		}
+	}
+}
+
+// Where requests wait on a pod, what the request computes there delays
+// each of them: a cold pod with requests waiting loses to a holder with
+// more (the copy's 2000-token prefill would hold up its 2 waiting requests
+// 0.4 s each), while an idle cold pod, where nobody waits, still wins.
+// Each pod runs 4 requests that hold their slot 1 s.
+func TestACopyPaysForTheRequestsWaitingBehindIt(t *testing.T) {
+	ca := &CacheAware{m: newTTFTModel(prometheus.NewHistogram(prometheus.HistogramOpts{Name: "x"}), slog.Default())}
+	for _, a := range []string{"holder", "cold", "idle"} {
+		ca.m.fit(a).hold = 1
+	}
+	holder := Host{Address: "holder", CacheRatio: 0.95, Signals: true, Waiting: 4, Running: 4}
+	cold := Host{Address: "cold", Signals: true, Waiting: 2, Running: 4}
+	// Alone: holder 5/4 s slot wait + 100 tokens; cold 3/4 s + 2000 tokens
+	// (0.4 s) + 2 × 0.4 s delay; by TTFT alone the cold pod is 0.08 s faster.
+	p := ca.m.predictor(hostsState(t, nil, 2000, 0))
+	ch, cc := p.predict(&holder), p.predict(&cold)
+	if !(cc.Total < ch.Total) || !within(cc.Delay, 2*0.4, 1e-9) || !within(ch.Delay, 4*0.02, 1e-9) {
+		t.Fatalf("holder %+v, cold %+v: want the cold pod faster for the request, and the delays of its prefills", ch, cc)
+	}
+	for seed := range uint64(20) {
+		hosts := []Host{holder, cold}
+		if got := hosts[ca.Choose(hostsState(t, hosts, 2000, seed))].Address; got != "holder" {
+			t.Fatalf("chose %s, want the holder: the copy delays the cold pod's waiting requests", got)
+		}
+		hosts = []Host{holder, cold, {Address: "idle", Signals: true, Running: 1}}
+		if got := hosts[ca.Choose(hostsState(t, hosts, 2000, seed))].Address; got != "idle" {
+			t.Fatalf("chose %s, want the idle pod: nobody waits there", got)
+		}
+	}
+}
+
+// Where the request waited for a slot, its observed TTFT is the slot wait
+// plus its own prefill: the fit learns the pod's rate from its own tokens,
+// not from the queue's, whose prefill the slot wait covered. A pod at
+// 10000 tokens/s with 10 ms steps, every request waiting 2 s for a slot
+// behind 2000 to 8000 queued tokens: the fit finds 10000 tokens/s (about
+// three times that if it counted the queue's tokens as computed in the
+// time the request waited).
+func TestTheFitLearnsTheRateBehindASlotWait(t *testing.T) {
+	m := newTTFTModel(prometheus.NewHistogram(prometheus.HistogramOpts{Name: "x"}), slog.Default())
+	m.fit("pod").hold = 2
+	rule := defaultRule(t)
+	for i := range 200 {
+		n := int64(200 + (i*733)%4000)
+		s := &State{Cluster: "c", Rule: rule, PromptLength: n, BytesPerToken: 1,
+			Hosts: []Host{{Address: "pod", Signals: true, Waiting: 3, Running: 4, PrefillQueued: 2000 + int64(i*977)%6000}}}
+		p := m.chosen(s, 0)
+		if !within(p.SlotWait, 2, 1e-9) || p.Queue >= p.SlotWait {
+			t.Fatalf("prediction %+v: want the slot's 2 s wait to cover the queue", p)
+		}
+		m.observe(p, time.Duration((2+0.01+float64(n)/10000)*float64(time.Second)))
+	}
+	f := m.means["c"]
+	if !within(1/f.secPerToken, 10000, 0.05) || !within(f.step, 0.01, 0.1) {
+		t.Fatalf("fit %g tokens/s, step %g s; want 10000 and 0.01", 1/f.secPerToken, f.step)
 	}
 }
 

@@ -324,7 +324,7 @@ func run(ctx context.Context, args []string) error {
 						// prompts alike, so every complete run gives the same),
 						// never from a router in front of pods of its own.
 						if fk := fmt.Sprintf("%s/%d", cell, rep); floorModel != nil && ext.url == "" && len(sent) > floorFrom[fk] {
-							fl, err := floorOf(floorModel, cell, sent)
+							fl, err := floorOf(floorModel, cell, sent, *workers)
 							if err != nil {
 								return fmt.Errorf("%s: floor: %w", label, err)
 							}
@@ -379,9 +379,9 @@ type sentRequest struct {
 	answer string
 }
 
-// floorOf computes a cell's floor from one run's requests, in the order
-// they were sent.
-func floorOf(e floor.Engine, cell string, sent []sentRequest) (report.Floor, error) {
+// floorOf computes a cell's floor and its fleet's capacity bound from one
+// run's requests, in the order they were sent.
+func floorOf(e floor.Engine, cell string, sent []sentRequest, pods int) (report.Floor, error) {
 	slices.SortStableFunc(sent, func(a, b sentRequest) int { return cmp.Compare(a.start, b.start) })
 	reqs := make([]floor.Request, len(sent))
 	for i, s := range sent {
@@ -395,7 +395,9 @@ func floorOf(e floor.Engine, cell string, sent []sentRequest) (report.Floor, err
 	if err != nil {
 		return report.Floor{}, err
 	}
-	return report.NewFloor(cell, ttfts), nil
+	f := report.NewFloor(cell, ttfts)
+	f.Capacity, err = floor.Capacity(e, reqs, pods)
+	return f, err
 }
 
 // mergeRuns joins the summaries and per-request results of earlier runs and
