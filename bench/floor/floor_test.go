@@ -128,27 +128,13 @@ func TestVLLMFloorAgreesWithAPod(t *testing.T) {
 	c := vllmsim.DefaultConfig()
 	c.NumBlocks, c.MaxModelLen, c.MaxNumBatchedTokens = 256, 2048, 64
 	c.StepTime, c.PrefillPerToken = 2*time.Millisecond, 50*time.Microsecond
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() {
-		done <- vllmsim.Serve(ctx, c, []net.Listener{l}, slog.New(slog.NewTextHandler(io.Discard, nil)))
-	}()
-	defer func() {
-		cancel()
-		if err := <-done; err != nil {
-			t.Errorf("Serve: %v", err)
-		}
-	}()
+	base := startPod(t, c)
 	v := VLLM{Config: c}
 	msgs := []Message{{"system", strings.Repeat("You answer questions about the shared manual of the fleet. ", 12)},
 		{"user", "How do I restart a pod?"}}
 	var earlier []Request
 	for turn := range 2 {
-		prompt, cached, answer, ttft := send(t, "http://"+l.Addr().String(), msgs)
+		prompt, cached, answer, ttft := send(t, base, msgs)
 		r := Request{Messages: msgs, Answer: answer}
 		p, _, err := v.Tokens(r)
 		if err != nil {
@@ -226,21 +212,7 @@ func TestAPodServesNoFasterThanItsCapacity(t *testing.T) {
 	c := vllmsim.DefaultConfig()
 	c.NumBlocks, c.MaxModelLen, c.MaxNumSeqs, c.MaxNumBatchedTokens = 256, 2048, 4, 256
 	c.StepTime, c.PrefillPerToken, c.DecodePerSeq = 4*time.Millisecond, 20*time.Microsecond, 500*time.Microsecond
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() {
-		done <- vllmsim.Serve(ctx, c, []net.Listener{l}, slog.New(slog.NewTextHandler(io.Discard, nil)))
-	}()
-	defer func() {
-		cancel()
-		if err := <-done; err != nil {
-			t.Errorf("Serve: %v", err)
-		}
-	}()
+	base := startPod(t, c)
 	system := strings.Repeat("You answer questions about the shared manual of the fleet. ", 8)
 	const n = 12
 	reqs := make([]Request, n)
@@ -249,7 +221,7 @@ func TestAPodServesNoFasterThanItsCapacity(t *testing.T) {
 	for i := range n {
 		go func() {
 			msgs := []Message{{"system", system}, {"user", fmt.Sprintf("Question %d: how do I restart pod %d?", i, i)}}
-			res := (&client.Client{}).Do(context.Background(), "http://"+l.Addr().String(), client.Request{Model: "tiny",
+			res := (&client.Client{}).Do(context.Background(), base, client.Request{Model: "tiny",
 				Messages: []client.Message{{Role: "system", Content: system}, {Role: "user", Content: msgs[1].Content}},
 				Stream:   true, MaxTokens: 24, FixedLength: true})
 			if res.Outcome != client.OK {
@@ -350,6 +322,28 @@ func TestSimFloorAgreesWithAWorker(t *testing.T) {
 // send posts one streamed chat completion of 8 tokens with the
 // benchmarks' client and returns the usage it reports, the answer and the
 // time to its first content.
+// startPod serves one vLLM-like pod of c on loopback until the test ends
+// and returns its base URL.
+func startPod(t *testing.T, c vllmsim.Config) string {
+	t.Helper()
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() {
+		done <- vllmsim.Serve(ctx, c, []net.Listener{l}, slog.New(slog.NewTextHandler(io.Discard, nil)))
+	}()
+	t.Cleanup(func() {
+		cancel()
+		if err := <-done; err != nil {
+			t.Errorf("Serve: %v", err)
+		}
+	})
+	return "http://" + l.Addr().String()
+}
+
 func send(t *testing.T, base string, msgs []Message) (prompt, cached int, answer string, ttft time.Duration) {
 	t.Helper()
 	cm := make([]client.Message, len(msgs))

@@ -1,8 +1,9 @@
 package balancer
 
 // cache_aware: route each request to the pod with the lowest predicted time
-// to first token (TTFT), in seconds. This file is the whole policy, read top
-// to bottom:
+// to first token (TTFT), in seconds, plus the delay its own prefill there
+// adds to the requests waiting on the pod. This file is the whole policy,
+// read top to bottom:
 //
 //  1. the prediction for request r on pod p (predict):
 //
@@ -12,9 +13,8 @@ package balancer
 //                + KV fit(r, p)                    (recomputing what r evicts)
 //
 //     the wait is the longer of a running slot's and the prefill queued
-//     ahead: the requests ahead prefill while r waits for a slot;
-
-//     in tokens throughout: prompt bytes become tokens through the bytes per
+//     ahead: the requests ahead prefill while r waits for a slot. In
+//     tokens throughout: prompt bytes become tokens through the bytes per
 //     token learnt per model (BytesPerToken). Inputs: the metadata center's
 //     leases and prefix matches (every gateway's requests), this gateway's
 //     requests not counted there yet (Tracker), and the pod's own report
@@ -381,11 +381,12 @@ func (m *ttftModel) held(host string, d time.Duration) {
 // token against the time they took. Where the prediction's wait was the
 // queue's, those are the queued, uncached and KV-fit tokens against the
 // TTFT; where it was the slot's, the request's own (uncached and KV fit)
-// against the TTFT less the slot wait, which covered the queue's prefill. A line, not one factor for both: a pod's
-// step is paid whatever the request's size and its prefill per token, and
-// scaling both by the same error over-predicts short prefills wherever it
-// under-predicts long ones. The slot wait is left out: it comes from
-// request durations the tracker measures (held), not from this TTFT.
+// against the TTFT less the slot wait, which covered the queue's prefill.
+// The slot wait itself is not fitted here: it comes from the request
+// durations the tracker measures (held). A line, not one factor for both:
+// a pod's step is paid whatever the request's size and its prefill per
+// token, and scaling both by the same error over-predicts short prefills
+// wherever it under-predicts long ones.
 func (m *ttftModel) observe(p Prediction, observed time.Duration) {
 	obs := observed.Seconds()
 	if p.Host == "" || obs <= 0 || p.Total <= 0 || p.defRate <= 0 || p.defStep <= 0 {
