@@ -59,9 +59,8 @@ type Engine interface {
 // the order the requests were sent: a request may reuse what any request
 // before it left.
 func TTFTs(e Engine, reqs []Request) ([]time.Duration, error) {
-	out := make([]time.Duration, len(reqs))
-	err := each(e, reqs, func(i, n, cached, _ int) { out[i] = e.TTFT(n, cached) })
-	return out, err
+	b, err := Bounds(e, reqs, 0)
+	return b.TTFTs, err
 }
 
 // Busy is an engine that can bound the time a pod spends on a request,
@@ -73,26 +72,40 @@ type Busy interface {
 	Busy(n, cached, out int) time.Duration
 }
 
-// Capacity bounds the throughput (requests/s) of a fleet of pods of e on
-// reqs, sent in this order: the pods' time divided by the least time the
-// requests need of them, each reusing the longest prefix it shares with
-// any earlier request and decoding in the fullest batch. No router serves
-// the requests faster for long: a router can only add computation (a
-// shorter cached prefix, an eviction) or leave a pod idle or its batch
-// short. 0 when e cannot bound a request's busy time (Busy).
-func Capacity(e Engine, reqs []Request, pods int) (float64, error) {
-	b, ok := e.(Busy)
-	if !ok || len(reqs) == 0 {
-		return 0, nil
-	}
+// Bound is what no router can beat on a run's requests.
+type Bound struct {
+	// TTFTs are the requests' floors (TTFTs).
+	TTFTs []time.Duration
+	// Capacity bounds the throughput (requests/s) of the fleet's pods on
+	// the requests: the pods' time divided by the least time the requests
+	// need of them, each reusing the longest prefix it shares with any
+	// earlier request and decoding in the fullest batch. No router serves
+	// them faster for long: a router can only add computation (a shorter
+	// cached prefix, an eviction) or leave a pod idle or its batch short.
+	// 0 when the engine cannot bound a request's busy time (Busy) or no
+	// pods are given.
+	Capacity float64
+}
+
+// Bounds returns the floors of reqs, sent in this order, and the capacity
+// bound of a fleet of pods of e on them, in one pass over the requests.
+func Bounds(e Engine, reqs []Request, pods int) (Bound, error) {
+	out := Bound{TTFTs: make([]time.Duration, len(reqs))}
+	busy, _ := e.(Busy)
 	var total time.Duration
-	if err := each(e, reqs, func(_, n, cached, out int) { total += b.Busy(n, cached, out) }); err != nil {
-		return 0, err
+	err := each(e, reqs, func(i, n, cached, o int) {
+		out.TTFTs[i] = e.TTFT(n, cached)
+		if busy != nil {
+			total += busy.Busy(n, cached, o)
+		}
+	})
+	if err != nil {
+		return Bound{}, err
 	}
-	if total <= 0 {
-		return 0, nil
+	if pods > 0 && total > 0 {
+		out.Capacity = float64(pods) * float64(len(reqs)) / total.Seconds()
 	}
-	return float64(pods) * float64(len(reqs)) / total.Seconds(), nil
+	return out, nil
 }
 
 // each calls f with every request's index, prompt tokens, tokens reused

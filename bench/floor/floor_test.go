@@ -11,6 +11,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"runtime"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -184,7 +185,7 @@ func (busyBytes) Busy(n, cached, out int) time.Duration {
 	return time.Duration(n-cached)*time.Millisecond + time.Duration(out-1)*10*time.Millisecond
 }
 
-// Capacity counts each request's work after the longest prefix it shares
+// Bounds' capacity counts each request's work after the longest prefix it shares
 // with any earlier one: "aaaa" answered "xy" (4 computed, 2 out: 14 ms),
 // then "aaaaxq" (the held "aaaax" shared, the last token computed: 1 ms,
 // 1 out), "bbbb" (4 ms): 19 ms for 3 requests, on 2 pods 6/0.019 s.
@@ -192,22 +193,26 @@ func TestCapacityTakesEachRequestsLeastWork(t *testing.T) {
 	req := func(text, answer string) Request {
 		return Request{Messages: []Message{{Role: "user", Content: text}}, Answer: answer}
 	}
-	got, err := Capacity(busyBytes{}, []Request{req("aaaa", "xy"), req("aaaaxq", ""), req("bbbb", "")}, 2)
+	got, err := Bounds(busyBytes{}, []Request{req("aaaa", "xy"), req("aaaaxq", ""), req("bbbb", "")}, 2)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if want := 6 / 0.019; math.Abs(got-want) > 1e-9*want {
-		t.Errorf("Capacity = %v, want %v", got, want)
+	if want := 6 / 0.019; math.Abs(got.Capacity-want) > 1e-9*want {
+		t.Errorf("Capacity = %v, want %v", got.Capacity, want)
 	}
-	if got, err := Capacity(bytesEngine{}, []Request{req("a", "")}, 2); got != 0 || err != nil {
-		t.Errorf("an engine without Busy: %v, %v; want 0, nil", got, err)
+	// The same pass gives the floors (4, 1 and 4 ms: TTFTs).
+	if want := []time.Duration{4 * time.Millisecond, time.Millisecond, 4 * time.Millisecond}; !slices.Equal(got.TTFTs, want) {
+		t.Errorf("floors %v, want %v", got.TTFTs, want)
+	}
+	if got, err := Bounds(bytesEngine{}, []Request{req("a", "")}, 2); got.Capacity != 0 || err != nil {
+		t.Errorf("an engine without Busy: %v, %v; want no capacity, nil", got.Capacity, err)
 	}
 }
 
 // The bound against a real vLLM-like pod (bench/vllmsim on loopback),
 // kept saturated: 12 requests at once on a pod that runs 4, each sharing
 // a system prompt. The pod takes at least the least time the bound
-// counts for them, so it serves them no faster than Capacity says.
+// counts for them, so it serves them no faster than Bounds says.
 func TestAPodServesNoFasterThanItsCapacity(t *testing.T) {
 	c := vllmsim.DefaultConfig()
 	c.NumBlocks, c.MaxModelLen, c.MaxNumSeqs, c.MaxNumBatchedTokens = 256, 2048, 4, 256
@@ -238,10 +243,11 @@ func TestAPodServesNoFasterThanItsCapacity(t *testing.T) {
 		}
 	}
 	elapsed := time.Since(start)
-	bound, err := Capacity(VLLM{Config: c}, reqs, 1)
+	b, err := Bounds(VLLM{Config: c}, reqs, 1)
 	if err != nil {
 		t.Fatal(err)
 	}
+	bound := b.Capacity
 	if served := n / elapsed.Seconds(); served > bound {
 		t.Errorf("the pod served %.1f requests/s, above the bound %.1f", served, bound)
 	}

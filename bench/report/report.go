@@ -186,7 +186,7 @@ type Floor struct {
 	Requests int         `json:"requests"`
 	TTFT     Percentiles `json:"ttft"`
 	// Capacity bounds the fleet's throughput on the cell's requests
-	// (requests/s, floor.Capacity); 0 where the engine gives no bound.
+	// (requests/s, floor.Bound.Capacity); 0 where the engine gives no bound.
 	Capacity float64 `json:"capacity_rps,omitempty"`
 	// Runs is how many rounds a merged floor is the median of.
 	Runs int `json:"runs,omitempty"`

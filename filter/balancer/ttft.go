@@ -397,7 +397,7 @@ func (m *ttftModel) observe(p Prediction, observed time.Duration) {
 		slog.String("cluster", p.Cluster), slog.String("host", p.Host),
 		slog.Float64("predicted", p.Total), slog.Float64("observed", obs))
 	x, wait := p.QueuedTokens+p.UncachedTokens+p.FitTokens, 0.0
-	if p.SlotWait >= p.Queue && p.SlotWait > 0 {
+	if p.SlotWait > 0 && p.Wait == p.SlotWait { // the wait was the slot's
 		x, wait = p.UncachedTokens+p.FitTokens, p.SlotWait
 	}
 	m.mu.Lock()

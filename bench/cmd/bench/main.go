@@ -391,13 +391,13 @@ func floorOf(e floor.Engine, cell string, sent []sentRequest, pods int) (report.
 		}
 		reqs[i] = floor.Request{Messages: ms, Answer: s.answer}
 	}
-	ttfts, err := floor.TTFTs(e, reqs)
+	b, err := floor.Bounds(e, reqs, pods)
 	if err != nil {
 		return report.Floor{}, err
 	}
-	f := report.NewFloor(cell, ttfts)
-	f.Capacity, err = floor.Capacity(e, reqs, pods)
-	return f, err
+	f := report.NewFloor(cell, b.TTFTs)
+	f.Capacity = b.Capacity
+	return f, nil
 }
 
 // mergeRuns joins the summaries and per-request results of earlier runs and
