@@ -92,6 +92,9 @@ type Bound struct {
 func Bounds(e Engine, reqs []Request, pods int) (Bound, error) {
 	out := Bound{TTFTs: make([]time.Duration, len(reqs))}
 	busy, _ := e.(Busy)
+	if pods <= 0 {
+		busy = nil // no fleet to bound
+	}
 	var total time.Duration
 	err := each(e, reqs, func(i, n, cached, o int) {
 		out.TTFTs[i] = e.TTFT(n, cached)

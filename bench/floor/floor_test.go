@@ -325,9 +325,6 @@ func TestSimFloorAgreesWithAWorker(t *testing.T) {
 	}
 }
 
-// send posts one streamed chat completion of 8 tokens with the
-// benchmarks' client and returns the usage it reports, the answer and the
-// time to its first content.
 // startPod serves one vLLM-like pod of c on loopback until the test ends
 // and returns its base URL.
 func startPod(t *testing.T, c vllmsim.Config) string {
@@ -350,6 +347,9 @@ func startPod(t *testing.T, c vllmsim.Config) string {
 	return "http://" + l.Addr().String()
 }
 
+// send posts one streamed chat completion of 8 tokens with the
+// benchmarks' client and returns the usage it reports, the answer and the
+// time to its first content.
 func send(t *testing.T, base string, msgs []Message) (prompt, cached int, answer string, ttft time.Duration) {
 	t.Helper()
 	cm := make([]client.Message, len(msgs))
