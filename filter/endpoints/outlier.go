@@ -22,6 +22,7 @@ type Outlier struct {
 
 	mu      sync.Mutex
 	ejected map[string]ejection
+	suspect map[string]time.Time // left out until then, or until settled
 }
 
 type ejection struct {
@@ -47,7 +48,7 @@ func NewOutlier(o OutlierOptions) *Outlier {
 	if o.Now == nil {
 		o.Now = time.Now
 	}
-	return &Outlier{base: o.BaseEjection, max: o.MaxEjection, now: o.Now, ejected: map[string]ejection{}}
+	return &Outlier{base: o.BaseEjection, max: o.MaxEjection, now: o.Now, ejected: map[string]ejection{}, suspect: map[string]time.Time{}}
 }
 
 // Wrap returns src without the hosts that are currently ejected.
@@ -75,13 +76,14 @@ func (v outlierView) AppendEndpoints(dst []Endpoint, cluster string) []Endpoint 
 func (o *Outlier) keepHealthy(eps []Endpoint) int {
 	o.mu.Lock()
 	defer o.mu.Unlock()
-	if len(o.ejected) == 0 {
+	if len(o.ejected) == 0 && len(o.suspect) == 0 {
 		return len(eps)
 	}
 	now := o.now()
 	n := 0
 	for i := range eps {
-		if ej, ok := o.ejected[eps[i].Address]; !ok || !now.Before(ej.until) {
+		a := eps[i].Address
+		if ej, ok := o.ejected[a]; (!ok || !now.Before(ej.until)) && !now.Before(o.suspect[a]) {
 			eps[n], eps[i] = eps[i], eps[n]
 			n++
 		}
@@ -96,6 +98,7 @@ func (o *Outlier) keepHealthy(eps []Endpoint) int {
 func (o *Outlier) Failed(addr string) {
 	o.mu.Lock()
 	defer o.mu.Unlock()
+	delete(o.suspect, addr)
 	ej := o.ejected[addr]
 	now := o.now()
 	if now.Before(ej.until) {
@@ -113,6 +116,24 @@ func (o *Outlier) Succeeded(addr string) {
 	o.mu.Lock()
 	defer o.mu.Unlock()
 	delete(o.ejected, addr)
+	delete(o.suspect, addr)
+}
+
+// Suspect leaves addr out for at most d while a check of it is under way
+// (Failed ejects it, Cleared or Succeeded takes it back): a request routed
+// there ended unanswered, which is a dead pod or a client that left.
+func (o *Outlier) Suspect(addr string, d time.Duration) {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	o.suspect[addr] = o.now().Add(d)
+}
+
+// Cleared ends a suspicion without touching an ejection's backoff: the
+// check reached addr.
+func (o *Outlier) Cleared(addr string) {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	delete(o.suspect, addr)
 }
 
 // Ejected reports whether addr is currently ejected.

@@ -55,6 +55,41 @@ func TestOutlierEjectsBacksOffAndRestores(t *testing.T) {
 	}
 }
 
+// A suspect is left out at once, for at most its time: Cleared takes it
+// back without an ejection, Failed turns it into one.
+func TestOutlierSuspect(t *testing.T) {
+	src, err := NewStatic(map[string][]string{"c": {"10.0.0.1:80", "10.0.0.2:80"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	now := time.Unix(1000, 0)
+	o := NewOutlier(OutlierOptions{BaseEjection: 10 * time.Second, Now: func() time.Time { return now }})
+	view := o.Wrap(src)
+	left := func() []string { return addrsOf(view.Endpoints("c")) }
+
+	o.Suspect("10.0.0.2:80", time.Second)
+	if got := left(); !slices.Equal(got, []string{"10.0.0.1:80"}) {
+		t.Fatalf("with a suspect: %v", got)
+	}
+	o.Cleared("10.0.0.2:80")
+	if got := left(); len(got) != 2 || o.Ejected("10.0.0.2:80") {
+		t.Fatalf("cleared: %v, ejected %v", got, o.Ejected("10.0.0.2:80"))
+	}
+
+	o.Suspect("10.0.0.2:80", time.Second)
+	now = now.Add(time.Second)
+	if got := left(); len(got) != 2 {
+		t.Fatalf("a suspicion outlived its time: %v", got)
+	}
+
+	o.Suspect("10.0.0.2:80", time.Second)
+	o.Failed("10.0.0.2:80")
+	now = now.Add(2 * time.Second)
+	if got := left(); !slices.Equal(got, []string{"10.0.0.1:80"}) || !o.Ejected("10.0.0.2:80") {
+		t.Fatalf("a failed suspect must be ejected for the base time: %v", got)
+	}
+}
+
 func TestOutlierPanicModeReturnsAllWhenAllEjected(t *testing.T) {
 	src, _ := NewStatic(map[string][]string{"c": {"10.0.0.1:80", "10.0.0.2:80"}})
 	o := NewOutlier(OutlierOptions{})

@@ -652,8 +652,13 @@ func (x *exchange) finish() {
 	if !x.answered {
 		// Envoy's own replies (the pod refused the connection, reset, timed
 		// out) skip ext_proc: Envoy only closes the stream, as it does when
-		// the client leaves. A connection attempt tells the two apart.
-		go x.s.probe(x.req.Host, x.trace)
+		// the client leaves. A connection attempt tells the two apart; the
+		// pod is left out of picks until it does, so a client retrying at
+		// once is not sent to a dead pod again.
+		if o := x.s.opts.Outlier; o != nil && !o.Ejected(x.req.Host) {
+			o.Suspect(x.req.Host, probeTimeout)
+			go x.s.probe(x.req.Host, x.trace)
+		}
 	}
 	x.s.opts.Metrics.Count(gatewaymetrics.InFlight, -1)
 	d := x.req
@@ -790,16 +795,15 @@ func (s *Server) fallbacks(d *routing.Decision, allow func(string) bool) []strin
 // probeTimeout bounds probe's connection attempt.
 const probeTimeout = time.Second
 
-// probe ejects host (Options.Outlier) when it does not accept a connection:
-// a request routed there ended without an answer.
+// probe ejects host (Options.Outlier, not nil) when it does not accept a
+// connection, and clears its suspicion when it does: a request routed there
+// ended without an answer.
 func (s *Server) probe(host, trace string) {
 	o := s.opts.Outlier
-	if o == nil || o.Ejected(host) {
-		return
-	}
 	c, err := net.DialTimeout("tcp", host, probeTimeout)
 	if err == nil {
 		c.Close()
+		o.Cleared(host)
 		return
 	}
 	o.Failed(host)
