@@ -167,6 +167,9 @@ type View struct {
 	// center). Load then comes from local accounting only and cache ratios
 	// are zero (docs/envoy-filter.md).
 	Degraded bool
+	// Asked is when the query was sent: an update that landed after it
+	// may be missing from the answer (Tracker).
+	Asked time.Time
 }
 
 // Options of New.

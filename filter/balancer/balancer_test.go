@@ -547,6 +547,43 @@ func TestFirstTokenSeenHereIsTakenOffTheMetadataCentersPrompt(t *testing.T) {
 	nilFlight.FirstTokenLanded()
 }
 
+// A route answer asked before a done or a first-token update landed may
+// still count the request or its prompt, though the tracker stopped taking
+// them off when the update landed: a conversation's next turn is routed
+// within a millisecond of the answer's end, and its holder must not look
+// busy with the turn before. An answer asked after the landing is read as
+// it is.
+func TestAnswerAskedBeforeAnUpdateLandedIsCorrected(t *testing.T) {
+	tr := NewTracker()
+	now := time.Unix(1000, 0)
+	tr.now = func() time.Time { return now }
+	cands := []endpoints.Endpoint{{Address: "h:1"}}
+	var hs [1]Host
+	seen := func(asked time.Time, leases, prompt int64) Host {
+		tr.fill("c", cands, View{Load: api.LoadStats{"h:1": {TotalReqs: leases, PromptLength: prompt}}, Asked: asked}, 0, hs[:])
+		return hs[0]
+	}
+	f := tr.Begin("c", "h:1", 100)
+	f.Acked()
+	f.FirstToken()
+	f.End()
+	asked := now
+	now = now.Add(time.Millisecond)
+	f.FirstTokenLanded()
+	f.Released()
+	// Another gateway's request of 30 bytes is prefilling there.
+	if h := seen(asked, 2, 130); h.Reqs != 1 || h.Prompt != 30 {
+		t.Fatalf("asked before the updates landed: %d requests, prompt %d; want 1, 30", h.Reqs, h.Prompt)
+	}
+	if h := seen(now.Add(time.Millisecond), 1, 30); h.Reqs != 1 || h.Prompt != 30 {
+		t.Fatalf("asked after: %d requests, prompt %d; want 1, 30", h.Reqs, h.Prompt)
+	}
+	now = now.Add(eventMemory + time.Second)
+	if h := seen(asked, 1, 30); h.Reqs != 1 || h.Prompt != 30 || len(tr.landed["c"]) != 0 {
+		t.Fatalf("past eventMemory: %d requests, prompt %d, remembered %v", h.Reqs, h.Prompt, tr.landed)
+	}
+}
+
 // A pod's own report taken before a first token seen here still counts
 // that request's prefill; the tracker says how much of it the pod has done
 // since, and forgets first tokens older than any report it is answered.
@@ -573,9 +610,9 @@ func TestFilledSinceReport(t *testing.T) {
 	if n := filled(80); n != 0 {
 		t.Fatalf("report newer than the first token: filled %d, want 0", n)
 	}
-	now = now.Add(fillMemory + time.Second)
+	now = now.Add(eventMemory + time.Second)
 	if n := filled(5000); n != 0 || len(tr.fills["c"]) != 0 {
-		t.Fatalf("past fillMemory: filled %d, remembered %v", n, tr.fills)
+		t.Fatalf("past eventMemory: filled %d, remembered %v", n, tr.fills)
 	}
 }
 

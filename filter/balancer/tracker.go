@@ -25,7 +25,9 @@ import (
 // the answer's end. Its holder then looked busier than the pods that hold
 // nothing of it, and turns moved off idle holders, computing their
 // history again. A request that ended here after the metadata center counted
-// it is taken off its figures until the done is confirmed (Released).
+// it is taken off its figures until the done is confirmed (Released), and
+// off the answers to route queries asked before that (View.Asked): the
+// metadata center may have read its counts before the done landed.
 //
 // A decision counts on its pod from the moment it is made, not only from
 // Begin: the caller starts the request after rebuilding its body and
@@ -57,12 +59,17 @@ type Tracker struct {
 	live     map[string]*liveClock        // cluster -> this gateway's live requests over time
 	recent   map[windowKey]*window        // last routing decisions
 	reserved map[string][]reservation     // cluster -> decisions not yet begun, oldest first (kept when empty)
-	// fills are the recent first tokens seen here per pod (cluster ->
-	// host -> oldest first): a pod's own report taken before one of them
-	// still counts that request's prefill (Host.FilledSinceReport).
-	fills map[string]map[string][]fillEvent
-	seed  maphash.Seed     // of setHash
-	now   func() time.Time // the clock (tests)
+	// fills are the recent first tokens seen here per pod: a pod's own
+	// report taken before one of them still counts that request's prefill
+	// (Host.FilledSinceReport).
+	fills podEvents
+	// landed are the recent updates that took one of this gateway's
+	// requests (done) or its prompt (first token) off the metadata
+	// center's count of a pod: a route answer asked before one landed may
+	// still count it, though the tracker no longer takes it off (View.Asked).
+	landed podEvents
+	seed   maphash.Seed     // of setHash
+	now    func() time.Time // the clock (tests)
 	// held, if set, learns how long a request held its running slot after
 	// its first token (FirstToken to End): cache_aware's slot wait. From
 	// the first token, not from Begin: time spent queued does not hold a
@@ -215,46 +222,48 @@ type reservation struct {
 	at      time.Time
 }
 
-// fillEvent is a first token seen here: when, and the request's prompt.
-type fillEvent struct {
-	at     time.Time
-	prompt int64
+// podEvents are recent events of this gateway's requests per pod
+// (cluster -> host -> oldest first), each with the requests and prompt
+// bytes it concerns, for what was read before them (podEvents.since).
+type podEvents map[string]map[string][]podEvent
+
+type podEvent struct {
+	at           time.Time
+	reqs, prompt int64
 }
 
-// fillMemory is how long a first token is remembered against the pods'
-// reports: past the oldest report the metadata center answers
-// (store.DefaultSignalMaxAge, 1 s) with room for a slow route query.
-const fillMemory = 2 * time.Second
+// eventMemory is how long an event is remembered: past the oldest report
+// the metadata center answers (store.DefaultSignalMaxAge, 1 s) and any
+// route query's time, with room.
+const eventMemory = 2 * time.Second
 
-// filled records a first token on host at now. Callers hold t.mu.
-func (t *Tracker) filled(cluster, host string, now time.Time, prompt int64) {
-	hosts := t.fills[cluster]
+// add records ev on host, forgetting what is past eventMemory.
+func (m podEvents) add(cluster, host string, ev podEvent) {
+	hosts := m[cluster]
 	if hosts == nil {
-		hosts = map[string][]fillEvent{}
-		t.fills[cluster] = hosts
+		hosts = map[string][]podEvent{}
+		m[cluster] = hosts
 	}
 	evs := hosts[host]
 	i := 0
-	for i < len(evs) && now.Sub(evs[i].at) > fillMemory {
+	for i < len(evs) && ev.at.Sub(evs[i].at) > eventMemory {
 		i++
 	}
-	hosts[host] = append(evs[i:], fillEvent{at: now, prompt: prompt})
+	hosts[host] = append(evs[i:], ev)
 }
 
-// filledSince sums the prompts of host's first tokens after at, and counts
-// them. Callers hold t.mu.
-func (t *Tracker) filledSince(cluster, host string, at time.Time) (prompt, reqs int64) {
-	evs := t.fills[cluster][host]
-	now := t.now()
-	if len(evs) > 0 && now.Sub(evs[len(evs)-1].at) > fillMemory {
-		delete(t.fills[cluster], host) // all of them forgotten: keep the map small
+// since sums the requests and prompt bytes of host's events after at.
+func (m podEvents) since(cluster, host string, at, now time.Time) (reqs, prompt int64) {
+	evs := m[cluster][host]
+	if len(evs) > 0 && now.Sub(evs[len(evs)-1].at) > eventMemory {
+		delete(m[cluster], host) // all of them forgotten: keep the map small
 		return 0, 0
 	}
-	for i := len(evs) - 1; i >= 0 && evs[i].at.After(at) && now.Sub(evs[i].at) <= fillMemory; i-- {
+	for i := len(evs) - 1; i >= 0 && evs[i].at.After(at) && now.Sub(evs[i].at) <= eventMemory; i-- {
+		reqs += evs[i].reqs
 		prompt += evs[i].prompt
-		reqs++
 	}
-	return prompt, reqs
+	return reqs, prompt
 }
 
 // reserveTTL is how long a decision counts on its pod without Begin: far
@@ -265,7 +274,7 @@ const reserveTTL = time.Second
 // NewTracker returns an empty tracker.
 func NewTracker() *Tracker {
 	return &Tracker{clusters: map[string]map[string]*local{}, live: map[string]*liveClock{}, recent: map[windowKey]*window{},
-		reserved: map[string][]reservation{}, fills: map[string]map[string][]fillEvent{}, seed: maphash.MakeSeed(), now: time.Now}
+		reserved: map[string][]reservation{}, fills: podEvents{}, landed: podEvents{}, seed: maphash.MakeSeed(), now: time.Now}
 }
 
 // Routed records a routing decision among cands for Host.Share.
@@ -394,7 +403,7 @@ func (f *Flight) FirstToken() {
 	}
 	f.filled = true
 	f.firstToken = f.t.now()
-	f.t.filled(f.cluster, f.host, f.firstToken, f.prompt)
+	f.t.fills.add(f.cluster, f.host, podEvent{at: f.firstToken, reqs: 1, prompt: f.prompt})
 	l := f.l
 	l.prefill -= f.prompt
 	if !f.acked {
@@ -419,6 +428,7 @@ func (f *Flight) FirstTokenLanded() {
 	}
 	if f.stale() {
 		f.l.staleFill -= f.prompt
+		f.t.landed.add(f.cluster, f.host, podEvent{at: f.t.now(), prompt: f.prompt})
 	}
 	f.ftLanded = true
 }
@@ -470,12 +480,19 @@ func (f *Flight) Released() {
 	if !f.ended || f.released {
 		return
 	}
+	var ev podEvent
 	if f.stale() {
 		f.l.staleFill -= f.prompt
+		ev.prompt = f.prompt
 	}
 	if f.ending() {
 		f.l.ending--
 		f.t.release(f.cluster, f.host, f.l)
+		ev.reqs = 1
+	}
+	if ev != (podEvent{}) {
+		ev.at = f.t.now()
+		f.t.landed.add(f.cluster, f.host, ev)
 	}
 	f.released = true
 }
@@ -600,6 +617,10 @@ func (t *Tracker) fill(cluster string, cands []endpoints.Endpoint, v View, block
 		} else {
 			st := v.Load[e.Address]
 			h.Reqs, h.Prompt = st.TotalReqs, st.PromptLength
+			if len(t.landed[cluster][e.Address]) > 0 && !v.Asked.IsZero() {
+				reqs, prompt := t.landed.since(cluster, e.Address, v.Asked, t.now())
+				h.Reqs, h.Prompt = max(0, h.Reqs-reqs), max(0, h.Prompt-prompt)
+			}
 			if l != nil {
 				h.Reqs = max(0, h.Reqs-l.ending) + l.unacked + l.reserved
 				h.Prompt = max(0, h.Prompt-l.staleFill)
@@ -616,7 +637,8 @@ func (t *Tracker) fill(cluster string, cands []endpoints.Endpoint, v View, block
 				h.Waiting, h.Running, h.KVUtil, h.PrefillQueued = sig.Waiting, sig.Running, sig.KVCacheUtil, sig.PrefillTokens
 				h.KVCapacity, h.MaxRunning, h.ReportsEvictions = sig.KVCapacity, sig.MaxRunning, sig.ReportsEvictions
 				if len(t.fills[cluster][e.Address]) > 0 {
-					h.FilledSinceReport, h.FilledReqsSinceReport = t.filledSince(cluster, e.Address, t.now().Add(-time.Duration(sig.AgeMS)*time.Millisecond))
+					now := t.now()
+					h.FilledReqsSinceReport, h.FilledSinceReport = t.fills.since(cluster, e.Address, now.Add(-time.Duration(sig.AgeMS)*time.Millisecond), now)
 				}
 			}
 		}

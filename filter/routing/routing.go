@@ -579,13 +579,14 @@ func (e *Decider) query(ctx context.Context, trace, cluster string, hashes []str
 	}
 	ctx, cancel := context.WithTimeout(ctx, e.qto)
 	defer cancel()
+	asked := time.Now()
 	ans, err := e.querier.Route(client.WithTraceID(ctx, trace), cluster, hashes)
 	if err != nil {
 		e.metrics.Count("metadata_center_errors", 1)
 		e.warn.Warn("route query failed: routing without metadata", "trace_id", trace, "cluster", cluster, "err", err)
 		return balancer.View{Degraded: true}, nil
 	}
-	v := balancer.View{Load: ans.Load, Signals: ans.Signals}
+	v := balancer.View{Load: ans.Load, Signals: ans.Signals, Asked: asked}
 	if len(ans.Cache) > 0 {
 		if sc.cache == nil {
 			sc.cache = make(map[string]int, len(ans.Cache))
