@@ -51,7 +51,7 @@ func NewOutlier(o OutlierOptions) *Outlier {
 	return &Outlier{base: o.BaseEjection, max: o.MaxEjection, now: o.Now, ejected: map[string]ejection{}, suspect: map[string]time.Time{}}
 }
 
-// Wrap returns src without the hosts that are currently ejected.
+// Wrap returns src without the hosts that are currently ejected or suspect.
 func (o *Outlier) Wrap(src Source) Source { return outlierView{o: o, src: src} }
 
 type outlierView struct {
@@ -70,9 +70,9 @@ func (v outlierView) AppendEndpoints(dst []Endpoint, cluster string) []Endpoint 
 	return dst[:start+v.o.keepHealthy(dst[start:])]
 }
 
-// keepHealthy moves the hosts that are not ejected to the front of eps, in
-// their order, and returns how many there are; len(eps) when every one is
-// ejected.
+// keepHealthy moves the hosts that are neither ejected nor suspect to the
+// front of eps, in their order, and returns how many there are; len(eps)
+// when none is.
 func (o *Outlier) keepHealthy(eps []Endpoint) int {
 	o.mu.Lock()
 	defer o.mu.Unlock()
