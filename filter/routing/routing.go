@@ -453,6 +453,7 @@ func (e *Decider) Decide(ctx context.Context, h Headers, body []byte) (*Decision
 		t0 := time.Now()
 		var pods map[string]api.PodLabels
 		view, pods = e.query(ctx, trace, rule.Cluster, d.Hashes, sc)
+		view.Asked = t0 // when the query was sent (View.Asked)
 		d.RouteQueryTook = time.Since(t0)
 		queried = true
 		all = withRegistered(all, pods)
@@ -579,14 +580,13 @@ func (e *Decider) query(ctx context.Context, trace, cluster string, hashes []str
 	}
 	ctx, cancel := context.WithTimeout(ctx, e.qto)
 	defer cancel()
-	asked := time.Now()
 	ans, err := e.querier.Route(client.WithTraceID(ctx, trace), cluster, hashes)
 	if err != nil {
 		e.metrics.Count("metadata_center_errors", 1)
 		e.warn.Warn("route query failed: routing without metadata", "trace_id", trace, "cluster", cluster, "err", err)
 		return balancer.View{Degraded: true}, nil
 	}
-	v := balancer.View{Load: ans.Load, Signals: ans.Signals, Asked: asked}
+	v := balancer.View{Load: ans.Load, Signals: ans.Signals}
 	if len(ans.Cache) > 0 {
 		if sc.cache == nil {
 			sc.cache = make(map[string]int, len(ans.Cache))
