@@ -89,6 +89,10 @@ type Host struct {
 	// PrefillQueued (and, if it caught them queued, in Waiting); the pod
 	// has done them.
 	FilledSinceReport, FilledReqsSinceReport int64
+	// EndedReqsSinceReport and BegunReqsSinceReport are the numbers of
+	// this gateway's requests on the pod that ended, and that were sent
+	// there, after the report was taken.
+	EndedReqsSinceReport, BegunReqsSinceReport int64
 }
 
 // State is the input of one choice. Policies must not keep it.

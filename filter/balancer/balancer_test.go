@@ -585,8 +585,10 @@ func TestAnswerAskedBeforeAnUpdateLandedIsCorrected(t *testing.T) {
 }
 
 // A pod's own report taken before a first token seen here still counts
-// that request's prefill; the tracker says how much of it the pod has done
-// since, and forgets first tokens older than any report it is answered.
+// that request's prefill, one taken before an end here still counts that
+// request running, and one taken before a request was sent does not count
+// it; the tracker says how much of each happened since, and forgets events
+// older than any report it is answered.
 func TestFilledSinceReport(t *testing.T) {
 	tr := NewTracker()
 	now := time.Unix(1000, 0)
@@ -603,12 +605,23 @@ func TestFilledSinceReport(t *testing.T) {
 	f := tr.Begin("c", "h:1", 1000)
 	now = now.Add(50 * time.Millisecond)
 	f.FirstToken()
-	if n := filled(80); n != 1000 {
-		t.Fatalf("report 80 ms old, first token 0 ms ago: filled %d, want 1000", n)
+	if n := filled(80); n != 1000 || hs[0].BegunReqsSinceReport != 1 {
+		t.Fatalf("report 80 ms old, sent 50 ms ago, first token 0 ms ago: filled %d, want 1000; %d sent since, want 1", n, hs[0].BegunReqsSinceReport)
+	}
+	if filled(40); hs[0].BegunReqsSinceReport != 0 {
+		t.Fatalf("report newer than the request: %d sent since", hs[0].BegunReqsSinceReport)
 	}
 	now = now.Add(100 * time.Millisecond)
 	if n := filled(80); n != 0 {
 		t.Fatalf("report newer than the first token: filled %d, want 0", n)
+	}
+	f.End()
+	if filled(80); hs[0].EndedReqsSinceReport != 1 {
+		t.Fatalf("report older than the end: %d ended since", hs[0].EndedReqsSinceReport)
+	}
+	now = now.Add(100 * time.Millisecond)
+	if filled(80); hs[0].EndedReqsSinceReport != 0 {
+		t.Fatalf("report newer than the end: %d ended since", hs[0].EndedReqsSinceReport)
 	}
 	now = now.Add(eventMemory + time.Second)
 	if n := filled(5000); n != 0 || len(tr.fills["c"]) != 0 {

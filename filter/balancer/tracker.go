@@ -68,8 +68,13 @@ type Tracker struct {
 	// center's count of a pod: a route answer asked before one landed may
 	// still count it, though the tracker no longer takes it off (View.Asked).
 	landed podEvents
-	seed   maphash.Seed     // of setHash
-	now    func() time.Time // the clock (tests)
+	// ends and begun are the recent ends and starts of this gateway's
+	// requests per pod: a pod's own report taken before one of them still
+	// counts that request running, or does not count it yet
+	// (Host.EndedReqsSinceReport, Host.BegunReqsSinceReport).
+	ends, begun podEvents
+	seed        maphash.Seed     // of setHash
+	now         func() time.Time // the clock (tests)
 	// held, if set, learns how long a request held its running slot after
 	// its first token (FirstToken to End): cache_aware's slot wait. From
 	// the first token, not from Begin: time spent queued does not hold a
@@ -274,7 +279,7 @@ const reserveTTL = time.Second
 // NewTracker returns an empty tracker.
 func NewTracker() *Tracker {
 	return &Tracker{clusters: map[string]map[string]*local{}, live: map[string]*liveClock{}, recent: map[windowKey]*window{},
-		reserved: map[string][]reservation{}, fills: podEvents{}, landed: podEvents{}, seed: maphash.MakeSeed(), now: time.Now}
+		reserved: map[string][]reservation{}, fills: podEvents{}, landed: podEvents{}, ends: podEvents{}, begun: podEvents{}, seed: maphash.MakeSeed(), now: time.Now}
 }
 
 // Routed records a routing decision among cands for Host.Share.
@@ -353,6 +358,7 @@ func (t *Tracker) Begin(cluster, host string, promptLength int) *Flight {
 		t.live[cluster] = c
 	}
 	c.read(t.now())
+	t.begun.add(cluster, host, podEvent{at: t.now(), reqs: 1})
 	c.live++
 	l.inflight++
 	l.unacked++
@@ -452,6 +458,7 @@ func (f *Flight) End() {
 	if f.t.held != nil && f.filled {
 		f.t.held(f.host, now.Sub(f.firstToken))
 	}
+	f.t.ends.add(f.cluster, f.host, podEvent{at: now, reqs: 1})
 	l := f.l
 	l.inflight--
 	if !f.filled {
@@ -636,9 +643,12 @@ func (t *Tracker) fill(cluster string, cands []endpoints.Endpoint, v View, block
 				h.Signals = true
 				h.Waiting, h.Running, h.KVUtil, h.PrefillQueued = sig.Waiting, sig.Running, sig.KVCacheUtil, sig.PrefillTokens
 				h.KVCapacity, h.MaxRunning, h.ReportsEvictions = sig.KVCapacity, sig.MaxRunning, sig.ReportsEvictions
-				if len(t.fills[cluster][e.Address]) > 0 {
+				if len(t.fills[cluster][e.Address])+len(t.ends[cluster][e.Address])+len(t.begun[cluster][e.Address]) > 0 {
 					now := t.now()
-					h.FilledReqsSinceReport, h.FilledSinceReport = t.fills.since(cluster, e.Address, now.Add(-time.Duration(sig.AgeMS)*time.Millisecond), now)
+					taken := now.Add(-time.Duration(sig.AgeMS) * time.Millisecond)
+					h.FilledReqsSinceReport, h.FilledSinceReport = t.fills.since(cluster, e.Address, taken, now)
+					h.EndedReqsSinceReport, _ = t.ends.since(cluster, e.Address, taken, now)
+					h.BegunReqsSinceReport, _ = t.begun.since(cluster, e.Address, taken, now)
 				}
 			}
 		}

@@ -7,13 +7,14 @@ package balancer
 //
 //  1. the prediction for request r on pod p (predict):
 //
-//     TTFT(r, p) = max(slot wait(p), queued(p) / prefill rate(p))
+//     TTFT(r, p) = max(slot wait(r, p), queued(p) / prefill rate(p))
 //                + uncached(r, p) / prefill rate(p)
 //                + decode step(p)                  (the first token itself)
 //                + KV fit(r, p)                    (recomputing what r evicts)
 //
-//     the wait is the longer of a running slot's and the prefill queued
-//     ahead: the requests ahead prefill while r waits for a slot. In
+//     the wait is the longer of the pod's admission (a running slot, and
+//     room in its KV for r's prompt) and the prefill queued ahead: the
+//     requests ahead prefill while r waits to be admitted. In
 //     tokens throughout: prompt bytes become tokens through the bytes per
 //     token learnt per model (BytesPerToken). Inputs: the metadata center's
 //     leases and prefix matches (every gateway's requests), this gateway's
@@ -21,7 +22,8 @@ package balancer
 //     when fresh: our worker's push, or a vLLM-like pod's scrape, whose
 //     waiting, running and kv_cache_usage_perc are enough (waiting requests
 //     at the fleet's mean size stand for queued tokens; waiting > 0 means
-//     no free slot; utilization and running give the free KV);
+//     no free slot; utilization and running give the free KV), advanced by
+//     the first tokens and ends this gateway saw there since;
 //  2. the pick (CacheAware.Choose): the lowest cost, TTFT(r, p) plus the
 //     delay r's own computation on p adds to the requests that will queue
 //     behind it there (Cost.Delay); among the pods within tie_epsilon of
@@ -100,8 +102,10 @@ func (b *BytesPerToken) Value() float64 {
 // Cost is one pod's predicted TTFT for the request being routed, by part,
 // in seconds (tokens where named so).
 type Cost struct {
-	Host     string
-	SlotWait float64 // until a running slot frees (the pod reports a queue)
+	Host string
+	// SlotWait is until the pod can start the request: a running slot
+	// free, and room in its KV for the prompt (KVShortTokens short of it).
+	SlotWait, KVShortTokens float64
 	// QueuedTokens are the prefill tokens standing before the request on
 	// the pod, Queue their prefill at the pod's rate.
 	QueuedTokens, Queue float64
@@ -272,9 +276,24 @@ func (p *predictor) predict(h *Host) Cost {
 	//     plus this gateway's requests sent since;
 	//   - a vLLM-like pod's waiting requests at the fleet's mean uncached
 	//     size: its scrape gives counts, not tokens.
-	// A request past its first token here since the pod's report was
-	// taken is no longer waiting there, whatever the report says.
-	waiting := max(0, h.Waiting-h.FilledReqsSinceReport)
+	// The report is up to a scrape old, and a conversation's next turn
+	// comes within a millisecond of the answer before it: what this
+	// gateway saw on the pod since the report was taken moves it on. A
+	// request that ended here no longer runs there; one sent here since
+	// joins the queue, or runs at once where the pod had nobody waiting
+	// and a slot free (or freed by an end). Where requests waited, each
+	// end freed a slot one of them took: at least as many were admitted as
+	// there were first tokens or ends, whichever is more.
+	ended, sent := h.EndedReqsSinceReport, h.BegunReqsSinceReport
+	admitted := sent
+	switch {
+	case h.Waiting > 0:
+		admitted = min(h.Waiting+sent, max(h.FilledReqsSinceReport, ended))
+	case h.MaxRunning > 0:
+		admitted = min(sent, max(0, h.MaxRunning-h.Running+ended))
+	}
+	running := max(0, h.Running-ended) + admitted
+	waiting := h.Waiting + sent - admitted
 	queued := float64(h.Prompt) / p.bpt
 	if h.Signals {
 		reported := max(0, float64(h.PrefillQueued)-float64(h.FilledSinceReport)/p.bpt)
@@ -283,10 +302,30 @@ func (p *predictor) predict(h *Host) Cost {
 	c.QueuedTokens = queued
 
 	// A pod that reports requests waiting, or as many running as it runs
-	// at most, has no free running slot: the request starts once Waiting+1
-	// of its running requests have ended, one every hold/Running seconds.
-	if h.Signals && (waiting > 0 || h.MaxRunning > 0 && h.Running >= h.MaxRunning) {
-		c.SlotWait = float64(waiting+1) * hold / float64(max(h.Running, 1))
+	// at most, has no free running slot: the request starts once waiting+1
+	// of its running requests have ended, one every hold/running seconds.
+	if h.Signals && (waiting > 0 || h.MaxRunning > 0 && running >= h.MaxRunning) {
+		c.SlotWait = float64(waiting+1) * hold / float64(max(running, 1))
+	}
+	// Nor does it start before its KV fits. A pod admits a request only
+	// when its free KV holds the whole prompt (the cached blocks too: idle,
+	// they are part of the free pool, and vLLM's scheduler takes them out
+	// of it), first come first served. What running requests hold now is
+	// the report's utilization plus the requests admitted since and less
+	// those ended since, each at the fleet's mean prompt; the requests
+	// waiting ahead (at the mean too) and this gateway's own not yet
+	// counted take their room first. Where the rest falls short of the
+	// prompt (KVShortTokens), the request waits for as many running
+	// requests to end as free that much, each its share of what they hold.
+	if h.Signals && h.KVCapacity > 0 && running > 0 {
+		capacity := float64(h.KVCapacity)
+		held := min(max(capacity*min(max(h.KVUtil, 0), 1)+float64(admitted-ended)*p.meanPrompt, 0), capacity)
+		ahead := float64(waiting)*p.meanPrompt + float64(h.LocalPrefill)/p.bpt
+		if short := p.promptTokens - (capacity - held - ahead); short > 0 && held > 0 {
+			c.KVShortTokens = short
+			ends := min(math.Ceil(short/(held/float64(running))), float64(running))
+			c.SlotWait = max(c.SlotWait, ends*hold/float64(running))
+		}
 	}
 	c.Queue = c.QueuedTokens * secPerToken
 	c.Prefill = c.UncachedTokens * secPerToken
@@ -547,7 +586,7 @@ func (c *CacheAware) debug(s *State, p *predictor, pick, ties int) {
 	for i := range s.Hosts {
 		k := p.predict(&s.Hosts[i])
 		costs = append(costs, slog.Group(k.Host, slog.Int64("requests", s.Hosts[i].Reqs),
-			slog.Float64("total", k.Total), slog.Float64("delay", k.Delay), slog.Float64("slot_wait", k.SlotWait),
+			slog.Float64("total", k.Total), slog.Float64("delay", k.Delay), slog.Float64("slot_wait", k.SlotWait), slog.Float64("kv_short_tokens", k.KVShortTokens),
 			slog.Float64("queued_tokens", k.QueuedTokens), slog.Float64("queue", k.Queue),
 			slog.Float64("uncached_tokens", k.UncachedTokens), slog.Float64("prefill", k.Prefill), slog.Float64("step", k.Step),
 			slog.Float64("fit_tokens", k.FitTokens), slog.Float64("fit", k.Fit)))

@@ -338,6 +338,62 @@ func TestACopyPaysForTheRequestsWaitingBehindIt(t *testing.T) {
 	}
 }
 
+// A conversation's next turn comes within a millisecond of the answer
+// before it, while the pod's last report still shows that answer running
+// and another conversation's turn waiting (for KV: two long conversations
+// do not fit the pod). The end seen here since the report is taken off
+// (the waiting turn took the freed slot), so the wait is not two holds
+// for a slot but the one hold the running turn keeps the KV the new turn
+// needs: 1,536 tokens of KV, 62% held by the one running request, a
+// 960-token prompt, conversations of 900 tokens on average. A shorter
+// prompt fits beside it at once.
+func TestAnEndSinceTheReportFreesItsSlotAndTheKVDecidesTheWait(t *testing.T) {
+	m := newTTFTModel(prometheus.NewHistogram(prometheus.HistogramOpts{Name: "x"}), slog.Default())
+	m.fit("holder").hold = 0.2
+	m.routed("c", 900, 100)
+	holder := Host{Address: "holder", Signals: true, Running: 1, Waiting: 1, MaxRunning: 4, KVCapacity: 1536, KVUtil: 0.62}
+	p := m.predictor(hostsState(t, nil, 960, 0))
+	if c := p.predict(&holder); !within(c.SlotWait, 2*0.2, 1e-9) {
+		t.Fatalf("as reported: slot wait %g s, want two holds (0.4 s)", c.SlotWait)
+	}
+	holder.EndedReqsSinceReport = 1
+	c := p.predict(&holder)
+	if !within(c.SlotWait, 0.2, 1e-9) || !within(c.KVShortTokens, 960-(1536-1536*0.62), 1e-9) {
+		t.Fatalf("after the end: slot wait %g s, %g tokens short; want one hold (0.2 s), %g short", c.SlotWait, c.KVShortTokens, 960-(1536-1536*0.62))
+	}
+	p = m.predictor(hostsState(t, nil, 400, 0))
+	if c := p.predict(&holder); c.SlotWait != 0 || c.KVShortTokens != 0 {
+		t.Fatalf("a 400-token prompt: slot wait %g s, %g tokens short; want it to fit at once", c.SlotWait, c.KVShortTokens)
+	}
+	// Nothing running after the end: the KV is all free.
+	idle := Host{Address: "holder", Signals: true, Running: 1, MaxRunning: 4, KVCapacity: 1536, KVUtil: 0.62, EndedReqsSinceReport: 1}
+	if c := m.predictor(hostsState(t, nil, 960, 0)); c.predict(&idle).SlotWait != 0 {
+		t.Fatalf("an emptied pod: slot wait %g s", c.predict(&idle).SlotWait)
+	}
+}
+
+// A request this gateway sent to a pod since its report is there though
+// the report does not show it: with every slot taken it waits, and the
+// next request waits behind it too; with a slot free it runs at once.
+// Each request holds its slot 1 s, 4 run at most.
+func TestARequestSentSinceTheReportJoinsThePod(t *testing.T) {
+	m := newTTFTModel(prometheus.NewHistogram(prometheus.HistogramOpts{Name: "x"}), slog.Default())
+	m.fit("pod").hold = 1
+	p := m.predictor(hostsState(t, nil, 500, 0))
+	full := Host{Address: "pod", Signals: true, Running: 4, MaxRunning: 4, BegunReqsSinceReport: 1}
+	if c := p.predict(&full); !within(c.SlotWait, 2.0/4, 1e-9) {
+		t.Fatalf("full pod, one request sent since: slot wait %g s, want two of four holds ending (0.5 s)", c.SlotWait)
+	}
+	roomy := Host{Address: "pod", Signals: true, Running: 2, MaxRunning: 4, BegunReqsSinceReport: 1}
+	if c := p.predict(&roomy); c.SlotWait != 0 {
+		t.Fatalf("a slot free after the request sent since: slot wait %g s, want none", c.SlotWait)
+	}
+	full.EndedReqsSinceReport = 1
+	if c := p.predict(&full); !within(c.SlotWait, 1.0/4, 1e-9) {
+		t.Fatalf("full pod, one sent and one ended since: slot wait %g s, want one hold of four (0.25 s)", c.SlotWait)
+	}
+}
+
 // Where the request waited for a slot, its observed TTFT is the slot wait
 // plus its own prefill: the fit learns the pod's rate from its own tokens,
 // not from the queue's, whose prefill the slot wait covered. A pod at
