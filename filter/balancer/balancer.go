@@ -93,6 +93,10 @@ type Host struct {
 	// this gateway's requests on the pod that ended, and that were sent
 	// there, after the report was taken.
 	EndedReqsSinceReport, BegunReqsSinceReport int64
+	// SharedBlocks is how many leading blocks of the prompt this gateway's
+	// requests in flight on the pod share: while they run, the pod holds
+	// those blocks and admitting the request takes no new room for them.
+	SharedBlocks int
 }
 
 // State is the input of one choice. Policies must not keep it.
@@ -455,6 +459,10 @@ type Request struct {
 	// Model names the request's model, whose bytes per token
 	// (BytesPerToken) turn PromptLength into tokens.
 	Model string
+	// Hashes are the prompt's chained block hashes (wire form), for the
+	// blocks it shares with requests in flight on a pod (Host.SharedBlocks);
+	// nil: none known.
+	Hashes []string
 	// Prompt is the canonical prompt's bytes, for policies that hash it
 	// themselves (the epp stand-in's own prefix index); nil: they read the
 	// metadata center's match. Not kept past Choose.
@@ -487,6 +495,19 @@ func (r Request) cachedBytes(ratio float64) int64 {
 	return held + next/2
 }
 
+// blockBytes returns the prompt bytes its leading n blocks cover.
+func (r Request) blockBytes(n int) int64 {
+	switch {
+	case n <= 0 || r.Blocks <= 0:
+		return 0
+	case n >= r.Blocks:
+		return r.PromptLength
+	case r.ChunkSize <= 0:
+		return r.PromptLength * int64(n) / int64(r.Blocks)
+	}
+	return min(r.PromptLength, int64(n)*int64(r.ChunkSize))
+}
+
 // Choose picks a candidate with the rule's policy. cands must already be
 // filtered.
 func (b *Balancer) Choose(cluster string, rule config.LBRule, cands []endpoints.Endpoint, view View, req Request) (Choice, error) {
@@ -517,7 +538,7 @@ func (b *Balancer) Choose(cluster string, rule config.LBRule, cands []endpoints.
 		view.Signals = nil
 	}
 	hosts := slices.Grow(sc.hosts[:0], len(cands))[:len(cands)]
-	smp := b.tracker.fill(cluster, cands, view, req.Blocks, hosts)
+	smp := b.tracker.fill(cluster, cands, view, req, hosts)
 	sc.state = State{Cluster: cluster, Hosts: hosts, Rule: rule, PromptLength: req.PromptLength,
 		Blocks: req.Blocks, ChunkSize: req.ChunkSize, IntN: b.intn,
 		BytesPerToken: b.BytesPerToken(req.Model).Value(), Model: req.Model, Prompt: req.Prompt,

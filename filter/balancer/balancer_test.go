@@ -74,7 +74,7 @@ func TestSeedWorkedExample(t *testing.T) {
 		Cache: map[string]int{"10.0.1.2:8000": 2, "10.0.1.3:8000": 1},
 	}
 	var hosts [3]Host
-	NewTracker().fill("c", cands, view, 3, hosts[:])
+	NewTracker().fill("c", cands, view, Request{Blocks: 3}, hosts[:])
 	exact := Scores(hosts[:], seedRule, nil)
 	if !near(exact[0], -4.2) || !near(exact[1], 2.0*2/3-0.75) || !near(exact[2], 2.0/3-0.6-1.5) {
 		t.Fatalf("exact scores = %v", exact)
@@ -148,7 +148,7 @@ func TestTopPercentOnly(t *testing.T) {
 	for range 3000 {
 		ch, _ := b.Choose("c", rule, cands, View{Load: load}, Request{})
 		seen[ch.Host.Address]++
-		b.Tracker().Begin("c", ch.Host.Address, 0).End() // over before the next one
+		b.Tracker().Begin("c", ch.Host.Address, 0, nil).End() // over before the next one
 	}
 	if len(seen) != 3 || seen["10.0.0.1:8000"] == 0 || seen["10.0.0.2:8000"] == 0 || seen["10.0.0.3:8000"] == 0 {
 		t.Fatalf("picks %v", seen)
@@ -210,7 +210,7 @@ func TestBurstSpreadsWithLocalInFlight(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			b.Tracker().Begin("c", ch.Host.Address, 1000)
+			b.Tracker().Begin("c", ch.Host.Address, 1000, nil)
 			per[ch.Host.Address]++
 		}
 		for _, e := range cands {
@@ -248,14 +248,14 @@ func TestDecisionReservesItsPodUntilBegun(t *testing.T) {
 	// The reservations count a request and its prefill on each pod; Begin
 	// replaces them rather than adding to them.
 	var hs [2]Host
-	tr.fill("c", cands, view, 0, hs[:])
+	tr.fill("c", cands, view, Request{}, hs[:])
 	for _, h := range hs {
 		if h.Reqs != 1 || h.Prompt != 1000 {
 			t.Fatalf("reserved: %+v", hs)
 		}
 	}
-	f := tr.Begin("c", first.Host.Address, 1000)
-	tr.fill("c", cands, view, 0, hs[:])
+	f := tr.Begin("c", first.Host.Address, 1000, nil)
+	tr.fill("c", cands, view, Request{}, hs[:])
 	for _, h := range hs {
 		if h.Reqs != 1 || h.Prompt != 1000 {
 			t.Fatalf("one begun, one reserved: %+v", hs)
@@ -263,7 +263,7 @@ func TestDecisionReservesItsPodUntilBegun(t *testing.T) {
 	}
 	// The second is never begun (its client left): it lapses.
 	now = now.Add(reserveTTL + time.Millisecond)
-	tr.fill("c", cands, view, 0, hs[:])
+	tr.fill("c", cands, view, Request{}, hs[:])
 	if begun, lapsed := hs[first.Index], hs[second.Index]; begun.Reqs != 1 || lapsed.Reqs != 0 || lapsed.Prompt != 0 {
 		t.Fatalf("after the lapse: begun %+v, lapsed %+v", begun, lapsed)
 	}
@@ -285,7 +285,7 @@ func TestNextTurnStaysOnItsIdleHolder(t *testing.T) {
 	view := View{Load: api.LoadStats{holder: {TotalReqs: 1}}, Cache: map[string]int{holder: 24, previous: 22, "10.0.0.3:8000": 16}}
 	for seed := range uint64(20) {
 		b := New(Options{IntN: seededIntN(seed)})
-		last := b.Tracker().Begin("c", holder, 200)
+		last := b.Tracker().Begin("c", holder, 200, nil)
 		last.Acked()
 		last.FirstToken()
 		last.End() // its done is on its way
@@ -298,30 +298,30 @@ func TestNextTurnStaysOnItsIdleHolder(t *testing.T) {
 
 func TestAckedRequestsAreNotCountedTwice(t *testing.T) {
 	tr := NewTracker()
-	f := tr.Begin("c", "h:1", 100)
-	g := tr.Begin("c", "h:1", 50)
+	f := tr.Begin("c", "h:1", 100, nil)
+	g := tr.Begin("c", "h:1", 50, nil)
 	cands := []endpoints.Endpoint{{Address: "h:1"}}
 	var hs [1]Host
 
 	// The metadata center does not know either yet.
-	tr.fill("c", cands, View{Load: api.LoadStats{}}, 0, hs[:])
+	tr.fill("c", cands, View{Load: api.LoadStats{}}, Request{}, hs[:])
 	if hs[0].Reqs != 2 || hs[0].Prompt != 150 {
 		t.Fatalf("before ack: %+v", hs[0])
 	}
 	// f's add landed: the metadata center counts it, the tracker must not.
 	f.Acked()
-	tr.fill("c", cands, View{Load: api.LoadStats{"h:1": {TotalReqs: 1, PromptLength: 100}}}, 0, hs[:])
+	tr.fill("c", cands, View{Load: api.LoadStats{"h:1": {TotalReqs: 1, PromptLength: 100}}}, Request{}, hs[:])
 	if hs[0].Reqs != 2 || hs[0].Prompt != 150 {
 		t.Fatalf("after ack: %+v", hs[0])
 	}
 	// g's first token: its prompt no longer loads the pod.
 	g.FirstToken()
-	tr.fill("c", cands, View{Load: api.LoadStats{"h:1": {TotalReqs: 1, PromptLength: 100}}}, 0, hs[:])
+	tr.fill("c", cands, View{Load: api.LoadStats{"h:1": {TotalReqs: 1, PromptLength: 100}}}, Request{}, hs[:])
 	if hs[0].Reqs != 2 || hs[0].Prompt != 100 {
 		t.Fatalf("after first token: %+v", hs[0])
 	}
 	// Degraded: local counts stand in for the metadata center.
-	tr.fill("c", cands, View{Degraded: true, Cache: map[string]int{"h:1": 5}}, 5, hs[:])
+	tr.fill("c", cands, View{Degraded: true, Cache: map[string]int{"h:1": 5}}, Request{Blocks: 5}, hs[:])
 	if hs[0].Reqs != 2 || hs[0].Prompt != 100 || hs[0].CacheRatio != 0 {
 		t.Fatalf("degraded: %+v", hs[0])
 	}
@@ -335,7 +335,7 @@ func TestAckedRequestsAreNotCountedTwice(t *testing.T) {
 	// metadata center still counts f, and the tracker takes it off; g was
 	// never counted there.
 	seen := func(leases int64) int64 {
-		tr.fill("c", cands, View{Load: api.LoadStats{"h:1": {TotalReqs: leases}}}, 0, hs[:])
+		tr.fill("c", cands, View{Load: api.LoadStats{"h:1": {TotalReqs: leases}}}, Request{}, hs[:])
 		return hs[0].Reqs
 	}
 	if n := seen(1); n != 0 {
@@ -373,7 +373,7 @@ func TestTrackerConcurrent(t *testing.T) {
 		go func() {
 			defer wg.Done()
 			for j := range 500 {
-				f := tr.Begin("c", fmt.Sprint("h", (i+j)%3), j)
+				f := tr.Begin("c", fmt.Sprint("h", (i+j)%3), j, nil)
 				if j%2 == 0 {
 					f.Acked()
 				}
@@ -502,10 +502,10 @@ func TestFirstTokenSeenHereIsTakenOffTheMetadataCentersPrompt(t *testing.T) {
 	cands := []endpoints.Endpoint{{Address: "h:1"}}
 	var hs [1]Host
 	prompt := func(mc int64) int64 {
-		tr.fill("c", cands, View{Load: api.LoadStats{"h:1": {TotalReqs: 1, PromptLength: mc}}}, 0, hs[:])
+		tr.fill("c", cands, View{Load: api.LoadStats{"h:1": {TotalReqs: 1, PromptLength: mc}}}, Request{}, hs[:])
 		return hs[0].Prompt
 	}
-	f := tr.Begin("c", "h:1", 100)
+	f := tr.Begin("c", "h:1", 100, nil)
 	f.Acked()
 	if p := prompt(100); p != 100 {
 		t.Fatalf("prefilling: prompt %d, want 100", p)
@@ -526,7 +526,7 @@ func TestFirstTokenSeenHereIsTakenOffTheMetadataCentersPrompt(t *testing.T) {
 	// The first token before the add landed: the lease arrives with its
 	// prompt, taken off until the first-token update lands; a done that
 	// lands first ends it too.
-	g := tr.Begin("c", "h:1", 40)
+	g := tr.Begin("c", "h:1", 40, nil)
 	g.FirstToken()
 	g.Acked()
 	if p := prompt(40); p != 0 {
@@ -560,10 +560,10 @@ func TestAnswerAskedBeforeAnUpdateLandedIsCorrected(t *testing.T) {
 	cands := []endpoints.Endpoint{{Address: "h:1"}}
 	var hs [1]Host
 	seen := func(asked time.Time, leases, prompt int64) Host {
-		tr.fill("c", cands, View{Load: api.LoadStats{"h:1": {TotalReqs: leases, PromptLength: prompt}}, Asked: asked}, 0, hs[:])
+		tr.fill("c", cands, View{Load: api.LoadStats{"h:1": {TotalReqs: leases, PromptLength: prompt}}, Asked: asked}, Request{}, hs[:])
 		return hs[0]
 	}
-	f := tr.Begin("c", "h:1", 100)
+	f := tr.Begin("c", "h:1", 100, nil)
 	f.Acked()
 	f.FirstToken()
 	f.End()
@@ -596,13 +596,13 @@ func TestFilledSinceReport(t *testing.T) {
 	cands := []endpoints.Endpoint{{Address: "h:1"}}
 	var hs [1]Host
 	filled := func(ageMS int64) int64 {
-		tr.fill("c", cands, View{Load: api.LoadStats{}, Signals: map[string]api.PodSignals{"h:1": {PrefillTokens: 900, AgeMS: ageMS}}}, 0, hs[:])
+		tr.fill("c", cands, View{Load: api.LoadStats{}, Signals: map[string]api.PodSignals{"h:1": {PrefillTokens: 900, AgeMS: ageMS}}}, Request{}, hs[:])
 		if n := hs[0].FilledReqsSinceReport; (n > 0) != (hs[0].FilledSinceReport > 0) {
 			t.Fatalf("%d requests filled, %d bytes", n, hs[0].FilledSinceReport)
 		}
 		return hs[0].FilledSinceReport
 	}
-	f := tr.Begin("c", "h:1", 1000)
+	f := tr.Begin("c", "h:1", 1000, nil)
 	now = now.Add(50 * time.Millisecond)
 	f.FirstToken()
 	if n := filled(80); n != 1000 || hs[0].BegunReqsSinceReport != 1 {

@@ -218,6 +218,19 @@ type local struct {
 	staleFill int64
 	// Decisions for this pod not yet begun and their prefill (reservation).
 	reserved, reservedPrefill int64
+	// blocks counts, per prompt block hash, the in-flight requests here
+	// whose prompt has that block (Host.SharedBlocks).
+	blocks map[string]int32
+}
+
+// shared returns how many leading hashes of a prompt's chained block
+// hashes some in-flight request here has too. Callers hold t.mu.
+func (l *local) shared(hashes []string) int {
+	n := 0
+	for n < len(hashes) && l.blocks[hashes[n]] > 0 {
+		n++
+	}
+	return n
 }
 
 // reservation is a decision between Choose and Begin.
@@ -330,6 +343,7 @@ type Flight struct {
 	l             *local // the entry lives while inflight or ending > 0
 	cluster, host string
 	prompt        int64
+	hashes        []string // the prompt's block hashes, counted in l.blocks until End
 	firstToken    time.Time
 	acked         bool
 	filled        bool // first token seen: its prompt no longer loads the pod
@@ -345,9 +359,10 @@ func (f *Flight) stale() bool { return f.acked && f.filled && !f.ftLanded && !f.
 // done not yet. Callers hold t.mu.
 func (f *Flight) ending() bool { return f.acked && f.ended && !f.released }
 
-// Begin records a request routed to host.
-func (t *Tracker) Begin(cluster, host string, promptLength int) *Flight {
-	f := &Flight{t: t, cluster: cluster, host: host, prompt: int64(promptLength)}
+// Begin records a request routed to host, of promptLength bytes whose
+// chained block hashes are hashes (wire form; nil if unknown).
+func (t *Tracker) Begin(cluster, host string, promptLength int, hashes []string) *Flight {
+	f := &Flight{t: t, cluster: cluster, host: host, prompt: int64(promptLength), hashes: hashes}
 	t.mu.Lock()
 	l := t.local(cluster, host)
 	f.l = l
@@ -364,6 +379,12 @@ func (t *Tracker) Begin(cluster, host string, promptLength int) *Flight {
 	l.unacked++
 	l.prefill += f.prompt
 	l.unackedPrefill += f.prompt
+	if len(hashes) > 0 && l.blocks == nil {
+		l.blocks = make(map[string]int32, len(hashes))
+	}
+	for _, h := range hashes {
+		l.blocks[h]++
+	}
 	t.mu.Unlock()
 	return f
 }
@@ -463,6 +484,11 @@ func (f *Flight) End() {
 	l.inflight--
 	if !f.filled {
 		l.prefill -= f.prompt
+	}
+	for _, h := range f.hashes {
+		if l.blocks[h]--; l.blocks[h] <= 0 {
+			delete(l.blocks, h)
+		}
 	}
 	if f.acked {
 		l.ending++
@@ -587,7 +613,8 @@ func (t *Tracker) InFlight(cluster, host string) (inflight, unacked int64) {
 
 // fill computes every candidate's Host from the view plus local accounting,
 // and returns the decision's sample for routed.
-func (t *Tracker) fill(cluster string, cands []endpoints.Endpoint, v View, blocks int, out []Host) sample {
+func (t *Tracker) fill(cluster string, cands []endpoints.Endpoint, v View, req Request, out []Host) sample {
+	blocks := req.Blocks
 	s := sample{key: windowKey{cluster, t.setHash(cands)}}
 	var own, all int64
 	t.mu.Lock()
@@ -643,6 +670,9 @@ func (t *Tracker) fill(cluster string, cands []endpoints.Endpoint, v View, block
 				h.Signals = true
 				h.Waiting, h.Running, h.KVUtil, h.PrefillQueued = sig.Waiting, sig.Running, sig.KVCacheUtil, sig.PrefillTokens
 				h.KVCapacity, h.MaxRunning, h.ReportsEvictions = sig.KVCapacity, sig.MaxRunning, sig.ReportsEvictions
+				if l != nil && len(l.blocks) > 0 && h.KVCapacity > 0 {
+					h.SharedBlocks = l.shared(req.Hashes) // for the KV admission only
+				}
 				if len(t.fills[cluster][e.Address])+len(t.ends[cluster][e.Address])+len(t.begun[cluster][e.Address]) > 0 {
 					now := t.now()
 					taken := now.Add(-time.Duration(sig.AgeMS) * time.Millisecond)

@@ -308,9 +308,11 @@ func (p *predictor) predict(h *Host) Cost {
 		c.SlotWait = float64(waiting+1) * hold / float64(max(running, 1))
 	}
 	// Nor does it start before its KV fits. A pod admits a request only
-	// when its free KV holds the whole prompt (the cached blocks too: idle,
-	// they are part of the free pool, and vLLM's scheduler takes them out
-	// of it), first come first served. What running requests hold now is
+	// when its free KV holds the prompt's blocks that running requests do
+	// not hold already (cached blocks no one runs on count too: idle, they
+	// are part of the free pool, and vLLM's scheduler takes them out of
+	// it), first come first served; of those running, this gateway knows
+	// its own (SharedBlocks). What running requests hold now is
 	// the report's utilization plus the requests admitted since and less
 	// those ended since, each at the fleet's mean prompt; the requests
 	// waiting ahead (at the mean too) and this gateway's own not yet
@@ -321,7 +323,8 @@ func (p *predictor) predict(h *Host) Cost {
 		capacity := float64(h.KVCapacity)
 		held := min(max(capacity*min(max(h.KVUtil, 0), 1)+float64(admitted-ended)*p.meanPrompt, 0), capacity)
 		ahead := float64(waiting)*p.meanPrompt + float64(h.LocalPrefill)/p.bpt
-		if short := p.promptTokens - (capacity - held - ahead); short > 0 && held > 0 {
+		need := p.promptTokens - float64(p.req.blockBytes(h.SharedBlocks))/p.bpt
+		if short := need - (capacity - held - ahead); short > 0 && held > 0 {
 			c.KVShortTokens = short
 			ends := min(math.Ceil(short/(held/float64(running))), float64(running))
 			c.SlotWait = max(c.SlotWait, ends*hold/float64(running))
@@ -586,7 +589,7 @@ func (c *CacheAware) debug(s *State, p *predictor, pick, ties int) {
 	for i := range s.Hosts {
 		k := p.predict(&s.Hosts[i])
 		costs = append(costs, slog.Group(k.Host, slog.Int64("requests", s.Hosts[i].Reqs),
-			slog.Float64("total", k.Total), slog.Float64("delay", k.Delay), slog.Float64("slot_wait", k.SlotWait), slog.Float64("kv_short_tokens", k.KVShortTokens),
+			slog.Float64("total", k.Total), slog.Float64("delay", k.Delay), slog.Float64("slot_wait", k.SlotWait), slog.Float64("kv_short_tokens", k.KVShortTokens), slog.Int("shared_blocks", s.Hosts[i].SharedBlocks),
 			slog.Float64("queued_tokens", k.QueuedTokens), slog.Float64("queue", k.Queue),
 			slog.Float64("uncached_tokens", k.UncachedTokens), slog.Float64("prefill", k.Prefill), slog.Float64("step", k.Step),
 			slog.Float64("fit_tokens", k.FitTokens), slog.Float64("fit", k.Fit)))

@@ -225,7 +225,7 @@ func TestVLLMSignalsOnlyGiveSanePredictions(t *testing.T) {
 	}
 	rule := defaultRule(t)
 	hs := make([]Host, len(pods))
-	b.tracker.fill("c", pods, view, 0, hs)
+	b.tracker.fill("c", pods, view, Request{}, hs)
 	if hs[2].KVCapacity != 1536 || hs[2].KVUtil != 0.9 || hs[2].Waiting != 6 || !hs[2].Signals {
 		t.Fatalf("the pod's report reaches the model as %+v", hs[2])
 	}
@@ -260,12 +260,12 @@ func TestVLLMSignalsOnlyGiveSanePredictions(t *testing.T) {
 	// ended without one.
 	now := time.Unix(100, 0)
 	b.tracker.now = func() time.Time { return now }
-	f := b.tracker.Begin("c", pods[1].Address, 0)
+	f := b.tracker.Begin("c", pods[1].Address, 0, nil)
 	now = now.Add(5 * time.Second)
 	f.FirstToken()
 	now = now.Add(2 * time.Second)
 	f.End()
-	b.tracker.Begin("c", pods[1].Address, 0).End()
+	b.tracker.Begin("c", pods[1].Address, 0, nil).End()
 	b.ttft.mu.RLock()
 	defer b.ttft.mu.RUnlock()
 	h := Host{Address: pods[1].Address, Signals: true, Waiting: 2, Running: 4}
@@ -427,16 +427,16 @@ func TestUnreportedLocalRequestsQueue(t *testing.T) {
 	b := New(Options{IntN: seededIntN(1)})
 	pods := eps(2)
 	view := View{Load: api.LoadStats{}, Signals: map[string]api.PodSignals{pods[0].Address: {}, pods[1].Address: {}}}
-	b.Tracker().Begin("c", pods[0].Address, 3000) // not acknowledged
+	b.Tracker().Begin("c", pods[0].Address, 3000, nil) // not acknowledged
 	for range 10 {
 		ch, err := b.Choose("c", defaultRule(t), pods, view, Request{PromptLength: 100})
 		if err != nil || ch.Host.Address != pods[1].Address {
 			t.Fatalf("chose %+v %v, want the pod without the unreported 3000 tokens", ch, err)
 		}
-		b.Tracker().Begin("c", ch.Host.Address, 100).End()
+		b.Tracker().Begin("c", ch.Host.Address, 100, nil).End()
 	}
 	hs := make([]Host, 2)
-	b.tracker.fill("c", pods, view, 0, hs)
+	b.tracker.fill("c", pods, view, Request{}, hs)
 	s := &State{Cluster: "c", Hosts: hs, Rule: defaultRule(t), PromptLength: 100, BytesPerToken: 1}
 	if c := b.ttft.chosen(s, 0); c.QueuedTokens != 3000 {
 		t.Fatalf("queued %g tokens, want the 3000 sent and not reported", c.QueuedTokens)
@@ -470,7 +470,7 @@ func TestObserveChecksAndRefitsThePrediction(t *testing.T) {
 			t.Fatalf("first prediction %+v: not the defaults'", ch.Prediction)
 		}
 		b.Observe(ch.Prediction, obs)
-		f := b.tracker.Begin("c", ch.Host.Address, int(n))
+		f := b.tracker.Begin("c", ch.Host.Address, int(n), nil)
 		f.FirstToken()
 		f.End()
 		f.Released()
@@ -706,7 +706,7 @@ func TestObservationsRefitTheClusterSoIdlePodsKeepTying(t *testing.T) {
 		}
 		counts[ch.Host.Address]++
 		b.Observe(ch.Prediction, time.Millisecond) // 85 times faster than the defaults predict
-		f := b.tracker.Begin("c", ch.Host.Address, 0)
+		f := b.tracker.Begin("c", ch.Host.Address, 0, nil)
 		f.FirstToken()
 		f.End()
 		f.Released()
@@ -717,7 +717,7 @@ func TestObservationsRefitTheClusterSoIdlePodsKeepTying(t *testing.T) {
 		}
 	}
 	hs := make([]Host, len(pods))
-	b.tracker.fill("c", pods, view, 0, hs)
+	b.tracker.fill("c", pods, view, Request{}, hs)
 	s := &State{Cluster: "c", Hosts: hs, Rule: defaultRule(t), PromptLength: 300, BytesPerToken: 1}
 	b.ttft.mu.RLock()
 	defer b.ttft.mu.RUnlock()
@@ -786,5 +786,44 @@ func TestAChoiceBoundsWhatTheIndexKeepsOfItsPod(t *testing.T) {
 	}
 	if ch, _ := b.Choose("c", defaultRule(t), pods[2:], view, Request{PromptLength: 1000, Blocks: 2, ChunkSize: 512, Model: "m"}); ch.MaxBlocks != 0 {
 		t.Fatalf("a pod that reports its evictions: MaxBlocks = %d, want 0", ch.MaxBlocks)
+	}
+}
+
+// Blocks a running request on the pod holds already take no new room: a
+// 960-token prompt whose first 768 tokens (3 blocks of 256) a request this
+// gateway runs there shares needs room for 192 only, which the pod has.
+// The tracker finds the shared leading run from the requests' block hashes
+// and forgets it when they end.
+func TestBlocksSharedWithARunningRequestNeedNoRoom(t *testing.T) {
+	tr := NewTracker()
+	at := time.Now()
+	tr.now = func() time.Time { return at } // the report is as new as the requests' events
+	pods := []endpoints.Endpoint{{Address: "holder"}}
+	view := View{Load: api.LoadStats{}, Signals: map[string]api.PodSignals{
+		"holder": {Running: 1, MaxRunning: 4, KVCapacity: 1536, KVCacheUtil: 0.62}}}
+	req := Request{PromptLength: 960, Blocks: 4, ChunkSize: 256, Hashes: []string{"s1", "s2", "s3", "q9"}}
+	f := tr.Begin("c", "holder", 900, []string{"s1", "s2", "s3", "q1"})
+	f.Acked() // the report counts it running
+	hs := make([]Host, 1)
+	tr.fill("c", pods, view, req, hs)
+	if hs[0].SharedBlocks != 3 {
+		t.Fatalf("shared blocks %d, want 3", hs[0].SharedBlocks)
+	}
+	m := newTTFTModel(prometheus.NewHistogram(prometheus.HistogramOpts{Name: "x"}), slog.Default())
+	m.fit("holder").hold = 0.2
+	m.routed("c", 900, 100)
+	s := hostsState(t, nil, 960, 0)
+	s.Blocks, s.ChunkSize = req.Blocks, req.ChunkSize
+	p := m.predictor(s)
+	if c := p.predict(&hs[0]); c.SlotWait != 0 || c.KVShortTokens != 0 {
+		t.Fatalf("sharing 768 tokens: slot wait %g s, %g tokens short; want it to fit at once", c.SlotWait, c.KVShortTokens)
+	}
+	f.End()
+	tr.fill("c", pods, view, req, hs)
+	if hs[0].SharedBlocks != 0 {
+		t.Fatalf("after the end: shared blocks %d, want 0", hs[0].SharedBlocks)
+	}
+	if c := p.predict(&hs[0]); !within(c.KVShortTokens, 960-(1536-1536*0.62), 1e-9) {
+		t.Fatalf("sharing nothing: %g tokens short, want %g", c.KVShortTokens, 960-(1536-1536*0.62))
 	}
 }

@@ -17,7 +17,7 @@ func TestRoutedWindow(t *testing.T) {
 	cands := []endpoints.Endpoint{{Address: "a"}, {Address: "b"}, {Address: "c"}, {Address: "d"}}
 	shares := func(cands []endpoints.Endpoint) map[string]float64 {
 		out := make([]Host, len(cands))
-		tr.fill("c", cands, View{Load: api.LoadStats{}}, 0, out)
+		tr.fill("c", cands, View{Load: api.LoadStats{}}, Request{}, out)
 		m := map[string]float64{}
 		for _, h := range out {
 			m[h.Address] = h.Share
@@ -128,18 +128,18 @@ func TestWindowWarmsWithTheClustersDecisions(t *testing.T) {
 			now := time.Unix(1000, 0)
 			tr.now = func() time.Time { return now }
 			for range tc.held {
-				tr.Begin("c", "a", 0).Acked()
+				tr.Begin("c", "a", 0, nil).Acked()
 			}
 			view := View{Load: api.LoadStats{"a": {TotalReqs: tc.leases}}, Degraded: tc.degraded}
 			out := make([]Host, len(cands))
 			for i := 0; i <= 8; i++ {
-				s := tr.fill("c", cands, view, 0, out)
+				s := tr.fill("c", cands, view, Request{}, out)
 				if warm := out[0].Share > 0; warm != (i >= tc.warmAt) {
 					t.Fatalf("at decision %d: shares read %v, want from %d decisions on", i+1, warm, tc.warmAt+1)
 				}
 				tr.routed(s, "a", len(cands))
 				if tc.brief > 0 {
-					f := tr.Begin("c", "a", 0)
+					f := tr.Begin("c", "a", 0, nil)
 					f.Acked()
 					now = now.Add(time.Duration(tc.brief * float64(time.Second)))
 					f.End()

@@ -208,7 +208,7 @@ func (l *Reporter) Started(d *Request) {
 	if d == nil || !d.mark(stClaimed) {
 		return
 	}
-	f := l.tracker.Begin(d.Cluster, d.Host, d.PrefillLength)
+	f := l.tracker.Begin(d.Cluster, d.Host, d.PrefillLength, d.Hashes)
 	d.flight = f
 	d.upstream = time.Now()
 	d.mark(stStarted) // publishes d.flight and d.upstream to the other lifecycle calls
@@ -297,7 +297,7 @@ func (l *Reporter) Served(d *Request, host string) {
 	// The real pod holds nothing of this prompt that we know of: its whole
 	// prompt is prefill. Its answer has begun, so Saved (a 2xx) records the
 	// prefix there right after this.
-	f := l.tracker.Begin(d.Cluster, host, d.PromptLength)
+	f := l.tracker.Begin(d.Cluster, host, d.PromptLength, d.Hashes)
 	d.flight = f
 	l.addRequest(d, host, f)
 }

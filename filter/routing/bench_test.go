@@ -73,6 +73,14 @@ func BenchmarkDecide(b *testing.B) {
 			benchDecide(b, body, n, true)
 		})
 	}
+	// The worst case of the KV admission's shared blocks: pods that report
+	// their KV size, each running two of this gateway's requests of the
+	// same prompt, so every pod's shared run is walked to the prompt's end.
+	for _, n := range []int{64, 256} {
+		b.Run(fmt.Sprintf("inflight=2/text=mixed/prompt=8KiB/endpoints=%d", n), func(b *testing.B) {
+			benchDecideOpts(b, body, n, false, 2)
+		})
+	}
 }
 
 func benchBody(text string, size int) []byte {
@@ -85,6 +93,12 @@ func benchBody(text string, size int) []byte {
 }
 
 func benchDecide(b *testing.B, body []byte, n int, registered bool) {
+	benchDecideOpts(b, body, n, registered, 0)
+}
+
+// benchDecideOpts is benchDecide with inflight of this gateway's requests
+// left running on each pod, which then reports its KV size.
+func benchDecideOpts(b *testing.B, body []byte, n int, registered bool, inflight int) {
 	addrs := make([]string, n)
 	ans := api.RouteAnswer{Load: api.LoadStats{}, Signals: map[string]api.PodSignals{}}
 	if registered {
@@ -94,6 +108,11 @@ func benchDecide(b *testing.B, body []byte, n int, registered bool) {
 		addrs[i] = fmt.Sprintf("10.0.%d.%d:8000", i/250, i%250+1)
 		ans.Load[addrs[i]] = api.EndpointStats{TotalReqs: int64(i % 9), PromptLength: int64(i%5) * 4096}
 		ans.Signals[addrs[i]] = api.PodSignals{Waiting: int64(i % 3), Running: int64(i % 9), KVCacheUtil: float64(i%10) / 10, AgeMS: 20}
+		if inflight > 0 {
+			s := ans.Signals[addrs[i]]
+			s.KVCapacity = 16 << 10
+			ans.Signals[addrs[i]] = s
+		}
 		if i%4 == 0 {
 			ans.Cache = append(ans.Cache, api.CacheLocation{Host: addrs[i], Length: i % 17})
 		}
@@ -115,6 +134,17 @@ func benchDecide(b *testing.B, body []byte, n int, registered bool) {
 	}
 	h := hdr{":path": "/v1/chat/completions", "x-request-id": "bench"}
 	ctx := context.Background()
+	if inflight > 0 {
+		d, err := e.Decide(ctx, h, body)
+		if err != nil {
+			b.Fatal(err)
+		}
+		for _, a := range addrs {
+			for range inflight {
+				e.Tracker().Begin(d.Cluster, a, d.PrefillLength, d.Hashes)
+			}
+		}
+	}
 	var wall, cpu []time.Duration
 	runtime.LockOSThread()
 	defer runtime.UnlockOSThread()
@@ -132,7 +162,7 @@ func benchDecide(b *testing.B, body []byte, n int, registered bool) {
 		// its reservation is taken over and nothing of it is left for the
 		// next decision to count. (Not b.StopTimer: with ReportAllocs it
 		// reads the memory stats, stopping the world at every decision.)
-		e.Tracker().Begin(d.Cluster, d.Host, d.PrefillLength).End()
+		e.Tracker().Begin(d.Cluster, d.Host, d.PrefillLength, nil).End()
 	}
 	reportLatencies(b, wall, cpu)
 }

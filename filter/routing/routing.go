@@ -473,7 +473,7 @@ func (e *Decider) Decide(ctx context.Context, h Headers, body []byte) (*Decision
 	// The canonical prompt lives in sc.canon, reused once Decide returns:
 	// policies read it during Choose only (the epp stand-in keeps block
 	// hashes of it, never the bytes).
-	choice, err := e.bal.Choose(rule.Cluster, lb, cands, view, balancer.Request{Blocks: len(sums), PromptLength: int64(promptLen),
+	choice, err := e.bal.Choose(rule.Cluster, lb, cands, view, balancer.Request{Blocks: len(sums), Hashes: d.Hashes, PromptLength: int64(promptLen),
 		ChunkSize: e.hasher.ChunkSize, Model: req.Model, Prompt: sc.canon})
 	if err != nil {
 		if errors.Is(err, balancer.ErrNoEndpoint) {
