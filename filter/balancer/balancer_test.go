@@ -578,6 +578,19 @@ func TestAnswerAskedBeforeAnUpdateLandedIsCorrected(t *testing.T) {
 	if h := seen(now.Add(time.Millisecond), 1, 30); h.Reqs != 1 || h.Prompt != 30 {
 		t.Fatalf("asked after: %d requests, prompt %d; want 1, 30", h.Reqs, h.Prompt)
 	}
+	// A request whose add landed after the query was asked is not in the
+	// answer: its done landing takes nothing off it.
+	g := tr.Begin("c", "h:1", 50, nil)
+	asked2 := now
+	now = now.Add(time.Millisecond)
+	g.Acked()
+	g.FirstToken()
+	g.End()
+	g.FirstTokenLanded()
+	g.Released()
+	if h := seen(asked2, 1, 30); h.Reqs != 1 || h.Prompt != 30 {
+		t.Fatalf("asked before the add landed: %d requests, prompt %d; want 1, 30", h.Reqs, h.Prompt)
+	}
 	now = now.Add(eventMemory + time.Second)
 	if h := seen(asked, 1, 30); h.Reqs != 1 || h.Prompt != 30 || len(tr.landed["c"]) != 0 {
 		t.Fatalf("past eventMemory: %d requests, prompt %d, remembered %v", h.Reqs, h.Prompt, tr.landed)
@@ -605,11 +618,11 @@ func TestFilledSinceReport(t *testing.T) {
 	f := tr.Begin("c", "h:1", 1000, nil)
 	now = now.Add(50 * time.Millisecond)
 	f.FirstToken()
-	if n := filled(80); n != 1000 || hs[0].BegunReqsSinceReport != 1 {
-		t.Fatalf("report 80 ms old, sent 50 ms ago, first token 0 ms ago: filled %d, want 1000; %d sent since, want 1", n, hs[0].BegunReqsSinceReport)
+	if n := filled(40); n != 1000 || hs[0].BegunReqsSinceReport != 0 {
+		t.Fatalf("report 40 ms old, sent 50 ms ago, first token 0 ms ago: filled %d, want 1000; %d sent since, want 0", n, hs[0].BegunReqsSinceReport)
 	}
-	if filled(40); hs[0].BegunReqsSinceReport != 0 {
-		t.Fatalf("report newer than the request: %d sent since", hs[0].BegunReqsSinceReport)
+	if n := filled(80); n != 0 || hs[0].BegunReqsSinceReport != 1 {
+		t.Fatalf("report older than the request: filled %d, want 0 (it never counted it); %d sent since, want 1", n, hs[0].BegunReqsSinceReport)
 	}
 	now = now.Add(100 * time.Millisecond)
 	if n := filled(80); n != 0 {
@@ -622,6 +635,12 @@ func TestFilledSinceReport(t *testing.T) {
 	now = now.Add(100 * time.Millisecond)
 	if filled(80); hs[0].EndedReqsSinceReport != 0 {
 		t.Fatalf("report newer than the end: %d ended since", hs[0].EndedReqsSinceReport)
+	}
+	g := tr.Begin("c", "h:1", 500, nil)
+	now = now.Add(30 * time.Millisecond)
+	g.End()
+	if filled(80); hs[0].EndedReqsSinceReport != 0 || hs[0].BegunReqsSinceReport != 0 {
+		t.Fatalf("a request sent and ended since the report: %d ended, %d sent since; want neither", hs[0].EndedReqsSinceReport, hs[0].BegunReqsSinceReport)
 	}
 	now = now.Add(eventMemory + time.Second)
 	if n := filled(5000); n != 0 || len(tr.fills["c"]) != 0 {

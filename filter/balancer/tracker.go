@@ -246,9 +246,17 @@ type reservation struct {
 type podEvents map[string]map[string][]podEvent
 
 type podEvent struct {
-	at           time.Time
+	at time.Time // when it happened
+	// from is when the figures the event corrects began to count its
+	// request: when it was sent (a pod's report), when its add landed (the
+	// metadata center's leases). A figure read before that never counted
+	// it, so the event does not correct it.
+	from         time.Time
 	reqs, prompt int64
 }
+
+// tally sums events' requests and prompt bytes.
+type tally struct{ reqs, prompt int64 }
 
 // eventMemory is how long an event is remembered: past the oldest report
 // the metadata center answers (store.DefaultSignalMaxAge, 1 s) and any
@@ -270,18 +278,24 @@ func (m podEvents) add(cluster, host string, ev podEvent) {
 	hosts[host] = append(evs[i:], ev)
 }
 
-// since sums the requests and prompt bytes of host's events after at.
-func (m podEvents) since(cluster, host string, at, now time.Time) (reqs, prompt int64) {
+// since sums host's events after at: counted, those of requests a figure
+// read at at already counted (podEvent.from not after it); fresh, those of
+// requests sent (or added) after it.
+func (m podEvents) since(cluster, host string, at, now time.Time) (counted, fresh tally) {
 	evs := m[cluster][host]
 	if len(evs) > 0 && now.Sub(evs[len(evs)-1].at) > eventMemory {
 		delete(m[cluster], host) // all of them forgotten: keep the map small
-		return 0, 0
+		return tally{}, tally{}
 	}
 	for i := len(evs) - 1; i >= 0 && evs[i].at.After(at) && now.Sub(evs[i].at) <= eventMemory; i-- {
-		reqs += evs[i].reqs
-		prompt += evs[i].prompt
+		t := &counted
+		if evs[i].from.After(at) {
+			t = &fresh
+		}
+		t.reqs += evs[i].reqs
+		t.prompt += evs[i].prompt
 	}
-	return reqs, prompt
+	return counted, fresh
 }
 
 // reserveTTL is how long a decision counts on its pod without Begin: far
@@ -343,7 +357,8 @@ type Flight struct {
 	l             *local // the entry lives while inflight or ending > 0
 	cluster, host string
 	prompt        int64
-	hashes        []string // the prompt's block hashes, counted in l.blocks until End
+	hashes        []string  // the prompt's block hashes, counted in l.blocks until End
+	sent, added   time.Time // Begin, and when its add landed (Acked)
 	firstToken    time.Time
 	acked         bool
 	filled        bool // first token seen: its prompt no longer loads the pod
@@ -372,8 +387,9 @@ func (t *Tracker) Begin(cluster, host string, promptLength int, hashes []string)
 		c = &liveClock{}
 		t.live[cluster] = c
 	}
-	c.read(t.now())
-	t.begun.add(cluster, host, podEvent{at: t.now(), reqs: 1})
+	f.sent = t.now()
+	c.read(f.sent)
+	t.begun.add(cluster, host, podEvent{at: f.sent, from: f.sent, reqs: 1})
 	c.live++
 	l.inflight++
 	l.unacked++
@@ -400,6 +416,7 @@ func (f *Flight) Acked() {
 		return
 	}
 	f.acked = true
+	f.added = f.t.now()
 	if f.ended { // the add landed after the end: its done has yet to
 		f.l = f.t.local(f.cluster, f.host) // End may have let the entry go
 		f.l.ending++
@@ -430,7 +447,7 @@ func (f *Flight) FirstToken() {
 	}
 	f.filled = true
 	f.firstToken = f.t.now()
-	f.t.fills.add(f.cluster, f.host, podEvent{at: f.firstToken, reqs: 1, prompt: f.prompt})
+	f.t.fills.add(f.cluster, f.host, podEvent{at: f.firstToken, from: f.sent, reqs: 1, prompt: f.prompt})
 	l := f.l
 	l.prefill -= f.prompt
 	if !f.acked {
@@ -455,7 +472,7 @@ func (f *Flight) FirstTokenLanded() {
 	}
 	if f.stale() {
 		f.l.staleFill -= f.prompt
-		f.t.landed.add(f.cluster, f.host, podEvent{at: f.t.now(), prompt: f.prompt})
+		f.t.landed.add(f.cluster, f.host, podEvent{at: f.t.now(), from: f.added, prompt: f.prompt})
 	}
 	f.ftLanded = true
 }
@@ -479,7 +496,7 @@ func (f *Flight) End() {
 	if f.t.held != nil && f.filled {
 		f.t.held(f.host, now.Sub(f.firstToken))
 	}
-	f.t.ends.add(f.cluster, f.host, podEvent{at: now, reqs: 1})
+	f.t.ends.add(f.cluster, f.host, podEvent{at: now, from: f.sent, reqs: 1})
 	l := f.l
 	l.inflight--
 	if !f.filled {
@@ -524,7 +541,7 @@ func (f *Flight) Released() {
 		ev.reqs = 1
 	}
 	if ev != (podEvent{}) {
-		ev.at = f.t.now()
+		ev.at, ev.from = f.t.now(), f.added
 		f.t.landed.add(f.cluster, f.host, ev)
 	}
 	f.released = true
@@ -652,8 +669,8 @@ func (t *Tracker) fill(cluster string, cands []endpoints.Endpoint, v View, req R
 			st := v.Load[e.Address]
 			h.Reqs, h.Prompt = st.TotalReqs, st.PromptLength
 			if len(t.landed[cluster][e.Address]) > 0 && !v.Asked.IsZero() {
-				reqs, prompt := t.landed.since(cluster, e.Address, v.Asked, t.now())
-				h.Reqs, h.Prompt = max(0, h.Reqs-reqs), max(0, h.Prompt-prompt)
+				landed, _ := t.landed.since(cluster, e.Address, v.Asked, t.now())
+				h.Reqs, h.Prompt = max(0, h.Reqs-landed.reqs), max(0, h.Prompt-landed.prompt)
 			}
 			if l != nil {
 				h.Reqs = max(0, h.Reqs-l.ending) + l.unacked + l.reserved
@@ -676,9 +693,15 @@ func (t *Tracker) fill(cluster string, cands []endpoints.Endpoint, v View, req R
 				if len(t.fills[cluster][e.Address])+len(t.ends[cluster][e.Address])+len(t.begun[cluster][e.Address]) > 0 {
 					now := t.now()
 					taken := now.Add(-time.Duration(sig.AgeMS) * time.Millisecond)
-					h.FilledReqsSinceReport, h.FilledSinceReport = t.fills.since(cluster, e.Address, taken, now)
-					h.EndedReqsSinceReport, _ = t.ends.since(cluster, e.Address, taken, now)
-					h.BegunReqsSinceReport, _ = t.begun.since(cluster, e.Address, taken, now)
+					// Requests sent after the report was taken are not
+					// in it: their first tokens and ends correct nothing,
+					// and those that ended are no longer there to join it.
+					filled, _ := t.fills.since(cluster, e.Address, taken, now)
+					ended, endedFresh := t.ends.since(cluster, e.Address, taken, now)
+					_, sent := t.begun.since(cluster, e.Address, taken, now)
+					h.FilledReqsSinceReport, h.FilledSinceReport = filled.reqs, filled.prompt
+					h.EndedReqsSinceReport = ended.reqs
+					h.BegunReqsSinceReport = max(0, sent.reqs-endedFresh.reqs)
 				}
 			}
 		}
