@@ -23,7 +23,8 @@ package balancer
 //     waiting, running and kv_cache_usage_perc are enough (waiting requests
 //     at the fleet's mean size stand for queued tokens; waiting > 0 means
 //     no free slot; utilization and running give the free KV), advanced by
-//     the first tokens and ends this gateway saw there since;
+//     what this gateway saw there since it was taken (requests sent, first
+//     tokens, ends);
 //  2. the pick (CacheAware.Choose): the lowest cost, TTFT(r, p) plus the
 //     delay r's own computation on p adds to the requests that will queue
 //     behind it there (Cost.Delay); among the pods within tie_epsilon of
@@ -311,14 +312,14 @@ func (p *predictor) predict(h *Host) Cost {
 	// when its free KV holds the prompt's blocks that running requests do
 	// not hold already (cached blocks no one runs on count too: idle, they
 	// are part of the free pool, and vLLM's scheduler takes them out of
-	// it), first come first served; of those running, this gateway knows
-	// its own (SharedBlocks). What running requests hold now is
-	// the report's utilization plus the requests admitted since and less
-	// those ended since, each at the fleet's mean prompt; the requests
-	// waiting ahead (at the mean too) and this gateway's own not yet
-	// counted take their room first. Where the rest falls short of the
-	// prompt (KVShortTokens), the request waits for as many running
-	// requests to end as free that much, each its share of what they hold.
+	// it), first come first served; of the running requests, this gateway
+	// knows its own (SharedBlocks). What running requests hold now is the
+	// report's utilization plus the requests admitted since and less those
+	// ended since, each at the fleet's mean prompt; the requests waiting
+	// ahead (at the mean too) and this gateway's own not yet counted take
+	// their room first. Where the rest falls short of what the request
+	// needs (KVShortTokens), it waits for as many running requests to end
+	// as free that much, each its share of what they hold.
 	if h.Signals && h.KVCapacity > 0 && running > 0 {
 		capacity := float64(h.KVCapacity)
 		held := min(max(capacity*min(max(h.KVUtil, 0), 1)+float64(admitted-ended)*p.meanPrompt, 0), capacity)
@@ -589,7 +590,8 @@ func (c *CacheAware) debug(s *State, p *predictor, pick, ties int) {
 	for i := range s.Hosts {
 		k := p.predict(&s.Hosts[i])
 		costs = append(costs, slog.Group(k.Host, slog.Int64("requests", s.Hosts[i].Reqs),
-			slog.Float64("total", k.Total), slog.Float64("delay", k.Delay), slog.Float64("slot_wait", k.SlotWait), slog.Float64("kv_short_tokens", k.KVShortTokens), slog.Int("shared_blocks", s.Hosts[i].SharedBlocks),
+			slog.Float64("total", k.Total), slog.Float64("delay", k.Delay), slog.Float64("slot_wait", k.SlotWait),
+			slog.Float64("kv_short_tokens", k.KVShortTokens), slog.Int("shared_blocks", s.Hosts[i].SharedBlocks),
 			slog.Float64("queued_tokens", k.QueuedTokens), slog.Float64("queue", k.Queue),
 			slog.Float64("uncached_tokens", k.UncachedTokens), slog.Float64("prefill", k.Prefill), slog.Float64("step", k.Step),
 			slog.Float64("fit_tokens", k.FitTokens), slog.Float64("fit", k.Fit)))
