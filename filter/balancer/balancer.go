@@ -84,14 +84,15 @@ type Host struct {
 	// (our worker), so the index needs no bound (Choice.MaxBlocks).
 	ReportsEvictions bool
 	// FilledSinceReport is the prompt bytes of this gateway's requests on
-	// the pod whose first token came after the report was taken, and
+	// the pod sent before the report was taken whose first token came
+	// after it, and
 	// FilledReqsSinceReport their number: the report still counts them in
 	// PrefillQueued (and, if it caught them queued, in Waiting); the pod
 	// has done them.
 	FilledSinceReport, FilledReqsSinceReport int64
-	// EndedReqsSinceReport and BegunReqsSinceReport are the numbers of
-	// this gateway's requests on the pod that ended, and that were sent
-	// there, after the report was taken.
+	// EndedReqsSinceReport is the number of this gateway's requests on the
+	// pod that were sent before the report was taken and ended after it;
+	// BegunReqsSinceReport of those sent after it and not ended.
 	EndedReqsSinceReport, BegunReqsSinceReport int64
 	// SharedBlocks is how many leading blocks of the prompt this gateway's
 	// requests in flight on the pod share: while they run, the pod holds
