@@ -77,7 +77,7 @@ func BenchmarkDecide(b *testing.B) {
 	// their KV size, each running two of this gateway's requests of the
 	// same prompt, so every pod's shared run is walked to the prompt's end.
 	for _, n := range []int{64, 256} {
-		b.Run(fmt.Sprintf("inflight=2/text=mixed/prompt=8KiB/endpoints=%d", n), func(b *testing.B) {
+		b.Run(fmt.Sprintf("text=mixed/prompt=8KiB/endpoints=%d/inflight=2", n), func(b *testing.B) {
 			benchDecideOpts(b, body, n, false, 2)
 		})
 	}
