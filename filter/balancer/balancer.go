@@ -491,7 +491,7 @@ func (r Request) cachedBytes(ratio float64) int64 {
 	if matched >= int64(r.Blocks) {
 		return r.PromptLength
 	}
-	held := min(r.PromptLength, matched*int64(r.ChunkSize))
+	held := r.blockBytes(int(matched))
 	next := min(int64(r.ChunkSize), r.PromptLength-held)
 	return held + next/2
 }

@@ -631,7 +631,6 @@ func (t *Tracker) InFlight(cluster, host string) (inflight, unacked int64) {
 // fill computes every candidate's Host from the view plus local accounting,
 // and returns the decision's sample for routed.
 func (t *Tracker) fill(cluster string, cands []endpoints.Endpoint, v View, req Request, out []Host) sample {
-	blocks := req.Blocks
 	s := sample{key: windowKey{cluster, t.setHash(cands)}}
 	var own, all int64
 	t.mu.Lock()
@@ -680,8 +679,8 @@ func (t *Tracker) fill(cluster string, cands []endpoints.Endpoint, v View, req R
 				own += l.inflight
 			}
 			all += h.Reqs
-			if blocks > 0 && len(v.Cache) > 0 {
-				h.CacheRatio = min(1, float64(v.Cache[e.Address])/float64(blocks))
+			if req.Blocks > 0 && len(v.Cache) > 0 {
+				h.CacheRatio = min(1, float64(v.Cache[e.Address])/float64(req.Blocks))
 			}
 			if sig, ok := v.Signals[e.Address]; ok {
 				h.Signals = true
