@@ -94,6 +94,10 @@ type Host struct {
 	// pod that were sent before the report was taken and ended after it;
 	// BegunReqsSinceReport of those sent after it and not ended.
 	EndedReqsSinceReport, BegunReqsSinceReport int64
+	// EndedSinceReport and BegunSinceReport are those requests' prompt
+	// bytes: about what the ended ones freed of the pod's KV, what the
+	// begun ones take once it admits them (predictor.predict).
+	EndedSinceReport, BegunSinceReport int64
 	// SharedBlocks is how many leading blocks of the prompt this gateway's
 	// requests in flight on the pod share: while they run, the pod holds
 	// those blocks and admitting the request takes no new room for them.

@@ -148,7 +148,7 @@ func TestTopPercentOnly(t *testing.T) {
 	for range 3000 {
 		ch, _ := b.Choose("c", rule, cands, View{Load: load}, Request{})
 		seen[ch.Host.Address]++
-		b.Tracker().Begin("c", ch.Host.Address, 0, nil).End() // over before the next one
+		b.Tracker().Begin("c", ch.Host.Address, 0, Request{}).End() // over before the next one
 	}
 	if len(seen) != 3 || seen["10.0.0.1:8000"] == 0 || seen["10.0.0.2:8000"] == 0 || seen["10.0.0.3:8000"] == 0 {
 		t.Fatalf("picks %v", seen)
@@ -210,7 +210,7 @@ func TestBurstSpreadsWithLocalInFlight(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			b.Tracker().Begin("c", ch.Host.Address, 1000, nil)
+			b.Tracker().Begin("c", ch.Host.Address, 1000, Request{})
 			per[ch.Host.Address]++
 		}
 		for _, e := range cands {
@@ -254,7 +254,7 @@ func TestDecisionReservesItsPodUntilBegun(t *testing.T) {
 			t.Fatalf("reserved: %+v", hs)
 		}
 	}
-	f := tr.Begin("c", first.Host.Address, 1000, nil)
+	f := tr.Begin("c", first.Host.Address, 1000, Request{})
 	tr.fill("c", cands, view, Request{}, hs[:])
 	for _, h := range hs {
 		if h.Reqs != 1 || h.Prompt != 1000 {
@@ -285,7 +285,7 @@ func TestNextTurnStaysOnItsIdleHolder(t *testing.T) {
 	view := View{Load: api.LoadStats{holder: {TotalReqs: 1}}, Cache: map[string]int{holder: 24, previous: 22, "10.0.0.3:8000": 16}}
 	for seed := range uint64(20) {
 		b := New(Options{IntN: seededIntN(seed)})
-		last := b.Tracker().Begin("c", holder, 200, nil)
+		last := b.Tracker().Begin("c", holder, 200, Request{})
 		last.Acked()
 		last.FirstToken()
 		last.End() // its done is on its way
@@ -298,8 +298,8 @@ func TestNextTurnStaysOnItsIdleHolder(t *testing.T) {
 
 func TestAckedRequestsAreNotCountedTwice(t *testing.T) {
 	tr := NewTracker()
-	f := tr.Begin("c", "h:1", 100, nil)
-	g := tr.Begin("c", "h:1", 50, nil)
+	f := tr.Begin("c", "h:1", 100, Request{})
+	g := tr.Begin("c", "h:1", 50, Request{})
 	cands := []endpoints.Endpoint{{Address: "h:1"}}
 	var hs [1]Host
 
@@ -373,7 +373,7 @@ func TestTrackerConcurrent(t *testing.T) {
 		go func() {
 			defer wg.Done()
 			for j := range 500 {
-				f := tr.Begin("c", fmt.Sprint("h", (i+j)%3), j, nil)
+				f := tr.Begin("c", fmt.Sprint("h", (i+j)%3), j, Request{})
 				if j%2 == 0 {
 					f.Acked()
 				}
@@ -505,7 +505,7 @@ func TestFirstTokenSeenHereIsTakenOffTheMetadataCentersPrompt(t *testing.T) {
 		tr.fill("c", cands, View{Load: api.LoadStats{"h:1": {TotalReqs: 1, PromptLength: mc}}}, Request{}, hs[:])
 		return hs[0].Prompt
 	}
-	f := tr.Begin("c", "h:1", 100, nil)
+	f := tr.Begin("c", "h:1", 100, Request{})
 	f.Acked()
 	if p := prompt(100); p != 100 {
 		t.Fatalf("prefilling: prompt %d, want 100", p)
@@ -526,7 +526,7 @@ func TestFirstTokenSeenHereIsTakenOffTheMetadataCentersPrompt(t *testing.T) {
 	// The first token before the add landed: the lease arrives with its
 	// prompt, taken off until the first-token update lands; a done that
 	// lands first ends it too.
-	g := tr.Begin("c", "h:1", 40, nil)
+	g := tr.Begin("c", "h:1", 40, Request{})
 	g.FirstToken()
 	g.Acked()
 	if p := prompt(40); p != 0 {
@@ -563,7 +563,7 @@ func TestAnswerAskedBeforeAnUpdateLandedIsCorrected(t *testing.T) {
 		tr.fill("c", cands, View{Load: api.LoadStats{"h:1": {TotalReqs: leases, PromptLength: prompt}}, Asked: asked}, Request{}, hs[:])
 		return hs[0]
 	}
-	f := tr.Begin("c", "h:1", 100, nil)
+	f := tr.Begin("c", "h:1", 100, Request{})
 	f.Acked()
 	f.FirstToken()
 	f.End()
@@ -580,7 +580,7 @@ func TestAnswerAskedBeforeAnUpdateLandedIsCorrected(t *testing.T) {
 	}
 	// A request whose add landed after the query was asked is not in the
 	// answer: its done landing takes nothing off it.
-	g := tr.Begin("c", "h:1", 50, nil)
+	g := tr.Begin("c", "h:1", 50, Request{})
 	asked2 := now
 	now = now.Add(time.Millisecond)
 	g.Acked()
@@ -615,7 +615,7 @@ func TestFilledSinceReport(t *testing.T) {
 		}
 		return hs[0].FilledSinceReport
 	}
-	f := tr.Begin("c", "h:1", 1000, nil)
+	f := tr.Begin("c", "h:1", 1000, Request{})
 	now = now.Add(50 * time.Millisecond)
 	f.FirstToken()
 	if n := filled(40); n != 1000 || hs[0].BegunReqsSinceReport != 0 {
@@ -636,7 +636,7 @@ func TestFilledSinceReport(t *testing.T) {
 	if filled(80); hs[0].EndedReqsSinceReport != 0 {
 		t.Fatalf("report newer than the end: %d ended since", hs[0].EndedReqsSinceReport)
 	}
-	g := tr.Begin("c", "h:1", 500, nil)
+	g := tr.Begin("c", "h:1", 500, Request{})
 	now = now.Add(30 * time.Millisecond)
 	g.End()
 	if filled(80); hs[0].EndedReqsSinceReport != 0 || hs[0].BegunReqsSinceReport != 0 {

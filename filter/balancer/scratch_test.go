@@ -40,7 +40,7 @@ func TestChooseManyHostsPooledScratch(t *testing.T) {
 			if ch.Index != wantIdx || ch.Host != want[wantIdx] {
 				t.Fatalf("n=%d draw=%d: chose %d %+v, want %d %+v", n, draw, ch.Index, ch.Host, wantIdx, want[wantIdx])
 			}
-			b.Tracker().Begin("c", ch.Host.Address, 0, nil).End() // over before the next one
+			b.Tracker().Begin("c", ch.Host.Address, 0, Request{}).End() // over before the next one
 		}
 	}
 }

@@ -242,7 +242,8 @@ type reservation struct {
 
 // podEvents are recent events of this gateway's requests per pod
 // (cluster -> host -> oldest first), each with the requests and prompt
-// bytes it concerns, for what was read before them (podEvents.since).
+// bytes it concerns (a start's or an end's: the whole prompt's), for what
+// was read before them (podEvents.since).
 type podEvents map[string]map[string][]podEvent
 
 type podEvent struct {
@@ -356,8 +357,9 @@ type Flight struct {
 	t             *Tracker
 	l             *local // the entry lives while inflight or ending > 0
 	cluster, host string
-	prompt        int64
-	hashes        []string  // the prompt's block hashes, counted in l.blocks until End
+	prompt        int64     // prefill bytes (Begin's prefill)
+	length        int64     // the whole prompt's bytes
+	hashes        []string  // its block hashes, counted in l.blocks until End
 	sent, added   time.Time // Begin, and when its add landed (Acked)
 	firstToken    time.Time
 	acked         bool
@@ -374,10 +376,11 @@ func (f *Flight) stale() bool { return f.acked && f.filled && !f.ftLanded && !f.
 // done not yet. Callers hold t.mu.
 func (f *Flight) ending() bool { return f.acked && f.ended && !f.released }
 
-// Begin records a request routed to host, of promptLength bytes whose
-// chained block hashes are hashes (wire form; nil if unknown).
-func (t *Tracker) Begin(cluster, host string, promptLength int, hashes []string) *Flight {
-	f := &Flight{t: t, cluster: cluster, host: host, prompt: int64(promptLength), hashes: hashes}
+// Begin records a request routed to host: prefill is the prompt bytes it
+// leaves the pod to compute (routing.Decision.PrefillLength), prompt the
+// whole prompt (PromptLength, and Hashes in wire form; nil if unknown).
+func (t *Tracker) Begin(cluster, host string, prefill int, prompt Request) *Flight {
+	f := &Flight{t: t, cluster: cluster, host: host, prompt: int64(prefill), length: prompt.PromptLength, hashes: prompt.Hashes}
 	t.mu.Lock()
 	l := t.local(cluster, host)
 	f.l = l
@@ -389,16 +392,16 @@ func (t *Tracker) Begin(cluster, host string, promptLength int, hashes []string)
 	}
 	f.sent = t.now()
 	c.read(f.sent)
-	t.begun.add(cluster, host, podEvent{at: f.sent, from: f.sent, reqs: 1})
+	t.begun.add(cluster, host, podEvent{at: f.sent, from: f.sent, reqs: 1, prompt: f.length})
 	c.live++
 	l.inflight++
 	l.unacked++
 	l.prefill += f.prompt
 	l.unackedPrefill += f.prompt
-	if len(hashes) > 0 && l.blocks == nil {
-		l.blocks = make(map[string]int32, len(hashes))
+	if len(prompt.Hashes) > 0 && l.blocks == nil {
+		l.blocks = make(map[string]int32, len(prompt.Hashes))
 	}
-	for _, h := range hashes {
+	for _, h := range prompt.Hashes {
 		l.blocks[h]++
 	}
 	t.mu.Unlock()
@@ -496,7 +499,6 @@ func (f *Flight) End() {
 	if f.t.held != nil && f.filled {
 		f.t.held(f.host, now.Sub(f.firstToken))
 	}
-	f.t.ends.add(f.cluster, f.host, podEvent{at: now, from: f.sent, reqs: 1})
 	l := f.l
 	l.inflight--
 	if !f.filled {
@@ -507,6 +509,7 @@ func (f *Flight) End() {
 			delete(l.blocks, h)
 		}
 	}
+	f.t.ends.add(f.cluster, f.host, podEvent{at: now, from: f.sent, reqs: 1, prompt: f.length})
 	if f.acked {
 		l.ending++
 	} else {
@@ -699,8 +702,10 @@ func (t *Tracker) fill(cluster string, cands []endpoints.Endpoint, v View, req R
 					ended, endedFresh := t.ends.since(cluster, e.Address, taken, now)
 					_, sent := t.begun.since(cluster, e.Address, taken, now)
 					h.FilledReqsSinceReport, h.FilledSinceReport = filled.reqs, filled.prompt
-					h.EndedReqsSinceReport = ended.reqs
-					h.BegunReqsSinceReport = max(0, sent.reqs-endedFresh.reqs)
+					h.EndedReqsSinceReport, h.EndedSinceReport = ended.reqs, ended.prompt
+					if n := sent.reqs - endedFresh.reqs; n > 0 {
+						h.BegunReqsSinceReport, h.BegunSinceReport = n, sent.prompt*n/sent.reqs
+					}
 				}
 			}
 		}

@@ -314,16 +314,28 @@ func (p *predictor) predict(h *Host) Cost {
 	// are part of the free pool, and vLLM's scheduler takes them out of
 	// it), first come first served; of the running requests, this gateway
 	// knows its own (SharedBlocks). What running requests hold now is the
-	// report's utilization plus the requests admitted since and less those
-	// ended since, each at the fleet's mean prompt; the requests waiting
-	// ahead (at the mean too) and this gateway's own not yet counted take
-	// their room first. Where the rest falls short of what the request
-	// needs (KVShortTokens), it waits for as many running requests to end
-	// as free that much, each its share of what they hold.
+	// report's utilization plus the requests admitted since, less what
+	// those ended since freed: this gateway's own at their whole prompts,
+	// those of the report's queue (admitted first) at the fleet's mean. A
+	// request takes, or frees, only the blocks no other running request
+	// holds, but where requests of one prefix end and start in turn the
+	// two shares cancel, and the gateway does not know which of its
+	// requests run and which wait: both count whole. The requests waiting
+	// ahead and this gateway's own not yet counted take their room first. Where the rest falls short of what the request needs
+	// (KVShortTokens), it waits for as many running requests to end as
+	// free that much, each its share of what they hold.
 	if h.Signals && h.KVCapacity > 0 && running > 0 {
 		capacity := float64(h.KVCapacity)
-		held := min(max(capacity*min(max(h.KVUtil, 0), 1)+float64(admitted-ended)*p.meanPrompt, 0), capacity)
-		ahead := float64(waiting)*p.meanPrompt + float64(h.LocalPrefill)/p.bpt
+		fromQueue := min(admitted, max(h.Waiting, 0)) // admitted out of the report's queue
+		sentSize := p.meanPrompt                      // one sent since, in tokens
+		if sent > 0 {
+			sentSize = float64(h.BegunSinceReport) / p.bpt / float64(sent)
+		}
+		held := capacity*min(max(h.KVUtil, 0), 1) + float64(fromQueue)*p.meanPrompt +
+			float64(admitted-fromQueue)*sentSize - float64(h.EndedSinceReport)/p.bpt
+		held = min(max(held, 0), capacity)
+		ahead := float64(max(h.Waiting, 0)-fromQueue)*p.meanPrompt + float64(sent-(admitted-fromQueue))*sentSize +
+			float64(h.LocalPrefill)/p.bpt
 		need := p.promptTokens - float64(p.req.blockBytes(h.SharedBlocks))/p.bpt
 		if short := need - (capacity - held - ahead); short > 0 && held > 0 {
 			c.KVShortTokens = short

@@ -260,12 +260,12 @@ func TestVLLMSignalsOnlyGiveSanePredictions(t *testing.T) {
 	// ended without one.
 	now := time.Unix(100, 0)
 	b.tracker.now = func() time.Time { return now }
-	f := b.tracker.Begin("c", pods[1].Address, 0, nil)
+	f := b.tracker.Begin("c", pods[1].Address, 0, Request{})
 	now = now.Add(5 * time.Second)
 	f.FirstToken()
 	now = now.Add(2 * time.Second)
 	f.End()
-	b.tracker.Begin("c", pods[1].Address, 0, nil).End()
+	b.tracker.Begin("c", pods[1].Address, 0, Request{}).End()
 	b.ttft.mu.RLock()
 	defer b.ttft.mu.RUnlock()
 	h := Host{Address: pods[1].Address, Signals: true, Waiting: 2, Running: 4}
@@ -356,7 +356,7 @@ func TestAnEndSinceTheReportFreesItsSlotAndTheKVDecidesTheWait(t *testing.T) {
 	if c := p.predict(&holder); !within(c.SlotWait, 2*0.2, 1e-9) {
 		t.Fatalf("as reported: slot wait %g s, want two holds (0.4 s)", c.SlotWait)
 	}
-	holder.EndedReqsSinceReport = 1
+	holder.EndedReqsSinceReport, holder.EndedSinceReport = 1, 900 // a 900-token prompt
 	c := p.predict(&holder)
 	if !within(c.SlotWait, 0.2, 1e-9) || !within(c.KVShortTokens, 960-(1536-1536*0.62), 1e-9) {
 		t.Fatalf("after the end: slot wait %g s, %g tokens short; want one hold (0.2 s), %g short", c.SlotWait, c.KVShortTokens, 960-(1536-1536*0.62))
@@ -427,13 +427,13 @@ func TestUnreportedLocalRequestsQueue(t *testing.T) {
 	b := New(Options{IntN: seededIntN(1)})
 	pods := eps(2)
 	view := View{Load: api.LoadStats{}, Signals: map[string]api.PodSignals{pods[0].Address: {}, pods[1].Address: {}}}
-	b.Tracker().Begin("c", pods[0].Address, 3000, nil) // not acknowledged
+	b.Tracker().Begin("c", pods[0].Address, 3000, Request{}) // not acknowledged
 	for range 10 {
 		ch, err := b.Choose("c", defaultRule(t), pods, view, Request{PromptLength: 100})
 		if err != nil || ch.Host.Address != pods[1].Address {
 			t.Fatalf("chose %+v %v, want the pod without the unreported 3000 tokens", ch, err)
 		}
-		b.Tracker().Begin("c", ch.Host.Address, 100, nil).End()
+		b.Tracker().Begin("c", ch.Host.Address, 100, Request{}).End()
 	}
 	hs := make([]Host, 2)
 	b.tracker.fill("c", pods, view, Request{}, hs)
@@ -470,7 +470,7 @@ func TestObserveChecksAndRefitsThePrediction(t *testing.T) {
 			t.Fatalf("first prediction %+v: not the defaults'", ch.Prediction)
 		}
 		b.Observe(ch.Prediction, obs)
-		f := b.tracker.Begin("c", ch.Host.Address, int(n), nil)
+		f := b.tracker.Begin("c", ch.Host.Address, int(n), Request{})
 		f.FirstToken()
 		f.End()
 		f.Released()
@@ -706,7 +706,7 @@ func TestObservationsRefitTheClusterSoIdlePodsKeepTying(t *testing.T) {
 		}
 		counts[ch.Host.Address]++
 		b.Observe(ch.Prediction, time.Millisecond) // 85 times faster than the defaults predict
-		f := b.tracker.Begin("c", ch.Host.Address, 0, nil)
+		f := b.tracker.Begin("c", ch.Host.Address, 0, Request{})
 		f.FirstToken()
 		f.End()
 		f.Released()
@@ -802,7 +802,7 @@ func TestBlocksSharedWithARunningRequestNeedNoRoom(t *testing.T) {
 	view := View{Load: api.LoadStats{}, Signals: map[string]api.PodSignals{
 		"holder": {Running: 1, MaxRunning: 4, KVCapacity: 1536, KVCacheUtil: 0.62}}}
 	req := Request{PromptLength: 960, Blocks: 4, ChunkSize: 256, Hashes: []string{"s1", "s2", "s3", "q9"}}
-	f := tr.Begin("c", "holder", 900, []string{"s1", "s2", "s3", "q1"})
+	f := tr.Begin("c", "holder", 900, Request{PromptLength: 960, ChunkSize: 256, Hashes: []string{"s1", "s2", "s3", "q1"}})
 	f.Acked() // the report counts it running
 	hs := make([]Host, 1)
 	tr.fill("c", pods, view, req, hs)
@@ -825,5 +825,48 @@ func TestBlocksSharedWithARunningRequestNeedNoRoom(t *testing.T) {
 	}
 	if c := p.predict(&hs[0]); !within(c.KVShortTokens, 960-(1536-1536*0.62), 1e-9) {
 		t.Fatalf("sharing nothing: %g tokens short, want %g", c.KVShortTokens, 960-(1536-1536*0.62))
+	}
+}
+
+// A request that ended since the pod's report freed its own prompt's
+// blocks, not the fleet's mean prompt's: a 1,000-token conversation that
+// ends on a pod whose KV (1,536 tokens) running requests fill to 90%
+// leaves room for a 900-token prompt, though the fleet's prompts average
+// 300 tokens; a 300-token one sent there since takes its own room back.
+func TestAnEndedRequestFreesItsOwnBlocks(t *testing.T) {
+	m := newTTFTModel(prometheus.NewHistogram(prometheus.HistogramOpts{Name: "x"}), slog.Default())
+	m.fit("pod").hold = 0.2
+	m.routed("c", 300, 100)
+	pods := []endpoints.Endpoint{{Address: "pod"}}
+	view := View{Load: api.LoadStats{}, Signals: map[string]api.PodSignals{
+		"pod": {Running: 2, MaxRunning: 4, KVCapacity: 1536, KVCacheUtil: 0.9, AgeMS: 10}}}
+	p := m.predictor(hostsState(t, nil, 900, 0))
+	for _, tc := range []struct {
+		name        string
+		sent        int64 // a prompt sent since the report, bytes; 0: none
+		short, wait float64
+	}{
+		{name: "an end", short: 0},
+		{name: "an end and a 300-token start", sent: 300, short: 900 - (1536 - (1536*0.9 - 1000 + 300)), wait: 0.2 / 2},
+	} {
+		tr := NewTracker()
+		at := time.Now()
+		tr.now = func() time.Time { return at }
+		f := tr.Begin("c", "pod", 0, Request{PromptLength: 1000, Hashes: []string{"s1", "c1"}})
+		at = at.Add(20 * time.Millisecond) // the report, 10 ms old, counts it
+		f.End()
+		if tc.sent > 0 {
+			tr.Begin("c", "pod", 0, Request{PromptLength: tc.sent})
+		}
+		hs := make([]Host, 1)
+		tr.fill("c", pods, view, Request{PromptLength: 900}, hs)
+		if hs[0].EndedReqsSinceReport != 1 || hs[0].EndedSinceReport != 1000 || hs[0].BegunSinceReport != tc.sent {
+			t.Fatalf("%s: since the report %d ended of %d bytes, %d bytes begun; want 1 of 1000, %d", tc.name,
+				hs[0].EndedReqsSinceReport, hs[0].EndedSinceReport, hs[0].BegunSinceReport, tc.sent)
+		}
+		c := p.predict(&hs[0])
+		if !within(c.KVShortTokens, tc.short, 1e-6) || !within(c.SlotWait, tc.wait, 1e-9) {
+			t.Fatalf("%s: %g tokens short, slot wait %g s; want %g, %g s", tc.name, c.KVShortTokens, c.SlotWait, tc.short, tc.wait)
+		}
 	}
 }

@@ -128,7 +128,7 @@ func TestWindowWarmsWithTheClustersDecisions(t *testing.T) {
 			now := time.Unix(1000, 0)
 			tr.now = func() time.Time { return now }
 			for range tc.held {
-				tr.Begin("c", "a", 0, nil).Acked()
+				tr.Begin("c", "a", 0, Request{}).Acked()
 			}
 			view := View{Load: api.LoadStats{"a": {TotalReqs: tc.leases}}, Degraded: tc.degraded}
 			out := make([]Host, len(cands))
@@ -139,7 +139,7 @@ func TestWindowWarmsWithTheClustersDecisions(t *testing.T) {
 				}
 				tr.routed(s, "a", len(cands))
 				if tc.brief > 0 {
-					f := tr.Begin("c", "a", 0, nil)
+					f := tr.Begin("c", "a", 0, Request{})
 					f.Acked()
 					now = now.Add(time.Duration(tc.brief * float64(time.Second)))
 					f.End()

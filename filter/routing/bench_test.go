@@ -12,6 +12,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/istio-llm-filter/istio-llm-filter/filter/balancer"
 	"github.com/istio-llm-filter/istio-llm-filter/filter/config"
 	"github.com/istio-llm-filter/istio-llm-filter/filter/endpoints"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/api"
@@ -141,7 +142,7 @@ func benchDecideOpts(b *testing.B, body []byte, n int, registered bool, inflight
 		}
 		for _, a := range addrs {
 			for range inflight {
-				e.Tracker().Begin(d.Cluster, a, d.PrefillLength, d.Hashes)
+				e.Tracker().Begin(d.Cluster, a, d.PrefillLength, balancer.Request{PromptLength: int64(d.PromptLength), Hashes: d.Hashes, ChunkSize: 512})
 			}
 		}
 	}
@@ -162,7 +163,7 @@ func benchDecideOpts(b *testing.B, body []byte, n int, registered bool, inflight
 		// its reservation is taken over and nothing of it is left for the
 		// next decision to count. (Not b.StopTimer: with ReportAllocs it
 		// reads the memory stats, stopping the world at every decision.)
-		e.Tracker().Begin(d.Cluster, d.Host, d.PrefillLength, nil).End()
+		e.Tracker().Begin(d.Cluster, d.Host, d.PrefillLength, balancer.Request{}).End()
 	}
 	reportLatencies(b, wall, cpu)
 }
