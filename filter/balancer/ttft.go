@@ -321,9 +321,10 @@ func (p *predictor) predict(h *Host) Cost {
 	// holds, but where requests of one prefix end and start in turn the
 	// two shares cancel, and the gateway does not know which of its
 	// requests run and which wait: both count whole. The requests waiting
-	// ahead and this gateway's own not yet counted take their room first. Where the rest falls short of what the request needs
-	// (KVShortTokens), it waits for as many running requests to end as
-	// free that much, each its share of what they hold.
+	// ahead and this gateway's own not yet counted take their room first.
+	// Where the rest falls short of what the request needs (KVShortTokens),
+	// it waits for as many running requests to end as free that much, each
+	// its share of what they hold.
 	if h.Signals && h.KVCapacity > 0 && running > 0 {
 		capacity := float64(h.KVCapacity)
 		fromQueue := min(admitted, max(h.Waiting, 0)) // admitted out of the report's queue
