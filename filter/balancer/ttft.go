@@ -328,7 +328,7 @@ func (p *predictor) predict(h *Host) Cost {
 	if h.Signals && h.KVCapacity > 0 && running > 0 {
 		capacity := float64(h.KVCapacity)
 		fromQueue := min(admitted, max(h.Waiting, 0)) // admitted out of the report's queue
-		sentSize := p.meanPrompt                      // one sent since, in tokens
+		sentSize := 0.0                               // one sent since, in tokens
 		if sent > 0 {
 			sentSize = float64(h.BegunSinceReport) / p.bpt / float64(sent)
 		}
