@@ -201,11 +201,6 @@ func (d *Request) mark(bit uint32) bool {
 
 func (d *Request) has(bit uint32) bool { return d.state.Load()&bit != 0 }
 
-// prompt is d's whole prompt, as the tracker counts it on its pod.
-func (d *Request) prompt() balancer.Request {
-	return balancer.Request{PromptLength: int64(d.PromptLength), Hashes: d.Hashes}
-}
-
 // Started reports that the request went upstream (addRequest: POST
 // /v1/load/stats) and counts it locally until the metadata center has it.
 // Each lifecycle method acts once per request; later calls are no-ops.
@@ -213,7 +208,7 @@ func (l *Reporter) Started(d *Request) {
 	if d == nil || !d.mark(stClaimed) {
 		return
 	}
-	f := l.tracker.Begin(d.Cluster, d.Host, d.PrefillLength, d.prompt())
+	f := l.tracker.Begin(d.Cluster, d.Host, d.PrefillLength, d.Prompt())
 	d.flight = f
 	d.upstream = time.Now()
 	d.mark(stStarted) // publishes d.flight and d.upstream to the other lifecycle calls
@@ -302,7 +297,7 @@ func (l *Reporter) Served(d *Request, host string) {
 	// The real pod holds nothing of this prompt that we know of: its whole
 	// prompt is prefill. Its answer has begun, so Saved (a 2xx) records the
 	// prefix there right after this.
-	f := l.tracker.Begin(d.Cluster, host, d.PromptLength, d.prompt())
+	f := l.tracker.Begin(d.Cluster, host, d.PromptLength, d.Prompt())
 	d.flight = f
 	l.addRequest(d, host, f)
 }

@@ -142,7 +142,7 @@ func benchDecideOpts(b *testing.B, body []byte, n int, registered bool, inflight
 		}
 		for _, a := range addrs {
 			for range inflight {
-				e.Tracker().Begin(d.Cluster, a, d.PrefillLength, balancer.Request{PromptLength: int64(d.PromptLength), Hashes: d.Hashes})
+				e.Tracker().Begin(d.Cluster, a, d.PrefillLength, d.Prompt())
 			}
 		}
 	}

@@ -338,6 +338,12 @@ type Decision struct {
 	MaxBlocks int
 }
 
+// Prompt is the decision's whole prompt as the balancer's tracker counts it
+// on its pod (balancer.Tracker.Begin).
+func (d *Decision) Prompt() balancer.Request {
+	return balancer.Request{PromptLength: int64(d.PromptLength), Hashes: d.Hashes}
+}
+
 type subsetKey struct{}
 
 // WithSubset restricts the decisions made under the returned context to
