@@ -465,12 +465,17 @@ func (m *ttftModel) observe(p Prediction, observed time.Duration) {
 	if fm.secPerToken <= 0 {
 		fm.secPerToken, fm.step = 1/p.defRate, p.defStep
 	}
-	// What prefill and step account for, bounded to a factor maxScale of
-	// what the fit predicts for them now, so that a TTFT that mostly
-	// waited for a slot the model did not foresee (or a slot wait it
-	// foresaw that did not happen) cannot undo many good observations.
-	fitted := fm.step + x*fm.secPerToken
-	y := min(max(obs-wait, fitted/maxScale), fitted*maxScale)
+	// What prefill and step account for, bounded to a factor of what the
+	// fit predicts for them now, so that a TTFT that mostly waited for
+	// something the model did not foresee (or a wait it foresaw that did
+	// not happen) cannot undo many good observations: maxScale, or
+	// youngScale while the fit has seen fewer than half its memory, whose
+	// defaults are only a guess.
+	fitted, bound := fm.step+x*fm.secPerToken, maxScale
+	if fm.n < fitMemory/2 {
+		bound = youngScale
+	}
+	y := min(max(obs-wait, fitted/bound), fitted*bound)
 	const keep = 1 - 1.0/fitMemory
 	fm.n = fm.n*keep + 1
 	fm.sx = fm.sx*keep + x
@@ -495,8 +500,23 @@ func (m *ttftModel) observe(p Prediction, observed time.Duration) {
 	}
 }
 
-// maxScale bounds one observation's pull on the cluster's fit (observe).
-const maxScale = 4
+// maxScale bounds one observation's pull on the cluster's fit (observe):
+// it counts as at most 1.5 times, and at least 1/1.5 of, what the fit
+// predicts. The compute the fit stands for varies within that on a busy
+// pod (a request that arrives during a step of the same size waits for
+// it); what it must not absorb is a wait the model did not foresee, such as
+// a whole answer's decode before the KV cache has room, 5 to 10 times the
+// compute of a cache hit. Wider, such waits at small prompts lift the step
+// and flatten the rate, so a copy's prefill looks cheaper than it is; a
+// pod whose speed changes is still followed, a factor 1.5 at a time.
+const maxScale = 1.5
+
+// youngScale bounds the pull of a cluster's first observations, which
+// replace the rule's defaults: those may be off by an order of magnitude
+// (a GPU prefills tens of thousands of tokens a second, a CPU pod
+// hundreds), and a factor 4 at a time reaches either within the first
+// observations.
+const youngScale = 4
 
 // fitMemory is how many observations the cluster's fit mostly remembers:
 // enough for a line through sizes that vary to stand against the noise of
