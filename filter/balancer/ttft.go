@@ -142,6 +142,9 @@ type Prediction struct {
 	// The rule's defaults the prediction used where the cluster had no
 	// fit yet: Observe starts the cluster's fit from them.
 	defRate, defStep float64
+	// bpt is the bytes per token the prediction counted its tokens with:
+	// Observe turns them back into bytes, the fit's unit.
+	bpt float64
 }
 
 // podFit is what the gateway has learnt of one pod from the requests that
@@ -187,16 +190,22 @@ const assumedSlotSteps = 128
 // document, short enough to follow a change of workload.
 const meanRate = 0.05
 
-// fleetMeans are a cluster's recent request sizes in tokens, for the pods
-// whose queue the gateway knows only as a count of waiting requests.
+// fleetMeans are a cluster's recent request sizes, for the pods whose
+// queue the gateway knows only as a count of waiting requests, and its fit
+// of the prefill rate and the decode step.
+//
+// Sizes are kept in prompt bytes, not tokens: a model's bytes per token is
+// learnt from its first answers' usage (BytesPerToken), and until then a
+// prediction counts bytes as tokens. Figures in bytes mean the same before
+// and after; the predictor turns them into tokens with the ratio it has.
 type fleetMeans struct {
 	prompt   float64 // whole prompts: what a running request holds in KV
 	uncached float64 // what a request left to prefill where it went
-	// secPerToken and step are the cluster's fit from its observed TTFTs
-	// (TTFT less slot wait ≈ step + tokens·secPerToken, observe); 0 until
+	// secPerByte and step are the cluster's fit from its observed TTFTs
+	// (TTFT less slot wait ≈ step + bytes·secPerByte, observe); 0 until
 	// the first: the rule's defaults stand in.
-	secPerToken, step float64
-	// The fit's data: decayed sums of weight, tokens, seconds and their
+	secPerByte, step float64
+	// The fit's data: decayed sums of weight, bytes, seconds and their
 	// squares and product over the recent observations (fitMemory).
 	n, sx, sy, sxx, sxy float64
 }
@@ -246,9 +255,9 @@ func (m *ttftModel) predictor(s *State) predictor {
 	p.req = Request{PromptLength: s.PromptLength, Blocks: s.Blocks, ChunkSize: s.ChunkSize}
 	m.mu.RLock()
 	if f := m.means[s.Cluster]; f != nil {
-		p.meanPrompt, p.meanUn = f.prompt, f.uncached
-		if f.secPerToken > 0 {
-			p.rate, p.step = 1/f.secPerToken, f.step
+		p.meanPrompt, p.meanUn = f.prompt/p.bpt, f.uncached/p.bpt
+		if f.secPerByte > 0 {
+			p.rate, p.step = 1/(f.secPerByte*p.bpt), f.step
 		}
 	}
 	m.mu.RUnlock()
@@ -381,12 +390,12 @@ func (m *ttftModel) chosen(s *State, i int) Prediction {
 	m.mu.RLock()
 	c := p.predict(&s.Hosts[i])
 	m.mu.RUnlock()
-	m.routed(s.Cluster, p.promptTokens, c.UncachedTokens)
-	return Prediction{Cost: c, Cluster: s.Cluster, defRate: p.rate, defStep: p.step}
+	m.routed(s.Cluster, float64(s.PromptLength), c.UncachedTokens*p.bpt)
+	return Prediction{Cost: c, Cluster: s.Cluster, defRate: p.rate, defStep: p.step, bpt: p.bpt}
 }
 
-// routed updates the cluster's means with a decision's request.
-func (m *ttftModel) routed(cluster string, promptTokens, uncachedTokens float64) {
+// routed updates the cluster's means with a decision's request, in bytes.
+func (m *ttftModel) routed(cluster string, prompt, uncached float64) {
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	f := m.means[cluster]
@@ -394,12 +403,12 @@ func (m *ttftModel) routed(cluster string, promptTokens, uncachedTokens float64)
 		if len(m.means) >= maxFitPods {
 			clear(m.means)
 		}
-		f = &fleetMeans{prompt: promptTokens, uncached: uncachedTokens}
+		f = &fleetMeans{prompt: prompt, uncached: uncached}
 		m.means[cluster] = f
 		return
 	}
-	f.prompt += meanRate * (promptTokens - f.prompt)
-	f.uncached += meanRate * (uncachedTokens - f.uncached)
+	f.prompt += meanRate * (prompt - f.prompt)
+	f.uncached += meanRate * (uncached - f.uncached)
 }
 
 // fit returns host's entry, made if missing. Callers hold m.mu.
@@ -434,7 +443,8 @@ func (m *ttftModel) held(host string, d time.Duration) {
 // observe refits p's cluster from its observed TTFT: the prefill and the
 // decode step are the slope and the intercept of a least-squares line
 // through the recent observations of the tokens computed before the first
-// token against the time they took. Where the prediction's wait was the
+// token (counted in prompt bytes, fleetMeans) against the time they took.
+// Where the prediction's wait was the
 // queue's, those are the queued, uncached and KV-fit tokens against the
 // TTFT; where it was the slot's, the request's own (uncached and KV fit)
 // against the TTFT less the slot wait, which covered the queue's prefill.
@@ -445,25 +455,26 @@ func (m *ttftModel) held(host string, d time.Duration) {
 // wherever it under-predicts long ones.
 func (m *ttftModel) observe(p Prediction, observed time.Duration) {
 	obs := observed.Seconds()
-	if p.Host == "" || obs <= 0 || p.Total <= 0 || p.defRate <= 0 || p.defStep <= 0 {
+	if p.Host == "" || obs <= 0 || p.Total <= 0 || p.defRate <= 0 || p.defStep <= 0 || p.bpt <= 0 {
 		return
 	}
 	m.errs.Observe((obs - p.Total) / obs)
 	m.log.LogAttrs(context.Background(), slog.LevelDebug, "ttft",
 		slog.String("cluster", p.Cluster), slog.String("host", p.Host),
 		slog.Float64("predicted", p.Total), slog.Float64("observed", obs))
-	x, wait := p.QueuedTokens+p.UncachedTokens+p.FitTokens, 0.0
+	tokens, wait := p.QueuedTokens+p.UncachedTokens+p.FitTokens, 0.0
 	if p.SlotWait > 0 && p.Wait == p.SlotWait { // the wait was the slot's
-		x, wait = p.UncachedTokens+p.FitTokens, p.SlotWait
+		tokens, wait = p.UncachedTokens+p.FitTokens, p.SlotWait
 	}
+	x := tokens * p.bpt // bytes
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	fm := m.means[p.Cluster]
 	if fm == nil { // forgotten since the decision (maxFitPods)
 		return
 	}
-	if fm.secPerToken <= 0 {
-		fm.secPerToken, fm.step = 1/p.defRate, p.defStep
+	if fm.secPerByte <= 0 {
+		fm.secPerByte, fm.step = 1/(p.defRate*p.bpt), p.defStep
 	}
 	// What prefill and step account for, bounded to a factor of what the
 	// fit predicts for them now, so that a TTFT that mostly waited for
@@ -471,7 +482,7 @@ func (m *ttftModel) observe(p Prediction, observed time.Duration) {
 	// not happen) cannot undo many good observations: maxScale, or
 	// youngScale while the fit has seen fewer than half its memory, whose
 	// defaults are only a guess.
-	fitted, bound := fm.step+x*fm.secPerToken, maxScale
+	fitted, bound := fm.step+x*fm.secPerByte, maxScale
 	if fm.n < fitMemory/2 {
 		bound = youngScale
 	}
@@ -485,18 +496,19 @@ func (m *ttftModel) observe(p Prediction, observed time.Duration) {
 	mx, my := fm.sx/fm.n, fm.sy/fm.n
 	varX := fm.sxx/fm.n - mx*mx
 	slope := (fm.sxy/fm.n - mx*my) / varX
+	minRate, maxRate := minSecPerToken/p.bpt, maxSecPerToken/p.bpt // per byte
 	if varX > minSpread*minSpread*mx*mx && slope > 0 && my-slope*mx > 0 {
-		fm.secPerToken = min(max(slope, minSecPerToken), maxSecPerToken)
-		fm.step = min(max(my-fm.secPerToken*mx, minStep), maxStep)
+		fm.secPerByte = min(max(slope, minRate), maxRate)
+		fm.step = min(max(my-fm.secPerByte*mx, minStep), maxStep)
 		return
 	}
 	// Sizes too alike to tell the step from the prefill (or a line that
 	// makes either negative): the fit keeps its shape and passes through
 	// the observations' mean.
-	scale := my / (fm.step + mx*fm.secPerToken)
+	scale := my / (fm.step + mx*fm.secPerByte)
 	fm.step = min(max(fm.step*scale, minStep), maxStep)
 	if mx > 0 {
-		fm.secPerToken = min(max(fm.secPerToken*scale, minSecPerToken), maxSecPerToken)
+		fm.secPerByte = min(max(fm.secPerByte*scale, minRate), maxRate)
 	}
 }
 
