@@ -444,10 +444,10 @@ func (m *ttftModel) held(host string, d time.Duration) {
 // decode step are the slope and the intercept of a least-squares line
 // through the recent observations of the tokens computed before the first
 // token (counted in prompt bytes, fleetMeans) against the time they took.
-// Where the prediction's wait was the
-// queue's, those are the queued, uncached and KV-fit tokens against the
-// TTFT; where it was the slot's, the request's own (uncached and KV fit)
-// against the TTFT less the slot wait, which covered the queue's prefill.
+// Where the prediction's wait was the queue's, those are the queued,
+// uncached and KV-fit tokens against the TTFT; where it was the slot's, the
+// request's own (uncached and KV fit) against the TTFT less the slot wait,
+// which covered the queue's prefill.
 // The slot wait itself is not fitted here: it comes from the request
 // durations the tracker measures (held). A line, not one factor for both:
 // a pod's step is paid whatever the request's size and its prefill per
