@@ -167,6 +167,7 @@ func (o Options) do(ctx context.Context, base string, msgs []client.Message, max
 		PromptTokens: res.PromptTokens, CompletionTokens: res.CompletionTokens, CachedTokens: res.CachedTokens}
 	if res.Header != nil {
 		r.PredictedTTFTms = report.ParsePredictedTTFT(res.Header.Get(headers.PredictedTTFT))
+		r.PredictedSlotWaitms = report.ParsePredictedTTFT(res.Header.Get(headers.PredictedSlotWait))
 	}
 	if res.Outcome != client.OK {
 		r.Err = res.Err

@@ -239,8 +239,12 @@ func TestPerTurnOutputsThinkTimeAndPredictedTTFT(t *testing.T) {
 	defer cancel()
 	go pod.Run(ctx)
 	api := pod.Handler()
+	var asked atomic.Int64
 	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		w.Header().Set(headers.PredictedTTFT, "42.5")
+		if asked.Add(1) == 2 { // the second turn waits for an end
+			w.Header().Set(headers.PredictedSlotWait, "30")
+		}
 		api.ServeHTTP(w, r)
 	}))
 	defer srv.Close()
@@ -254,6 +258,9 @@ func TestPerTurnOutputsThinkTimeAndPredictedTTFT(t *testing.T) {
 	for i, want := range []int{7, 19, 5} {
 		if !rs[i].OK() || rs[i].CompletionTokens != want || rs[i].PredictedTTFTms != 42.5 {
 			t.Fatalf("turn %d: %+v, want %d tokens and the predicted 42.5 ms", i, rs[i], want)
+		}
+		if wantWait := map[bool]float64{true: 30}[i == 1]; rs[i].PredictedSlotWaitms != wantWait {
+			t.Fatalf("turn %d: predicted slot wait %v ms, want %v", i, rs[i].PredictedSlotWaitms, wantWait)
 		}
 	}
 	if gap := rs[1].Start - (rs[0].Start + rs[0].Latency); gap < 300*time.Millisecond {

@@ -138,6 +138,11 @@ func (r Run) WriteMarkdown(w io.Writer) error {
 			pred := "–"
 			if pe := s.PredictionError; pe != nil {
 				pred = fmt.Sprintf("%.0f%% / %.0f%%", 100*pe.Median, 100*pe.P90)
+				if pe.SlotWaits > 0 {
+					pred += fmt.Sprintf(" (without slot waits %.0f%% / %.0f%%; %.0f%% wait: %.0f%% / %.0f%%)",
+						100*pe.NoSlotWait.Median, 100*pe.NoSlotWait.P90, 100*float64(pe.SlotWaits)/float64(pe.Requests),
+						100*pe.SlotWait.Median, 100*pe.SlotWait.P90)
+				}
 			}
 			imb := fmt.Sprintf("%.2f", s.Imbalance)
 			if s.UpstreamUnknown {

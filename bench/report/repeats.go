@@ -63,9 +63,16 @@ func medianOf(ss []Summary) Summary {
 		pe := &PredictionError{
 			Median: median(withPred, func(s Summary) float64 { return s.PredictionError.Median }),
 			P90:    median(withPred, func(s Summary) float64 { return s.PredictionError.P90 }),
+			SlotWait: medianRange(withPred, func(pe *PredictionError) (ErrorRange, bool) {
+				return pe.SlotWait, pe.SlotWaits > 0
+			}),
+			NoSlotWait: medianRange(withPred, func(pe *PredictionError) (ErrorRange, bool) {
+				return pe.NoSlotWait, pe.Requests > pe.SlotWaits
+			}),
 		}
 		for _, s := range withPred {
 			pe.Requests += s.PredictionError.Requests
+			pe.SlotWaits += s.PredictionError.SlotWaits
 		}
 		m.PredictionError = pe
 	}
@@ -166,4 +173,27 @@ func writeRounds(b *strings.Builder, workload string, policies []string, rounds 
 	if len(lines) > 0 {
 		b.WriteString("\ncache_aware against each policy in the same run, TTFT p90 / p99:\n\n" + strings.Join(lines, "\n") + "\n")
 	}
+}
+
+// medianRange is the median over the runs that have one of an error range
+// that part picks from their prediction errors.
+func medianRange(ss []Summary, part func(*PredictionError) (ErrorRange, bool)) ErrorRange {
+	var with []ErrorRange
+	for _, s := range ss {
+		if r, ok := part(s.PredictionError); ok {
+			with = append(with, r)
+		}
+	}
+	if len(with) == 0 {
+		return ErrorRange{}
+	}
+	med := func(f func(ErrorRange) float64) float64 {
+		v := make([]float64, len(with))
+		for i, r := range with {
+			v[i] = f(r)
+		}
+		slices.Sort(v)
+		return Quantile(v, 0.5)
+	}
+	return ErrorRange{Median: med(func(r ErrorRange) float64 { return r.Median }), P90: med(func(r ErrorRange) float64 { return r.P90 })}
 }

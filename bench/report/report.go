@@ -32,6 +32,10 @@ type Result struct {
 	// PredictedTTFTms is the TTFT the gateway predicted for the pod it
 	// chose (headers.PredictedTTFT), 0 when it said none.
 	PredictedTTFTms float64 `json:"predicted_ttft_ms,omitempty"`
+	// PredictedSlotWaitms is the part of it the request was predicted to
+	// wait for running requests to end (headers.PredictedSlotWait), 0 when
+	// it was predicted to wait for none.
+	PredictedSlotWaitms float64 `json:"predicted_slot_wait_ms,omitempty"`
 
 	// Where the request ran in a repeated run: the workload's seed, the
 	// repeat (1-based) and, on a rate ladder, the step's offered load in
@@ -41,9 +45,9 @@ type Result struct {
 	Rate   float64 `json:"rate,omitempty"`
 }
 
-// ParsePredictedTTFT reads the gateway's predicted TTFT header's value
-// (internal/headers.PredictedTTFT): 0 when absent or
-// not a positive number.
+// ParsePredictedTTFT reads the value of the gateway's predicted TTFT
+// header, or of its predicted slot wait (internal/headers.PredictedTTFT,
+// PredictedSlotWait): 0 when absent or not a positive number.
 func ParsePredictedTTFT(v string) float64 {
 	f, err := strconv.ParseFloat(strings.TrimSpace(v), 64)
 	if err != nil || f <= 0 || math.IsInf(f, 0) || math.IsNaN(f) {
@@ -111,11 +115,34 @@ type Summary struct {
 
 // PredictionError is the absolute relative error |predicted − observed| /
 // observed of the chosen pod's predicted TTFT over the requests that had a
-// prediction and a first token.
+// prediction and a first token; and the same apart for those predicted to
+// wait for running requests to end (SlotWait) and the others (NoSlotWait):
+// when the next of a pod's running requests ends is the one part of a TTFT
+// no router knows (docs/benchmarks.md, "The prediction's limit").
 type PredictionError struct {
 	Requests int     `json:"requests"`
 	Median   float64 `json:"median"`
 	P90      float64 `json:"p90"`
+	// SlotWaits is how many of the requests were predicted to wait for
+	// ends (a share of Requests).
+	SlotWaits  int        `json:"slot_waits"`
+	SlotWait   ErrorRange `json:"slot_wait"`
+	NoSlotWait ErrorRange `json:"no_slot_wait"`
+}
+
+// ErrorRange is a prediction error's median and 90th percentile over a set
+// of requests (0 and 0 over none).
+type ErrorRange struct {
+	Median float64 `json:"median"`
+	P90    float64 `json:"p90"`
+}
+
+func errorRange(errs []float64) ErrorRange {
+	if len(errs) == 0 {
+		return ErrorRange{}
+	}
+	sort.Float64s(errs)
+	return ErrorRange{Median: Quantile(errs, 0.5), P90: Quantile(errs, 0.9)}
 }
 
 // Spread is the range (min, max) of a merged summary's measures over its runs.
@@ -202,18 +229,25 @@ func NewFloor(workload string, ttfts []time.Duration) Floor {
 }
 
 func predictionError(rs []Result) *PredictionError {
-	var errs []float64
+	var errs, slot, other []float64
 	for _, r := range rs {
 		if r.OK() && r.TTFT > 0 && r.PredictedTTFTms > 0 {
 			obs := ms(r.TTFT)
-			errs = append(errs, math.Abs(r.PredictedTTFTms-obs)/obs)
+			e := math.Abs(r.PredictedTTFTms-obs) / obs
+			errs = append(errs, e)
+			if r.PredictedSlotWaitms > 0 {
+				slot = append(slot, e)
+			} else {
+				other = append(other, e)
+			}
 		}
 	}
 	if len(errs) == 0 {
 		return nil
 	}
-	sort.Float64s(errs)
-	return &PredictionError{Requests: len(errs), Median: Quantile(errs, 0.5), P90: Quantile(errs, 0.9)}
+	all := errorRange(errs)
+	return &PredictionError{Requests: len(errs), Median: all.Median, P90: all.P90,
+		SlotWaits: len(slot), SlotWait: errorRange(slot), NoSlotWait: errorRange(other)}
 }
 
 func ms(d time.Duration) float64 { return float64(d) / float64(time.Millisecond) }

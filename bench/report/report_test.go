@@ -272,10 +272,15 @@ func TestPredictionErrorFromTheHeader(t *testing.T) {
 	for i, pred := range []float64{100, 110, 80, 150, 0} { // errors 0, 0.1, 0.2, 0.5, none
 		rs = append(rs, Result{Session: fmt.Sprint(i), Status: 200, TTFT: 100 * time.Millisecond, Latency: time.Second, PredictedTTFTms: pred})
 	}
+	rs[2].PredictedSlotWaitms, rs[3].PredictedSlotWaitms = 60, 120     // errors 0.2 and 0.5 waited for ends
 	rs = append(rs, Result{Status: 500, Err: "x", PredictedTTFTms: 1}) // failed: not counted
 	s := Summarize("w", "cache_aware", rs, nil)
 	if pe := s.PredictionError; pe == nil || pe.Requests != 4 || math.Abs(pe.Median-0.15) > 1e-9 || math.Abs(pe.P90-(0.2+0.7*0.3)) > 1e-9 {
 		t.Fatalf("prediction error %+v, want 4 requests, median 0.15, p90 0.41", s.PredictionError)
+	}
+	if pe := s.PredictionError; pe.SlotWaits != 2 || !near(pe.SlotWait.Median, 0.35) || !near(pe.SlotWait.P90, 0.2+0.9*0.3) ||
+		!near(pe.NoSlotWait.Median, 0.05) || !near(pe.NoSlotWait.P90, 0.09) {
+		t.Fatalf("prediction error %+v: want 2 slot waits at 0.35 / 0.47, the others at 0.05 / 0.09", pe)
 	}
 	none := Summarize("w", "round_robin", rs[4:5], nil)
 	run := Run{Summaries: []Summary{s, none}}
@@ -283,7 +288,7 @@ func TestPredictionErrorFromTheHeader(t *testing.T) {
 	if err := run.WriteMarkdown(&b); err != nil {
 		t.Fatal(err)
 	}
-	if !strings.Contains(b.String(), "| 15% / 41% |") || !strings.Contains(b.String(), "| – |") {
+	if !strings.Contains(b.String(), "| 15% / 41% (without slot waits 5% / 9%; 50% wait: 35% / 47%) |") || !strings.Contains(b.String(), "| – |") {
 		t.Fatalf("report lacks the prediction error cells:\n%s", b.String())
 	}
 }
@@ -406,5 +411,26 @@ func TestSaturationAim(t *testing.T) {
 		if !strings.Contains(b.String(), want) {
 			t.Fatalf("report lacks %q:\n%s", want, b.String())
 		}
+	}
+}
+
+func near(a, b float64) bool { return math.Abs(a-b) < 1e-9 }
+
+// Merged runs take each part of the prediction error's median over the runs
+// that have it: a run where nothing waited for an end does not count as a
+// slot wait's error of 0.
+func TestMergeOfPredictionErrorParts(t *testing.T) {
+	run := func(started string, pe PredictionError) Run {
+		return Run{Title: "t", Started: started, Summaries: []Summary{{Workload: "w", Policy: "cache_aware", Requests: 10, Succeeded: 10, PredictionError: &pe}}}
+	}
+	m := Merge(
+		run("a", PredictionError{Requests: 10, Median: 0.1, P90: 0.3, NoSlotWait: ErrorRange{0.1, 0.3}}),
+		run("b", PredictionError{Requests: 10, Median: 0.2, P90: 0.9, SlotWaits: 4, SlotWait: ErrorRange{0.5, 1.5}, NoSlotWait: ErrorRange{0.1, 0.2}}),
+		run("c", PredictionError{Requests: 10, Median: 0.3, P90: 1.2, SlotWaits: 6, SlotWait: ErrorRange{0.7, 2.5}, NoSlotWait: ErrorRange{0.2, 0.4}}))
+	s, _ := m.find("w", "cache_aware")
+	pe := s.PredictionError
+	if pe == nil || pe.Requests != 30 || pe.SlotWaits != 10 || !near(pe.Median, 0.2) || !near(pe.P90, 0.9) ||
+		!near(pe.SlotWait.Median, 0.6) || !near(pe.SlotWait.P90, 2) || !near(pe.NoSlotWait.Median, 0.1) || !near(pe.NoSlotWait.P90, 0.3) {
+		t.Fatalf("merged prediction error %+v", pe)
 	}
 }

@@ -43,6 +43,7 @@ import (
 	"context"
 	"log/slog"
 	"math"
+	"strconv"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -145,6 +146,25 @@ type Prediction struct {
 	// bpt is the bytes per token the prediction counted its tokens with:
 	// Observe turns them back into bytes, the fit's unit.
 	bpt float64
+}
+
+// WaitsForEnds says whether the request was predicted to wait longest for
+// running requests to end (SlotWait), rather than to start at once or
+// behind the prefill queued ahead.
+func (c Cost) WaitsForEnds() bool { return c.SlotWait > 0 && c.Wait == c.SlotWait }
+
+// Stated is what a routed answer states of the prediction
+// (headers.PredictedTTFT and headers.PredictedSlotWait): the predicted TTFT
+// and, where the request waits for ends, that wait, in milliseconds; ""
+// where it states nothing.
+func (p Prediction) Stated() (ttft, slotWait string) {
+	if p.Total > 0 {
+		ttft = strconv.FormatFloat(p.Total*1000, 'f', 3, 64)
+		if p.WaitsForEnds() {
+			slotWait = strconv.FormatFloat(p.SlotWait*1000, 'f', 3, 64)
+		}
+	}
+	return ttft, slotWait
 }
 
 // podFit is what the gateway has learnt of one pod from the requests that
@@ -463,7 +483,7 @@ func (m *ttftModel) observe(p Prediction, observed time.Duration) {
 		slog.String("cluster", p.Cluster), slog.String("host", p.Host),
 		slog.Float64("predicted", p.Total), slog.Float64("observed", obs))
 	tokens, wait := p.QueuedTokens+p.UncachedTokens+p.FitTokens, 0.0
-	if p.SlotWait > 0 && p.Wait == p.SlotWait { // the wait was the slot's
+	if p.WaitsForEnds() {
 		tokens, wait = p.UncachedTokens+p.FitTokens, p.SlotWait
 	}
 	x := tokens * p.bpt // bytes

@@ -922,3 +922,23 @@ func TestAnEndedRequestFreesItsOwnBlocks(t *testing.T) {
 		}
 	}
 }
+
+// An answer states the predicted TTFT and, where the request was predicted
+// to wait longest for running requests to end, that wait, in milliseconds
+// (headers.PredictedTTFT, PredictedSlotWait).
+func TestAPredictionStatesItsSlotWait(t *testing.T) {
+	for _, tc := range []struct {
+		c              Cost
+		ttft, slotWait string
+	}{
+		{Cost{SlotWait: 0.2, Queue: 0.1, Wait: 0.2, Total: 0.3}, "300.000", "200.000"},
+		{Cost{SlotWait: 0.2, Queue: 0.4, Wait: 0.4, Total: 0.5}, "500.000", ""}, // behind the queue's prefill
+		{Cost{Total: 0.05}, "50.000", ""},
+		{Cost{}, "", ""},
+	} {
+		ttft, slot := Prediction{Cost: tc.c}.Stated()
+		if ttft != tc.ttft || slot != tc.slotWait {
+			t.Fatalf("%+v states %q, %q; want %q, %q", tc.c, ttft, slot, tc.ttft, tc.slotWait)
+		}
+	}
+}

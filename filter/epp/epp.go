@@ -527,8 +527,11 @@ func (x *exchange) responseHeaders(req *extprocv3.ProcessingRequest, hh *extproc
 		}
 		return x.skipBody(headersResponse(false, set, nil)), false
 	}
-	if ms := d.Prediction.Total * 1000; ms > 0 {
-		set = append(set, header(headers.PredictedTTFT, strconv.FormatFloat(ms, 'f', 3, 64)))
+	if ttft, slot := d.Prediction.Stated(); ttft != "" {
+		set = append(set, header(headers.PredictedTTFT, ttft))
+		if slot != "" {
+			set = append(set, header(headers.PredictedSlotWait, slot))
+		}
 	}
 	// The pod is answering, so it has (or is building) the prompt's cache.
 	x.s.opts.Reporter.Saved(d)

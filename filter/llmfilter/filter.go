@@ -304,8 +304,11 @@ func (f *filter) EncodeHeaders(h api.ResponseHeaderMap, endStream bool) (st api.
 		f.hostReply = true // Envoy's own reply (no healthy upstream, reset): no pod answered
 	}
 	h.Set(headers.UpstreamHost, served)
-	if ms := d.Prediction.Total * 1000; ms > 0 {
-		h.Set(headers.PredictedTTFT, strconv.FormatFloat(ms, 'f', 3, 64))
+	if ttft, slot := d.Prediction.Stated(); ttft != "" {
+		h.Set(headers.PredictedTTFT, ttft)
+		if slot != "" {
+			h.Set(headers.PredictedSlotWait, slot)
+		}
 	}
 	f.meta(AccessBackend, served)
 	if served != d.Host && !f.hostReply {

@@ -20,6 +20,15 @@ const (
 	// TTFT the client observed.
 	PredictedTTFT = "x-llm-predicted-ttft-ms"
 
+	// PredictedSlotWait states the part of PredictedTTFT the request was
+	// predicted to wait for running requests on the pod to end (a running
+	// slot, or room in its KV cache), in milliseconds, where that wait is
+	// the longest the request waits; absent where it was predicted to start
+	// at once or behind prefill queued ahead. The benchmarks report the
+	// prediction's error apart for those requests: when the next of the
+	// pod's requests ends is the one part a router cannot know.
+	PredictedSlotWait = "x-llm-predicted-slot-wait-ms"
+
 	// RequestID carries a request's trace id: the gateway reads it (or
 	// sets a new one), the worker echoes it on every answer and names it in
 	// errors and logs.
