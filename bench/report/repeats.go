@@ -187,13 +187,6 @@ func medianRange(ss []Summary, part func(*PredictionError) (ErrorRange, bool)) E
 	if len(with) == 0 {
 		return ErrorRange{}
 	}
-	med := func(f func(ErrorRange) float64) float64 {
-		v := make([]float64, len(with))
-		for i, r := range with {
-			v[i] = f(r)
-		}
-		slices.Sort(v)
-		return Quantile(v, 0.5)
-	}
-	return ErrorRange{Median: med(func(r ErrorRange) float64 { return r.Median }), P90: med(func(r ErrorRange) float64 { return r.P90 })}
+	return ErrorRange{Median: median(with, func(r ErrorRange) float64 { return r.Median }),
+		P90: median(with, func(r ErrorRange) float64 { return r.P90 })}
 }
