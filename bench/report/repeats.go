@@ -67,6 +67,9 @@ func medianOf(ss []Summary) Summary {
 				return pe.SlotWait, pe.SlotWaits > 0
 			}),
 			NoSlotWait: medianRange(withPred, func(pe *PredictionError) (ErrorRange, bool) {
+				if pe.SlotWaits == 0 { // every request (reports from before the split say only this)
+					return ErrorRange{Median: pe.Median, P90: pe.P90}, pe.Requests > 0
+				}
 				return pe.NoSlotWait, pe.Requests > pe.SlotWaits
 			}),
 		}

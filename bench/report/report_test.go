@@ -418,13 +418,13 @@ func near(a, b float64) bool { return math.Abs(a-b) < 1e-9 }
 
 // Merged runs take each part of the prediction error's median over the runs
 // that have it: a run where nothing waited for an end does not count as a
-// slot wait's error of 0.
+// slot wait's error of 0, and its other requests are all its requests.
 func TestMergeOfPredictionErrorParts(t *testing.T) {
 	run := func(started string, pe PredictionError) Run {
 		return Run{Title: "t", Started: started, Summaries: []Summary{{Workload: "w", Policy: "cache_aware", Requests: 10, Succeeded: 10, PredictionError: &pe}}}
 	}
 	m := Merge(
-		run("a", PredictionError{Requests: 10, Median: 0.1, P90: 0.3, NoSlotWait: ErrorRange{0.1, 0.3}}),
+		run("a", PredictionError{Requests: 10, Median: 0.1, P90: 0.3}), // none waited (or a report from before the split)
 		run("b", PredictionError{Requests: 10, Median: 0.2, P90: 0.9, SlotWaits: 4, SlotWait: ErrorRange{0.5, 1.5}, NoSlotWait: ErrorRange{0.1, 0.2}}),
 		run("c", PredictionError{Requests: 10, Median: 0.3, P90: 1.2, SlotWaits: 6, SlotWait: ErrorRange{0.7, 2.5}, NoSlotWait: ErrorRange{0.2, 0.4}}))
 	s, _ := m.find("w", "cache_aware")
