@@ -61,14 +61,15 @@ func medianOf(ss []Summary) Summary {
 	}
 	if len(withPred) > 0 {
 		pe := &PredictionError{
-			Median: median(withPred, func(s Summary) float64 { return s.PredictionError.Median }),
-			P90:    median(withPred, func(s Summary) float64 { return s.PredictionError.P90 }),
+			ErrorRange: medianRange(withPred, func(pe *PredictionError) (ErrorRange, bool) {
+				return pe.ErrorRange, true
+			}),
 			SlotWait: medianRange(withPred, func(pe *PredictionError) (ErrorRange, bool) {
 				return pe.SlotWait, pe.SlotWaits > 0
 			}),
 			NoSlotWait: medianRange(withPred, func(pe *PredictionError) (ErrorRange, bool) {
 				if pe.SlotWaits == 0 { // every request (reports from before the split say only this)
-					return ErrorRange{Median: pe.Median, P90: pe.P90}, pe.Requests > 0
+					return pe.ErrorRange, pe.Requests > 0
 				}
 				return pe.NoSlotWait, pe.Requests > pe.SlotWaits
 			}),

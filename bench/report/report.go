@@ -120,9 +120,8 @@ type Summary struct {
 // when the next of a pod's running requests ends is the one part of a TTFT
 // no router knows (docs/benchmarks.md, "The prediction's limit").
 type PredictionError struct {
-	Requests int     `json:"requests"`
-	Median   float64 `json:"median"`
-	P90      float64 `json:"p90"`
+	Requests   int `json:"requests"`
+	ErrorRange     // over all of them: "median", "p90"
 	// SlotWaits is how many of the requests were predicted to wait for
 	// ends (a share of Requests).
 	SlotWaits  int        `json:"slot_waits"`
@@ -245,8 +244,7 @@ func predictionError(rs []Result) *PredictionError {
 	if len(errs) == 0 {
 		return nil
 	}
-	all := errorRange(errs)
-	return &PredictionError{Requests: len(errs), Median: all.Median, P90: all.P90,
+	return &PredictionError{Requests: len(errs), ErrorRange: errorRange(errs),
 		SlotWaits: len(slot), SlotWait: errorRange(slot), NoSlotWait: errorRange(other)}
 }
 

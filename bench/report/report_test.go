@@ -424,9 +424,9 @@ func TestMergeOfPredictionErrorParts(t *testing.T) {
 		return Run{Title: "t", Started: started, Summaries: []Summary{{Workload: "w", Policy: "cache_aware", Requests: 10, Succeeded: 10, PredictionError: &pe}}}
 	}
 	m := Merge(
-		run("a", PredictionError{Requests: 10, Median: 0.1, P90: 0.3}), // none waited (or a report from before the split)
-		run("b", PredictionError{Requests: 10, Median: 0.2, P90: 0.9, SlotWaits: 4, SlotWait: ErrorRange{0.5, 1.5}, NoSlotWait: ErrorRange{0.1, 0.2}}),
-		run("c", PredictionError{Requests: 10, Median: 0.3, P90: 1.2, SlotWaits: 6, SlotWait: ErrorRange{0.7, 2.5}, NoSlotWait: ErrorRange{0.2, 0.4}}))
+		run("a", PredictionError{Requests: 10, ErrorRange: ErrorRange{0.1, 0.3}}), // none waited (or a report from before the split)
+		run("b", PredictionError{Requests: 10, ErrorRange: ErrorRange{0.2, 0.9}, SlotWaits: 4, SlotWait: ErrorRange{0.5, 1.5}, NoSlotWait: ErrorRange{0.1, 0.2}}),
+		run("c", PredictionError{Requests: 10, ErrorRange: ErrorRange{0.3, 1.2}, SlotWaits: 6, SlotWait: ErrorRange{0.7, 2.5}, NoSlotWait: ErrorRange{0.2, 0.4}}))
 	s, _ := m.find("w", "cache_aware")
 	pe := s.PredictionError
 	if pe == nil || pe.Requests != 30 || pe.SlotWaits != 10 || !near(pe.Median, 0.2) || !near(pe.P90, 0.9) ||
