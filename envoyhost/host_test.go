@@ -33,6 +33,9 @@ func TestRoutedRequestThroughTheRealLibrary(t *testing.T) {
 		if ms, err := strconv.ParseFloat(resp.Header.Get(headers.PredictedTTFT), 64); err != nil || ms <= 0 {
 			t.Fatalf("stream=%v: %s = %q, want a positive number of milliseconds", stream, headers.PredictedTTFT, resp.Header.Get(headers.PredictedTTFT))
 		}
+		if share, err := strconv.ParseFloat(resp.Header.Get(headers.PredictedCachedShare), 64); err != nil || share < 0 || share > 1 {
+			t.Fatalf("stream=%v: %s = %q, want a share of the prompt", stream, headers.PredictedCachedShare, resp.Header.Get(headers.PredictedCachedShare))
+		}
 		if stream && !strings.Contains(string(body), "data: [DONE]") {
 			t.Fatalf("stream: body is not a finished SSE stream: %q", body)
 		}
@@ -70,7 +73,7 @@ func TestBodylessRequestUsesTheRoutesCluster(t *testing.T) {
 	if resp.StatusCode != 200 || resp.Header.Get("x-served-by") != b.addr {
 		t.Fatalf("GET: status %d served by %q", resp.StatusCode, resp.Header.Get("x-served-by"))
 	}
-	if resp.Header.Get(headers.UpstreamHost) != "" || resp.Header.Get(headers.PredictedTTFT) != "" {
+	if resp.Header.Get(headers.UpstreamHost) != "" || resp.Header.Get(headers.PredictedTTFT) != "" || resp.Header.Get(headers.PredictedCachedShare) != "" {
 		t.Fatal("an unrouted request must not name a routed pod nor a prediction")
 	}
 }

@@ -168,6 +168,7 @@ func (o Options) do(ctx context.Context, base string, msgs []client.Message, max
 	if res.Header != nil {
 		r.PredictedTTFTms = report.ParsePredictedTTFT(res.Header.Get(headers.PredictedTTFT))
 		r.PredictedSlotWaitms = report.ParsePredictedTTFT(res.Header.Get(headers.PredictedSlotWait))
+		r.PredictedCachedShare = report.ParseShare(res.Header.Get(headers.PredictedCachedShare))
 	}
 	if res.Outcome != client.OK {
 		r.Err = res.Err

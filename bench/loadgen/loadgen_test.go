@@ -226,8 +226,8 @@ func TestPlannedSessionsGoStraightToTheirWorker(t *testing.T) {
 
 // Against a real vLLM-like pod: each turn asks for its own output length,
 // a turn's think time passes between the previous answer and it, and the
-// gateway's predicted TTFT header (added here as the gateway adds it) is
-// recorded.
+// gateway's predicted TTFT, slot wait and cached share headers (added here
+// as the gateway adds them) are recorded.
 func TestPerTurnOutputsThinkTimeAndPredictedTTFT(t *testing.T) {
 	cfg := vllmsim.DefaultConfig()
 	cfg.StepTime, cfg.PrefillPerToken, cfg.DecodePerSeq = time.Millisecond, 0, 0
@@ -242,8 +242,9 @@ func TestPerTurnOutputsThinkTimeAndPredictedTTFT(t *testing.T) {
 	var asked atomic.Int64
 	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		w.Header().Set(headers.PredictedTTFT, "42.5")
-		if asked.Add(1) == 2 { // the second turn waits for an end
+		if asked.Add(1) == 2 { // the second turn waits for an end and is believed half cached
 			w.Header().Set(headers.PredictedSlotWait, "30")
+			w.Header().Set(headers.PredictedCachedShare, "0.500")
 		}
 		api.ServeHTTP(w, r)
 	}))
@@ -261,6 +262,9 @@ func TestPerTurnOutputsThinkTimeAndPredictedTTFT(t *testing.T) {
 		}
 		if wantWait := map[bool]float64{true: 30}[i == 1]; rs[i].PredictedSlotWaitms != wantWait {
 			t.Fatalf("turn %d: predicted slot wait %v ms, want %v", i, rs[i].PredictedSlotWaitms, wantWait)
+		}
+		if share := rs[i].PredictedCachedShare; (share != nil) != (i == 1) || i == 1 && *share != 0.5 {
+			t.Fatalf("turn %d: predicted cached share %v, want 0.5 on the second turn only", i, share)
 		}
 	}
 	if gap := rs[1].Start - (rs[0].Start + rs[0].Latency); gap < 300*time.Millisecond {

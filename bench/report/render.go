@@ -116,8 +116,8 @@ func (r Run) WriteMarkdown(w io.Writer) error {
 	writeLadders(&b, r)
 	for _, wl := range r.Workloads() {
 		fmt.Fprintf(&b, "## %s\n\n", wl)
-		b.WriteString("| policy | TTFT p50 ms | TTFT p90 ms | TTFT p99 ms | E2E p50 ms | E2E p99 ms | req/s | success | cache hit | imbalance | TTFT pred. error p50 / p90 |\n")
-		b.WriteString("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n")
+		b.WriteString("| policy | TTFT p50 ms | TTFT p90 ms | TTFT p99 ms | E2E p50 ms | E2E p99 ms | req/s | success | cache hit | imbalance | TTFT pred. error p50 / p90 | cache belief error p50 / p90 (pod held less / more) |\n")
+		b.WriteString("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n")
 		var ran []string // the policies this workload ran
 		for _, p := range r.Policies() {
 			s, ok := r.find(wl, p)
@@ -144,16 +144,20 @@ func (r Run) WriteMarkdown(w io.Writer) error {
 						100*pe.SlotWait.Median, 100*pe.SlotWait.P90)
 				}
 			}
+			belief := "–"
+			if cb := s.CacheBelief; cb != nil {
+				belief = fmt.Sprintf("%.0f / %.0f points (%.0f%% / %.0f%%)", 100*cb.Median, 100*cb.P90, 100*cb.Less, 100*cb.More)
+			}
 			imb := fmt.Sprintf("%.2f", s.Imbalance)
 			if s.UpstreamUnknown {
 				imb = "unknown"
 			}
-			fmt.Fprintf(&b, "| %s | %s | %s | %s | %.1f | %.1f | %.2f | %.1f%% | %s | %s | %s |\n",
+			fmt.Fprintf(&b, "| %s | %s | %s | %s | %.1f | %.1f | %.2f | %.1f%% | %s | %s | %s | %s |\n",
 				p, p50, p90, p99, s.Latency.P50, s.Latency.P99,
-				s.Throughput, 100*s.SuccessRate, hit, imb, pred)
+				s.Throughput, 100*s.SuccessRate, hit, imb, pred, belief)
 		}
 		if f, ok := r.floor(wl); ok {
-			fmt.Fprintf(&b, "| *floor: no router can beat this* | %.1f | %.1f | %.1f | | | | | | | |\n", f.TTFT.P50, f.TTFT.P90, f.TTFT.P99)
+			fmt.Fprintf(&b, "| *floor: no router can beat this* | %.1f | %.1f | %.1f | | | | | | | | |\n", f.TTFT.P50, f.TTFT.P90, f.TTFT.P99)
 			fmt.Fprintf(&b, "\nThe floor (bench/floor, docs/benchmarks.md \"Method\"): each of the %d requests alone on an idle pod that holds the longest prefix it shares with any earlier request, its TTFT the engine's own cost of prefilling the rest; every policy's percentiles are at least the floor's.\n", f.Requests)
 		} else if r.NoFloor != "" {
 			fmt.Fprintf(&b, "\nNo floor: %s.\n", r.NoFloor)

@@ -80,6 +80,26 @@ func medianOf(ss []Summary) Summary {
 		}
 		m.PredictionError = pe
 	}
+	// The cache belief's figures: their medians over the runs that have one.
+	var beliefs []*CacheBelief
+	for _, s := range ss {
+		if s.CacheBelief != nil {
+			beliefs = append(beliefs, s.CacheBelief)
+		}
+	}
+	if len(beliefs) > 0 {
+		cb := &CacheBelief{
+			ErrorRange: ErrorRange{Median: median(beliefs, func(b *CacheBelief) float64 { return b.Median }),
+				P90: median(beliefs, func(b *CacheBelief) float64 { return b.P90 })},
+			Bias: median(beliefs, func(b *CacheBelief) float64 { return b.Bias }),
+			Less: median(beliefs, func(b *CacheBelief) float64 { return b.Less }),
+			More: median(beliefs, func(b *CacheBelief) float64 { return b.More }),
+		}
+		for _, b := range beliefs {
+			cb.Requests += b.Requests
+		}
+		m.CacheBelief = cb
+	}
 	return m
 }
 

@@ -36,6 +36,10 @@ type Result struct {
 	// wait for running requests to end (headers.PredictedSlotWait), 0 when
 	// it was predicted to wait for none.
 	PredictedSlotWaitms float64 `json:"predicted_slot_wait_ms,omitempty"`
+	// PredictedCachedShare is the share of the prompt the gateway believed
+	// the pod held in its KV cache (headers.PredictedCachedShare); nil when
+	// it stated none.
+	PredictedCachedShare *float64 `json:"predicted_cached_share,omitempty"`
 
 	// Where the request ran in a repeated run: the workload's seed, the
 	// repeat (1-based) and, on a rate ladder, the step's offered load in
@@ -54,6 +58,17 @@ func ParsePredictedTTFT(v string) float64 {
 		return 0
 	}
 	return f
+}
+
+// ParseShare reads a share, 0 to 1, such as the gateway's predicted cached
+// share (internal/headers.PredictedCachedShare): nil when absent or not a
+// share.
+func ParseShare(v string) *float64 {
+	f, err := strconv.ParseFloat(strings.TrimSpace(v), 64)
+	if err != nil || !(f >= 0 && f <= 1) {
+		return nil
+	}
+	return &f
 }
 
 // OK reports whether the request succeeded.
@@ -103,6 +118,10 @@ type Summary struct {
 	// PredictionError compares the gateway's predicted TTFT for the chosen
 	// pod with the observed one; nil when no answer carried a prediction.
 	PredictionError *PredictionError `json:"prediction_error,omitempty"`
+	// CacheBelief compares what the gateway believed the chosen pods held
+	// of the prompts with what they served from their caches; nil when no
+	// answer stated a belief.
+	CacheBelief *CacheBelief `json:"cache_belief,omitempty"`
 
 	// Rate is a rate-ladder step's offered load (requests per second).
 	Rate float64 `json:"rate,omitempty"`
@@ -127,6 +146,53 @@ type PredictionError struct {
 	SlotWaits  int        `json:"slot_waits"`
 	SlotWait   ErrorRange `json:"slot_wait"`
 	NoSlotWait ErrorRange `json:"no_slot_wait"`
+}
+
+// CacheBelief compares, over the requests whose answer stated one, the
+// share of the prompt the gateway believed its pod held in its KV cache
+// (Result.PredictedCachedShare) with the share the pod served from it
+// (cached_tokens / prompt_tokens): the absolute difference's median and 90th
+// percentile (ErrorRange, in shares of the prompt), its mean signed (Bias:
+// positive where pods held less than believed), and the shares of the
+// requests whose pod held at least a tenth of the prompt less (Less) or
+// more (More) than believed: the prefix index's staleness, one of the two
+// inputs of the prediction that can be checked apart.
+type CacheBelief struct {
+	Requests   int     `json:"requests"`
+	ErrorRange         // "median", "p90"
+	Bias       float64 `json:"bias"`
+	Less       float64 `json:"less"`
+	More       float64 `json:"more"`
+}
+
+// beliefMargin is how far a pod's cache must be from the belief to count
+// in CacheBelief.Less or More: a tenth of the prompt, beyond the blocks an
+// index and an engine round differently (a prompt's last partial block).
+const beliefMargin = 0.1
+
+func cacheBelief(rs []Result) *CacheBelief {
+	var abs []float64
+	var sum float64
+	var less, more int
+	for _, r := range rs {
+		if !r.OK() || r.PredictedCachedShare == nil || r.PromptTokens <= 0 {
+			continue
+		}
+		d := *r.PredictedCachedShare - float64(r.CachedTokens)/float64(r.PromptTokens)
+		abs = append(abs, math.Abs(d))
+		sum += d
+		switch {
+		case d >= beliefMargin:
+			less++
+		case d <= -beliefMargin:
+			more++
+		}
+	}
+	if len(abs) == 0 {
+		return nil
+	}
+	n := float64(len(abs))
+	return &CacheBelief{Requests: len(abs), ErrorRange: errorRange(abs), Bias: sum / n, Less: float64(less) / n, More: float64(more) / n}
 }
 
 // ErrorRange is a prediction error's median and 90th percentile over a set
@@ -199,6 +265,7 @@ func Summarize(workload, policy string, rs []Result, workers []string) Summary {
 		s.UpstreamUnknown, s.PerWorker = true, nil
 	}
 	s.PredictionError = predictionError(rs)
+	s.CacheBelief = cacheBelief(rs)
 	return s
 }
 

@@ -434,3 +434,54 @@ func TestMergeOfPredictionErrorParts(t *testing.T) {
 		t.Fatalf("merged prediction error %+v", pe)
 	}
 }
+
+// The cache belief: the share of the prompt believed cached on the chosen
+// pod (headers.PredictedCachedShare) against the share it served; merged
+// runs take each figure's median.
+func TestCacheBeliefFromTheHeader(t *testing.T) {
+	if v := ParseShare(" 0.25 "); v == nil || *v != 0.25 {
+		t.Fatal("ParseShare(0.25)")
+	}
+	for _, bad := range []string{"", "1.5", "-0.1", "NaN", "x"} {
+		if ParseShare(bad) != nil {
+			t.Fatalf("ParseShare(%q) is a share", bad)
+		}
+	}
+	share := func(v float64) *float64 { return &v }
+	rs := []Result{ // believed − served: +0.5, 0, −0.25, 0.05; one states none, one failed
+		{Status: 200, PromptTokens: 100, CachedTokens: 25, PredictedCachedShare: share(0.75)},
+		{Status: 200, PromptTokens: 100, CachedTokens: 100, PredictedCachedShare: share(1)},
+		{Status: 200, PromptTokens: 100, CachedTokens: 25, PredictedCachedShare: share(0)},
+		{Status: 200, PromptTokens: 100, CachedTokens: 0, PredictedCachedShare: share(0.05)},
+		{Status: 200, PromptTokens: 100, CachedTokens: 0},
+		{Status: 500, Err: "x", PromptTokens: 100, PredictedCachedShare: share(1)},
+	}
+	s := Summarize("w", "cache_aware", rs, nil)
+	cb := s.CacheBelief
+	if cb == nil || cb.Requests != 4 || !near(cb.Median, 0.15) || !near(cb.P90, 0.25+0.7*0.25) || !near(cb.Bias, 0.3/4) ||
+		!near(cb.Less, 0.25) || !near(cb.More, 0.25) {
+		t.Fatalf("cache belief %+v, want 4 requests, median 0.15, p90 0.425, bias 0.075, a quarter each held less and more", cb)
+	}
+	var b strings.Builder
+	if err := (Run{Summaries: []Summary{s}}).WriteMarkdown(&b); err != nil {
+		t.Fatal(err)
+	}
+	if !strings.Contains(b.String(), "| 15 / 43 points (25% / 25%) |") {
+		t.Fatalf("report lacks the cache belief cell:\n%s", b.String())
+	}
+	if Summarize("w", "x", rs[4:], nil).CacheBelief != nil {
+		t.Fatal("a cache belief without any stated")
+	}
+
+	run := func(started string, cb *CacheBelief) Run {
+		return Run{Title: "t", Started: started, Summaries: []Summary{{Workload: "w", Policy: "cache_aware", Requests: 10, Succeeded: 10, CacheBelief: cb}}}
+	}
+	m := Merge(run("a", &CacheBelief{Requests: 10, ErrorRange: ErrorRange{0, 0.1}, Bias: 0.01, Less: 0.1, More: 0}),
+		run("b", nil),
+		run("c", &CacheBelief{Requests: 10, ErrorRange: ErrorRange{0.1, 0.3}, Bias: 0.03, Less: 0.3, More: 0.2}))
+	got, _ := m.find("w", "cache_aware")
+	if cb := got.CacheBelief; cb == nil || cb.Requests != 20 || !near(cb.Median, 0.05) || !near(cb.P90, 0.2) || !near(cb.Bias, 0.02) ||
+		!near(cb.Less, 0.2) || !near(cb.More, 0.1) {
+		t.Fatalf("merged cache belief %+v", got.CacheBelief)
+	}
+}

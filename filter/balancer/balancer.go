@@ -287,6 +287,12 @@ func New(opts Options) *Balancer {
 		// the aims lie (|error| ≤ 0.2 median, ≤ 0.5 p90).
 		Buckets: []float64{-3, -1, -0.5, -0.35, -0.2, -0.1, -0.05, 0, 0.05, 0.1, 0.2, 0.35, 0.5, 0.75},
 	})
+	cache := prometheus.NewHistogram(prometheus.HistogramOpts{
+		Name: "llm_filter_balancer_cache_belief_error",
+		Help: "Share of the prompt the chosen pod was believed to hold in its KV cache less the share it served from it (usage.prompt_tokens_details.cached_tokens): positive when the pod had evicted what the prefix index still listed.",
+		// Shares of the prompt, finer near 0 where a sound index lies.
+		Buckets: []float64{-0.5, -0.25, -0.1, -0.02, 0.02, 0.1, 0.25, 0.5},
+	})
 	b.bpt = prometheus.NewGaugeVec(prometheus.GaugeOpts{
 		Name: "llm_filter_balancer_bytes_per_token",
 		Help: "Prompt bytes per token learnt per model from the usage.prompt_tokens of its answers (1 until the first).",
@@ -296,9 +302,10 @@ func New(opts Options) *Balancer {
 		// first one's collectors.
 		b.stages = register(opts.Registerer, b.stages)
 		errs = register(opts.Registerer, errs)
+		cache = register(opts.Registerer, cache)
 		b.bpt = register(opts.Registerer, b.bpt)
 	}
-	b.ttft = newTTFTModel(errs, b.log)
+	b.ttft = newTTFTModel(errs, cache, b.log)
 	b.tracker.held = b.ttft.held
 	b.policies[config.PolicyCacheAware] = &CacheAware{m: b.ttft}
 	if p, ok := opts.Policies[config.PolicyCacheAware]; ok {
@@ -340,6 +347,13 @@ func (b *Balancer) BytesPerToken(model string) *BytesPerToken {
 // ignored.
 func (b *Balancer) Observe(p Prediction, observed time.Duration) {
 	b.ttft.observe(p, observed)
+}
+
+// ObserveCache checks what a decision believed its pod held of the prompt
+// against what the pod served from its KV cache (the answer's usage): the
+// llm_filter_balancer_cache_belief_error histogram, and a debug line.
+func (b *Balancer) ObserveCache(p Prediction, promptTokens, cachedTokens int64) {
+	b.ttft.observeCache(p, promptTokens, cachedTokens)
 }
 
 // RegisterPolicy adds or replaces a policy (a *Profile is one).

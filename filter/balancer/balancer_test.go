@@ -652,7 +652,7 @@ func TestFilledSinceReport(t *testing.T) {
 // report: a conversation's holder that reported the turn before as queued
 // is not predicted slower than a cold pod.
 func TestStaleReportedQueueIsNotCounted(t *testing.T) {
-	p := predictor{m: newTTFTModel(nil, slog.New(slog.DiscardHandler)), bpt: 1, rate: 1000, step: 0.01, promptTokens: 1000, req: Request{PromptLength: 1000}}
+	p := predictor{m: newTTFTModel(nil, nil, slog.New(slog.DiscardHandler)), bpt: 1, rate: 1000, step: 0.01, promptTokens: 1000, req: Request{PromptLength: 1000}}
 	// The report caught the turn before queued and prefilling.
 	holder := Host{Address: "a", CacheRatio: 0.9, Signals: true, Waiting: 1, PrefillQueued: 900, FilledSinceReport: 900, FilledReqsSinceReport: 1}
 	cold := Host{Address: "b", Signals: true}

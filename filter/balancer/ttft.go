@@ -51,6 +51,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/istio-llm-filter/istio-llm-filter/filter/config"
+	"github.com/istio-llm-filter/istio-llm-filter/internal/headers"
 )
 
 // BytesPerToken learns a model's prompt bytes per token from the
@@ -136,10 +137,14 @@ type Cost struct {
 
 // Prediction is what a decision predicted for its chosen pod
 // (Choice.Prediction); the lifecycle hands it back to Balancer.Observe with
-// the observed TTFT at the first token. The zero value predicts nothing.
+// the observed TTFT at the first token, and to Balancer.ObserveCache with
+// what the pod served from its KV cache. The zero value predicts nothing.
 type Prediction struct {
 	Cost
 	Cluster string
+	// PromptTokens is the prompt in tokens as the prediction counted them
+	// (its bytes over the bytes per token then known).
+	PromptTokens float64
 	// The rule's defaults the prediction used where the cluster had no
 	// fit yet: Observe starts the cluster's fit from them.
 	defRate, defStep float64
@@ -153,18 +158,31 @@ type Prediction struct {
 // behind the prefill queued ahead.
 func (c Cost) WaitsForEnds() bool { return c.SlotWait > 0 && c.Wait == c.SlotWait }
 
-// Stated is what a routed answer states of the prediction
-// (headers.PredictedTTFT and headers.PredictedSlotWait): the predicted TTFT
-// and, where the request waits for ends, that wait, in milliseconds; ""
-// where it states nothing.
-func (p Prediction) Stated() (ttft, slotWait string) {
-	if p.Total > 0 {
-		ttft = strconv.FormatFloat(p.Total*1000, 'f', 3, 64)
-		if p.WaitsForEnds() {
-			slotWait = strconv.FormatFloat(p.SlotWait*1000, 'f', 3, 64)
-		}
+// CachedShare is the share of the prompt the decision believed the pod
+// held in its KV cache (what the prefix index matched there), 0 to 1.
+func (p Prediction) CachedShare() float64 {
+	if p.PromptTokens <= 0 {
+		return 0
 	}
-	return ttft, slotWait
+	return min(max(1-p.UncachedTokens/p.PromptTokens, 0), 1)
+}
+
+// State states the prediction in a routed answer's headers, through set:
+// the predicted TTFT (headers.PredictedTTFT), where the request waits for
+// ends that wait (headers.PredictedSlotWait), in milliseconds, and the
+// share of the prompt believed cached on the pod
+// (headers.PredictedCachedShare). Nothing for the zero value.
+func (p Prediction) State(set func(name, value string)) {
+	if p.Total <= 0 {
+		return
+	}
+	set(headers.PredictedTTFT, strconv.FormatFloat(p.Total*1000, 'f', 3, 64))
+	if p.WaitsForEnds() {
+		set(headers.PredictedSlotWait, strconv.FormatFloat(p.SlotWait*1000, 'f', 3, 64))
+	}
+	if p.PromptTokens > 0 {
+		set(headers.PredictedCachedShare, strconv.FormatFloat(p.CachedShare(), 'f', 3, 64))
+	}
 }
 
 // podFit is what the gateway has learnt of one pod from the requests that
@@ -236,7 +254,8 @@ type ttftModel struct {
 	mu    sync.RWMutex
 	pods  map[string]*podFit     // host -> fit
 	means map[string]*fleetMeans // cluster -> means
-	errs  errObserver
+	errs  errObserver            // the TTFT's relative errors (observe)
+	cache errObserver            // the cache belief's errors (observeCache)
 	log   *slog.Logger
 }
 
@@ -248,8 +267,8 @@ const maxFitPods = 10000
 // errObserver receives relative errors (a Prometheus histogram).
 type errObserver interface{ Observe(float64) }
 
-func newTTFTModel(errs errObserver, log *slog.Logger) *ttftModel {
-	return &ttftModel{pods: map[string]*podFit{}, means: map[string]*fleetMeans{}, errs: errs, log: log}
+func newTTFTModel(errs, cache errObserver, log *slog.Logger) *ttftModel {
+	return &ttftModel{pods: map[string]*podFit{}, means: map[string]*fleetMeans{}, errs: errs, cache: cache, log: log}
 }
 
 // predictor is one decision's view of the model: its inputs read once
@@ -411,7 +430,7 @@ func (m *ttftModel) chosen(s *State, i int) Prediction {
 	c := p.predict(&s.Hosts[i])
 	m.mu.RUnlock()
 	m.routed(s.Cluster, float64(s.PromptLength), c.UncachedTokens*p.bpt)
-	return Prediction{Cost: c, Cluster: s.Cluster, defRate: p.rate, defStep: p.step, bpt: p.bpt}
+	return Prediction{Cost: c, Cluster: s.Cluster, PromptTokens: p.promptTokens, defRate: p.rate, defStep: p.step, bpt: p.bpt}
 }
 
 // routed updates the cluster's means with a decision's request, in bytes.
@@ -530,6 +549,23 @@ func (m *ttftModel) observe(p Prediction, observed time.Duration) {
 	if mx > 0 {
 		fm.secPerByte = min(max(fm.secPerByte*scale, minRate), maxRate)
 	}
+}
+
+// observeCache checks what p believed its pod held of the prompt
+// (Prediction.CachedShare) against the share the pod served from its KV
+// cache, cachedTokens of promptTokens: positive where the pod held less
+// than believed (it had evicted what the index still listed), negative
+// where it held more. Not fitted: the index learns what pods hold from the
+// saves and evictions themselves; this tells how far to trust it.
+func (m *ttftModel) observeCache(p Prediction, promptTokens, cachedTokens int64) {
+	if p.Host == "" || p.PromptTokens <= 0 || promptTokens <= 0 || cachedTokens < 0 || cachedTokens > promptTokens {
+		return
+	}
+	believed, served := p.CachedShare(), float64(cachedTokens)/float64(promptTokens)
+	m.cache.Observe(believed - served)
+	m.log.LogAttrs(context.Background(), slog.LevelDebug, "cache",
+		slog.String("cluster", p.Cluster), slog.String("host", p.Host),
+		slog.Float64("believed", believed), slog.Float64("served", served))
 }
 
 // maxScale bounds one observation's pull on the cluster's fit (observe):

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"fmt"
 	"log/slog"
+	"maps"
 	"math"
 	"slices"
 	"sort"
@@ -13,9 +14,11 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
+	dto "github.com/prometheus/client_model/go"
 
 	"github.com/istio-llm-filter/istio-llm-filter/filter/config"
 	"github.com/istio-llm-filter/istio-llm-filter/filter/endpoints"
+	"github.com/istio-llm-filter/istio-llm-filter/internal/headers"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/api"
 )
 
@@ -80,7 +83,7 @@ func hostsState(t *testing.T, hosts []Host, promptLength int64, seed uint64) *St
 // capacity the pod reports, else comes from vLLM's reading of utilization
 // (the blocks of running requests) and the fleet's mean prompt.
 func TestKVFitChargesWhatDoesNotFit(t *testing.T) {
-	m := newTTFTModel(prometheus.NewHistogram(prometheus.HistogramOpts{Name: "x"}), slog.Default())
+	m := testModel()
 	m.means["c"] = &fleetMeans{prompt: 1000, uncached: 500}
 	for _, tc := range []struct {
 		name    string
@@ -128,7 +131,7 @@ func TestKVFitChargesWhatDoesNotFit(t *testing.T) {
 // Pods predicted within tie_epsilon of the best that compute equally many
 // of the request's tokens share the traffic evenly; a pod past it gets none.
 func TestNearTiesSpread(t *testing.T) {
-	ca := &CacheAware{m: newTTFTModel(prometheus.NewHistogram(prometheus.HistogramOpts{Name: "x"}), slog.Default())}
+	ca := &CacheAware{m: testModel()}
 	// Idle pods predict the step plus 1000 tokens' prefill (0.225 s); 40
 	// tokens queued add 0.008 s (3.6%, a near-tie); 500 add 0.1 s (44%).
 	hosts := []Host{{Address: "a"}, {Address: "b", Prompt: 40}, {Address: "c"}, {Address: "d", Prompt: 500}}
@@ -161,7 +164,7 @@ func TestNearTiesSpread(t *testing.T) {
 // does for the next request, and only the cold pod spends a second copy.
 // Past tie_epsilon the prediction decides.
 func TestNearTiesPreferTheFewestComputedTokens(t *testing.T) {
-	ca := &CacheAware{m: newTTFTModel(prometheus.NewHistogram(prometheus.HistogramOpts{Name: "x"}), slog.Default())}
+	ca := &CacheAware{m: testModel()}
 	// The cold pods predict 0.025 + 2000/5000 = 0.425 s; the holder, with
 	// 100 of the prompt's tokens to compute, 0.025 + (queued+100)/5000.
 	for _, tc := range []struct {
@@ -186,7 +189,7 @@ func TestNearTiesPreferTheFewestComputedTokens(t *testing.T) {
 // one that is decoding); equals share uniformly; computing fewer tokens
 // still comes first.
 func TestNearTiesThenTheFewestRequestsInFlight(t *testing.T) {
-	ca := &CacheAware{m: newTTFTModel(prometheus.NewHistogram(prometheus.HistogramOpts{Name: "x"}), slog.Default())}
+	ca := &CacheAware{m: testModel()}
 	// Requests past their first token add nothing to the prediction: all
 	// four cold pods predict the same TTFT.
 	hosts := []Host{{Address: "busy", Reqs: 2}, {Address: "idle1"}, {Address: "one", Reqs: 1}, {Address: "idle2"}}
@@ -291,7 +294,7 @@ func TestVLLMSignalsOnlyGiveSanePredictions(t *testing.T) {
 // 4 × 1/4 = 1 s for a slot; 2000 queued tokens at 5000 tokens/s take 0.4 s
 // (inside the slot wait), 10000 take 2 s (past it).
 func TestTheQueuePrefillsWhileTheRequestWaitsForASlot(t *testing.T) {
-	m := newTTFTModel(prometheus.NewHistogram(prometheus.HistogramOpts{Name: "x"}), slog.Default())
+	m := testModel()
 	m.fit("pod").hold = 1
 	p := m.predictor(&State{Cluster: "c", Rule: defaultRule(t), PromptLength: 500, BytesPerToken: 1})
 	for _, tc := range []struct {
@@ -313,7 +316,7 @@ func TestTheQueuePrefillsWhileTheRequestWaitsForASlot(t *testing.T) {
 // 0.4 s each), while an idle cold pod, where nobody waits, still wins.
 // Each pod runs 4 requests that hold their slot 1 s.
 func TestACopyPaysForTheRequestsWaitingBehindIt(t *testing.T) {
-	ca := &CacheAware{m: newTTFTModel(prometheus.NewHistogram(prometheus.HistogramOpts{Name: "x"}), slog.Default())}
+	ca := &CacheAware{m: testModel()}
 	for _, a := range []string{"holder", "cold", "idle"} {
 		ca.m.fit(a).hold = 1
 	}
@@ -348,7 +351,7 @@ func TestACopyPaysForTheRequestsWaitingBehindIt(t *testing.T) {
 // 960-token prompt, conversations of 900 tokens on average. A shorter
 // prompt fits beside it at once.
 func TestAnEndSinceTheReportFreesItsSlotAndTheKVDecidesTheWait(t *testing.T) {
-	m := newTTFTModel(prometheus.NewHistogram(prometheus.HistogramOpts{Name: "x"}), slog.Default())
+	m := testModel()
 	m.fit("holder").hold = 0.2
 	m.routed("c", 900, 100)
 	holder := Host{Address: "holder", Signals: true, Running: 1, Waiting: 1, MaxRunning: 4, KVCapacity: 1536, KVUtil: 0.62}
@@ -377,7 +380,7 @@ func TestAnEndSinceTheReportFreesItsSlotAndTheKVDecidesTheWait(t *testing.T) {
 // next request waits behind it too; with a slot free it runs at once.
 // Each request holds its slot 1 s, 4 run at most.
 func TestARequestSentSinceTheReportJoinsThePod(t *testing.T) {
-	m := newTTFTModel(prometheus.NewHistogram(prometheus.HistogramOpts{Name: "x"}), slog.Default())
+	m := testModel()
 	m.fit("pod").hold = 1
 	p := m.predictor(hostsState(t, nil, 500, 0))
 	full := Host{Address: "pod", Signals: true, Running: 4, MaxRunning: 4, BegunReqsSinceReport: 1}
@@ -402,7 +405,7 @@ func TestARequestSentSinceTheReportJoinsThePod(t *testing.T) {
 // three times that if it counted the queue's tokens as computed in the
 // time the request waited).
 func TestTheFitLearnsTheRateBehindASlotWait(t *testing.T) {
-	m := newTTFTModel(prometheus.NewHistogram(prometheus.HistogramOpts{Name: "x"}), slog.Default())
+	m := testModel()
 	m.fit("pod").hold = 2
 	rule := defaultRule(t)
 	for i := range 200 {
@@ -428,7 +431,7 @@ func TestTheFitLearnsTheRateBehindASlotWait(t *testing.T) {
 // long (bounded only by a factor 4, the step came out 17 ms and a
 // 100-token prompt 50% over).
 func TestUnforeseenWaitsStayOutOfTheFit(t *testing.T) {
-	m := newTTFTModel(prometheus.NewHistogram(prometheus.HistogramOpts{Name: "x"}), slog.Default())
+	m := testModel()
 	rule := defaultRule(t)
 	for i := range 400 {
 		n := int64(100 + (i*733)%1000)
@@ -457,7 +460,7 @@ func TestUnforeseenWaitsStayOutOfTheFit(t *testing.T) {
 // 15% for short and long prompts (a fit kept in tokens would have learnt
 // 40000 "tokens"/s, and predicted a quarter of every prefill).
 func TestTheFitOutlivesLearningTheBytesPerToken(t *testing.T) {
-	m := newTTFTModel(prometheus.NewHistogram(prometheus.HistogramOpts{Name: "x"}), slog.Default())
+	m := testModel()
 	rule := defaultRule(t)
 	truth := func(bytes int64) float64 { return 0.01 + float64(bytes)/4/10000 }
 	for i := range 40 {
@@ -861,7 +864,7 @@ func TestBlocksSharedWithARunningRequestNeedNoRoom(t *testing.T) {
 	if hs[0].SharedBlocks != 3 {
 		t.Fatalf("shared blocks %d, want 3", hs[0].SharedBlocks)
 	}
-	m := newTTFTModel(prometheus.NewHistogram(prometheus.HistogramOpts{Name: "x"}), slog.Default())
+	m := testModel()
 	m.fit("holder").hold = 0.2
 	m.routed("c", 900, 100)
 	s := hostsState(t, nil, 960, 0)
@@ -886,7 +889,7 @@ func TestBlocksSharedWithARunningRequestNeedNoRoom(t *testing.T) {
 // leaves room for a 900-token prompt, though the fleet's prompts average
 // 300 tokens; a 300-token one sent there since takes its own room back.
 func TestAnEndedRequestFreesItsOwnBlocks(t *testing.T) {
-	m := newTTFTModel(prometheus.NewHistogram(prometheus.HistogramOpts{Name: "x"}), slog.Default())
+	m := testModel()
 	m.fit("pod").hold = 0.2
 	m.routed("c", 300, 100)
 	pods := []endpoints.Endpoint{{Address: "pod"}}
@@ -923,22 +926,66 @@ func TestAnEndedRequestFreesItsOwnBlocks(t *testing.T) {
 	}
 }
 
-// An answer states the predicted TTFT and, where the request was predicted
-// to wait longest for running requests to end, that wait, in milliseconds
-// (headers.PredictedTTFT, PredictedSlotWait).
-func TestAPredictionStatesItsSlotWait(t *testing.T) {
+// An answer states the predicted TTFT, where the request was predicted to
+// wait longest for running requests to end that wait, in milliseconds, and
+// the share of the prompt believed cached on the pod (headers.PredictedTTFT,
+// PredictedSlotWait, PredictedCachedShare).
+func TestAPredictionStatesItsSlotWaitAndCachedShare(t *testing.T) {
 	for _, tc := range []struct {
-		c              Cost
-		ttft, slotWait string
+		p                      Prediction
+		ttft, slotWait, cached string
 	}{
-		{Cost{SlotWait: 0.2, Queue: 0.1, Wait: 0.2, Total: 0.3}, "300.000", "200.000"},
-		{Cost{SlotWait: 0.2, Queue: 0.4, Wait: 0.4, Total: 0.5}, "500.000", ""}, // behind the queue's prefill
-		{Cost{Total: 0.05}, "50.000", ""},
-		{Cost{}, "", ""},
+		{Prediction{Cost: Cost{SlotWait: 0.2, Queue: 0.1, Wait: 0.2, Total: 0.3, UncachedTokens: 250}, PromptTokens: 1000},
+			"300.000", "200.000", "0.750"},
+		{Prediction{Cost: Cost{SlotWait: 0.2, Queue: 0.4, Wait: 0.4, Total: 0.5, UncachedTokens: 1000}, PromptTokens: 1000},
+			"500.000", "", "0.000"}, // behind the queue's prefill; nothing cached
+		{Prediction{Cost: Cost{Total: 0.05}, PromptTokens: 10}, "50.000", "", "1.000"},
+		{Prediction{Cost: Cost{Total: 0.05}}, "50.000", "", ""}, // no prompt counted
+		{Prediction{}, "", "", ""},
 	} {
-		ttft, slot := Prediction{Cost: tc.c}.Stated()
-		if ttft != tc.ttft || slot != tc.slotWait {
-			t.Fatalf("%+v states %q, %q; want %q, %q", tc.c, ttft, slot, tc.ttft, tc.slotWait)
+		got := map[string]string{}
+		tc.p.State(func(name, value string) { got[name] = value })
+		want := map[string]string{}
+		for name, v := range map[string]string{headers.PredictedTTFT: tc.ttft, headers.PredictedSlotWait: tc.slotWait,
+			headers.PredictedCachedShare: tc.cached} {
+			if v != "" {
+				want[name] = v
+			}
+		}
+		if !maps.Equal(got, want) {
+			t.Fatalf("%+v states %v, want %v", tc.p, got, want)
 		}
 	}
+}
+
+// The answer's usage checks what the decision believed the pod held of the
+// prompt: believed less served, as a share of the prompt, in the histogram.
+func TestTheCacheBeliefIsCheckedAgainstWhatThePodServed(t *testing.T) {
+	h := prometheus.NewHistogram(prometheus.HistogramOpts{Name: "y", Buckets: []float64{-0.3, -0.2, 0.2, 0.3}})
+	m := newTTFTModel(prometheus.NewHistogram(prometheus.HistogramOpts{Name: "x"}), h, slog.Default())
+	// Believed 75% cached; the pod served 25% (+0.5), then all of it (−0.25).
+	believed := Prediction{Cost: Cost{Host: "10.0.0.1:8000", Total: 0.1, UncachedTokens: 250}, PromptTokens: 1000}
+	m.observeCache(believed, 400, 100)
+	m.observeCache(believed, 400, 400)
+	for _, bad := range []struct{ prompt, cached int64 }{{0, 0}, {400, 401}, {400, -1}} {
+		m.observeCache(believed, bad.prompt, bad.cached)
+	}
+	m.observeCache(Prediction{}, 400, 100) // no decision
+	var d dto.Metric
+	if err := h.Write(&d); err != nil {
+		t.Fatal(err)
+	}
+	hist := d.GetHistogram()
+	if hist.GetSampleCount() != 2 || !within(hist.GetSampleSum(), 0.25, 1e-9) {
+		t.Fatalf("%d observations summing to %g, want 2 summing to 0.25", hist.GetSampleCount(), hist.GetSampleSum())
+	}
+	if b := hist.GetBucket(); b[0].GetCumulativeCount() != 0 || b[1].GetCumulativeCount() != 1 || b[3].GetCumulativeCount() != 1 {
+		t.Fatalf("buckets %v: want −0.25 in (−0.3, −0.2] and +0.5 above 0.3", b)
+	}
+}
+
+// testModel is a model whose errors go to histograms nobody reads.
+func testModel() *ttftModel {
+	return newTTFTModel(prometheus.NewHistogram(prometheus.HistogramOpts{Name: "x"}),
+		prometheus.NewHistogram(prometheus.HistogramOpts{Name: "y"}), slog.Default())
 }

@@ -9,6 +9,7 @@ import (
 	"net"
 	"net/http"
 	"slices"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -94,6 +95,13 @@ func throughRealEnvoy(t *testing.T, duplex bool) {
 		a := post(t, url, chat(false, "hello there"), nil)
 		if a.status != 200 || !slices.Contains(addrs(pods), a.served) || !strings.Contains(a.body, a.served) {
 			t.Fatalf("answer %d served by %q: %s", a.status, a.served, a.body)
+		}
+		// The decision's prediction is stated as on the filter's path.
+		ttft, err := strconv.ParseFloat(a.header.Get(headers.PredictedTTFT), 64)
+		share, err2 := strconv.ParseFloat(a.header.Get(headers.PredictedCachedShare), 64)
+		if err != nil || err2 != nil || ttft <= 0 || share < 0 || share > 1 {
+			t.Fatalf("%s %q, %s %q: want milliseconds and a share of the prompt", headers.PredictedTTFT,
+				a.header.Get(headers.PredictedTTFT), headers.PredictedCachedShare, a.header.Get(headers.PredictedCachedShare))
 		}
 	})
 	t.Run("stream", func(t *testing.T) {

@@ -527,12 +527,7 @@ func (x *exchange) responseHeaders(req *extprocv3.ProcessingRequest, hh *extproc
 		}
 		return x.skipBody(headersResponse(false, set, nil)), false
 	}
-	if ttft, slot := d.Prediction.Stated(); ttft != "" {
-		set = append(set, header(headers.PredictedTTFT, ttft))
-		if slot != "" {
-			set = append(set, header(headers.PredictedSlotWait, slot))
-		}
-	}
+	d.Prediction.State(func(name, value string) { set = append(set, header(name, value)) })
 	// The pod is answering, so it has (or is building) the prompt's cache.
 	x.s.opts.Reporter.Saved(d)
 	if hh.EndOfStream {

@@ -16,8 +16,10 @@
 //
 // The reports also check the decision's cost model (Options.Checker): the
 // first token hands the chosen pod's predicted time to first token and the
-// one observed since Started to Balancer.Observe, and the answer's
-// usage.prompt_tokens (ResponseData) teaches the model's bytes per token.
+// one observed since Started to Balancer.Observe, the answer's
+// usage.prompt_tokens (ResponseData) teaches the model's bytes per token,
+// and its cached_tokens check what the decision believed the pod held of the
+// prompt (Balancer.ObserveCache).
 package lifecycle
 
 import (
@@ -71,6 +73,10 @@ type Checker interface {
 	Observe(p balancer.Prediction, observed time.Duration)
 	// BytesPerToken is the model's learnt prompt bytes per token.
 	BytesPerToken(model string) *balancer.BytesPerToken
+	// ObserveCache checks what a decision believed its pod held of the
+	// prompt against what the pod served from its KV cache (the answer's
+	// usage: prompt tokens, cached tokens).
+	ObserveCache(p balancer.Prediction, promptTokens, cachedTokens int64)
 }
 
 // Reporter sends the lifecycle reports of the requests it is given; safe
@@ -168,9 +174,10 @@ type Request struct {
 	// upstream is when Started sent the request upstream: the first
 	// token's observed TTFT counts from it.
 	upstream time.Time
-	// usage finds usage.prompt_tokens in the answer (ResponseData, called
-	// from the response path only, one call at a time).
-	usage usageScan
+	// usage finds usage.prompt_tokens and cached_tokens in the answer
+	// (ResponseData, called from the response path only, one call at a
+	// time).
+	usage usage
 }
 
 // NewRequest starts the lifecycle record of a decision.
@@ -322,15 +329,26 @@ func (l *Reporter) FirstToken(d *Request) {
 // ResponseData reads one piece of the answer as the client receives it
 // (a JSON body, or a stream's events), in order: the first
 // usage.prompt_tokens it finds teaches the request's model its bytes per
-// token (Checker.BytesPerToken), against the canonical prompt's bytes.
-// Called from the response path, one call at a time per request.
+// token (Checker.BytesPerToken), against the canonical prompt's bytes; with
+// the usage's cached_tokens it checks what the decision believed the pod
+// held of the prompt (Checker.ObserveCache), unless another pod served the
+// request (Served). Called from the response path, one call at a time per
+// request.
 func (l *Reporter) ResponseData(d *Request, p []byte) {
-	if d == nil || l.checker == nil || d.usage.reported {
+	if d == nil || l.checker == nil || d.usage.checked {
 		return
 	}
-	if tokens, ok := d.usage.feed(p); ok {
-		d.usage.reported = true
-		l.checker.BytesPerToken(d.Model).Observe(int64(d.PromptLength), tokens)
+	u := &d.usage
+	learnt := u.prompt.found
+	u.feed(p)
+	if !learnt && u.prompt.found {
+		l.checker.BytesPerToken(d.Model).Observe(int64(d.PromptLength), u.promptTokens)
+	}
+	if u.prompt.found && u.cached.found {
+		u.checked = true
+		if !d.has(stServed) {
+			l.checker.ObserveCache(d.Prediction, u.promptTokens, u.cachedTokens)
+		}
 	}
 }
 

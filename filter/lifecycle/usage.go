@@ -2,23 +2,29 @@ package lifecycle
 
 import "bytes"
 
-// usageKey is the key whose number ResponseData reads: OpenAI answers carry
-// it in "usage" (a JSON body's, a stream's final usage chunk). In a JSON
-// string a quote is escaped, so the key cannot match inside generated text;
-// "prompt_tokens_details" does not match either.
-var usageKey = []byte(`"prompt_tokens"`)
+// The keys whose numbers ResponseData reads: OpenAI answers carry them in
+// "usage" (a JSON body's, a stream's final usage chunk), cached_tokens in
+// its prompt_tokens_details where the server counts them (vLLM, SGLang and
+// our worker do). In a JSON string a quote is escaped, so a key cannot
+// match inside generated text; "prompt_tokens_details" does not match
+// "prompt_tokens" either.
+var (
+	promptTokensKey = []byte(`"prompt_tokens"`)
+	cachedTokensKey = []byte(`"cached_tokens"`)
+)
 
 // maxUsageDigits bounds the number read: more digits are not a token count.
 const maxUsageDigits = 12
 
-// usageScan finds `"prompt_tokens": N` in an answer fed piece by piece,
-// wherever the pieces split it, without copying them.
+// usageScan finds `KEY: N` in an answer fed piece by piece, wherever the
+// pieces split it, without copying them. The zero value is ready; a
+// scanner keeps to one key.
 type usageScan struct {
-	st       uint8 // scanKey, scanColon, scanValue
-	k        int   // bytes of usageKey matched at the end of the last piece
-	val      int64
-	digits   int
-	reported bool // ResponseData used a value
+	st     uint8 // scanKey, scanColon, scanValue
+	k      int   // bytes of the key matched at the end of the last piece
+	val    int64
+	digits int
+	found  bool // a value was returned: the scan is over
 }
 
 const (
@@ -27,33 +33,36 @@ const (
 	scanValue
 )
 
-// feed scans p and returns the first complete value found (one followed by
-// a byte that is not a digit).
-func (u *usageScan) feed(p []byte) (int64, bool) {
+// feed scans p for key and returns the first complete value found
+// (one followed by a byte that is not a digit); once found, no other.
+func (u *usageScan) feed(key, p []byte) (int64, bool) {
+	if u.found {
+		return 0, false
+	}
 	for i := 0; i < len(p); {
 		switch u.st {
 		case scanKey:
 			if u.k > 0 { // a match split by the last piece's end
-				n := min(len(usageKey)-u.k, len(p)-i)
-				if !bytes.Equal(p[i:i+n], usageKey[u.k:u.k+n]) {
+				n := min(len(key)-u.k, len(p)-i)
+				if !bytes.Equal(p[i:i+n], key[u.k:u.k+n]) {
 					u.k = 0
 					continue // rescan from i
 				}
 				u.k += n
 				i += n
-				if u.k == len(usageKey) {
+				if u.k == len(key) {
 					u.k, u.st = 0, scanColon
 				}
 				continue
 			}
-			if j := bytes.Index(p[i:], usageKey); j >= 0 {
-				i += j + len(usageKey)
+			if j := bytes.Index(p[i:], key); j >= 0 {
+				i += j + len(key)
 				u.st = scanColon
 				continue
 			}
 			// The key may begin in the last bytes.
-			for j := max(i, len(p)-len(usageKey)+1); j < len(p); j++ {
-				if bytes.HasPrefix(usageKey, p[j:]) {
+			for j := max(i, len(p)-len(key)+1); j < len(p); j++ {
+				if bytes.HasPrefix(key, p[j:]) {
 					u.k = len(p) - j
 					break
 				}
@@ -80,6 +89,7 @@ func (u *usageScan) feed(p []byte) (int64, bool) {
 			default: // not consumed: it may begin the next key
 				u.st = scanKey
 				if u.digits > 0 && c != '.' && c != 'e' && c != 'E' && (c < '0' || c > '9') {
+					u.found = true
 					return u.val, true
 				}
 			}
@@ -89,3 +99,22 @@ func (u *usageScan) feed(p []byte) (int64, bool) {
 }
 
 func space(c byte) bool { return c == ' ' || c == '\t' || c == '\n' || c == '\r' }
+
+// usage is what ResponseData reads of one answer: its prompt tokens and,
+// where the server reports them, the prompt tokens it served from its KV
+// cache.
+type usage struct {
+	prompt, cached             usageScan
+	promptTokens, cachedTokens int64
+	checked                    bool // the cache belief was checked (Checker.ObserveCache)
+}
+
+// feed scans one piece of the answer.
+func (u *usage) feed(p []byte) {
+	if v, ok := u.prompt.feed(promptTokensKey, p); ok {
+		u.promptTokens = v
+	}
+	if v, ok := u.cached.feed(cachedTokensKey, p); ok {
+		u.cachedTokens = v
+	}
+}

@@ -304,12 +304,7 @@ func (f *filter) EncodeHeaders(h api.ResponseHeaderMap, endStream bool) (st api.
 		f.hostReply = true // Envoy's own reply (no healthy upstream, reset): no pod answered
 	}
 	h.Set(headers.UpstreamHost, served)
-	if ttft, slot := d.Prediction.Stated(); ttft != "" {
-		h.Set(headers.PredictedTTFT, ttft)
-		if slot != "" {
-			h.Set(headers.PredictedSlotWait, slot)
-		}
-	}
+	d.Prediction.State(h.Set)
 	f.meta(AccessBackend, served)
 	if served != d.Host && !f.hostReply {
 		// Lease, prefix and every later report follow the pod that really

@@ -29,6 +29,12 @@ const (
 	// pod's requests ends is the one part a router cannot know.
 	PredictedSlotWait = "x-llm-predicted-slot-wait-ms"
 
+	// PredictedCachedShare states the share of the prompt, 0 to 1, the
+	// gateway believed the pod it chose held in its KV cache (what its
+	// prefix index matched there); the benchmarks compare it with the share
+	// the pod served from its cache (usage.prompt_tokens_details).
+	PredictedCachedShare = "x-llm-predicted-cached-share"
+
 	// RequestID carries a request's trace id: the gateway reads it (or
 	// sets a new one), the worker echoes it on every answer and names it in
 	// errors and logs.

@@ -45,8 +45,10 @@ func metric(t *testing.T, base, series string) float64 {
 }
 
 // Every routed answer states the TTFT the gateway predicted for its pod
-// (headers.PredictedTTFT); each first token checks a prediction
-// (llm_filter_balancer_ttft_prediction_error counts it), and each answer's
+// (headers.PredictedTTFT) and the share of the prompt it believed cached
+// there (headers.PredictedCachedShare); each first token checks a prediction
+// (llm_filter_balancer_ttft_prediction_error counts it), each answer's
+// usage checks the belief (llm_filter_balancer_cache_belief_error), and its
 // usage.prompt_tokens, streamed or not, moves the model's learnt bytes per
 // token from 1 towards the worker's real ratio (canonical prompt bytes over
 // the tokens the worker counted). Real gateway, metadata center and worker
@@ -105,6 +107,13 @@ filter:
 		if ms, err := strconv.ParseFloat(resp.Header.Get(headers.PredictedTTFT), 64); err != nil || ms <= 0 {
 			t.Fatalf("request %d: %s = %q, want a positive number of milliseconds", i, headers.PredictedTTFT, resp.Header.Get(headers.PredictedTTFT))
 		}
+		// Each system prompt is new to the pod, but the previous one's
+		// first blocks are alike: a share, never more than the prompt.
+		if share, err := strconv.ParseFloat(resp.Header.Get(headers.PredictedCachedShare), 64); err != nil || share < 0 || share > 1 ||
+			i == 0 && share != 0 {
+			t.Fatalf("request %d: %s = %q, want a share of the prompt (0 for the first)", i, headers.PredictedCachedShare,
+				resp.Header.Get(headers.PredictedCachedShare))
+		}
 		tokens := promptTokens(t, body, stream)
 		r := float64(len(canon)) / float64(tokens)
 		lo, hi = min(lo, r), max(hi, r)
@@ -112,8 +121,9 @@ filter:
 	if lo == 1 && hi == 1 {
 		t.Fatal("the worker's ratio is 1: the test would not see the gateway learn it")
 	}
-	wait.For(t, 5*time.Second, "every first token to check its prediction", func() bool {
-		return metric(t, base, `llm_filter_balancer_ttft_prediction_error_count`) == n
+	wait.For(t, 5*time.Second, "every first token to check its prediction, every usage the cache belief", func() bool {
+		return metric(t, base, `llm_filter_balancer_ttft_prediction_error_count`) == n &&
+			metric(t, base, `llm_filter_balancer_cache_belief_error_count`) == n
 	})
 	// The learnt ratio is a weighted mean of the requests' ratios.
 	got := metric(t, base, `llm_filter_balancer_bytes_per_token{model_name="qwen"}`)
