@@ -32,7 +32,9 @@ package balancer
 //     fewest requests in flight, uniformly among equals;
 //  3. the check (Balancer.Observe): the first token's observed TTFT against
 //     the prediction, which exports the relative error and refits the
-//     cluster's prefill rate and decode step (fleetMeans).
+//     cluster's prefill rate and decode step (fleetMeans); and
+//     (Balancer.ObserveCache) the cached tokens the answer's usage reports
+//     against the share of the prompt the index said the pod held.
 //
 // The routing keys (lb_mapping_rule, filter/config) are three:
 // tie_epsilon (a fraction of the lowest prediction), default_prefill_rate
