@@ -53,30 +53,30 @@ func medianOf(ss []Summary) Summary {
 		CacheHit: span(func(s Summary) float64 { return s.CacheHitRate }),
 	}
 	// The prediction error's median over the runs that had predictions.
-	var withPred []Summary
+	var preds []*PredictionError
 	for _, s := range ss {
 		if s.PredictionError != nil {
-			withPred = append(withPred, s)
+			preds = append(preds, s.PredictionError)
 		}
 	}
-	if len(withPred) > 0 {
+	if len(preds) > 0 {
 		pe := &PredictionError{
-			ErrorRange: medianRange(withPred, func(pe *PredictionError) (ErrorRange, bool) {
+			ErrorRange: medianRange(preds, func(pe *PredictionError) (ErrorRange, bool) {
 				return pe.ErrorRange, true
 			}),
-			SlotWait: medianRange(withPred, func(pe *PredictionError) (ErrorRange, bool) {
+			SlotWait: medianRange(preds, func(pe *PredictionError) (ErrorRange, bool) {
 				return pe.SlotWait, pe.SlotWaits > 0
 			}),
-			NoSlotWait: medianRange(withPred, func(pe *PredictionError) (ErrorRange, bool) {
+			NoSlotWait: medianRange(preds, func(pe *PredictionError) (ErrorRange, bool) {
 				if pe.SlotWaits == 0 { // every request (reports from before the split say only this)
 					return pe.ErrorRange, pe.Requests > 0
 				}
 				return pe.NoSlotWait, pe.Requests > pe.SlotWaits
 			}),
 		}
-		for _, s := range withPred {
-			pe.Requests += s.PredictionError.Requests
-			pe.SlotWaits += s.PredictionError.SlotWaits
+		for _, p := range preds {
+			pe.Requests += p.Requests
+			pe.SlotWaits += p.SlotWaits
 		}
 		m.PredictionError = pe
 	}
@@ -89,11 +89,10 @@ func medianOf(ss []Summary) Summary {
 	}
 	if len(beliefs) > 0 {
 		cb := &CacheBelief{
-			ErrorRange: ErrorRange{Median: median(beliefs, func(b *CacheBelief) float64 { return b.Median }),
-				P90: median(beliefs, func(b *CacheBelief) float64 { return b.P90 })},
-			Bias: median(beliefs, func(b *CacheBelief) float64 { return b.Bias }),
-			Less: median(beliefs, func(b *CacheBelief) float64 { return b.Less }),
-			More: median(beliefs, func(b *CacheBelief) float64 { return b.More }),
+			ErrorRange: medianRange(beliefs, func(b *CacheBelief) (ErrorRange, bool) { return b.ErrorRange, true }),
+			Bias:       median(beliefs, func(b *CacheBelief) float64 { return b.Bias }),
+			Less:       median(beliefs, func(b *CacheBelief) float64 { return b.Less }),
+			More:       median(beliefs, func(b *CacheBelief) float64 { return b.More }),
 		}
 		for _, b := range beliefs {
 			cb.Requests += b.Requests
@@ -199,12 +198,12 @@ func writeRounds(b *strings.Builder, workload string, policies []string, rounds 
 	}
 }
 
-// medianRange is the median over the runs that have one of an error range
-// that part picks from their prediction errors.
-func medianRange(ss []Summary, part func(*PredictionError) (ErrorRange, bool)) ErrorRange {
+// medianRange is the median, over the runs' figures xs that have one, of
+// the error range part picks from each.
+func medianRange[T any](xs []T, part func(T) (ErrorRange, bool)) ErrorRange {
 	var with []ErrorRange
-	for _, s := range ss {
-		if r, ok := part(s.PredictionError); ok {
+	for _, x := range xs {
+		if r, ok := part(x); ok {
 			with = append(with, r)
 		}
 	}

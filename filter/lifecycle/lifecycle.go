@@ -339,10 +339,8 @@ func (l *Reporter) ResponseData(d *Request, p []byte) {
 		return
 	}
 	u := &d.usage
-	learnt := u.prompt.found
-	u.feed(p)
-	if !learnt && u.prompt.found {
-		l.checker.BytesPerToken(d.Model).Observe(int64(d.PromptLength), u.promptTokens)
+	if tokens, ok := u.feed(p); ok {
+		l.checker.BytesPerToken(d.Model).Observe(int64(d.PromptLength), tokens)
 	}
 	if u.prompt.found && u.cached.found {
 		u.checked = true

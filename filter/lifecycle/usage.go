@@ -109,12 +109,14 @@ type usage struct {
 	checked                    bool // the cache belief was checked (Checker.ObserveCache)
 }
 
-// feed scans one piece of the answer.
-func (u *usage) feed(p []byte) {
-	if v, ok := u.prompt.feed(promptTokensKey, p); ok {
-		u.promptTokens = v
-	}
-	if v, ok := u.cached.feed(cachedTokensKey, p); ok {
+// feed scans one piece of the answer and returns the prompt tokens when
+// this piece completed them.
+func (u *usage) feed(p []byte) (promptTokens int64, ok bool) {
+	if v, found := u.cached.feed(cachedTokensKey, p); found {
 		u.cachedTokens = v
 	}
+	if promptTokens, ok = u.prompt.feed(promptTokensKey, p); ok {
+		u.promptTokens = promptTokens
+	}
+	return promptTokens, ok
 }
