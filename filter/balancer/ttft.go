@@ -691,10 +691,12 @@ func (c *CacheAware) debug(s *State, p *predictor, pick, ties int) {
 	costs := make([]any, 0, len(s.Hosts))
 	c.m.mu.RLock()
 	for i := range s.Hosts {
-		k := p.predict(&s.Hosts[i])
-		costs = append(costs, slog.Group(k.Host, slog.Int64("requests", s.Hosts[i].Reqs),
+		h := &s.Hosts[i]
+		k := p.predict(h)
+		costs = append(costs, slog.Group(k.Host, slog.Int64("requests", h.Reqs),
+			slog.Int64("waiting", h.Waiting), slog.Int64("running", h.Running), slog.Int64("max_running", h.MaxRunning),
 			slog.Float64("total", k.Total), slog.Float64("delay", k.Delay), slog.Float64("slot_wait", k.SlotWait),
-			slog.Float64("kv_short_tokens", k.KVShortTokens), slog.Int("shared_blocks", s.Hosts[i].SharedBlocks),
+			slog.Float64("kv_short_tokens", k.KVShortTokens), slog.Int("shared_blocks", h.SharedBlocks),
 			slog.Float64("queued_tokens", k.QueuedTokens), slog.Float64("queue", k.Queue),
 			slog.Float64("uncached_tokens", k.UncachedTokens), slog.Float64("prefill", k.Prefill), slog.Float64("step", k.Step),
 			slog.Float64("fit_tokens", k.FitTokens), slog.Float64("fit", k.Fit)))

@@ -558,7 +558,8 @@ func TestObserveChecksAndRefitsThePrediction(t *testing.T) {
 	if count != 60 {
 		t.Fatalf("histogram holds %d errors, want 60", count)
 	}
-	if !strings.Contains(logs.String(), "msg=ttft") || !strings.Contains(logs.String(), "observed=") || !strings.Contains(logs.String(), "msg=cache_aware") {
+	if !strings.Contains(logs.String(), "msg=ttft") || !strings.Contains(logs.String(), "observed=") || !strings.Contains(logs.String(), "msg=cache_aware") ||
+		!strings.Contains(logs.String(), ".waiting=") || !strings.Contains(logs.String(), ".max_running=") {
 		t.Fatalf("debug lines missing:\n%.2000s", logs.String())
 	}
 	// A zero prediction (a decision without one) is ignored.
