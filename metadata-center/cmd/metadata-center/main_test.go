@@ -166,34 +166,23 @@ func TestSIGTERM(t *testing.T) {
 			t.Fatal("no listening log line")
 		}
 	}
-	// A client of its own: no idle connection from another test's server
-	// that had this port may carry the requests below.
-	client := &http.Client{Transport: &http.Transport{}}
-	defer client.CloseIdleConnections()
-	// A request whose body arrives slowly is in flight when SIGTERM lands.
-	pr, pw := io.Pipe()
-	type answer struct {
-		code int
-		err  error
-	}
-	got := make(chan answer, 1)
-	go func() {
-		resp, err := client.Post("http://"+addr+api.PathCacheSave, "application/json", pr)
-		if err != nil {
-			got <- answer{err: err}
-			return
-		}
-		resp.Body.Close()
-		got <- answer{code: resp.StatusCode}
-	}()
-	_, _ = pw.Write([]byte(`{"cluster":"c","host":"10.0.0.1:1",`)) // returns once the client has connected and read it
-	// The server accepts connections in the order they were made: once a
-	// request on a later connection is answered, the slow one is accepted.
-	resp, err := client.Get("http://" + addr + api.PathHealthz)
+	// A request is in flight when SIGTERM lands: its handler has begun
+	// reading the body, which the server shows by answering its
+	// "Expect: 100-continue" (net/http sends the 100 on the body's first
+	// read), and the body arrives only after shutdown has begun.
+	body := `{"cluster":"c","host":"10.0.0.1:1","hashes":["0123456789abcdef"]}`
+	conn, err := net.Dial("tcp", addr)
 	if err != nil {
 		t.Fatal(err)
 	}
-	resp.Body.Close()
+	defer conn.Close()
+	_ = conn.SetDeadline(time.Now().Add(30 * time.Second))
+	fmt.Fprintf(conn, "POST %s HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\nExpect: 100-continue\r\n\r\n",
+		api.PathCacheSave, addr, len(body))
+	br := bufio.NewReader(conn)
+	if cont, err := http.ReadResponse(br, nil); err != nil || cont.StatusCode != http.StatusContinue {
+		t.Fatalf("want 100 Continue once the handler reads the body, got %v %v", cont, err)
+	}
 	if err := cmd.Process.Signal(syscall.SIGTERM); err != nil {
 		t.Fatal(err)
 	}
@@ -206,10 +195,11 @@ func TestSIGTERM(t *testing.T) {
 		c.Close()
 		return false
 	})
-	_, _ = pw.Write([]byte(`"hashes":["0123456789abcdef"]}`))
-	_ = pw.Close()
-	if a := <-got; a.err != nil || a.code != 200 {
-		t.Fatalf("in-flight request during shutdown: status %d, error %v", a.code, a.err)
+	if _, err := io.WriteString(conn, body); err != nil {
+		t.Fatal(err)
+	}
+	if resp, err := http.ReadResponse(br, nil); err != nil || resp.StatusCode != http.StatusOK {
+		t.Fatalf("in-flight request during shutdown: %v, error %v", resp, err)
 	}
 	var stopped bool
 	for m := range lines { // until the process closes stderr
