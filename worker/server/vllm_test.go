@@ -53,6 +53,12 @@ func TestAVLLMScraperReadsTheWorker(t *testing.T) {
 	w := startWorker(t, opts{nCtx: 8192, vllm: true, sched: scheduler.Config{MaxRunning: 1, MaxOutputTokens: 4000}})
 	// A finished conversation leaves idle cached cells: vLLM counts them free.
 	chat(t, w, history("cached"), map[string]any{"max_tokens": 8})
+	// The answer's last chunk reaches the client just before the scheduler
+	// lets the request go and publishes its stats (what /metrics reads).
+	waitFor(t, w, "the conversation to leave the running set", func(scheduler.View) bool {
+		st := w.sched.Stats()
+		return st.Running == 0 && st.KVUsage() == 0
+	})
 	if sig := scrapeAsVLLM(t, w); sig.Running != 0 || sig.Waiting != 0 || sig.KVCacheUtil != 0 {
 		t.Fatalf("idle worker with a cached conversation scraped as %+v; want nothing running and the KV cache free", sig)
 	}
