@@ -558,9 +558,10 @@ func TestObserveChecksAndRefitsThePrediction(t *testing.T) {
 	if count != 60 {
 		t.Fatalf("histogram holds %d errors, want 60", count)
 	}
-	if !strings.Contains(logs.String(), "msg=ttft") || !strings.Contains(logs.String(), "observed=") || !strings.Contains(logs.String(), "msg=cache_aware") ||
-		!strings.Contains(logs.String(), ".waiting=") || !strings.Contains(logs.String(), ".max_running=") {
-		t.Fatalf("debug lines missing:\n%.2000s", logs.String())
+	for _, want := range []string{"msg=ttft", "observed=", "msg=cache_aware", ".waiting=", ".max_running="} {
+		if !strings.Contains(logs.String(), want) {
+			t.Fatalf("debug lines lack %q:\n%.2000s", want, logs.String())
+		}
 	}
 	// A zero prediction (a decision without one) is ignored.
 	b.Observe(Prediction{}, time.Second)
