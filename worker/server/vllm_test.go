@@ -11,6 +11,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/istio-llm-filter/istio-llm-filter/internal/testutil/wait"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/api"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/podsignals"
 	"github.com/istio-llm-filter/istio-llm-filter/worker/scheduler"
@@ -55,7 +56,7 @@ func TestAVLLMScraperReadsTheWorker(t *testing.T) {
 	chat(t, w, history("cached"), map[string]any{"max_tokens": 8})
 	// The answer's last chunk reaches the client just before the scheduler
 	// lets the request go and publishes its stats (what /metrics reads).
-	waitFor(t, w, "the conversation to leave the running set", func(scheduler.View) bool {
+	wait.For(t, 20*time.Second, "the conversation to leave the published running set", func() bool {
 		st := w.sched.Stats()
 		return st.Running == 0 && st.KVUsage() == 0
 	})
