@@ -36,7 +36,11 @@ type backend struct {
 
 func (b *backend) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	n := b.inflight.Add(1)
-	defer b.inflight.Add(-1)
+	// The request leaves before its last bytes are written: a client may
+	// send its next request as soon as it reads them, before this handler
+	// returns.
+	leave := sync.OnceFunc(func() { b.inflight.Add(-1) })
+	defer leave()
 	for {
 		p := b.peak.Load()
 		if n <= p || b.peak.CompareAndSwap(p, n) {
@@ -46,6 +50,7 @@ func (b *backend) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	raw, _ := io.ReadAll(r.Body)
 	req, p, e := openai.ParseChat(raw)
 	if e != nil {
+		leave()
 		openai.WriteError(w, e)
 		return
 	}
@@ -56,6 +61,7 @@ func (b *backend) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	b.mu.Unlock()
 	msgs := req.Messages
 	if b.fail != "" && strings.Contains(msgs[len(msgs)-1].Content.String(), b.fail) {
+		leave()
 		openai.WriteError(w, &openai.Error{Status: http.StatusServiceUnavailable, Type: openai.TypeUnavailable, Message: "no"})
 		return
 	}
@@ -66,6 +72,7 @@ func (b *backend) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		s.Content(0, fmt.Sprintf("w%d ", i), nil)
 	}
 	s.Finish(0, "length")
+	leave()
 	s.End(openai.NewUsage(len(msgs)*10, 3, 7))
 }
 
