@@ -8,8 +8,9 @@
 //
 //   - cache_aware (the default): the pod with the lowest predicted time to
 //     first token for this request, plus the delay its prefill there adds
-//     to the requests waiting on the pod, near-ties spread (ttft.go, one
-//     file);
+//     to the requests waiting on the pod, plus on a busy prefix's holders
+//     what a copy elsewhere would spare its requests, near-ties spread
+//     (ttft.go, one file);
 //     every decision records its prediction (Choice.Prediction) and the
 //     first token checks it (Balancer.Observe).
 //   - seed: the seed's formula exactly,
@@ -120,9 +121,11 @@ type State struct {
 	// BytesPerToken is the request's model's (1 for a byte-level
 	// vocabulary): prompt bytes over it are tokens.
 	BytesPerToken float64
-	// Model and Prompt are the request's (Request); Prompt may be nil.
+	// Model, Prompt and Hashes are the request's (Request); Prompt and
+	// Hashes may be nil.
 	Model  string
 	Prompt []byte
+	Hashes []string
 
 	// Scratch for the policies (Balancer.Choose pools it): a decision at 64
 	// pods would otherwise allocate a few KiB.
@@ -479,8 +482,9 @@ type Request struct {
 	// (BytesPerToken) turn PromptLength into tokens.
 	Model string
 	// Hashes are the prompt's chained block hashes (wire form), for the
-	// blocks it shares with requests in flight on a pod (Host.SharedBlocks);
-	// nil: none known.
+	// blocks it shares with requests in flight on a pod (Host.SharedBlocks)
+	// and to name its cached prefix (cache_aware's copy credit); nil: none
+	// known.
 	Hashes []string
 	// Prompt is the canonical prompt's bytes, for policies that hash it
 	// themselves (the epp stand-in's own prefix index); nil: they read the
@@ -560,7 +564,7 @@ func (b *Balancer) Choose(cluster string, rule config.LBRule, cands []endpoints.
 	smp := b.tracker.fill(cluster, cands, view, req, hosts)
 	sc.state = State{Cluster: cluster, Hosts: hosts, Rule: rule, PromptLength: req.PromptLength,
 		Blocks: req.Blocks, ChunkSize: req.ChunkSize, IntN: b.intn,
-		BytesPerToken: b.BytesPerToken(req.Model).Value(), Model: req.Model, Prompt: req.Prompt,
+		BytesPerToken: b.BytesPerToken(req.Model).Value(), Model: req.Model, Prompt: req.Prompt, Hashes: req.Hashes,
 		floats: sc.floats, idx: sc.idx, kept: sc.kept}
 	var i int
 	if isProfile {

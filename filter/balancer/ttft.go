@@ -7,14 +7,16 @@ package balancer
 //
 //  1. the prediction for request r on pod p (predict):
 //
-//     TTFT(r, p) = max(slot wait(r, p), queued(p) / prefill rate(p))
+//     TTFT(r, p) = max(slot wait(r, p), step in progress(p)
+//                                       + queued(p) / prefill rate(p))
 //                + uncached(r, p) / prefill rate(p)
 //                + decode step(p)                  (the first token itself)
 //                + KV fit(r, p)                    (recomputing what r evicts)
 //
 //     the wait is the longer of the pod's admission (a running slot, and
-//     room in its KV for r's prompt) and the prefill queued ahead: the
-//     requests ahead prefill while r waits to be admitted. In
+//     room in its KV for r's prompt) and the prefill queued ahead, which
+//     starts after the step the pod is in (half a step, where it runs
+//     anything): the requests ahead prefill while r waits to be admitted. In
 //     tokens throughout: prompt bytes become tokens through the bytes per
 //     token learnt per model (BytesPerToken). Inputs: the metadata center's
 //     leases and prefix matches (every gateway's requests), this gateway's
@@ -27,7 +29,10 @@ package balancer
 //     tokens, ends);
 //  2. the pick (CacheAware.Choose): the lowest cost, TTFT(r, p) plus the
 //     delay r's own computation on p adds to the requests that will queue
-//     behind it there (Cost.Delay); among the pods within tie_epsilon of
+//     behind it there (Cost.Delay), plus, on the pods holding r's prefix
+//     while all of them are slower for r than another pod would be had it
+//     held the prefix, what a copy elsewhere would spare the prefix's
+//     requests (the copy credit); among the pods within tie_epsilon of
 //     the lowest, the fewest of the request's tokens computed, then the
 //     fewest requests in flight, uniformly among equals;
 //  3. the check (Balancer.Observe): the first token's observed TTFT against
@@ -114,8 +119,13 @@ type Cost struct {
 	// QueuedTokens are the prefill tokens standing before the request on
 	// the pod, Queue their prefill at the pod's rate.
 	QueuedTokens, Queue float64
-	// Wait is the longer of SlotWait and Queue: the requests ahead prefill
-	// while the request waits for a slot, so the two overlap.
+	// InStep is the rest of the step the pod is in when the request
+	// arrives: a pod running anything steps without pause and takes a new
+	// request only between steps, half a step later on average.
+	InStep float64
+	// Wait is the longer of SlotWait and InStep + Queue: the requests
+	// ahead prefill while the request waits for a slot, so the two
+	// overlap, and a slot freed by an end is free at a step's end.
 	Wait float64
 	// UncachedTokens are the request's own tokens the pod does not hold,
 	// Prefill their prefill at the pod's rate.
@@ -256,6 +266,7 @@ type ttftModel struct {
 	mu    sync.RWMutex
 	pods  map[string]*podFit     // host -> fit
 	means map[string]*fleetMeans // cluster -> means
+	waits prefixWaits            // cache_aware's copy credit
 	errs  errObserver            // the TTFT's relative errors (observe)
 	cache errObserver            // the cache belief's errors (observeCache)
 	log   *slog.Logger
@@ -270,7 +281,8 @@ const maxFitPods = 10000
 type errObserver interface{ Observe(float64) }
 
 func newTTFTModel(errs, cache errObserver, log *slog.Logger) *ttftModel {
-	return &ttftModel{pods: map[string]*podFit{}, means: map[string]*fleetMeans{}, errs: errs, cache: cache, log: log}
+	return &ttftModel{pods: map[string]*podFit{}, means: map[string]*fleetMeans{}, errs: errs, cache: cache, log: log,
+		waits: prefixWaits{prefixes: map[prefixKey]*prefixWait{}, clusters: map[string]*clusterCount{}}}
 }
 
 // predictor is one decision's view of the model: its inputs read once
@@ -418,7 +430,12 @@ func (p *predictor) predict(h *Host) Cost {
 			c.Fit = c.FitTokens * secPerToken
 		}
 	}
-	c.Wait = max(c.SlotWait, c.Queue)
+	// A pod running anything is mid-step when the request arrives; it
+	// prefills the queue and the request from the next step on.
+	if running > 0 || h.Reqs > 0 {
+		c.InStep = step / 2
+	}
+	c.Wait = max(c.SlotWait, c.InStep+c.Queue)
 	c.Total = c.Wait + c.Prefill + c.Step + c.Fit
 	c.Delay = float64(waiting) * (c.Prefill + c.Fit)
 	return c
@@ -486,9 +503,9 @@ func (m *ttftModel) held(host string, d time.Duration) {
 // through the recent observations of the tokens computed before the first
 // token (counted in prompt bytes, fleetMeans) against the time they took.
 // Where the prediction's wait was the queue's, those are the queued,
-// uncached and KV-fit tokens against the TTFT; where it was the slot's, the
-// request's own (uncached and KV fit) against the TTFT less the slot wait,
-// which covered the queue's prefill.
+// uncached and KV-fit tokens against the TTFT less the step in progress;
+// where it was the slot's, the request's own (uncached and KV fit) against
+// the TTFT less the slot wait, which covered the queue's prefill.
 // The slot wait itself is not fitted here: it comes from the request
 // durations the tracker measures (held). A line, not one factor for both:
 // a pod's step is paid whatever the request's size and its prefill per
@@ -503,7 +520,7 @@ func (m *ttftModel) observe(p Prediction, observed time.Duration) {
 	m.log.LogAttrs(context.Background(), slog.LevelDebug, "ttft",
 		slog.String("cluster", p.Cluster), slog.String("host", p.Host),
 		slog.Float64("predicted", p.Total), slog.Float64("observed", obs))
-	tokens, wait := p.QueuedTokens+p.UncachedTokens+p.FitTokens, 0.0
+	tokens, wait := p.QueuedTokens+p.UncachedTokens+p.FitTokens, p.InStep
 	if p.WaitsForEnds() {
 		tokens, wait = p.UncachedTokens+p.FitTokens, p.SlotWait
 	}
@@ -635,41 +652,75 @@ func (*CacheAware) ReadsSignals() bool  { return true }
 // tie-break does, within ε.
 //
 // Why the fewest requests in flight next (join the shortest queue among
-// pods that cannot be told apart): a request decoding on a pod barely
-// changes the next request's TTFT there, so an idle pod and a busy one are
-// near-ties, but what starts on the busy pod now (a new conversation, a
+// pods that cannot be told apart): a request decoding on a pod changes the
+// next request's TTFT there by half a step, within ε where prefills are
+// long, but what starts on the busy pod now (a new conversation, a
 // prompt's first copy) shares its KV cache and its running slots with what
 // runs there for the rest of its life, and its later requests find the pod
 // busier. The count comes from the leases, so it includes requests sent
 // this instant by every gateway, which a pod's report does not yet show.
 //
+// Why a copy credit: the request's own TTFT cannot see what a copy of its
+// prefix is worth to the requests after it. A prefix drawn by many requests
+// keeps its holders stepping, and those of its requests that find every
+// holder busy wait for a step in progress (or a queue) that an idle pod
+// holding the prefix would not make them wait: half a step each on a hot
+// system prompt, which no single request's prediction pays a 1,000-token
+// copy for, but which add up over every request the copy would serve. So
+// while the prefix's holders are all slower for this request than the best
+// other pod would be had it held the prefix (the request's copy wait),
+// choosing a holder costs also what a copy elsewhere would spare: the
+// prefix's copy waits per request of the cluster, over its recent requests
+// (prefixWaits), times the requests the cluster serves before a copy made
+// now leaves its pod's KV cache (the cluster's KV capacity over the mean
+// tokens a request computes: the turnover of a least-recently-used cache).
+// A copy pays for itself where that exceeds its cost. Once a copy idles, the holders are not
+// all busy, the credit stops, and the copies stop at about as many as the
+// prefix's traffic keeps busy. Nothing without a KV capacity reported:
+// the copy's life is unknown.
+//
 // One debug line gives every pod's breakdown: why not pod X is there.
 func (c *CacheAware) Choose(s *State) int {
 	p := c.m.predictor(s)
-	totals, work := s.scratch(len(s.Hosts))
-	best := math.Inf(1)
+	n := len(s.Hosts)
+	totals, work := s.scratch(n)
+	rest := s.sortBuf(n) // a pod's TTFT less its own prefill and KV fit
+	deepest := 0.0       // the cache ratio of the prefix's holders
+	for i := range s.Hosts {
+		deepest = max(deepest, s.Hosts[i].CacheRatio)
+	}
+	holderTTFT, holderUncached := math.Inf(1), math.Inf(1)
 	c.m.mu.RLock()
 	for i := range s.Hosts {
 		k := p.predict(&s.Hosts[i])
-		cost := k.Total + k.Delay
-		totals, work = append(totals, cost), append(work, k.UncachedTokens)
-		best = min(best, cost)
+		totals, work, rest = append(totals, k.Total+k.Delay), append(work, k.UncachedTokens), append(rest, k.Wait+k.Step)
+		if deepest > 0 && s.Hosts[i].CacheRatio == deepest {
+			holderTTFT, holderUncached = min(holderTTFT, k.Total), min(holderUncached, k.UncachedTokens)
+		}
 	}
 	c.m.mu.RUnlock()
+	wait, credit, key := c.copyCredit(s, &p, deepest, holderTTFT, holderUncached, rest)
+	best := math.Inf(1)
+	for i := range totals {
+		if wait > 0 && s.Hosts[i].CacheRatio == deepest {
+			totals[i] += credit
+		}
+		best = min(best, totals[i])
+	}
 	limit := best*(1+s.Rule.TieEpsilon) + tieEpsilon
-	least, fewest, n := math.Inf(1), int64(math.MaxInt64), 0
+	least, fewest, ties := math.Inf(1), int64(math.MaxInt64), 0
 	for i, t := range totals {
 		if t > limit {
 			continue
 		}
 		switch reqs := s.Hosts[i].Reqs; {
 		case work[i] < least-tieEpsilon, work[i] <= least+tieEpsilon && reqs < fewest:
-			least, fewest, n = min(least, work[i]), reqs, 1
+			least, fewest, ties = min(least, work[i]), reqs, 1
 		case work[i] <= least+tieEpsilon && reqs == fewest:
-			n++
+			ties++
 		}
 	}
-	r := s.IntN(n)
+	r := s.IntN(ties)
 	pick := 0
 	for i, t := range totals {
 		if t <= limit && work[i] <= least+tieEpsilon && s.Hosts[i].Reqs == fewest {
@@ -681,21 +732,130 @@ func (c *CacheAware) Choose(s *State) int {
 		}
 	}
 	if c.m.log.Enabled(context.Background(), slog.LevelDebug) {
-		c.debug(s, &p, pick, n)
+		c.debug(s, &p, pick, ties, key, wait, credit)
 	}
 	return pick
 }
 
+// copyCredit returns the request's copy wait: what it waits at its prefix's
+// holders beyond the best other pod had that pod held the prefix (its rest,
+// plus the holders' uncached tokens at the cluster's rate); and the credit:
+// the prefix's earlier copy waits per request of the cluster (prefixWaits)
+// times the requests until the cluster's KV cache turns over. It counts the
+// decision and adds the request's wait to its prefix's. The prefix is named
+// by the hash of the holders' deepest matched block; no wait without
+// holders, other pods or hashes, no credit without a KV capacity.
+func (c *CacheAware) copyCredit(s *State, p *predictor, deepest, holderTTFT, holderUncached float64, rest []float64) (wait, credit float64, key prefixKey) {
+	key.cluster = s.Cluster
+	other, capacity := math.Inf(1), 0.0
+	for i := range s.Hosts {
+		if s.Hosts[i].CacheRatio != deepest {
+			other = min(other, rest[i])
+		}
+		capacity += float64(s.Hosts[i].KVCapacity)
+	}
+	depth := int(math.Round(deepest * float64(s.Blocks)))
+	if depth > 0 && depth <= len(s.Hashes) && !math.IsInf(other, 1) {
+		key.hash = s.Hashes[depth-1]
+		if wait = holderTTFT - (other + holderUncached/p.rate); wait <= tieEpsilon {
+			wait = 0 // not slower than the others would be, up to rounding
+		}
+	}
+	perRequest := c.m.waits.add(key, wait)
+	if wait > 0 && capacity > 0 && p.meanUn > 0 {
+		credit = perRequest * capacity / p.meanUn
+	}
+	return wait, credit, key
+}
+
+// waitMemory is how many of a cluster's decisions its prefixes' copy waits
+// are averaged over (prefixWaits): enough that the half steps a hot
+// prefix's requests wait now and then make a steady mean, few enough that a
+// prefix that cooled stops drawing copies within a few hundred requests.
+const waitMemory = 256
+
+// maxPrefixes bounds the prefixes prefixWaits remembers: past it those
+// whose waits have decayed below e⁻⁸ go, then all.
+const maxPrefixes = 1 << 14
+
+// prefixKey names a cached prefix of a cluster: the hash of its last block.
+type prefixKey struct{ cluster, hash string }
+
+// prefixWaits sums, per prefix, the copy waits its requests paid
+// (CacheAware.copyCredit), and counts the cluster's decisions, both decayed
+// by 1/waitMemory per decision of the cluster: their ratio is the prefix's
+// copy wait per request of the cluster. Each gateway counts its own
+// decisions; with several, each sees a fair sample. Safe for concurrent use.
+type prefixWaits struct {
+	mu       sync.Mutex
+	prefixes map[prefixKey]*prefixWait
+	clusters map[string]*clusterCount
+}
+
+type prefixWait struct {
+	sum float64 // seconds, decayed to the cluster's decision at
+	at  uint64
+}
+
+type clusterCount struct {
+	decisions uint64  // counted
+	n         float64 // decayed count
+}
+
+// add counts a decision of k's cluster and returns k's copy waits per
+// decision before it, then adds wait to k's (k.hash "": the decision names
+// no prefix).
+func (w *prefixWaits) add(k prefixKey, wait float64) float64 {
+	const keep = 1 - 1.0/waitMemory
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	c := w.clusters[k.cluster]
+	if c == nil {
+		if len(w.clusters) >= maxFitPods {
+			clear(w.clusters)
+		}
+		c = &clusterCount{}
+		w.clusters[k.cluster] = c
+	}
+	c.decisions++
+	c.n = c.n*keep + 1
+	if k.hash == "" {
+		return 0
+	}
+	e := w.prefixes[k]
+	if e == nil {
+		if wait <= 0 {
+			return 0
+		}
+		if len(w.prefixes) >= maxPrefixes {
+			for k, e := range w.prefixes {
+				if w.clusters[k.cluster] == nil || w.clusters[k.cluster].decisions-e.at > 8*waitMemory {
+					delete(w.prefixes, k)
+				}
+			}
+			if len(w.prefixes) >= maxPrefixes {
+				clear(w.prefixes)
+			}
+		}
+		w.prefixes[k] = &prefixWait{sum: wait, at: c.decisions}
+		return 0
+	}
+	earlier := e.sum * math.Pow(keep, float64(c.decisions-e.at))
+	e.sum, e.at = earlier+wait, c.decisions
+	return earlier / c.n
+}
+
 // debug logs one line with every pod's predicted TTFT by part.
-func (c *CacheAware) debug(s *State, p *predictor, pick, ties int) {
+func (c *CacheAware) debug(s *State, p *predictor, pick, ties int, prefix prefixKey, wait, credit float64) {
 	costs := make([]any, 0, len(s.Hosts))
 	c.m.mu.RLock()
 	for i := range s.Hosts {
 		h := &s.Hosts[i]
 		k := p.predict(h)
-		costs = append(costs, slog.Group(k.Host, slog.Int64("requests", h.Reqs),
+		costs = append(costs, slog.Group(k.Host, slog.Int64("requests", h.Reqs), slog.Float64("cache_ratio", h.CacheRatio),
 			slog.Int64("waiting", h.Waiting), slog.Int64("running", h.Running), slog.Int64("max_running", h.MaxRunning),
 			slog.Float64("total", k.Total), slog.Float64("delay", k.Delay), slog.Float64("slot_wait", k.SlotWait),
+			slog.Float64("in_step", k.InStep),
 			slog.Float64("kv_short_tokens", k.KVShortTokens), slog.Int("shared_blocks", h.SharedBlocks),
 			slog.Float64("queued_tokens", k.QueuedTokens), slog.Float64("queue", k.Queue),
 			slog.Float64("uncached_tokens", k.UncachedTokens), slog.Float64("prefill", k.Prefill), slog.Float64("step", k.Step),
@@ -704,5 +864,7 @@ func (c *CacheAware) debug(s *State, p *predictor, pick, ties int) {
 	c.m.mu.RUnlock()
 	c.m.log.LogAttrs(context.Background(), slog.LevelDebug, "cache_aware",
 		slog.String("cluster", s.Cluster), slog.String("host", s.Hosts[pick].Address),
-		slog.Int("near_ties", ties), slog.Float64("bytes_per_token", p.bpt), slog.Group("pods", costs...))
+		slog.Int("near_ties", ties), slog.Float64("bytes_per_token", p.bpt),
+		slog.String("prefix", prefix.hash), slog.Float64("copy_wait", wait), slog.Float64("copy_credit", credit),
+		slog.Group("pods", costs...))
 }

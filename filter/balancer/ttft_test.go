@@ -61,7 +61,9 @@ func TestCachedPodWinsUntilItsQueueCostsMoreThanTheUncachedPrefill(t *testing.T)
 				}
 				// The prediction is the chosen pod's, in seconds.
 				p := ch.Prediction
-				wantTotal := 0.025 + float64(tc.queuedTokens)/5000
+				// The holder runs requests: the one routed waits for half
+				// its step in progress.
+				wantTotal := 0.025 + 0.025/2 + float64(tc.queuedTokens)/5000
 				if tc.want == "cold" {
 					wantTotal = 0.025 + promptTokens/5000.0
 				}
@@ -300,7 +302,7 @@ func TestTheQueuePrefillsWhileTheRequestWaitsForASlot(t *testing.T) {
 	for _, tc := range []struct {
 		queued   int64
 		wantWait float64
-	}{{2000, 1}, {10000, 2}} {
+	}{{2000, 1}, {10000, 2 + 0.025/2}} { // the queue starts after the step in progress
 		h := Host{Address: "pod", Signals: true, Waiting: 3, Running: 4, PrefillQueued: tc.queued}
 		c := p.predict(&h)
 		if !within(c.SlotWait, 1, 1e-9) || !within(c.Queue, float64(tc.queued)/5000, 1e-9) || !within(c.Wait, tc.wantWait, 1e-9) ||
@@ -421,6 +423,102 @@ func TestTheFitLearnsTheRateBehindASlotWait(t *testing.T) {
 	f := m.means["c"]
 	if !within(1/f.secPerByte, 10000, 0.05) || !within(f.step, 0.01, 0.1) {
 		t.Fatalf("fit %g tokens/s, step %g s; want 10000 and 0.01", 1/f.secPerByte, f.step)
+	}
+}
+
+// A pod running anything takes a new request between steps: the request
+// waits half a step on average before its prefill, and the fit learns the
+// rate and the step behind that wait, not a longer step.
+func TestAStepInProgressDelaysTheStart(t *testing.T) {
+	m := testModel()
+	rule := defaultRule(t)
+	idle, busy := Host{Address: "idle", Signals: true}, Host{Address: "busy", Signals: true, Running: 2, Reqs: 2}
+	p := m.predictor(&State{Cluster: "c", Rule: rule, PromptLength: 500, BytesPerToken: 1})
+	ci, cb := p.predict(&idle), p.predict(&busy)
+	if ci.InStep != 0 || !within(cb.InStep, 0.025/2, 1e-9) || !within(cb.Total, ci.Total+0.025/2, 1e-9) {
+		t.Fatalf("idle %+v, busy %+v: want the busy pod half a 25 ms step later", ci, cb)
+	}
+	// A pod at 10,000 tokens/s with 10 ms steps, busy at every request.
+	for i := range 200 {
+		n := int64(200 + (i*733)%4000)
+		s := &State{Cluster: "c", Rule: rule, PromptLength: n, BytesPerToken: 1, Hosts: []Host{busy}}
+		pr := m.chosen(s, 0)
+		m.observe(pr, time.Duration((0.01/2+0.01+float64(n)/10000)*float64(time.Second)))
+	}
+	f := m.means["c"]
+	if !within(1/f.secPerByte, 10000, 0.05) || !within(f.step, 0.01, 0.1) {
+		t.Fatalf("fit %g tokens/s, step %g s; want 10000 and 0.01", 1/f.secPerByte, f.step)
+	}
+}
+
+// hotPrefix is a decision for a 1,000-byte prompt of 4 blocks whose first 3
+// a busy or idle holder has cached, beside two idle pods holding none of it;
+// every pod's KV holds 65,536 tokens unless capacity says otherwise.
+func hotPrefix(t *testing.T, holderBusy bool, capacity int64, seed uint64) *State {
+	holder := Host{Address: "holder", CacheRatio: 0.75, Signals: true, KVCapacity: capacity}
+	if holderBusy {
+		holder.Running, holder.Reqs = 1, 1
+	}
+	hosts := []Host{holder, {Address: "a", Signals: true, KVCapacity: capacity}, {Address: "b", Signals: true, KVCapacity: capacity}}
+	s := hostsState(t, hosts, 1000, seed)
+	s.Blocks, s.ChunkSize, s.Hashes = 4, 256, []string{"h0", "h1", "h2", "h3"}
+	return s
+}
+
+// A prefix whose holder is busy whenever its requests come is copied once
+// what its requests waited there, per request, over the requests the
+// cluster serves before a copy would leave the KV cache, outweighs the
+// copy: the first request goes to the holder (116 tokens' prefill and half
+// a step, 60.5 ms, against the copy's 1,000 tokens, 225 ms), the next to a
+// pod that copies the prefix. An idle holder keeps its prefix, whatever
+// was waited before, and so does a busy one where no pod reports its KV
+// capacity (the copy's life is unknown).
+func TestABusyHotPrefixIsCopied(t *testing.T) {
+	for _, tc := range []struct {
+		name       string
+		busy       bool
+		capacity   int64
+		secondCopy bool
+	}{
+		{"busy holder", true, 65536, true},
+		{"idle holder", false, 65536, false},
+		{"no capacity reported", true, 0, false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			ca := &CacheAware{m: testModel()}
+			ca.m.routed("c", 1000, 200) // the cluster's requests compute 200 tokens each
+			if s := hotPrefix(t, true, tc.capacity, 0); s.Hosts[ca.Choose(s)].Address != "holder" {
+				t.Fatal("first request: chose a copy, want the holder")
+			}
+			s := hotPrefix(t, tc.busy, tc.capacity, 1)
+			got := s.Hosts[ca.Choose(s)].Address
+			if copied := got != "holder"; copied != tc.secondCopy {
+				t.Fatalf("second request: chose %s; want a copy: %v", got, tc.secondCopy)
+			}
+		})
+	}
+}
+
+// A prefix's copy waits are per decision of its cluster, decayed by
+// 1/waitMemory at each: a prefix that stopped waiting stops drawing copies.
+func TestPrefixWaitsDecayWithTheClustersDecisions(t *testing.T) {
+	w := prefixWaits{prefixes: map[prefixKey]*prefixWait{}, clusters: map[string]*clusterCount{}}
+	hot, other := prefixKey{"c", "hot"}, prefixKey{"c", ""}
+	if got := w.add(hot, 0.01); got != 0 {
+		t.Fatalf("first wait: %g earlier, want 0", got)
+	}
+	const keep = 1 - 1.0/waitMemory
+	if got := w.add(hot, 0.01); !within(got, 0.01*keep/(1+keep), 1e-9) {
+		t.Fatalf("second: %g per decision, want the first wait (decayed once) over two decisions", got)
+	}
+	for range 4 * waitMemory {
+		w.add(other, 0)
+	}
+	if got := w.add(hot, 0); got > 0.02*math.Exp(-4)/float64(waitMemory)*1.1 {
+		t.Fatalf("after 4 memories of other decisions: %g per decision, want it decayed by e⁻⁴", got)
+	}
+	if got := w.add(prefixKey{"d", "hot"}, 0); got != 0 {
+		t.Fatalf("another cluster's prefix of the same hash: %g, want 0", got)
 	}
 }
 
