@@ -793,8 +793,9 @@ type prefixWaits struct {
 }
 
 type prefixWait struct {
-	sum float64 // seconds, decayed to the cluster's decision at
-	at  uint64
+	sum   float64 // seconds, decayed to the cluster's decision at
+	waits float64 // how many, likewise
+	at    uint64
 }
 
 type clusterCount struct {
@@ -837,12 +838,22 @@ func (w *prefixWaits) add(k prefixKey, wait float64) float64 {
 				clear(w.prefixes)
 			}
 		}
-		w.prefixes[k] = &prefixWait{sum: wait, at: c.decisions}
+		w.prefixes[k] = &prefixWait{sum: wait, waits: 1, at: c.decisions}
 		return 0
 	}
-	earlier := e.sum * math.Pow(keep, float64(c.decisions-e.at))
-	e.sum, e.at = earlier+wait, c.decisions
-	return earlier / c.n
+	decay := math.Pow(keep, float64(c.decisions-e.at))
+	earlier, waits := e.sum*decay, e.waits*decay
+	e.sum, e.waits, e.at = earlier+wait, waits, c.decisions
+	if wait > 0 {
+		e.waits++
+	}
+	// Waits are events: from k of them the prefix's rate is known to
+	// about √k, and the copy is paid for sure, so they count one standard
+	// error low, (k − √k)/k of their sum: one wait alone buys no copy.
+	if waits <= 1 {
+		return 0
+	}
+	return earlier * (1 - 1/math.Sqrt(waits)) / c.n
 }
 
 // debug logs one line with every pod's predicted TTFT by part.

@@ -468,17 +468,18 @@ func hotPrefix(t *testing.T, holderBusy bool, capacity int64, seed uint64) *Stat
 // A prefix whose holder is busy whenever its requests come is copied once
 // what its requests waited there, per request, over the requests the
 // cluster serves before a copy would leave the KV cache, outweighs the
-// copy: the first request goes to the holder (116 tokens' prefill and half
-// a step, 60.5 ms, against the copy's 1,000 tokens, 225 ms), the next to a
-// pod that copies the prefix. An idle holder keeps its prefix, whatever
-// was waited before, and so does a busy one where no pod reports its KV
-// capacity (the copy's life is unknown).
+// copy: the holder predicts 116 tokens' prefill and half a step (60.5 ms)
+// against a copy's 1,000 tokens (225 ms), a copy wait of 12.3 ms. The first
+// two requests go to the holder (one wait alone is no evidence of a rate),
+// the third to a pod that copies the prefix. An idle holder keeps its
+// prefix whatever was waited before, and so does a busy one where no pod
+// reports its KV capacity (the copy's life is unknown).
 func TestABusyHotPrefixIsCopied(t *testing.T) {
 	for _, tc := range []struct {
-		name       string
-		busy       bool
-		capacity   int64
-		secondCopy bool
+		name      string
+		busy      bool
+		capacity  int64
+		thirdCopy bool
 	}{
 		{"busy holder", true, 65536, true},
 		{"idle holder", false, 65536, false},
@@ -487,35 +488,44 @@ func TestABusyHotPrefixIsCopied(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			ca := &CacheAware{m: testModel()}
 			ca.m.routed("c", 1000, 200) // the cluster's requests compute 200 tokens each
-			if s := hotPrefix(t, true, tc.capacity, 0); s.Hosts[ca.Choose(s)].Address != "holder" {
-				t.Fatal("first request: chose a copy, want the holder")
+			for i := range uint64(2) {
+				if s := hotPrefix(t, true, tc.capacity, i); s.Hosts[ca.Choose(s)].Address != "holder" {
+					t.Fatalf("request %d: chose a copy, want the holder", i+1)
+				}
 			}
-			s := hotPrefix(t, tc.busy, tc.capacity, 1)
+			s := hotPrefix(t, tc.busy, tc.capacity, 2)
 			got := s.Hosts[ca.Choose(s)].Address
-			if copied := got != "holder"; copied != tc.secondCopy {
-				t.Fatalf("second request: chose %s; want a copy: %v", got, tc.secondCopy)
+			if copied := got != "holder"; copied != tc.thirdCopy {
+				t.Fatalf("third request: chose %s; want a copy: %v", got, tc.thirdCopy)
 			}
 		})
 	}
 }
 
-// A prefix's copy waits are per decision of its cluster, decayed by
-// 1/waitMemory at each: a prefix that stopped waiting stops drawing copies.
-func TestPrefixWaitsDecayWithTheClustersDecisions(t *testing.T) {
+// A prefix's copy waits count per decision of its cluster, one standard
+// error low (k waits count (k − √k)/k of their sum), decayed by 1/waitMemory
+// at each decision: a prefix that stopped waiting stops drawing copies.
+func TestPrefixWaitsCountLowAndDecay(t *testing.T) {
 	w := prefixWaits{prefixes: map[prefixKey]*prefixWait{}, clusters: map[string]*clusterCount{}}
-	hot, other := prefixKey{"c", "hot"}, prefixKey{"c", ""}
-	if got := w.add(hot, 0.01); got != 0 {
-		t.Fatalf("first wait: %g earlier, want 0", got)
-	}
+	hot, none := prefixKey{"c", "hot"}, prefixKey{"c", ""}
 	const keep = 1 - 1.0/waitMemory
-	if got := w.add(hot, 0.01); !within(got, 0.01*keep/(1+keep), 1e-9) {
-		t.Fatalf("second: %g per decision, want the first wait (decayed once) over two decisions", got)
+	for i := range 2 {
+		if got := w.add(hot, 0.01); got != 0 {
+			t.Fatalf("wait %d: %g earlier, want 0: one wait is no rate", i+1, got)
+		}
+	}
+	// Before the third: two waits, decayed twice and once, over three
+	// decisions.
+	k := keep*keep + keep
+	want := 0.01 * k * (1 - 1/math.Sqrt(k)) / (keep*keep + keep + 1)
+	if got := w.add(hot, 0.01); !within(got, want, 1e-9) {
+		t.Fatalf("third: %g per decision, want %g", got, want)
 	}
 	for range 4 * waitMemory {
-		w.add(other, 0)
+		w.add(none, 0)
 	}
-	if got := w.add(hot, 0); got > 0.02*math.Exp(-4)/float64(waitMemory)*1.1 {
-		t.Fatalf("after 4 memories of other decisions: %g per decision, want it decayed by e⁻⁴", got)
+	if got := w.add(hot, 0); got > want*math.Exp(-4)*1.1 {
+		t.Fatalf("after 4 memories of other decisions: %g per decision, want under %g", got, want*math.Exp(-4))
 	}
 	if got := w.add(prefixKey{"d", "hot"}, 0); got != 0 {
 		t.Fatalf("another cluster's prefix of the same hash: %g, want 0", got)
