@@ -9,7 +9,7 @@
 //   - cache_aware (the default): the pod with the lowest predicted time to
 //     first token for this request, plus the delay its prefill there adds
 //     to the requests waiting on the pod, plus on a busy prefix's holders
-//     what a copy elsewhere would spare its requests, near-ties spread
+//     what a copy on an idle pod would spare its requests, near-ties spread
 //     (ttft.go, one file);
 //     every decision records its prediction (Choice.Prediction) and the
 //     first token checks it (Balancer.Observe).

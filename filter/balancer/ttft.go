@@ -30,8 +30,8 @@ package balancer
 //  2. the pick (CacheAware.Choose): the lowest cost, TTFT(r, p) plus the
 //     delay r's own computation on p adds to the requests that will queue
 //     behind it there (Cost.Delay), plus, on the pods holding r's prefix
-//     while all of them are slower for r than another pod would be had it
-//     held the prefix, what a copy elsewhere would spare the prefix's
+//     while all of them are slower for r than an idle pod would be had it
+//     held the prefix, what a copy there would spare the prefix's
 //     requests (the copy credit); among the pods within tie_epsilon of
 //     the lowest, the fewest of the request's tokens computed, then the
 //     fewest requests in flight, uniformly among equals;
@@ -667,39 +667,42 @@ func (*CacheAware) ReadsSignals() bool  { return true }
 // holding the prefix would not make them wait: half a step each on a hot
 // system prompt, which no single request's prediction pays a 1,000-token
 // copy for, but which add up over every request the copy would serve. So
-// while the prefix's holders are all slower for this request than the best
-// other pod would be had it held the prefix (the request's copy wait),
+// while the prefix's holders are all slower for this request than an idle
+// pod would be had it held the prefix, and such a pod is there (the
+// request's copy wait),
 // choosing a holder costs also what a copy elsewhere would spare: the
 // prefix's copy waits per request of the cluster, over its recent requests
-// (prefixWaits), times the requests the cluster serves before a copy made
-// now leaves its pod's KV cache (the cluster's KV capacity over the mean
-// tokens a request computes: the turnover of a least-recently-used cache).
-// A copy pays for itself where that exceeds its cost. Once a copy idles, the holders are not
-// all busy, the credit stops, and the copies stop at about as many as the
-// prefix's traffic keeps busy. Nothing without a KV capacity reported:
-// the copy's life is unknown.
+// and counted one standard error low (prefixWaits), times the requests the
+// cluster serves before a copy made now leaves its pod's KV cache (the
+// cluster's KV capacity over the mean tokens a request computes: the
+// turnover of a least-recently-used cache). A copy is made where that
+// exceeds its cost. Once a copy idles, the holders are not all busy, the
+// credit stops, and the copies stop at about as many as the prefix's
+// traffic keeps busy. Nothing without a KV capacity reported: the copy's
+// life is unknown.
 //
 // One debug line gives every pod's breakdown: why not pod X is there.
 func (c *CacheAware) Choose(s *State) int {
 	p := c.m.predictor(s)
 	n := len(s.Hosts)
 	totals, work := s.scratch(n)
-	rest := s.sortBuf(n) // a pod's TTFT less its own prefill and KV fit
-	deepest := 0.0       // the cache ratio of the prefix's holders
+	deepest := 0.0 // the cache ratio of the prefix's holders
 	for i := range s.Hosts {
 		deepest = max(deepest, s.Hosts[i].CacheRatio)
 	}
-	holderTTFT, holderUncached := math.Inf(1), math.Inf(1)
+	holderTTFT, holderUncached, idleOther := math.Inf(1), math.Inf(1), false
 	c.m.mu.RLock()
 	for i := range s.Hosts {
 		k := p.predict(&s.Hosts[i])
-		totals, work, rest = append(totals, k.Total+k.Delay), append(work, k.UncachedTokens), append(rest, k.Wait+k.Step)
+		totals, work = append(totals, k.Total+k.Delay), append(work, k.UncachedTokens)
 		if deepest > 0 && s.Hosts[i].CacheRatio == deepest {
 			holderTTFT, holderUncached = min(holderTTFT, k.Total), min(holderUncached, k.UncachedTokens)
+		} else if k.Wait == 0 {
+			idleOther = true
 		}
 	}
 	c.m.mu.RUnlock()
-	wait, credit, key := c.copyCredit(s, &p, deepest, holderTTFT, holderUncached, rest)
+	wait, credit, key := c.copyCredit(s, &p, deepest, holderTTFT, holderUncached, idleOther)
 	best := math.Inf(1)
 	for i := range totals {
 		if wait > 0 && s.Hosts[i].CacheRatio == deepest {
@@ -737,28 +740,30 @@ func (c *CacheAware) Choose(s *State) int {
 	return pick
 }
 
-// copyCredit returns the request's copy wait: what it waits at its prefix's
-// holders beyond the best other pod had that pod held the prefix (its rest,
-// plus the holders' uncached tokens at the cluster's rate); and the credit:
-// the prefix's earlier copy waits per request of the cluster (prefixWaits)
-// times the requests until the cluster's KV cache turns over. It counts the
-// decision and adds the request's wait to its prefix's. The prefix is named
-// by the hash of the holders' deepest matched block; no wait without
-// holders, other pods or hashes, no credit without a KV capacity.
-func (c *CacheAware) copyCredit(s *State, p *predictor, deepest, holderTTFT, holderUncached float64, rest []float64) (wait, credit float64, key prefixKey) {
+// copyCredit returns the request's copy wait: how much later the best of
+// its prefix's holders gives it its first token than an idle pod would
+// have, held that pod the prefix (a step and the holders' uncached tokens);
+// and the credit: the prefix's earlier copy waits per request of the
+// cluster (prefixWaits) times the requests until the cluster's KV cache
+// turns over. It counts the decision and adds the request's wait to its
+// prefix's. A copy wait needs a pod idle now that does not hold the prefix
+// (idleOther): a copy spares the prefix's requests their waits by putting
+// them on capacity nobody uses; on a fleet where every pod is busy, a
+// holder's wait beside a shorter queue elsewhere is an imbalance that each
+// request's own pick already weighs, and a copy there only adds work. The
+// prefix is named by the hash of the holders' deepest matched block; no
+// wait without holders or hashes, no credit without a KV capacity.
+func (c *CacheAware) copyCredit(s *State, p *predictor, deepest, holderTTFT, holderUncached float64, idleOther bool) (wait, credit float64, key prefixKey) {
 	key.cluster = s.Cluster
-	other, capacity := math.Inf(1), 0.0
+	capacity := 0.0
 	for i := range s.Hosts {
-		if s.Hosts[i].CacheRatio != deepest {
-			other = min(other, rest[i])
-		}
 		capacity += float64(s.Hosts[i].KVCapacity)
 	}
 	depth := int(math.Round(deepest * float64(s.Blocks)))
-	if depth > 0 && depth <= len(s.Hashes) && !math.IsInf(other, 1) {
+	if depth > 0 && depth <= len(s.Hashes) && idleOther {
 		key.hash = s.Hashes[depth-1]
-		if wait = holderTTFT - (other + holderUncached/p.rate); wait <= tieEpsilon {
-			wait = 0 // not slower than the others would be, up to rounding
+		if wait = holderTTFT - (p.step + holderUncached/p.rate); wait <= tieEpsilon {
+			wait = 0 // no later than an idle pod, up to rounding
 		}
 	}
 	perRequest := c.m.waits.add(key, wait)
@@ -782,10 +787,13 @@ const maxPrefixes = 1 << 14
 type prefixKey struct{ cluster, hash string }
 
 // prefixWaits sums, per prefix, the copy waits its requests paid
-// (CacheAware.copyCredit), and counts the cluster's decisions, both decayed
-// by 1/waitMemory per decision of the cluster: their ratio is the prefix's
-// copy wait per request of the cluster. Each gateway counts its own
-// decisions; with several, each sees a fair sample. Safe for concurrent use.
+// (CacheAware.copyCredit) and counts them, and counts the cluster's
+// decisions, all decayed by 1/waitMemory per decision of the cluster: the
+// sum over the decisions is the prefix's copy wait per request of the
+// cluster. Each gateway counts its own decisions: with several, each sees
+// a fair sample of the cluster's, and the credit, a wait per request times
+// a turnover in requests, comes out alike on each. Safe for concurrent
+// use.
 type prefixWaits struct {
 	mu       sync.Mutex
 	prefixes map[prefixKey]*prefixWait

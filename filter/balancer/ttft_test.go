@@ -452,14 +452,19 @@ func TestAStepInProgressDelaysTheStart(t *testing.T) {
 }
 
 // hotPrefix is a decision for a 1,000-byte prompt of 4 blocks whose first 3
-// a busy or idle holder has cached, beside two idle pods holding none of it;
-// every pod's KV holds 65,536 tokens unless capacity says otherwise.
-func hotPrefix(t *testing.T, holderBusy bool, capacity int64, seed uint64) *State {
+// a busy or idle holder has cached, beside two pods holding none of it,
+// idle unless othersBusy; every pod's KV holds capacity tokens.
+func hotPrefix(t *testing.T, holderBusy, othersBusy bool, capacity int64, seed uint64) *State {
 	holder := Host{Address: "holder", CacheRatio: 0.75, Signals: true, KVCapacity: capacity}
 	if holderBusy {
 		holder.Running, holder.Reqs = 1, 1
 	}
 	hosts := []Host{holder, {Address: "a", Signals: true, KVCapacity: capacity}, {Address: "b", Signals: true, KVCapacity: capacity}}
+	if othersBusy {
+		for i := 1; i < len(hosts); i++ {
+			hosts[i].Running, hosts[i].Reqs = 1, 1
+		}
+	}
 	s := hostsState(t, hosts, 1000, seed)
 	s.Blocks, s.ChunkSize, s.Hashes = 4, 256, []string{"h0", "h1", "h2", "h3"}
 	return s
@@ -472,28 +477,31 @@ func hotPrefix(t *testing.T, holderBusy bool, capacity int64, seed uint64) *Stat
 // against a copy's 1,000 tokens (225 ms), a copy wait of 12.3 ms. The first
 // two requests go to the holder (one wait alone is no evidence of a rate),
 // the third to a pod that copies the prefix. An idle holder keeps its
-// prefix whatever was waited before, and so does a busy one where no pod
-// reports its KV capacity (the copy's life is unknown).
+// prefix whatever was waited before; so does a busy one where no pod
+// reports its KV capacity (the copy's life is unknown), and one whose
+// prefix's requests found no idle pod to copy to (every pod busy: the
+// copy would only add work).
 func TestABusyHotPrefixIsCopied(t *testing.T) {
 	for _, tc := range []struct {
-		name      string
-		busy      bool
-		capacity  int64
-		thirdCopy bool
+		name             string
+		busy, othersBusy bool
+		capacity         int64
+		thirdCopy        bool
 	}{
-		{"busy holder", true, 65536, true},
-		{"idle holder", false, 65536, false},
-		{"no capacity reported", true, 0, false},
+		{"busy holder", true, false, 65536, true},
+		{"idle holder", false, false, 65536, false},
+		{"no capacity reported", true, false, 0, false},
+		{"every pod busy", true, true, 65536, false},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			ca := &CacheAware{m: testModel()}
 			ca.m.routed("c", 1000, 200) // the cluster's requests compute 200 tokens each
 			for i := range uint64(2) {
-				if s := hotPrefix(t, true, tc.capacity, i); s.Hosts[ca.Choose(s)].Address != "holder" {
+				if s := hotPrefix(t, true, tc.othersBusy, tc.capacity, i); s.Hosts[ca.Choose(s)].Address != "holder" {
 					t.Fatalf("request %d: chose a copy, want the holder", i+1)
 				}
 			}
-			s := hotPrefix(t, tc.busy, tc.capacity, 2)
+			s := hotPrefix(t, tc.busy, tc.othersBusy, tc.capacity, 2)
 			got := s.Hosts[ca.Choose(s)].Address
 			if copied := got != "holder"; copied != tc.thirdCopy {
 				t.Fatalf("third request: chose %s; want a copy: %v", got, tc.thirdCopy)
