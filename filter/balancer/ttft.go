@@ -7,16 +7,16 @@ package balancer
 //
 //  1. the prediction for request r on pod p (predict):
 //
-//     TTFT(r, p) = max(slot wait(r, p), step in progress(p)
-//                                       + queued(p) / prefill rate(p))
+//     TTFT(r, p) = max(slot wait(r, p), step in progress(p),
+//                      queued(p) / prefill rate(p))
 //                + uncached(r, p) / prefill rate(p)
 //                + decode step(p)                  (the first token itself)
 //                + KV fit(r, p)                    (recomputing what r evicts)
 //
 //     the wait is the longer of the pod's admission (a running slot, and
-//     room in its KV for r's prompt) and the prefill queued ahead, which
-//     starts after the step the pod is in (half a step, where it runs
-//     anything): the requests ahead prefill while r waits to be admitted. In
+//     room in its KV for r's prompt), the rest of the step the pod is in
+//     (half a step, where it runs anything) and the prefill queued ahead:
+//     the requests ahead prefill while r waits to be admitted. In
 //     tokens throughout: prompt bytes become tokens through the bytes per
 //     token learnt per model (BytesPerToken). Inputs: the metadata center's
 //     leases and prefix matches (every gateway's requests), this gateway's
@@ -123,9 +123,9 @@ type Cost struct {
 	// arrives: a pod running anything steps without pause and takes a new
 	// request only between steps, half a step later on average.
 	InStep float64
-	// Wait is the longer of SlotWait and InStep + Queue: the requests
-	// ahead prefill while the request waits for a slot, so the two
-	// overlap, and a slot freed by an end is free at a step's end.
+	// Wait is the longest of SlotWait, InStep and Queue: the requests
+	// ahead prefill while the request waits for a slot, in the steps the
+	// pod runs anyway, so the three overlap.
 	Wait float64
 	// UncachedTokens are the request's own tokens the pod does not hold,
 	// Prefill their prefill at the pod's rate.
@@ -430,12 +430,13 @@ func (p *predictor) predict(h *Host) Cost {
 			c.Fit = c.FitTokens * secPerToken
 		}
 	}
-	// A pod running anything is mid-step when the request arrives; it
-	// prefills the queue and the request from the next step on.
+	// A pod running anything is mid-step when the request arrives and
+	// takes it at the next step at the earliest; a queue's prefill runs in
+	// those steps, so its time already counts the one in progress.
 	if running > 0 || h.Reqs > 0 {
 		c.InStep = step / 2
 	}
-	c.Wait = max(c.SlotWait, c.InStep+c.Queue)
+	c.Wait = max(c.SlotWait, c.InStep, c.Queue)
 	c.Total = c.Wait + c.Prefill + c.Step + c.Fit
 	c.Delay = float64(waiting) * (c.Prefill + c.Fit)
 	return c
@@ -503,7 +504,8 @@ func (m *ttftModel) held(host string, d time.Duration) {
 // through the recent observations of the tokens computed before the first
 // token (counted in prompt bytes, fleetMeans) against the time they took.
 // Where the prediction's wait was the queue's, those are the queued,
-// uncached and KV-fit tokens against the TTFT less the step in progress;
+// uncached and KV-fit tokens against the TTFT less what the step in
+// progress adds to the queue's prefill;
 // where it was the slot's, the request's own (uncached and KV fit) against
 // the TTFT less the slot wait, which covered the queue's prefill.
 // The slot wait itself is not fitted here: it comes from the request
@@ -520,7 +522,7 @@ func (m *ttftModel) observe(p Prediction, observed time.Duration) {
 	m.log.LogAttrs(context.Background(), slog.LevelDebug, "ttft",
 		slog.String("cluster", p.Cluster), slog.String("host", p.Host),
 		slog.Float64("predicted", p.Total), slog.Float64("observed", obs))
-	tokens, wait := p.QueuedTokens+p.UncachedTokens+p.FitTokens, p.InStep
+	tokens, wait := p.QueuedTokens+p.UncachedTokens+p.FitTokens, max(0, p.InStep-p.Queue)
 	if p.WaitsForEnds() {
 		tokens, wait = p.UncachedTokens+p.FitTokens, p.SlotWait
 	}

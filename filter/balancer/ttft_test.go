@@ -62,8 +62,9 @@ func TestCachedPodWinsUntilItsQueueCostsMoreThanTheUncachedPrefill(t *testing.T)
 				// The prediction is the chosen pod's, in seconds.
 				p := ch.Prediction
 				// The holder runs requests: the one routed waits for half
-				// its step in progress.
-				wantTotal := 0.025 + 0.025/2 + float64(tc.queuedTokens)/5000
+				// its step in progress, or for the queue, which runs in
+				// those steps.
+				wantTotal := 0.025 + max(0.025/2, float64(tc.queuedTokens)/5000)
 				if tc.want == "cold" {
 					wantTotal = 0.025 + promptTokens/5000.0
 				}
@@ -302,7 +303,7 @@ func TestTheQueuePrefillsWhileTheRequestWaitsForASlot(t *testing.T) {
 	for _, tc := range []struct {
 		queued   int64
 		wantWait float64
-	}{{2000, 1}, {10000, 2 + 0.025/2}} { // the queue starts after the step in progress
+	}{{2000, 1}, {10000, 2}} {
 		h := Host{Address: "pod", Signals: true, Waiting: 3, Running: 4, PrefillQueued: tc.queued}
 		c := p.predict(&h)
 		if !within(c.SlotWait, 1, 1e-9) || !within(c.Queue, float64(tc.queued)/5000, 1e-9) || !within(c.Wait, tc.wantWait, 1e-9) ||

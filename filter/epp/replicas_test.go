@@ -36,9 +36,13 @@ func TestTwoReplicasSendAPrefixToOnePod(t *testing.T) {
 		}
 		hashes := prefix.Wire(prefix.Hasher{ChunkSize: 64}.Sum("qwen", prefix.CanonicalChat([]prefix.Message{
 			prefix.ChatMessage("user", "", "", []prefix.Part{{Type: "text", Text: sys}}, nil)})))
-		wait.For(t, 10*time.Second, "the metadata center to hold the prompt on "+first.served, func() bool {
+		// The prompt held there, and the first turn done there in the
+		// metadata center's count (its lease gone), as by the time a user
+		// sends the next turn: until the done lands, every replica reads
+		// the pod as still prefilling the first turn.
+		wait.For(t, 10*time.Second, "the metadata center to hold the prompt on "+first.served+" and count its turn done", func() bool {
 			ans, err := mcc.Route(context.Background(), "pool", hashes)
-			if err != nil {
+			if err != nil || ans.Load[first.served].TotalReqs != 0 {
 				return false
 			}
 			for _, c := range ans.Cache {
