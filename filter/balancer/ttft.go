@@ -671,8 +671,8 @@ func (*CacheAware) ReadsSignals() bool  { return true }
 // copy for, but which add up over every request the copy would serve. So
 // while the prefix's holders are all slower for this request than an idle
 // pod would be had it held the prefix, and such a pod is there (the
-// request's copy wait),
-// choosing a holder costs also what a copy elsewhere would spare: the
+// request's copy wait), choosing a holder costs also what a copy elsewhere
+// would spare: the
 // prefix's copy waits per request of the cluster, over its recent requests
 // and counted one standard error low (prefixWaits), times the requests the
 // cluster serves before a copy made now leaves its pod's KV cache (the
@@ -692,11 +692,12 @@ func (c *CacheAware) Choose(s *State) int {
 	for i := range s.Hosts {
 		deepest = max(deepest, s.Hosts[i].CacheRatio)
 	}
-	holderTTFT, holderUncached, idleOther := math.Inf(1), math.Inf(1), false
+	holderTTFT, holderUncached, idleOther, capacity := math.Inf(1), math.Inf(1), false, 0.0
 	c.m.mu.RLock()
 	for i := range s.Hosts {
 		k := p.predict(&s.Hosts[i])
 		totals, work = append(totals, k.Total+k.Delay), append(work, k.UncachedTokens)
+		capacity += float64(s.Hosts[i].KVCapacity)
 		if deepest > 0 && s.Hosts[i].CacheRatio == deepest {
 			holderTTFT, holderUncached = min(holderTTFT, k.Total), min(holderUncached, k.UncachedTokens)
 		} else if k.Wait == 0 {
@@ -704,7 +705,7 @@ func (c *CacheAware) Choose(s *State) int {
 		}
 	}
 	c.m.mu.RUnlock()
-	wait, credit, key := c.copyCredit(s, &p, deepest, holderTTFT, holderUncached, idleOther)
+	wait, credit, key := c.copyCredit(s, &p, deepest, holderTTFT, holderUncached, capacity, idleOther)
 	best := math.Inf(1)
 	for i := range totals {
 		if wait > 0 && s.Hosts[i].CacheRatio == deepest {
@@ -747,20 +748,16 @@ func (c *CacheAware) Choose(s *State) int {
 // have, held that pod the prefix (a step and the holders' uncached tokens);
 // and the credit: the prefix's earlier copy waits per request of the
 // cluster (prefixWaits) times the requests until the cluster's KV cache
-// turns over. It counts the decision and adds the request's wait to its
-// prefix's. A copy wait needs a pod idle now that does not hold the prefix
+// turns over (capacity: the pods' KV capacities, summed). It counts the
+// decision and adds the request's wait to its prefix's. A copy wait needs a pod idle now that does not hold the prefix
 // (idleOther): a copy spares the prefix's requests their waits by putting
 // them on capacity nobody uses; on a fleet where every pod is busy, a
 // holder's wait beside a shorter queue elsewhere is an imbalance that each
 // request's own pick already weighs, and a copy there only adds work. The
 // prefix is named by the hash of the holders' deepest matched block; no
 // wait without holders or hashes, no credit without a KV capacity.
-func (c *CacheAware) copyCredit(s *State, p *predictor, deepest, holderTTFT, holderUncached float64, idleOther bool) (wait, credit float64, key prefixKey) {
+func (c *CacheAware) copyCredit(s *State, p *predictor, deepest, holderTTFT, holderUncached, capacity float64, idleOther bool) (wait, credit float64, key prefixKey) {
 	key.cluster = s.Cluster
-	capacity := 0.0
-	for i := range s.Hosts {
-		capacity += float64(s.Hosts[i].KVCapacity)
-	}
 	depth := int(math.Round(deepest * float64(s.Blocks)))
 	if depth > 0 && depth <= len(s.Hashes) && idleOther {
 		key.hash = s.Hashes[depth-1]
