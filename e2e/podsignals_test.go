@@ -10,6 +10,7 @@ import (
 	"net/http/httptest"
 	"os"
 	"path/filepath"
+	"reflect"
 	"strconv"
 	"strings"
 	"testing"
@@ -137,7 +138,7 @@ endpoints:
 	}
 	startCmd(t, dir, "gateway", filepath.Join(bin, "gateway"), "--config", cfg)
 	wait.For(t, 30*time.Second, "the standalone gateway's admin-found pod in the route answer", func() bool {
-		return routeSignals(t, mc, standaloneCluster)[podA] != (api.PodSignals{})
+		return !reflect.DeepEqual(routeSignals(t, mc, standaloneCluster)[podA], api.PodSignals{})
 	})
 	got := routeSignals(t, mc, standaloneCluster)[podA]
 	if got.Running != 3 || got.Waiting != 5 || got.KVCacheUtil != 0.8125 {
@@ -154,7 +155,7 @@ endpoints:
 		t.Fatal(err)
 	}
 	wait.For(t, 30*time.Second, "the .so's admin-found pod in the route answer", func() bool {
-		return routeSignals(t, mc, envoyCluster)[podB] != (api.PodSignals{})
+		return !reflect.DeepEqual(routeSignals(t, mc, envoyCluster)[podB], api.PodSignals{})
 	})
 	if got := routeSignals(t, mc, envoyCluster)[podB]; got.Running != 1 || got.Waiting != 2 {
 		t.Fatalf("pod %s signals %+v, want running 1, waiting 2", podB, got)

@@ -81,6 +81,13 @@ type Host struct {
 	// requests it runs at most; 0 = not reported (vLLM reports the first
 	// only, our worker both).
 	KVCapacity, MaxRunning int64
+	// What the pod's compute costs as it measures it (our worker; 0 = not
+	// reported, api.PodSignals): PrefillQueued request by request at that
+	// cost, fewest tokens first, a prompt token's own cost and its
+	// attention to each cell before it, and a decode step of its running
+	// set.
+	PrefillQueue                                []api.Prefill
+	TokenSeconds, AttentionSeconds, StepSeconds float64
 	// ReportsEvictions: the pod tells the metadata center what it evicts
 	// (our worker), so the index needs no bound (Choice.MaxBlocks).
 	ReportsEvictions bool

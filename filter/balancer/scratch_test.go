@@ -2,6 +2,7 @@ package balancer
 
 import (
 	"fmt"
+	"reflect"
 	"testing"
 
 	"github.com/istio-llm-filter/istio-llm-filter/filter/config"
@@ -37,7 +38,7 @@ func TestChooseManyHostsPooledScratch(t *testing.T) {
 				t.Fatal(err)
 			}
 			wantIdx := pickTop(Scores(want, rule, nil), rule.CandidatePercent, intn)
-			if ch.Index != wantIdx || ch.Host != want[wantIdx] {
+			if ch.Index != wantIdx || !reflect.DeepEqual(ch.Host, want[wantIdx]) {
 				t.Fatalf("n=%d draw=%d: chose %d %+v, want %d %+v", n, draw, ch.Index, ch.Host, wantIdx, want[wantIdx])
 			}
 			b.Tracker().Begin("c", ch.Host.Address, 0, Request{}).End() // over before the next one

@@ -16,7 +16,12 @@ package balancer
 //     the wait is the longer of the pod's admission (a running slot, and
 //     room in its KV for r's prompt), the rest of the step the pod is in
 //     (half a step, where it runs anything) and the prefill queued ahead:
-//     the requests ahead prefill while r waits to be admitted. In
+//     the requests ahead prefill while r waits to be admitted. The prefill
+//     rate and the step are the cluster's fit (3 below), or, on a pod that
+//     measures its own compute (our worker), the pod's: its step, each
+//     token's cost plus its attention to the cells before it, and of its
+//     queue, listed request by request, those it prefills first (fewer
+//     tokens left than r's). In
 //     tokens throughout: prompt bytes become tokens through the bytes per
 //     token learnt per model (BytesPerToken). Inputs: the metadata center's
 //     leases and prefix matches (every gateway's requests), this gateway's
@@ -136,6 +141,9 @@ type Cost struct {
 	// make room) at its prefill rate.
 	FitTokens, Fit float64
 	Total          float64 // the predicted TTFT: Wait + Prefill + Step + Fit
+	// Measured: the pod priced its own compute (Host.TokenSeconds…), not
+	// the cluster's fit, which then learns nothing from the request.
+	Measured bool
 	// Delay is what the request's own computation here (Prefill + Fit)
 	// adds to the TTFTs of others: every request that will queue behind it
 	// on the pod waits that much longer. In a first-come-first-served
@@ -322,6 +330,17 @@ func (m *ttftModel) predictor(s *State) predictor {
 func (p *predictor) predict(h *Host) Cost {
 	c := Cost{Host: h.Address}
 	secPerToken, step, hold := 1/p.rate, p.step, 0.0
+	// A pod that measures its own compute (our worker: the cost of its
+	// steps, api.PodSignals) is priced by it rather than by the cluster's
+	// fit from TTFTs, which carry queueing and see mostly cache hits: its
+	// decode step, a prompt token's own cost plus its attention to every
+	// cell before it (a long cold prompt costs more a token than a short
+	// question after a cached document), and its queue at what the pod
+	// says that queue costs.
+	own := h.Signals && (h.TokenSeconds > 0 || h.AttentionSeconds > 0)
+	if own && h.StepSeconds > 0 {
+		step = h.StepSeconds
+	}
 	if f := p.m.pods[h.Address]; f != nil {
 		hold = f.hold
 	}
@@ -329,6 +348,16 @@ func (p *predictor) predict(h *Host) Cost {
 		hold = assumedSlotSteps * step
 	}
 	c.UncachedTokens = max(0, p.promptTokens-float64(p.req.cachedBytes(h.CacheRatio))/p.bpt)
+	prefill, tokenCost := c.UncachedTokens*secPerToken, secPerToken
+	if own {
+		c.Measured = true
+		n, cached := c.UncachedTokens, p.promptTokens-c.UncachedTokens
+		prefill = h.TokenSeconds*n + h.AttentionSeconds*(n*cached+n*(n+1)/2)
+		tokenCost = h.TokenSeconds + h.AttentionSeconds*p.promptTokens
+		if n > 0 {
+			tokenCost = prefill / n
+		}
+	}
 
 	// The prefill standing before the request. Three counts of it, each
 	// short of the truth in its own way, so the largest is taken:
@@ -407,7 +436,10 @@ func (p *predictor) predict(h *Host) Cost {
 		}
 	}
 	c.Queue = c.QueuedTokens * secPerToken
-	c.Prefill = c.UncachedTokens * secPerToken
+	if own {
+		c.Queue = p.measuredQueue(h, c.UncachedTokens, tokenCost)
+	}
+	c.Prefill = prefill
 	c.Step = step
 
 	// KV fit. The utilization counts the blocks of running requests (idle
@@ -427,7 +459,7 @@ func (p *predictor) predict(h *Host) Cost {
 		}
 		if free >= 0 {
 			c.FitTokens = max(0, c.UncachedTokens-free)
-			c.Fit = c.FitTokens * secPerToken
+			c.Fit = c.FitTokens * tokenCost
 		}
 	}
 	// A pod running anything is mid-step when the request arrives and
@@ -440,6 +472,28 @@ func (p *predictor) predict(h *Host) Cost {
 	c.Total = c.Wait + c.Prefill + c.Step + c.Fit
 	c.Delay = float64(waiting) * (c.Prefill + c.Fit)
 	return c
+}
+
+// measuredQueue is the prefill a request of n uncached tokens waits for on
+// a pod that reports its queue request by request at its own cost (our
+// worker): it prefills the fewest tokens left first, so the request waits
+// for the queued requests with no more tokens left than its own n, not
+// for longer ones. This gateway's requests there since the report count
+// at the request's own cost a token (their sizes are not kept here); those
+// of its requests in the report that have had their first token since are
+// taken off at the queue's mean cost a token.
+func (p *predictor) measuredQueue(h *Host, n, tokenCost float64) float64 {
+	ahead, tokens, secs := 0.0, 0.0, 0.0
+	for _, q := range h.PrefillQueue {
+		tokens, secs = tokens+float64(q.Tokens), secs+q.Seconds
+		if float64(q.Tokens) <= n {
+			ahead += q.Seconds
+		}
+	}
+	if tokens > 0 {
+		ahead = max(0, ahead-float64(h.FilledSinceReport)/p.bpt*secs/tokens)
+	}
+	return ahead + float64(h.LocalPrefill)/p.bpt*tokenCost
 }
 
 // chosen returns the prediction for s.Hosts[i], the pod a policy chose,
@@ -522,6 +576,9 @@ func (m *ttftModel) observe(p Prediction, observed time.Duration) {
 	m.log.LogAttrs(context.Background(), slog.LevelDebug, "ttft",
 		slog.String("cluster", p.Cluster), slog.String("host", p.Host),
 		slog.Float64("predicted", p.Total), slog.Float64("observed", obs))
+	if p.Measured {
+		return
+	}
 	tokens, wait := p.QueuedTokens+p.UncachedTokens+p.FitTokens, max(0, p.InStep-p.Queue)
 	if p.WaitsForEnds() {
 		tokens, wait = p.UncachedTokens+p.FitTokens, p.SlotWait

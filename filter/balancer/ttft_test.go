@@ -1108,3 +1108,38 @@ func testModel() *ttftModel {
 	return newTTFTModel(prometheus.NewHistogram(prometheus.HistogramOpts{Name: "x"}),
 		prometheus.NewHistogram(prometheus.HistogramOpts{Name: "y"}), slog.Default())
 }
+
+// A pod that reports what its compute costs (our worker) is priced by it,
+// not by the cluster's fit: its step, each token's own cost and its
+// attention to the cells before it, and of its queue the requests it
+// prefills before this one, those with fewer tokens left. A 2,000-token
+// prompt whose first 1,500 tokens the pod holds: 500 tokens after 1,500
+// cells, 500·0.5 ms + 1 µs·(500·1,500 + 500·501/2) = 1.125 s; of a queue of
+// 200 tokens (0.5 s) and 3,800 (2.5 s), it waits for the first only; a step
+// of 10 ms. The same pod without the figures, at the rule's 5,000
+// tokens/s and 25 ms steps, waits for all 4,000 tokens. A prediction from
+// the pod's own figures does not refit the cluster.
+func TestAPodsOwnCostPricesItsCompute(t *testing.T) {
+	m := testModel()
+	rule := defaultRule(t)
+	pod := Host{Address: "own", Signals: true, CacheRatio: 0.75, Running: 1, Reqs: 1, PrefillQueued: 4000,
+		PrefillQueue: []api.Prefill{{Tokens: 200, Seconds: 0.5}, {Tokens: 3800, Seconds: 2.5}}, TokenSeconds: 5e-4,
+		AttentionSeconds: 1e-6, StepSeconds: 0.01}
+	s := &State{Cluster: "c", Rule: rule, PromptLength: 2000, BytesPerToken: 1, Hosts: []Host{pod}}
+	p := m.predictor(s)
+	c := p.predict(&pod)
+	want := 500*5e-4 + 1e-6*(500*1500+500*501/2.0)
+	if !c.Measured || !within(c.Prefill, want, 1e-9) || !within(c.Queue, 0.5, 1e-9) || !within(c.Step, 0.01, 1e-9) ||
+		!within(c.Total, 0.5+want+0.01, 1e-9) {
+		t.Fatalf("own cost: %+v, want prefill %.4gs, queue 0.5s, step 10ms", c, want)
+	}
+	m.observe(m.chosen(s, 0), 2*time.Second)
+	if f := m.means["c"]; f.secPerByte != 0 {
+		t.Fatalf("the cluster fit learnt %g s/byte from a pod that priced itself", f.secPerByte)
+	}
+	pod.PrefillQueue, pod.TokenSeconds, pod.AttentionSeconds, pod.StepSeconds = nil, 0, 0, 0
+	c = p.predict(&pod)
+	if !within(c.Prefill, 500/5000.0, 1e-9) || !within(c.Queue, 4000/5000.0, 1e-9) || !within(c.Step, 0.025, 1e-9) {
+		t.Fatalf("no own cost: %+v, want the rule's rate and step", c)
+	}
+}

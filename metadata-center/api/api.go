@@ -245,6 +245,18 @@ type PodSignals struct {
 	// most (its max_num_seqs); 0 = not reported.
 	KVCapacity int64 `json:"kv_capacity,omitempty"`
 	MaxRunning int64 `json:"max_running,omitempty"`
+	// What the pod's compute costs, as it measures its own steps (our
+	// worker; 0 = not reported, as from a scraped pod): PrefillQueue is
+	// PrefillTokens request by request with their compute at that cost,
+	// fewest tokens first (the order our worker prefills them in); a
+	// prompt of n tokens written after c cached cells takes about
+	// TokenSeconds·n + AttentionSeconds·(n·c + n(n+1)/2) (each token
+	// attends to the cells before it); StepSeconds is one decode step of
+	// its running set with a new request's first token in it.
+	PrefillQueue     []Prefill `json:"prefill_queue,omitempty"`
+	TokenSeconds     float64   `json:"token_seconds,omitempty"`
+	AttentionSeconds float64 `json:"attention_seconds,omitempty"`
+	StepSeconds      float64 `json:"step_seconds,omitempty"`
 	// ReportsEvictions: the pod tells the metadata center what its KV
 	// cache evicts (our worker, POST /v1/cache/evict), so the index knows
 	// what it holds; for the others (vLLM, SGLang: scraped) the gateways
@@ -259,6 +271,17 @@ type PodSignals struct {
 	AgeMS int64 `json:"age_ms,omitempty"`
 }
 
+// Prefill is one request's prompt tokens a pod has still to compute and
+// what computing them costs it, in seconds (PodSignals.PrefillQueue).
+type Prefill struct {
+	Tokens  int64   `json:"tokens"`
+	Seconds float64 `json:"seconds"`
+}
+
+// MaxPrefillQueue bounds a report's PrefillQueue; a longer one is refused
+// with 400 (our worker sums its longest past 32).
+const MaxPrefillQueue = 64
+
 // PodReport is the body of POST /v1/pods/signals.
 type PodReport struct {
 	Cluster       string  `json:"cluster"`
@@ -269,6 +292,11 @@ type PodReport struct {
 	PrefillTokens int64   `json:"prefill_tokens"`
 	KVCapacity    int64   `json:"kv_capacity,omitempty"`
 	MaxRunning    int64   `json:"max_running,omitempty"`
+	// The compute's cost: PodSignals' fields of these names.
+	PrefillQueue     []Prefill `json:"prefill_queue,omitempty"`
+	TokenSeconds     float64   `json:"token_seconds,omitempty"`
+	AttentionSeconds float64 `json:"attention_seconds,omitempty"`
+	StepSeconds      float64 `json:"step_seconds,omitempty"`
 	// ReportsEvictions: PodSignals.ReportsEvictions.
 	ReportsEvictions bool `json:"reports_evictions,omitempty"`
 	Draining         bool `json:"draining,omitempty"`
@@ -333,7 +361,8 @@ const (
 // Signals returns the report's signals.
 func (r PodReport) Signals() PodSignals {
 	return PodSignals{Waiting: r.Waiting, Running: r.Running, KVCacheUtil: r.KVCacheUtil, PrefillTokens: r.PrefillTokens,
-		KVCapacity: r.KVCapacity, MaxRunning: r.MaxRunning, ReportsEvictions: r.ReportsEvictions, Draining: r.Draining}
+		KVCapacity: r.KVCapacity, MaxRunning: r.MaxRunning, PrefillQueue: r.PrefillQueue, TokenSeconds: r.TokenSeconds,
+		AttentionSeconds: r.AttentionSeconds, StepSeconds: r.StepSeconds, ReportsEvictions: r.ReportsEvictions, Draining: r.Draining}
 }
 
 // Report returns the report of host in cluster carrying s, Signals'
@@ -342,6 +371,7 @@ func (r PodReport) Signals() PodSignals {
 func (s PodSignals) Report(cluster, host string, reg *PodRegistration) PodReport {
 	return PodReport{Cluster: cluster, Host: host, Waiting: s.Waiting, Running: s.Running, KVCacheUtil: s.KVCacheUtil,
 		PrefillTokens: s.PrefillTokens, KVCapacity: s.KVCapacity, MaxRunning: s.MaxRunning,
+		PrefillQueue: s.PrefillQueue, TokenSeconds: s.TokenSeconds, AttentionSeconds: s.AttentionSeconds, StepSeconds: s.StepSeconds,
 		ReportsEvictions: s.ReportsEvictions, Draining: s.Draining, Register: reg}
 }
 

@@ -23,6 +23,8 @@ func TestPodSignalsSurviveTheirReport(t *testing.T) {
 			f.SetFloat(float64(i) + 0.5)
 		case reflect.Bool:
 			f.SetBool(true)
+		case reflect.Slice: // PrefillQueue
+			f.Set(reflect.ValueOf([]Prefill{{Tokens: int64(i), Seconds: 0.5}}))
 		default:
 			t.Fatalf("field %s of kind %s: teach this test to fill it", v.Type().Field(i).Name, f.Kind())
 		}
@@ -32,7 +34,7 @@ func TestPodSignalsSurviveTheirReport(t *testing.T) {
 	if rep.Cluster != "c" || rep.Host != "10.0.0.1:80" || rep.Register != reg {
 		t.Fatalf("report %+v lost its cluster, host or registration", rep)
 	}
-	if got := rep.Signals(); got != sig {
+	if got := rep.Signals(); !reflect.DeepEqual(got, sig) {
 		t.Fatalf("signals after a report: %+v, want %+v", got, sig)
 	}
 }

@@ -92,7 +92,7 @@ func TestParse(t *testing.T) {
 	}
 	for _, c := range cases {
 		got, err := Parse(c.backend, strings.NewReader(c.body))
-		if err != nil || got != c.want {
+		if err != nil || !reflect.DeepEqual(got, c.want) {
 			t.Errorf("%s: %+v %v, want %+v", c.backend, got, err, c.want)
 		}
 	}

@@ -193,6 +193,30 @@ func appendSignals(b []byte, m map[string]api.PodSignals) []byte {
 			b = append(b, `,"max_running":`...)
 			b = strconv.AppendInt(b, sig.MaxRunning, 10)
 		}
+		for _, f := range []struct {
+			key string
+			v   float64
+		}{{`,"token_seconds":`, sig.TokenSeconds}, {`,"attention_seconds":`, sig.AttentionSeconds},
+			{`,"step_seconds":`, sig.StepSeconds}} {
+			if f.v != 0 {
+				b = append(b, f.key...)
+				b = appendFloat(b, f.v)
+			}
+		}
+		if len(sig.PrefillQueue) > 0 {
+			b = append(b, `,"prefill_queue":[`...)
+			for i, q := range sig.PrefillQueue {
+				if i > 0 {
+					b = append(b, ',')
+				}
+				b = append(b, `{"tokens":`...)
+				b = strconv.AppendInt(b, q.Tokens, 10)
+				b = append(b, `,"seconds":`...)
+				b = appendFloat(b, q.Seconds)
+				b = append(b, '}')
+			}
+			b = append(b, ']')
+		}
 		if sig.ReportsEvictions {
 			b = append(b, `,"reports_evictions":true`...)
 		}

@@ -195,6 +195,8 @@ func TestPodSignals(t *testing.T) {
 				{map[string]any{"cluster": cl, "host": a, "running": -2}, "running must be >= 0"},
 				{map[string]any{"cluster": cl, "host": a, "prefill_tokens": -2}, "prefill_tokens must be >= 0"},
 				{map[string]any{"cluster": cl, "host": a, "kv_cache_util": 1.5}, "kv_cache_util must be within 0..1"},
+				{map[string]any{"cluster": cl, "host": a, "token_seconds": -1e-3}, "token_seconds must be within 0..86400"},
+				{map[string]any{"cluster": cl, "host": a, "prefill_queue": []map[string]any{{"tokens": 10, "seconds": -1}}}, "prefill_queue entries need"},
 				{map[string]any{"cluster": cl, "host": a, "kv_capacity": -1}, "kv_capacity must be >= 0"},
 				{map[string]any{"cluster": cl, "host": a, "max_running": -1}, "max_running must be >= 0"},
 				{map[string]any{"cluster": cl, "host": "pod-a", "waiting": 1}, "host"},

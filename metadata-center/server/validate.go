@@ -99,7 +99,12 @@ func validQuery(cluster string, hashes []string) (string, []prefix.Hash, error) 
 	return c, hs, err
 }
 
-// validSignals refuses counts below zero and a utilization outside 0..1.
+// maxSignalSeconds bounds a pod's reported costs: no queue worth routing
+// to takes a day to prefill.
+const maxSignalSeconds = 86400
+
+// validSignals refuses counts below zero, a utilization outside 0..1 and
+// costs outside 0..maxSignalSeconds (NaN included).
 func validSignals(sig api.PodSignals) error {
 	switch {
 	case sig.Waiting < 0:
@@ -114,6 +119,22 @@ func validSignals(sig api.PodSignals) error {
 		return fmt.Errorf("max_running must be >= 0, got %d", sig.MaxRunning)
 	case !(sig.KVCacheUtil >= 0 && sig.KVCacheUtil <= 1):
 		return fmt.Errorf("kv_cache_util must be within 0..1, got %g", sig.KVCacheUtil)
+	}
+	for _, f := range []struct {
+		name string
+		v    float64
+	}{{"token_seconds", sig.TokenSeconds}, {"attention_seconds", sig.AttentionSeconds}, {"step_seconds", sig.StepSeconds}} {
+		if !(f.v >= 0 && f.v <= maxSignalSeconds) {
+			return fmt.Errorf("%s must be within 0..%d, got %g", f.name, maxSignalSeconds, f.v)
+		}
+	}
+	if len(sig.PrefillQueue) > api.MaxPrefillQueue {
+		return fmt.Errorf("prefill_queue has %d entries, at most %d", len(sig.PrefillQueue), api.MaxPrefillQueue)
+	}
+	for _, q := range sig.PrefillQueue {
+		if q.Tokens < 0 || !(q.Seconds >= 0 && q.Seconds <= maxSignalSeconds) {
+			return fmt.Errorf("prefill_queue entries need tokens >= 0 and seconds within 0..%d, got %d and %g", maxSignalSeconds, q.Tokens, q.Seconds)
+		}
 	}
 	return nil
 }

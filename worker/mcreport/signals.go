@@ -2,6 +2,7 @@ package mcreport
 
 import (
 	"context"
+	"reflect"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -65,7 +66,7 @@ func (r *Reporter) RunSignals(ctx context.Context, src SignalSource, poll, every
 		if r.cfg.Registration != nil && (lastReg.IsZero() || now.Sub(lastReg) >= regEvery) {
 			reg = r.cfg.Registration
 		}
-		if cur != last || now.Sub(lastSent) >= every || reg != nil {
+		if !reflect.DeepEqual(cur, last) || now.Sub(lastSent) >= every || reg != nil {
 			err := r.mc.ReportSignals(ctx, cur.Report(r.cfg.Cluster, r.cfg.Host, reg))
 			switch {
 			case err == nil:

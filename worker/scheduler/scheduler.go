@@ -168,14 +168,19 @@ type Scheduler struct {
 	running int       // published for Stats
 	// published for Stats (the pod's signals to the router): prompt tokens
 	// of the running set still to prefill, KV cells in use, and those
-	// running requests hold.
+	// running requests hold; what the steps cost (the fit's), the running
+	// set's prefills at that cost and a decode step of the running set.
 	setPrefill, kvUsed, kvRunning int
+	cost                          Cost
+	setPrefills                   []Prefill
+	stepSec                       float64
 
 	// loop-owned
-	set      []*task // the running set, in admission order
-	releases uint64  // requests that left the running set so far; waiting phases wait for one
-	steps    uint64  // batches built so far
-	backlog  bool    // requests wait in the queue for a running slot
+	set      []*task  // the running set, in admission order
+	releases uint64   // requests that left the running set so far; waiting phases wait for one
+	steps    uint64   // batches built so far
+	backlog  bool     // requests wait in the queue for a running slot
+	fit      stepCost // what a step costs (Stats)
 	// unbound are the requests that ended without ever being bound, whose
 	// hashes reportUnbound still has to look at.
 	unbound []*task

@@ -1,6 +1,9 @@
 package scheduler
 
 import (
+	"cmp"
+	"slices"
+
 	"github.com/istio-llm-filter/istio-llm-filter/worker/kvcache"
 	"github.com/istio-llm-filter/istio-llm-filter/worker/seqpool"
 )
@@ -28,6 +31,40 @@ type Stats struct {
 	KVCellsRunning int
 	// MaxRunning is the running set's size (Config.MaxRunning).
 	MaxRunning int
+	// Cost is what the pod's steps cost (stepCost; zero until known);
+	// Prefills are the requests' PrefillTokens one by one with their
+	// compute at that cost (each after the cells it follows), shortest
+	// first, as plan serves them; StepSeconds a decode step of the
+	// running set with one more sequence sampling (a new request's first
+	// token).
+	Cost        Cost
+	Prefills    []Prefill
+	StepSeconds float64
+}
+
+// Prefill is one request's prompt tokens still to compute and their cost.
+type Prefill struct {
+	Tokens  int
+	Seconds float64
+}
+
+// maxPrefills bounds the requests Stats lists one by one: past it the
+// longest are summed into the last entry (a request waits only for those
+// shorter than itself, and these are the longest).
+const maxPrefills = 32
+
+// sortedPrefills sorts ps shortest first and sums those past maxPrefills
+// into the last kept entry.
+func sortedPrefills(ps []Prefill) []Prefill {
+	slices.SortStableFunc(ps, func(a, b Prefill) int { return cmp.Compare(a.Tokens, b.Tokens) })
+	if len(ps) > maxPrefills {
+		last := &ps[maxPrefills-1]
+		for _, p := range ps[maxPrefills:] {
+			last.Tokens, last.Seconds = p.Tokens, last.Seconds+p.Seconds
+		}
+		ps = ps[:maxPrefills]
+	}
+	return ps
 }
 
 // KVUsage is the fraction of the KV cells running requests hold: idle
@@ -46,20 +83,26 @@ func (s *Scheduler) Stats() Stats {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	st := Stats{Queued: len(s.queue), Running: s.running, PrefillTokens: s.setPrefill, KVCellsUsed: s.kvUsed, KVCells: s.info.NCtx,
-		KVCellsRunning: s.kvRunning, MaxRunning: s.cfg.MaxRunning}
+		KVCellsRunning: s.kvRunning, MaxRunning: s.cfg.MaxRunning, Cost: s.cost, StepSeconds: s.stepSec,
+		Prefills: slices.Clone(s.setPrefills)}
 	st.Blocked = max(0, st.Queued-max(0, s.cfg.MaxRunning-st.Running))
 	for _, t := range s.queue {
+		n := len(t.toks)
 		if t.uncached > 0 {
-			st.PrefillTokens += t.uncached
-		} else {
-			st.PrefillTokens += len(t.toks)
+			n = t.uncached
 		}
+		st.PrefillTokens += n
+		st.Prefills = append(st.Prefills, Prefill{n, s.cost.Prefill(n, len(t.toks)-n)})
 	}
+	st.Prefills = sortedPrefills(st.Prefills)
 	return st
 }
 
 func (s *Scheduler) publish() {
 	nPending, nProcessing, prefill := 0, 0, 0
+	cost := s.fit.cost()
+	var prefills []Prefill
+	nDecoding, attended := 0, 0.0
 	var ahead [][]int // prompts waiting to bind, in the order they will bind
 	for _, t := range s.set {
 		if t.phase == pending {
@@ -68,7 +111,9 @@ func (s *Scheduler) publish() {
 			nProcessing++
 		}
 		if t.phase == pending && t.nGen == 0 {
-			prefill += s.estimate(t, &ahead)
+			n := s.estimate(t, &ahead)
+			prefill += n
+			prefills = append(prefills, Prefill{n, cost.Prefill(n, len(t.toks)-n)})
 			continue
 		}
 		if t.nGen == 0 {
@@ -77,8 +122,19 @@ func (s *Scheduler) publish() {
 				// Its leader computes the shared part, and counts it.
 				done = max(done, t.shareTo)
 			}
-			prefill += max(0, len(t.toks)-done)
+			n := max(0, len(t.toks)-done)
+			if n > 0 {
+				prefill += n
+				prefills = append(prefills, Prefill{n, cost.Prefill(n, done)})
+			}
+		} else if t.phase == decoding {
+			nDecoding++
+			attended += pairs(1, t.past)
 		}
+	}
+	step := 0.0
+	if cost.Known() {
+		step = cost.Base + cost.PerToken*float64(nDecoding) + cost.PerPair*attended + cost.PerSample*float64(nDecoding+1)
 	}
 	used, running := s.kv.UsedCells(), s.kv.RunningCells()
 	s.mu.Lock()
@@ -87,6 +143,7 @@ func (s *Scheduler) publish() {
 	}
 	s.running = len(s.set)
 	s.setPrefill, s.kvUsed, s.kvRunning = prefill, used, running
+	s.cost, s.setPrefills, s.stepSec = cost, prefills, step
 	s.mu.Unlock()
 	s.m.running.WithLabelValues("PENDING").Set(float64(nPending))
 	s.m.running.WithLabelValues("PROCESSING").Set(float64(nProcessing))

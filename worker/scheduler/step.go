@@ -49,7 +49,9 @@ func (s *Scheduler) step(spans []engine.Span, tasks []*task) {
 		start := time.Now()
 		out, err := s.eng.Step(spans)
 		if err == nil {
-			s.m.stepDuration.Observe(time.Since(start).Seconds())
+			took := time.Since(start)
+			s.fit.observe(spans, took)
+			s.m.stepDuration.Observe(took.Seconds())
 			s.m.stepBatchToks.Observe(float64(tokens(spans)))
 			s.apply(spans, tasks, out)
 			return

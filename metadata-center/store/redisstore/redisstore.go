@@ -505,17 +505,20 @@ func loadFromPairs(reqs, prompts []string) (api.LoadStats, error) {
 
 // ReportSignals implements store.Signals. The report is stored as
 // "waiting running kv_util prefill_tokens draining(0|1) kv_capacity
-// max_running reports_evictions(0|1) at", stamped with this replica's clock
+// max_running reports_evictions(0|1) prefill_queue token_seconds
+// attention_seconds step_seconds at" (prefill_queue "tokens:seconds,…", "-"
+// when empty), stamped with this replica's clock
 // last (the signals script reads it there; the shorter reports of earlier
-// releases, without reports_evictions, the capacities or draining, are
-// read too); the hash expires when
+// releases, without the costs, reports_evictions, the capacities or
+// draining, are read too); the hash expires when
 // no pod of the cluster has reported for a minute (or ten max ages).
 func (s *Store) ReportSignals(ctx context.Context, cluster, host string, sig api.PodSignals) error {
 	now := s.ms()
 	rep := strconv.FormatInt(sig.Waiting, 10) + " " + strconv.FormatInt(sig.Running, 10) + " " +
 		strconv.FormatFloat(sig.KVCacheUtil, 'g', -1, 64) + " " + strconv.FormatInt(sig.PrefillTokens, 10) + " " +
 		flagField(sig.Draining) + strconv.FormatInt(sig.KVCapacity, 10) + " " + strconv.FormatInt(sig.MaxRunning, 10) + " " +
-		flagField(sig.ReportsEvictions) + strconv.FormatInt(now, 10)
+		flagField(sig.ReportsEvictions) + queueField(sig.PrefillQueue) + costField(sig.TokenSeconds) +
+		costField(sig.AttentionSeconds) + costField(sig.StepSeconds) + strconv.FormatInt(now, 10)
 	keyTTL := max(60_000, 10*s.signalMaxAge)
 	err := s.sc.signals.Run(ctx, s.rdb, []string{s.keys(cluster).signals()}, host, rep, keyTTL, now-s.signalMaxAge, api.MaxPodSignals).Err()
 	return s.wrap("report signals", err)
@@ -555,6 +558,17 @@ func (s *Store) freshSignals(pairs []string, now int64) (map[string]api.PodSigna
 func (s *Store) fresh(rep string, now int64) (api.PodSignals, bool, error) {
 	f := strings.Fields(rep)
 	var sig api.PodSignals
+	if len(f) == 13 {
+		var errs [4]error
+		sig.PrefillQueue, errs[0] = parseQueue(f[8])
+		sig.TokenSeconds, errs[1] = strconv.ParseFloat(f[9], 64)
+		sig.AttentionSeconds, errs[2] = strconv.ParseFloat(f[10], 64)
+		sig.StepSeconds, errs[3] = strconv.ParseFloat(f[11], 64)
+		if err := errors.Join(errs[:]...); err != nil {
+			return api.PodSignals{}, false, fmt.Errorf("redis signals: malformed report %q: %w", rep, err)
+		}
+		f = append(f[:8], f[12])
+	}
 	if len(f) == 9 {
 		if f[7] != "0" && f[7] != "1" {
 			return api.PodSignals{}, false, fmt.Errorf("redis signals: malformed report %q", rep)
@@ -594,6 +608,48 @@ func (s *Store) fresh(rep string, now int64) (api.PodSignals, bool, error) {
 	}
 	sig.AgeMS = max(0, age)
 	return sig, true, nil
+}
+
+// costField is a report's cost field with its separator.
+func costField(v float64) string { return strconv.FormatFloat(v, 'g', -1, 64) + " " }
+
+// queueField is a report's prefill queue, "tokens:seconds,…" ("-" when
+// empty), with its separator.
+func queueField(q []api.Prefill) string {
+	if len(q) == 0 {
+		return "- "
+	}
+	var b []byte
+	for i, p := range q {
+		if i > 0 {
+			b = append(b, ',')
+		}
+		b = strconv.AppendInt(b, p.Tokens, 10)
+		b = append(b, ':')
+		b = strconv.AppendFloat(b, p.Seconds, 'g', -1, 64)
+	}
+	return string(b) + " "
+}
+
+// parseQueue reads queueField's form.
+func parseQueue(f string) ([]api.Prefill, error) {
+	if f == "-" {
+		return nil, nil
+	}
+	var q []api.Prefill
+	for e := range strings.SplitSeq(f, ",") {
+		t, sec, ok := strings.Cut(e, ":")
+		if !ok {
+			return nil, fmt.Errorf("prefill queue entry %q", e)
+		}
+		n, err1 := strconv.ParseInt(t, 10, 64)
+		v, err2 := strconv.ParseFloat(sec, 64)
+		if err := errors.Join(err1, err2); err != nil {
+			return nil, err
+		}
+		q = append(q, api.Prefill{Tokens: n, Seconds: v})
+	}
+	return q, nil
 }
 
 // flagField is a report's flag field (draining, reports_evictions)

@@ -15,6 +15,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"math"
 	"net"
 	"net/http"
 	"os"
@@ -487,10 +488,37 @@ func podSignals(s *scheduler.Scheduler, srv *server.Server) mcreport.SignalSourc
 		// not those that join it at the next step (vLLM's
 		// num_requests_waiting, on /metrics, counts both). The signals go
 		// to the metadata center its eviction reports go to.
+		// The costs are what its own steps measured (zero until it has
+		// run enough of them), so routers predict its compute in seconds;
+		// to two significant digits, so that the fit's drift from step to
+		// step does not count as a change to send.
 		return api.PodSignals{Waiting: int64(st.Blocked), Running: int64(st.Running), PrefillTokens: int64(st.PrefillTokens),
 			KVCacheUtil: st.KVUsage(), KVCapacity: int64(st.KVCells), MaxRunning: int64(st.MaxRunning),
+			PrefillQueue: prefillQueue(st.Prefills), TokenSeconds: twoDigits(st.Cost.PerToken),
+			AttentionSeconds: twoDigits(st.Cost.PerPair), StepSeconds: twoDigits(st.StepSeconds),
 			ReportsEvictions: true, Draining: srv.Draining()}
 	})
+}
+
+// prefillQueue is the scheduler's prefills as reported, their seconds to
+// two significant digits; nil while the pod's cost is not known yet.
+func prefillQueue(ps []scheduler.Prefill) []api.Prefill {
+	var q []api.Prefill
+	for _, p := range ps {
+		if p.Seconds > 0 {
+			q = append(q, api.Prefill{Tokens: int64(p.Tokens), Seconds: twoDigits(p.Seconds)})
+		}
+	}
+	return q
+}
+
+// twoDigits rounds v > 0 to two significant digits.
+func twoDigits(v float64) float64 {
+	if v <= 0 || math.IsInf(v, 0) || math.IsNaN(v) {
+		return 0
+	}
+	scale := math.Pow(10, math.Floor(math.Log10(v))-1)
+	return math.Round(v/scale) * scale
 }
 
 // parseLoRA reads --lora name=path[:scale].

@@ -1,0 +1,148 @@
+package scheduler
+
+import (
+	"context"
+	"math"
+	"math/rand/v2"
+	"slices"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/istio-llm-filter/istio-llm-filter/worker/engine"
+	"github.com/istio-llm-filter/istio-llm-filter/worker/engine/sim"
+)
+
+// The fit recovers a step cost of the engine's form from steps that mix
+// prefill chunks at various positions with decode steps, each timed 10%
+// off at random (a busy machine's jitter).
+func TestStepCostRecoversThePlane(t *testing.T) {
+	truth := sim.BenchCost()
+	rng := rand.New(rand.NewPCG(1, 2))
+	var f stepCost
+	for i := range 600 {
+		var spans []engine.Span
+		for s := range 1 + rng.IntN(4) { // decoding sequences
+			spans = append(spans, engine.Span{Seq: s, Pos: 50 + rng.IntN(2000), Tokens: []int{0}, Sampler: aSampler})
+		}
+		if i%3 == 0 { // a prefill chunk, sampled when it ends its prompt
+			sp := engine.Span{Seq: 9, Pos: rng.IntN(3000), Tokens: make([]int, 16+rng.IntN(496))}
+			if rng.IntN(2) == 0 {
+				sp.Sampler = aSampler
+			}
+			spans = append(spans, sp)
+		}
+		x := features(spans)
+		d := truth.Step(int(x[costToken]), int(x[costSample]), int64(x[costKPair]*1000))
+		f.observe(spans, time.Duration(float64(d)*(0.9+0.2*rng.Float64())))
+	}
+	got := f.cost()
+	for _, c := range []struct {
+		name      string
+		got, want float64
+	}{
+		{"per token", got.PerToken, truth.PerToken.Seconds()},
+		{"per pair", got.PerPair, truth.PerKCtxToken.Seconds() / 1000},
+	} {
+		if math.Abs(c.got/c.want-1) > 0.2 {
+			t.Errorf("%s = %.3g, want %.3g within 20%%", c.name, c.got, c.want)
+		}
+	}
+	// The step's base and a sample's cost hide in the prefill steps'
+	// jitter; together they still price a decode step.
+	for n := 1; n <= 4; n++ {
+		x := [costTerms]float64{costBase: 1, costToken: float64(n), costKPair: float64(n), costSample: float64(n)}
+		fitted := got.Base + got.PerToken*x[costToken] + got.PerPair*x[costKPair]*1000 + got.PerSample*x[costSample]
+		if want := truth.Step(n, n, int64(x[costKPair]*1000)).Seconds(); math.Abs(fitted/want-1) > 0.2 {
+			t.Errorf("a decode step of %d sequences at 1,000 cells: %.3gs, want %.3gs within 20%%", n, fitted, want)
+		}
+	}
+	// A 1,000-token prompt after 2,000 cached cells: its tokens and their
+	// attention, as the engine charges them.
+	want := 1000*truth.PerToken.Seconds() + truth.PerKCtxToken.Seconds()/1000*pairs(1000, 2000)
+	if p := got.Prefill(1000, 2000); math.Abs(p/want-1) > 0.1 {
+		t.Errorf("Prefill(1000, 2000) = %.3gs, want %.3gs within 10%%", p, want)
+	}
+}
+
+// Decode steps alone cannot tell a token's cost from a sample's (they move
+// together): the fit keeps no negative coefficient and still prices those
+// steps right, and says nothing before it has seen enough steps.
+func TestStepCostOfDecodeStepsOnly(t *testing.T) {
+	var f stepCost
+	step := func(n int) []engine.Span {
+		var spans []engine.Span
+		for s := range n {
+			spans = append(spans, engine.Span{Seq: s, Pos: 100 * (s + 1), Tokens: []int{0}, Sampler: aSampler})
+		}
+		return spans
+	}
+	for i := range minCostSteps - 1 {
+		f.observe(step(1+i%4), time.Duration(2+1*(1+i%4))*time.Millisecond)
+	}
+	if c := f.cost(); c.Known() {
+		t.Fatalf("after %d steps: %+v, want nothing yet", minCostSteps-1, c)
+	}
+	for i := range 200 {
+		f.observe(step(1+i%4), time.Duration(2+1*(1+i%4))*time.Millisecond)
+	}
+	c := f.cost()
+	if c.Base < 0 || c.PerToken < 0 || c.PerPair < 0 || c.PerSample < 0 {
+		t.Fatalf("negative coefficient: %+v", c)
+	}
+	for n := 1; n <= 4; n++ {
+		x := features(step(n))
+		got := c.Base + c.PerToken*x[costToken] + c.PerPair*x[costKPair]*1000 + c.PerSample*x[costSample]
+		if want := float64(2+n) / 1000; math.Abs(got/want-1) > 0.05 {
+			t.Errorf("a step of %d: %.4gs, want %.4gs", n, got, want)
+		}
+	}
+}
+
+// A worker on the simulated engine learns its cost from the steps it runs
+// and reports a queued prompt's prefill in seconds at that cost: a pod
+// tells the router what its queue will take, long prompts' attention
+// included.
+func TestStatsReportTheStepsCost(t *testing.T) {
+	truth := sim.Cost{StepOverhead: 2 * time.Millisecond, PerToken: 40 * time.Microsecond, PerSample: 300 * time.Microsecond,
+		PerKCtxToken: 100 * time.Microsecond}
+	r := newRig(t, sim.Config{NCtx: 8192, Cost: truth}, Config{MaxRunning: 2}, true)
+	rng := rand.New(rand.NewPCG(3, 4))
+	for i := range 24 {
+		text := strings.Repeat(string(rune('a'+i%26))+" words of a prompt. ", 5+rng.IntN(60))
+		if _, res := run(t, r, context.Background(), &Request{ID: "warm" + string(rune('a'+i)), Prompt: prompt(r.eng, text), MaxTokens: 4}); res.State != Completed {
+			t.Fatalf("request %d: %+v", i, res)
+		}
+	}
+	c := r.s.Stats().Cost
+	if !c.Known() || math.Abs(c.PerToken/truth.PerToken.Seconds()-1) > 0.3 || math.Abs(c.PerPair/(truth.PerKCtxToken.Seconds()/1000)-1) > 0.3 {
+		t.Fatalf("learnt %+v, want per token %v and per pair %.3g within 30%%", c, truth.PerToken, truth.PerKCtxToken.Seconds()/1000)
+	}
+	// A decode step of a pod running nothing: a lone first token.
+	if st := r.s.Stats(); math.Abs(st.StepSeconds-(c.Base+c.PerSample)) > 1e-9 {
+		t.Fatalf("step of an idle pod %.4gs, want %.4gs", st.StepSeconds, c.Base+c.PerSample)
+	}
+	// Three long prompts on a pod that runs two: the third waits in the
+	// queue, listed at what its tokens and their attention cost, the
+	// list shortest first.
+	var third []int
+	for i, ch := range []string{"x", "y", "z"} {
+		third = prompt(r.eng, strings.Repeat(ch+" is a long prompt. ", 60))
+		if _, err := r.s.Submit(context.Background(), &Request{ID: "long" + ch, Prompt: third, MaxTokens: 2}); err != nil {
+			t.Fatalf("long prompt %d: %v", i, err)
+		}
+	}
+	waitFor(t, "the third long prompt queued", func() bool {
+		st := r.s.Stats()
+		if st.Queued != 1 {
+			return false
+		}
+		// It shares the start token with the prompts ahead, a few at most.
+		i := slices.IndexFunc(st.Prefills, func(p Prefill) bool { return p.Tokens <= len(third) && p.Tokens >= len(third)-2 })
+		return i >= 0 && math.Abs(st.Prefills[i].Seconds/st.Cost.Prefill(st.Prefills[i].Tokens, len(third)-st.Prefills[i].Tokens)-1) < 1e-9 &&
+			slices.IsSortedFunc(st.Prefills, func(a, b Prefill) int { return a.Tokens - b.Tokens })
+	})
+}
+
+// aSampler marks a span as sampled (the fit only asks whether it is).
+var aSampler engine.Sampler = struct{}{}
