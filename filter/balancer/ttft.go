@@ -335,8 +335,9 @@ func (p *predictor) predict(h *Host) Cost {
 	// fit from TTFTs, which carry queueing and see mostly cache hits: its
 	// decode step, a prompt token's own cost plus its attention to every
 	// cell before it (a long cold prompt costs more a token than a short
-	// question after a cached document), and its queue at what the pod
-	// says that queue costs.
+	// question after a cached document), and of its queue, listed request
+	// by request at that cost, what it prefills before this request
+	// (measuredQueue).
 	own := h.Signals && (h.TokenSeconds > 0 || h.AttentionSeconds > 0)
 	if own && h.StepSeconds > 0 {
 		step = h.StepSeconds
@@ -934,7 +935,7 @@ func (c *CacheAware) debug(s *State, p *predictor, pick, ties int, prefix prefix
 			slog.Float64("kv_short_tokens", k.KVShortTokens), slog.Int("shared_blocks", h.SharedBlocks),
 			slog.Float64("queued_tokens", k.QueuedTokens), slog.Float64("queue", k.Queue),
 			slog.Float64("uncached_tokens", k.UncachedTokens), slog.Float64("prefill", k.Prefill), slog.Float64("step", k.Step),
-			slog.Float64("fit_tokens", k.FitTokens), slog.Float64("fit", k.Fit)))
+			slog.Float64("fit_tokens", k.FitTokens), slog.Float64("fit", k.Fit), slog.Bool("measured", k.Measured)))
 	}
 	c.m.mu.RUnlock()
 	c.m.log.LogAttrs(context.Background(), slog.LevelDebug, "cache_aware",
