@@ -255,8 +255,8 @@ type PodSignals struct {
 	// its running set with a new request's first token in it.
 	PrefillQueue     []Prefill `json:"prefill_queue,omitempty"`
 	TokenSeconds     float64   `json:"token_seconds,omitempty"`
-	AttentionSeconds float64 `json:"attention_seconds,omitempty"`
-	StepSeconds      float64 `json:"step_seconds,omitempty"`
+	AttentionSeconds float64   `json:"attention_seconds,omitempty"`
+	StepSeconds      float64   `json:"step_seconds,omitempty"`
 	// ReportsEvictions: the pod tells the metadata center what its KV
 	// cache evicts (our worker, POST /v1/cache/evict), so the index knows
 	// what it holds; for the others (vLLM, SGLang: scraped) the gateways
@@ -295,8 +295,8 @@ type PodReport struct {
 	// The compute's cost: PodSignals' fields of these names.
 	PrefillQueue     []Prefill `json:"prefill_queue,omitempty"`
 	TokenSeconds     float64   `json:"token_seconds,omitempty"`
-	AttentionSeconds float64 `json:"attention_seconds,omitempty"`
-	StepSeconds      float64 `json:"step_seconds,omitempty"`
+	AttentionSeconds float64   `json:"attention_seconds,omitempty"`
+	StepSeconds      float64   `json:"step_seconds,omitempty"`
 	// ReportsEvictions: PodSignals.ReportsEvictions.
 	ReportsEvictions bool `json:"reports_evictions,omitempty"`
 	Draining         bool `json:"draining,omitempty"`
