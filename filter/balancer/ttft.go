@@ -141,8 +141,10 @@ type Cost struct {
 	// make room) at its prefill rate.
 	FitTokens, Fit float64
 	Total          float64 // the predicted TTFT: Wait + Prefill + Step + Fit
-	// Measured: the pod priced its own compute (Host.TokenSeconds…), not
-	// the cluster's fit, which then learns nothing from the request.
+	// Measured: the prediction priced the compute by what pods measured
+	// (the pod's own costs, Host.TokenSeconds…, or its cluster's others'
+	// where it has not measured yet), not by the cluster's fit, which
+	// then learns nothing from the request.
 	Measured bool
 	// Delay is what the request's own computation here (Prefill + Fit)
 	// adds to the TTFTs of others: every request that will queue behind it
@@ -302,6 +304,21 @@ type predictor struct {
 	req                Request // the prompt's length and blocks (cachedBytes)
 	rate, step         float64 // the cluster's fit, else the rule's defaults
 	meanPrompt, meanUn float64
+	// measured is the mean of the costs the cluster's pods measured
+	// themselves (podCost), for those of its pods that have not yet (a
+	// pod counts its first steps before it reports): the pods of a
+	// cluster serve one model on like hardware. Zero when none reports.
+	measured podCost
+}
+
+// podCost is what a pod's compute costs as it measures it (Host's
+// TokenSeconds, AttentionSeconds and StepSeconds).
+type podCost struct{ token, attention, step float64 }
+
+// costOf returns h's own measured cost, if it reports one.
+func costOf(h *Host) (podCost, bool) {
+	c := podCost{h.TokenSeconds, h.AttentionSeconds, h.StepSeconds}
+	return c, h.Signals && (c.token > 0 || c.attention > 0)
 }
 
 func (m *ttftModel) predictor(s *State) predictor {
@@ -314,6 +331,16 @@ func (m *ttftModel) predictor(s *State) predictor {
 	}
 	p.promptTokens = float64(s.PromptLength) / p.bpt
 	p.req = Request{PromptLength: s.PromptLength, Blocks: s.Blocks, ChunkSize: s.ChunkSize}
+	n := 0
+	for i := range s.Hosts {
+		if c, ok := costOf(&s.Hosts[i]); ok {
+			p.measured.token, p.measured.attention, p.measured.step = p.measured.token+c.token, p.measured.attention+c.attention, p.measured.step+c.step
+			n++
+		}
+	}
+	if n > 0 {
+		p.measured = podCost{p.measured.token / float64(n), p.measured.attention / float64(n), p.measured.step / float64(n)}
+	}
 	m.mu.RLock()
 	if f := m.means[s.Cluster]; f != nil {
 		p.meanPrompt, p.meanUn = f.prompt/p.bpt, f.uncached/p.bpt
@@ -338,9 +365,13 @@ func (p *predictor) predict(h *Host) Cost {
 	// question after a cached document), and of its queue, listed request
 	// by request at that cost, what it prefills before this request
 	// (measuredQueue).
-	own := h.Signals && (h.TokenSeconds > 0 || h.AttentionSeconds > 0)
-	if own && h.StepSeconds > 0 {
-		step = h.StepSeconds
+	cost, own := costOf(h)
+	if !own && (p.measured.token > 0 || p.measured.attention > 0) {
+		cost = p.measured // a pod yet to measure itself, beside pods that have
+	}
+	measured := cost.token > 0 || cost.attention > 0
+	if measured && cost.step > 0 {
+		step = cost.step
 	}
 	if f := p.m.pods[h.Address]; f != nil {
 		hold = f.hold
@@ -350,11 +381,11 @@ func (p *predictor) predict(h *Host) Cost {
 	}
 	c.UncachedTokens = max(0, p.promptTokens-float64(p.req.cachedBytes(h.CacheRatio))/p.bpt)
 	prefill, tokenCost := c.UncachedTokens*secPerToken, secPerToken
-	if own {
+	if measured {
 		c.Measured = true
 		n, cached := c.UncachedTokens, p.promptTokens-c.UncachedTokens
-		prefill = h.TokenSeconds*n + h.AttentionSeconds*(n*cached+n*(n+1)/2)
-		tokenCost = h.TokenSeconds + h.AttentionSeconds*p.promptTokens
+		prefill = cost.token*n + cost.attention*(n*cached+n*(n+1)/2)
+		tokenCost = cost.token + cost.attention*p.promptTokens
 		if n > 0 {
 			tokenCost = prefill / n
 		}
@@ -436,9 +467,13 @@ func (p *predictor) predict(h *Host) Cost {
 			c.SlotWait = max(c.SlotWait, ends*hold/float64(running))
 		}
 	}
-	c.Queue = c.QueuedTokens * secPerToken
-	if own {
+	switch {
+	case own:
 		c.Queue = p.measuredQueue(h, c.UncachedTokens, tokenCost)
+	case measured:
+		c.Queue = c.QueuedTokens * tokenCost
+	default:
+		c.Queue = c.QueuedTokens * secPerToken
 	}
 	c.Prefill = prefill
 	c.Step = step

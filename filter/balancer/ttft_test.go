@@ -1116,9 +1116,8 @@ func testModel() *ttftModel {
 // prompt whose first 1,500 tokens the pod holds: 500 tokens after 1,500
 // cells, 500·0.5 ms + 1 µs·(500·1,500 + 500·501/2) = 1.125 s; of a queue of
 // 200 tokens (0.5 s) and 3,800 (2.5 s), it waits for the first only; a step
-// of 10 ms. The same pod without the figures, at the rule's 5,000
-// tokens/s and 25 ms steps, waits for all 4,000 tokens. A prediction from
-// the pod's own figures does not refit the cluster.
+// of 10 ms. A prediction from the pod's own figures does not refit the
+// cluster.
 func TestAPodsOwnCostPricesItsCompute(t *testing.T) {
 	m := testModel()
 	rule := defaultRule(t)
@@ -1137,9 +1136,21 @@ func TestAPodsOwnCostPricesItsCompute(t *testing.T) {
 	if f := m.means["c"]; f.secPerByte != 0 {
 		t.Fatalf("the cluster fit learnt %g s/byte from a pod that priced itself", f.secPerByte)
 	}
-	pod.PrefillQueue, pod.TokenSeconds, pod.AttentionSeconds, pod.StepSeconds = nil, 0, 0, 0
-	c = p.predict(&pod)
-	if !within(c.Prefill, 500/5000.0, 1e-9) || !within(c.Queue, 4000/5000.0, 1e-9) || !within(c.Step, 0.025, 1e-9) {
-		t.Fatalf("no own cost: %+v, want the rule's rate and step", c)
+	// A pod yet to measure itself, beside one that has, is priced by the
+	// other's costs: its 4,000 queued tokens at the request's own cost a
+	// token (no list to tell which it prefills first).
+	fresh := pod
+	fresh.Address, fresh.PrefillQueue, fresh.TokenSeconds, fresh.AttentionSeconds, fresh.StepSeconds = "fresh", nil, 0, 0, 0
+	s.Hosts = []Host{pod, fresh}
+	p = m.predictor(s)
+	if c := p.predict(&fresh); !c.Measured || !within(c.Prefill, want, 1e-9) || !within(c.Queue, 4000*want/500, 1e-9) || !within(c.Step, 0.01, 1e-9) {
+		t.Fatalf("beside a pod that measured itself: %+v, want its costs", c)
+	}
+	// Where no pod measures itself, the cluster's fit (here the rule's
+	// defaults) prices every pod.
+	s.Hosts = []Host{fresh}
+	p = m.predictor(s)
+	if c := p.predict(&fresh); c.Measured || !within(c.Prefill, 500/5000.0, 1e-9) || !within(c.Queue, 4000/5000.0, 1e-9) || !within(c.Step, 0.025, 1e-9) {
+		t.Fatalf("no pod's own cost: %+v, want the rule's rate and step", c)
 	}
 }
