@@ -488,6 +488,7 @@ func podSignals(s *scheduler.Scheduler, srv *server.Server) mcreport.SignalSourc
 		// not those that join it at the next step (vLLM's
 		// num_requests_waiting, on /metrics, counts both). The signals go
 		// to the metadata center its eviction reports go to.
+		//
 		// The costs are what its own steps measured (zero until it has
 		// run enough of them), so routers predict its compute in seconds;
 		// to two significant digits, so that the fit's drift from step to
@@ -517,8 +518,8 @@ func twoDigits(v float64) float64 {
 	if v <= 0 || math.IsInf(v, 0) || math.IsNaN(v) {
 		return 0
 	}
-	scale := math.Pow(10, math.Floor(math.Log10(v))-1)
-	return math.Round(v/scale) * scale
+	r, _ := strconv.ParseFloat(strconv.FormatFloat(v, 'g', 2, 64), 64) // the float nearest the decimal: short on the wire
+	return r
 }
 
 // parseLoRA reads --lora name=path[:scale].
