@@ -315,10 +315,30 @@ type predictor struct {
 // TokenSeconds, AttentionSeconds and StepSeconds).
 type podCost struct{ token, attention, step float64 }
 
+// known says whether c prices a prompt's tokens (zero: nothing measured).
+func (c podCost) known() bool { return c.token > 0 || c.attention > 0 }
+
 // costOf returns h's own measured cost, if it reports one.
 func costOf(h *Host) (podCost, bool) {
 	c := podCost{h.TokenSeconds, h.AttentionSeconds, h.StepSeconds}
-	return c, h.Signals && (c.token > 0 || c.attention > 0)
+	return c, h.Signals && c.known()
+}
+
+// priced returns the prefill of the prompt's last n tokens (the rest
+// cached) and one decode step: at cost where it is known, each token's
+// own cost and its attention to the cells before it, else at the
+// cluster's fit. The one pricing of a pod's compute, for predict and for
+// the idle pod copyCredit compares the holders with.
+func (p *predictor) priced(cost podCost, n float64) (prefill, step float64) {
+	if !cost.known() {
+		return n / p.rate, p.step
+	}
+	step = p.step
+	if cost.step > 0 {
+		step = cost.step
+	}
+	cached := p.promptTokens - n
+	return cost.token*n + cost.attention*(n*cached+n*(n+1)/2), step
 }
 
 func (m *ttftModel) predictor(s *State) predictor {
@@ -331,15 +351,18 @@ func (m *ttftModel) predictor(s *State) predictor {
 	}
 	p.promptTokens = float64(s.PromptLength) / p.bpt
 	p.req = Request{PromptLength: s.PromptLength, Blocks: s.Blocks, ChunkSize: s.ChunkSize}
-	n := 0
+	var sum podCost
+	n := 0.0
 	for i := range s.Hosts {
 		if c, ok := costOf(&s.Hosts[i]); ok {
-			p.measured.token, p.measured.attention, p.measured.step = p.measured.token+c.token, p.measured.attention+c.attention, p.measured.step+c.step
+			sum.token += c.token
+			sum.attention += c.attention
+			sum.step += c.step
 			n++
 		}
 	}
 	if n > 0 {
-		p.measured = podCost{p.measured.token / float64(n), p.measured.attention / float64(n), p.measured.step / float64(n)}
+		p.measured = podCost{sum.token / n, sum.attention / n, sum.step / n}
 	}
 	m.mu.RLock()
 	if f := m.means[s.Cluster]; f != nil {
@@ -356,7 +379,7 @@ func (m *ttftModel) predictor(s *State) predictor {
 // for reading.
 func (p *predictor) predict(h *Host) Cost {
 	c := Cost{Host: h.Address}
-	secPerToken, step, hold := 1/p.rate, p.step, 0.0
+	secPerToken, hold := 1/p.rate, 0.0
 	// A pod that measures its own compute (our worker: the cost of its
 	// steps, api.PodSignals) is priced by it rather than by the cluster's
 	// fit from TTFTs, which carry queueing and see mostly cache hits: its
@@ -366,29 +389,23 @@ func (p *predictor) predict(h *Host) Cost {
 	// by request at that cost, what it prefills before this request
 	// (measuredQueue).
 	cost, own := costOf(h)
-	if !own && (p.measured.token > 0 || p.measured.attention > 0) {
-		cost = p.measured // a pod yet to measure itself, beside pods that have
+	if !own {
+		cost = p.measured // a pod yet to measure itself, beside pods that have (or none)
 	}
-	measured := cost.token > 0 || cost.attention > 0
-	if measured && cost.step > 0 {
-		step = cost.step
+	c.UncachedTokens = max(0, p.promptTokens-float64(p.req.cachedBytes(h.CacheRatio))/p.bpt)
+	prefill, step := p.priced(cost, c.UncachedTokens)
+	tokenCost := secPerToken // what one more of the request's tokens costs here (queue, KV fit)
+	if c.Measured = cost.known(); c.Measured {
+		tokenCost = cost.token + cost.attention*p.promptTokens
+		if c.UncachedTokens > 0 {
+			tokenCost = prefill / c.UncachedTokens
+		}
 	}
 	if f := p.m.pods[h.Address]; f != nil {
 		hold = f.hold
 	}
 	if hold <= 0 {
 		hold = assumedSlotSteps * step
-	}
-	c.UncachedTokens = max(0, p.promptTokens-float64(p.req.cachedBytes(h.CacheRatio))/p.bpt)
-	prefill, tokenCost := c.UncachedTokens*secPerToken, secPerToken
-	if measured {
-		c.Measured = true
-		n, cached := c.UncachedTokens, p.promptTokens-c.UncachedTokens
-		prefill = cost.token*n + cost.attention*(n*cached+n*(n+1)/2)
-		tokenCost = cost.token + cost.attention*p.promptTokens
-		if n > 0 {
-			tokenCost = prefill / n
-		}
 	}
 
 	// The prefill standing before the request. Three counts of it, each
@@ -467,13 +484,9 @@ func (p *predictor) predict(h *Host) Cost {
 			c.SlotWait = max(c.SlotWait, ends*hold/float64(running))
 		}
 	}
-	switch {
-	case own:
+	c.Queue = c.QueuedTokens * tokenCost
+	if own {
 		c.Queue = p.measuredQueue(h, c.UncachedTokens, tokenCost)
-	case measured:
-		c.Queue = c.QueuedTokens * tokenCost
-	default:
-		c.Queue = c.QueuedTokens * secPerToken
 	}
 	c.Prefill = prefill
 	c.Step = step
@@ -838,7 +851,8 @@ func (c *CacheAware) Choose(s *State) int {
 
 // copyCredit returns the request's copy wait: how much later the best of
 // its prefix's holders gives it its first token than an idle pod would
-// have, held that pod the prefix (a step and the holders' uncached tokens);
+// have, held that pod the prefix (a step and the holders' uncached tokens,
+// priced as predict prices a pod yet to measure itself);
 // and the credit: the prefix's earlier copy waits per request of the
 // cluster (prefixWaits) times the requests until the cluster's KV cache
 // turns over (capacity: the pods' KV capacities, summed). It counts the
@@ -854,7 +868,8 @@ func (c *CacheAware) copyCredit(s *State, p *predictor, deepest, holderTTFT, hol
 	depth := int(math.Round(deepest * float64(s.Blocks)))
 	if depth > 0 && depth <= len(s.Hashes) && idleOther {
 		key.hash = s.Hashes[depth-1]
-		if wait = holderTTFT - (p.step + holderUncached/p.rate); wait <= tieEpsilon {
+		prefill, step := p.priced(p.measured, holderUncached)
+		if wait = holderTTFT - (step + prefill); wait <= tieEpsilon {
 			wait = 0 // no later than an idle pod, up to rounding
 		}
 	}

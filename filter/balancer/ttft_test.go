@@ -487,22 +487,36 @@ func TestABusyHotPrefixIsCopied(t *testing.T) {
 		name             string
 		busy, othersBusy bool
 		capacity         int64
+		measured         bool // every pod reports its own costs, slower than the rule's defaults
 		thirdCopy        bool
 	}{
-		{"busy holder", true, false, 65536, true},
-		{"idle holder", false, false, 65536, false},
-		{"no capacity reported", true, false, 0, false},
-		{"every pod busy", true, true, 65536, false},
+		{"busy holder", true, false, 65536, false, true},
+		{"idle holder", false, false, 65536, false, false},
+		{"no capacity reported", true, false, 0, false, false},
+		{"every pod busy", true, true, 65536, false, false},
+		// An idle pod that held the prefix would be priced as the
+		// holder is: an idle holder is no later than it, whatever the
+		// rule's defaults say.
+		{"idle holder, pods measuring themselves", false, false, 65536, true, false},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			ca := &CacheAware{m: testModel()}
 			ca.m.routed("c", 1000, 200) // the cluster's requests compute 200 tokens each
+			state := func(busy bool, seed uint64) *State {
+				s := hotPrefix(t, busy, tc.othersBusy, tc.capacity, seed)
+				if tc.measured {
+					for i := range s.Hosts {
+						s.Hosts[i].TokenSeconds, s.Hosts[i].StepSeconds = 1e-3, 0.05
+					}
+				}
+				return s
+			}
 			for i := range uint64(2) {
-				if s := hotPrefix(t, true, tc.othersBusy, tc.capacity, i); s.Hosts[ca.Choose(s)].Address != "holder" {
+				if s := state(true, i); s.Hosts[ca.Choose(s)].Address != "holder" {
 					t.Fatalf("request %d: chose a copy, want the holder", i+1)
 				}
 			}
-			s := hotPrefix(t, tc.busy, tc.othersBusy, tc.capacity, 2)
+			s := state(tc.busy, 2)
 			got := s.Hosts[ca.Choose(s)].Address
 			if copied := got != "holder"; copied != tc.thirdCopy {
 				t.Fatalf("third request: chose %s; want a copy: %v", got, tc.thirdCopy)
