@@ -501,28 +501,47 @@ type Request struct {
 
 // cachedBytes returns the prompt bytes a pod whose index entries match
 // ratio of the blocks is expected to hold: the whole prompt when every
-// block matched; else the matched blocks' bytes and half of the next
-// block. The pod's cache goes on past the last matched block and ends
-// (the prompt diverges from what it saw: another question, the next
-// turn's new message) somewhere inside the first unmatched one, in 16-token
-// blocks on vLLM, so half that block is the expected rest. The blocks
-// are ChunkSize bytes but the last, so a ratio stands for the prompt's
-// share only when they are alike: 2 of 3 blocks of a 1,100-byte prompt in
-// 512-byte blocks leave 38 of its last 76 bytes, not a third of it.
-func (r Request) cachedBytes(ratio float64) int64 {
-	if ratio <= 0 || r.PromptLength <= 0 {
-		return 0
+// block matched; else the matched blocks' bytes and the block after them up
+// to where the prompt diverges from what the pod saw, a point inside that
+// block the index does not resolve. Chat prompts end in a part new to every
+// pod (the question after a shared system prompt, a conversation's new
+// message), of a length the cluster's traffic keeps: tail, the bytes the
+// pods whose match was partial did not serve (ttftModel.observeCache). The
+// pod is expected to hold the prompt but its last tail bytes, at least the
+// matched blocks and at most the block after them (a pod that held more
+// would have had it listed, unless it is a previous answer's text, which no
+// save names). tail < 0 (none seen yet): half the next block. The blocks are
+// ChunkSize bytes but the last, so a ratio stands for the prompt's share only
+// when they are alike: 2 of 3 blocks of a 1,100-byte prompt in 512-byte
+// blocks leave half of its last 76 bytes, 38, not a third of it.
+func (r Request) cachedBytes(ratio, tail float64) int64 {
+	held, partial := r.matchedBytes(ratio)
+	if !partial {
+		return held
 	}
-	matched := int64(math.Round(ratio * float64(r.Blocks)))
-	if r.ChunkSize <= 0 || r.Blocks <= 0 {
-		return int64(math.Round(ratio * float64(r.PromptLength)))
-	}
-	if matched >= int64(r.Blocks) {
-		return r.PromptLength
-	}
-	held := r.blockBytes(int(matched))
 	next := min(int64(r.ChunkSize), r.PromptLength-held)
-	return held + next/2
+	if tail < 0 {
+		return held + next/2
+	}
+	return held + min(max(r.PromptLength-int64(math.Round(tail))-held, 0), next)
+}
+
+// matchedBytes returns the prompt bytes covered by the blocks a match of
+// ratio of them names, and whether the match is partial (some blocks but
+// not all, in blocks of ChunkSize bytes): then the pod's cache ends past
+// them, in bytes the index does not list (cachedBytes' tail).
+func (r Request) matchedBytes(ratio float64) (held int64, partial bool) {
+	switch {
+	case ratio <= 0 || r.PromptLength <= 0:
+		return 0, false
+	case r.ChunkSize <= 0 || r.Blocks <= 0:
+		return int64(math.Round(ratio * float64(r.PromptLength))), false
+	}
+	matched := int(math.Round(ratio * float64(r.Blocks)))
+	if matched >= r.Blocks {
+		return r.PromptLength, false
+	}
+	return r.blockBytes(matched), true
 }
 
 // blockBytes returns the prompt bytes its leading n blocks cover.

@@ -44,7 +44,10 @@ package balancer
 //     the prediction, which exports the relative error and refits the
 //     cluster's prefill rate and decode step (fleetMeans); and
 //     (Balancer.ObserveCache) the cached tokens the answer's usage reports
-//     against the share of the prompt the index said the pod held.
+//     against the share of the prompt the index said the pod held, which
+//     teaches the cluster how long its prompts' new parts are, those no
+//     pod holds past the index's matched blocks (Request.cachedBytes'
+//     tail).
 //
 // The routing keys (lb_mapping_rule, filter/config) are three:
 // tie_epsilon (a fraction of the lowest prediction), default_prefill_rate
@@ -173,6 +176,12 @@ type Prediction struct {
 	// bpt is the bytes per token the prediction counted its tokens with:
 	// Observe turns them back into bytes, the fit's unit.
 	bpt float64
+	// matched is the prompt bytes of the blocks the index listed on the
+	// pod, and partial whether that was some but not all of them: then
+	// ObserveCache learns from the answer how much of the prompt's end the
+	// pod did not hold (Request.cachedBytes' tail).
+	matched int64
+	partial bool
 }
 
 // WaitsForEnds says whether the request was predicted to wait longest for
@@ -268,6 +277,13 @@ type fleetMeans struct {
 	// The fit's data: decayed sums of weight, bytes, seconds and their
 	// squares and product over the recent observations (fitMemory).
 	n, sx, sy, sxx, sxy float64
+	// tails are the prompt bytes the pod did not serve, of the last
+	// answers (tailMemory, a ring at tailAt) whose pod held at least the
+	// blocks its index entries matched, not all of them; tail is their
+	// median (Request.cachedBytes' tail) once tailN > 0.
+	tails         [tailMemory]float64
+	tailN, tailAt int
+	tail          float64
 }
 
 // ttftModel holds what cache_aware learns: per pod fits and per cluster
@@ -298,10 +314,14 @@ func newTTFTModel(errs, cache errObserver, log *slog.Logger) *ttftModel {
 // predictor is one decision's view of the model: its inputs read once
 // under the read lock, so predicting n pods costs n map lookups.
 type predictor struct {
-	m                  *ttftModel
-	bpt                float64 // bytes per token of the request's model
-	promptTokens       float64
-	req                Request // the prompt's length and blocks (cachedBytes)
+	m            *ttftModel
+	bpt          float64 // bytes per token of the request's model
+	promptTokens float64
+	req          Request // the prompt's length and blocks (cachedBytes)
+	tail         float64 // the cluster's prompts' new part (cachedBytes); −1 until seen
+	// deepest is the cache ratio of the prefix's holders: the pods whose
+	// index entries match the most of the prompt's blocks.
+	deepest            float64
 	rate, step         float64 // the cluster's fit, else the rule's defaults
 	meanPrompt, meanUn float64
 	// measured is the mean of the costs the cluster's pods measured
@@ -341,8 +361,21 @@ func (p *predictor) priced(cost podCost, n float64) (prefill, step float64) {
 	return cost.token*n + cost.attention*(n*cached+n*(n+1)/2), step
 }
 
+// tailOf returns the tail (Request.cachedBytes) for h's match: the
+// cluster's on the prefix's holders. A pod whose match is shorter than the
+// holders' saw a prompt that left this one earlier, inside the block after
+// its match, at a point the prompts' new part does not tell (another
+// user's question after the same document, an older turn of the
+// conversation): half that block is the guess there.
+func (p *predictor) tailOf(h *Host) float64 {
+	if h.CacheRatio < p.deepest {
+		return -1
+	}
+	return p.tail
+}
+
 func (m *ttftModel) predictor(s *State) predictor {
-	p := predictor{m: m, bpt: max(s.BytesPerToken, 1e-3), rate: s.Rule.DefaultPrefillRate, step: s.Rule.DefaultDecodeStep}
+	p := predictor{m: m, bpt: max(s.BytesPerToken, 1e-3), rate: s.Rule.DefaultPrefillRate, step: s.Rule.DefaultDecodeStep, tail: -1}
 	if p.rate <= 0 {
 		p.rate = config.DefaultPrefillRate
 	}
@@ -354,6 +387,7 @@ func (m *ttftModel) predictor(s *State) predictor {
 	var sum podCost
 	n := 0.0
 	for i := range s.Hosts {
+		p.deepest = max(p.deepest, s.Hosts[i].CacheRatio)
 		if c, ok := costOf(&s.Hosts[i]); ok {
 			sum.token += c.token
 			sum.attention += c.attention
@@ -367,6 +401,9 @@ func (m *ttftModel) predictor(s *State) predictor {
 	m.mu.RLock()
 	if f := m.means[s.Cluster]; f != nil {
 		p.meanPrompt, p.meanUn = f.prompt/p.bpt, f.uncached/p.bpt
+		if f.tailN > 0 {
+			p.tail = f.tail
+		}
 		if f.secPerByte > 0 {
 			p.rate, p.step = 1/(f.secPerByte*p.bpt), f.step
 		}
@@ -392,7 +429,7 @@ func (p *predictor) predict(h *Host) Cost {
 	if !own {
 		cost = p.measured // a pod yet to measure itself, beside pods that have (or none)
 	}
-	c.UncachedTokens = max(0, p.promptTokens-float64(p.req.cachedBytes(h.CacheRatio))/p.bpt)
+	c.UncachedTokens = max(0, p.promptTokens-float64(p.req.cachedBytes(h.CacheRatio, p.tailOf(h)))/p.bpt)
 	prefill, step := p.priced(cost, c.UncachedTokens)
 	tokenCost := secPerToken // what one more of the request's tokens costs here (queue, KV fit)
 	if c.Measured = cost.known(); c.Measured {
@@ -553,7 +590,10 @@ func (m *ttftModel) chosen(s *State, i int) Prediction {
 	c := p.predict(&s.Hosts[i])
 	m.mu.RUnlock()
 	m.routed(s.Cluster, float64(s.PromptLength), c.UncachedTokens*p.bpt)
-	return Prediction{Cost: c, Cluster: s.Cluster, PromptTokens: p.promptTokens, defRate: p.rate, defStep: p.step, bpt: p.bpt}
+	matched, partial := p.req.matchedBytes(s.Hosts[i].CacheRatio)
+	partial = partial && s.Hosts[i].CacheRatio >= p.deepest // a holder's answer tells the tail (tailOf)
+	return Prediction{Cost: c, Cluster: s.Cluster, PromptTokens: p.promptTokens, defRate: p.rate, defStep: p.step, bpt: p.bpt,
+		matched: matched, partial: partial}
 }
 
 // routed updates the cluster's means with a decision's request, in bytes.
@@ -682,17 +722,48 @@ func (m *ttftModel) observe(p Prediction, observed time.Duration) {
 // (Prediction.CachedShare) against the share the pod served from its KV
 // cache, cachedTokens of promptTokens: positive where the pod held less
 // than believed (it had evicted what the index still listed), negative
-// where it held more. Not fitted: the index learns what pods hold from the
-// saves and evictions themselves; this tells how far to trust it.
+// where it held more. The index learns what pods hold from the saves and
+// evictions themselves; what it cannot resolve is where, in the block after
+// the ones it matched, a pod's cache ends, and the answer tells: where the
+// match was partial and the pod held at least the matched blocks, the
+// prompt bytes it did not serve are the new part of the cluster's prompts
+// (Request.cachedBytes' tail). An answer that served less than the match
+// tells of an eviction the index had not seen yet, not of the prompt's new
+// part, and teaches nothing.
 func (m *ttftModel) observeCache(p Prediction, promptTokens, cachedTokens int64) {
 	if p.Host == "" || p.PromptTokens <= 0 || promptTokens <= 0 || cachedTokens < 0 || cachedTokens > promptTokens {
 		return
 	}
 	believed, served := p.CachedShare(), float64(cachedTokens)/float64(promptTokens)
 	m.cache.Observe(believed - served)
+	prompt := p.PromptTokens * p.bpt // bytes
+	tail := prompt * (1 - served)
+	if p.partial && prompt-tail >= float64(p.matched) {
+		m.mu.Lock()
+		if f := m.means[p.Cluster]; f != nil {
+			f.observeTail(tail)
+		}
+		m.mu.Unlock()
+	}
 	m.log.LogAttrs(context.Background(), slog.LevelDebug, "cache",
 		slog.String("cluster", p.Cluster), slog.String("host", p.Host),
-		slog.Float64("believed", believed), slog.Float64("served", served))
+		slog.Float64("believed", believed), slog.Float64("served", served),
+		slog.Int64("matched_bytes", p.matched), slog.Float64("tail_bytes", tail))
+}
+
+// tailMemory is how many answers a cluster's tail is the median of: enough
+// that an odd prompt (another group's system prompt matching a first block,
+// a longer question) does not move it, few enough that a change of traffic
+// is followed within as many answers.
+const tailMemory = 63
+
+// observeTail adds one answer's tail to the ring and takes the median.
+func (f *fleetMeans) observeTail(tail float64) {
+	f.tails[f.tailAt] = tail
+	f.tailAt = (f.tailAt + 1) % tailMemory
+	f.tailN = min(f.tailN+1, tailMemory)
+	var buf [tailMemory]float64
+	f.tail = nthSmallest(append(buf[:0], f.tails[:f.tailN]...), f.tailN/2)
 }
 
 // maxScale bounds one observation's pull on the cluster's fit (observe):
@@ -794,10 +865,7 @@ func (c *CacheAware) Choose(s *State) int {
 	p := c.m.predictor(s)
 	n := len(s.Hosts)
 	totals, work := s.scratch(n)
-	deepest := 0.0 // the cache ratio of the prefix's holders
-	for i := range s.Hosts {
-		deepest = max(deepest, s.Hosts[i].CacheRatio)
-	}
+	deepest := p.deepest
 	holderTTFT, holderUncached, idleOther, capacity := math.Inf(1), math.Inf(1), false, 0.0
 	c.m.mu.RLock()
 	for i := range s.Hosts {
@@ -990,7 +1058,7 @@ func (c *CacheAware) debug(s *State, p *predictor, pick, ties int, prefix prefix
 	c.m.mu.RUnlock()
 	c.m.log.LogAttrs(context.Background(), slog.LevelDebug, "cache_aware",
 		slog.String("cluster", s.Cluster), slog.String("host", s.Hosts[pick].Address),
-		slog.Int("near_ties", ties), slog.Float64("bytes_per_token", p.bpt),
+		slog.Int("near_ties", ties), slog.Float64("bytes_per_token", p.bpt), slog.Float64("tail_bytes", p.tail),
 		slog.String("prefix", prefix.hash), slog.Float64("copy_wait", wait), slog.Float64("copy_credit", credit),
 		slog.Group("pods", costs...))
 }

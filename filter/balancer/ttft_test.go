@@ -933,7 +933,7 @@ func TestAMatchCoversWholeBlocks(t *testing.T) {
 		{Request{PromptLength: 1100, Blocks: 3, ChunkSize: 512}, 0, 0},
 		{Request{PromptLength: 1000, Blocks: 4}, 0.5, 500}, // no chunk size: the share of the blocks
 	} {
-		if got := tc.req.cachedBytes(tc.ratio); got != tc.want {
+		if got := tc.req.cachedBytes(tc.ratio, -1); got != tc.want {
 			t.Errorf("%+v, %.2f of the blocks matched: %d bytes cached, want %d", tc.req, tc.ratio, got, tc.want)
 		}
 	}
@@ -945,6 +945,80 @@ func TestAMatchCoversWholeBlocks(t *testing.T) {
 	ch, err := b.Choose("c", defaultRule(t), pods, view, Request{PromptLength: 1100, Blocks: 3, ChunkSize: 512})
 	if err != nil || ch.Host.Address != pods[0].Address || ch.Prediction.UncachedTokens != 38 {
 		t.Fatalf("chose %s predicting %+v (%v); want the holder, 38 tokens to compute", ch.Host.Address, ch.Prediction.Cost, err)
+	}
+}
+
+// Where a pod's cache ends in the block after its match is learnt from the
+// answers: a cluster whose partial holders left the prompt's last 100 bytes
+// to compute (its prompts' new part) is predicted so from then on, not half
+// the next block, within the matched blocks and the one after them. An answer
+// that served less than the match (an eviction the index had not seen)
+// teaches nothing, nor one whose whole prompt matched; the median of the
+// answers stands, not one odd one.
+func TestThePromptsNewPartIsLearnt(t *testing.T) {
+	req := Request{PromptLength: 1100, Blocks: 3, ChunkSize: 512}
+	for _, tc := range []struct {
+		ratio, tail float64
+		want        int64
+	}{
+		{1.0 / 3, 100, 1000}, // the prompt but its last 100 bytes
+		{1.0 / 3, 10, 1024},  // at most the block after the match
+		{2.0 / 3, 100, 1024}, // at least the matched blocks
+		{2.0 / 3, -1, 1024 + 38},
+	} {
+		if got := req.cachedBytes(tc.ratio, tc.tail); got != tc.want {
+			t.Errorf("%.2f of the blocks matched, a tail of %g bytes: %d bytes cached, want %d", tc.ratio, tc.tail, got, tc.want)
+		}
+	}
+	b := New(Options{IntN: seededIntN(1)})
+	holder := eps(1)
+	view := View{Load: api.LoadStats{}, Cache: map[string]int{holder[0].Address: 1}}
+	choose := func() Choice {
+		t.Helper()
+		ch, err := b.Choose("c", defaultRule(t), holder, view, req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return ch
+	}
+	first := choose()
+	if first.Prediction.UncachedTokens != 1100-512-256 {
+		t.Fatalf("before any answer: %.0f tokens to compute, want 332 (half the next block cached)", first.Prediction.UncachedTokens)
+	}
+	b.ObserveCache(first.Prediction, 1100, 1000) // left its last 100 bytes
+	b.ObserveCache(first.Prediction, 1100, 1000)
+	b.ObserveCache(first.Prediction, 1100, 600) // an odd prompt: 500 left
+	b.ObserveCache(first.Prediction, 1100, 400) // evicted part of the match: nothing learnt
+	whole := first.Prediction
+	whole.partial, whole.matched = false, 1100
+	for range 4 {
+		b.ObserveCache(whole, 1100, 1100) // every block matched: nothing to learn
+	}
+	if got := choose().Prediction.UncachedTokens; !within(got, 100, 1e-9) {
+		t.Fatalf("after the answers: %.1f tokens to compute, want 100 (the median new part)", got)
+	}
+
+	// A pod matching fewer blocks than the holders left this prompt
+	// earlier, where the tail does not tell: half the block after its
+	// match; nor does its answer teach the tail.
+	pods := eps(2)
+	view.Cache = map[string]int{pods[0].Address: 2, pods[1].Address: 1}
+	s := &State{Cluster: "c", Hosts: make([]Host, 2), Rule: defaultRule(t), PromptLength: req.PromptLength,
+		Blocks: req.Blocks, ChunkSize: req.ChunkSize, BytesPerToken: 1}
+	b.tracker.fill("c", pods, view, req, s.Hosts)
+	shallow := b.ttft.chosen(s, 1)
+	if shallow.UncachedTokens != 1100-512-256 {
+		t.Fatalf("a pod matching 1 block beside a holder of 2: %.0f tokens to compute, want 332", shallow.UncachedTokens)
+	}
+	for range 4 {
+		b.ObserveCache(shallow, 1100, 800) // held 288 bytes past its match, left 300
+	}
+	if got := b.ttft.chosen(s, 0).UncachedTokens; got != 1100-1024 {
+		t.Fatalf("the holder of 2 blocks: %.0f tokens to compute, want 76 (its match, which the tail of 100 bytes reaches into)", got)
+	}
+	view.Cache = map[string]int{holder[0].Address: 1}
+	if got := choose().Prediction.UncachedTokens; !within(got, 100, 1e-9) {
+		t.Fatalf("after the shallow pod's answers: %.1f tokens to compute, want 100 still", got)
 	}
 }
 
