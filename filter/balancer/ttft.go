@@ -177,9 +177,10 @@ type Prediction struct {
 	// Observe turns them back into bytes, the fit's unit.
 	bpt float64
 	// matched is the prompt bytes of the blocks the index listed on the
-	// pod, and partial whether that was some but not all of them: then
-	// ObserveCache learns from the answer how much of the prompt's end the
-	// pod did not hold (Request.cachedBytes' tail).
+	// pod, and partial whether that was some but not all of them, on one of
+	// the prefix's holders (predictor.tailOf): then ObserveCache learns
+	// from the answer how much of the prompt's end the pod did not hold
+	// (Request.cachedBytes' tail).
 	matched int64
 	partial bool
 }
@@ -725,11 +726,11 @@ func (m *ttftModel) observe(p Prediction, observed time.Duration) {
 // where it held more. The index learns what pods hold from the saves and
 // evictions themselves; what it cannot resolve is where, in the block after
 // the ones it matched, a pod's cache ends, and the answer tells: where the
-// match was partial and the pod held at least the matched blocks, the
-// prompt bytes it did not serve are the new part of the cluster's prompts
-// (Request.cachedBytes' tail). An answer that served less than the match
-// tells of an eviction the index had not seen yet, not of the prompt's new
-// part, and teaches nothing.
+// match was partial on a holder of the prefix (Prediction.partial) and the
+// pod held at least the matched blocks, the prompt bytes it did not serve
+// are the new part of the cluster's prompts (Request.cachedBytes' tail). An
+// answer that served less than the match tells of an eviction the index had
+// not seen yet, not of the prompt's new part, and teaches nothing.
 func (m *ttftModel) observeCache(p Prediction, promptTokens, cachedTokens int64) {
 	if p.Host == "" || p.PromptTokens <= 0 || promptTokens <= 0 || cachedTokens < 0 || cachedTokens > promptTokens {
 		return
