@@ -120,13 +120,15 @@ func (c *Client) Do(ctx context.Context, base string, r Request) (res Result) {
 	if hc == nil {
 		hc = defaultHTTP
 	}
+	// Sent is stamped before the deadline starts, so that a request the
+	// timeout ends reports at least the timeout as its latency.
+	res.Sent = time.Now()
+	defer func() { res.Latency = time.Since(res.Sent) }()
 	if c.Timeout > 0 {
 		var cancel context.CancelFunc
 		ctx, cancel = context.WithTimeout(ctx, c.Timeout)
 		defer cancel()
 	}
-	res.Sent = time.Now()
-	defer func() { res.Latency = time.Since(res.Sent) }()
 	req, err := http.NewRequestWithContext(ctx, http.MethodPost, strings.TrimRight(base, "/")+"/v1/chat/completions", bytes.NewReader(body(r)))
 	if err != nil {
 		res.Outcome, res.Err = Unanswered, err.Error()
