@@ -362,6 +362,10 @@ func (p *predictor) priced(cost podCost, n float64) (prefill, step float64) {
 	return cost.token*n + cost.attention*(n*cached+n*(n+1)/2), step
 }
 
+// holds says whether h is one of the prefix's holders: it matches some
+// of the prompt's blocks, as many as any pod does.
+func (p *predictor) holds(h *Host) bool { return p.deepest > 0 && h.CacheRatio >= p.deepest }
+
 // tailOf returns the tail (Request.cachedBytes) for h's match: the
 // cluster's on the prefix's holders. A pod whose match is shorter than the
 // holders' saw a prompt that left this one earlier, inside the block after
@@ -369,7 +373,7 @@ func (p *predictor) priced(cost podCost, n float64) (prefill, step float64) {
 // user's question after the same document, an older turn of the
 // conversation): half that block is the guess there.
 func (p *predictor) tailOf(h *Host) float64 {
-	if h.CacheRatio < p.deepest {
+	if !p.holds(h) {
 		return -1
 	}
 	return p.tail
@@ -592,7 +596,7 @@ func (m *ttftModel) chosen(s *State, i int) Prediction {
 	m.mu.RUnlock()
 	m.routed(s.Cluster, float64(s.PromptLength), c.UncachedTokens*p.bpt)
 	matched, partial := p.req.matchedBytes(s.Hosts[i].CacheRatio)
-	partial = partial && s.Hosts[i].CacheRatio >= p.deepest // a holder's answer tells the tail (tailOf)
+	partial = partial && p.holds(&s.Hosts[i]) // a holder's answer tells the tail (tailOf)
 	return Prediction{Cost: c, Cluster: s.Cluster, PromptTokens: p.promptTokens, defRate: p.rate, defStep: p.step, bpt: p.bpt,
 		matched: matched, partial: partial}
 }
@@ -866,24 +870,23 @@ func (c *CacheAware) Choose(s *State) int {
 	p := c.m.predictor(s)
 	n := len(s.Hosts)
 	totals, work := s.scratch(n)
-	deepest := p.deepest
 	holderTTFT, holderUncached, idleOther, capacity := math.Inf(1), math.Inf(1), false, 0.0
 	c.m.mu.RLock()
 	for i := range s.Hosts {
 		k := p.predict(&s.Hosts[i])
 		totals, work = append(totals, k.Total+k.Delay), append(work, k.UncachedTokens)
 		capacity += float64(s.Hosts[i].KVCapacity)
-		if deepest > 0 && s.Hosts[i].CacheRatio == deepest {
+		if p.holds(&s.Hosts[i]) {
 			holderTTFT, holderUncached = min(holderTTFT, k.Total), min(holderUncached, k.UncachedTokens)
 		} else if k.Wait == 0 {
 			idleOther = true
 		}
 	}
 	c.m.mu.RUnlock()
-	wait, credit, key := c.copyCredit(s, &p, deepest, holderTTFT, holderUncached, capacity, idleOther)
+	wait, credit, key := c.copyCredit(s, &p, holderTTFT, holderUncached, capacity, idleOther)
 	best := math.Inf(1)
 	for i := range totals {
-		if wait > 0 && s.Hosts[i].CacheRatio == deepest {
+		if wait > 0 && p.holds(&s.Hosts[i]) {
 			totals[i] += credit
 		}
 		best = min(best, totals[i])
@@ -932,9 +935,9 @@ func (c *CacheAware) Choose(s *State) int {
 // request's own pick already weighs, and a copy there only adds work. The
 // prefix is named by the hash of the holders' deepest matched block; no
 // wait without holders or hashes, no credit without a KV capacity.
-func (c *CacheAware) copyCredit(s *State, p *predictor, deepest, holderTTFT, holderUncached, capacity float64, idleOther bool) (wait, credit float64, key prefixKey) {
+func (c *CacheAware) copyCredit(s *State, p *predictor, holderTTFT, holderUncached, capacity float64, idleOther bool) (wait, credit float64, key prefixKey) {
 	key.cluster = s.Cluster
-	depth := int(math.Round(deepest * float64(s.Blocks)))
+	depth := int(math.Round(p.deepest * float64(s.Blocks)))
 	if depth > 0 && depth <= len(s.Hashes) && idleOther {
 		key.hash = s.Hashes[depth-1]
 		prefill, step := p.priced(p.measured, holderUncached)
