@@ -88,6 +88,10 @@ type Host struct {
 	// set.
 	PrefillQueue                                []api.Prefill
 	TokenSeconds, AttentionSeconds, StepSeconds float64
+	// StepLeft is what is left of the pod's step in progress now, in
+	// seconds: its report's, less the report's age (our worker, whose
+	// PrefillQueue then counts what is left once that step ends).
+	StepLeft float64
 	// ReportsEvictions: the pod tells the metadata center what it evicts
 	// (our worker), so the index needs no bound (Choice.MaxBlocks).
 	ReportsEvictions bool

@@ -21,9 +21,11 @@ package balancer
 //     measures its own compute (our worker), the pod's: its step, each
 //     token's cost plus its attention to the cells before it, and of its
 //     queue, listed request by request, those it prefills first (fewer
-//     tokens left than r's). In
-//     tokens throughout: prompt bytes become tokens through the bytes per
-//     token learnt per model (BytesPerToken). Inputs: the metadata center's
+//     tokens left than r's), which wait for the rest of the step in
+//     progress (it reports both: the queue as it stands once the step
+//     ends, so the two add). In tokens throughout: prompt bytes become
+//     tokens through the bytes per token learnt per model
+//     (BytesPerToken). Inputs: the metadata center's
 //     leases and prefix matches (every gateway's requests), this gateway's
 //     requests not counted there yet (Tracker), and the pod's own report
 //     when fresh: our worker's push, or a vLLM-like pod's scrape, whose
@@ -129,11 +131,15 @@ type Cost struct {
 	QueuedTokens, Queue float64
 	// InStep is the rest of the step the pod is in when the request
 	// arrives: a pod running anything steps without pause and takes a new
-	// request only between steps, half a step later on average.
+	// request only between steps. Our worker reports it (Host.StepLeft);
+	// elsewhere it is half a decode step, the mean.
 	InStep float64
 	// Wait is the longest of SlotWait, InStep and Queue: the requests
 	// ahead prefill while the request waits for a slot, in the steps the
-	// pod runs anyway, so the three overlap.
+	// pod runs anyway, so the three overlap. On our worker, whose queue
+	// counts what is left once the step in progress ends, the step and
+	// the queue come one after the other: the longer of SlotWait and
+	// InStep + Queue.
 	Wait float64
 	// UncachedTokens are the request's own tokens the pod does not hold,
 	// Prefill their prefill at the pod's rate.
@@ -554,12 +560,20 @@ func (p *predictor) predict(h *Host) Cost {
 		}
 	}
 	// A pod running anything is mid-step when the request arrives and
-	// takes it at the next step at the earliest; a queue's prefill runs in
-	// those steps, so its time already counts the one in progress.
-	if running > 0 || h.Reqs > 0 {
-		c.InStep = step / 2
+	// takes it at the next step at the earliest. Our worker reports what
+	// is left of that step, and its queue as it stands once the step ends:
+	// the two come one after the other. Elsewhere half a decode step
+	// stands for the rest of it, and the queue's prefill runs in those
+	// steps, so its time already counts the one in progress.
+	if own {
+		c.InStep = h.StepLeft
+		c.Wait = max(c.SlotWait, c.InStep+c.Queue)
+	} else {
+		if running > 0 || h.Reqs > 0 {
+			c.InStep = step / 2
+		}
+		c.Wait = max(c.SlotWait, c.InStep, c.Queue)
 	}
-	c.Wait = max(c.SlotWait, c.InStep, c.Queue)
 	c.Total = c.Wait + c.Prefill + c.Step + c.Fit
 	c.Delay = float64(waiting) * (c.Prefill + c.Fit)
 	return c
@@ -572,7 +586,9 @@ func (p *predictor) predict(h *Host) Cost {
 // for longer ones. This gateway's requests there since the report count
 // at the request's own cost a token (their sizes are not kept here); those
 // of its requests in the report that have had their first token since are
-// taken off at the queue's mean cost a token.
+// taken off at the queue's mean cost a token (one whose last chunk was in
+// the step in progress when the report was taken is not in it, and is
+// taken off all the same until the next report, a poll after that step).
 func (p *predictor) measuredQueue(h *Host, n, tokenCost float64) float64 {
 	ahead, tokens, secs := 0.0, 0.0, 0.0
 	for _, q := range h.PrefillQueue {

@@ -1204,8 +1204,8 @@ func testModel() *ttftModel {
 // prompt whose first 1,500 tokens the pod holds: 500 tokens after 1,500
 // cells, 500·0.5 ms + 1 µs·(500·1,500 + 500·501/2) = 1.125 s; of a queue of
 // 200 tokens (0.5 s) and 3,800 (2.5 s), it waits for the first only; a step
-// of 10 ms. A prediction from the pod's own figures does not refit the
-// cluster.
+// of 10 ms, after the rest of the step in progress. A prediction from the
+// pod's own figures does not refit the cluster.
 func TestAPodsOwnCostPricesItsCompute(t *testing.T) {
 	m := testModel()
 	rule := defaultRule(t)
@@ -1219,6 +1219,14 @@ func TestAPodsOwnCostPricesItsCompute(t *testing.T) {
 	if !c.Measured || !within(c.Prefill, want, 1e-9) || !within(c.Queue, 0.5, 1e-9) || !within(c.Step, 0.01, 1e-9) ||
 		!within(c.Total, 0.5+want+0.01, 1e-9) {
 		t.Fatalf("own cost: %+v, want prefill %.4gs, queue 0.5s, step 10ms", c, want)
+	}
+	// Mid-step: the pod has 0.2 s left of the step in progress, and its
+	// queue is what stands once that step ends. The request waits for the
+	// one, then the other.
+	mid := pod
+	mid.StepLeft = 0.2
+	if c := p.predict(&mid); !within(c.InStep, 0.2, 1e-9) || !within(c.Wait, 0.7, 1e-9) || !within(c.Total, 0.7+want+0.01, 1e-9) {
+		t.Fatalf("mid-step: %+v, want the step's 0.2 s and then the queue's 0.5 s", c)
 	}
 	m.observe(m.chosen(s, 0), 2*time.Second)
 	if f := m.means["c"]; f.secPerByte != 0 {

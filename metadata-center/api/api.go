@@ -252,11 +252,16 @@ type PodSignals struct {
 	// prompt of n tokens written after c cached cells takes about
 	// TokenSeconds·n + AttentionSeconds·(n·c + n(n+1)/2) (each token
 	// attends to the cells before it); StepSeconds is one decode step of
-	// its running set with a new request's first token in it.
+	// its running set with a new request's first token in it;
+	// StepLeftSeconds is what was left of the step in progress when the
+	// report was taken, and PrefillTokens and PrefillQueue count what is
+	// left once it ends (a request arriving then waits for the step, then
+	// for the queue ahead of it).
 	PrefillQueue     []Prefill `json:"prefill_queue,omitempty"`
 	TokenSeconds     float64   `json:"token_seconds,omitempty"`
 	AttentionSeconds float64   `json:"attention_seconds,omitempty"`
 	StepSeconds      float64   `json:"step_seconds,omitempty"`
+	StepLeftSeconds  float64   `json:"step_left_seconds,omitempty"`
 	// ReportsEvictions: the pod tells the metadata center what its KV
 	// cache evicts (our worker, POST /v1/cache/evict), so the index knows
 	// what it holds; for the others (vLLM, SGLang: scraped) the gateways
@@ -297,6 +302,7 @@ type PodReport struct {
 	TokenSeconds     float64   `json:"token_seconds,omitempty"`
 	AttentionSeconds float64   `json:"attention_seconds,omitempty"`
 	StepSeconds      float64   `json:"step_seconds,omitempty"`
+	StepLeftSeconds  float64   `json:"step_left_seconds,omitempty"`
 	// ReportsEvictions: PodSignals.ReportsEvictions.
 	ReportsEvictions bool `json:"reports_evictions,omitempty"`
 	Draining         bool `json:"draining,omitempty"`
@@ -362,7 +368,8 @@ const (
 func (r PodReport) Signals() PodSignals {
 	return PodSignals{Waiting: r.Waiting, Running: r.Running, KVCacheUtil: r.KVCacheUtil, PrefillTokens: r.PrefillTokens,
 		KVCapacity: r.KVCapacity, MaxRunning: r.MaxRunning, PrefillQueue: r.PrefillQueue, TokenSeconds: r.TokenSeconds,
-		AttentionSeconds: r.AttentionSeconds, StepSeconds: r.StepSeconds, ReportsEvictions: r.ReportsEvictions, Draining: r.Draining}
+		AttentionSeconds: r.AttentionSeconds, StepSeconds: r.StepSeconds, StepLeftSeconds: r.StepLeftSeconds,
+		ReportsEvictions: r.ReportsEvictions, Draining: r.Draining}
 }
 
 // Report returns the report of host in cluster carrying s, Signals'
@@ -372,7 +379,7 @@ func (s PodSignals) Report(cluster, host string, reg *PodRegistration) PodReport
 	return PodReport{Cluster: cluster, Host: host, Waiting: s.Waiting, Running: s.Running, KVCacheUtil: s.KVCacheUtil,
 		PrefillTokens: s.PrefillTokens, KVCapacity: s.KVCapacity, MaxRunning: s.MaxRunning,
 		PrefillQueue: s.PrefillQueue, TokenSeconds: s.TokenSeconds, AttentionSeconds: s.AttentionSeconds, StepSeconds: s.StepSeconds,
-		ReportsEvictions: s.ReportsEvictions, Draining: s.Draining, Register: reg}
+		StepLeftSeconds: s.StepLeftSeconds, ReportsEvictions: s.ReportsEvictions, Draining: s.Draining, Register: reg}
 }
 
 // MaxPodSignals bounds the pods one cluster keeps signals for.

@@ -193,16 +193,6 @@ func appendSignals(b []byte, m map[string]api.PodSignals) []byte {
 			b = append(b, `,"max_running":`...)
 			b = strconv.AppendInt(b, sig.MaxRunning, 10)
 		}
-		for _, f := range []struct {
-			key string
-			v   float64
-		}{{`,"token_seconds":`, sig.TokenSeconds}, {`,"attention_seconds":`, sig.AttentionSeconds},
-			{`,"step_seconds":`, sig.StepSeconds}} {
-			if f.v != 0 {
-				b = append(b, f.key...)
-				b = appendFloat(b, f.v)
-			}
-		}
 		if len(sig.PrefillQueue) > 0 {
 			b = append(b, `,"prefill_queue":[`...)
 			for i, q := range sig.PrefillQueue {
@@ -216,6 +206,16 @@ func appendSignals(b []byte, m map[string]api.PodSignals) []byte {
 				b = append(b, '}')
 			}
 			b = append(b, ']')
+		}
+		for _, f := range []struct {
+			key string
+			v   float64
+		}{{`,"token_seconds":`, sig.TokenSeconds}, {`,"attention_seconds":`, sig.AttentionSeconds},
+			{`,"step_seconds":`, sig.StepSeconds}, {`,"step_left_seconds":`, sig.StepLeftSeconds}} {
+			if f.v != 0 {
+				b = append(b, f.key...)
+				b = appendFloat(b, f.v)
+			}
 		}
 		if sig.ReportsEvictions {
 			b = append(b, `,"reports_evictions":true`...)

@@ -37,8 +37,16 @@ func TestEncodeMatchesEncodingJSON(t *testing.T) {
 			a.Signals = map[string]api.PodSignals{}
 			utils := []float64{0, 1, 0.5, 1e-7, 0.123456789, r.Float64(), 3e-6}
 			for n := r.IntN(6); n > 0; n-- {
-				a.Signals[hosts[r.IntN(len(hosts))]] = api.PodSignals{Waiting: r.Int64N(100), Running: r.Int64N(300),
+				sig := api.PodSignals{Waiting: r.Int64N(100), Running: r.Int64N(300),
 					KVCacheUtil: utils[r.IntN(len(utils))], PrefillTokens: r.Int64N(1 << 20), AgeMS: r.Int64N(3)}
+				if r.IntN(2) == 0 { // our worker's: its costs and queue
+					sig.KVCapacity, sig.MaxRunning, sig.ReportsEvictions = r.Int64N(1<<20), r.Int64N(64), true
+					sig.TokenSeconds, sig.AttentionSeconds, sig.StepSeconds, sig.StepLeftSeconds = 5.8e-4, 1.1e-6, 0.0125, utils[r.IntN(len(utils))]
+					for range r.IntN(3) {
+						sig.PrefillQueue = append(sig.PrefillQueue, api.Prefill{Tokens: r.Int64N(4096), Seconds: utils[r.IntN(len(utils))]})
+					}
+				}
+				a.Signals[hosts[r.IntN(len(hosts))]] = sig
 			}
 		}
 		want, err := json.Marshal(a)

@@ -123,7 +123,8 @@ func validSignals(sig api.PodSignals) error {
 	for _, f := range []struct {
 		name string
 		v    float64
-	}{{"token_seconds", sig.TokenSeconds}, {"attention_seconds", sig.AttentionSeconds}, {"step_seconds", sig.StepSeconds}} {
+	}{{"token_seconds", sig.TokenSeconds}, {"attention_seconds", sig.AttentionSeconds}, {"step_seconds", sig.StepSeconds},
+		{"step_left_seconds", sig.StepLeftSeconds}} {
 		if !(f.v >= 0 && f.v <= maxSignalSeconds) {
 			return fmt.Errorf("%s must be within 0..%d, got %g", f.name, maxSignalSeconds, f.v)
 		}

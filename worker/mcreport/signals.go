@@ -39,7 +39,7 @@ const (
 )
 
 // RunSignals pushes the pod's signals until ctx ends: on change (checked
-// every poll, and at once on Nudge) and at least every `every`; with Config.Registration, the
+// every poll, and at once on Nudge; sameState) and at least every `every`; with Config.Registration, the
 // first report and one every RegisterEvery also register the pod (a
 // registration that did not land goes with the next report). poll and every <= 0 take
 // SignalPoll and SignalEvery. Failures are counted and logged at most once
@@ -66,7 +66,7 @@ func (r *Reporter) RunSignals(ctx context.Context, src SignalSource, poll, every
 		if r.cfg.Registration != nil && (lastReg.IsZero() || now.Sub(lastReg) >= regEvery) {
 			reg = r.cfg.Registration
 		}
-		if !reflect.DeepEqual(cur, last) || now.Sub(lastSent) >= every || reg != nil {
+		if !sameState(cur, last) || now.Sub(lastSent) >= every || reg != nil {
 			err := r.mc.ReportSignals(ctx, cur.Report(r.cfg.Cluster, r.cfg.Host, reg))
 			switch {
 			case err == nil:
@@ -102,6 +102,14 @@ func (r *Reporter) RunSignals(ctx context.Context, src SignalSource, poll, every
 			return
 		}
 	}
+}
+
+// sameState says whether two reports tell the same: the step in
+// progress runs down between any two reads, and counts as a change only
+// with something else (a new step changes the prefills left).
+func sameState(a, b api.PodSignals) bool {
+	a.StepLeftSeconds, b.StepLeftSeconds = 0, 0
+	return reflect.DeepEqual(a, b)
 }
 
 // Nudge makes RunSignals read the source and send what changed now rather

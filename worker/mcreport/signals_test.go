@@ -128,3 +128,35 @@ func TestNudgeSendsTheDrainAtOnce(t *testing.T) {
 	r.Nudge()
 	poll("the drain", func(s api.PodSignals) bool { return s.Draining })
 }
+
+// The rest of the step in progress runs down between any two reads: alone
+// it is no change to push (a pod in a long prefill step would report at
+// every poll), and it rides with the next report that changes something.
+func TestTheStepLeftAloneIsNoChange(t *testing.T) {
+	ts := httptest.NewServer(server.New(memstore.New(memstore.Options{}),
+		server.Options{Logger: slog.New(slog.NewTextHandler(io.Discard, nil))}).Handler())
+	defer ts.Close()
+	r, err := New(Config{URL: ts.URL, Cluster: "c", Host: "10.0.0.7:9000", Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var reads, waiting atomic.Int64
+	src := SignalSourceFunc(func() api.PodSignals {
+		return api.PodSignals{Running: 1, Waiting: waiting.Load(), StepLeftSeconds: 1 / float64(reads.Add(1))}
+	})
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { r.RunSignals(ctx, src, time.Millisecond, time.Hour); close(done) }()
+	defer func() { cancel(); <-done }()
+	ok := r.signals.WithLabelValues("ok")
+	if !wait.Until(5*time.Second, func() bool { return reads.Load() >= 50 }) {
+		t.Fatalf("the source was read %d times", reads.Load())
+	}
+	if got := counterValue(t, ok); got != 1 {
+		t.Fatalf("%v reports over %d reads that differed only in the step left, want the first only", got, reads.Load())
+	}
+	waiting.Store(2)
+	if !wait.Until(5*time.Second, func() bool { return counterValue(t, ok) == 2 }) {
+		t.Fatalf("a change was not pushed: %v reports", counterValue(t, ok))
+	}
+}

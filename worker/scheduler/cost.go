@@ -66,6 +66,12 @@ func (c Cost) Prefill(n, cached int) float64 {
 	return c.PerToken*float64(n) + c.PerPair*pairs(n, cached)
 }
 
+// Step is the time of a step of spans at this cost (the fit's plane).
+func (c Cost) Step(spans []engine.Span) float64 {
+	x := features(spans)
+	return c.Base*x[costBase] + c.PerToken*x[costToken] + c.PerPair*1000*x[costKPair] + c.PerSample*x[costSample]
+}
+
 // pairs is Σ over k tokens written after pos cells of the cells each
 // attends to, itself included.
 func pairs(k, pos int) float64 {

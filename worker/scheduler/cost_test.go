@@ -2,6 +2,7 @@ package scheduler
 
 import (
 	"context"
+	"fmt"
 	"math"
 	"math/rand/v2"
 	"slices"
@@ -147,3 +148,40 @@ func TestStatsReportTheStepsCost(t *testing.T) {
 
 // aSampler marks a span as sampled (the fit only asks whether it is).
 var aSampler engine.Sampler = struct{}{}
+
+// While a long prompt's chunk is in its step, the pod reports what is left
+// of that step and the prompt's prefill as it will stand once it ends: a
+// request arriving then waits for the one, then the other.
+func TestStatsReportTheStepInProgress(t *testing.T) {
+	r := newRig(t, sim.Config{NCtx: 8192, NBatch: 512, Cost: sim.Cost{StepOverhead: time.Millisecond, PerToken: 300 * time.Microsecond}},
+		Config{MaxRunning: 2}, true)
+	// Prompts of a few sizes until the fit knows the pod's cost.
+	for i := 0; !r.s.Stats().Cost.Known(); i++ {
+		if i == 64 {
+			t.Fatalf("no cost after %d requests: %+v", i, r.s.Stats().Cost)
+		}
+		text := strings.Repeat(string(rune('a'+i%26))+" words of a prompt. ", 1+i%7*8)
+		if _, res := run(t, r, context.Background(), &Request{ID: fmt.Sprint("warm", i), Prompt: prompt(r.eng, text), MaxTokens: 2}); res.State != Completed {
+			t.Fatalf("request %d: %+v", i, res)
+		}
+	}
+	c := r.s.Stats().Cost
+	toks := prompt(r.eng, strings.Repeat("a long prompt of many words. ", 60))
+	if _, err := r.s.Submit(context.Background(), &Request{ID: "long", Prompt: toks, MaxTokens: 2}); err != nil {
+		t.Fatal(err)
+	}
+	var st Stats
+	waitFor(t, "a chunk of the prompt in its step", func() bool {
+		st = r.s.Stats()
+		return st.StepLeft > 0 && len(st.Prefills) == 1 && st.Prefills[0].Tokens <= len(toks)-512 // a chunk counted done while in its step
+	})
+	left := st.Prefills[0].Tokens
+	// At most a whole step of n_batch tokens as deep as the prompt goes.
+	step := c.Step([]engine.Span{{Pos: len(toks) - 512, Tokens: make([]int, 512)}})
+	if st.StepLeft > step+1e-9 || st.PrefillTokens != left {
+		t.Fatalf("step left %.4gs (a step is at most %.4gs), prefill tokens %d, want %d", st.StepLeft, step, st.PrefillTokens, left)
+	}
+	if want := c.Prefill(left, len(toks)-left); math.Abs(st.Prefills[0].Seconds-want) > 1e-9 {
+		t.Fatalf("what is left costs %.4gs, want %.4gs after the step", st.Prefills[0].Seconds, want)
+	}
+}

@@ -167,13 +167,15 @@ type Scheduler struct {
 	drain   drainRate // how fast the queue empties into the running set
 	running int       // published for Stats
 	// published for Stats (the pod's signals to the router): prompt tokens
-	// of the running set still to prefill, KV cells in use, and those
-	// running requests hold; what the steps cost (the fit's), the running
-	// set's prefills at that cost and a decode step of the running set.
+	// of the running set still to prefill once the step in progress ends,
+	// KV cells in use, and those running requests hold; what the steps
+	// cost (the fit's), the running set's prefills at that cost, a decode
+	// step of the running set and when the step in progress ends.
 	setPrefill, kvUsed, kvRunning int
 	cost                          Cost
 	setPrefills                   []Prefill
 	stepSec                       float64
+	stepEnd                       time.Time // when the step in progress ends, at its cost
 
 	// loop-owned
 	set      []*task  // the running set, in admission order
@@ -385,8 +387,8 @@ func (s *Scheduler) Run(ctx context.Context) {
 			s.kv.EvictOverThreshold("threshold")
 			nextCleanup = now.Add(s.cfg.CleanupInterval)
 		}
-		s.publish()
 		spans, tasks := s.batch()
+		s.publish(spans)
 		if len(spans) == 0 {
 			wait := time.Until(nextCleanup)
 			for _, t := range s.set {
@@ -427,7 +429,7 @@ func (s *Scheduler) shutdown() {
 	for _, t := range slices.Clone(s.set) {
 		s.finish(t, Result{State: Failed, Err: ErrShutdown})
 	}
-	s.publish()
+	s.publish(nil)
 }
 
 // Inspect runs fn on the loop goroutine between two steps, so that what it

@@ -3,7 +3,9 @@ package scheduler
 import (
 	"cmp"
 	"slices"
+	"time"
 
+	"github.com/istio-llm-filter/istio-llm-filter/worker/engine"
 	"github.com/istio-llm-filter/istio-llm-filter/worker/kvcache"
 	"github.com/istio-llm-filter/istio-llm-filter/worker/seqpool"
 )
@@ -16,8 +18,9 @@ type Stats struct {
 	// for a running request to end.
 	Blocked int
 	// PrefillTokens are prompt tokens not yet evaluated, queued or in the
-	// running set. A prefix is counted once: a follower counts only what
-	// it does not share with its leader, and a request still waiting to
+	// running set, as of the end of the step in progress (StepLeft). A
+	// prefix is counted once: a follower counts only what it does not
+	// share with its leader, and a request still waiting to
 	// run only what neither the KV cache, a running request nor one ahead
 	// of it holds or will write (a request queued since the last step
 	// counts in full).
@@ -40,6 +43,11 @@ type Stats struct {
 	Cost        Cost
 	Prefills    []Prefill
 	StepSeconds float64
+	// StepLeft is how long the step in progress has still to run, at its
+	// cost (0 when none runs or the cost is not known): a request that
+	// arrives now waits for it, then for the Prefills ahead of it, which
+	// count what is left once it ends.
+	StepLeft float64
 }
 
 // Prefill is one request's prompt tokens still to compute and their cost.
@@ -84,7 +92,7 @@ func (s *Scheduler) Stats() Stats {
 	defer s.mu.Unlock()
 	st := Stats{Queued: len(s.queue), Running: s.running, PrefillTokens: s.setPrefill, KVCellsUsed: s.kvUsed, KVCells: s.info.NCtx,
 		KVCellsRunning: s.kvRunning, MaxRunning: s.cfg.MaxRunning, Cost: s.cost, StepSeconds: s.stepSec,
-		Prefills: slices.Clone(s.setPrefills)}
+		Prefills: slices.Clone(s.setPrefills), StepLeft: max(0, time.Until(s.stepEnd).Seconds())}
 	st.Blocked = max(0, st.Queued-max(0, s.cfg.MaxRunning-st.Running))
 	for _, t := range s.queue {
 		n := len(t.toks)
@@ -98,9 +106,16 @@ func (s *Scheduler) Stats() Stats {
 	return st
 }
 
-func (s *Scheduler) publish() {
+// publish sets what Stats reports, for the step about to run (spans, nil
+// when none): the running set's prefills as they will stand once it ends,
+// and when it will end.
+func (s *Scheduler) publish(spans []engine.Span) {
 	nPending, nProcessing, prefill := 0, 0, 0
 	cost := s.fit.cost()
+	inStep := make(map[int]int, len(spans)) // seq id -> tokens it evaluates in the step
+	for _, sp := range spans {
+		inStep[sp.Seq] += len(sp.Tokens)
+	}
 	var prefills []Prefill
 	nDecoding, attended := 0, 0.0
 	var ahead [][]int // prompts waiting to bind, in the order they will bind
@@ -118,6 +133,9 @@ func (s *Scheduler) publish() {
 		}
 		if t.nGen == 0 {
 			done := t.past
+			if t.phase.steps() {
+				done += inStep[t.seq]
+			}
 			if t.phase == following {
 				// Its leader computes the shared part, and counts it.
 				done = max(done, t.shareTo)
@@ -132,9 +150,12 @@ func (s *Scheduler) publish() {
 			attended += pairs(1, t.past)
 		}
 	}
-	step := 0.0
+	step, end := 0.0, time.Time{}
 	if cost.Known() {
 		step = cost.Base + cost.PerToken*float64(nDecoding) + cost.PerPair*attended + cost.PerSample*float64(nDecoding+1)
+		if len(spans) > 0 {
+			end = time.Now().Add(time.Duration(cost.Step(spans) * float64(time.Second)))
+		}
 	}
 	used, running := s.kv.UsedCells(), s.kv.RunningCells()
 	s.mu.Lock()
@@ -143,7 +164,7 @@ func (s *Scheduler) publish() {
 	}
 	s.running = len(s.set)
 	s.setPrefill, s.kvUsed, s.kvRunning = prefill, used, running
-	s.cost, s.setPrefills, s.stepSec = cost, prefills, step
+	s.cost, s.setPrefills, s.stepSec, s.stepEnd = cost, prefills, step, end
 	s.mu.Unlock()
 	s.m.running.WithLabelValues("PENDING").Set(float64(nPending))
 	s.m.running.WithLabelValues("PROCESSING").Set(float64(nProcessing))

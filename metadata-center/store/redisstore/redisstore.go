@@ -506,11 +506,11 @@ func loadFromPairs(reqs, prompts []string) (api.LoadStats, error) {
 // ReportSignals implements store.Signals. The report is stored as
 // "waiting running kv_util prefill_tokens draining(0|1) kv_capacity
 // max_running reports_evictions(0|1) prefill_queue token_seconds
-// attention_seconds step_seconds at" (prefill_queue "tokens:seconds,…", "-"
-// when empty), stamped with this replica's clock
+// attention_seconds step_seconds step_left_seconds at" (prefill_queue
+// "tokens:seconds,…", "-" when empty), stamped with this replica's clock
 // last (the signals script reads it there; the shorter reports of earlier
-// releases, without the costs, reports_evictions, the capacities or
-// draining, are read too); the hash expires when
+// releases, without the step left, the costs, reports_evictions, the
+// capacities or draining, are read too); the hash expires when
 // no pod of the cluster has reported for a minute (or ten max ages).
 func (s *Store) ReportSignals(ctx context.Context, cluster, host string, sig api.PodSignals) error {
 	now := s.ms()
@@ -518,7 +518,7 @@ func (s *Store) ReportSignals(ctx context.Context, cluster, host string, sig api
 		strconv.FormatFloat(sig.KVCacheUtil, 'g', -1, 64) + " " + strconv.FormatInt(sig.PrefillTokens, 10) + " " +
 		flagField(sig.Draining) + strconv.FormatInt(sig.KVCapacity, 10) + " " + strconv.FormatInt(sig.MaxRunning, 10) + " " +
 		flagField(sig.ReportsEvictions) + queueField(sig.PrefillQueue) + costField(sig.TokenSeconds) +
-		costField(sig.AttentionSeconds) + costField(sig.StepSeconds) + strconv.FormatInt(now, 10)
+		costField(sig.AttentionSeconds) + costField(sig.StepSeconds) + costField(sig.StepLeftSeconds) + strconv.FormatInt(now, 10)
 	keyTTL := max(60_000, 10*s.signalMaxAge)
 	err := s.sc.signals.Run(ctx, s.rdb, []string{s.keys(cluster).signals()}, host, rep, keyTTL, now-s.signalMaxAge, api.MaxPodSignals).Err()
 	return s.wrap("report signals", err)
@@ -558,6 +558,14 @@ func (s *Store) freshSignals(pairs []string, now int64) (map[string]api.PodSigna
 func (s *Store) fresh(rep string, now int64) (api.PodSignals, bool, error) {
 	f := strings.Fields(rep)
 	var sig api.PodSignals
+	if len(f) == 14 {
+		left, err := strconv.ParseFloat(f[12], 64)
+		if err != nil {
+			return api.PodSignals{}, false, fmt.Errorf("redis signals: malformed report %q: %w", rep, err)
+		}
+		sig.StepLeftSeconds = left
+		f = append(f[:12], f[13])
+	}
 	if len(f) == 13 {
 		var errs [4]error
 		sig.PrefillQueue, errs[0] = parseQueue(f[8])

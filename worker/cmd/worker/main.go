@@ -496,7 +496,7 @@ func podSignals(s *scheduler.Scheduler, srv *server.Server) mcreport.SignalSourc
 		return api.PodSignals{Waiting: int64(st.Blocked), Running: int64(st.Running), PrefillTokens: int64(st.PrefillTokens),
 			KVCacheUtil: st.KVUsage(), KVCapacity: int64(st.KVCells), MaxRunning: int64(st.MaxRunning),
 			PrefillQueue: prefillQueue(st.Prefills), TokenSeconds: twoDigits(st.Cost.PerToken),
-			AttentionSeconds: twoDigits(st.Cost.PerPair), StepSeconds: twoDigits(st.StepSeconds),
+			AttentionSeconds: twoDigits(st.Cost.PerPair), StepSeconds: twoDigits(st.StepSeconds), StepLeftSeconds: twoDigits(st.StepLeft),
 			ReportsEvictions: true, Draining: srv.Draining()}
 	})
 }
