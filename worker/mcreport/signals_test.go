@@ -18,17 +18,25 @@ import (
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/store/memstore"
 )
 
-// The worker's signals reach a real metadata center and its route answer:
-// a change is pushed within a poll, and a steady pod is re-reported often
-// enough never to go stale.
-func TestRunSignalsReachesTheRouteAnswer(t *testing.T) {
-	ts := httptest.NewServer(server.New(memstore.New(memstore.Options{SignalMaxAge: 250 * time.Millisecond}),
+// reporterAtCenter starts a real metadata center on the embedded store and
+// a Reporter of pod 10.0.0.7:9000 in cluster c to it.
+func reporterAtCenter(t *testing.T, opts memstore.Options) (*httptest.Server, *Reporter) {
+	t.Helper()
+	ts := httptest.NewServer(server.New(memstore.New(opts),
 		server.Options{Logger: slog.New(slog.NewTextHandler(io.Discard, nil))}).Handler())
-	defer ts.Close()
+	t.Cleanup(ts.Close)
 	r, err := New(Config{URL: ts.URL, Cluster: "c", Host: "10.0.0.7:9000", Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
 	if err != nil {
 		t.Fatal(err)
 	}
+	return ts, r
+}
+
+// The worker's signals reach a real metadata center and its route answer:
+// a change is pushed within a poll, and a steady pod is re-reported often
+// enough never to go stale.
+func TestRunSignalsReachesTheRouteAnswer(t *testing.T) {
+	ts, r := reporterAtCenter(t, memstore.Options{SignalMaxAge: 250 * time.Millisecond})
 	var waiting atomic.Int64
 	src := SignalSourceFunc(func() api.PodSignals {
 		return api.PodSignals{Waiting: waiting.Load(), Running: 3, KVCacheUtil: 0.5, PrefillTokens: 100 * waiting.Load(),
@@ -92,13 +100,7 @@ func jsonBody(t *testing.T, v any) io.Reader {
 // Nudge sends a change at once: with polls an hour apart, the drain's
 // start still reaches the route answer.
 func TestNudgeSendsTheDrainAtOnce(t *testing.T) {
-	ts := httptest.NewServer(server.New(memstore.New(memstore.Options{}),
-		server.Options{Logger: slog.New(slog.NewTextHandler(io.Discard, nil))}).Handler())
-	defer ts.Close()
-	r, err := New(Config{URL: ts.URL, Cluster: "c", Host: "10.0.0.7:9000", Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
-	if err != nil {
-		t.Fatal(err)
-	}
+	ts, r := reporterAtCenter(t, memstore.Options{})
 	var draining atomic.Bool
 	src := SignalSourceFunc(func() api.PodSignals { return api.PodSignals{Running: 1, Draining: draining.Load()} })
 	ctx, cancel := context.WithCancel(context.Background())
@@ -133,13 +135,7 @@ func TestNudgeSendsTheDrainAtOnce(t *testing.T) {
 // it is no change to push (a pod in a long prefill step would report at
 // every poll), and it rides with the next report that changes something.
 func TestTheStepLeftAloneIsNoChange(t *testing.T) {
-	ts := httptest.NewServer(server.New(memstore.New(memstore.Options{}),
-		server.Options{Logger: slog.New(slog.NewTextHandler(io.Discard, nil))}).Handler())
-	defer ts.Close()
-	r, err := New(Config{URL: ts.URL, Cluster: "c", Host: "10.0.0.7:9000", Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
-	if err != nil {
-		t.Fatal(err)
-	}
+	_, r := reporterAtCenter(t, memstore.Options{})
 	var reads, waiting atomic.Int64
 	src := SignalSourceFunc(func() api.PodSignals {
 		return api.PodSignals{Running: 1, Waiting: waiting.Load(), StepLeftSeconds: 1 / float64(reads.Add(1))}
