@@ -165,7 +165,6 @@ func TestStatsReportTheStepInProgress(t *testing.T) {
 			t.Fatalf("request %d: %+v", i, res)
 		}
 	}
-	c := r.s.Stats().Cost
 	toks := prompt(r.eng, strings.Repeat("a long prompt of many words. ", 60))
 	if _, err := r.s.Submit(context.Background(), &Request{ID: "long", Prompt: toks, MaxTokens: 2}); err != nil {
 		t.Fatal(err)
@@ -175,7 +174,8 @@ func TestStatsReportTheStepInProgress(t *testing.T) {
 		st = r.s.Stats()
 		return st.StepLeft > 0 && len(st.Prefills) == 1 && st.Prefills[0].Tokens <= len(toks)-512 // a chunk counted done while in its step
 	})
-	left := st.Prefills[0].Tokens
+	// One snapshot's cost throughout: the fit moves with every step.
+	left, c := st.Prefills[0].Tokens, st.Cost
 	// At most a whole step of n_batch tokens as deep as the prompt goes.
 	step := c.Step([]engine.Span{{Pos: len(toks) - 512, Tokens: make([]int, 512)}})
 	if st.StepLeft > step+1e-9 || st.PrefillTokens != left {
