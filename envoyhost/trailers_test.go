@@ -241,7 +241,12 @@ func TestBufferLimitsWhileBuffering(t *testing.T) {
 	}()
 	req, _ := http.NewRequest("POST", h.URL()+"/v1/chat/completions", pr)
 	req.ContentLength = -1
-	resp, err := (&http.Client{Timeout: 20 * time.Second}).Do(req)
+	// A connection of its own: answered before its body was read, the
+	// request leaves its connection to be closed (Envoy closes it), and the
+	// next request must not be sent on it.
+	tr := &http.Transport{}
+	defer tr.CloseIdleConnections()
+	resp, err := (&http.Client{Transport: tr, Timeout: 20 * time.Second}).Do(req)
 	close(answered)
 	if err != nil {
 		t.Fatal(err)
