@@ -115,7 +115,11 @@ func TestStatsReportTheStepsCost(t *testing.T) {
 			t.Fatalf("request %d: %+v", i, res)
 		}
 	}
-	st := r.s.Stats() // one snapshot: the fit may take one more step's time after the last answer
+	// One snapshot, once the loop has published the running set empty
+	// (the last answer reaches its caller before the loop drops its
+	// request): the fit may take one more step's time after it.
+	var st Stats
+	waitFor(t, "the pod idle", func() bool { st = r.s.Stats(); return st.Running == 0 })
 	c := st.Cost
 	if !c.Known() || math.Abs(c.PerToken/truth.PerToken.Seconds()-1) > 0.3 || math.Abs(c.PerPair/(truth.PerKCtxToken.Seconds()/1000)-1) > 0.3 {
 		t.Fatalf("learnt %+v, want per token %v and per pair %.3g within 30%%", c, truth.PerToken, truth.PerKCtxToken.Seconds()/1000)
