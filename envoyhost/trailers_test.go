@@ -242,8 +242,8 @@ func TestBufferLimitsWhileBuffering(t *testing.T) {
 	req, _ := http.NewRequest("POST", h.URL()+"/v1/chat/completions", pr)
 	req.ContentLength = -1
 	// A connection of its own: answered before its body was read, the
-	// request leaves its connection to be closed, and the
-	// next request must not be sent on it.
+	// request leaves its connection to be closed, and the next request
+	// must not be sent on it.
 	tr := &http.Transport{}
 	defer tr.CloseIdleConnections()
 	resp, err := (&http.Client{Transport: tr, Timeout: 20 * time.Second}).Do(req)

@@ -11,10 +11,10 @@ import (
 // max_running reports_evictions prefill_queue token_seconds
 // attention_seconds step_seconds step_left_seconds at"; the 13-field form
 // written before the step left is read as no step in progress, the
-// nine-field form written before the costs is read as reporting none, the eight-field form written before
-// reports_evictions is read as not reporting them, the six-field form
-// before the capacities without them, the five-field form before draining
-// as not draining.
+// nine-field form written before the costs as reporting none, the
+// eight-field form written before reports_evictions as not reporting them,
+// the six-field form before the capacities without them, the five-field
+// form before draining as not draining.
 func TestStoredReportsOfEveryForm(t *testing.T) {
 	s := &Store{signalMaxAge: 1000}
 	for rep, want := range map[string]api.PodSignals{
