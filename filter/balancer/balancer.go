@@ -92,6 +92,13 @@ type Host struct {
 	// seconds: its report's, less the report's age (our worker, whose
 	// PrefillQueue then counts what is left once that step ends).
 	StepLeft float64
+	// A prompt the pod holds back while the answers about to end decode
+	// (our worker's finish first, api.PodSignals.HeldTokens): HeldTokens
+	// left to prefill, the HeldStep it takes alone once they have ended,
+	// and HoldLeft until then from now, in seconds: its report's less the
+	// report's age, below 0 where the release is that long past. 0: none.
+	HeldTokens         int64
+	HeldStep, HoldLeft float64
 	// ReportsEvictions: the pod tells the metadata center what it evicts
 	// (our worker), so the index needs no bound (Choice.MaxBlocks).
 	ReportsEvictions bool

@@ -691,6 +691,9 @@ func (t *Tracker) fill(cluster string, cands []endpoints.Endpoint, v View, req R
 				h.KVCapacity, h.MaxRunning, h.ReportsEvictions = sig.KVCapacity, sig.MaxRunning, sig.ReportsEvictions
 				h.PrefillQueue, h.TokenSeconds, h.AttentionSeconds, h.StepSeconds = sig.PrefillQueue, sig.TokenSeconds, sig.AttentionSeconds, sig.StepSeconds
 				h.StepLeft = max(0, sig.StepLeftSeconds-float64(sig.AgeMS)/1000)
+				if sig.HeldTokens > 0 && sig.HeldStepSeconds > 0 {
+					h.HeldTokens, h.HeldStep, h.HoldLeft = sig.HeldTokens, sig.HeldStepSeconds, sig.HoldLeftSeconds-float64(sig.AgeMS)/1000
+				}
 				if l != nil && len(l.blocks) > 0 && h.KVCapacity > 0 {
 					h.SharedBlocks = l.shared(req.Hashes) // for the KV admission only
 				}

@@ -566,7 +566,7 @@ func (p *predictor) predict(h *Host) Cost {
 	// stands for the rest of it, and the queue's prefill runs in those
 	// steps, so its time already counts the one in progress.
 	if own {
-		c.InStep = h.StepLeft
+		c.InStep = max(h.StepLeft, releasedStep(h, ended, c.UncachedTokens))
 		c.Wait = max(c.SlotWait, c.InStep+c.Queue)
 	} else {
 		if running > 0 || h.Reqs > 0 {
@@ -577,6 +577,22 @@ func (p *predictor) predict(h *Host) Cost {
 	c.Total = c.Wait + c.Prefill + c.Step + c.Fit
 	c.Delay = float64(waiting) * (c.Prefill + c.Fit)
 	return c
+}
+
+// releasedStep returns what is left of the step a prompt held by finish first
+// takes once the answers it waits for have ended (Host.HeldStep), where
+// that release is past: by its time, or because this gateway has seen
+// that many ends on the pod since the report (the answers about to end are
+// all the rest of its running set). A conversation's next turn comes
+// right after its answer, that is right after the release, and waits for
+// the whole step, a whole n_batch of the prompt. A request of n uncached
+// tokens no fewer than the held prompt's waits for all of it anyway (it
+// prefills the fewest tokens left first): the queue ahead counts it.
+func releasedStep(h *Host, ended int64, n float64) float64 {
+	if h.HeldTokens <= 0 || float64(h.HeldTokens) <= n || h.HoldLeft > 0 && ended < max(1, h.Running-1) {
+		return 0
+	}
+	return max(0, h.HeldStep+min(0, h.HoldLeft))
 }
 
 // measuredQueue is the prefill a request of n uncached tokens waits for on

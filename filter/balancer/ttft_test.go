@@ -1250,3 +1250,42 @@ func TestAPodsOwnCostPricesItsCompute(t *testing.T) {
 		t.Fatalf("no pod's own cost: %+v, want the rule's rate and step", c)
 	}
 }
+
+// A pod that holds a long prompt back while its other request's answer
+// ends (our worker's finish first) steps that prompt alone once the answer
+// has ended, a whole n_batch: a conversation's next turn, sent as its
+// answer ends, waits for that step. Before the release the request runs
+// beside the answer and waits for nothing of it; a request at least as
+// long as the held prompt waits for all of it in the queue ahead, not for
+// its step twice.
+func TestARequestAfterAHoldWaitsForTheReleasedStep(t *testing.T) {
+	m := testModel()
+	pod := Host{Address: "own", Signals: true, CacheRatio: 0.75, Running: 2, Reqs: 2, PrefillQueued: 1300,
+		PrefillQueue: []api.Prefill{{Tokens: 1300, Seconds: 1.7}}, TokenSeconds: 5e-4, AttentionSeconds: 1e-6, StepSeconds: 0.01,
+		HeldTokens: 1300, HeldStep: 0.6, HoldLeft: 0.05}
+	s := &State{Cluster: "c", Rule: defaultRule(t), PromptLength: 2000, BytesPerToken: 1, Hosts: []Host{pod}}
+	p := m.predictor(s)
+	if c := p.predict(&pod); c.InStep != 0 || c.Queue != 0 {
+		t.Fatalf("during the hold: %+v, want no wait for the held prompt", c)
+	}
+	// The answer has ended (this gateway saw it): the step has begun.
+	ended := pod
+	ended.EndedReqsSinceReport = 1
+	if c := p.predict(&ended); !within(c.InStep, 0.6, 1e-9) || !within(c.Wait, 0.6, 1e-9) {
+		t.Fatalf("after the answer's end: %+v, want the released step's 0.6 s", c)
+	}
+	// Its release time 0.2 s past, by the report: 0.4 s of the step left.
+	past := pod
+	past.HoldLeft = -0.2
+	if c := p.predict(&past); !within(c.InStep, 0.4, 1e-9) {
+		t.Fatalf("0.2 s after the release: %+v, want 0.4 s of the step left", c)
+	}
+	// A request of no fewer uncached tokens than the held prompt waits
+	// for the whole prompt, as queued ahead.
+	long := &State{Cluster: "c", Rule: defaultRule(t), PromptLength: 4000, BytesPerToken: 1, Hosts: []Host{ended}}
+	long.Hosts[0].CacheRatio = 0
+	lp := m.predictor(long)
+	if c := lp.predict(&long.Hosts[0]); c.InStep != 0 || !within(c.Queue, 1.7, 1e-9) {
+		t.Fatalf("a longer request after the release: %+v, want the queue's 1.7 s alone", c)
+	}
+}

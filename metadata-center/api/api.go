@@ -262,6 +262,15 @@ type PodSignals struct {
 	AttentionSeconds float64   `json:"attention_seconds,omitempty"`
 	StepSeconds      float64   `json:"step_seconds,omitempty"`
 	StepLeftSeconds  float64   `json:"step_left_seconds,omitempty"`
+	// A prompt the pod holds back while the answers about to end decode
+	// (our worker's finish first), with nothing else running: once they
+	// have ended, in HoldLeftSeconds from when the report was taken, it
+	// steps alone for HeldStepSeconds, and a request arriving then waits
+	// for that step; HeldTokens is what it has left to prefill (it is in
+	// PrefillQueue too). 0 = none.
+	HeldTokens      int64   `json:"held_tokens,omitempty"`
+	HeldStepSeconds float64 `json:"held_step_seconds,omitempty"`
+	HoldLeftSeconds float64 `json:"hold_left_seconds,omitempty"`
 	// ReportsEvictions: the pod tells the metadata center what its KV
 	// cache evicts (our worker, POST /v1/cache/evict), so the index knows
 	// what it holds; for the others (vLLM, SGLang: scraped) the gateways
@@ -303,6 +312,9 @@ type PodReport struct {
 	AttentionSeconds float64   `json:"attention_seconds,omitempty"`
 	StepSeconds      float64   `json:"step_seconds,omitempty"`
 	StepLeftSeconds  float64   `json:"step_left_seconds,omitempty"`
+	HeldTokens       int64     `json:"held_tokens,omitempty"`
+	HeldStepSeconds  float64   `json:"held_step_seconds,omitempty"`
+	HoldLeftSeconds  float64   `json:"hold_left_seconds,omitempty"`
 	// ReportsEvictions: PodSignals.ReportsEvictions.
 	ReportsEvictions bool `json:"reports_evictions,omitempty"`
 	Draining         bool `json:"draining,omitempty"`
@@ -369,6 +381,7 @@ func (r PodReport) Signals() PodSignals {
 	return PodSignals{Waiting: r.Waiting, Running: r.Running, KVCacheUtil: r.KVCacheUtil, PrefillTokens: r.PrefillTokens,
 		KVCapacity: r.KVCapacity, MaxRunning: r.MaxRunning, PrefillQueue: r.PrefillQueue, TokenSeconds: r.TokenSeconds,
 		AttentionSeconds: r.AttentionSeconds, StepSeconds: r.StepSeconds, StepLeftSeconds: r.StepLeftSeconds,
+		HeldTokens: r.HeldTokens, HeldStepSeconds: r.HeldStepSeconds, HoldLeftSeconds: r.HoldLeftSeconds,
 		ReportsEvictions: r.ReportsEvictions, Draining: r.Draining}
 }
 
@@ -379,7 +392,8 @@ func (s PodSignals) Report(cluster, host string, reg *PodRegistration) PodReport
 	return PodReport{Cluster: cluster, Host: host, Waiting: s.Waiting, Running: s.Running, KVCacheUtil: s.KVCacheUtil,
 		PrefillTokens: s.PrefillTokens, KVCapacity: s.KVCapacity, MaxRunning: s.MaxRunning,
 		PrefillQueue: s.PrefillQueue, TokenSeconds: s.TokenSeconds, AttentionSeconds: s.AttentionSeconds, StepSeconds: s.StepSeconds,
-		StepLeftSeconds: s.StepLeftSeconds, ReportsEvictions: s.ReportsEvictions, Draining: s.Draining, Register: reg}
+		StepLeftSeconds: s.StepLeftSeconds, HeldTokens: s.HeldTokens, HeldStepSeconds: s.HeldStepSeconds, HoldLeftSeconds: s.HoldLeftSeconds,
+		ReportsEvictions: s.ReportsEvictions, Draining: s.Draining, Register: reg}
 }
 
 // MaxPodSignals bounds the pods one cluster keeps signals for.

@@ -42,6 +42,9 @@ func TestEncodeMatchesEncodingJSON(t *testing.T) {
 				if r.IntN(2) == 0 { // our worker's: its costs and queue
 					sig.KVCapacity, sig.MaxRunning, sig.ReportsEvictions = r.Int64N(1<<20), r.Int64N(64), true
 					sig.TokenSeconds, sig.AttentionSeconds, sig.StepSeconds, sig.StepLeftSeconds = 5.8e-4, 1.1e-6, 0.0125, utils[r.IntN(len(utils))]
+					if r.IntN(2) == 0 { // a prompt held by finish first
+						sig.HeldTokens, sig.HeldStepSeconds, sig.HoldLeftSeconds = r.Int64N(4096), utils[r.IntN(len(utils))], utils[r.IntN(len(utils))]
+					}
 					for range r.IntN(3) {
 						sig.PrefillQueue = append(sig.PrefillQueue, api.Prefill{Tokens: r.Int64N(4096), Seconds: utils[r.IntN(len(utils))]})
 					}

@@ -117,6 +117,8 @@ func validSignals(sig api.PodSignals) error {
 		return fmt.Errorf("kv_capacity must be >= 0, got %d", sig.KVCapacity)
 	case sig.MaxRunning < 0:
 		return fmt.Errorf("max_running must be >= 0, got %d", sig.MaxRunning)
+	case sig.HeldTokens < 0:
+		return fmt.Errorf("held_tokens must be >= 0, got %d", sig.HeldTokens)
 	case !(sig.KVCacheUtil >= 0 && sig.KVCacheUtil <= 1):
 		return fmt.Errorf("kv_cache_util must be within 0..1, got %g", sig.KVCacheUtil)
 	}
@@ -124,7 +126,7 @@ func validSignals(sig api.PodSignals) error {
 		name string
 		v    float64
 	}{{"token_seconds", sig.TokenSeconds}, {"attention_seconds", sig.AttentionSeconds}, {"step_seconds", sig.StepSeconds},
-		{"step_left_seconds", sig.StepLeftSeconds}} {
+		{"step_left_seconds", sig.StepLeftSeconds}, {"held_step_seconds", sig.HeldStepSeconds}, {"hold_left_seconds", sig.HoldLeftSeconds}} {
 		if !(f.v >= 0 && f.v <= maxSignalSeconds) {
 			return fmt.Errorf("%s must be within 0..%d, got %g", f.name, maxSignalSeconds, f.v)
 		}

@@ -105,10 +105,11 @@ func (r *Reporter) RunSignals(ctx context.Context, src SignalSource, poll, every
 }
 
 // sameState says whether two reports tell the same: the step in
-// progress runs down between any two reads, and counts as a change only
-// with something else (a new step changes the prefills left).
+// progress and a hold run down between any two reads, and count as a
+// change only with something else (a new step changes the prefills left).
 func sameState(a, b api.PodSignals) bool {
 	a.StepLeftSeconds, b.StepLeftSeconds = 0, 0
+	a.HoldLeftSeconds, b.HoldLeftSeconds = 0, 0
 	return reflect.DeepEqual(a, b)
 }
 

@@ -189,3 +189,49 @@ func TestStatsReportTheStepInProgress(t *testing.T) {
 		t.Fatalf("what is left costs %.4gs, want %.4gs after the step", st.Prefills[0].Seconds, want)
 	}
 }
+
+// A prompt of a whole n_batch or more that finish first holds back while
+// the only other request's answer ends is reported with the step it will
+// take alone once released and how long until then; once the answer has
+// ended, that step is the step in progress and the hold is gone.
+func TestStatsReportAPromptHeldByFinishFirst(t *testing.T) {
+	r := newRig(t, sim.Config{NCtx: 8192, NBatch: 512, Cost: sim.Cost{StepOverhead: 10 * time.Millisecond, PerToken: 300 * time.Microsecond}},
+		Config{MaxRunning: 2}, true)
+	for i := 0; !r.s.Stats().Cost.Known(); i++ {
+		if i == 64 {
+			t.Fatalf("no cost after %d requests: %+v", i, r.s.Stats().Cost)
+		}
+		text := strings.Repeat(string(rune('a'+i%26))+" words of a prompt. ", 1+i%7*8)
+		if _, res := run(t, r, context.Background(), &Request{ID: fmt.Sprint("warm", i), Prompt: prompt(r.eng, text), MaxTokens: 2}); res.State != Completed {
+			t.Fatalf("request %d: %+v", i, res)
+		}
+	}
+	answer, err := r.s.Submit(context.Background(), &Request{ID: "answer", Prompt: prompt(r.eng, "a short question"), MaxTokens: 16})
+	if err != nil {
+		t.Fatal(err)
+	}
+	toks := prompt(r.eng, strings.Repeat("a long prompt of many words. ", 60))
+	if _, err := r.s.Submit(context.Background(), &Request{ID: "long", Prompt: toks, MaxTokens: 2}); err != nil {
+		t.Fatal(err)
+	}
+	var st Stats
+	waitFor(t, "the long prompt held while the answer ends", func() bool { st = r.s.Stats(); return st.Held.Tokens > 0 })
+	c, left := st.Cost, st.Held.Tokens
+	if left < 512 || !slices.ContainsFunc(st.Prefills, func(p Prefill) bool { return p.Tokens == left }) {
+		t.Fatalf("held %d tokens, want a whole n_batch or more, listed in the queue %+v", left, st.Prefills)
+	}
+	if want := c.Step([]engine.Span{{Pos: len(toks) - left, Tokens: make([]int, 512)}}); math.Abs(st.Held.Step-want) > 1e-9 {
+		t.Fatalf("the released step %.4gs, want %.4gs (512 tokens alone)", st.Held.Step, want)
+	}
+	// The answer has at most 15 tokens to go, a decode step each.
+	if st.Held.Left <= 0 || st.Held.Left > 16*st.StepSeconds {
+		t.Fatalf("released in %.4gs, want within 16 decode steps of %.4gs", st.Held.Left, st.StepSeconds)
+	}
+	if res, err := answer.Wait(context.Background()); err != nil || res.State != Completed {
+		t.Fatalf("the answer: %+v %v", res, err)
+	}
+	waitFor(t, "the released prompt stepping alone", func() bool {
+		st = r.s.Stats()
+		return st.Held == Held{} && st.StepLeft > 0 && len(st.Prefills) == 1 && st.Prefills[0].Tokens <= left-512
+	})
+}

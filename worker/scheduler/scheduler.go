@@ -176,6 +176,7 @@ type Scheduler struct {
 	setPrefills                   []Prefill
 	stepSec                       float64
 	stepEnd                       time.Time // when the step in progress ends, at its cost
+	held                          heldPrompt
 
 	// loop-owned
 	set      []*task  // the running set, in admission order

@@ -48,6 +48,26 @@ type Stats struct {
 	// arrives now waits for it, then for the Prefills ahead of it, which
 	// count what is left once it ends.
 	StepLeft float64
+	// Held is the prompt finish first holds back while the answers about
+	// to end decode (Config.FinishFirst), where nothing else runs: once
+	// they have ended it steps alone, a whole n_batch, and a request
+	// arriving then waits for that step. Zero when none is held so.
+	Held Held
+}
+
+// Held is a prompt held by finish first (Stats.Held): Tokens it has left to
+// prefill, the Step it takes once released, in seconds at the pod's cost,
+// and how long until then (Left: the answers' last tokens, from now).
+type Held struct {
+	Tokens     int
+	Step, Left float64
+}
+
+// heldPrompt is what publish found held, with the release as a time.
+type heldPrompt struct {
+	tokens  int
+	step    float64
+	release time.Time
 }
 
 // Prefill is one request's prompt tokens still to compute and their cost.
@@ -94,6 +114,9 @@ func (s *Scheduler) Stats() Stats {
 		KVCellsRunning: s.kvRunning, MaxRunning: s.cfg.MaxRunning, Cost: s.cost, StepSeconds: s.stepSec,
 		Prefills: slices.Clone(s.setPrefills), StepLeft: max(0, time.Until(s.stepEnd).Seconds())}
 	st.Blocked = max(0, st.Queued-max(0, s.cfg.MaxRunning-st.Running))
+	if h := s.held; h.tokens > 0 && len(s.queue) == 0 { // a queued request joins the set: the release step is shared
+		st.Held = Held{Tokens: h.tokens, Step: h.step, Left: max(0, time.Until(h.release).Seconds())}
+	}
 	for _, t := range s.queue {
 		n := len(t.toks)
 		if t.uncached > 0 {
@@ -151,10 +174,12 @@ func (s *Scheduler) publish(spans []engine.Span) {
 		}
 	}
 	step, end := 0.0, time.Time{}
+	var held heldPrompt
 	if cost.Known() {
 		step = cost.Base + cost.PerToken*float64(nDecoding) + cost.PerPair*attended + cost.PerSample*float64(nDecoding+1)
 		if len(spans) > 0 {
 			end = time.Now().Add(time.Duration(cost.Step(spans) * float64(time.Second)))
+			held = s.heldBack(inStep, cost, step, end)
 		}
 	}
 	used, running := s.kv.UsedCells(), s.kv.RunningCells()
@@ -164,7 +189,7 @@ func (s *Scheduler) publish(spans []engine.Span) {
 	}
 	s.running = len(s.set)
 	s.setPrefill, s.kvUsed, s.kvRunning = prefill, used, running
-	s.cost, s.setPrefills, s.stepSec, s.stepEnd = cost, prefills, step, end
+	s.cost, s.setPrefills, s.stepSec, s.stepEnd, s.held = cost, prefills, step, end, held
 	s.mu.Unlock()
 	s.m.running.WithLabelValues("PENDING").Set(float64(nPending))
 	s.m.running.WithLabelValues("PROCESSING").Set(float64(nProcessing))
@@ -176,6 +201,41 @@ func (s *Scheduler) publish(spans []engine.Span) {
 	s.m.kvBytes.Set(float64(books.Bytes()))
 	s.m.kvEntries.WithLabelValues("in_use").Set(float64(books.Len() - idle))
 	s.m.kvEntries.WithLabelValues("idle").Set(float64(idle))
+}
+
+// heldBack returns the prompt finish first holds in the step about to run
+// (inStep: tokens per seq id in it) where every other request of the
+// running set is an answer about to end: they end after the step in
+// progress (ending at end) and as many more decode steps (step) as the
+// longest of them has tokens to go, and the prompt then steps alone with a
+// whole n_batch (plan). Zero where none is held so, or other work shares
+// the steps after the release.
+func (s *Scheduler) heldBack(inStep map[int]int, cost Cost, step float64, end time.Time) heldPrompt {
+	if s.cfg.FinishFirst <= 0 {
+		return heldPrompt{}
+	}
+	var prompt *task
+	toGo := 0
+	for _, t := range s.set {
+		switch {
+		case t.phase == decoding && t.maxTokens-t.nGen <= s.cfg.FinishFirst:
+			toGo = max(toGo, t.maxTokens-t.nGen)
+		case t.phase == prefilling && t.nGen == 0 && inStep[t.seq] == 0 && len(t.toks)-t.past >= s.info.NBatch && prompt == nil:
+			prompt = t
+		default:
+			return heldPrompt{}
+		}
+	}
+	if prompt == nil || toGo == 0 {
+		return heldPrompt{}
+	}
+	n := min(len(prompt.toks)-prompt.past, s.info.NBatch)
+	sp := engine.Span{Seq: prompt.seq, Pos: prompt.past, Tokens: prompt.toks[prompt.past : prompt.past+n]}
+	if prompt.past+n == len(prompt.toks) {
+		sp.Sampler = prompt.sampler
+	}
+	release := end.Add(time.Duration(float64(toGo-1) * step * float64(time.Second)))
+	return heldPrompt{tokens: len(prompt.toks) - prompt.past, step: cost.Step([]engine.Span{sp}), release: release}
 }
 
 // View is a read-only look at the loop's books, valid only inside the

@@ -506,11 +506,12 @@ func loadFromPairs(reqs, prompts []string) (api.LoadStats, error) {
 // ReportSignals implements store.Signals. The report is stored as
 // "waiting running kv_util prefill_tokens draining(0|1) kv_capacity
 // max_running reports_evictions(0|1) prefill_queue token_seconds
-// attention_seconds step_seconds step_left_seconds at" (prefill_queue
+// attention_seconds step_seconds step_left_seconds held_tokens
+// held_step_seconds hold_left_seconds at" (prefill_queue
 // "tokens:seconds,…", "-" when empty), stamped with this replica's clock
 // last (the signals script reads it there; the shorter reports of earlier
-// releases, without the step left, the costs, reports_evictions, the
-// capacities or draining, are read too); the hash expires when
+// releases, without the hold, the step left, the costs, reports_evictions,
+// the capacities or draining, are read too); the hash expires when
 // no pod of the cluster has reported for a minute (or ten max ages).
 func (s *Store) ReportSignals(ctx context.Context, cluster, host string, sig api.PodSignals) error {
 	now := s.ms()
@@ -518,7 +519,8 @@ func (s *Store) ReportSignals(ctx context.Context, cluster, host string, sig api
 		strconv.FormatFloat(sig.KVCacheUtil, 'g', -1, 64) + " " + strconv.FormatInt(sig.PrefillTokens, 10) + " " +
 		flagField(sig.Draining) + strconv.FormatInt(sig.KVCapacity, 10) + " " + strconv.FormatInt(sig.MaxRunning, 10) + " " +
 		flagField(sig.ReportsEvictions) + queueField(sig.PrefillQueue) + costField(sig.TokenSeconds) +
-		costField(sig.AttentionSeconds) + costField(sig.StepSeconds) + costField(sig.StepLeftSeconds) + strconv.FormatInt(now, 10)
+		costField(sig.AttentionSeconds) + costField(sig.StepSeconds) + costField(sig.StepLeftSeconds) + strconv.FormatInt(sig.HeldTokens, 10) + " " + costField(sig.HeldStepSeconds) +
+		costField(sig.HoldLeftSeconds) + strconv.FormatInt(now, 10)
 	keyTTL := max(60_000, 10*s.signalMaxAge)
 	err := s.sc.signals.Run(ctx, s.rdb, []string{s.keys(cluster).signals()}, host, rep, keyTTL, now-s.signalMaxAge, api.MaxPodSignals).Err()
 	return s.wrap("report signals", err)
@@ -558,6 +560,16 @@ func (s *Store) freshSignals(pairs []string, now int64) (map[string]api.PodSigna
 func (s *Store) fresh(rep string, now int64) (api.PodSignals, bool, error) {
 	f := strings.Fields(rep)
 	var sig api.PodSignals
+	if len(f) == 17 {
+		var errs [3]error
+		sig.HeldTokens, errs[0] = strconv.ParseInt(f[13], 10, 64)
+		sig.HeldStepSeconds, errs[1] = strconv.ParseFloat(f[14], 64)
+		sig.HoldLeftSeconds, errs[2] = strconv.ParseFloat(f[15], 64)
+		if err := errors.Join(errs[:]...); err != nil {
+			return api.PodSignals{}, false, fmt.Errorf("redis signals: malformed report %q: %w", rep, err)
+		}
+		f = append(f[:13], f[16])
+	}
 	if len(f) == 14 {
 		left, err := strconv.ParseFloat(f[12], 64)
 		if err != nil {

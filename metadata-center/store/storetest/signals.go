@@ -20,7 +20,8 @@ func testSignals(e *env) {
 		e.t.Fatalf("no reports yet: %v %v", got, err)
 	}
 	e.must(e.st.Signals.ReportSignals(e.ctx, cl, hostA, api.PodSignals{Waiting: 3, Running: 8, KVCacheUtil: 0.75, PrefillTokens: 4096, KVCapacity: 65536, MaxRunning: 16, ReportsEvictions: true,
-		PrefillQueue: []api.Prefill{{Tokens: 96, Seconds: 0.0625}, {Tokens: 4000, Seconds: 0.6875}}, TokenSeconds: 5.8e-4, AttentionSeconds: 1.1e-6, StepSeconds: 0.0125, StepLeftSeconds: 0.25}))
+		PrefillQueue: []api.Prefill{{Tokens: 96, Seconds: 0.0625}, {Tokens: 4000, Seconds: 0.6875}}, TokenSeconds: 5.8e-4, AttentionSeconds: 1.1e-6, StepSeconds: 0.0125, StepLeftSeconds: 0.25,
+		HeldTokens: 4000, HeldStepSeconds: 0.375, HoldLeftSeconds: 0.0625}))
 	e.must(e.st.Signals.ReportSignals(e.ctx, cl, hostB, api.PodSignals{Waiting: 1, Running: 2, KVCacheUtil: 0.125, Draining: true, AgeMS: 99999}))
 	e.must(e.st.Signals.ReportSignals(e.ctx, "other", hostC, api.PodSignals{Running: 1}))
 	e.must(e.st.Leases.AddLease(e.ctx, cl, hostA, "r1", 10))
@@ -28,7 +29,8 @@ func testSignals(e *env) {
 	e.clock.Advance(300 * time.Millisecond)
 	want := map[string]api.PodSignals{
 		hostA: {Waiting: 3, Running: 8, KVCacheUtil: 0.75, PrefillTokens: 4096, KVCapacity: 65536, MaxRunning: 16, ReportsEvictions: true,
-			PrefillQueue: []api.Prefill{{Tokens: 96, Seconds: 0.0625}, {Tokens: 4000, Seconds: 0.6875}}, TokenSeconds: 5.8e-4, AttentionSeconds: 1.1e-6, StepSeconds: 0.0125, StepLeftSeconds: 0.25, AgeMS: 300},
+			PrefillQueue: []api.Prefill{{Tokens: 96, Seconds: 0.0625}, {Tokens: 4000, Seconds: 0.6875}}, TokenSeconds: 5.8e-4, AttentionSeconds: 1.1e-6, StepSeconds: 0.0125, StepLeftSeconds: 0.25,
+			HeldTokens: 4000, HeldStepSeconds: 0.375, HoldLeftSeconds: 0.0625, AgeMS: 300},
 		hostB: {Waiting: 1, Running: 2, KVCacheUtil: 0.125, Draining: true, AgeMS: 300},
 	}
 	got, err := e.st.Router.Route(e.ctx, cl, hs)

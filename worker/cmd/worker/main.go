@@ -497,6 +497,7 @@ func podSignals(s *scheduler.Scheduler, srv *server.Server) mcreport.SignalSourc
 			KVCacheUtil: st.KVUsage(), KVCapacity: int64(st.KVCells), MaxRunning: int64(st.MaxRunning),
 			PrefillQueue: prefillQueue(st.Prefills), TokenSeconds: twoDigits(st.Cost.PerToken),
 			AttentionSeconds: twoDigits(st.Cost.PerPair), StepSeconds: twoDigits(st.StepSeconds), StepLeftSeconds: twoDigits(st.StepLeft),
+			HeldTokens: int64(st.Held.Tokens), HeldStepSeconds: twoDigits(st.Held.Step), HoldLeftSeconds: twoDigits(st.Held.Left),
 			ReportsEvictions: true, Draining: srv.Draining()}
 	})
 }
