@@ -23,7 +23,9 @@ package balancer
 //     queue, listed request by request, those it prefills first (fewer
 //     tokens left than r's), which wait for the rest of the step in
 //     progress (it reports both: the queue as it stands once the step
-//     ends, so the two add). In tokens throughout: prompt bytes become
+//     ends, so the two add), or of the step a prompt its finish first
+//     held takes alone once released (releasedStep). In tokens
+//     throughout: prompt bytes become
 //     tokens through the bytes per token learnt per model
 //     (BytesPerToken). Inputs: the metadata center's
 //     leases and prefix matches (every gateway's requests), this gateway's
@@ -131,8 +133,9 @@ type Cost struct {
 	QueuedTokens, Queue float64
 	// InStep is the rest of the step the pod is in when the request
 	// arrives: a pod running anything steps without pause and takes a new
-	// request only between steps. Our worker reports it (Host.StepLeft);
-	// elsewhere it is half a decode step, the mean.
+	// request only between steps. Our worker reports it (Host.StepLeft),
+	// and the step a prompt held by finish first takes once released
+	// (releasedStep); elsewhere it is half a decode step, the mean.
 	InStep float64
 	// Wait is the longest of SlotWait, InStep and Queue: the requests
 	// ahead prefill while the request waits for a slot, in the steps the
