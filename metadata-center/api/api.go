@@ -268,9 +268,9 @@ type PodSignals struct {
 	// steps alone for HeldStepSeconds, and a request arriving then waits
 	// for that step; HeldTokens is what it has left to prefill (it is in
 	// PrefillQueue too). 0 = none.
-	HeldTokens      int64   `json:"held_tokens,omitempty"`
 	HeldStepSeconds float64 `json:"held_step_seconds,omitempty"`
 	HoldLeftSeconds float64 `json:"hold_left_seconds,omitempty"`
+	HeldTokens      int64   `json:"held_tokens,omitempty"`
 	// ReportsEvictions: the pod tells the metadata center what its KV
 	// cache evicts (our worker, POST /v1/cache/evict), so the index knows
 	// what it holds; for the others (vLLM, SGLang: scraped) the gateways
@@ -312,9 +312,9 @@ type PodReport struct {
 	AttentionSeconds float64   `json:"attention_seconds,omitempty"`
 	StepSeconds      float64   `json:"step_seconds,omitempty"`
 	StepLeftSeconds  float64   `json:"step_left_seconds,omitempty"`
-	HeldTokens       int64     `json:"held_tokens,omitempty"`
 	HeldStepSeconds  float64   `json:"held_step_seconds,omitempty"`
 	HoldLeftSeconds  float64   `json:"hold_left_seconds,omitempty"`
+	HeldTokens       int64     `json:"held_tokens,omitempty"`
 	// ReportsEvictions: PodSignals.ReportsEvictions.
 	ReportsEvictions bool `json:"reports_evictions,omitempty"`
 	Draining         bool `json:"draining,omitempty"`

@@ -211,7 +211,8 @@ func appendSignals(b []byte, m map[string]api.PodSignals) []byte {
 			key string
 			v   float64
 		}{{`,"token_seconds":`, sig.TokenSeconds}, {`,"attention_seconds":`, sig.AttentionSeconds},
-			{`,"step_seconds":`, sig.StepSeconds}, {`,"step_left_seconds":`, sig.StepLeftSeconds}} {
+			{`,"step_seconds":`, sig.StepSeconds}, {`,"step_left_seconds":`, sig.StepLeftSeconds},
+			{`,"held_step_seconds":`, sig.HeldStepSeconds}, {`,"hold_left_seconds":`, sig.HoldLeftSeconds}} {
 			if f.v != 0 {
 				b = append(b, f.key...)
 				b = appendFloat(b, f.v)
@@ -220,15 +221,6 @@ func appendSignals(b []byte, m map[string]api.PodSignals) []byte {
 		if sig.HeldTokens != 0 {
 			b = append(b, `,"held_tokens":`...)
 			b = strconv.AppendInt(b, sig.HeldTokens, 10)
-		}
-		for _, f := range []struct {
-			key string
-			v   float64
-		}{{`,"held_step_seconds":`, sig.HeldStepSeconds}, {`,"hold_left_seconds":`, sig.HoldLeftSeconds}} {
-			if f.v != 0 {
-				b = append(b, f.key...)
-				b = appendFloat(b, f.v)
-			}
 		}
 		if sig.ReportsEvictions {
 			b = append(b, `,"reports_evictions":true`...)

@@ -159,16 +159,7 @@ var aSampler engine.Sampler = struct{}{}
 func TestStatsReportTheStepInProgress(t *testing.T) {
 	r := newRig(t, sim.Config{NCtx: 8192, NBatch: 512, Cost: sim.Cost{StepOverhead: time.Millisecond, PerToken: 300 * time.Microsecond}},
 		Config{MaxRunning: 2}, true)
-	// Prompts of a few sizes until the fit knows the pod's cost.
-	for i := 0; !r.s.Stats().Cost.Known(); i++ {
-		if i == 64 {
-			t.Fatalf("no cost after %d requests: %+v", i, r.s.Stats().Cost)
-		}
-		text := strings.Repeat(string(rune('a'+i%26))+" words of a prompt. ", 1+i%7*8)
-		if _, res := run(t, r, context.Background(), &Request{ID: fmt.Sprint("warm", i), Prompt: prompt(r.eng, text), MaxTokens: 2}); res.State != Completed {
-			t.Fatalf("request %d: %+v", i, res)
-		}
-	}
+	learnCost(t, r)
 	toks := prompt(r.eng, strings.Repeat("a long prompt of many words. ", 60))
 	if _, err := r.s.Submit(context.Background(), &Request{ID: "long", Prompt: toks, MaxTokens: 2}); err != nil {
 		t.Fatal(err)
@@ -197,15 +188,7 @@ func TestStatsReportTheStepInProgress(t *testing.T) {
 func TestStatsReportAPromptHeldByFinishFirst(t *testing.T) {
 	r := newRig(t, sim.Config{NCtx: 8192, NBatch: 512, Cost: sim.Cost{StepOverhead: 10 * time.Millisecond, PerToken: 300 * time.Microsecond}},
 		Config{MaxRunning: 2}, true)
-	for i := 0; !r.s.Stats().Cost.Known(); i++ {
-		if i == 64 {
-			t.Fatalf("no cost after %d requests: %+v", i, r.s.Stats().Cost)
-		}
-		text := strings.Repeat(string(rune('a'+i%26))+" words of a prompt. ", 1+i%7*8)
-		if _, res := run(t, r, context.Background(), &Request{ID: fmt.Sprint("warm", i), Prompt: prompt(r.eng, text), MaxTokens: 2}); res.State != Completed {
-			t.Fatalf("request %d: %+v", i, res)
-		}
-	}
+	learnCost(t, r)
 	answer, err := r.s.Submit(context.Background(), &Request{ID: "answer", Prompt: prompt(r.eng, "a short question"), MaxTokens: 16})
 	if err != nil {
 		t.Fatal(err)
@@ -234,4 +217,18 @@ func TestStatsReportAPromptHeldByFinishFirst(t *testing.T) {
 		st = r.s.Stats()
 		return st.Held == Held{} && st.StepLeft > 0 && len(st.Prefills) == 1 && st.Prefills[0].Tokens <= left-512
 	})
+}
+
+// learnCost runs prompts of a few sizes until the fit knows the pod's cost.
+func learnCost(t *testing.T, r *rig) {
+	t.Helper()
+	for i := 0; !r.s.Stats().Cost.Known(); i++ {
+		if i == 64 {
+			t.Fatalf("no cost after %d requests: %+v", i, r.s.Stats().Cost)
+		}
+		text := strings.Repeat(string(rune('a'+i%26))+" words of a prompt. ", 1+i%7*8)
+		if _, res := run(t, r, context.Background(), &Request{ID: fmt.Sprint("warm", i), Prompt: prompt(r.eng, text), MaxTokens: 2}); res.State != Completed {
+			t.Fatalf("request %d: %+v", i, res)
+		}
+	}
 }
