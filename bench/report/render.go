@@ -138,6 +138,9 @@ func (r Run) WriteMarkdown(w io.Writer) error {
 			pred := "–"
 			if pe := s.PredictionError; pe != nil {
 				pred = fmt.Sprintf("%.0f%% / %.0f%%", 100*pe.Median, 100*pe.P90)
+				if pe.Warmed > 0 && pe.Warmed < pe.Requests {
+					pred += fmt.Sprintf(" (from %v on: %.0f%% / %.0f%%)", WarmUp, 100*pe.Warm.Median, 100*pe.Warm.P90)
+				}
 				if pe.SlotWaits > 0 {
 					pred += fmt.Sprintf(" (without slot waits %.0f%% / %.0f%%; %.0f%% wait: %.0f%% / %.0f%%)",
 						100*pe.NoSlotWait.Median, 100*pe.NoSlotWait.P90, 100*float64(pe.SlotWaits)/float64(pe.Requests),

@@ -73,10 +73,14 @@ func medianOf(ss []Summary) Summary {
 				}
 				return pe.NoSlotWait, pe.Requests > pe.SlotWaits
 			}),
+			Warm: medianRange(preds, func(pe *PredictionError) (ErrorRange, bool) {
+				return pe.Warm, pe.Warmed > 0
+			}),
 		}
 		for _, p := range preds {
 			pe.Requests += p.Requests
 			pe.SlotWaits += p.SlotWaits
+			pe.Warmed += p.Warmed
 		}
 		m.PredictionError = pe
 	}

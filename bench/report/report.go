@@ -146,7 +146,19 @@ type PredictionError struct {
 	SlotWaits  int        `json:"slot_waits"`
 	SlotWait   ErrorRange `json:"slot_wait"`
 	NoSlotWait ErrorRange `json:"no_slot_wait"`
+	// Warm is the error of the Warmed requests sent from the run's
+	// WarmUp on: a fresh fleet's first requests are priced at the
+	// router's configured defaults until the pods have measured their
+	// own costs and the first answers have come back, a start a
+	// long-running deployment leaves behind.
+	Warmed int        `json:"warmed,omitempty"`
+	Warm   ErrorRange `json:"warm"`
 }
+
+// WarmUp is how long into a run the prediction's error counts as warm
+// (PredictionError.Warm): on the bench's fleets the pods report their
+// costs after their first 32 steps, a few seconds in.
+const WarmUp = 5 * time.Second
 
 // CacheBelief compares, over the requests whose answer stated one, the
 // share of the prompt the gateway believed its pod held in its KV cache
@@ -295,7 +307,7 @@ func NewFloor(workload string, ttfts []time.Duration) Floor {
 }
 
 func predictionError(rs []Result) *PredictionError {
-	var errs, slot, other []float64
+	var errs, slot, other, warm []float64
 	for _, r := range rs {
 		if r.OK() && r.TTFT > 0 && r.PredictedTTFTms > 0 {
 			obs := ms(r.TTFT)
@@ -306,13 +318,17 @@ func predictionError(rs []Result) *PredictionError {
 			} else {
 				other = append(other, e)
 			}
+			if r.Start >= WarmUp {
+				warm = append(warm, e)
+			}
 		}
 	}
 	if len(errs) == 0 {
 		return nil
 	}
 	return &PredictionError{Requests: len(errs), ErrorRange: errorRange(errs),
-		SlotWaits: len(slot), SlotWait: errorRange(slot), NoSlotWait: errorRange(other)}
+		SlotWaits: len(slot), SlotWait: errorRange(slot), NoSlotWait: errorRange(other),
+		Warmed: len(warm), Warm: errorRange(warm)}
 }
 
 func ms(d time.Duration) float64 { return float64(d) / float64(time.Millisecond) }

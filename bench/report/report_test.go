@@ -485,3 +485,34 @@ func TestCacheBeliefFromTheHeader(t *testing.T) {
 		t.Fatalf("merged cache belief %+v", got.CacheBelief)
 	}
 }
+
+// The error of the requests sent from the run's WarmUp on stands beside the
+// whole run's: a fresh fleet is priced at the router's defaults at first.
+// Merged runs take its median over the runs that have warm requests.
+func TestPredictionErrorFromTheWarmUpOn(t *testing.T) {
+	var rs []Result
+	for i, pred := range []float64{300, 400, 110, 120} { // errors 2, 3 in the first seconds, then 0.1, 0.2
+		rs = append(rs, Result{Session: fmt.Sprint(i), Status: 200, TTFT: 100 * time.Millisecond, Latency: time.Second,
+			PredictedTTFTms: pred, Start: time.Duration(i) * WarmUp / 2})
+	}
+	s := Summarize("w", "cache_aware", rs, nil)
+	if pe := s.PredictionError; pe == nil || pe.Warmed != 2 || !near(pe.Warm.Median, 0.15) || !near(pe.Warm.P90, 0.19) || !near(pe.Median, 1.1) {
+		t.Fatalf("prediction error %+v, want 2 warm requests at 0.15 / 0.19 beside the run's median 1.1", s.PredictionError)
+	}
+	var b strings.Builder
+	if err := (Run{Summaries: []Summary{s}}).WriteMarkdown(&b); err != nil {
+		t.Fatal(err)
+	}
+	if !strings.Contains(b.String(), "| 110% / 270% (from 5s on: 15% / 19%) |") {
+		t.Fatalf("report lacks the warm error:\n%s", b.String())
+	}
+	cold := Summarize("w", "cache_aware", rs[:2], nil) // a run that ended before its warm-up
+	if cold.PredictionError.Warmed != 0 {
+		t.Fatalf("warm requests in the first seconds: %+v", cold.PredictionError)
+	}
+	r := func(started string, s Summary) Run { return Run{Title: "t", Started: started, Summaries: []Summary{s}} }
+	m, _ := Merge(r("a", s), r("b", cold), r("c", s)).find("w", "cache_aware")
+	if pe := m.PredictionError; pe.Warmed != 4 || !near(pe.Warm.Median, 0.15) {
+		t.Fatalf("merged %+v, want the warm runs' median 0.15 over 4 requests", pe)
+	}
+}
