@@ -176,7 +176,8 @@ type Scheduler struct {
 	setPrefills                   []Prefill
 	stepSec                       float64
 	stepEnd                       time.Time // when the step in progress ends, at its cost
-	held                          heldPrompt
+	held                          Held      // a prompt finish first holds (Stats.Held, Left unset)
+	heldEnd                       time.Time // when its hold ends, at the step's cost
 
 	// loop-owned
 	set      []*task  // the running set, in admission order

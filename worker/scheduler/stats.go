@@ -63,13 +63,6 @@ type Held struct {
 	Step, Left float64
 }
 
-// heldPrompt is what publish found held, with the release as a time.
-type heldPrompt struct {
-	tokens  int
-	step    float64
-	release time.Time
-}
-
 // Prefill is one request's prompt tokens still to compute and their cost.
 type Prefill struct {
 	Tokens  int
@@ -114,8 +107,9 @@ func (s *Scheduler) Stats() Stats {
 		KVCellsRunning: s.kvRunning, MaxRunning: s.cfg.MaxRunning, Cost: s.cost, StepSeconds: s.stepSec,
 		Prefills: slices.Clone(s.setPrefills), StepLeft: max(0, time.Until(s.stepEnd).Seconds())}
 	st.Blocked = max(0, st.Queued-max(0, s.cfg.MaxRunning-st.Running))
-	if h := s.held; h.tokens > 0 && len(s.queue) == 0 { // a queued request joins the set: the release step is shared
-		st.Held = Held{Tokens: h.tokens, Step: h.step, Left: max(0, time.Until(h.release).Seconds())}
+	if s.held.Tokens > 0 && len(s.queue) == 0 { // a queued request joins the set: the release step is shared
+		st.Held = s.held
+		st.Held.Left = max(0, time.Until(s.heldEnd).Seconds())
 	}
 	for _, t := range s.queue {
 		n := len(t.toks)
@@ -174,12 +168,13 @@ func (s *Scheduler) publish(spans []engine.Span) {
 		}
 	}
 	step, end := 0.0, time.Time{}
-	var held heldPrompt
+	var held Held
+	var heldEnd time.Time
 	if cost.Known() {
 		step = cost.Base + cost.PerToken*float64(nDecoding) + cost.PerPair*attended + cost.PerSample*float64(nDecoding+1)
 		if len(spans) > 0 {
 			end = time.Now().Add(time.Duration(cost.Step(spans) * float64(time.Second)))
-			held = s.heldBack(inStep, cost, step, end)
+			held, heldEnd = s.heldBack(inStep, cost, step, end)
 		}
 	}
 	used, running := s.kv.UsedCells(), s.kv.RunningCells()
@@ -189,7 +184,7 @@ func (s *Scheduler) publish(spans []engine.Span) {
 	}
 	s.running = len(s.set)
 	s.setPrefill, s.kvUsed, s.kvRunning = prefill, used, running
-	s.cost, s.setPrefills, s.stepSec, s.stepEnd, s.held = cost, prefills, step, end, held
+	s.cost, s.setPrefills, s.stepSec, s.stepEnd, s.held, s.heldEnd = cost, prefills, step, end, held, heldEnd
 	s.mu.Unlock()
 	s.m.running.WithLabelValues("PENDING").Set(float64(nPending))
 	s.m.running.WithLabelValues("PROCESSING").Set(float64(nProcessing))
@@ -208,11 +203,12 @@ func (s *Scheduler) publish(spans []engine.Span) {
 // running set is an answer about to end: they end after the step in
 // progress (ending at end) and as many more decode steps (step) as the
 // longest of them has tokens to go, and the prompt then steps alone with a
-// whole n_batch (plan). Zero where none is held so, or other work shares
-// the steps after the release.
-func (s *Scheduler) heldBack(inStep map[int]int, cost Cost, step float64, end time.Time) heldPrompt {
+// whole n_batch (plan). It returns the prompt (Left unset) and when it is
+// released; zero where none is held so, or other work shares the steps
+// after the release.
+func (s *Scheduler) heldBack(inStep map[int]int, cost Cost, step float64, end time.Time) (Held, time.Time) {
 	if s.cfg.FinishFirst <= 0 {
-		return heldPrompt{}
+		return Held{}, time.Time{}
 	}
 	var prompt *task
 	toGo := 0
@@ -223,11 +219,11 @@ func (s *Scheduler) heldBack(inStep map[int]int, cost Cost, step float64, end ti
 		case t.phase == prefilling && t.nGen == 0 && inStep[t.seq] == 0 && len(t.toks)-t.past >= s.info.NBatch && prompt == nil:
 			prompt = t
 		default:
-			return heldPrompt{}
+			return Held{}, time.Time{}
 		}
 	}
 	if prompt == nil || toGo == 0 {
-		return heldPrompt{}
+		return Held{}, time.Time{}
 	}
 	n := min(len(prompt.toks)-prompt.past, s.info.NBatch)
 	sp := engine.Span{Seq: prompt.seq, Pos: prompt.past, Tokens: prompt.toks[prompt.past : prompt.past+n]}
@@ -235,7 +231,7 @@ func (s *Scheduler) heldBack(inStep map[int]int, cost Cost, step float64, end ti
 		sp.Sampler = prompt.sampler
 	}
 	release := end.Add(time.Duration(float64(toGo-1) * step * float64(time.Second)))
-	return heldPrompt{tokens: len(prompt.toks) - prompt.past, step: cost.Step([]engine.Span{sp}), release: release}
+	return Held{Tokens: len(prompt.toks) - prompt.past, Step: cost.Step([]engine.Span{sp})}, release
 }
 
 // View is a read-only look at the loop's books, valid only inside the
