@@ -21,7 +21,11 @@ import (
 //   - everywhere, a true cache-hit rate within 1.5 points of the best
 //     baseline's, or lower where both TTFT percentiles are below that
 //     baseline's (the copies bought latency), and no more failed requests
-//     than the baseline with the fewest.
+//     than the baseline with the fewest;
+//   - the prediction of the chosen pod's TTFT: a median absolute relative
+//     error of at most 20% on simulated pods (our simulated engine, the
+//     vLLM-like pods) and 35% on real llama.cpp pods, a p90 of at most 50%
+//     on simulated pods; each beside the same from the run's WarmUp on.
 const (
 	aimVsPeers   = 0.15
 	aimVsSimple  = 0.25
@@ -33,6 +37,10 @@ const (
 	noSharingKind = "no-sharing"
 	hotPromptKind = "hot-prompt"
 	eppPolicy     = "epp"
+
+	aimPredictionMedianSim  = 0.20
+	aimPredictionMedianReal = 0.35
+	aimPredictionP90Sim     = 0.50
 )
 
 // baselines are the policies the aims compare with: the peers' stand-ins
@@ -50,6 +58,12 @@ const (
 	AimLatency AimKind = iota // TTFT in ms; Margin = Mine/Theirs − 1
 	AimHitRate                // true cache-hit rates; Margin = Mine − Theirs
 	AimFailed                 // failed requests; Margin = Mine − Theirs
+	// AimPrediction: the relative error of the predicted TTFT, as a
+	// fraction, against the most the aim allows (Theirs, no Rival);
+	// Margin = Mine − Theirs. Warm is the same error from the run's
+	// WarmUp on (PredictionError.Warm; below 0 where no request was
+	// sent that late).
+	AimPrediction
 )
 
 // Aim is one aim checked on one workload.
@@ -71,15 +85,47 @@ type Aim struct {
 	// than the rival's by more than the aim allows, but both TTFT
 	// percentiles are below the rival's.
 	Bought bool
+	Warm   float64 // AimPrediction only
 }
 
-// Aims checks policy p's aims on one workload against the baselines that
-// ran it; nil when p or every baseline is missing.
+// Aims checks policy p's aims on one workload: against the baselines that
+// ran it, and its prediction's where the run's engine has such aims; nil
+// when p is missing or there is nothing to check.
 func (r Run) Aims(workload, p string) []Aim {
 	me, ok := r.find(workload, p)
 	if !ok {
 		return nil
 	}
+	return append(r.rivalAims(workload, me), predictionAims(me, r.Settings["engine"])...)
+}
+
+// predictionAims checks me's prediction error (none where it made no
+// prediction or the engine is neither simulated nor llama.cpp).
+func predictionAims(me Summary, engine string) []Aim {
+	e := me.PredictionError
+	if e == nil || e.Requests == 0 {
+		return nil
+	}
+	aim := func(what string, mine, warm, limit float64) Aim {
+		if e.Warmed == 0 {
+			warm = -1
+		}
+		return Aim{Kind: AimPrediction, What: what, Mine: mine, Theirs: limit, Margin: mine - limit, Met: mine <= limit, Warm: warm}
+	}
+	switch engine {
+	case "sim", "vllm":
+		return []Aim{aim(fmt.Sprintf("TTFT prediction error median ≤%.0f%%", 100*aimPredictionMedianSim), e.Median, e.Warm.Median, aimPredictionMedianSim),
+			aim(fmt.Sprintf("TTFT prediction error p90 ≤%.0f%%", 100*aimPredictionP90Sim), e.P90, e.Warm.P90, aimPredictionP90Sim)}
+	case "llama":
+		return []Aim{aim(fmt.Sprintf("TTFT prediction error median ≤%.0f%%", 100*aimPredictionMedianReal), e.Median, e.Warm.Median, aimPredictionMedianReal)}
+	}
+	return nil
+}
+
+// rivalAims checks me against the baselines that ran workload; nil when
+// none did.
+func (r Run) rivalAims(workload string, me Summary) []Aim {
+	p := me.Policy
 	var rivals []Summary
 	for _, s := range r.Summaries {
 		if s.Workload == workload && s.Policy != p && (slices.Contains(baselines, s.Policy) || s.External) {
@@ -175,6 +221,8 @@ func writeAims(b *strings.Builder, workload, p string, aims []Aim) {
 			mine, theirs, margin = fmt.Sprintf("%.1f%%", 100*a.Mine), fmt.Sprintf("%.1f%%", 100*a.Theirs), fmt.Sprintf("%+.1f points", 100*a.Margin)
 		case AimFailed:
 			mine, theirs, margin = fmt.Sprintf("%.0f", a.Mine), fmt.Sprintf("%.0f", a.Theirs), fmt.Sprintf("%+.0f", a.Margin)
+		case AimPrediction:
+			mine, theirs, margin = fmt.Sprintf("%.0f%%", 100*a.Mine), fmt.Sprintf("%.0f%% (the aim)", 100*a.Theirs), fmt.Sprintf("%+.0f points", 100*a.Margin)
 		default:
 			mine, theirs, margin = fmt.Sprintf("%.0f ms", a.Mine), fmt.Sprintf("%.0f ms", a.Theirs), fmt.Sprintf("%+.1f%%", 100*a.Margin)
 		}
@@ -188,6 +236,13 @@ func writeAims(b *strings.Builder, workload, p string, aims []Aim) {
 		if a.Unreachable {
 			verdict += fmt.Sprintf(" (unreachable: %.0f ms is below the floor's %.0f ms)", a.Target, a.Floor)
 		}
-		fmt.Fprintf(b, "| %s | %s | %s | %s | %s | %s |\n", a.What, a.Rival, mine, theirs, margin, verdict)
+		rival := a.Rival
+		if a.Kind == AimPrediction {
+			rival = "–"
+			if a.Warm >= 0 {
+				verdict += fmt.Sprintf(" (from %s on: %.0f%%)", WarmUp, 100*a.Warm)
+			}
+		}
+		fmt.Fprintf(b, "| %s | %s | %s | %s | %s | %s |\n", a.What, rival, mine, theirs, margin, verdict)
 	}
 }

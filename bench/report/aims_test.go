@@ -142,3 +142,47 @@ func TestAimsBelowTheFloorAreUnreachable(t *testing.T) {
 		}
 	}
 }
+
+// The prediction's aims depend on the fleet: on simulated pods a median
+// error of at most 20% and a p90 of at most 50%, on real llama.cpp pods a
+// median of at most 35%. They need no baseline, and each states the error
+// from the run's WarmUp on beside the whole run's.
+func TestPredictionAimsByFleet(t *testing.T) {
+	ca := Summary{Workload: "multi-turn", Policy: "cache_aware", Requests: 100, Succeeded: 100,
+		PredictionError: &PredictionError{Requests: 100, ErrorRange: ErrorRange{Median: 0.08, P90: 0.56}, Warmed: 80, Warm: ErrorRange{Median: 0.06, P90: 0.34}}}
+	run := func(engine string) Run {
+		return Run{Settings: map[string]string{"engine": engine}, Summaries: []Summary{ca}}
+	}
+	aims := run("sim").Aims("multi-turn", "cache_aware")
+	if len(aims) != 2 || !aims[0].Met || aims[1].Met || aims[1].Theirs != 0.5 || aims[1].Warm != 0.34 {
+		t.Fatalf("simulated pods: %+v, want the median met and the p90 (56%% against 50%%) not", aims)
+	}
+	var b strings.Builder
+	if err := run("vllm").WriteMarkdown(&b); err != nil {
+		t.Fatal(err)
+	}
+	for _, want := range []string{
+		"The aims of cache_aware on multi-turn, from the table above (docs/benchmarks.md, \"The aims, one by one\"): 1 of 2 met.",
+		"| TTFT prediction error median ≤20% | – | 8% | 20% (the aim) | -12 points | yes (from 5s on: 6%) |",
+		"| TTFT prediction error p90 ≤50% | – | 56% | 50% (the aim) | +6 points | no (from 5s on: 34%) |",
+	} {
+		if !strings.Contains(b.String(), want) {
+			t.Errorf("report lacks %q:\n%s", want, b.String())
+		}
+	}
+	if aims := run("llama").Aims("multi-turn", "cache_aware"); len(aims) != 1 || aims[0].Theirs != 0.35 || !aims[0].Met {
+		t.Errorf("real pods: %+v, want the median's aim of 35%% alone, met", aims)
+	}
+	if aims := run("").Aims("multi-turn", "cache_aware"); aims != nil {
+		t.Errorf("no engine named: %+v, want no prediction aims", aims)
+	}
+	cold := run("sim")
+	cold.Summaries[0].PredictionError = &PredictionError{Requests: 10, ErrorRange: ErrorRange{Median: 0.1, P90: 0.2}}
+	b.Reset()
+	if err := cold.WriteMarkdown(&b); err != nil {
+		t.Fatal(err)
+	}
+	if want := "| TTFT prediction error p90 ≤50% | – | 20% | 50% (the aim) | -30 points | yes |"; !strings.Contains(b.String(), want) {
+		t.Errorf("a run shorter than the warm-up: report lacks %q:\n%s", want, b.String())
+	}
+}
