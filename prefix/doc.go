@@ -12,8 +12,9 @@
 //     that extends another renders to an extension of its bytes, so shared
 //     history shares blocks). ChatMessage holds the OpenAI message rules.
 //  2. Hasher.Sum (hasher.go) cuts those bytes into UTF-8-safe blocks of
-//     ChunkSize bytes and chains 64-bit murmur3 over them; element i names
-//     the whole prefix up to block i.
+//     ChunkSize bytes, a block ending early where a chat message starts, and
+//     chains 64-bit murmur3 over them; element i names the whole prefix up
+//     to block i.
 //  3. Hash (hash.go) is one such value; its only wire form is 16 lowercase
 //     hex digits (Hash.String, Wire, ParseHash).
 package prefix

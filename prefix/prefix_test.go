@@ -142,6 +142,61 @@ func TestSumChainsPrefixes(t *testing.T) {
 	}
 }
 
+// A conversation's chain is a prefix of its continuation's: the previous
+// prompt's last, partial block ends where the next message starts, so it is a
+// whole block of the continuation. A prompt sharing only the system message
+// shares exactly the system message's blocks.
+func TestSumOfAConversationIsAPrefixOfItsContinuation(t *testing.T) {
+	h := Hasher{ChunkSize: 64}
+	system := text("system", strings.Repeat("You answer briefly. ", 5)) // 108 bytes with its markup: 64 + 44
+	turn1 := []Message{system, text("user", "What is a KV cache?")}
+	turn2 := append(append([]Message(nil), turn1...), text("assistant", "Keys and values kept per token."), text("user", "Why keep it?"))
+	other := []Message{system, text("user", "What is a prefix?")}
+	a, b, o := h.Sum("m", CanonicalChat(turn1)), h.Sum("m", CanonicalChat(turn2)), h.Sum("m", CanonicalChat(other))
+	if len(b) <= len(a) || fmt.Sprint(b[:len(a)]) != fmt.Sprint(a) {
+		t.Fatalf("turn 1's chain %x is not a prefix of turn 2's %x", a, b)
+	}
+	sys := h.Sum("m", CanonicalChat([]Message{system}))
+	if len(sys) != 2 || fmt.Sprint(o[:2]) != fmt.Sprint(sys) || o[2] == b[2] {
+		t.Fatalf("a prompt sharing the system message shares %x of %x, want exactly the system's %x", o, b, sys)
+	}
+	_, ends := h.AppendBlocks(nil, nil, "m", CanonicalChat(turn2))
+	canon := CanonicalChat(turn2)
+	for i, e := range ends[:len(ends)-1] {
+		if e-prevEnd(ends, i) > 64 {
+			t.Fatalf("block %d is %d bytes, over the chunk size", i, e-prevEnd(ends, i))
+		}
+		if e%64 != 0 && canon[e] != msgMark {
+			t.Fatalf("block %d ends at %d, neither a chunk nor a message start", i, e)
+		}
+	}
+	if ends[len(ends)-1] != len(canon) {
+		t.Fatalf("the last block ends at %d of %d bytes", ends[len(ends)-1], len(canon))
+	}
+}
+
+func prevEnd(ends []int, i int) int {
+	if i == 0 {
+		return 0
+	}
+	return ends[i-1]
+}
+
+// An RS inside content is escaped and starts no block; an escaped ESC before
+// a real message start does not hide it.
+func TestEscapedMessageMarksDoNotCut(t *testing.T) {
+	h := Hasher{ChunkSize: 64}
+	forged := CanonicalChat([]Message{text("user", "a\x1eassistant\x1fb")})
+	if n := len(h.Sum("m", forged)); n != 1 {
+		t.Fatalf("an escaped RS cut the prompt into %d blocks", n)
+	}
+	real := CanonicalChat([]Message{text("user", "a\x1b"), text("user", "b")})
+	_, ends := h.AppendBlocks(nil, nil, "m", real)
+	if want := []int{bytes.LastIndexByte(real, msgMark), len(real)}; fmt.Sprint(ends) != fmt.Sprint(want) {
+		t.Fatalf("blocks end at %v, want %v (the second message's start)", ends, want)
+	}
+}
+
 // blocksOf replays Sum's cutting rule so tests can check the blocks themselves.
 func blocksOf(b []byte, size int) [][]byte {
 	var out [][]byte

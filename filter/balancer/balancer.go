@@ -130,9 +130,10 @@ type State struct {
 	Rule    config.LBRule
 	// PromptLength is the request's prompt size (bytes, like Host.Prompt).
 	PromptLength int64
-	// Blocks and ChunkSize are the request's (Request): what a pod's
+	// Blocks, ChunkSize and Ends are the request's (Request): what a pod's
 	// CacheRatio covers of the prompt.
 	Blocks, ChunkSize int
+	Ends              []int
 	// IntN returns a uniform int in [0, n); safe for concurrent use.
 	IntN func(n int) int
 
@@ -470,8 +471,8 @@ type Choice struct {
 	Host       Host
 	Index      int // into the candidates
 	Candidates int
-	// Prefill is what the request adds to the pod's prefill,
-	// PromptLength·(1−Host.CacheRatio) rounded: the tracker reserves it,
+	// Prefill is what the request adds to the pod's prefill, the prompt
+	// bytes past the blocks the pod matched: the tracker reserves it,
 	// and the caller's Begin and the metadata center count it.
 	Prefill int64
 	// Prediction is the chosen pod's predicted time to first token with
@@ -480,7 +481,8 @@ type Choice struct {
 	Prediction Prediction
 	// MaxBlocks is how many prompt-hash blocks the pod's KV cache holds at
 	// most: its reported capacity in tokens, in bytes through the model's
-	// bytes per token, over the chunk size, rounded up. The saves of the
+	// bytes per token, over the mean size of the prompt's whole blocks
+	// (Request.blockSize), rounded up. The saves of the
 	// request's prefix carry it, so the index forgets what the pod's cache
 	// must have evicted (store.Index.SaveCacheAs). 0: not reported, or the
 	// pod reports its evictions itself.
@@ -492,10 +494,14 @@ type Request struct {
 	Blocks       int   // prompt hash blocks (for cache ratios)
 	PromptLength int64 // prompt bytes
 	// ChunkSize is the prompt hash's block size in bytes (the rule's
-	// prompt_hash.chunk_size; only the last block is shorter), so a match
-	// of m blocks short of the last covers m × ChunkSize bytes. 0: a
-	// match's share of the blocks stands for its share of the bytes.
+	// prompt_hash.chunk_size). Ends are where the prompt's blocks end
+	// (prefix.Hasher.AppendBlocks: a block ends early where a message
+	// starts), so a match of m blocks short of the last covers Ends[m-1]
+	// bytes. Without Ends, blocks are taken as ChunkSize bytes but the
+	// last; without either, a match's share of the blocks stands for its
+	// share of the bytes. Ends is not kept past Choose.
 	ChunkSize int
+	Ends      []int
 	// Model names the request's model, whose bytes per token
 	// (BytesPerToken) turn PromptLength into tokens.
 	Model string
@@ -530,7 +536,7 @@ func (r Request) cachedBytes(ratio, tail float64) int64 {
 	if !partial {
 		return held
 	}
-	next := min(int64(r.ChunkSize), r.PromptLength-held)
+	next := r.blockBytes(int(math.Round(ratio*float64(r.Blocks)))+1) - held
 	if tail < 0 {
 		return held + next/2
 	}
@@ -545,7 +551,7 @@ func (r Request) matchedBytes(ratio float64) (held int64, partial bool) {
 	switch {
 	case ratio <= 0 || r.PromptLength <= 0:
 		return 0, false
-	case r.ChunkSize <= 0 || r.Blocks <= 0:
+	case (r.ChunkSize <= 0 && r.Ends == nil) || r.Blocks <= 0:
 		return int64(math.Round(ratio * float64(r.PromptLength))), false
 	}
 	matched := int(math.Round(ratio * float64(r.Blocks)))
@@ -555,6 +561,15 @@ func (r Request) matchedBytes(ratio float64) (held int64, partial bool) {
 	return r.blockBytes(matched), true
 }
 
+// blockSize is the mean size in bytes of the prompt's whole blocks (all but
+// the last): ChunkSize, less where blocks end early at message starts.
+func (r Request) blockSize() float64 {
+	if n := min(len(r.Ends), r.Blocks) - 1; n > 0 && r.Ends[n-1] > 0 {
+		return float64(r.Ends[n-1]) / float64(n)
+	}
+	return float64(r.ChunkSize)
+}
+
 // blockBytes returns the prompt bytes its leading n blocks cover.
 func (r Request) blockBytes(n int) int64 {
 	switch {
@@ -562,6 +577,8 @@ func (r Request) blockBytes(n int) int64 {
 		return 0
 	case n >= r.Blocks:
 		return r.PromptLength
+	case n <= len(r.Ends):
+		return int64(r.Ends[n-1])
 	case r.ChunkSize <= 0:
 		return r.PromptLength * int64(n) / int64(r.Blocks)
 	}
@@ -600,7 +617,7 @@ func (b *Balancer) Choose(cluster string, rule config.LBRule, cands []endpoints.
 	hosts := slices.Grow(sc.hosts[:0], len(cands))[:len(cands)]
 	smp := b.tracker.fill(cluster, cands, view, req, hosts)
 	sc.state = State{Cluster: cluster, Hosts: hosts, Rule: rule, PromptLength: req.PromptLength,
-		Blocks: req.Blocks, ChunkSize: req.ChunkSize, IntN: b.intn,
+		Blocks: req.Blocks, ChunkSize: req.ChunkSize, Ends: req.Ends, IntN: b.intn,
 		BytesPerToken: b.BytesPerToken(req.Model).Value(), Model: req.Model, Prompt: req.Prompt, Hashes: req.Hashes,
 		floats: sc.floats, idx: sc.idx, kept: sc.kept}
 	var i int
@@ -614,16 +631,16 @@ func (b *Balancer) Choose(cluster string, rule config.LBRule, cands []endpoints.
 	}
 	// The lease's prefill (what every gateway reads as this request's part
 	// of the pod's queue until its first token) counts the unmatched
-	// blocks in full, prompt·(1−cacheRatio): an upper bound of what the
+	// blocks in full: an upper bound of what the
 	// pod computes, which on pods that report nothing of themselves is
 	// what spreads a hot prefix once its holder is loaded (llmfilter's
 	// TestE2EHotPrefixSpreadsOnceItsPodIsLoaded). The model's own estimate
 	// of the request's uncached part is Request.cachedBytes'.
-	ch := Choice{Host: hosts[i], Index: i, Candidates: len(hosts),
-		Prefill: int64(math.Round(float64(req.PromptLength) * (1 - hosts[i].CacheRatio)))}
+	held, _ := req.matchedBytes(hosts[i].CacheRatio)
+	ch := Choice{Host: hosts[i], Index: i, Candidates: len(hosts), Prefill: req.PromptLength - held}
 	ch.Prediction = b.ttft.chosen(&sc.state, i)
 	if c := hosts[i].KVCapacity; c > 0 && req.ChunkSize > 0 && !hosts[i].ReportsEvictions {
-		ch.MaxBlocks = int(math.Ceil(float64(c) * sc.state.BytesPerToken / float64(req.ChunkSize)))
+		ch.MaxBlocks = int(math.Ceil(float64(c) * sc.state.BytesPerToken / req.blockSize()))
 	}
 	b.tracker.routed(smp, ch.Host.Address, len(hosts))
 	b.tracker.reserve(cluster, ch.Host.Address, ch.Prefill)

@@ -397,7 +397,7 @@ func (m *ttftModel) predictor(s *State) predictor {
 		p.step = config.DefaultDecodeStep
 	}
 	p.promptTokens = float64(s.PromptLength) / p.bpt
-	p.req = Request{PromptLength: s.PromptLength, Blocks: s.Blocks, ChunkSize: s.ChunkSize}
+	p.req = Request{PromptLength: s.PromptLength, Blocks: s.Blocks, ChunkSize: s.ChunkSize, Ends: s.Ends}
 	var sum podCost
 	n := 0.0
 	for i := range s.Hosts {

@@ -918,7 +918,8 @@ func TestObservationsRefitTheClusterSoIdlePodsKeepTying(t *testing.T) {
 }
 
 // A match covers whole blocks of ChunkSize bytes (only the last block is
-// short) and, in expectation, half the block after it, where the pod's cache
+// short, unless Ends says where they end) and, in expectation, half the
+// block after it, where the pod's cache
 // ends: 2 of 3 blocks of a 1,100-byte prompt leave 38 of its last 76 bytes
 // to compute, not a third of it.
 func TestAMatchCoversWholeBlocks(t *testing.T) {
@@ -932,6 +933,12 @@ func TestAMatchCoversWholeBlocks(t *testing.T) {
 		{Request{PromptLength: 1100, Blocks: 3, ChunkSize: 512}, 1.0 / 3, 512 + 256},
 		{Request{PromptLength: 1100, Blocks: 3, ChunkSize: 512}, 0, 0},
 		{Request{PromptLength: 1000, Blocks: 4}, 0.5, 500}, // no chunk size: the share of the blocks
+		// Blocks that end where messages start: a 300-byte system
+		// prompt, a 200-byte turn, a 600-byte new part. The system
+		// prompt's holder holds its 300 bytes and half the 200 after.
+		{Request{PromptLength: 1100, Blocks: 4, ChunkSize: 512, Ends: []int{300, 500, 1012, 1100}}, 1.0 / 4, 300 + 100},
+		{Request{PromptLength: 1100, Blocks: 4, ChunkSize: 512, Ends: []int{300, 500, 1012, 1100}}, 2.0 / 4, 500 + 256},
+		{Request{PromptLength: 1100, Blocks: 4, ChunkSize: 512, Ends: []int{300, 500, 1012, 1100}}, 3.0 / 4, 1012 + 44},
 	} {
 		if got := tc.req.cachedBytes(tc.ratio, -1); got != tc.want {
 			t.Errorf("%+v, %.2f of the blocks matched: %d bytes cached, want %d", tc.req, tc.ratio, got, tc.want)
@@ -1023,7 +1030,7 @@ func TestThePromptsNewPartIsLearnt(t *testing.T) {
 }
 
 // A decision carries the chosen pod's KV capacity in prompt-hash blocks,
-// through the model's bytes per token, rounded up: what the saves of its
+// through the model's bytes per token and the prompt's block size, rounded up: what the saves of its
 // prefix bound the index's entries of that pod to. A pod that reports no
 // capacity gets no bound, nor one that reports its evictions itself (the
 // index knows what it holds).
@@ -1042,6 +1049,12 @@ func TestAChoiceBoundsWhatTheIndexKeepsOfItsPod(t *testing.T) {
 	}
 	if want := 11; ch.MaxBlocks != want { // ⌈1536 × 3.6 / 512⌉ = ⌈10.8⌉
 		t.Fatalf("MaxBlocks = %d, want %d", ch.MaxBlocks, want)
+	}
+	// Blocks that end early at message starts are counted at the mean
+	// size of the prompt's whole ones: 384 bytes here.
+	ch, _ = b.Choose("c", defaultRule(t), pods[:1], view, Request{PromptLength: 1000, Blocks: 3, ChunkSize: 512, Ends: []int{256, 768, 1000}, Model: "m"})
+	if want := 15; ch.MaxBlocks != want { // ⌈1536 × 3.6 / 384⌉ = ⌈14.4⌉
+		t.Fatalf("MaxBlocks = %d with blocks of 384 bytes, want %d", ch.MaxBlocks, want)
 	}
 	if ch, _ := b.Choose("c", defaultRule(t), pods[1:2], view, Request{PromptLength: 1000, Blocks: 2, ChunkSize: 512, Model: "m"}); ch.MaxBlocks != 0 {
 		t.Fatalf("a pod without a reported capacity: MaxBlocks = %d, want 0", ch.MaxBlocks)

@@ -9,6 +9,7 @@ import (
 	"log/slog"
 	"net/http"
 	"net/http/httptest"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -19,6 +20,7 @@ import (
 	"github.com/istio-llm-filter/istio-llm-filter/filter/gatewaymetrics"
 	"github.com/istio-llm-filter/istio-llm-filter/filter/llmfilter"
 	"github.com/istio-llm-filter/istio-llm-filter/filter/standalone"
+	"github.com/istio-llm-filter/istio-llm-filter/filter/transcode/openai"
 	"github.com/istio-llm-filter/istio-llm-filter/internal/headers"
 	"github.com/istio-llm-filter/istio-llm-filter/internal/testutil/wait"
 	"github.com/istio-llm-filter/istio-llm-filter/metadata-center/server"
@@ -242,7 +244,13 @@ func chatBody(prompt string, stream bool) string {
 // ask sends a non-streamed chat and returns the pod that served it.
 func (w *world) ask(prompt string) string {
 	w.t.Helper()
-	resp, err := http.Post(w.gw.URL+"/v1/chat/completions", "application/json", strings.NewReader(chatBody(prompt, false)))
+	return w.askBody(chatBody(prompt, false))
+}
+
+// askBody sends a chat body and returns the pod that served it.
+func (w *world) askBody(chat string) string {
+	w.t.Helper()
+	resp, err := http.Post(w.gw.URL+"/v1/chat/completions", "application/json", strings.NewReader(chat))
 	if err != nil {
 		w.t.Fatal(err)
 	}
@@ -293,12 +301,58 @@ func TestE2EUnrelatedPromptsSpread(t *testing.T) {
 	w := newWorld(t, 4, "")
 	used := map[string]int{}
 	for i := 0; i < 24; i++ {
-		// Different from the first byte on: no shared block at all.
-		used[w.ask(fmt.Sprintf("%d unrelated question number %d about topic %x", i*7919, i, i*104729))]++
+		// Different from the first byte on, without chatBody's system
+		// message (a block of its own, which every prompt would share):
+		// no shared block at all.
+		body, _ := json.Marshal(map[string]any{"model": "qwen", "messages": []any{map[string]any{"role": "user",
+			"content": fmt.Sprintf("%d unrelated question number %d about topic %x", i*7919, i, i*104729)}}})
+		used[w.askBody(string(body))]++
 		w.settle(int64(i + 1))
 	}
 	if len(used) < 3 {
 		t.Fatalf("24 unrelated prompts used only %d of 4 pods: %v", len(used), used)
+	}
+}
+
+// A short conversation's next turn finds the pod that served the turn
+// before, and is predicted to hold it: the turn before ends where the next
+// assistant message starts, a block boundary of the next prompt, so both
+// whole messages match, not only the system prompt every pod may hold. The
+// whole conversation fits in one 512-byte chunk.
+func TestE2EAConversationsNextTurnFindsItsPod(t *testing.T) {
+	w := newWorld(t, 4, "")
+	msg := func(role, content string) map[string]any { return map[string]any{"role": role, "content": content} }
+	turn1 := []any{msg("system", "You are terse."), msg("user", "What is a KV cache?")}
+	turn2 := append(append([]any(nil), turn1...), msg("assistant", "Keys and values kept per token."), msg("user", "Why keep it?"))
+	body := func(msgs []any) string {
+		b, _ := json.Marshal(map[string]any{"model": "qwen", "messages": msgs})
+		return string(b)
+	}
+	canonLen := func(chat string) float64 {
+		_, canon, err := openai.Canonical("/v1/chat/completions", []byte(chat))
+		if err != nil {
+			t.Fatal(err)
+		}
+		return float64(len(canon))
+	}
+	home := w.askBody(body(turn1))
+	w.settle(1)
+
+	resp, err := http.Post(w.gw.URL+"/v1/chat/completions", "application/json", strings.NewReader(body(turn2)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	io.Copy(io.Discard, resp.Body)
+	resp.Body.Close()
+	share, err := strconv.ParseFloat(resp.Header.Get(headers.PredictedCachedShare), 64)
+	if err != nil {
+		t.Fatalf("%s = %q: %v", headers.PredictedCachedShare, resp.Header.Get(headers.PredictedCachedShare), err)
+	}
+	if got, want := resp.Header.Get("x-served-by"), home; got != want {
+		t.Fatalf("turn 2 served by %s, want %s, which served turn 1", got, want)
+	}
+	if min := canonLen(body(turn1)) / canonLen(body(turn2)); share < min-0.01 {
+		t.Fatalf("turn 2 predicted to find %.2f of its prompt cached, want at least turn 1's share, %.2f", share, min)
 	}
 }
 

@@ -190,14 +190,24 @@ endpoints:
 	// The real pod refuses: the chosen pod's routing-time save is
 	// withdrawn, the real one never saved.
 	refuse.Lock()
+	first := hashes
 	resp, hashes = ask("another prompt for a pod that left")
 	refuse.Unlock()
 	if resp.StatusCode != 503 {
 		t.Fatalf("status %d, want the pod's 503", resp.StatusCode)
 	}
 	settled(2)
-	if got := index(hashes); len(got) != 0 {
-		t.Fatalf("index %v after the only pod that saw the request refused it; want nothing", got)
+	// What stays is the first request's save: the system message's block
+	// (a block of its own), which both prompts share.
+	shared := 0
+	for shared < min(len(first), len(hashes)) && first[shared] == hashes[shared] {
+		shared++
+	}
+	if shared != 1 {
+		t.Fatalf("the prompts share %d blocks, want 1 (the system message)", shared)
+	}
+	if got, want := index(hashes), []api.CacheLocation{{Host: servedBy, Length: shared}}; !slices.Equal(got, want) {
+		t.Fatalf("index %v after the only pod that saw the request refused it; want only the first request's %v", got, want)
 	}
 	if m.get("served_elsewhere") != 2 || m.get("retractions") != 2 {
 		t.Fatalf("served_elsewhere %d, retractions %d; want 2 and 2 (the chosen pod's early saves)", m.get("served_elsewhere"), m.get("retractions"))

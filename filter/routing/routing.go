@@ -116,6 +116,7 @@ type scratch struct {
 	texts []byte // the parsed request's prompt texts (bufferedParser)
 	canon []byte
 	sums  []prefix.Hash
+	ends  []int // where each block of sums ends in canon
 	cache map[string]int
 	eps   []endpoints.Endpoint // the cluster's endpoints (endpoints.Append)
 }
@@ -144,11 +145,12 @@ func (e *Decider) putScratch(sc *scratch) {
 	if cap(sc.canon) > maxPooledCanonical {
 		sc.canon = nil
 		sc.sums = nil
+		sc.ends = nil
 	}
 	if cap(sc.texts) > maxPooledCanonical {
 		sc.texts = nil
 	}
-	sc.texts, sc.canon, sc.sums = sc.texts[:0], sc.canon[:0], sc.sums[:0]
+	sc.texts, sc.canon, sc.sums, sc.ends = sc.texts[:0], sc.canon[:0], sc.sums[:0], sc.ends[:0]
 	if len(sc.cache) > 4096 {
 		sc.cache = nil // a map never shrinks: do not keep a giant one
 	}
@@ -300,7 +302,7 @@ type Decision struct {
 	// CacheRatio is the chosen host's matched share of the prompt's blocks.
 	CacheRatio float64
 	// PrefillLength is the prefill this request adds to its pod: the part
-	// of the prompt the pod does not hold, PromptLength·(1−CacheRatio).
+	// of the prompt past the blocks the pod holds (balancer.Choice.Prefill).
 	// It is what the metadata center's prompt_length counts, so the score's
 	// prefill term measures work still to do, not prompt bytes a cache will
 	// skip — otherwise a pod serving cache hits would look as busy as one
@@ -421,7 +423,7 @@ func (e *Decider) Decide(ctx context.Context, h Headers, body []byte) (*Decision
 	lb := e.cfg.LBMappingRule.For(rule.Cluster)
 
 	sc.canon = req.AppendCanonical(sc.canon[:0])
-	sc.sums = e.hasher.AppendSum(sc.sums[:0], req.Model, sc.canon)
+	sc.sums, sc.ends = e.hasher.AppendBlocks(sc.sums[:0], sc.ends[:0], req.Model, sc.canon)
 	sums, promptLen := sc.sums, len(sc.canon)
 	d := &Decision{
 		TraceID:      trace,
@@ -480,7 +482,7 @@ func (e *Decider) Decide(ctx context.Context, h Headers, body []byte) (*Decision
 	// policies read it during Choose only (the epp stand-in keeps block
 	// hashes of it, never the bytes).
 	choice, err := e.bal.Choose(rule.Cluster, lb, cands, view, balancer.Request{Blocks: len(sums), Hashes: d.Hashes, PromptLength: int64(promptLen),
-		ChunkSize: e.hasher.ChunkSize, Model: req.Model, Prompt: sc.canon})
+		ChunkSize: e.hasher.ChunkSize, Ends: sc.ends, Model: req.Model, Prompt: sc.canon})
 	if err != nil {
 		if errors.Is(err, balancer.ErrNoEndpoint) {
 			return nil, e.reject(http.StatusNotFound, transcode.TypeNotFound, trace, "no available endpoint in cluster %q", rule.Cluster)
