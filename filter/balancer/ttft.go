@@ -603,21 +603,18 @@ func releasedStep(h *Host, ended int64, n float64) float64 {
 // worker): it prefills the fewest tokens left first, so the request waits
 // for the queued requests with no more tokens left than its own n, not
 // for longer ones. This gateway's requests there since the report count
-// at the request's own cost a token (their sizes are not kept here); those
-// of its requests in the report that have had their first token since are
-// taken off at the queue's mean cost a token (one whose last chunk was in
-// the step in progress when the report was taken is not in it, and is
-// taken off all the same until the next report, a poll after that step).
+// at the request's own cost a token (their sizes are not kept here). Its
+// requests in the report that have had their first token since are, in
+// that order, the queue's shortest entries: as many are taken off (one
+// whose last chunk was in the step in progress when the report was taken
+// is not in the queue, and takes off the shortest entry all the same,
+// until the next report a poll after that step).
 func (p *predictor) measuredQueue(h *Host, n, tokenCost float64) float64 {
-	ahead, tokens, secs := 0.0, 0.0, 0.0
-	for _, q := range h.PrefillQueue {
-		tokens, secs = tokens+float64(q.Tokens), secs+q.Seconds
-		if float64(q.Tokens) <= n {
+	ahead := 0.0
+	for i, q := range h.PrefillQueue {
+		if int64(i) >= h.FilledReqsSinceReport && float64(q.Tokens) <= n {
 			ahead += q.Seconds
 		}
-	}
-	if tokens > 0 {
-		ahead = max(0, ahead-float64(h.FilledSinceReport)/p.bpt*secs/tokens)
 	}
 	return ahead + float64(h.LocalPrefill)/p.bpt*tokenCost
 }

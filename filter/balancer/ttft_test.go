@@ -1264,6 +1264,33 @@ func TestAPodsOwnCostPricesItsCompute(t *testing.T) {
 	}
 }
 
+// This gateway's requests that reached their first token since the pod's
+// report are, the pod prefilling the fewest tokens left first, the
+// report's shortest entries: they come off the queue one entry each, not
+// as their prompts' uncached sizes at routing (a hit routed at 446 tokens
+// may have 35 left in the report), which would empty the queue of the
+// others still standing before the request.
+func TestFirstTokensSinceTheReportTakeTheShortestEntriesOff(t *testing.T) {
+	m := testModel()
+	pod := Host{Address: "own", Signals: true, CacheRatio: 0.75, Running: 4, Reqs: 4, PrefillQueued: 1542,
+		PrefillQueue: []api.Prefill{{Tokens: 35, Seconds: 0.07}, {Tokens: 150, Seconds: 0.3}, {Tokens: 1357, Seconds: 1.8}},
+		TokenSeconds: 5e-4, AttentionSeconds: 1e-6, StepSeconds: 0.01}
+	s := &State{Cluster: "c", Rule: defaultRule(t), PromptLength: 600, BytesPerToken: 1, Hosts: []Host{pod}}
+	p := m.predictor(s) // 150 uncached tokens: the 1,357-token entry goes after it
+	if c := p.predict(&pod); !within(c.Queue, 0.37, 1e-9) {
+		t.Fatalf("as reported: %+v, want the two shorter entries' 0.37 s", c)
+	}
+	filled := pod
+	filled.FilledReqsSinceReport, filled.FilledSinceReport = 1, 446
+	if c := p.predict(&filled); !within(c.Queue, 0.3, 1e-9) {
+		t.Fatalf("one of this gateway's requests at its first token since: %+v, want the 150-token entry's 0.3 s", c)
+	}
+	filled.FilledReqsSinceReport = 3
+	if c := p.predict(&filled); c.Queue != 0 {
+		t.Fatalf("three at their first tokens since: %+v, want nothing left ahead", c)
+	}
+}
+
 // A pod that holds a long prompt back while its other request's answer
 // ends (our worker's finish first) steps that prompt alone once the answer
 // has ended, a whole n_batch: a conversation's next turn, sent as its

@@ -36,12 +36,30 @@ func (o *Owner) lead(f *Entry) {
 // request's prompt or one of ahead (prompts that bind before it) will
 // write. The last token is always evaluated.
 func (o *Owner) Shared(toks []int, ahead [][]int) int {
-	n := 0
+	return SharedWith(o.Prefixes(), toks, ahead)
+}
+
+// Prefixes returns what Shared matches a prompt against: every entry's
+// cells and each running entry's whole prompt. The slices are the books'
+// own, and the books never write an element of them again (they append
+// past a slice's length, or clip it and reallocate), so the caller may
+// read them from another goroutine.
+func (o *Owner) Prefixes() [][]int {
+	out := make([][]int, 0, 2*len(o.books.entries))
 	for _, e := range o.books.entries {
-		n = max(n, commonPrefix(e.Tokens, toks))
+		out = append(out, e.Tokens)
 		if e.InUse {
-			n = max(n, commonPrefix(e.planned, toks))
+			out = append(out, e.planned)
 		}
+	}
+	return out
+}
+
+// SharedWith is Shared against prefixes taken earlier (Prefixes).
+func SharedWith(prefixes [][]int, toks []int, ahead [][]int) int {
+	n := 0
+	for _, p := range prefixes {
+		n = max(n, commonPrefix(p, toks))
 	}
 	for _, a := range ahead {
 		n = max(n, commonPrefix(a, toks))

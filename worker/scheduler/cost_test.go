@@ -181,6 +181,44 @@ func TestStatsReportTheStepInProgress(t *testing.T) {
 	}
 }
 
+// A prompt submitted while a step runs is listed at the tokens it will
+// compute at once, not at its whole length until the next step: a cache
+// hit queued then is, in the router's reading (fewest tokens first), ahead
+// of a longer request, as it is in the worker's order.
+func TestStatsListAPromptSubmittedMidStepAtItsUncachedTokens(t *testing.T) {
+	r := newRig(t, sim.Config{NCtx: 8192, NBatch: 512, Cost: sim.Cost{StepOverhead: time.Millisecond, PerToken: 300 * time.Microsecond}},
+		Config{MaxRunning: 2}, true)
+	learnCost(t, r)
+	doc := prompt(r.eng, strings.Repeat("a document everyone asks about. ", 40))
+	h, err := r.s.Submit(context.Background(), &Request{ID: "doc", Prompt: doc, MaxTokens: 1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if res, err := h.Wait(context.Background()); err != nil || res.State != Completed {
+		t.Fatalf("the document: %+v %v", res, err)
+	}
+	cold := prompt(r.eng, strings.Repeat("another prompt nobody has sent. ", 60))
+	if _, err := r.s.Submit(context.Background(), &Request{ID: "cold", Prompt: cold, MaxTokens: 2}); err != nil {
+		t.Fatal(err)
+	}
+	// 512 tokens a step at 0.3 ms each: over 0.1 s left leaves time to
+	// submit and read before the next step.
+	waitFor(t, "a chunk of the cold prompt in its step", func() bool { return r.s.Stats().StepLeft > 0.1 })
+	hit := append(slices.Clone(doc), prompt(r.eng, " and a question")...)
+	if _, err := r.s.Submit(context.Background(), &Request{ID: "hit", Prompt: hit, MaxTokens: 2}); err != nil {
+		t.Fatal(err)
+	}
+	st := r.s.Stats()
+	if st.StepLeft == 0 {
+		t.Skip("the step ended before the read; nothing to check")
+	}
+	want := len(hit) - len(doc)
+	if !slices.ContainsFunc(st.Prefills, func(p Prefill) bool { return p.Tokens <= want+1 }) ||
+		slices.ContainsFunc(st.Prefills, func(p Prefill) bool { return p.Tokens == len(hit) }) {
+		t.Fatalf("queue %+v: want the hit at its %d uncached tokens, not its %d", st.Prefills, want, len(hit))
+	}
+}
+
 // A prompt of a whole n_batch or more that finish first holds back while
 // the only other request's answer ends is reported with the step it will
 // take alone once released and how long until then; once the answer has

@@ -178,6 +178,10 @@ type Scheduler struct {
 	stepEnd                       time.Time // when the step in progress ends, at its cost
 	held                          Held      // a prompt finish first holds (Stats.Held, Left unset)
 	heldEnd                       time.Time // when its hold ends, at the step's cost
+	// prefixes are what a prompt submitted during the step in progress
+	// shares with (kvcache.Owner.Prefixes and the prompts waiting to
+	// bind): Stats estimates its uncached tokens against them at once.
+	prefixes [][]int
 
 	// loop-owned
 	set      []*task  // the running set, in admission order
@@ -219,8 +223,10 @@ type task struct {
 	maxTokens   int    // the request's max_tokens, or Config.MaxOutputTokens
 	lastStep    uint64 // the step that last evaluated a span of it
 	// uncached: the prompt tokens it is expected to compute, estimated
-	// once while it waits to bind (0 until then); see publish.
-	uncached int
+	// once while it waits to bind (0 until then); see publish. early:
+	// the same, estimated by Stats against the prefixes of the step in
+	// progress for a request submitted during it (0 until then; s.mu).
+	uncached, early int
 }
 
 // state is t's public State.

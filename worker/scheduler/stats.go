@@ -111,11 +111,20 @@ func (s *Scheduler) Stats() Stats {
 		st.Held = s.held
 		st.Held.Left = max(0, time.Until(s.heldEnd).Seconds())
 	}
+	// A prompt submitted during the step in progress is estimated at once,
+	// not listed whole until the next step's publish: a cache hit queued
+	// there is then ahead of a longer request in the router's reading
+	// (fewest tokens first), as it is in the worker's order.
+	var ahead [][]int
 	for _, t := range s.queue {
-		n := len(t.toks)
-		if t.uncached > 0 {
-			n = t.uncached
+		n := t.uncached
+		if n == 0 {
+			if t.early == 0 {
+				t.early = len(t.toks) - kvcache.SharedWith(s.prefixes, t.toks, ahead)
+			}
+			n = t.early
 		}
+		ahead = append(ahead, t.toks)
 		st.PrefillTokens += n
 		st.Prefills = append(st.Prefills, Prefill{n, s.cost.Prefill(n, len(t.toks)-n)})
 	}
@@ -178,7 +187,9 @@ func (s *Scheduler) publish(spans []engine.Span) {
 		}
 	}
 	used, running := s.kv.UsedCells(), s.kv.RunningCells()
+	prefixes := append(s.kv.Prefixes(), ahead...)
 	s.mu.Lock()
+	s.prefixes = prefixes
 	for _, t := range s.queue {
 		s.estimate(t, &ahead)
 	}
