@@ -471,8 +471,8 @@ type Choice struct {
 	Host       Host
 	Index      int // into the candidates
 	Candidates int
-	// Prefill is what the request adds to the pod's prefill, the prompt
-	// bytes past the blocks the pod matched: the tracker reserves it,
+	// Prefill is what the request adds to the pod's prefill,
+	// PromptLength·(1−Host.CacheRatio) rounded: the tracker reserves it,
 	// and the caller's Begin and the metadata center count it.
 	Prefill int64
 	// Prediction is the chosen pod's predicted time to first token with
@@ -630,14 +630,18 @@ func (b *Balancer) Choose(cluster string, rule config.LBRule, cands []endpoints.
 		b.observe(rule.Policy, false, time.Since(t0))
 	}
 	// The lease's prefill (what every gateway reads as this request's part
-	// of the pod's queue until its first token) counts the unmatched
-	// blocks in full: an upper bound of what the
-	// pod computes, which on pods that report nothing of themselves is
-	// what spreads a hot prefix once its holder is loaded (llmfilter's
-	// TestE2EHotPrefixSpreadsOnceItsPodIsLoaded). The model's own estimate
-	// of the request's uncached part is Request.cachedBytes'.
-	held, _ := req.matchedBytes(hosts[i].CacheRatio)
-	ch := Choice{Host: hosts[i], Index: i, Candidates: len(hosts), Prefill: req.PromptLength - held}
+	// of the pod's queue until its first token) is the prompt's unmatched
+	// share of the blocks, prompt·(1−cacheRatio): more than the pod
+	// computes, which on pods that report nothing of themselves is what
+	// spreads a hot prefix once its holder is loaded (llmfilter's
+	// TestE2EHotPrefixSpreadsOnceItsPodIsLoaded). The unmatched blocks'
+	// bytes alone, smaller where blocks end early at message starts,
+	// herded more: small-KV vLLM-like pods, kv-pressure, TTFT p99 13%
+	// higher in 5 paired runs of 5 (docs/benchmarks.md, "Blocks that end
+	// where messages start"). The model's own estimate of the request's
+	// uncached part is Request.cachedBytes'.
+	ch := Choice{Host: hosts[i], Index: i, Candidates: len(hosts),
+		Prefill: int64(math.Round(float64(req.PromptLength) * (1 - hosts[i].CacheRatio)))}
 	ch.Prediction = b.ttft.chosen(&sc.state, i)
 	if c := hosts[i].KVCapacity; c > 0 && req.ChunkSize > 0 && !hosts[i].ReportsEvictions {
 		ch.MaxBlocks = int(math.Ceil(float64(c) * sc.state.BytesPerToken / req.blockSize()))

@@ -3,6 +3,7 @@ package lifecycle
 import (
 	"context"
 	"fmt"
+	"math"
 	"strings"
 	"testing"
 	"time"
@@ -76,10 +77,8 @@ func TestLifecycleAgainstMetadataCenter(t *testing.T) {
 	if d2.RequestID == d.RequestID {
 		t.Fatal("request ids repeat")
 	}
-	// Its prefill load is only the part the pod does not hold: the new
-	// user message, whose start ends a block.
-	question := prefix.CanonicalChat([]prefix.Message{{Role: "user", Parts: []prefix.Part{{Type: "text", Text: "Et maintenant ?"}}}})
-	if want := len(question); d2.PrefillLength != want || want >= d2.PromptLength/2 {
+	// Its prefill load is only the part the pod does not hold.
+	if want := int(math.Round(float64(d2.PromptLength) * (1 - d2.CacheRatio))); d2.PrefillLength != want || want >= d2.PromptLength/2 {
 		t.Fatalf("prefill length %d of a %d-byte prompt with ratio %v, want %d", d2.PrefillLength, d2.PromptLength, d2.CacheRatio, want)
 	}
 

@@ -302,7 +302,7 @@ type Decision struct {
 	// CacheRatio is the chosen host's matched share of the prompt's blocks.
 	CacheRatio float64
 	// PrefillLength is the prefill this request adds to its pod: the part
-	// of the prompt past the blocks the pod holds (balancer.Choice.Prefill).
+	// of the prompt the pod does not hold, PromptLength·(1−CacheRatio).
 	// It is what the metadata center's prompt_length counts, so the score's
 	// prefill term measures work still to do, not prompt bytes a cache will
 	// skip — otherwise a pod serving cache hits would look as busy as one
