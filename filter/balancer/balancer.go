@@ -631,8 +631,9 @@ func (b *Balancer) Choose(cluster string, rule config.LBRule, cands []endpoints.
 	}
 	// The lease's prefill (what every gateway reads as this request's part
 	// of the pod's queue until its first token) is the prompt's unmatched
-	// share of the blocks, prompt·(1−cacheRatio): more than the pod
-	// computes, which on pods that report nothing of themselves is what
+	// share of the blocks, prompt·(1−cacheRatio): mostly more than the pod
+	// computes (less where a short message is a block of its own), which
+	// on pods that report nothing of themselves is what
 	// spreads a hot prefix once its holder is loaded (llmfilter's
 	// TestE2EHotPrefixSpreadsOnceItsPodIsLoaded). The unmatched blocks'
 	// bytes alone, smaller where blocks end early at message starts,
