@@ -56,7 +56,7 @@ var Keys = []Key{
 		Meaning: "Skips verifying the certificate: encrypted, but to whoever answers. For experiments only."},
 
 	{Path: "prompt_hash.chunk_size", Type: "integer", Default: fmt.Sprint(DefaultChunkSize), Range: "16..1048576", Unit: "bytes",
-		Meaning: "Block size of the chained prefix hashes; blocks never split a UTF-8 character. Every party (filter, workers' `--prompt-hash-chunk-size`) must use the same value, or no prefix matches."},
+		Meaning: "Block size of the chained prefix hashes; blocks never split a UTF-8 character and end early where a chat message starts. Every party (filter, workers' `--prompt-hash-chunk-size`) must use the same value, or no prefix matches."},
 
 	{Path: "model_mapping_rule.<model>[i].headers", Type: "map", Range: "header name → exact value; names case-insensitive, no duplicates",
 		Meaning: "Request header conditions of the rule. A model's rules are tried most conditions first; the rule without headers is the model's default."},
