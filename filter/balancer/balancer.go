@@ -636,11 +636,10 @@ func (b *Balancer) Choose(cluster string, rule config.LBRule, cands []endpoints.
 	// on pods that report nothing of themselves is what
 	// spreads a hot prefix once its holder is loaded (llmfilter's
 	// TestE2EHotPrefixSpreadsOnceItsPodIsLoaded). The unmatched blocks'
-	// bytes alone, smaller where blocks end early at message starts,
-	// herded more: small-KV vLLM-like pods, kv-pressure, TTFT p99 13%
-	// higher in 5 paired runs of 5 (docs/benchmarks.md, "Blocks that end
-	// where messages start"). The model's own estimate of the request's
-	// uncached part is Request.cachedBytes'.
+	// bytes alone, smaller where blocks end early at message starts, let
+	// bursts herd onto small-KV vLLM-like pods (docs/benchmarks.md, "Blocks
+	// that end where messages start"). The model's own estimate of the
+	// request's uncached part is Request.cachedBytes'.
 	ch := Choice{Host: hosts[i], Index: i, Candidates: len(hosts),
 		Prefill: int64(math.Round(float64(req.PromptLength) * (1 - hosts[i].CacheRatio)))}
 	ch.Prediction = b.ttft.chosen(&sc.state, i)
