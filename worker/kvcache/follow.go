@@ -31,15 +31,7 @@ func (o *Owner) lead(f *Entry) {
 	}
 }
 
-// Shared is how much of toks a request bound next would not compute
-// itself: the longest prefix that the books hold or that a running
-// request's prompt or one of ahead (prompts that bind before it) will
-// write. The last token is always evaluated.
-func (o *Owner) Shared(toks []int, ahead [][]int) int {
-	return SharedWith(o.Prefixes(), toks, ahead)
-}
-
-// Prefixes returns what Shared matches a prompt against: every entry's
+// Prefixes returns what SharedWith matches a prompt against: every entry's
 // cells and each running entry's whole prompt. The slices are the books'
 // own, and the books never write an element of them again (they append
 // past a slice's length, or clip it and reallocate), so the caller may
@@ -55,7 +47,10 @@ func (o *Owner) Prefixes() [][]int {
 	return out
 }
 
-// SharedWith is Shared against prefixes taken earlier (Prefixes).
+// SharedWith is how much of toks a request bound next would not compute
+// itself: the longest prefix of it among prefixes (Owner.Prefixes: what the
+// books hold or a running request's prompt will write) and ahead (prompts
+// that bind before it). The last token is always evaluated.
 func SharedWith(prefixes [][]int, toks []int, ahead [][]int) int {
 	n := 0
 	for _, p := range prefixes {

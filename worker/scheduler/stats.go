@@ -144,7 +144,8 @@ func (s *Scheduler) publish(spans []engine.Span) {
 	}
 	var prefills []Prefill
 	nDecoding, attended := 0, 0.0
-	var ahead [][]int // prompts waiting to bind, in the order they will bind
+	var ahead [][]int         // prompts waiting to bind, in the order they will bind
+	cached := s.kv.Prefixes() // what the cache holds or running requests write
 	for _, t := range s.set {
 		if t.phase == pending {
 			nPending++
@@ -152,7 +153,7 @@ func (s *Scheduler) publish(spans []engine.Span) {
 			nProcessing++
 		}
 		if t.phase == pending && t.nGen == 0 {
-			n := s.estimate(t, &ahead)
+			n := estimate(t, cached, &ahead)
 			prefill += n
 			prefills = append(prefills, Prefill{n, cost.Prefill(n, len(t.toks)-n)})
 			continue
@@ -187,11 +188,11 @@ func (s *Scheduler) publish(spans []engine.Span) {
 		}
 	}
 	used, running := s.kv.UsedCells(), s.kv.RunningCells()
-	prefixes := append(s.kv.Prefixes(), ahead...)
+	prefixes := append(cached, ahead...)
 	s.mu.Lock()
 	s.prefixes = prefixes
 	for _, t := range s.queue {
-		s.estimate(t, &ahead)
+		estimate(t, cached, &ahead)
 	}
 	s.running = len(s.set)
 	s.setPrefill, s.kvUsed, s.kvRunning = prefill, used, running
@@ -256,15 +257,16 @@ type View struct {
 
 // estimate returns the prompt tokens t is expected to compute once bound:
 // its prompt minus the longest prefix that the KV cache holds, a running
-// request will write, or a request ahead of it (ahead, to which t's prompt
+// request will write (cached: kvcache.Owner.Prefixes, taken once per
+// publish), or a request ahead of it (ahead, to which t's prompt
 // is appended) will write first. Without it the pod reports each queued
 // question about a cached document as a whole prefill, and looks busier
 // than a pod that holds nothing. It is estimated once: the cache may
 // evict that prefix before t binds, which is rare next to the cost of
 // matching every queued prompt at every step.
-func (s *Scheduler) estimate(t *task, ahead *[][]int) int {
+func estimate(t *task, cached [][]int, ahead *[][]int) int {
 	if t.uncached == 0 {
-		t.uncached = len(t.toks) - s.kv.Shared(t.toks, *ahead)
+		t.uncached = len(t.toks) - kvcache.SharedWith(cached, t.toks, *ahead)
 	}
 	*ahead = append(*ahead, t.toks)
 	return t.uncached
