@@ -536,7 +536,7 @@ func (r Request) cachedBytes(ratio, tail float64) int64 {
 	if !partial {
 		return held
 	}
-	next := r.blockBytes(int(math.Round(ratio*float64(r.Blocks)))+1) - held
+	next := r.blockBytes(r.matchedBlocks(ratio)+1) - held
 	if tail < 0 {
 		return held + next/2
 	}
@@ -554,11 +554,16 @@ func (r Request) matchedBytes(ratio float64) (held int64, partial bool) {
 	case (r.ChunkSize <= 0 && r.Ends == nil) || r.Blocks <= 0:
 		return int64(math.Round(ratio * float64(r.PromptLength))), false
 	}
-	matched := int(math.Round(ratio * float64(r.Blocks)))
+	matched := r.matchedBlocks(ratio)
 	if matched >= r.Blocks {
 		return r.PromptLength, false
 	}
 	return r.blockBytes(matched), true
+}
+
+// matchedBlocks is how many leading blocks a match of ratio of them names.
+func (r Request) matchedBlocks(ratio float64) int {
+	return int(math.Round(ratio * float64(r.Blocks)))
 }
 
 // blockSize is the mean size in bytes of the prompt's whole blocks (all but

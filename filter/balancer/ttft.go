@@ -969,7 +969,7 @@ func (c *CacheAware) Choose(s *State) int {
 // wait without holders or hashes, no credit without a KV capacity.
 func (c *CacheAware) copyCredit(s *State, p *predictor, holderTTFT, holderUncached, capacity float64, idleOther bool) (wait, credit float64, key prefixKey) {
 	key.cluster = s.Cluster
-	depth := int(math.Round(p.deepest * float64(s.Blocks)))
+	depth := p.req.matchedBlocks(p.deepest)
 	if depth > 0 && depth <= len(s.Hashes) && idleOther {
 		key.hash = s.Hashes[depth-1]
 		prefill, step := p.priced(p.measured, holderUncached)
