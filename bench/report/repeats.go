@@ -200,6 +200,61 @@ func writeRounds(b *strings.Builder, workload string, policies []string, rounds 
 	if len(lines) > 0 {
 		b.WriteString("\ncache_aware against each policy in the same run, TTFT p90 / p99:\n\n" + strings.Join(lines, "\n") + "\n")
 	}
+	writeReachable(b, workload, rounds)
+}
+
+// writeReachable renders each latency aim of cache_aware over the rounds
+// where it was within reach: a run whose floor lies above the aim's target
+// says nothing of the router (no router could meet it there), so the merged
+// medians, which count such runs, are read beside how often the aim was
+// met where it could be, and the median change over those runs.
+func writeReachable(b *strings.Builder, workload string, rounds []Run) {
+	type tally struct {
+		what, rival      string
+		met, unreachable int
+		margins          []float64
+	}
+	var order []string
+	tallies := map[string]*tally{}
+	for _, rr := range rounds {
+		for _, a := range rr.Aims(workload, "cache_aware") {
+			if a.Kind != AimLatency {
+				continue
+			}
+			key := a.What + " " + a.Rival
+			t := tallies[key]
+			if t == nil {
+				t = &tally{what: a.What, rival: a.Rival}
+				tallies[key] = t
+				order = append(order, key)
+			}
+			switch {
+			case a.Unreachable:
+				t.unreachable++
+			case a.Met:
+				t.met++
+				fallthrough
+			default:
+				t.margins = append(t.margins, 100*a.Margin)
+			}
+		}
+	}
+	var lines []string
+	for _, key := range order {
+		t := tallies[key]
+		if t.unreachable == 0 {
+			continue // the merged verdict and the changes above say it all
+		}
+		line := fmt.Sprintf("- %s %s: unreachable in %d of %d runs", t.what, t.rival, t.unreachable, t.unreachable+len(t.margins))
+		if n := len(t.margins); n > 0 {
+			slices.Sort(t.margins)
+			line += fmt.Sprintf("; met in %d of the %d others, their median change %+.0f%%", t.met, n, Quantile(t.margins, 0.5))
+		}
+		lines = append(lines, line)
+	}
+	if len(lines) > 0 {
+		b.WriteString("\nThe latency aims run by run, where a run's floor put some out of any router's reach:\n\n" + strings.Join(lines, "\n") + "\n")
+	}
 }
 
 // medianRange is the median, over the runs' figures xs that have one, of

@@ -516,3 +516,31 @@ func TestPredictionErrorFromTheWarmUpOn(t *testing.T) {
 		t.Fatalf("merged %+v, want the warm runs' median 0.15 over 4 requests", pe)
 	}
 }
+
+// A merged report says, aim by aim, how often each latency aim was met in
+// the runs whose floor left it within reach, and the median change there.
+func TestLatencyAimsRunByRunWhereReachable(t *testing.T) {
+	round := func(started string, ca, epp, floor float64) Run {
+		r := Run{Title: "t", Started: started, Summaries: []Summary{
+			{Workload: "multi-turn", Policy: "cache_aware", Requests: 10, Succeeded: 10, TTFT: Percentiles{P90: ca, P99: 10 * ca}},
+			{Workload: "multi-turn", Policy: "epp", Requests: 10, Succeeded: 10, TTFT: Percentiles{P90: epp, P99: 10 * epp}},
+		}}
+		r.SetFloor(Floor{Workload: "multi-turn", Requests: 10, TTFT: Percentiles{P90: floor, P99: floor}})
+		return r
+	}
+	// p90 targets 85, 170, 85, 85 against floors 90, 90, 50, 50: out of
+	// reach in the first run; met in the third (−30%), missed in the
+	// second (−10%) and the fourth (0%). p99: every run within reach.
+	m := Merge(round("a", 100, 100, 90), round("b", 180, 200, 90), round("c", 70, 100, 50), round("d", 100, 100, 50))
+	var b strings.Builder
+	if err := m.WriteMarkdown(&b); err != nil {
+		t.Fatal(err)
+	}
+	want := "- TTFT p90 ≥15% below epp: unreachable in 1 of 4 runs; met in 1 of the 3 others, their median change -10%\n"
+	if !strings.Contains(b.String(), want) {
+		t.Fatalf("report lacks %q:\n%s", want, b.String())
+	}
+	if strings.Contains(b.String(), "- TTFT p99 ≥15% below epp:") {
+		t.Fatalf("an aim within reach in every run is listed run by run:\n%s", b.String())
+	}
+}
