@@ -543,4 +543,18 @@ func TestLatencyAimsRunByRunWhereReachable(t *testing.T) {
 	if strings.Contains(b.String(), "- TTFT p99 ≥15% below epp:") {
 		t.Fatalf("an aim within reach in every run is listed run by run:\n%s", b.String())
 	}
+	// The same changes as a chart: a dot per run, the median, the aim.
+	var svg bytes.Buffer
+	if err := m.PairedChart(&svg, "p90", func(s Summary) float64 { return s.TTFT.P90 }); err != nil {
+		t.Fatal(err)
+	}
+	mustParseXML(t, svg.Bytes())
+	for _, want := range []string{"<title>-30%</title>", "<title>-10%</title>", ">-5% (4 runs)</text>", "<title>the aim: -15%</title>", ">multi-turn</text>"} {
+		if !strings.Contains(svg.String(), want) {
+			t.Errorf("paired chart lacks %q:\n%s", want, svg.String())
+		}
+	}
+	if n := strings.Count(svg.String(), "<circle"); n != 4 {
+		t.Errorf("paired chart has %d dots, want one per run (4)", n)
+	}
 }

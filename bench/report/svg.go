@@ -67,6 +67,90 @@ func (r Run) BarChart(w io.Writer, title, unit string, value func(Summary) float
 	return err
 }
 
+// PairedChart plots, for each workload run in several rounds, cache_aware's
+// change against every other policy of the same round (pick's value, mine /
+// theirs − 1): a dot per round, the median as a bar, the aim against that
+// policy as a dashed line where it has one. The changes are what a verdict
+// reads (docs/benchmarks.md, "Method"); the axis runs from −100% to +100%,
+// and a change beyond it is drawn on its edge.
+func (r Run) PairedChart(w io.Writer, title string, pick func(Summary) float64) error {
+	const limit = 100.0
+	type column struct {
+		policy  string
+		changes []float64
+	}
+	var panels [][]column
+	var names []string
+	for _, wl := range r.Workloads() {
+		var cols []column
+		for _, p := range r.Policies() {
+			if p == "cache_aware" {
+				continue
+			}
+			c := column{policy: p}
+			for _, rr := range r.rounds(wl) {
+				me, ok1 := rr.find(wl, "cache_aware")
+				o, ok2 := rr.find(wl, p)
+				if ok1 && ok2 && pick(o) > 0 {
+					c.changes = append(c.changes, 100*(pick(me)/pick(o)-1))
+				}
+			}
+			if len(c.changes) > 0 {
+				cols = append(cols, c)
+			}
+		}
+		if len(cols) > 0 {
+			panels, names = append(panels, cols), append(names, wl)
+		}
+	}
+	const colW, height, left, top, bottom = 90.0, 420.0, 60.0, 50.0, 60.0
+	width := left + 20
+	for _, cols := range panels {
+		width += colW*float64(len(cols)) + 40
+	}
+	plotH := height - top - bottom
+	y := func(v float64) float64 { return top + plotH*(limit-max(-limit, min(limit, v)))/(2*limit) }
+	var b strings.Builder
+	header(&b, width, height, title)
+	fmt.Fprintf(&b, `<text x="18" y="%.1f" transform="rotate(-90 18 %.1f)" text-anchor="middle" font-size="12">cache_aware against it, %%</text>`+"\n", top+plotH/2, top+plotH/2)
+	x0 := left
+	for pi, cols := range panels {
+		plotW := colW * float64(len(cols))
+		for v := -limit; v <= limit; v += 50 {
+			stroke := "#ddd"
+			if v == 0 {
+				stroke = "black"
+			}
+			fmt.Fprintf(&b, `<line x1="%.1f" y1="%.1f" x2="%.1f" y2="%.1f" stroke="%s"/>`+"\n", x0, y(v), x0+plotW, y(v), stroke)
+			fmt.Fprintf(&b, `<text x="%.1f" y="%.1f" text-anchor="end" font-size="11">%+.0f</text>`+"\n", x0-4, y(v)+4, v)
+		}
+		for ci, c := range cols {
+			cx := x0 + colW*(float64(ci)+0.5)
+			if aim, ok := aimAgainst(names[pi], c.policy, r.external(c.policy)); ok {
+				aim *= 100
+				fmt.Fprintf(&b, `<line x1="%.1f" y1="%.1f" x2="%.1f" y2="%.1f" stroke="#c00" stroke-dasharray="4 3"><title>the aim: %+.0f%%</title></line>`+"\n",
+					cx-colW*0.4, y(aim), cx+colW*0.4, y(aim), aim)
+			}
+			for i, v := range c.changes {
+				jitter := colW * 0.3 * (float64(i%7)/6 - 0.5)
+				fmt.Fprintf(&b, `<circle cx="%.1f" cy="%.1f" r="3" fill="%s" fill-opacity="0.6"><title>%+.0f%%</title></circle>`+"\n",
+					cx+jitter, y(v), palette[ci%len(palette)], v)
+			}
+			sorted := append([]float64(nil), c.changes...)
+			sort.Float64s(sorted)
+			med := Quantile(sorted, 0.5)
+			fmt.Fprintf(&b, `<line x1="%.1f" y1="%.1f" x2="%.1f" y2="%.1f" stroke="black" stroke-width="3"/>`+"\n", cx-colW*0.3, y(med), cx+colW*0.3, y(med))
+			fmt.Fprintf(&b, `<text x="%.1f" y="%.1f" text-anchor="middle" font-size="10">%+.0f%% (%d runs)</text>`+"\n", cx, top+plotH+14, med, len(c.changes))
+			fmt.Fprintf(&b, `<text x="%.1f" y="%.1f" text-anchor="middle" font-size="11">%s</text>`+"\n", cx, top+plotH+28, esc(c.policy))
+		}
+		fmt.Fprintf(&b, `<text x="%.1f" y="%.1f" text-anchor="middle" font-size="13">%s</text>`+"\n", x0+plotW/2, top+plotH+48, esc(names[pi]))
+		x0 += plotW + 40
+	}
+	b.WriteString("</svg>\n")
+	_, err := io.WriteString(w, b.String())
+	return err
+}
+
 // panelMax is a panel's axis top: the largest value, or clip × the median
 // when the largest is further out than that, rounded up to a readable tick.
 func panelMax(vals []float64, clip float64) float64 {

@@ -446,6 +446,14 @@ func writeOutputs(out string, run report.Run, raw []report.Result) error {
 			return run.BarChart(w, "True cache-hit rate (cached_tokens / prompt_tokens)", "%", func(s report.Summary) float64 { return 100 * s.CacheHitRate })
 		},
 	}
+	if len(run.Repeats) > 1 {
+		files["paired_ttft_p90.svg"] = func(w *os.File) error {
+			return run.PairedChart(w, "TTFT p90: cache_aware against each policy, run by run", func(s report.Summary) float64 { return s.TTFT.P90 })
+		}
+		files["paired_ttft_p99.svg"] = func(w *os.File) error {
+			return run.PairedChart(w, "TTFT p99: cache_aware against each policy, run by run", func(s report.Summary) float64 { return s.TTFT.P99 })
+		}
+	}
 	for _, base := range run.Ladders() {
 		files["ladder_"+base+".svg"] = func(w *os.File) error { return run.LadderChart(w, base) }
 	}
