@@ -276,22 +276,30 @@ func Merge(runs ...Run) Run {
 		out.Floors = append(out.Floors, medianFloor(floors[wl]))
 	}
 	for k := range keys {
-		var vals, per []string
+		var vals, groups []string // groups: the runs' workloads, in first-seen order
+		per := map[string][]string{}
 		for _, r := range runs {
 			v, ok := r.Settings[k]
 			if !ok {
 				v = "-"
 			}
 			vals = append(vals, v)
-			if p := strings.Join(r.Workloads(), "+") + " " + v; !slices.Contains(per, p) {
-				per = append(per, p) // repeats name theirs once
+			g := strings.Join(r.Workloads(), "+")
+			if per[g] == nil {
+				groups = append(groups, g)
+			}
+			if !slices.Contains(per[g], v) {
+				per[g] = append(per[g], v) // repeats name theirs once
 			}
 		}
 		if len(slices.Compact(slices.Clone(vals))) == 1 {
 			out.Settings[k] = vals[0]
-		} else {
-			out.Settings[k] = strings.Join(per, ", ")
+			continue
 		}
+		for i, g := range groups {
+			groups[i] = g + " " + strings.Join(per[g], "/")
+		}
+		out.Settings[k] = strings.Join(groups, ", ")
 	}
 	return out
 }

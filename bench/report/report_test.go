@@ -169,6 +169,12 @@ func TestMergeKeepsDifferingSettingsPerWorkload(t *testing.T) {
 	if !slices.Equal(m.Workloads(), []string{"shared-prefix", "multi-turn"}) {
 		t.Fatalf("workloads %v", m.Workloads())
 	}
+	// Runs of one workload with other values name each value once, together.
+	c := Run{Settings: map[string]string{"rate": "0.25", "workers": "3"},
+		Summaries: []Summary{{Workload: "multi-turn", Policy: "cache_aware"}}}
+	if got := Merge(a, b, c, b).Settings["rate"]; got != "shared-prefix 1, multi-turn 0.5/0.25" {
+		t.Fatalf("rate %q", got)
+	}
 	b.Title = "other fleet"
 	if m := Merge(a, b); m.Title == a.Title || m.Title == b.Title {
 		t.Fatalf("runs on two fleets merged under one fleet's title %q", m.Title)
