@@ -10,7 +10,7 @@
 //	    --seeds 4,5,6 --repeats 5 --out bench/out/vllm
 //
 // With --seeds and --repeats every seed is run --repeats times, the
-// policies one after the other each time (A B A B …), and the report gives
+// policies one after the other each time (A B, then B A, …), and the report gives
 // each cell's median with its range; results.json keeps every request
 // (seed, repeat, ladder rate, predicted TTFT) so each figure can be derived
 // again. shared-prefix-ladder runs once per --ladder rate and is reported as
@@ -78,7 +78,7 @@ func run(ctx context.Context, args []string) error {
 		maxTokens   = fs.Int("max-tokens", 16, "output tokens per request (fixed with ignore_eos) where the workload sets none")
 		seed        = fs.Uint64("seed", 1, "workload and arrival seed")
 		seeds       = fs.String("seeds", "", "comma-separated seeds, each a round of its own (replaces --seed): 1-3 for development, 4 and up held out for verdicts")
-		repeats     = fs.Int("repeats", 1, "runs of every policy per seed, interleaved (A B A B …); reports give the medians with the range")
+		repeats     = fs.Int("repeats", 1, "runs of every policy per seed, interleaved (A B, B A, …); reports give the medians with the range")
 		ladder      = fs.String("ladder", "2,4,8,16,32", workload.Ladder+": offered loads (requests/s) of its steps, increasing; a policy stops once TTFT p90 passes 2 s")
 		ladderDur   = fs.Duration("ladder-duration", 30*time.Second, workload.Ladder+": each step sends rate × duration requests (at most the workload's)")
 		workerCPUs  = fs.Float64("worker-cpus", 0, "CPU quota per worker via cgroups (e.g. 0.6), so that each pod has its own compute as on real accelerators (0: workers share the machine)")
@@ -191,7 +191,8 @@ func run(ctx context.Context, args []string) error {
 	machine := map[string]string{"cpus": fmt.Sprint(runtime.NumCPU()), "os": runtime.GOOS + "/" + runtime.GOARCH, "go": runtime.Version()}
 	started := time.Now().UTC().Format(time.RFC3339)
 	// One round per seed and repeat: the policies of a round run one after
-	// the other on the same sessions (A B A B … over the rounds).
+	// the other on the same sessions, in the given order in even rounds and
+	// reversed in odd ones (roundOrder).
 	rounds := make([]report.Run, len(seedList)**repeats)
 	for i := range rounds {
 		sd, rep := seedList[i / *repeats], i%*repeats+1
@@ -265,7 +266,7 @@ func run(ctx context.Context, args []string) error {
 				}
 				for rep := 1; rep <= *repeats; rep++ {
 					round := &rounds[si**repeats+rep-1]
-					for _, p := range pols {
+					for _, p := range roundOrder(pols, si**repeats+rep-1) {
 						step++
 						label := fmt.Sprintf("[%d/%d] %s × %s (seed %d, repeat %d)", step, steps, cell, p, sd, rep)
 						key := fmt.Sprintf("%d/%s", rep, p)
@@ -478,6 +479,19 @@ func writeFile(path string, write func(*os.File) error) error {
 		return err
 	}
 	return f.Close()
+}
+
+// roundOrder is the order the policies run in round i: as given in even
+// rounds, reversed in odd ones (A B, B A, …), so that what the machine does
+// between the first and the last run of a round (a cache warming, a
+// neighbour's load) falls on every policy alike over the rounds.
+func roundOrder(pols []string, i int) []string {
+	if i%2 == 0 {
+		return pols
+	}
+	r := slices.Clone(pols)
+	slices.Reverse(r)
+	return r
 }
 
 // parseSeeds reads --seeds, or returns --seed alone when it is empty.

@@ -2,6 +2,7 @@ package main
 
 import (
 	"maps"
+	"slices"
 	"strings"
 	"testing"
 
@@ -88,5 +89,20 @@ func TestSeedsAndLadderFlags(t *testing.T) {
 		if _, err := parseRates(bad); err == nil {
 			t.Errorf("--ladder %q accepted", bad)
 		}
+	}
+}
+
+// The policies of a round run one after the other; every other round runs
+// them the other way round, so neither is always first.
+func TestRoundsAlternateThePoliciesOrder(t *testing.T) {
+	pols := []string{"cache_aware", "epp", "least_request"}
+	if got := roundOrder(pols, 0); !slices.Equal(got, pols) {
+		t.Fatalf("round 0: %v", got)
+	}
+	if got := roundOrder(pols, 1); !slices.Equal(got, []string{"least_request", "epp", "cache_aware"}) {
+		t.Fatalf("round 1: %v", got)
+	}
+	if !slices.Equal(pols, []string{"cache_aware", "epp", "least_request"}) || !slices.Equal(roundOrder(pols, 2), pols) {
+		t.Fatalf("the given order changed: %v", pols)
 	}
 }
