@@ -177,20 +177,14 @@ func writeRounds(b *strings.Builder, workload string, policies []string, rounds 
 		if p == "cache_aware" {
 			continue
 		}
-		var each []string
-		var d90, d99 []float64
-		for _, rr := range rounds {
-			me, ok1 := rr.find(workload, "cache_aware")
-			o, ok2 := rr.find(workload, p)
-			if !ok1 || !ok2 || o.TTFT.P90 == 0 || o.TTFT.P99 == 0 {
-				continue
-			}
-			a, c := 100*(me.TTFT.P90/o.TTFT.P90-1), 100*(me.TTFT.P99/o.TTFT.P99-1)
-			d90, d99 = append(d90, a), append(d99, c)
-			each = append(each, fmt.Sprintf("%+.0f%% / %+.0f%%", a, c))
-		}
-		if len(each) == 0 {
+		d90 := roundChanges(rounds, workload, p, func(s Summary) float64 { return s.TTFT.P90 })
+		d99 := roundChanges(rounds, workload, p, func(s Summary) float64 { return s.TTFT.P99 })
+		if len(d90) == 0 {
 			continue
+		}
+		each := make([]string, len(d90))
+		for i := range d90 {
+			each[i] = fmt.Sprintf("%+.0f%% / %+.0f%%", d90[i], d99[i])
 		}
 		slices.Sort(d90)
 		slices.Sort(d99)
@@ -201,6 +195,22 @@ func writeRounds(b *strings.Builder, workload string, policies []string, rounds 
 		b.WriteString("\ncache_aware against each policy in the same run, TTFT p90 / p99:\n\n" + strings.Join(lines, "\n") + "\n")
 	}
 	writeReachable(b, workload, rounds)
+}
+
+// roundChanges is cache_aware's change against policy in each round that
+// ran both on workload, in percent of pick's value (mine / theirs − 1), in
+// round order; a round where policy has no TTFT (no request succeeded) is
+// left out.
+func roundChanges(rounds []Run, workload, policy string, pick func(Summary) float64) []float64 {
+	var out []float64
+	for _, rr := range rounds {
+		me, ok1 := rr.find(workload, "cache_aware")
+		o, ok2 := rr.find(workload, policy)
+		if ok1 && ok2 && o.TTFT.P90 > 0 && o.TTFT.P99 > 0 {
+			out = append(out, 100*(pick(me)/pick(o)-1))
+		}
+	}
+	return out
 }
 
 // writeReachable renders each latency aim of cache_aware over the rounds

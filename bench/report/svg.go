@@ -87,14 +87,7 @@ func (r Run) PairedChart(w io.Writer, title string, pick func(Summary) float64) 
 			if p == "cache_aware" {
 				continue
 			}
-			c := column{policy: p}
-			for _, rr := range r.rounds(wl) {
-				me, ok1 := rr.find(wl, "cache_aware")
-				o, ok2 := rr.find(wl, p)
-				if ok1 && ok2 && pick(o) > 0 {
-					c.changes = append(c.changes, 100*(pick(me)/pick(o)-1))
-				}
-			}
+			c := column{policy: p, changes: roundChanges(r.rounds(wl), wl, p, pick)}
 			if len(c.changes) > 0 {
 				cols = append(cols, c)
 			}
@@ -136,9 +129,7 @@ func (r Run) PairedChart(w io.Writer, title string, pick func(Summary) float64) 
 				fmt.Fprintf(&b, `<circle cx="%.1f" cy="%.1f" r="3" fill="%s" fill-opacity="0.6"><title>%+.0f%%</title></circle>`+"\n",
 					cx+jitter, y(v), palette[ci%len(palette)], v)
 			}
-			sorted := append([]float64(nil), c.changes...)
-			sort.Float64s(sorted)
-			med := Quantile(sorted, 0.5)
+			med := median(c.changes, func(v float64) float64 { return v })
 			fmt.Fprintf(&b, `<line x1="%.1f" y1="%.1f" x2="%.1f" y2="%.1f" stroke="black" stroke-width="3"/>`+"\n", cx-colW*0.3, y(med), cx+colW*0.3, y(med))
 			fmt.Fprintf(&b, `<text x="%.1f" y="%.1f" text-anchor="middle" font-size="10">%+.0f%% (%d runs)</text>`+"\n", cx, top+plotH+14, med, len(c.changes))
 			fmt.Fprintf(&b, `<text x="%.1f" y="%.1f" text-anchor="middle" font-size="11">%s</text>`+"\n", cx, top+plotH+28, esc(c.policy))
