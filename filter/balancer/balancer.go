@@ -151,6 +151,7 @@ type State struct {
 	floats []float64
 	idx    []int
 	kept   []Host
+	costs  []Cost
 }
 
 // scratch returns two empty float slices of capacity n.
@@ -175,6 +176,14 @@ func (s *State) ints(n int) []int {
 		s.idx = make([]int, 0, n)
 	}
 	return s.idx[:0]
+}
+
+// costScratch returns an empty Cost slice of capacity n.
+func (s *State) costScratch(n int) []Cost {
+	if cap(s.costs) < n {
+		s.costs = make([]Cost, 0, n)
+	}
+	return s.costs[:0]
 }
 
 func (s *State) hosts(n int) []Host {
@@ -255,6 +264,7 @@ type chooseScratch struct {
 	floats []float64
 	idx    []int
 	kept   []Host
+	costs  []Cost
 	state  State
 	obs    stageObserver
 }
@@ -624,7 +634,7 @@ func (b *Balancer) Choose(cluster string, rule config.LBRule, cands []endpoints.
 	sc.state = State{Cluster: cluster, Hosts: hosts, Rule: rule, PromptLength: req.PromptLength,
 		Blocks: req.Blocks, ChunkSize: req.ChunkSize, Ends: req.Ends, IntN: b.intn,
 		BytesPerToken: b.BytesPerToken(req.Model).Value(), Model: req.Model, Prompt: req.Prompt, Hashes: req.Hashes,
-		floats: sc.floats, idx: sc.idx, kept: sc.kept}
+		floats: sc.floats, idx: sc.idx, kept: sc.kept, costs: sc.costs}
 	var i int
 	if isProfile {
 		sc.obs = stageObserver{b: b, log: b.log, debug: b.log.Enabled(context.Background(), slog.LevelDebug)}
@@ -655,7 +665,8 @@ func (b *Balancer) Choose(cluster string, rule config.LBRule, cands []endpoints.
 	b.tracker.reserve(cluster, ch.Host.Address, ch.Prefill)
 	clear(hosts) // do not pin endpoint addresses
 	clear(sc.state.kept[:cap(sc.state.kept)])
-	sc.hosts, sc.floats, sc.idx, sc.kept, sc.state = hosts[:0], sc.state.floats, sc.state.idx, sc.state.kept, State{}
+	clear(sc.state.costs[:cap(sc.state.costs)])
+	sc.hosts, sc.floats, sc.idx, sc.kept, sc.costs, sc.state = hosts[:0], sc.state.floats, sc.state.idx, sc.state.kept, sc.state.costs, State{}
 	b.scratch.Put(sc)
 	return ch, nil
 }

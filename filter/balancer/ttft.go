@@ -36,9 +36,12 @@ package balancer
 //     no free slot; utilization and running give the free KV), advanced by
 //     what this gateway saw there since it was taken (requests sent, first
 //     tokens, ends);
-//  2. the pick (CacheAware.Choose): the lowest cost, TTFT(r, p) plus the
-//     delay r's own computation on p adds to the requests that will queue
-//     behind it there (Cost.Delay), plus, on the pods holding r's prefix
+//  2. the pick (CacheAware.Choose): the lowest cost, TTFT(r, p) plus what
+//     r's own computation on p costs the other requests: the delay it adds
+//     to those that will queue behind it there (Cost.Delay) and the cached
+//     tokens its new tokens evict, which later requests recompute as often
+//     as the cluster's requests find their tokens cached (Cost.Evict);
+//     plus, on the pods holding r's prefix
 //     while all of them are slower for r than an idle pod would be had it
 //     held the prefix, what a copy there would spare the prefix's
 //     requests (the copy credit); among the pods within tie_epsilon of
@@ -158,15 +161,35 @@ type Cost struct {
 	// where it has not measured yet), not by the cluster's fit, which
 	// then learns nothing from the request.
 	Measured bool
-	// Delay is what the request's own computation here (Prefill + Fit)
-	// adds to the TTFTs of others: every request that will queue behind it
-	// on the pod waits that much longer. In a first-come-first-served
-	// queue as many requests arrive during a request's wait, on average,
-	// as it found waiting when it came (the count an arrival sees and the
-	// count a departure leaves behind are alike in distribution), so the
-	// pod's waiting requests stand for them. Not part of the prediction:
-	// the pick weighs it (CacheAware.Choose).
-	Delay float64
+	// Waiting is the requests waiting on the pod as the prediction counts
+	// them: its report's, advanced by what this gateway saw there since.
+	Waiting float64
+	// Evict is what the request's new tokens cost the requests after it
+	// by what they displace: a pod's KV cache, once warm, is full of idle
+	// cached blocks (they count as free, and the least recently freed go
+	// first), so each token computed here evicts a cached token, which a
+	// later request recomputes if it comes for it. It comes as often as
+	// the cluster's requests find their tokens cached: the served share
+	// of the recent answers' prompts (predictor.served). Evict is that
+	// share of Prefill. Not part of the prediction: the pick weighs it
+	// (CacheAware.Choose).
+	Evict float64
+}
+
+// Delay is what the request's own computation on the pod (Prefill + Fit)
+// adds to the TTFTs of others: every request that will queue behind it
+// there waits that much longer. In a first-come-first-served queue as
+// many requests arrive during a request's wait, on average, as it found
+// waiting when it came (the count an arrival sees and the count a
+// departure leaves behind are alike in distribution), so the pod's
+// waiting requests stand for them; where the fleet's mean per pod is
+// more, the mean (fleetWaiting): a router that keeps the pods' queues
+// alike fills a pod that has just emptied at once from the fleet's
+// requests, so on a fleet where requests wait its compute is no freer
+// than a busy pod's. Not part of the prediction: the pick weighs it
+// (CacheAware.Choose).
+func (c Cost) Delay(fleetWaiting float64) float64 {
+	return max(c.Waiting, fleetWaiting) * (c.Prefill + c.Fit)
 }
 
 // Prediction is what a decision predicted for its chosen pod
@@ -294,6 +317,10 @@ type fleetMeans struct {
 	tails         [tailMemory]float64
 	tailN, tailAt int
 	tail          float64
+	// served is the share of the prompts the pods served from their KV
+	// cache, over the recent answers (meanRate an answer; observeCache):
+	// how often a cached token is come for again (Cost.Evict).
+	served float64
 }
 
 // ttftModel holds what cache_aware learns: per pod fits and per cluster
@@ -334,6 +361,7 @@ type predictor struct {
 	deepest            float64
 	rate, step         float64 // the cluster's fit, else the rule's defaults
 	meanPrompt, meanUn float64
+	served             float64 // the cluster's served share (fleetMeans.served)
 	// measured is the mean of the costs the cluster's pods measured
 	// themselves (podCost), for those of its pods that have not yet (a
 	// pod counts its first steps before it reports): the pods of a
@@ -414,7 +442,7 @@ func (m *ttftModel) predictor(s *State) predictor {
 	}
 	m.mu.RLock()
 	if f := m.means[s.Cluster]; f != nil {
-		p.meanPrompt, p.meanUn = f.prompt/p.bpt, f.uncached/p.bpt
+		p.meanPrompt, p.meanUn, p.served = f.prompt/p.bpt, f.uncached/p.bpt, f.served
 		if f.tailN > 0 {
 			p.tail = f.tail
 		}
@@ -578,7 +606,8 @@ func (p *predictor) predict(h *Host) Cost {
 		c.Wait = max(c.SlotWait, c.InStep, c.Queue)
 	}
 	c.Total = c.Wait + c.Prefill + c.Step + c.Fit
-	c.Delay = float64(waiting) * (c.Prefill + c.Fit)
+	c.Waiting = float64(waiting)
+	c.Evict = p.served * c.Prefill
 	return c
 }
 
@@ -775,13 +804,14 @@ func (m *ttftModel) observeCache(p Prediction, promptTokens, cachedTokens int64)
 	m.cache.Observe(believed - served)
 	prompt := p.PromptTokens * p.bpt // bytes
 	tail := prompt * (1 - served)
-	if p.partial && prompt-tail >= float64(p.matched) {
-		m.mu.Lock()
-		if f := m.means[p.Cluster]; f != nil {
+	m.mu.Lock()
+	if f := m.means[p.Cluster]; f != nil {
+		f.served += meanRate * (served - f.served)
+		if p.partial && prompt-tail >= float64(p.matched) {
 			f.observeTail(tail)
 		}
-		m.mu.Unlock()
 	}
+	m.mu.Unlock()
 	m.log.LogAttrs(context.Background(), slog.LevelDebug, "cache",
 		slog.String("cluster", p.Cluster), slog.String("host", p.Host),
 		slog.Float64("believed", believed), slog.Float64("served", served),
@@ -840,18 +870,28 @@ type CacheAware struct{ m *ttftModel }
 func (*CacheAware) NeedsMetadata() bool { return true }
 func (*CacheAware) ReadsSignals() bool  { return true }
 
-// Choose picks among the pods whose cost, the predicted TTFT plus the
-// delay the request's computation there adds to the requests queued behind
-// it (Cost.Delay), is within tie_epsilon of the lowest (near-ties) the one
-// that computes the fewest of the request's tokens, then, among those, the
-// one with the fewest requests in flight, uniformly among equals.
+// Choose picks among the pods whose cost, the predicted TTFT plus what the
+// request's computation there costs the others (the delay it adds to the
+// requests queued behind it, Cost.Delay, and the recomputation of what it
+// evicts, Cost.Evict), is within tie_epsilon of the lowest (near-ties) the
+// one that computes the fewest of the request's tokens, then, among those,
+// the one with the fewest requests in flight, uniformly among equals.
 //
 // Why the delay: the request's own TTFT sees what a copy of its prefix on a
 // cold pod costs the request, not what it costs the pod. Where requests
 // wait there, each of them (and each that arrives behind it) starts that
 // much later; on a busy fleet the copies' compute is what is left for
-// nobody. Where no request waits, the term is 0 and the pick is the
-// request's own fastest pod.
+// nobody. A pod counts the fleet's mean waiting requests where it has
+// fewer: the pick keeps queues alike, so a pod that has just emptied its
+// queue is filled again from the fleet's at once. Where no request waits
+// anywhere, the term is 0 and the pick is the request's own fastest pod.
+//
+// Why the eviction: a warm pod's KV cache is full, so a copy's tokens push
+// out as many cached ones, and a later request that comes for them
+// computes them again: a KV cache that cannot hold the fleet's prefixes
+// keeps the ones its requests come back to only if copies pay for what
+// they push out. Where nothing is reused (the served share near 0) the
+// term is 0.
 //
 // Why near-ties at all: the inputs are up to a report old and shared by
 // every gateway, so the best-looking pod is the same for all of them until
@@ -903,10 +943,13 @@ func (c *CacheAware) Choose(s *State) int {
 	n := len(s.Hosts)
 	totals, work := s.scratch(n)
 	holderTTFT, holderUncached, idleOther, capacity := math.Inf(1), math.Inf(1), false, 0.0
+	costs := s.costScratch(n)
+	fleetWaiting := 0.0 // the fleet's mean waiting requests per pod (Cost.Delay)
 	c.m.mu.RLock()
 	for i := range s.Hosts {
 		k := p.predict(&s.Hosts[i])
-		totals, work = append(totals, k.Total+k.Delay), append(work, k.UncachedTokens)
+		costs, fleetWaiting = append(costs, k), fleetWaiting+k.Waiting/float64(n)
+		work = append(work, k.UncachedTokens)
 		capacity += float64(s.Hosts[i].KVCapacity)
 		if p.holds(&s.Hosts[i]) {
 			holderTTFT, holderUncached = min(holderTTFT, k.Total), min(holderUncached, k.UncachedTokens)
@@ -915,6 +958,9 @@ func (c *CacheAware) Choose(s *State) int {
 		}
 	}
 	c.m.mu.RUnlock()
+	for _, k := range costs {
+		totals = append(totals, k.Total+k.Delay(fleetWaiting)+k.Evict)
+	}
 	wait, credit, key := c.copyCredit(s, &p, holderTTFT, holderUncached, capacity, idleOther)
 	best := math.Inf(1)
 	for i := range totals {
@@ -948,7 +994,7 @@ func (c *CacheAware) Choose(s *State) int {
 		}
 	}
 	if c.m.log.Enabled(context.Background(), slog.LevelDebug) {
-		c.debug(s, &p, pick, ties, key, wait, credit)
+		c.debug(s, &p, costs, fleetWaiting, pick, ties, key, wait, credit)
 	}
 	return pick
 }
@@ -1076,25 +1122,24 @@ func (w *prefixWaits) add(k prefixKey, wait float64) float64 {
 }
 
 // debug logs one line with every pod's predicted TTFT by part.
-func (c *CacheAware) debug(s *State, p *predictor, pick, ties int, prefix prefixKey, wait, credit float64) {
-	costs := make([]any, 0, len(s.Hosts))
-	c.m.mu.RLock()
+func (c *CacheAware) debug(s *State, p *predictor, costs []Cost, fleetWaiting float64, pick, ties int, prefix prefixKey, wait, credit float64) {
+	pods := make([]any, 0, len(s.Hosts))
 	for i := range s.Hosts {
-		h := &s.Hosts[i]
-		k := p.predict(h)
-		costs = append(costs, slog.Group(k.Host, slog.Int64("requests", h.Reqs), slog.Float64("cache_ratio", h.CacheRatio),
+		h, k := &s.Hosts[i], &costs[i]
+		pods = append(pods, slog.Group(k.Host, slog.Int64("requests", h.Reqs), slog.Float64("cache_ratio", h.CacheRatio),
 			slog.Int64("waiting", h.Waiting), slog.Int64("running", h.Running), slog.Int64("max_running", h.MaxRunning),
-			slog.Float64("total", k.Total), slog.Float64("delay", k.Delay), slog.Float64("slot_wait", k.SlotWait),
+			slog.Float64("total", k.Total), slog.Float64("delay", k.Delay(fleetWaiting)), slog.Float64("evict", k.Evict),
+			slog.Float64("slot_wait", k.SlotWait),
 			slog.Float64("in_step", k.InStep),
 			slog.Float64("kv_short_tokens", k.KVShortTokens), slog.Int("shared_blocks", h.SharedBlocks),
 			slog.Float64("queued_tokens", k.QueuedTokens), slog.Float64("queue", k.Queue),
 			slog.Float64("uncached_tokens", k.UncachedTokens), slog.Float64("prefill", k.Prefill), slog.Float64("step", k.Step),
 			slog.Float64("fit_tokens", k.FitTokens), slog.Float64("fit", k.Fit), slog.Bool("measured", k.Measured)))
 	}
-	c.m.mu.RUnlock()
 	c.m.log.LogAttrs(context.Background(), slog.LevelDebug, "cache_aware",
 		slog.String("cluster", s.Cluster), slog.String("host", s.Hosts[pick].Address),
 		slog.Int("near_ties", ties), slog.Float64("bytes_per_token", p.bpt), slog.Float64("tail_bytes", p.tail),
+		slog.Float64("fleet_waiting", fleetWaiting), slog.Float64("served_share", p.served),
 		slog.String("prefix", prefix.hash), slog.Float64("copy_wait", wait), slog.Float64("copy_credit", credit),
-		slog.Group("pods", costs...))
+		slog.Group("pods", pods...))
 }

@@ -316,7 +316,8 @@ func TestTheQueuePrefillsWhileTheRequestWaitsForASlot(t *testing.T) {
 // Where requests wait on a pod, what the request computes there delays
 // each of them: a cold pod with requests waiting loses to a holder with
 // more (the copy's 2000-token prefill would hold up its 2 waiting requests
-// 0.4 s each), while an idle cold pod, where nobody waits, still wins.
+// 0.4 s each), while an idle cold pod still wins: its copy delays the
+// fleet's mean of 2 waiting requests (0.8 s), less than the holder's wait.
 // Each pod runs 4 requests that hold their slot 1 s.
 func TestACopyPaysForTheRequestsWaitingBehindIt(t *testing.T) {
 	ca := &CacheAware{m: testModel()}
@@ -329,7 +330,7 @@ func TestACopyPaysForTheRequestsWaitingBehindIt(t *testing.T) {
 	// (0.4 s) + 2 × 0.4 s delay; by TTFT alone the cold pod is 0.08 s faster.
 	p := ca.m.predictor(hostsState(t, nil, 2000, 0))
 	ch, cc := p.predict(&holder), p.predict(&cold)
-	if !(cc.Total < ch.Total) || !within(cc.Delay, 2*0.4, 1e-9) || !within(ch.Delay, 4*0.02, 1e-9) {
+	if !(cc.Total < ch.Total) || !within(cc.Delay(0), 2*0.4, 1e-9) || !within(ch.Delay(0), 4*0.02, 1e-9) {
 		t.Fatalf("holder %+v, cold %+v: want the cold pod faster for the request, and the delays of its prefills", ch, cc)
 	}
 	for seed := range uint64(20) {
@@ -340,6 +341,67 @@ func TestACopyPaysForTheRequestsWaitingBehindIt(t *testing.T) {
 		hosts = []Host{holder, cold, {Address: "idle", Signals: true, Running: 1}}
 		if got := hosts[ca.Choose(hostsState(t, hosts, 2000, seed))].Address; got != "idle" {
 			t.Fatalf("chose %s, want the idle pod: nobody waits there", got)
+		}
+	}
+}
+
+// A pod that has just emptied its queue is filled again from the fleet's
+// at once, so a copy there delays the fleet's mean waiting requests per
+// pod. A 2000-token copy (0.4 s) on the empty pod against a holder whose
+// slot is 0.75 s away: beside a pod with 4 waiting (a mean of 2 a pod) the
+// copy costs 0.4 + 2 × 0.4 s and the holder wins; where nobody else waits
+// (a mean of 2/3) it costs 0.4 + 0.27 s and the empty pod wins.
+func TestACopyOnAnEmptiedPodDelaysTheFleetsWaitingRequests(t *testing.T) {
+	ca := &CacheAware{m: testModel()}
+	for _, a := range []string{"holder", "empty", "busy"} {
+		ca.m.fit(a).hold = 1
+	}
+	holder := Host{Address: "holder", CacheRatio: 0.95, Signals: true, Waiting: 2, Running: 4}
+	empty := Host{Address: "empty", Signals: true, Running: 3, MaxRunning: 4}
+	for _, tc := range []struct {
+		busyWaiting int64
+		want        string
+	}{{4, "holder"}, {0, "empty"}} {
+		for seed := range uint64(20) {
+			hosts := []Host{holder, empty, {Address: "busy", Signals: true, Waiting: tc.busyWaiting, Running: 4, MaxRunning: 4}}
+			if got := hosts[ca.Choose(hostsState(t, hosts, 2000, seed))].Address; got != tc.want {
+				t.Fatalf("%d waiting on the third pod: chose %s, want %s", tc.busyWaiting, got, tc.want)
+			}
+		}
+	}
+}
+
+// A copy's new tokens evict as many cached tokens from the pod's full KV
+// cache, recomputed later as often as the cluster's requests find their
+// tokens cached. An idle cold pod gives a 1000-token prompt its first token
+// at 0.2 + 0.025 s; the holder, its 4 slots taken, after a slot 0.25 s away,
+// 50 tokens (0.01 s) and a step: 0.285 s, 0.06 s later. Once the answers
+// tell that pods serve 80% of the prompts from cache, the copy's 0.2 s
+// prefill costs 0.16 s more and the holder wins; where they served
+// nothing, the cold pod stays the pick.
+func TestACopyPaysForWhatItEvicts(t *testing.T) {
+	for _, tc := range []struct {
+		served float64
+		want   string
+	}{{0.8, "holder"}, {0, "cold"}} {
+		ca := &CacheAware{m: testModel()}
+		ca.m.fit("holder").hold = 1
+		ca.m.routed("c", 1000, 1000)
+		for range 200 {
+			ca.m.observeCache(Prediction{Cost: Cost{Host: "holder", Total: 0.1}, Cluster: "c", PromptTokens: 1000, bpt: 1},
+				1000, int64(tc.served*1000))
+		}
+		holder := Host{Address: "holder", CacheRatio: 0.95, Signals: true, Running: 4, MaxRunning: 4}
+		cold := Host{Address: "cold", Signals: true}
+		p := ca.m.predictor(hostsState(t, nil, 1000, 0))
+		if ch, cc := p.predict(&holder), p.predict(&cold); !(cc.Total < ch.Total) || !within(cc.Evict, tc.served*cc.Prefill, 0.01*cc.Prefill) {
+			t.Fatalf("served %g: holder %+v, cold %+v: want the cold pod faster, its eviction the served share of its prefill", tc.served, ch, cc)
+		}
+		for seed := range uint64(20) {
+			hosts := []Host{holder, cold}
+			if got := hosts[ca.Choose(hostsState(t, hosts, 1000, seed))].Address; got != tc.want {
+				t.Fatalf("served %g: chose %s, want %s", tc.served, got, tc.want)
+			}
 		}
 	}
 }
