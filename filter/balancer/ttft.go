@@ -941,7 +941,7 @@ func (*CacheAware) ReadsSignals() bool  { return true }
 func (c *CacheAware) Choose(s *State) int {
 	p := c.m.predictor(s)
 	n := len(s.Hosts)
-	totals, work := s.scratch(n)
+	totals, _ := s.scratch(n)
 	holderTTFT, holderUncached, idleOther, capacity := math.Inf(1), math.Inf(1), false, 0.0
 	costs := s.costScratch(n)
 	fleetWaiting := 0.0 // the fleet's mean waiting requests per pod (Cost.Delay)
@@ -949,7 +949,6 @@ func (c *CacheAware) Choose(s *State) int {
 	for i := range s.Hosts {
 		k := p.predict(&s.Hosts[i])
 		costs, fleetWaiting = append(costs, k), fleetWaiting+k.Waiting/float64(n)
-		work = append(work, k.UncachedTokens)
 		capacity += float64(s.Hosts[i].KVCapacity)
 		if p.holds(&s.Hosts[i]) {
 			holderTTFT, holderUncached = min(holderTTFT, k.Total), min(holderUncached, k.UncachedTokens)
@@ -958,7 +957,8 @@ func (c *CacheAware) Choose(s *State) int {
 		}
 	}
 	c.m.mu.RUnlock()
-	for _, k := range costs {
+	for i := range costs {
+		k := &costs[i]
 		totals = append(totals, k.Total+k.Delay(fleetWaiting)+k.Evict)
 	}
 	wait, credit, key := c.copyCredit(s, &p, holderTTFT, holderUncached, capacity, idleOther)
@@ -975,17 +975,17 @@ func (c *CacheAware) Choose(s *State) int {
 		if t > limit {
 			continue
 		}
-		switch reqs := s.Hosts[i].Reqs; {
-		case work[i] < least-tieEpsilon, work[i] <= least+tieEpsilon && reqs < fewest:
-			least, fewest, ties = min(least, work[i]), reqs, 1
-		case work[i] <= least+tieEpsilon && reqs == fewest:
+		switch work, reqs := costs[i].UncachedTokens, s.Hosts[i].Reqs; {
+		case work < least-tieEpsilon, work <= least+tieEpsilon && reqs < fewest:
+			least, fewest, ties = min(least, work), reqs, 1
+		case work <= least+tieEpsilon && reqs == fewest:
 			ties++
 		}
 	}
 	r := s.IntN(ties)
 	pick := 0
 	for i, t := range totals {
-		if t <= limit && work[i] <= least+tieEpsilon && s.Hosts[i].Reqs == fewest {
+		if t <= limit && costs[i].UncachedTokens <= least+tieEpsilon && s.Hosts[i].Reqs == fewest {
 			if r == 0 {
 				pick = i
 				break
