@@ -447,6 +447,10 @@ func (f *Fleet) spawnEnv(s Spec, path, name string, env []string, args ...string
 	}
 	cmd := exec.Command(path, args...)
 	cmd.Stdout, cmd.Stderr = logf, logf
+	// A bench that dies without stopping its fleet (killed, or by a write
+	// to a closed pipe) takes it along: no pod, gateway or metadata center
+	// outlives the run to load the next one.
+	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGTERM}
 	if env != nil {
 		cmd.Env = append(os.Environ(), env...)
 	}
