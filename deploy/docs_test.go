@@ -6,11 +6,14 @@ package deploy_test
 // page is stale, so the reference cannot drift silently from the code.
 
 import (
+	"fmt"
+	"io/fs"
 	"os"
 	"path/filepath"
 	"regexp"
 	"strings"
 	"testing"
+	"unicode"
 
 	"github.com/istio-llm-filter/istio-llm-filter/filter/config"
 	"github.com/istio-llm-filter/istio-llm-filter/internal/confdoc"
@@ -107,4 +110,199 @@ func TestConfigurationDocExampleParses(t *testing.T) {
 			t.Errorf("key %q of the example is not in config.Keys", key[1])
 		}
 	}
+}
+
+// Every relative link of the docs resolves: for each *.md under docs/ and the
+// top-level README.md, a link ](path) or ](path#anchor) names a file or
+// directory that exists, and an anchor names a heading of the target Markdown
+// file (a pure #anchor one of the same file) under GitHub's slug rules. The
+// test lists every broken link at once.
+func TestDocLinksResolve(t *testing.T) {
+	root := ".."
+	var files []string
+	err := filepath.WalkDir(filepath.Join(root, "docs"), func(p string, d fs.DirEntry, err error) error {
+		if err != nil {
+			return err
+		}
+		if !d.IsDir() && strings.HasSuffix(p, ".md") {
+			files = append(files, p)
+		}
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	files = append(files, filepath.Join(root, "README.md"))
+
+	anchors := map[string]map[string]bool{} // Markdown file → its anchors
+	anchorsOf := func(p string) (map[string]bool, error) {
+		if a, ok := anchors[p]; ok {
+			return a, nil
+		}
+		b, err := os.ReadFile(p)
+		if err != nil {
+			return nil, err
+		}
+		a := markdownAnchors(string(b))
+		anchors[p] = a
+		return a, nil
+	}
+
+	var broken []string
+	for _, f := range files {
+		b, err := os.ReadFile(f)
+		if err != nil {
+			t.Fatal(err)
+		}
+		rel, _ := filepath.Rel(root, f)
+		for _, l := range markdownLinks(string(b)) {
+			target := l.target
+			if schemeRE.MatchString(target) {
+				continue // http:, https:, mailto: and the like
+			}
+			path, anchor, _ := strings.Cut(target, "#")
+			dest := f
+			if path != "" {
+				dest = filepath.Join(filepath.Dir(f), filepath.FromSlash(path))
+				st, err := os.Stat(dest)
+				if err != nil {
+					broken = append(broken, fmt.Sprintf("%s:%d: %s: no such file or directory", rel, l.line, target))
+					continue
+				}
+				if st.IsDir() {
+					if anchor != "" {
+						broken = append(broken, fmt.Sprintf("%s:%d: %s: an anchor on a directory", rel, l.line, target))
+					}
+					continue
+				}
+			}
+			if anchor == "" {
+				continue
+			}
+			if !strings.HasSuffix(dest, ".md") {
+				broken = append(broken, fmt.Sprintf("%s:%d: %s: an anchor on a file that is not Markdown", rel, l.line, target))
+				continue
+			}
+			a, err := anchorsOf(dest)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if !a[anchor] {
+				broken = append(broken, fmt.Sprintf("%s:%d: %s: no heading with that anchor", rel, l.line, target))
+			}
+		}
+	}
+	if len(broken) > 0 {
+		t.Errorf("%d broken links:\n%s", len(broken), strings.Join(broken, "\n"))
+	}
+}
+
+var (
+	schemeRE   = regexp.MustCompile(`^[A-Za-z][A-Za-z0-9+.-]*:`)
+	linkRE     = regexp.MustCompile(`\]\(([^)\s]+)(?:\s+"[^"]*")?\)`)
+	codeSpanRE = regexp.MustCompile("`[^`]*`")
+	headingRE  = regexp.MustCompile(`^ {0,3}(#{1,6})[ \t]+(.*?)(?:[ \t]+#+)?[ \t]*$`)
+	htmlIDRE   = regexp.MustCompile(`<a\s+(?:name|id)="([^"]+)"`)
+	mdLinkRE   = regexp.MustCompile(`!?\[([^\]]*)\]\([^)]*\)`)
+)
+
+type docLink struct {
+	line   int
+	target string
+}
+
+// markdownLinks returns the inline links of a Markdown text outside fenced
+// code blocks and code spans.
+func markdownLinks(doc string) []docLink {
+	var links []docLink
+	fence := ""
+	for i, line := range strings.Split(doc, "\n") {
+		if f := fenceOf(line); f != "" {
+			if fence == "" {
+				fence = f
+			} else if strings.HasPrefix(strings.TrimSpace(line), fence) {
+				fence = ""
+			}
+			continue
+		}
+		if fence != "" {
+			continue
+		}
+		line = codeSpanRE.ReplaceAllString(line, "")
+		for _, m := range linkRE.FindAllStringSubmatch(line, -1) {
+			links = append(links, docLink{line: i + 1, target: m[1]})
+		}
+	}
+	return links
+}
+
+// fenceOf returns the fence a line opens or closes (``` or ~~~), or "".
+func fenceOf(line string) string {
+	s := strings.TrimLeft(line, " ")
+	if len(line)-len(s) > 3 {
+		return ""
+	}
+	for _, f := range []string{"```", "~~~"} {
+		if strings.HasPrefix(s, f) {
+			return f
+		}
+	}
+	return ""
+}
+
+// markdownAnchors returns the anchors GitHub gives a Markdown text: one per
+// ATX heading outside fenced code (duplicates suffixed -1, -2, …), and the
+// ids of <a id="…"> or <a name="…"> elements.
+func markdownAnchors(doc string) map[string]bool {
+	anchors := map[string]bool{}
+	seen := map[string]int{}
+	fence := ""
+	for _, line := range strings.Split(doc, "\n") {
+		if f := fenceOf(line); f != "" {
+			if fence == "" {
+				fence = f
+			} else if strings.HasPrefix(strings.TrimSpace(line), fence) {
+				fence = ""
+			}
+			continue
+		}
+		if fence != "" {
+			continue
+		}
+		for _, m := range htmlIDRE.FindAllStringSubmatch(line, -1) {
+			anchors[m[1]] = true
+		}
+		m := headingRE.FindStringSubmatch(line)
+		if m == nil {
+			continue
+		}
+		slug := githubSlug(m[2])
+		if n := seen[slug]; n > 0 {
+			anchors[fmt.Sprintf("%s-%d", slug, n)] = true
+		} else {
+			anchors[slug] = true
+		}
+		seen[slug]++
+	}
+	return anchors
+}
+
+// githubSlug is GitHub's anchor for a heading's text: the rendered text
+// (links by their text, code without its backticks, no emphasis marks)
+// lowercased, every character but letters, marks, digits, connector
+// punctuation (the underscore), spaces and hyphens dropped, and each space
+// turned into a hyphen.
+func githubSlug(heading string) string {
+	text := mdLinkRE.ReplaceAllString(heading, "$1")
+	text = strings.NewReplacer("`", "", "**", "", "__", "").Replace(text)
+	var b strings.Builder
+	for _, r := range strings.ToLower(text) {
+		switch {
+		case r == ' ':
+			b.WriteByte('-')
+		case r == '-' || unicode.IsLetter(r) || unicode.IsMark(r) || unicode.IsDigit(r) || unicode.Is(unicode.Pc, r):
+			b.WriteRune(r)
+		}
+	}
+	return b.String()
 }
