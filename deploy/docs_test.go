@@ -215,6 +215,18 @@ type docLink struct {
 // code blocks and code spans.
 func markdownLinks(doc string) []docLink {
 	var links []docLink
+	outsideFences(doc, func(n int, line string) {
+		line = codeSpanRE.ReplaceAllString(line, "")
+		for _, m := range linkRE.FindAllStringSubmatch(line, -1) {
+			links = append(links, docLink{line: n, target: m[1]})
+		}
+	})
+	return links
+}
+
+// outsideFences calls fn with each line of doc (numbered from 1) that is
+// not inside a fenced code block, the fences themselves left out.
+func outsideFences(doc string, fn func(n int, line string)) {
 	fence := ""
 	for i, line := range strings.Split(doc, "\n") {
 		if f := fenceOf(line); f != "" {
@@ -225,15 +237,10 @@ func markdownLinks(doc string) []docLink {
 			}
 			continue
 		}
-		if fence != "" {
-			continue
-		}
-		line = codeSpanRE.ReplaceAllString(line, "")
-		for _, m := range linkRE.FindAllStringSubmatch(line, -1) {
-			links = append(links, docLink{line: i + 1, target: m[1]})
+		if fence == "" {
+			fn(i+1, line)
 		}
 	}
-	return links
 }
 
 // fenceOf returns the fence a line opens or closes (``` or ~~~), or "".
@@ -256,25 +263,13 @@ func fenceOf(line string) string {
 func markdownAnchors(doc string) map[string]bool {
 	anchors := map[string]bool{}
 	seen := map[string]int{}
-	fence := ""
-	for _, line := range strings.Split(doc, "\n") {
-		if f := fenceOf(line); f != "" {
-			if fence == "" {
-				fence = f
-			} else if strings.HasPrefix(strings.TrimSpace(line), fence) {
-				fence = ""
-			}
-			continue
-		}
-		if fence != "" {
-			continue
-		}
+	outsideFences(doc, func(_ int, line string) {
 		for _, m := range htmlIDRE.FindAllStringSubmatch(line, -1) {
 			anchors[m[1]] = true
 		}
 		m := headingRE.FindStringSubmatch(line)
 		if m == nil {
-			continue
+			return
 		}
 		slug := githubSlug(m[2])
 		if n := seen[slug]; n > 0 {
@@ -283,7 +278,7 @@ func markdownAnchors(doc string) map[string]bool {
 			anchors[slug] = true
 		}
 		seen[slug]++
-	}
+	})
 	return anchors
 }
 
